@@ -1,0 +1,164 @@
+import numpy as np
+import pytest
+
+import xferlib
+from xferlib.testing import assert_matches_reference, random_rows
+
+DTYPES = ["float32", "float16", "bfloat16", "float64"]
+# (rows in table, row width, batch): awkward sizes, an empty batch, a width that is not a
+# multiple of the 16-byte word, a batch bigger than the table (many duplicates).
+SIZES = [(1, 1, 1), (5, 3, 7), (4097, 33, 4097), (100, 128, 0), (17, 64, 300), (1000, 5, 64)]
+
+
+def _indices(rng, num_rows, n, index_dtype):
+    return rng.integers(0, num_rows, size=n).astype(index_dtype)
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", SIZES)
+def test_gather_rows_matches_reference(backend, rng, size, dtype, index_dtype):
+    num_rows, dim, n = size
+    host_table = random_rows(rng, (num_rows, dim), dtype)
+    host_idx = _indices(rng, num_rows, n, index_dtype)
+    out = xferlib.gather_rows(backend.table(host_table), backend.array(host_idx))
+    assert out.shape == (n, dim) and out.dtype == host_table.dtype
+    assert_matches_reference(backend.to_host(out),
+                             xferlib.gather_rows_reference(host_table, host_idx), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", SIZES)
+def test_gather_rows_into_out(backend, rng, size, dtype):
+    num_rows, dim, n = size
+    host_table = random_rows(rng, (num_rows, dim), dtype)
+    host_idx = _indices(rng, num_rows, n, "int64")
+    out = backend.array(np.zeros((n, dim), dtype=host_table.dtype))
+    result = xferlib.gather_rows(backend.table(host_table), backend.array(host_idx), out=out)
+    assert result is out
+    np.testing.assert_array_equal(backend.to_host(out).astype(np.float64),
+                                  xferlib.gather_rows_reference(host_table, host_idx))
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", SIZES)
+def test_scatter_rows_last_write_wins(backend, rng, size, dtype, index_dtype):
+    num_rows, dim, n = size
+    host_table = random_rows(rng, (num_rows, dim), dtype)
+    host_idx = _indices(rng, num_rows, n, index_dtype)
+    host_src = random_rows(rng, (n, dim), dtype)
+    table = backend.table(host_table)
+    assert xferlib.scatter_rows(table, backend.array(host_idx), backend.array(host_src)) is table
+    expected = xferlib.scatter_rows_reference(host_table, host_idx, host_src)
+    np.testing.assert_array_equal(backend.to_host(table).astype(np.float64), expected)
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", SIZES)
+def test_scatter_add_rows_sums_duplicates(backend, rng, size, dtype, index_dtype):
+    num_rows, dim, n = size
+    host_table = random_rows(rng, (num_rows, dim), dtype)
+    host_idx = _indices(rng, num_rows, n, index_dtype)
+    host_src = random_rows(rng, (n, dim), dtype)
+    table = backend.table(host_table)
+    xferlib.scatter_add_rows(table, backend.array(host_idx), backend.array(host_src))
+    expected = xferlib.scatter_add_rows_reference(host_table, host_idx, host_src)
+    most_repeats = np.bincount(host_idx, minlength=1).max() if n else 1
+    assert_matches_reference(backend.to_host(table), expected, dtype,
+                             scale=4 * (1 + most_repeats))
+
+
+def test_scatter_add_rows_is_deterministic(backend, rng):
+    host_table = random_rows(rng, (50, 40), "float32")
+    host_idx = rng.integers(0, 5, size=5000)
+    host_src = random_rows(rng, (5000, 40), "float32")
+    results = []
+    for _ in range(3):
+        table = backend.table(host_table)
+        xferlib.scatter_add_rows(table, backend.array(host_idx), backend.array(host_src))
+        results.append(backend.to_host(table))
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+
+
+def test_heavy_duplicates_single_row(backend, rng):
+    host_table = random_rows(rng, (3, 8), "float64")
+    host_idx = np.full(1000, 2, dtype=np.int64)
+    host_src = random_rows(rng, (1000, 8), "float64")
+    table = backend.table(host_table)
+    xferlib.scatter_add_rows(table, backend.array(host_idx), backend.array(host_src))
+    assert_matches_reference(
+        backend.to_host(table),
+        xferlib.scatter_add_rows_reference(host_table, host_idx, host_src), "float64", scale=1e3)
+    out = xferlib.gather_rows(table, backend.array(host_idx))
+    assert np.all(backend.to_host(out) == backend.to_host(out)[:1])
+
+
+@pytest.mark.parametrize("bad", [-1, 10, 2**40])
+@pytest.mark.parametrize("op", ["gather", "scatter", "scatter_add"])
+def test_bad_index_raises_before_any_write(backend, rng, op, bad):
+    host_table = random_rows(rng, (10, 4), "float32")
+    host_idx = np.array([0, 3, bad, 5, bad], dtype=np.int64)
+    host_src = random_rows(rng, (5, 4), "float32")
+    table = backend.table(host_table)
+    with pytest.raises(IndexError, match=rf"index {bad} at position 2 .* 10 rows"):
+        if op == "gather":
+            xferlib.gather_rows(table, backend.array(host_idx))
+        elif op == "scatter":
+            xferlib.scatter_rows(table, backend.array(host_idx), backend.array(host_src))
+        else:
+            xferlib.scatter_add_rows(table, backend.array(host_idx), backend.array(host_src))
+    np.testing.assert_array_equal(backend.to_host(table), host_table)
+
+
+def test_bad_dtypes_and_shapes(backend, rng):
+    table = backend.table(random_rows(rng, (10, 4), "float32"))
+    idx = backend.array(np.array([1, 2], dtype=np.int64))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        xferlib.gather_rows(table, backend.array(np.array([1.0, 2.0])))
+    with pytest.raises(ValueError, match="1-D"):
+        xferlib.gather_rows(table, backend.array(np.zeros((2, 2), dtype=np.int64)))
+    with pytest.raises(ValueError, match=r"src must have shape \(2, 4\)"):
+        xferlib.scatter_rows(table, idx, backend.array(np.zeros((3, 4), np.float32)))
+    with pytest.raises(TypeError, match="src dtype float64"):
+        xferlib.scatter_add_rows(table, idx, backend.array(np.zeros((2, 4), np.float64)))
+    with pytest.raises(ValueError, match="2-D"):
+        xferlib.gather_rows(backend.array(np.zeros(10, np.float32)), idx)
+    with pytest.raises(TypeError, match="numpy.ndarray or cupy.ndarray"):
+        xferlib.gather_rows([[1.0]], idx)
+    int_table = backend.table(np.arange(40, dtype=np.int32).reshape(10, 4))
+    with pytest.raises(TypeError, match="scatter_add_rows needs"):
+        xferlib.scatter_add_rows(int_table, idx, backend.array(np.zeros((2, 4), np.int32)))
+    # copies of integer rows are fine
+    np.testing.assert_array_equal(backend.to_host(xferlib.gather_rows(int_table, idx)),
+                                  np.arange(40, dtype=np.int32).reshape(10, 4)[[1, 2]])
+
+
+def test_strided_table_rows(backend, rng):
+    wide = random_rows(rng, (20, 12), "float32")
+    host_table = wide[:, :8]  # row stride 48 B, rows of 32 B
+    table = backend.table(np.ascontiguousarray(wide))[:, :8]
+    idx = np.array([19, 0, 7, 7], dtype=np.int32)
+    out = xferlib.gather_rows(table, backend.array(idx))
+    np.testing.assert_array_equal(backend.to_host(out), host_table[idx])
+
+
+def test_unique_indices(backend, rng):
+    host_idx = rng.integers(0, 50, size=500).astype(np.int64)
+    unique, inverse = xferlib.unique_indices(backend.array(host_idx))
+    unique, inverse = backend.to_host(unique), backend.to_host(inverse)
+    np.testing.assert_array_equal(unique, np.unique(host_idx))
+    np.testing.assert_array_equal(unique[inverse], host_idx)
+
+
+def test_gather_fwd_bwd_matches_reference(backend, rng):
+    host_table = random_rows(rng, (30, 6), "float32")
+    host_idx = rng.integers(0, 30, size=100).astype(np.int64)
+    host_g = random_rows(rng, (100, 6), "float32")
+    rows, residuals = xferlib.gather_rows_fwd(backend.table(host_table), backend.array(host_idx))
+    assert_matches_reference(backend.to_host(rows), host_table[host_idx], "float32")
+    grad = xferlib.gather_rows_bwd(residuals, backend.array(host_g))
+    expected = xferlib.scatter_add_rows_reference(np.zeros((30, 6)), host_idx, host_g)
+    assert_matches_reference(backend.to_host(grad), expected, "float32", scale=10)

@@ -1,0 +1,45 @@
+"""xferlib: a GPU memory engine for embedding-heavy training.
+
+The core imports NumPy only; CuPy, torch and JAX are imported lazily, where they are used.
+"""
+
+from xferlib._backend import cupy_available
+from xferlib.handoff import array_kind, data_pointer, to_cupy, to_jax, to_numpy, to_torch
+from xferlib.memory import PinnedArray, is_pinned, pin, pinned_empty, pinned_zeros
+from xferlib.rows import (
+    gather_rows,
+    gather_rows_bwd,
+    gather_rows_fwd,
+    gather_rows_reference,
+    scatter_add_rows,
+    scatter_add_rows_reference,
+    scatter_rows,
+    scatter_rows_reference,
+    unique_indices,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PinnedArray",
+    "array_kind",
+    "cupy_available",
+    "data_pointer",
+    "gather_rows",
+    "gather_rows_bwd",
+    "gather_rows_fwd",
+    "gather_rows_reference",
+    "is_pinned",
+    "pin",
+    "pinned_empty",
+    "pinned_zeros",
+    "scatter_add_rows",
+    "scatter_add_rows_reference",
+    "scatter_rows",
+    "scatter_rows_reference",
+    "to_cupy",
+    "to_jax",
+    "to_numpy",
+    "to_torch",
+    "unique_indices",
+]

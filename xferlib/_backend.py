@@ -1,0 +1,103 @@
+"""Which array namespace an array belongs to, whether a GPU is usable, and streams.
+
+Array types are detected through ``sys.modules`` (as array-api-compat does): asking whether
+``x`` is a CuPy array must never import CuPy, so ``import xferlib`` stays light.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import numpy as np
+
+__all__ = [
+    "is_numpy_array",
+    "is_cupy_array",
+    "namespace_name",
+    "cupy_available",
+    "require_cupy",
+    "ExternalStream",
+    "as_cupy_stream",
+]
+
+
+def is_numpy_array(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def is_cupy_array(x) -> bool:
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def namespace_name(x) -> str:
+    """``"numpy"`` or ``"cupy"`` for an array; TypeError for anything else."""
+    if is_numpy_array(x):
+        return "numpy"
+    if is_cupy_array(x):
+        return "cupy"
+    raise TypeError(
+        f"expected a numpy.ndarray or cupy.ndarray, got {type(x).__module__}.{type(x).__name__}; "
+        "convert torch tensors and JAX arrays with xferlib.to_numpy / xferlib.to_cupy"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+    except Exception:  # ImportError, or a CUDA library that fails to load
+        return False
+    try:
+        return bool(cupy.cuda.is_available())
+    except Exception:
+        return False
+
+
+def require_cupy():
+    """Import and return CuPy, or raise RuntimeError saying why the GPU path is unusable."""
+    if not cupy_available():
+        raise RuntimeError(
+            "this operation needs a CUDA GPU and CuPy (pip install 'xferlib[cuda12]' or "
+            "'xferlib[cuda13]'); none is available on this machine"
+        )
+    import cupy
+
+    return cupy
+
+
+class ExternalStream:
+    """A raw ``cudaStream_t`` (an int, e.g. XLA's ``ctx.stream``) seen through the CUDA stream
+    protocol, so ``cupy.cuda.Stream.from_external`` can wrap it."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = int(handle)
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def as_cupy_stream(stream=None):
+    """The CuPy stream to launch on.
+
+    ``None``: CuPy's current stream. A ``cupy.cuda.Stream``: itself. An int: a raw
+    ``cudaStream_t``. Anything with ``__cuda_stream__`` (torch streams, cuda.core streams): wrapped
+    without a copy through ``cupy.cuda.Stream.from_external``.
+    """
+    cupy = require_cupy()
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, cupy.cuda.Stream):
+        return stream
+    if isinstance(stream, (int, np.integer)):
+        stream = ExternalStream(int(stream))
+    if not hasattr(stream, "__cuda_stream__"):
+        raise TypeError(
+            f"stream must be None, an int cudaStream_t, a cupy Stream or an object with "
+            f"__cuda_stream__; got {type(stream).__name__}"
+        )
+    return cupy.cuda.Stream.from_external(stream)

@@ -1,0 +1,10 @@
+"""CUDA C source strings and the lazily compiled modules built from them.
+
+Each kernel family lives in its own module as a ``*_KERNEL`` source string and a
+``*_MODULE`` :class:`KernelModule`; nothing is compiled at import, only on first launch.
+"""
+
+from xferlib._kernels._registry import KernelModule, all_modules, launch_config
+from xferlib._kernels.rows import ROWS_KERNEL, ROWS_MODULE
+
+__all__ = ["KernelModule", "all_modules", "launch_config", "ROWS_KERNEL", "ROWS_MODULE"]

@@ -1,0 +1,61 @@
+"""A registry of CUDA source strings compiled lazily into ``cupy.RawModule`` objects."""
+
+from __future__ import annotations
+
+import threading
+
+_MODULES: list["KernelModule"] = []
+
+
+class KernelModule:
+    """One family of kernels: a source string and the template instantiations to compile.
+
+    Compiled with NVRTC on first use, once per device, with every instantiation listed in
+    ``name_expressions`` (CuPy's ``RawModule(name_expressions=...)``), so a launch never
+    waits for a compile after the first. No jitify: it is deprecated and can hang.
+    """
+
+    def __init__(self, name: str, source: str, name_expressions, options=("--std=c++17",)):
+        self.name = name
+        self.source = source
+        self.name_expressions = tuple(name_expressions)
+        self.options = tuple(options)
+        self._compiled = {}
+        self._lock = threading.Lock()
+        _MODULES.append(self)
+
+    def module(self):
+        import cupy
+
+        device = cupy.cuda.Device().id
+        mod = self._compiled.get(device)
+        if mod is None:
+            with self._lock:
+                mod = self._compiled.get(device)
+                if mod is None:
+                    mod = cupy.RawModule(
+                        code=self.source,
+                        options=self.options,
+                        name_expressions=self.name_expressions,
+                    )
+                    mod.compile()
+                    self._compiled[device] = mod
+        return mod
+
+    def get_function(self, name_expression: str):
+        if name_expression not in self.name_expressions:
+            raise KeyError(f"{self.name}: {name_expression!r} is not a registered instantiation")
+        return self.module().get_function(name_expression)
+
+
+def all_modules() -> tuple[KernelModule, ...]:
+    """Every registered module (the GPU test compiles them all)."""
+    return tuple(_MODULES)
+
+
+def launch_config(num_warps: int, threads_per_block: int = 256, max_blocks: int = 65535 * 8):
+    """Grid and block for a kernel that gives one warp to each of ``num_warps`` items and
+    strides over the rest."""
+    warps_per_block = threads_per_block // 32
+    blocks = max(1, min(max_blocks, -(-num_warps // warps_per_block)))
+    return (blocks,), (threads_per_block,)

@@ -1,0 +1,191 @@
+"""Row transfer kernels: gather, scatter and scatter-add of table rows.
+
+Every kernel takes the batch's positions sorted by row (``keys[perm[k]]`` ascending, a
+stable sort) and gives one warp to each run of equal rows. The warp that sees the first
+position of a run reads or writes its row once; the other warps of that run exit at once.
+Sorted rows matter because a kernel reading pinned host memory over PCIe is limited by
+address translations, not bytes: sorted, deduplicated rows run at about twice the rate of
+random ones. Lanes move 16-byte words when the row width and the base addresses allow it.
+
+Every kernel checks each row against ``n_rows`` and skips rows outside the table, so no
+input can make it touch memory outside its arrays (the host validates first and raises).
+"""
+
+from xferlib._kernels._registry import KernelModule
+
+ROWS_KERNEL = r"""
+typedef long long i64;
+
+// Half-precision types as raw bits: conversions go through PTX, so no CUDA header is needed
+// at NVRTC compile time.
+struct f16 { unsigned short bits; };
+struct bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ float to_acc(bf16 x) {
+    return __uint_as_float(((unsigned int)x.bits) << 16);
+}
+__device__ __forceinline__ void from_acc(float a, float& out) { out = a; }
+__device__ __forceinline__ void from_acc(double a, double& out) { out = a; }
+__device__ __forceinline__ void from_acc(float a, f16& out) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(a));
+    out.bits = h;
+}
+__device__ __forceinline__ void from_acc(float a, bf16& out) {
+    unsigned int u = __float_as_uint(a);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {          // NaN stays a quiet NaN
+        out.bits = (unsigned short)((u >> 16) | 0x40u);
+    } else {                                         // round to nearest even
+        u += 0x7fffu + ((u >> 16) & 1u);
+        out.bits = (unsigned short)(u >> 16);
+    }
+}
+
+template <typename T> struct acc_type { typedef float type; };
+template <> struct acc_type<double> { typedef double type; };
+
+template <typename T, int N> struct alignas(sizeof(T) * N) pack { T v[N]; };
+
+// First position i with idx[i] outside [0, n_rows), as an atomic minimum; also writes the
+// 32-bit sort keys when they fit (a narrower radix sort is cheaper).
+template <typename I>
+__global__ void check_and_narrow(const I* __restrict__ idx, i64 n, i64 n_rows,
+                                 unsigned long long* __restrict__ first_bad,
+                                 int* __restrict__ keys32) {
+    i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        i64 v = (i64)idx[i];
+        if (v < 0 || v >= n_rows) {
+            atomicMin(first_bad, (unsigned long long)i);
+        } else if (keys32 != nullptr) {
+            keys32[i] = (int)v;
+        }
+    }
+}
+
+// True when sorted position k starts a run of equal rows.
+template <typename K>
+__device__ __forceinline__ bool run_head(const K* keys, const i64* perm, i64 k, K row) {
+    return k == 0 || keys[perm[k - 1]] != row;
+}
+
+// out[p, :] = table[keys[p], :] for every position p; W is the word each lane moves.
+template <typename W, typename K>
+__global__ void gather_sorted(const W* __restrict__ table, i64 n_rows, i64 table_stride,
+                              i64 width, const K* __restrict__ keys,
+                              const i64* __restrict__ perm, i64 n, W* __restrict__ out,
+                              i64 out_stride) {
+    const int lane = threadIdx.x & 31;
+    const i64 num_warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 k = (((i64)blockIdx.x * blockDim.x) + threadIdx.x) >> 5; k < n; k += num_warps) {
+        const i64 row = (i64)keys[perm[k]];
+        if (!run_head(keys, perm, k, (K)row) || row < 0 || row >= n_rows) continue;
+        i64 end = k + 1;
+        while (end < n && (i64)keys[perm[end]] == row) ++end;
+        const W* src = table + row * table_stride;
+        for (i64 c = lane; c < width; c += 32) {
+            const W v = src[c];
+            for (i64 j = k; j < end; ++j) out[perm[j] * out_stride + c] = v;
+        }
+    }
+}
+
+// table[keys[p], :] = src[p, :]; of several positions with one row, the last one wins.
+template <typename W, typename K>
+__global__ void scatter_sorted(W* __restrict__ table, i64 n_rows, i64 table_stride, i64 width,
+                               const K* __restrict__ keys, const i64* __restrict__ perm, i64 n,
+                               const W* __restrict__ src, i64 src_stride) {
+    const int lane = threadIdx.x & 31;
+    const i64 num_warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 k = (((i64)blockIdx.x * blockDim.x) + threadIdx.x) >> 5; k < n; k += num_warps) {
+        const i64 row = (i64)keys[perm[k]];
+        if (!run_head(keys, perm, k, (K)row) || row < 0 || row >= n_rows) continue;
+        i64 last = k;
+        while (last + 1 < n && (i64)keys[perm[last + 1]] == row) ++last;
+        const W* s = src + perm[last] * src_stride;
+        W* dst = table + row * table_stride;
+        for (i64 c = lane; c < width; c += 32) dst[c] = s[c];
+    }
+}
+
+// table[r, :] += sum of src[p, :] over positions p with row r, summed in position order in
+// float (double for double tables): deterministic, one read-modify-write per row.
+template <typename T, int N, typename K>
+__global__ void scatter_add_sorted(T* __restrict__ table, i64 n_rows, i64 table_stride,
+                                   i64 width, const K* __restrict__ keys,
+                                   const i64* __restrict__ perm, i64 n, const T* __restrict__ src,
+                                   i64 src_stride) {
+    typedef typename acc_type<T>::type A;
+    typedef pack<T, N> P;
+    const int lane = threadIdx.x & 31;
+    const i64 num_warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 k = (((i64)blockIdx.x * blockDim.x) + threadIdx.x) >> 5; k < n; k += num_warps) {
+        const i64 row = (i64)keys[perm[k]];
+        if (!run_head(keys, perm, k, (K)row) || row < 0 || row >= n_rows) continue;
+        i64 end = k + 1;
+        while (end < n && (i64)keys[perm[end]] == row) ++end;
+        P* dst = reinterpret_cast<P*>(table + row * table_stride);
+        for (i64 c = lane; c < width; c += 32) {   // c counts packs of N elements
+            P cur = dst[c];
+            A acc[N];
+            #pragma unroll
+            for (int e = 0; e < N; ++e) acc[e] = to_acc(cur.v[e]);
+            for (i64 j = k; j < end; ++j) {
+                const P s = reinterpret_cast<const P*>(src + perm[j] * src_stride)[c];
+                #pragma unroll
+                for (int e = 0; e < N; ++e) acc[e] += to_acc(s.v[e]);
+            }
+            #pragma unroll
+            for (int e = 0; e < N; ++e) from_acc(acc[e], cur.v[e]);
+            dst[c] = cur;
+        }
+    }
+}
+"""
+
+# Words a lane moves in the copy kernels, by size in bytes.
+WORD_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+# Element types of scatter-add, by NumPy dtype name, with the pack width of a 16-byte access.
+ADD_TYPES = {"float32": ("float", 4), "float64": ("double", 2), "float16": ("f16", 8),
+             "bfloat16": ("bf16", 8)}
+KEY_TYPES = {4: "int", 8: "long long"}
+INDEX_TYPES = {"int32": "int", "int64": "long long"}
+
+
+def gather_name(word_bytes: int, key_bytes: int) -> str:
+    return f"gather_sorted<{WORD_TYPES[word_bytes]}, {KEY_TYPES[key_bytes]}>"
+
+
+def scatter_name(word_bytes: int, key_bytes: int) -> str:
+    return f"scatter_sorted<{WORD_TYPES[word_bytes]}, {KEY_TYPES[key_bytes]}>"
+
+
+def scatter_add_name(dtype_name: str, packed: bool, key_bytes: int) -> str:
+    ctype, width = ADD_TYPES[dtype_name]
+    return f"scatter_add_sorted<{ctype}, {width if packed else 1}, {KEY_TYPES[key_bytes]}>"
+
+
+def check_name(index_dtype_name: str) -> str:
+    return f"check_and_narrow<{INDEX_TYPES[index_dtype_name]}>"
+
+
+def _all_names():
+    for key in KEY_TYPES:
+        for word in WORD_TYPES:
+            yield gather_name(word, key)
+            yield scatter_name(word, key)
+        for dtype_name in ADD_TYPES:
+            yield scatter_add_name(dtype_name, True, key)
+            yield scatter_add_name(dtype_name, False, key)
+    for index_dtype in INDEX_TYPES:
+        yield check_name(index_dtype)
+
+
+ROWS_MODULE = KernelModule("rows", ROWS_KERNEL, tuple(_all_names()))

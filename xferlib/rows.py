@@ -1,0 +1,396 @@
+"""Row transfer primitives: unique/sort, gather, scatter and scatter-add of table rows.
+
+A *table* is a 2-D array whose rows are contiguous: a NumPy array (pinned or not), or a CuPy
+array on the GPU. *Indices* are a 1-D int32 or int64 array on the host or the GPU.
+
+Where the work runs follows the arrays, never a global flag:
+
+=====================  ================  ==================================================
+table                  indices / src     path
+=====================  ================  ==================================================
+NumPy                  NumPy             NumPy (vectorized; what CPU machines run)
+pinned NumPy           CuPy              zero-copy CUDA kernel reading/writing host RAM
+CuPy                   NumPy or CuPy     CUDA kernel (host indices are uploaded first)
+pageable NumPy         CuPy              NumPy, with the rows moved through the host (slow)
+=====================  ================  ==================================================
+
+:func:`gather_rows` returns its rows on the GPU when the indices (or ``out``) are on the GPU
+or the table is, else as NumPy. GPU work is queued on ``stream`` (default: CuPy's current
+stream); synchronize that stream before reading a pinned table from NumPy after a scatter.
+
+Every function checks its input before it touches anything: an index outside
+``[0, num_rows)`` raises IndexError naming the first bad position, its value and the table
+size; wrong dtypes raise TypeError; wrong shapes ValueError. The GPU check costs one small
+device-to-host read (a stream sync) per call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xferlib._backend import as_cupy_stream, is_cupy_array, namespace_name
+from xferlib.memory import device_pointer, is_pinned
+
+__all__ = [
+    "unique_indices",
+    "gather_rows",
+    "scatter_rows",
+    "scatter_add_rows",
+    "gather_rows_fwd",
+    "gather_rows_bwd",
+    "gather_rows_reference",
+    "scatter_rows_reference",
+    "scatter_add_rows_reference",
+]
+
+_INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_ADD_DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
+_NO_BAD_INDEX = np.iinfo(np.uint64).max
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def gather_rows_reference(table, idx) -> np.ndarray:
+    """``table[idx]`` in float64: the oracle for :func:`gather_rows`."""
+    return np.asarray(table, dtype=np.float64)[np.asarray(idx)]
+
+
+def scatter_rows_reference(table, idx, src) -> np.ndarray:
+    """A float64 copy of ``table`` with ``table[idx[i]] = src[i]``; for a repeated index the
+    last position wins: the oracle for :func:`scatter_rows`."""
+    out = np.array(table, dtype=np.float64)
+    idx = np.asarray(idx)
+    rows, first_from_end = np.unique(idx[::-1], return_index=True)
+    out[rows] = np.asarray(src, dtype=np.float64)[len(idx) - 1 - first_from_end]
+    return out
+
+
+def scatter_add_rows_reference(table, idx, src) -> np.ndarray:
+    """A float64 copy of ``table`` with every ``src[i]`` added to row ``idx[i]``: the oracle
+    for :func:`scatter_add_rows`."""
+    out = np.array(table, dtype=np.float64)
+    np.add.at(out, np.asarray(idx), np.asarray(src, dtype=np.float64))
+    return out
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_table(table, name: str = "table") -> None:
+    namespace_name(table)
+    if table.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (rows x row width), got shape {table.shape}")
+    itemsize = table.dtype.itemsize
+    if table.shape[1] > 1 and table.strides[1] != itemsize:
+        raise ValueError(f"{name} rows must be contiguous (strides {table.strides})")
+    if table.strides[0] < 0 or table.strides[0] % itemsize:
+        raise ValueError(f"{name} row stride {table.strides[0]} is not a positive multiple of "
+                         f"its itemsize {itemsize}")
+
+
+def _check_index_dtype(idx) -> None:
+    namespace_name(idx)
+    if idx.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"indices must be int32 or int64, got {idx.dtype}")
+    if idx.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
+
+
+def _raise_bad_index(position: int, value: int, num_rows: int):
+    raise IndexError(
+        f"index {value} at position {position} is out of range for a table of {num_rows} rows "
+        f"(valid: 0 <= index < {num_rows})"
+    )
+
+
+def _check_host_indices(idx: np.ndarray, num_rows: int) -> None:
+    bad = (idx < 0) | (idx >= num_rows)
+    if bad.any():
+        position = int(np.argmax(bad))
+        _raise_bad_index(position, int(idx[position]), num_rows)
+
+
+def _check_rows_arg(rows, name: str, table, num_indices: int) -> None:
+    namespace_name(rows)
+    if rows.dtype != table.dtype:
+        raise TypeError(f"{name} dtype {rows.dtype} does not match the table dtype {table.dtype}")
+    expected = (num_indices, table.shape[1])
+    if rows.shape != expected:
+        raise ValueError(f"{name} must have shape {expected}, got {rows.shape}")
+    if num_indices and rows.shape[1] > 1 and rows.strides[1] != rows.dtype.itemsize:
+        raise ValueError(f"{name} rows must be contiguous (strides {rows.strides})")
+
+
+# ----------------------------------------------------------------------------- unique
+
+
+def unique_indices(idx):
+    """Unique sorted indices and, for each input position, its position among them.
+
+    ``unique[inverse] == idx``. Returns arrays of the same namespace as ``idx``.
+    """
+    _check_index_dtype(idx)
+    if is_cupy_array(idx):
+        import cupy
+
+        unique, inverse = cupy.unique(idx, return_inverse=True)
+    else:
+        unique, inverse = np.unique(idx, return_inverse=True)
+    return unique, inverse.reshape(-1)
+
+
+# ----------------------------------------------------------------------------- GPU helpers
+
+
+def _device_address(array) -> int:
+    """Where a kernel finds ``array``: a CuPy array's pointer, or a pinned host array's
+    device address (ValueError for pageable memory)."""
+    return int(array.data.ptr) if is_cupy_array(array) else device_pointer(array)
+
+
+def _word_bytes(*values: int) -> int:
+    """Largest access width (16, 8, 4, 2, 1 bytes) that divides every row width, stride and
+    base address, so each lane's access stays aligned."""
+    for word in (16, 8, 4, 2, 1):
+        if all(v % word == 0 for v in values):
+            return word
+    return 1
+
+
+def _sorted_positions(idx, num_rows: int, stream):
+    """Validate GPU indices, then sort positions by row: ``(keys, perm)`` with
+    ``keys[perm]`` ascending and ties in position order. Raises IndexError on a bad index."""
+    import cupy
+
+    from xferlib._kernels.rows import ROWS_MODULE, check_name
+
+    n = idx.size
+    narrow = idx.dtype == np.int64 and num_rows <= np.iinfo(np.int32).max
+    keys32 = cupy.empty(n, dtype=np.int32) if narrow else None
+    first_bad = cupy.empty(1, dtype=np.uint64)
+    first_bad.data.memset_async(0xFF, 8, stream)
+    kernel = ROWS_MODULE.get_function(check_name(idx.dtype.name))
+    blocks = max(1, min(4096, -(-n // 256)))
+    kernel((blocks,), (256,), (idx, np.int64(n), np.int64(num_rows), first_bad,
+                               keys32 if keys32 is not None else np.uint64(0)), stream=stream)
+    position = int(first_bad.get(stream=stream)[0])  # the one sync: raise before any write
+    if position != _NO_BAD_INDEX:
+        _raise_bad_index(position, int(idx[position : position + 1].get(stream=stream)[0]),
+                         num_rows)
+    keys = keys32 if narrow else idx
+    perm = cupy.argsort(keys)  # stable radix sort on the current (= our) stream
+    return keys, perm
+
+
+def _launch_sorted_kernel(kind: str, table, keys, perm, rows, stream) -> None:
+    """Launch the gather ("gather"), scatter ("scatter") or scatter-add ("add") kernel over
+    positions sorted by row. ``rows`` is ``out`` or ``src``: a CuPy or pinned NumPy array."""
+    from xferlib._kernels import launch_config
+    from xferlib._kernels.rows import (ROWS_MODULE, ADD_TYPES, gather_name, scatter_add_name,
+                                       scatter_name)
+
+    table_ptr = _device_address(table)
+    rows_ptr = _device_address(rows)
+    itemsize = table.dtype.itemsize
+    word = _word_bytes(table.shape[1] * itemsize, table.strides[0], rows.strides[0],
+                       table_ptr, rows_ptr)
+    key_bytes = keys.dtype.itemsize
+    if kind == "add":
+        dtype_name = _dtype_name(table.dtype)
+        packed = word == 16
+        name = scatter_add_name(dtype_name, packed, key_bytes)
+        unit = itemsize * (ADD_TYPES[dtype_name][1] if packed else 1)
+    else:
+        name = (gather_name if kind == "gather" else scatter_name)(word, key_bytes)
+        unit = word
+    n = perm.size
+    grid, block = launch_config(n)
+    ROWS_MODULE.get_function(name)(
+        grid, block,
+        (np.uint64(table_ptr), np.int64(table.shape[0]), np.int64(table.strides[0] // unit),
+         np.int64(table.shape[1] * itemsize // unit), keys, perm, np.int64(n),
+         np.uint64(rows_ptr), np.int64(rows.strides[0] // unit)),
+        stream=stream)
+
+
+def _to_gpu_indices(idx, num_rows):
+    import cupy
+
+    if is_cupy_array(idx):
+        return idx
+    _check_host_indices(idx, num_rows)
+    return cupy.asarray(idx)
+
+
+# ----------------------------------------------------------------------------- gather
+
+
+def gather_rows(table, idx, out=None, *, stream=None):
+    """``out[i] = table[idx[i]]``.
+
+    Args:
+      table: 2-D NumPy (pinned for the GPU path) or CuPy array.
+      idx: 1-D int32/int64 indices, NumPy or CuPy; duplicates allowed.
+      out: optional ``(len(idx), table.shape[1])`` array of the table's dtype; its namespace
+        picks where the rows land.
+      stream: GPU stream (``None``: CuPy's current stream; an int ``cudaStream_t``, a CuPy
+        stream, or anything with ``__cuda_stream__``).
+
+    GPU path: positions are sorted by row, each distinct row is read once by one warp with
+    16-byte accesses, straight from pinned host RAM when the table lives there.
+
+    >>> import numpy as np, xferlib
+    >>> table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    >>> xferlib.gather_rows(table, np.array([3, 0, 3])).tolist()
+    [[9.0, 10.0, 11.0], [0.0, 1.0, 2.0], [9.0, 10.0, 11.0]]
+    """
+    _check_table(table)
+    _check_index_dtype(idx)
+    num_rows, dim = table.shape
+    n = idx.shape[0]
+    on_gpu = is_cupy_array(idx) or is_cupy_array(table) or (out is not None and is_cupy_array(out))
+    if out is not None:
+        _check_rows_arg(out, "out", table, n)
+    if not on_gpu:
+        _check_host_indices(idx, num_rows)
+        return np.take(table, idx, axis=0, out=out)
+
+    cupy = _cupy_for_gpu_path()
+    stream = as_cupy_stream(stream)
+    with stream:
+        if not is_cupy_array(table) and not is_pinned(table):
+            # Pageable memory is out of the GPU's reach: gather on the host, then upload.
+            host_idx = cupy.asnumpy(idx) if is_cupy_array(idx) else idx
+            rows = gather_rows(table, host_idx)
+            if out is None:
+                return cupy.asarray(rows)
+            out.set(rows) if is_cupy_array(out) else np.copyto(out, rows)
+            return out
+        idx = _to_gpu_indices(idx, num_rows)
+        if out is None:
+            out = cupy.empty((n, dim), dtype=table.dtype)
+        if n == 0 or dim == 0:
+            return out
+        keys, perm = _sorted_positions(idx, num_rows, stream)
+        _launch_sorted_kernel("gather", table, keys, perm, out, stream)
+    return out
+
+
+# ----------------------------------------------------------------------------- scatter
+
+
+def scatter_rows(table, idx, src, *, stream=None):
+    """``table[idx[i]] = src[i]`` in place; for a repeated index the last position wins.
+
+    Returns ``table``. Paths and arguments as in :func:`gather_rows`; the GPU path runs when
+    ``table``, ``idx`` or ``src`` is on the GPU (a NumPy table must then be pinned, or the rows
+    go through the host).
+    """
+    return _scatter(table, idx, src, stream, accumulate=False)
+
+
+def scatter_add_rows(table, idx, src, *, stream=None):
+    """``table[idx[i]] += src[i]`` in place, with the rows of repeated indices summed first.
+
+    Deterministic: duplicates are summed in position order, in float32 (float64 for float64
+    tables), then added to the row once. Tables of float32, float64, float16 or bfloat16.
+    Returns ``table``.
+    """
+    return _scatter(table, idx, src, stream, accumulate=True)
+
+
+def _scatter(table, idx, src, stream, *, accumulate: bool):
+    _check_table(table)
+    _check_index_dtype(idx)
+    num_rows = table.shape[0]
+    n = idx.shape[0]
+    _check_rows_arg(src, "src", table, n)
+    if accumulate and _dtype_name(table.dtype) not in _ADD_DTYPE_NAMES:
+        raise TypeError(f"scatter_add_rows needs a float32, float64, float16 or bfloat16 "
+                        f"table, got {table.dtype}")
+    on_gpu = is_cupy_array(table) or is_cupy_array(idx) or is_cupy_array(src)
+    if not on_gpu:
+        _check_host_indices(idx, num_rows)
+        (_scatter_add_numpy if accumulate else _scatter_numpy)(table, idx, src)
+        return table
+
+    cupy = _cupy_for_gpu_path()
+    stream = as_cupy_stream(stream)
+    with stream:
+        if not is_cupy_array(table) and not is_pinned(table):
+            host_idx = cupy.asnumpy(idx, stream=stream) if is_cupy_array(idx) else idx
+            host_src = cupy.asnumpy(src, stream=stream) if is_cupy_array(src) else src
+            stream.synchronize()
+            return _scatter(table, host_idx, host_src, None, accumulate=accumulate)
+        idx = _to_gpu_indices(idx, num_rows)
+        if not is_cupy_array(src) and not is_pinned(src):
+            src = cupy.asarray(src)
+        if n == 0 or table.shape[1] == 0:
+            return table
+        keys, perm = _sorted_positions(idx, num_rows, stream)
+        _launch_sorted_kernel("add" if accumulate else "scatter", table, keys, perm, src, stream)
+    return table
+
+
+def _scatter_numpy(table, idx, src):
+    order = np.argsort(idx, kind="stable")
+    rows = idx[order]
+    last = np.ones(len(rows), dtype=bool)
+    last[:-1] = rows[1:] != rows[:-1]
+    table[rows[last]] = src[order[last]]
+
+
+def _scatter_add_numpy(table, idx, src):
+    if len(idx) == 0:
+        return
+    order = np.argsort(idx, kind="stable")
+    rows = idx[order]
+    heads = np.flatnonzero(np.concatenate(([True], rows[1:] != rows[:-1])))
+    acc = np.float64 if table.dtype == np.float64 else np.float32
+    summed = np.add.reduceat(src[order].astype(acc), heads, axis=0)
+    unique_rows = rows[heads]
+    table[unique_rows] = (table[unique_rows].astype(acc) + summed).astype(table.dtype)
+
+
+# ----------------------------------------------------------------------------- autodiff
+
+
+def gather_rows_fwd(table, idx, out=None, *, stream=None):
+    """Forward of the differentiable gather: ``(rows, residuals)``."""
+    rows = gather_rows(table, idx, out=out, stream=stream)
+    return rows, (idx, table.shape[0])
+
+
+def gather_rows_bwd(residuals, grad_rows, out=None, *, stream=None):
+    """Backward of the differentiable gather: the table gradient, zeros except the
+    scatter-added ``grad_rows``. ``out`` (``(num_rows, dim)``, grad's dtype) is overwritten."""
+    idx, num_rows = residuals
+    shape = (num_rows, grad_rows.shape[1])
+    if out is None:
+        if is_cupy_array(grad_rows):
+            import cupy
+
+            with as_cupy_stream(stream):
+                out = cupy.zeros(shape, dtype=grad_rows.dtype)
+        else:
+            out = np.zeros(shape, dtype=grad_rows.dtype)
+    elif is_cupy_array(out):
+        with as_cupy_stream(stream):
+            out.fill(0)
+    else:
+        out[...] = 0
+    return scatter_add_rows(out, idx, grad_rows, stream=stream)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def _cupy_for_gpu_path():
+    from xferlib._backend import require_cupy
+
+    return require_cupy()
