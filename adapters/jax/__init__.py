@@ -1,0 +1,9 @@
+"""JAX adapter: xferlib's ops as ``jax.custom_vjp`` functions over ``buffer_callback``.
+
+They run inside ``jax.jit``, ``jax.grad`` and ``lax.scan``: on GPU the core's CUDA kernels
+launch on XLA's own stream; on CPU the NumPy path runs on XLA's host buffers in place.
+"""
+
+from xferlib.adapters.jax.rows import gather_rows
+
+__all__ = ["gather_rows"]
