@@ -66,8 +66,14 @@ class PinnedArray(np.ndarray):
     _registration: _Registration | None = None
 
     def __array_finalize__(self, obj):
-        # Views and slices keep the registration (and so the pinning) alive.
-        self._registration = getattr(obj, "_registration", None)
+        # Views and slices keep the registration (and so the pinning) alive; a new array
+        # made from this one (a copy, np.take) lies elsewhere and gets none.
+        registration = getattr(obj, "_registration", None)
+        if registration is not None and self.size:
+            start = self.ctypes.data
+            if not registration.ptr <= start < registration.ptr + registration.nbytes:
+                registration = None
+        self._registration = registration
 
     @property
     def pinned(self) -> bool:

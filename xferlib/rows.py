@@ -254,7 +254,7 @@ def gather_rows(table, idx, out=None, *, stream=None):
         _check_rows_arg(out, "out", table, n)
     if not on_gpu:
         _check_host_indices(idx, num_rows)
-        return np.take(table, idx, axis=0, out=out)
+        return np.take(np.asarray(table), idx, axis=0, out=out)
 
     cupy = _cupy_for_gpu_path()
     stream = as_cupy_stream(stream)
@@ -344,13 +344,25 @@ def _scatter_numpy(table, idx, src):
 def _scatter_add_numpy(table, idx, src):
     if len(idx) == 0:
         return
+    acc = np.float64 if table.dtype == np.float64 else np.float32
     order = np.argsort(idx, kind="stable")
     rows = idx[order]
     heads = np.flatnonzero(np.concatenate(([True], rows[1:] != rows[:-1])))
-    acc = np.float64 if table.dtype == np.float64 else np.float32
-    summed = np.add.reduceat(src[order].astype(acc), heads, axis=0)
-    unique_rows = rows[heads]
-    table[unique_rows] = (table[unique_rows].astype(acc) + summed).astype(table.dtype)
+    counts = np.diff(np.append(heads, len(rows)))
+    single = counts == 1
+    # Rows hit once (most rows of a uniform batch): one fancy read-modify-write.
+    once = rows[heads[single]]
+    table[once] = (table[once].astype(acc) + src[order[heads[single]]].astype(acc)).astype(
+        table.dtype)
+    # Rows hit several times: sum their positions in order first. reduceat costs per run, so
+    # it only sees these runs.
+    if not single.all():
+        in_multi = np.repeat(~single, counts)
+        multi_counts = counts[~single]
+        starts = np.concatenate(([0], np.cumsum(multi_counts)[:-1]))
+        summed = np.add.reduceat(src[order[in_multi]].astype(acc), starts, axis=0)
+        many = rows[heads[~single]]
+        table[many] = (table[many].astype(acc) + summed).astype(table.dtype)
 
 
 # ----------------------------------------------------------------------------- autodiff

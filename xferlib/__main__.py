@@ -1,0 +1,5 @@
+import sys
+
+from xferlib.cli import main
+
+sys.exit(main())

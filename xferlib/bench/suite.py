@@ -1,0 +1,31 @@
+"""Running benchmark suites by name, with JSON and plot output."""
+
+from __future__ import annotations
+
+from xferlib.bench import transfer
+from xferlib.bench._report import print_table, write_json, write_plot
+
+SUITES = {"transfer": transfer.run}
+
+
+def run_suites(names, *, quick=False, json_path=None, plot_path=None) -> dict:
+    names = list(names) or list(SUITES)
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown benchmark suite(s) {unknown}; available: {sorted(SUITES)}")
+    payload = {}
+    for name in names:
+        print(f"== xferlib bench {name}{' (quick)' if quick else ''}")
+        payload[name] = SUITES[name](quick=quick)
+        targets = payload[name].get("targets")
+        if targets:
+            print("targets:")
+            print_table(targets, [("op", "op", "s"), ("row_bytes", "row B", "d"),
+                                  ("rows", "rows", "d"), ("GB_per_s", "GB/s", ".1f"),
+                                  ("target_GB_per_s", "target", ".0f"), ("met", "met", "")])
+    if json_path:
+        write_json(json_path, payload)
+    if plot_path:
+        results = [r for suite in payload.values() for r in suite.get("results", [])]
+        write_plot(plot_path, results)
+    return payload

@@ -1,0 +1,59 @@
+"""The ``xferlib`` command: ``xferlib info`` and ``xferlib bench [SUITE ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _info() -> int:
+    import numpy as np
+
+    import xferlib
+    from xferlib._backend import cupy_available
+    from xferlib.bench._report import environment
+
+    env = environment()
+    print(f"xferlib {xferlib.__version__}")
+    for key, value in env.items():
+        print(f"  {key}: {value}")
+    backends = ["numpy"] + (["cupy (CUDA kernels)"] if cupy_available() else [])
+    print(f"  backends: {', '.join(backends)}")
+    if not cupy_available():
+        print("  pinned memory: unavailable (no CUDA GPU); host arrays are ordinary memory")
+        return 0
+    import cupy
+
+    with xferlib.pinned_empty((1 << 20,), np.float32) as host:
+        host[:] = np.arange(host.size, dtype=np.float32)
+        pinned = xferlib.is_pinned(host)
+        device = cupy.asarray(host)
+        ok = bool((device == cupy.arange(host.size, dtype=cupy.float32)).all())
+    print(f"  pinned memory: {'ok' if pinned and ok else 'FAILED'} "
+          f"(registered={pinned}, round trip={'ok' if ok else 'wrong'})")
+    return 0 if pinned and ok else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="xferlib", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, GPU, CUDA runtime, backends, pinned-memory check")
+    bench = sub.add_parser("bench", help="run benchmark suites (all when none is named)")
+    bench.add_argument("suites", nargs="*", help="suites to run: transfer")
+    bench.add_argument("--quick", action="store_true", help="a reduced set (under 2 minutes)")
+    bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="write a PNG plot")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return _info()
+    from xferlib.bench import run_suites
+
+    try:
+        run_suites(args.suites, quick=args.quick, json_path=args.json, plot_path=args.plot)
+    except ValueError as err:
+        parser.error(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
