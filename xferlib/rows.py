@@ -20,8 +20,9 @@ stream); synchronize that stream before reading a pinned table from NumPy after 
 
 Every function checks its input before it touches anything: an index outside
 ``[0, num_rows)`` raises IndexError naming the first bad position, its value and the table
-size; wrong dtypes raise TypeError; wrong shapes ValueError. The GPU check costs one small
-device-to-host read (a stream sync) per call.
+size; wrong dtypes raise TypeError; wrong shapes ValueError. On the GPU the check runs in a
+kernel queued before the row kernel, which does nothing at all when an index is bad; the
+host reads the verdict (8 bytes: a stream sync) once everything is queued, and raises.
 """
 
 from __future__ import annotations
@@ -159,8 +160,13 @@ def _word_bytes(*values: int) -> int:
 
 
 def _sorted_positions(idx, num_rows: int, stream):
-    """Validate GPU indices, then sort positions by row: ``(keys, perm)`` with
-    ``keys[perm]`` ascending and ties in position order. Raises IndexError on a bad index."""
+    """Check GPU indices and sort positions by row, all queued without a host sync.
+
+    Returns ``(keys, perm, first_bad)``: ``keys[perm]`` ascending with ties in position
+    order, and a device flag holding the first bad position (all ones when none). The row
+    kernels read the flag and leave every array untouched when it is set;
+    :func:`_raise_if_bad` reads it once the work is queued.
+    """
     import cupy
 
     from xferlib._kernels.rows import ROWS_MODULE, check_name
@@ -174,16 +180,20 @@ def _sorted_positions(idx, num_rows: int, stream):
     blocks = max(1, min(4096, -(-n // 256)))
     kernel((blocks,), (256,), (idx, np.int64(n), np.int64(num_rows), first_bad,
                                keys32 if keys32 is not None else np.uint64(0)), stream=stream)
-    position = int(first_bad.get(stream=stream)[0])  # the one sync: raise before any write
-    if position != _NO_BAD_INDEX:
-        _raise_bad_index(position, int(idx[position : position + 1].get(stream=stream)[0]),
-                         num_rows)
     keys = keys32 if narrow else idx
     perm = cupy.argsort(keys)  # stable radix sort on the current (= our) stream
-    return keys, perm
+    return keys, perm, first_bad
 
 
-def _launch_sorted_kernel(kind: str, table, keys, perm, rows, stream) -> None:
+def _raise_if_bad(first_bad, idx, num_rows: int, stream) -> None:
+    """Read the bad-index flag (one small device-to-host copy: a stream sync)."""
+    position = int(first_bad.get(stream=stream)[0])
+    if position != _NO_BAD_INDEX:
+        value = int(idx[position:position + 1].get(stream=stream)[0])
+        _raise_bad_index(position, value, num_rows)
+
+
+def _launch_sorted_kernel(kind: str, table, keys, perm, first_bad, rows, stream) -> None:
     """Launch the gather ("gather"), scatter ("scatter") or scatter-add ("add") kernel over
     positions sorted by row. ``rows`` is ``out`` or ``src``: a CuPy or pinned NumPy array."""
     from xferlib._kernels import launch_config
@@ -210,7 +220,7 @@ def _launch_sorted_kernel(kind: str, table, keys, perm, rows, stream) -> None:
         grid, block,
         (np.uint64(table_ptr), np.int64(table.shape[0]), np.int64(table.strides[0] // unit),
          np.int64(table.shape[1] * itemsize // unit), keys, perm, np.int64(n),
-         np.uint64(rows_ptr), np.int64(rows.strides[0] // unit)),
+         np.uint64(rows_ptr), np.int64(rows.strides[0] // unit), first_bad),
         stream=stream)
 
 
@@ -272,8 +282,9 @@ def gather_rows(table, idx, out=None, *, stream=None):
             out = cupy.empty((n, dim), dtype=table.dtype)
         if n == 0 or dim == 0:
             return out
-        keys, perm = _sorted_positions(idx, num_rows, stream)
-        _launch_sorted_kernel("gather", table, keys, perm, out, stream)
+        keys, perm, first_bad = _sorted_positions(idx, num_rows, stream)
+        _launch_sorted_kernel("gather", table, keys, perm, first_bad, out, stream)
+        _raise_if_bad(first_bad, idx, num_rows, stream)
     return out
 
 
@@ -328,8 +339,10 @@ def _scatter(table, idx, src, stream, *, accumulate: bool):
             src = cupy.asarray(src)
         if n == 0 or table.shape[1] == 0:
             return table
-        keys, perm = _sorted_positions(idx, num_rows, stream)
-        _launch_sorted_kernel("add" if accumulate else "scatter", table, keys, perm, src, stream)
+        keys, perm, first_bad = _sorted_positions(idx, num_rows, stream)
+        _launch_sorted_kernel("add" if accumulate else "scatter", table, keys, perm, first_bad,
+                              src, stream)
+        _raise_if_bad(first_bad, idx, num_rows, stream)
     return table
 
 

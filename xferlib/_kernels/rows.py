@@ -54,7 +54,9 @@ template <> struct acc_type<double> { typedef double type; };
 template <typename T, int N> struct alignas(sizeof(T) * N) pack { T v[N]; };
 
 // First position i with idx[i] outside [0, n_rows), as an atomic minimum; also writes the
-// 32-bit sort keys when they fit (a narrower radix sort is cheaper).
+// 32-bit sort keys when they fit (a narrower radix sort is cheaper). The kernels below read
+// first_bad and do nothing at all when it was set, so a bad batch changes no memory even
+// though the host learns of it only after they were queued.
 template <typename I>
 __global__ void check_and_narrow(const I* __restrict__ idx, i64 n, i64 n_rows,
                                  unsigned long long* __restrict__ first_bad,
@@ -62,11 +64,9 @@ __global__ void check_and_narrow(const I* __restrict__ idx, i64 n, i64 n_rows,
     i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         i64 v = (i64)idx[i];
-        if (v < 0 || v >= n_rows) {
-            atomicMin(first_bad, (unsigned long long)i);
-        } else if (keys32 != nullptr) {
-            keys32[i] = (int)v;
-        }
+        const bool bad = v < 0 || v >= n_rows;
+        if (bad) atomicMin(first_bad, (unsigned long long)i);
+        if (keys32 != nullptr) keys32[i] = bad ? 0 : (int)v;
     }
 }
 
@@ -81,7 +81,8 @@ template <typename W, typename K>
 __global__ void gather_sorted(const W* __restrict__ table, i64 n_rows, i64 table_stride,
                               i64 width, const K* __restrict__ keys,
                               const i64* __restrict__ perm, i64 n, W* __restrict__ out,
-                              i64 out_stride) {
+                              i64 out_stride, const unsigned long long* __restrict__ first_bad) {
+    if (*first_bad != ~0ull) return;
     const int lane = threadIdx.x & 31;
     const i64 num_warps = ((i64)gridDim.x * blockDim.x) >> 5;
     for (i64 k = (((i64)blockIdx.x * blockDim.x) + threadIdx.x) >> 5; k < n; k += num_warps) {
@@ -101,7 +102,9 @@ __global__ void gather_sorted(const W* __restrict__ table, i64 n_rows, i64 table
 template <typename W, typename K>
 __global__ void scatter_sorted(W* __restrict__ table, i64 n_rows, i64 table_stride, i64 width,
                                const K* __restrict__ keys, const i64* __restrict__ perm, i64 n,
-                               const W* __restrict__ src, i64 src_stride) {
+                               const W* __restrict__ src, i64 src_stride,
+                               const unsigned long long* __restrict__ first_bad) {
+    if (*first_bad != ~0ull) return;
     const int lane = threadIdx.x & 31;
     const i64 num_warps = ((i64)gridDim.x * blockDim.x) >> 5;
     for (i64 k = (((i64)blockIdx.x * blockDim.x) + threadIdx.x) >> 5; k < n; k += num_warps) {
@@ -121,9 +124,14 @@ template <typename T, int N, typename K>
 __global__ void scatter_add_sorted(T* __restrict__ table, i64 n_rows, i64 table_stride,
                                    i64 width, const K* __restrict__ keys,
                                    const i64* __restrict__ perm, i64 n, const T* __restrict__ src,
-                                   i64 src_stride) {
+                                   i64 src_stride,
+                                   const unsigned long long* __restrict__ first_bad) {
+    if (*first_bad != ~0ull) return;
     typedef typename acc_type<T>::type A;
     typedef pack<T, N> P;
+    // Strides count packs of N elements.
+    P* packed_table = reinterpret_cast<P*>(table);
+    const P* packed_src = reinterpret_cast<const P*>(src);
     const int lane = threadIdx.x & 31;
     const i64 num_warps = ((i64)gridDim.x * blockDim.x) >> 5;
     for (i64 k = (((i64)blockIdx.x * blockDim.x) + threadIdx.x) >> 5; k < n; k += num_warps) {
@@ -131,14 +139,14 @@ __global__ void scatter_add_sorted(T* __restrict__ table, i64 n_rows, i64 table_
         if (!run_head(keys, perm, k, (K)row) || row < 0 || row >= n_rows) continue;
         i64 end = k + 1;
         while (end < n && (i64)keys[perm[end]] == row) ++end;
-        P* dst = reinterpret_cast<P*>(table + row * table_stride);
+        P* dst = packed_table + row * table_stride;
         for (i64 c = lane; c < width; c += 32) {   // c counts packs of N elements
             P cur = dst[c];
             A acc[N];
             #pragma unroll
             for (int e = 0; e < N; ++e) acc[e] = to_acc(cur.v[e]);
             for (i64 j = k; j < end; ++j) {
-                const P s = reinterpret_cast<const P*>(src + perm[j] * src_stride)[c];
+                const P s = packed_src[perm[j] * src_stride + c];
                 #pragma unroll
                 for (int e = 0; e < N; ++e) acc[e] += to_acc(s.v[e]);
             }
