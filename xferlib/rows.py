@@ -162,8 +162,8 @@ def _word_bytes(*values: int) -> int:
 def _sorted_positions(idx, num_rows: int, stream):
     """Check GPU indices and sort positions by row, all queued without a host sync.
 
-    Returns ``(keys, perm, first_bad)``: ``keys[perm]`` ascending with ties in position
-    order, and a device flag holding the first bad position (all ones when none). The row
+    Returns ``(rows, perm, first_bad)``: the rows in ascending order, ``perm`` mapping each
+    sorted position to its batch position (ties in batch order), and a device flag holding the first bad position (all ones when none). The row
     kernels read the flag and leave every array untouched when it is set;
     :func:`_raise_if_bad` reads it once the work is queued.
     """
@@ -182,7 +182,8 @@ def _sorted_positions(idx, num_rows: int, stream):
                                keys32 if keys32 is not None else np.uint64(0)), stream=stream)
     keys = keys32 if narrow else idx
     perm = cupy.argsort(keys)  # stable radix sort on the current (= our) stream
-    return keys, perm, first_bad
+    # Sorted rows side by side: the kernels read them coalesced, one hop from the row.
+    return keys.take(perm), perm, first_bad
 
 
 def _raise_if_bad(first_bad, idx, num_rows: int, stream) -> None:
@@ -195,7 +196,7 @@ def _raise_if_bad(first_bad, idx, num_rows: int, stream) -> None:
 
 def _launch_sorted_kernel(kind: str, table, keys, perm, first_bad, rows, stream) -> None:
     """Launch the gather ("gather"), scatter ("scatter") or scatter-add ("add") kernel over
-    positions sorted by row. ``rows`` is ``out`` or ``src``: a CuPy or pinned NumPy array."""
+    sorted rows ``keys``. ``rows`` is ``out`` or ``src``: a CuPy or pinned NumPy array."""
     from xferlib._kernels import launch_config
     from xferlib._kernels.rows import (ROWS_MODULE, ADD_TYPES, gather_name, scatter_add_name,
                                        scatter_name)
@@ -215,12 +216,14 @@ def _launch_sorted_kernel(kind: str, table, keys, perm, first_bad, rows, stream)
         name = (gather_name if kind == "gather" else scatter_name)(word, key_bytes)
         unit = word
     n = perm.size
-    grid, block = launch_config(n)
+    width = table.shape[1] * itemsize // unit
+    group = min(32, 1 << max(0, (width - 1).bit_length()))  # lanes per row
+    grid, block = launch_config(-(-n * group // 32))
     ROWS_MODULE.get_function(name)(
         grid, block,
         (np.uint64(table_ptr), np.int64(table.shape[0]), np.int64(table.strides[0] // unit),
-         np.int64(table.shape[1] * itemsize // unit), keys, perm, np.int64(n),
-         np.uint64(rows_ptr), np.int64(rows.strides[0] // unit), first_bad),
+         np.int64(width), keys, perm, np.int64(n), np.uint64(rows_ptr),
+         np.int64(rows.strides[0] // unit), first_bad, np.int32(group)),
         stream=stream)
 
 

@@ -18,8 +18,13 @@ def as_core_array(buffer, gpu: bool):
     if gpu:
         import cupy
 
-        return cupy.asarray(buffer)
-    return np.asarray(buffer)
+        array = cupy.asarray(buffer)
+    else:
+        array = np.asarray(buffer)
+    dtype = np.dtype(buffer.dtype)
+    if array.dtype != dtype:  # bfloat16 arrives as raw 2-byte voids through the array protocols
+        array = array.view(dtype)
+    return array
 
 
 def xla_stream(ctx, gpu: bool):

@@ -1,8 +1,8 @@
 """Row transfer kernels: gather, scatter and scatter-add of table rows.
 
-Every kernel takes the batch's positions sorted by row (``keys[perm[k]]`` ascending, a
-stable sort) and gives one warp to each run of equal rows. The warp that sees the first
-position of a run reads or writes its row once; the other warps of that run exit at once.
+Every kernel takes the batch's rows sorted (``rows``, ascending; ``perm`` maps a sorted
+position back to its batch position; a stable sort) and gives one group of lanes to each run
+of equal rows: the run's row is read or written once.
 Sorted rows matter because a kernel reading pinned host memory over PCIe is limited by
 address translations, not bytes: sorted, deduplicated rows run at about twice the rate of
 random ones. Lanes move 16-byte words when the row width and the base addresses allow it.
@@ -70,51 +70,57 @@ __global__ void check_and_narrow(const I* __restrict__ idx, i64 n, i64 n_rows,
     }
 }
 
-// True when sorted position k starts a run of equal rows.
+// Each sorted position k is looked at by one group of `group` lanes (a power of two <= 32,
+// about the row width in words, so narrow rows still keep every lane busy). The group that
+// sees the first position of a run of equal rows handles the whole run; the other groups of
+// that run move on. `rows[k]` is the row of sorted position k, `perm[k]` its batch position.
+#define FOR_EACH_RUN_HEAD(n, group)                                                         \
+    const int lane = threadIdx.x & (group - 1);                                             \
+    const i64 num_groups = ((i64)gridDim.x * blockDim.x) / group;                           \
+    for (i64 k = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / group; k < n;              \
+         k += num_groups)
+
 template <typename K>
-__device__ __forceinline__ bool run_head(const K* keys, const i64* perm, i64 k, K row) {
-    return k == 0 || keys[perm[k - 1]] != row;
+__device__ __forceinline__ i64 run_end(const K* rows, i64 k, i64 n, K row) {
+    i64 end = k + 1;
+    while (end < n && rows[end] == row) ++end;
+    return end;
 }
 
-// out[p, :] = table[keys[p], :] for every position p; W is the word each lane moves.
+// out[perm[j], :] = table[rows[j], :] for every sorted position j; W is the word a lane moves.
 template <typename W, typename K>
 __global__ void gather_sorted(const W* __restrict__ table, i64 n_rows, i64 table_stride,
-                              i64 width, const K* __restrict__ keys,
+                              i64 width, const K* __restrict__ rows,
                               const i64* __restrict__ perm, i64 n, W* __restrict__ out,
-                              i64 out_stride, const unsigned long long* __restrict__ first_bad) {
+                              i64 out_stride, const unsigned long long* __restrict__ first_bad,
+                              int group) {
     if (*first_bad != ~0ull) return;
-    const int lane = threadIdx.x & 31;
-    const i64 num_warps = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 k = (((i64)blockIdx.x * blockDim.x) + threadIdx.x) >> 5; k < n; k += num_warps) {
-        const i64 row = (i64)keys[perm[k]];
-        if (!run_head(keys, perm, k, (K)row) || row < 0 || row >= n_rows) continue;
-        i64 end = k + 1;
-        while (end < n && (i64)keys[perm[end]] == row) ++end;
-        const W* src = table + row * table_stride;
-        for (i64 c = lane; c < width; c += 32) {
+    FOR_EACH_RUN_HEAD(n, group) {
+        const K row = rows[k];
+        if ((k > 0 && rows[k - 1] == row) || row < 0 || (i64)row >= n_rows) continue;
+        const i64 end = run_end(rows, k, n, row);
+        const W* src = table + (i64)row * table_stride;
+        for (i64 c = lane; c < width; c += group) {
             const W v = src[c];
             for (i64 j = k; j < end; ++j) out[perm[j] * out_stride + c] = v;
         }
     }
 }
 
-// table[keys[p], :] = src[p, :]; of several positions with one row, the last one wins.
+// table[rows[j], :] = src[perm[j], :]; of several positions with one row, the last one wins.
 template <typename W, typename K>
 __global__ void scatter_sorted(W* __restrict__ table, i64 n_rows, i64 table_stride, i64 width,
-                               const K* __restrict__ keys, const i64* __restrict__ perm, i64 n,
+                               const K* __restrict__ rows, const i64* __restrict__ perm, i64 n,
                                const W* __restrict__ src, i64 src_stride,
-                               const unsigned long long* __restrict__ first_bad) {
+                               const unsigned long long* __restrict__ first_bad, int group) {
     if (*first_bad != ~0ull) return;
-    const int lane = threadIdx.x & 31;
-    const i64 num_warps = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 k = (((i64)blockIdx.x * blockDim.x) + threadIdx.x) >> 5; k < n; k += num_warps) {
-        const i64 row = (i64)keys[perm[k]];
-        if (!run_head(keys, perm, k, (K)row) || row < 0 || row >= n_rows) continue;
-        i64 last = k;
-        while (last + 1 < n && (i64)keys[perm[last + 1]] == row) ++last;
+    FOR_EACH_RUN_HEAD(n, group) {
+        const K row = rows[k];
+        if ((k > 0 && rows[k - 1] == row) || row < 0 || (i64)row >= n_rows) continue;
+        const i64 last = run_end(rows, k, n, row) - 1;
         const W* s = src + perm[last] * src_stride;
-        W* dst = table + row * table_stride;
-        for (i64 c = lane; c < width; c += 32) dst[c] = s[c];
+        W* dst = table + (i64)row * table_stride;
+        for (i64 c = lane; c < width; c += group) dst[c] = s[c];
     }
 }
 
@@ -122,25 +128,22 @@ __global__ void scatter_sorted(W* __restrict__ table, i64 n_rows, i64 table_stri
 // float (double for double tables): deterministic, one read-modify-write per row.
 template <typename T, int N, typename K>
 __global__ void scatter_add_sorted(T* __restrict__ table, i64 n_rows, i64 table_stride,
-                                   i64 width, const K* __restrict__ keys,
+                                   i64 width, const K* __restrict__ rows,
                                    const i64* __restrict__ perm, i64 n, const T* __restrict__ src,
                                    i64 src_stride,
-                                   const unsigned long long* __restrict__ first_bad) {
+                                   const unsigned long long* __restrict__ first_bad, int group) {
     if (*first_bad != ~0ull) return;
     typedef typename acc_type<T>::type A;
     typedef pack<T, N> P;
-    // Strides count packs of N elements.
+    // Strides and width count packs of N elements.
     P* packed_table = reinterpret_cast<P*>(table);
     const P* packed_src = reinterpret_cast<const P*>(src);
-    const int lane = threadIdx.x & 31;
-    const i64 num_warps = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 k = (((i64)blockIdx.x * blockDim.x) + threadIdx.x) >> 5; k < n; k += num_warps) {
-        const i64 row = (i64)keys[perm[k]];
-        if (!run_head(keys, perm, k, (K)row) || row < 0 || row >= n_rows) continue;
-        i64 end = k + 1;
-        while (end < n && (i64)keys[perm[end]] == row) ++end;
-        P* dst = packed_table + row * table_stride;
-        for (i64 c = lane; c < width; c += 32) {   // c counts packs of N elements
+    FOR_EACH_RUN_HEAD(n, group) {
+        const K row = rows[k];
+        if ((k > 0 && rows[k - 1] == row) || row < 0 || (i64)row >= n_rows) continue;
+        const i64 end = run_end(rows, k, n, row);
+        P* dst = packed_table + (i64)row * table_stride;
+        for (i64 c = lane; c < width; c += group) {
             P cur = dst[c];
             A acc[N];
             #pragma unroll
