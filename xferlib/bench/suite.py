@@ -17,6 +17,15 @@ def run_suites(names, *, quick=False, json_path=None, plot_path=None) -> dict:
     for name in names:
         print(f"== xferlib bench {name}{' (quick)' if quick else ''}")
         payload[name] = SUITES[name](quick=quick)
+        summary = payload[name].get("summary")
+        if summary:
+            print("xferlib gather beside the best baseline of this run:")
+            print_table(summary, [("row_bytes", "row B", "d"), ("rows", "rows", "d"),
+                                  ("order", "order", "s"), ("GB_per_s", "GB/s", ".1f"),
+                                  ("pct_of_pinned_memcpy", "% memcpy", ".0f"),
+                                  ("baseline_GB_per_s", "baseline", ".1f"),
+                                  ("speedup", "speedup", ".2f"),
+                                  ("best_baseline", "best baseline", "s")])
         targets = payload[name].get("targets")
         if targets:
             print("targets:")

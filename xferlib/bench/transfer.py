@@ -137,7 +137,8 @@ def _run_gpu(quick: bool) -> dict:
         del table_cupy_view, table_torch
     storage.close()
     return {"suite": "transfer", "environment": environment(), "link": link,
-            "results": results, "targets": _check_targets(results)}
+            "results": results, "summary": _summary(results, link),
+            "targets": _check_targets(results)}
 
 
 def _torch_baselines(torch, table_t, host_sets, order, row_bytes, n, quick):
@@ -164,8 +165,28 @@ def _torch_baselines(torch, table_t, host_sets, order, row_bytes, n, quick):
 def _print_batch(results, row_bytes, n, order):
     for r in results:
         if r["row_bytes"] == row_bytes and r["rows"] == n and r["order"] == order:
-            print(f"  {r['op']:8s} {row_bytes:4d} B x {n:8d} {order:6s} "
-                  f"{r['GB_per_s']:7.1f} GB/s {r['ms']:8.3f} ms  {r['impl']}")
+            print(f"  {r['op']:11s} {row_bytes:4d} B x {n:8d} {order:6s} "
+                  f"{r['GB_per_s']:7.1f} GB/s {r['Mrows_per_s']:8.1f} Mrows/s "
+                  f"{r['ms']:8.3f} ms  {r['impl']}")
+
+
+def _summary(results, link) -> list[dict]:
+    """xferlib's gather beside the best baseline of the same configuration, as ratios."""
+    rows = []
+    for r in results:
+        if r["impl"] != "xferlib" or r["op"] != "gather":
+            continue
+        same = [b for b in results if b["op"] == "gather" and b["impl"] != "xferlib"
+                and (b["row_bytes"], b["rows"], b["order"]) == (r["row_bytes"], r["rows"],
+                                                                r["order"])]
+        best = max(same, key=lambda b: b["GB_per_s"]) if same else None
+        rows.append({"row_bytes": r["row_bytes"], "rows": r["rows"], "order": r["order"],
+                     "GB_per_s": r["GB_per_s"],
+                     "pct_of_pinned_memcpy": 100 * r["GB_per_s"] / link["pinned_h2d_GB_per_s"],
+                     "best_baseline": best["impl"] if best else None,
+                     "baseline_GB_per_s": best["GB_per_s"] if best else None,
+                     "speedup": r["GB_per_s"] / best["GB_per_s"] if best else None})
+    return rows
 
 
 def _check_targets(results) -> list[dict]:
