@@ -169,9 +169,12 @@ def _sorted_positions(idx, num_rows: int, stream):
     """
     import cupy
 
+    from xferlib._kernels import rows as kernels
     from xferlib._kernels.rows import ROWS_MODULE, check_name
 
     n = idx.size
+    if n <= kernels.SMALL_SORT_TILE and num_rows <= np.iinfo(np.int32).max:
+        return _sorted_positions_small(idx, num_rows, stream)
     narrow = idx.dtype == np.int64 and num_rows <= np.iinfo(np.int32).max
     keys32 = cupy.empty(n, dtype=np.int32) if narrow else None
     first_bad = cupy.empty(1, dtype=np.uint64)
@@ -184,6 +187,29 @@ def _sorted_positions(idx, num_rows: int, stream):
     perm = cupy.argsort(keys)  # stable radix sort on the current (= our) stream
     # Sorted rows side by side: the kernels read them coalesced, one hop from the row.
     return keys.take(perm), perm, first_bad
+
+
+def _sorted_positions_small(idx, num_rows: int, stream):
+    """:func:`_sorted_positions` for batches that fit one block: a single launch."""
+    import cupy
+
+    from xferlib._kernels.rows import (ROWS_MODULE, SMALL_SORT_ITEMS, SMALL_SORT_THREADS,
+                                       small_sort_name, small_sort_shared_bytes)
+
+    n = idx.size
+    items = next(i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n)
+    rows = cupy.empty(n, dtype=np.int32)
+    perm = cupy.empty(n, dtype=np.int64)
+    first_bad = cupy.empty(1, dtype=np.uint64)
+    kernel = ROWS_MODULE.get_function(small_sort_name(idx.dtype.name, items))
+    shared = small_sort_shared_bytes(items)
+    if kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+    bits = max(1, int(num_rows - 1).bit_length())
+    kernel((1,), (SMALL_SORT_THREADS,), (idx, np.int32(n), np.int64(num_rows), np.int32(bits),
+                                         rows, perm, first_bad),
+           shared_mem=shared, stream=stream)
+    return rows, perm, first_bad
 
 
 def _raise_if_bad(first_bad, idx, num_rows: int, stream) -> None:

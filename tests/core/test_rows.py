@@ -162,3 +162,27 @@ def test_gather_fwd_bwd_matches_reference(backend, rng):
     grad = xferlib.gather_rows_bwd(residuals, backend.array(host_g))
     expected = xferlib.scatter_add_rows_reference(np.zeros((30, 6)), host_idx, host_g)
     assert_matches_reference(backend.to_host(grad), expected, "float32", scale=10)
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_large_batches_take_the_device_wide_sort(backend, rng, index_dtype):
+    # Batches above one block's tile (16384 positions) sort on the whole device.
+    num_rows, dim, n = 5000, 24, 40000
+    host_table = random_rows(rng, (num_rows, dim), "float32")
+    host_idx = rng.integers(0, num_rows, size=n).astype(index_dtype)
+    host_src = random_rows(rng, (n, dim), "float32")
+    out = xferlib.gather_rows(backend.table(host_table), backend.array(host_idx))
+    np.testing.assert_array_equal(backend.to_host(out), host_table[host_idx])
+    table = backend.table(host_table)
+    xferlib.scatter_rows(table, backend.array(host_idx), backend.array(host_src))
+    np.testing.assert_array_equal(backend.to_host(table).astype(np.float64),
+                                  xferlib.scatter_rows_reference(host_table, host_idx, host_src))
+    table = backend.table(host_table)
+    xferlib.scatter_add_rows(table, backend.array(host_idx), backend.array(host_src))
+    assert_matches_reference(
+        backend.to_host(table),
+        xferlib.scatter_add_rows_reference(host_table, host_idx, host_src), "float32", scale=40)
+    bad = host_idx.copy()
+    bad[30000] = num_rows
+    with pytest.raises(IndexError, match=f"index {num_rows} at position 30000"):
+        xferlib.scatter_add_rows(table, backend.array(bad), backend.array(host_src))

@@ -19,15 +19,17 @@ class KernelModule:
         self.name = name
         self.source = source
         self.name_expressions = tuple(name_expressions)
+        self._names = frozenset(self.name_expressions)
         self.options = tuple(options)
         self._compiled = {}
+        self._functions = {}  # (device, name) -> kernel: launches skip the module lookup
         self._lock = threading.Lock()
         _MODULES.append(self)
 
     def module(self):
         import cupy
 
-        device = cupy.cuda.Device().id
+        device = cupy.cuda.runtime.getDevice()
         mod = self._compiled.get(device)
         if mod is None:
             with self._lock:
@@ -43,9 +45,16 @@ class KernelModule:
         return mod
 
     def get_function(self, name_expression: str):
-        if name_expression not in self.name_expressions:
+        import cupy
+
+        if name_expression not in self._names:
             raise KeyError(f"{self.name}: {name_expression!r} is not a registered instantiation")
-        return self.module().get_function(name_expression)
+        key = (cupy.cuda.runtime.getDevice(), name_expression)
+        function = self._functions.get(key)
+        if function is not None:
+            return function
+        function = self._functions[key] = self.module().get_function(name_expression)
+        return function
 
 
 def all_modules() -> tuple[KernelModule, ...]:

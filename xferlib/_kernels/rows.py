@@ -70,6 +70,112 @@ __global__ void check_and_narrow(const I* __restrict__ idx, i64 n, i64 n_rows,
     }
 }
 
+// Small batches (n <= 1024 * ITEMS): check, narrow and stably sort (row, position) pairs in
+// ONE block, in shared memory: one launch instead of a check kernel, a device-wide radix sort
+// and a gather of the sorted keys. LSD radix sort, 4 bits a pass over the `bits` low bits.
+// Thread t owns positions t*ITEMS .. t*ITEMS+ITEMS-1 (blocked order), so a digit-major
+// exclusive scan of per-thread digit counts gives every item its stable destination.
+// Shared arrays are padded by one word every 32 (SPAD) so that blocked accesses, which stride
+// by ITEMS words, fall in distinct banks.
+#define SMALL_SORT_THREADS 1024
+#define SPAD(i) ((i) + ((i) >> 5))
+
+__device__ __forceinline__ unsigned int block_exclusive_scan(unsigned int x,
+                                                             unsigned int* warp_sums) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned int inclusive = x;
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        unsigned int y = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += y;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned int w = warp_sums[lane];
+        unsigned int wi = w;
+        #pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            unsigned int y = __shfl_up_sync(0xffffffffu, wi, d);
+            if (lane >= d) wi += y;
+        }
+        warp_sums[lane] = wi - w;  // exclusive prefix of the warp totals
+    }
+    __syncthreads();
+    const unsigned int out = warp_sums[warp] + inclusive - x;
+    __syncthreads();  // warp_sums is reused by the next call
+    return out;
+}
+
+template <typename I, int ITEMS>
+__global__ void __launch_bounds__(SMALL_SORT_THREADS)
+check_and_sort_small(const I* __restrict__ idx, int n, i64 n_rows, int bits,
+                     int* __restrict__ rows_out, i64* __restrict__ perm_out,
+                     unsigned long long* __restrict__ first_bad) {
+    const int TILE = SMALL_SORT_THREADS * ITEMS;
+    const int COUNTS = 16 * SMALL_SORT_THREADS;  // [16 digits][THREADS]
+    extern __shared__ unsigned int smem[];
+    unsigned int* counts = smem;
+    unsigned int* keys = smem + SPAD(COUNTS);
+    unsigned int* vals = keys + SPAD(TILE);
+    __shared__ unsigned int warp_sums[32];
+    __shared__ unsigned long long bad;
+    const int t = threadIdx.x;
+    if (t == 0) bad = ~0ull;
+    __syncthreads();
+    const unsigned int pad = bits >= 32 ? 0xffffffffu : ((1u << bits) - 1u);
+    unsigned int k[ITEMS], v[ITEMS];
+    #pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int p = t * ITEMS + i;
+        v[i] = (unsigned int)p;
+        k[i] = pad;  // padding sorts last: it ties only with valid keys, and comes after them
+        if (p < n) {
+            const i64 x = (i64)idx[p];
+            if (x < 0 || x >= n_rows) atomicMin(&bad, (unsigned long long)p);
+            else k[i] = (unsigned int)x;
+        }
+    }
+    for (int shift = 0; shift < bits; shift += 4) {
+        #pragma unroll
+        for (int d = 0; d < 16; ++d) counts[SPAD(d * SMALL_SORT_THREADS + t)] = 0;
+        #pragma unroll
+        for (int i = 0; i < ITEMS; ++i)
+            counts[SPAD(((k[i] >> shift) & 15u) * SMALL_SORT_THREADS + t)] += 1;
+        __syncthreads();
+        unsigned int local[16], sum = 0;
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) { local[j] = counts[SPAD(t * 16 + j)]; sum += local[j]; }
+        unsigned int prefix = block_exclusive_scan(sum, warp_sums);
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) { counts[SPAD(t * 16 + j)] = prefix; prefix += local[j]; }
+        __syncthreads();
+        #pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const unsigned int slot =
+                counts[SPAD(((k[i] >> shift) & 15u) * SMALL_SORT_THREADS + t)]++;
+            keys[SPAD(slot)] = k[i];
+            vals[SPAD(slot)] = v[i];
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            k[i] = keys[SPAD(t * ITEMS + i)];
+            v[i] = vals[SPAD(t * ITEMS + i)];
+        }
+        __syncthreads();
+    }
+    #pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int p = t * ITEMS + i;
+        if (p < n) {
+            rows_out[p] = (int)k[i];
+            perm_out[p] = (i64)v[i];
+        }
+    }
+    if (t == 0) *first_bad = bad;
+}
+
 // Each sorted position k is looked at by one group of `group` lanes (a power of two <= 32,
 // about the row width in words, so narrow rows still keep every lane busy). The group that
 // sees the first position of a run of equal rows handles the whole run; the other groups of
@@ -187,6 +293,25 @@ def check_name(index_dtype_name: str) -> str:
     return f"check_and_narrow<{INDEX_TYPES[index_dtype_name]}>"
 
 
+# One-block sort: items per thread of each instantiation; the tile is 1024 times that.
+SMALL_SORT_ITEMS = (2, 16)
+SMALL_SORT_THREADS = 1024
+SMALL_SORT_TILE = SMALL_SORT_THREADS * max(SMALL_SORT_ITEMS)
+
+
+def small_sort_name(index_dtype_name: str, items: int) -> str:
+    return f"check_and_sort_small<{INDEX_TYPES[index_dtype_name]}, {items}>"
+
+
+def small_sort_shared_bytes(items: int) -> int:
+    """Dynamic shared memory of one instantiation: padded counts, keys and positions."""
+
+    def padded(count):
+        return count + count // 32
+
+    return 4 * (padded(16 * SMALL_SORT_THREADS) + 2 * padded(SMALL_SORT_THREADS * items))
+
+
 def _all_names():
     for key in KEY_TYPES:
         for word in WORD_TYPES:
@@ -197,6 +322,8 @@ def _all_names():
             yield scatter_add_name(dtype_name, False, key)
     for index_dtype in INDEX_TYPES:
         yield check_name(index_dtype)
+        for items in SMALL_SORT_ITEMS:
+            yield small_sort_name(index_dtype, items)
 
 
 ROWS_MODULE = KernelModule("rows", ROWS_KERNEL, tuple(_all_names()))
