@@ -112,6 +112,15 @@ def _check_host_indices(idx: np.ndarray, num_rows: int) -> None:
         _raise_bad_index(position, int(idx[position]), num_rows)
 
 
+def _check_host_order(idx: np.ndarray) -> None:
+    """The ``sorted_indices=True`` promise, checked on host indices."""
+    descending = np.flatnonzero(idx[1:] < idx[:-1])
+    if descending.size:
+        position = int(descending[0]) + 1
+        raise ValueError(f"sorted_indices=True, but index {int(idx[position])} at position "
+                         f"{position} comes after {int(idx[position - 1])}; nothing was written")
+
+
 def _check_rows_arg(rows, name: str, table, num_indices: int) -> None:
     namespace_name(rows)
     if rows.dtype != table.dtype:
@@ -159,13 +168,15 @@ def _word_bytes(*values: int) -> int:
     return 1
 
 
-def _sorted_positions(idx, num_rows: int, stream):
+def _sorted_positions(idx, num_rows: int, stream, presorted: bool = False):
     """Check GPU indices and sort positions by row, all queued without a host sync.
 
-    Returns ``(rows, perm, first_bad)``: the rows in ascending order, ``perm`` mapping each
-    sorted position to its batch position (ties in batch order), and a device flag holding the first bad position (all ones when none). The row
-    kernels read the flag and leave every array untouched when it is set;
-    :func:`_raise_if_bad` reads it once the work is queued.
+    Returns ``(rows, perm, verdict)``: the rows in ascending order, ``perm`` mapping each
+    sorted position to its batch position (ties in batch order), and a 2-word device verdict
+    (first bad position, first out-of-order position; all ones when clean). The row kernels
+    read it and leave every array untouched when it is set; :func:`_raise_if_bad` reads it
+    once the work is queued. ``presorted``: the caller promises ascending indices; they are
+    checked, not sorted.
     """
     import cupy
 
@@ -173,20 +184,37 @@ def _sorted_positions(idx, num_rows: int, stream):
     from xferlib._kernels.rows import ROWS_MODULE, check_name
 
     n = idx.size
-    if n <= kernels.SMALL_SORT_TILE and num_rows <= np.iinfo(np.int32).max:
+    if not presorted and n <= kernels.SMALL_SORT_TILE and num_rows <= np.iinfo(np.int32).max:
         return _sorted_positions_small(idx, num_rows, stream)
     narrow = idx.dtype == np.int64 and num_rows <= np.iinfo(np.int32).max
     keys32 = cupy.empty(n, dtype=np.int32) if narrow else None
-    first_bad = cupy.empty(1, dtype=np.uint64)
-    first_bad.data.memset_async(0xFF, 8, stream)
+    verdict = cupy.empty(2, dtype=np.uint64)
+    verdict.data.memset_async(0xFF, 16, stream)
     kernel = ROWS_MODULE.get_function(check_name(idx.dtype.name))
     blocks = max(1, min(4096, -(-n // 256)))
-    kernel((blocks,), (256,), (idx, np.int64(n), np.int64(num_rows), first_bad,
-                               keys32 if keys32 is not None else np.uint64(0)), stream=stream)
+    kernel((blocks,), (256,), (idx, np.int64(n), np.int64(num_rows), verdict,
+                               keys32 if keys32 is not None else np.uint64(0),
+                               np.int32(presorted)), stream=stream)
     keys = keys32 if narrow else idx
+    if presorted:
+        return keys, _identity_permutation(n), verdict
     perm = cupy.argsort(keys)  # stable radix sort on the current (= our) stream
     # Sorted rows side by side: the kernels read them coalesced, one hop from the row.
-    return keys.take(perm), perm, first_bad
+    return keys.take(perm), perm, verdict
+
+
+_IDENTITY = {}
+
+
+def _identity_permutation(n: int):
+    """``arange(n)`` as int64, sliced from a cached array per device (no launch per call)."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    cached = _IDENTITY.get(device)
+    if cached is None or cached.size < n:
+        cached = _IDENTITY[device] = cupy.arange(max(n, 1 << 16), dtype=np.int64)
+    return cached[:n]
 
 
 def _sorted_positions_small(idx, num_rows: int, stream):
@@ -200,7 +228,7 @@ def _sorted_positions_small(idx, num_rows: int, stream):
     items = next(i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n)
     rows = cupy.empty(n, dtype=np.int32)
     perm = cupy.empty(n, dtype=np.int64)
-    first_bad = cupy.empty(1, dtype=np.uint64)
+    first_bad = cupy.empty(2, dtype=np.uint64)
     kernel = ROWS_MODULE.get_function(small_sort_name(idx.dtype.name, items))
     shared = small_sort_shared_bytes(items)
     if kernel.max_dynamic_shared_size_bytes < shared:
@@ -212,12 +240,16 @@ def _sorted_positions_small(idx, num_rows: int, stream):
     return rows, perm, first_bad
 
 
-def _raise_if_bad(first_bad, idx, num_rows: int, stream) -> None:
-    """Read the bad-index flag (one small device-to-host copy: a stream sync)."""
-    position = int(first_bad.get(stream=stream)[0])
-    if position != _NO_BAD_INDEX:
-        value = int(idx[position:position + 1].get(stream=stream)[0])
-        _raise_bad_index(position, value, num_rows)
+def _raise_if_bad(verdict, idx, num_rows: int, stream) -> None:
+    """Read the verdict (one 16-byte device-to-host copy: a stream sync) and raise."""
+    bad, unsorted = (int(v) for v in verdict.get(stream=stream))
+    if bad != _NO_BAD_INDEX:
+        value = int(idx[bad:bad + 1].get(stream=stream)[0])
+        _raise_bad_index(bad, value, num_rows)
+    if unsorted != _NO_BAD_INDEX:
+        before, value = (int(v) for v in idx[unsorted - 1:unsorted + 1].get(stream=stream))
+        raise ValueError(f"sorted_indices=True, but index {value} at position {unsorted} comes "
+                         f"after {before}; nothing was written")
 
 
 def _launch_sorted_kernel(kind: str, table, keys, perm, first_bad, rows, stream) -> None:
@@ -265,7 +297,7 @@ def _to_gpu_indices(idx, num_rows):
 # ----------------------------------------------------------------------------- gather
 
 
-def gather_rows(table, idx, out=None, *, stream=None):
+def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = False):
     """``out[i] = table[idx[i]]``.
 
     Args:
@@ -275,6 +307,8 @@ def gather_rows(table, idx, out=None, *, stream=None):
         picks where the rows land.
       stream: GPU stream (``None``: CuPy's current stream; an int ``cudaStream_t``, a CuPy
         stream, or anything with ``__cuda_stream__``).
+      sorted_indices: the caller promises ``idx`` is ascending (repeats allowed), so the GPU
+        path skips its sort; the promise is checked (ValueError, nothing written).
 
     GPU path: positions are sorted by row, each distinct row is read once by one warp with
     16-byte accesses, straight from pinned host RAM when the table lives there.
@@ -293,6 +327,8 @@ def gather_rows(table, idx, out=None, *, stream=None):
         _check_rows_arg(out, "out", table, n)
     if not on_gpu:
         _check_host_indices(idx, num_rows)
+        if sorted_indices:
+            _check_host_order(idx)
         return np.take(np.asarray(table), idx, axis=0, out=out)
 
     cupy = _cupy_for_gpu_path()
@@ -311,7 +347,7 @@ def gather_rows(table, idx, out=None, *, stream=None):
             out = cupy.empty((n, dim), dtype=table.dtype)
         if n == 0 or dim == 0:
             return out
-        keys, perm, first_bad = _sorted_positions(idx, num_rows, stream)
+        keys, perm, first_bad = _sorted_positions(idx, num_rows, stream, sorted_indices)
         _launch_sorted_kernel("gather", table, keys, perm, first_bad, out, stream)
         _raise_if_bad(first_bad, idx, num_rows, stream)
     return out
@@ -320,27 +356,27 @@ def gather_rows(table, idx, out=None, *, stream=None):
 # ----------------------------------------------------------------------------- scatter
 
 
-def scatter_rows(table, idx, src, *, stream=None):
+def scatter_rows(table, idx, src, *, stream=None, sorted_indices: bool = False):
     """``table[idx[i]] = src[i]`` in place; for a repeated index the last position wins.
 
     Returns ``table``. Paths and arguments as in :func:`gather_rows`; the GPU path runs when
     ``table``, ``idx`` or ``src`` is on the GPU (a NumPy table must then be pinned, or the rows
     go through the host).
     """
-    return _scatter(table, idx, src, stream, accumulate=False)
+    return _scatter(table, idx, src, stream, sorted_indices, accumulate=False)
 
 
-def scatter_add_rows(table, idx, src, *, stream=None):
+def scatter_add_rows(table, idx, src, *, stream=None, sorted_indices: bool = False):
     """``table[idx[i]] += src[i]`` in place, with the rows of repeated indices summed first.
 
     Deterministic: duplicates are summed in position order, in float32 (float64 for float64
     tables), then added to the row once. Tables of float32, float64, float16 or bfloat16.
     Returns ``table``.
     """
-    return _scatter(table, idx, src, stream, accumulate=True)
+    return _scatter(table, idx, src, stream, sorted_indices, accumulate=True)
 
 
-def _scatter(table, idx, src, stream, *, accumulate: bool):
+def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
     _check_table(table)
     _check_index_dtype(idx)
     num_rows = table.shape[0]
@@ -352,6 +388,8 @@ def _scatter(table, idx, src, stream, *, accumulate: bool):
     on_gpu = is_cupy_array(table) or is_cupy_array(idx) or is_cupy_array(src)
     if not on_gpu:
         _check_host_indices(idx, num_rows)
+        if sorted_indices:
+            _check_host_order(idx)
         (_scatter_add_numpy if accumulate else _scatter_numpy)(table, idx, src)
         return table
 
@@ -362,13 +400,14 @@ def _scatter(table, idx, src, stream, *, accumulate: bool):
             host_idx = cupy.asnumpy(idx, stream=stream) if is_cupy_array(idx) else idx
             host_src = cupy.asnumpy(src, stream=stream) if is_cupy_array(src) else src
             stream.synchronize()
-            return _scatter(table, host_idx, host_src, None, accumulate=accumulate)
+            return _scatter(table, host_idx, host_src, None, sorted_indices,
+                            accumulate=accumulate)
         idx = _to_gpu_indices(idx, num_rows)
         if not is_cupy_array(src) and not is_pinned(src):
             src = cupy.asarray(src)
         if n == 0 or table.shape[1] == 0:
             return table
-        keys, perm, first_bad = _sorted_positions(idx, num_rows, stream)
+        keys, perm, first_bad = _sorted_positions(idx, num_rows, stream, sorted_indices)
         _launch_sorted_kernel("add" if accumulate else "scatter", table, keys, perm, first_bad,
                               src, stream)
         _raise_if_bad(first_bad, idx, num_rows, stream)

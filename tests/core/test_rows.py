@@ -186,3 +186,37 @@ def test_large_batches_take_the_device_wide_sort(backend, rng, index_dtype):
     bad[30000] = num_rows
     with pytest.raises(IndexError, match=f"index {num_rows} at position 30000"):
         xferlib.scatter_add_rows(table, backend.array(bad), backend.array(host_src))
+
+
+@pytest.mark.parametrize("n", [7, 3000, 40000])
+@pytest.mark.parametrize("op", ["gather", "scatter", "scatter_add"])
+def test_sorted_indices_promise_is_kept_and_checked(backend, rng, op, n):
+    num_rows, dim = 1000, 12
+    host_table = random_rows(rng, (num_rows, dim), "float32")
+    host_idx = np.sort(rng.integers(0, num_rows, size=n))
+    host_src = random_rows(rng, (n, dim), "float32")
+
+    def run(table, idx):
+        if op == "gather":
+            return xferlib.gather_rows(table, backend.array(idx), sorted_indices=True)
+        if op == "scatter":
+            return xferlib.scatter_rows(table, backend.array(idx), backend.array(host_src),
+                                        sorted_indices=True)
+        return xferlib.scatter_add_rows(table, backend.array(idx), backend.array(host_src),
+                                        sorted_indices=True)
+
+    result = backend.to_host(run(backend.table(host_table), host_idx))
+    if op == "gather":
+        expected = xferlib.gather_rows_reference(host_table, host_idx)
+    elif op == "scatter":
+        expected = xferlib.scatter_rows_reference(host_table, host_idx, host_src)
+    else:
+        expected = xferlib.scatter_add_rows_reference(host_table, host_idx, host_src)
+    assert_matches_reference(result, expected, "float32", scale=200)
+
+    unsorted = host_idx.copy()
+    unsorted[:2] = [num_rows - 1, 0]  # a descent at position 1
+    table = backend.table(host_table)
+    with pytest.raises(ValueError, match=f"index 0 at position 1 comes after {num_rows - 1}"):
+        run(table, unsorted)
+    np.testing.assert_array_equal(backend.to_host(table), host_table)

@@ -53,21 +53,28 @@ template <> struct acc_type<double> { typedef double type; };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) pack { T v[N]; };
 
-// First position i with idx[i] outside [0, n_rows), as an atomic minimum; also writes the
-// 32-bit sort keys when they fit (a narrower radix sort is cheaper). The kernels below read
-// first_bad and do nothing at all when it was set, so a bad batch changes no memory even
-// though the host learns of it only after they were queued.
+// verdict[0]: first position i with idx[i] outside [0, n_rows); verdict[1] (check_order
+// only): first position with idx[i] < idx[i-1]. Both atomic minimums, all ones when clean.
+// Also writes the 32-bit keys when they fit (a narrower radix sort is cheaper). The kernels
+// below read the verdict and do nothing at all when it is set, so a rejected batch changes
+// no memory even though the host learns of it only after they were queued.
 template <typename I>
 __global__ void check_and_narrow(const I* __restrict__ idx, i64 n, i64 n_rows,
-                                 unsigned long long* __restrict__ first_bad,
-                                 int* __restrict__ keys32) {
+                                 unsigned long long* __restrict__ verdict,
+                                 int* __restrict__ keys32, int check_order) {
     i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         i64 v = (i64)idx[i];
         const bool bad = v < 0 || v >= n_rows;
-        if (bad) atomicMin(first_bad, (unsigned long long)i);
+        if (bad) atomicMin(&verdict[0], (unsigned long long)i);
+        if (check_order && i > 0 && (i64)idx[i - 1] > v)
+            atomicMin(&verdict[1], (unsigned long long)i);
         if (keys32 != nullptr) keys32[i] = bad ? 0 : (int)v;
     }
+}
+
+__device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
+    return (verdict[0] & verdict[1]) != ~0ull;
 }
 
 // Small batches (n <= 1024 * ITEMS): check, narrow and stably sort (row, position) pairs in
@@ -173,7 +180,10 @@ check_and_sort_small(const I* __restrict__ idx, int n, i64 n_rows, int bits,
             perm_out[p] = (i64)v[i];
         }
     }
-    if (t == 0) *first_bad = bad;
+    if (t == 0) {
+        first_bad[0] = bad;
+        first_bad[1] = ~0ull;  // sorted here: no order to violate
+    }
 }
 
 // Each sorted position k is looked at by one group of `group` lanes (a power of two <= 32,
@@ -200,7 +210,7 @@ __global__ void gather_sorted(const W* __restrict__ table, i64 n_rows, i64 table
                               const i64* __restrict__ perm, i64 n, W* __restrict__ out,
                               i64 out_stride, const unsigned long long* __restrict__ first_bad,
                               int group) {
-    if (*first_bad != ~0ull) return;
+    if (rejected(first_bad)) return;
     FOR_EACH_RUN_HEAD(n, group) {
         const K row = rows[k];
         if ((k > 0 && rows[k - 1] == row) || row < 0 || (i64)row >= n_rows) continue;
@@ -219,7 +229,7 @@ __global__ void scatter_sorted(W* __restrict__ table, i64 n_rows, i64 table_stri
                                const K* __restrict__ rows, const i64* __restrict__ perm, i64 n,
                                const W* __restrict__ src, i64 src_stride,
                                const unsigned long long* __restrict__ first_bad, int group) {
-    if (*first_bad != ~0ull) return;
+    if (rejected(first_bad)) return;
     FOR_EACH_RUN_HEAD(n, group) {
         const K row = rows[k];
         if ((k > 0 && rows[k - 1] == row) || row < 0 || (i64)row >= n_rows) continue;
@@ -238,7 +248,7 @@ __global__ void scatter_add_sorted(T* __restrict__ table, i64 n_rows, i64 table_
                                    const i64* __restrict__ perm, i64 n, const T* __restrict__ src,
                                    i64 src_stride,
                                    const unsigned long long* __restrict__ first_bad, int group) {
-    if (*first_bad != ~0ull) return;
+    if (rejected(first_bad)) return;
     typedef typename acc_type<T>::type A;
     typedef pack<T, N> P;
     // Strides and width count packs of N elements.
