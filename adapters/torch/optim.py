@@ -1,0 +1,260 @@
+"""torch.optim optimizers over one flat buffer per (device, dtype): ``FlatAdam`` and friends.
+
+Each optimizer copies its parameters into a flat buffer and points every ``param.data`` at
+its slice, and points every ``param.grad`` at a slice of a flat gradient buffer, so a step
+is one update over the whole buffer (one CUDA launch on the GPU). The update rule, the
+hyperparameter names and defaults, ``param_groups`` (learning-rate schedulers work) and the
+``state_dict`` format are torch.optim's: a checkpoint moves between ``FlatAdam`` and
+``torch.optim.Adam`` both ways.
+
+Gradients: ``optimizer.zero_grad()`` zeroes the flat gradient buffer in one call and keeps
+the slices attached. ``model.zero_grad()`` (which sets ``.grad`` to None) and gradients the
+user assigns are fine too: before the next step they are copied back into the buffer. As in
+torch, a parameter that received no gradient since ``zero_grad()`` is skipped by the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xferlib import optim as core
+from xferlib.handoff import to_cupy, to_numpy
+
+__all__ = ["FlatSGD", "FlatAdam", "FlatAdamW", "FlatAdagrad", "FlatRMSprop", "FlatAdamax",
+           "FlatNAdam", "FlatRAdam", "FlatLion"]
+
+_TORCH_ONLY_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _core_view(t: torch.Tensor):
+    return to_cupy(t) if t.is_cuda else to_numpy(t)
+
+
+class _Bucket:
+    """The parameters of one (device, dtype): their flat buffers, layout and state."""
+
+    def __init__(self, entries, rule: core.FlatOptimizer, hypers):
+        # entries: [(param, group index)] in param_groups order
+        self.params = [p for p, _ in entries]
+        p0 = self.params[0]
+        self.device, self.dtype = p0.device, p0.dtype
+        self.layout = core.FlatLayout.from_shapes([tuple(p.shape) for p in self.params],
+                                                  [g for _, g in entries],
+                                                  dtype=_numpy_dtype(p0.dtype))
+        self.flat_params = torch.zeros(self.layout.total, dtype=self.dtype, device=self.device)
+        self.flat_grads = torch.zeros_like(self.flat_params)
+        self.param_views = self._views(self.flat_params)
+        self.grad_views = self._views(self.flat_grads)
+        for p, view, grad in zip(self.params, self.param_views, self.grad_views):
+            view.copy_(p.detach())
+            p.data = view
+            p.grad = grad  # zero; backward accumulates into the flat buffer in place
+        self.has_grad = [False] * len(self.params)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._marker(i))
+                      for i, p in enumerate(self.params)]
+        xp = _xp(self.device)
+        self.state = rule.init(self.layout, hypers, xp=xp)
+        self.state_tensors = {}
+        for name, buffer in self.state.buffers.items():
+            tensor = torch.from_dlpack(buffer) if self.device.type == "cuda" else \
+                torch.from_numpy(buffer)
+            self.state_tensors[name] = tensor
+        self.core_params = _core_view(self.flat_params)
+        self.core_grads = _core_view(self.flat_grads)
+
+    def _views(self, flat):
+        return [flat[s.offset:s.offset + s.size].view(s.shape) for s in self.layout.segments]
+
+    def _marker(self, i):
+        def mark(param):
+            self.has_grad[i] = True
+        return mark
+
+    def check_params(self):
+        for i, (p, view) in enumerate(zip(self.params, self.param_views)):
+            if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
+                raise RuntimeError(
+                    f"parameter {i} of shape {tuple(view.shape)} was replaced or reshaped "
+                    f"after the flat optimizer was built (now shape {tuple(p.shape)}); build "
+                    "the optimizer again after changing parameters")
+
+    def collect_grads(self):
+        """Bring every gradient into the flat buffer; the mask of parameters that have one."""
+        active = []
+        for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
+            g = p.grad
+            if g is None:
+                view.zero_()  # so a later in-place accumulation starts from zero
+                active.append(False)
+                continue
+            if g.data_ptr() != view.data_ptr():  # model.zero_grad() or an assigned gradient
+                view.copy_(g)
+                p.grad = view
+                self.has_grad[i] = True
+            active.append(self.has_grad[i])
+        return active
+
+    def zero_grad(self, set_to_none: bool):
+        self.flat_grads.zero_()
+        for p, view in zip(self.params, self.grad_views):
+            p.grad = view
+        if set_to_none:  # torch semantics: no gradient until the next backward
+            self.has_grad = [False] * len(self.params)
+
+    def step(self, rule, hypers):
+        self.check_params()
+        active = self.collect_grads()
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        rule.update(self.layout, self.core_params, self.core_grads, self.state, hypers,
+                    active=active, stream=stream)
+
+
+def _xp(device):
+    if device.type == "cuda":
+        import cupy
+
+        return cupy
+    import numpy
+
+    return numpy
+
+
+def _numpy_dtype(dtype):
+    import numpy as np
+
+    if dtype == torch.float32:
+        return np.float32
+    raise TypeError(f"flat optimizers take float32 parameters for now, got {dtype}")
+
+
+class _FlatOptimizer(torch.optim.Optimizer):
+    _rule_name = ""
+    _renamed = {}  # core name -> torch-side name (Lion's learning_rate is torch's lr)
+
+    def __init__(self, params, **hyper):
+        for key in _TORCH_ONLY_KEYS:
+            hyper.pop(key, None)
+        to_core = {v: k for k, v in self._renamed.items()}
+        self._rule = getattr(core, self._rule_name)(
+            **{to_core.get(k, k): v for k, v in hyper.items()})
+        defaults = {self._renamed.get(k, k): v for k, v in self._rule.defaults.items()}
+        self._buckets = None
+        super().__init__(params, defaults)
+        self._buckets = self._build_buckets()
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        core.resolve_hyper(self._rule_name, self._hyper(self.param_groups[-1]))
+        if self._buckets is not None:
+            raise RuntimeError("add parameter groups before the first step: a flat optimizer "
+                               "lays out its buffers once (build a new optimizer instead)")
+
+    def _hyper(self, group):
+        return {k: group[self._renamed.get(k, k)] for k in self._rule.defaults}
+
+    def _hypers(self):
+        return [self._hyper(g) for g in self.param_groups]
+
+    def _build_buckets(self):
+        by_key = {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                by_key.setdefault((p.device, p.dtype), []).append((p, gi))
+        hypers = self._hypers()
+        return [_Bucket(entries, self._rule, hypers) for entries in by_key.values()]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hypers = self._hypers()
+        for h in hypers:
+            core.resolve_hyper(self._rule_name, h)
+        for bucket in self._buckets:
+            bucket.step(self._rule, hypers)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        for bucket in self._buckets:
+            bucket.zero_grad(set_to_none)
+
+    # -- checkpoints in torch.optim's per-parameter format ---------------------------------
+
+    def _param_index(self):
+        index, i = {}, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                index[id(p)] = i
+                i += 1
+        return index
+
+    def state_dict(self):
+        index = self._param_index()
+        state = {}
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                step = int(bucket.state.steps[i])
+                if step == 0:
+                    continue
+                entry = {}
+                if self._rule_name != "sgd":
+                    entry["step"] = torch.tensor(float(step))
+                seg = bucket.layout.segments[i]
+                hyper = self._hyper(self.param_groups[seg.group])
+                for name in self._rule.state_names(hyper):
+                    flat = bucket.state_tensors[name]
+                    entry[name] = flat[seg.offset:seg.offset + seg.size].view(seg.shape).clone()
+                if self._rule_name == "nadam":
+                    entry["mu_product"] = torch.tensor(float(bucket.state.scalars["mu_product"][i]))
+                state[index[id(p)]] = entry
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index[id(p)] for p in group["params"]]
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)  # torch's checks and param_groups update
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                entry = self.state.pop(p, {})
+                seg = bucket.layout.segments[i]
+                names = [n for n in bucket.state_tensors if n in entry]
+                for name in names:
+                    flat = bucket.state_tensors[name]
+                    flat[seg.offset:seg.offset + seg.size].copy_(
+                        entry[name].reshape(-1).to(flat.device, flat.dtype))
+                if "step" in entry:
+                    bucket.state.steps[i] = int(float(entry["step"]))
+                elif self._rule_name == "sgd":
+                    bucket.state.steps[i] = 1 if entry.get("momentum_buffer") is not None else 0
+                else:
+                    bucket.state.steps[i] = 0
+                if "mu_product" in entry:
+                    bucket.state.scalars["mu_product"][i] = float(entry["mu_product"])
+        self.state.clear()
+
+
+def _flat_class(name, torch_name, doc_rule):
+    cls = type(f"Flat{torch_name}", (_FlatOptimizer,), {"_rule_name": name})
+    cls.__doc__ = (f"``torch.optim.{torch_name}`` over a flat buffer: {doc_rule}\n\n"
+                   f"Hyperparameters and defaults: {getattr(core, name)().defaults}.")
+    return cls
+
+
+FlatSGD = _flat_class("sgd", "SGD", "momentum, dampening, nesterov, weight decay, maximize.")
+FlatAdam = _flat_class("adam", "Adam", "amsgrad, maximize, L2 weight decay.")
+FlatAdamW = _flat_class("adamw", "AdamW", "amsgrad, maximize, decoupled weight decay.")
+FlatAdagrad = _flat_class("adagrad", "Adagrad", "lr_decay, initial accumulator, weight decay.")
+FlatRMSprop = _flat_class("rmsprop", "RMSprop", "centered, momentum, weight decay.")
+FlatAdamax = _flat_class("adamax", "Adamax", "infinity-norm Adam.")
+FlatNAdam = _flat_class("nadam", "NAdam", "momentum decay, decoupled weight decay.")
+FlatRAdam = _flat_class("radam", "RAdam", "rectified Adam, decoupled weight decay.")
+FlatLion = _flat_class("lion", "Lion", "optax.lion's rule.")
+FlatLion._renamed = {"learning_rate": "lr"}
+FlatLion.__doc__ = ("Lion over a flat buffer, with optax.lion's rule and defaults (lr=1e-4, "
+                    "b1=0.9, b2=0.99, weight_decay=1e-3); the learning rate is called ``lr`` as "
+                    "torch's schedulers expect.")

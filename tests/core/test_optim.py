@@ -1,0 +1,132 @@
+"""Flat optimizers against torch.optim (and optax for lion): 100 float32 steps, two groups,
+segments that miss a gradient now and then, a state copy-and-restore in the middle."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from xferlib import optim
+
+torch = pytest.importorskip("torch")
+
+SHAPES = [(7, 3), (5,), (4, 4, 2), (1,), (33,)]
+GROUPS = [0, 1, 0, 1, 1]
+
+TORCH_CASES = [
+    ("sgd", torch.optim.SGD, dict(lr=0.05)),
+    ("sgd", torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    ("sgd", torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True)),
+    ("adam", torch.optim.Adam, dict(lr=1e-2)),
+    ("adam", torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    ("adam", torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, maximize=True)),
+    ("adamw", torch.optim.AdamW, dict(lr=1e-2)),
+    ("adamw", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.3, amsgrad=True)),
+    ("adagrad", torch.optim.Adagrad, dict(lr=0.1)),
+    ("adagrad", torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, weight_decay=0.01,
+                                          initial_accumulator_value=0.5)),
+    ("rmsprop", torch.optim.RMSprop, dict(lr=1e-2)),
+    ("rmsprop", torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True,
+                                          weight_decay=0.01)),
+    ("adamax", torch.optim.Adamax, dict(lr=1e-2, weight_decay=0.01)),
+    ("nadam", torch.optim.NAdam, dict(lr=1e-2)),
+    ("nadam", torch.optim.NAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+    ("radam", torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1)),
+    ("radam", torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+]
+
+
+def _ids():
+    return [f"{name}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for name, _, kw in TORCH_CASES]
+
+
+@pytest.mark.parametrize("name,torch_cls,kwargs", TORCH_CASES, ids=_ids())
+def test_matches_torch_over_100_steps(name, torch_cls, kwargs):
+    rng = np.random.default_rng(0)
+    init = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    tparams = [torch.tensor(a, requires_grad=True) for a in init]
+    lr2 = kwargs["lr"] * 0.5
+    groups = [{"params": [p for p, g in zip(tparams, GROUPS) if g == 0]},
+              {"params": [p for p, g in zip(tparams, GROUPS) if g == 1], "lr": lr2}]
+    topt = torch_cls(groups, **kwargs)
+
+    layout = optim.FlatLayout.from_shapes(SHAPES, GROUPS)
+    opt = getattr(optim, name)(**kwargs)
+    hypers = [opt.defaults, {**opt.defaults, "lr": lr2}]
+    params = layout.pack(init)
+    grads = layout.zeros()
+    state = opt.init(layout, hypers)
+
+    for step in range(100):
+        active = rng.random(len(SHAPES)) > 0.15
+        for i, p in enumerate(tparams):
+            if active[i]:
+                g = rng.standard_normal(SHAPES[i]).astype(np.float32)
+                p.grad = torch.tensor(g)
+                layout.views(grads)[i][...] = g
+            else:
+                p.grad = None
+                layout.views(grads)[i][...] = 0.0
+        topt.step()
+        state = opt.update(layout, params, grads, state, hypers, active=active)
+        if step == 50:  # restore from a copy: nothing may live outside the state
+            state = copy.deepcopy(state)
+    for view, p in zip(layout.views(params), tparams):
+        np.testing.assert_allclose(view, p.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_lion_matches_optax():
+    optax = pytest.importorskip("optax")
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(1)
+    layout = optim.FlatLayout.from_shapes(SHAPES)
+    init = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    tx = optax.lion(learning_rate=1e-2, weight_decay=0.1)
+    jparams = [jnp.asarray(a) for a in init]
+    jstate = tx.init(jparams)
+    opt = optim.lion(learning_rate=1e-2, weight_decay=0.1)
+    params = layout.pack(init)
+    state = opt.init(layout)
+    for _ in range(100):
+        grads_list = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+        updates, jstate = tx.update([jnp.asarray(g) for g in grads_list], jstate, jparams)
+        jparams = optax.apply_updates(jparams, updates)
+        state = opt.update(layout, params, layout.pack(grads_list), state)
+    for view, p in zip(layout.views(params), jparams):
+        np.testing.assert_allclose(view, np.asarray(p), rtol=1e-6, atol=1e-6)
+
+
+def test_layout_alignment_and_views():
+    layout = optim.FlatLayout.from_shapes([(3,), (2, 2), (5,)], [0, 0, 1])
+    assert [s.offset for s in layout.segments] == [0, 4, 8]
+    assert layout.total == 16 and layout.num_groups == 2
+    flat = layout.pack([np.ones(3), np.full((2, 2), 2.0), np.full(5, 3.0)])
+    assert flat[3] == 0 and flat[13] == 0  # padding stays zero
+    views = layout.views(flat)
+    views[1][0, 0] = 9.0
+    assert flat[4] == 9.0
+    with pytest.raises(ValueError, match="16 elements"):
+        layout.views(np.zeros(10, np.float32))
+
+
+@pytest.mark.parametrize("name,bad,match", [
+    ("adam", dict(lr=-1.0), "Invalid learning rate"),
+    ("adam", dict(betas=(1.0, 0.9)), "beta parameter at index 0"),
+    ("adamw", dict(betas=(0.9, -0.1)), "beta parameter at index 1"),
+    ("sgd", dict(nesterov=True), "Nesterov"),
+    ("rmsprop", dict(alpha=-1.0), "alpha"),
+    ("adam", dict(foo=1), "unknown hyperparameter"),
+    ("adagrad", dict(eps=-1.0), "epsilon"),
+])
+def test_bad_hyperparameters(name, bad, match):
+    with pytest.raises(ValueError, match=match):
+        getattr(optim, name)(**bad)
+
+
+def test_global_norm_and_clip():
+    g = np.array([3.0, 4.0, 0.0], np.float32)
+    assert optim.global_norm(g) == pytest.approx(5.0)
+    assert optim.global_norm(g, float("inf")) == pytest.approx(4.0)
+    assert optim.clip_coefficient(5.0, 1.0) == pytest.approx(1.0 / (5.0 + 1e-6))
+    assert optim.clip_coefficient(0.5, 1.0) == 1.0

@@ -1,0 +1,175 @@
+"""Flat torch optimizers against torch.optim: training, checkpoints both ways, zero_grad
+variants, skipped parameters, schedulers, GradScaler, bad input."""
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from xferlib.adapters import torch as xt  # noqa: E402
+
+CASES = [
+    (xt.FlatSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    (xt.FlatSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    (xt.FlatAdam, torch.optim.Adam, dict(lr=1e-2)),
+    (xt.FlatAdam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1,
+                                         maximize=True)),
+    (xt.FlatAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (xt.FlatAdagrad, torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01)),
+    (xt.FlatRMSprop, torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5, centered=True)),
+    (xt.FlatAdamax, torch.optim.Adamax, dict(lr=1e-2)),
+    (xt.FlatNAdam, torch.optim.NAdam, dict(lr=1e-2, weight_decay=0.01)),
+    (xt.FlatRAdam, torch.optim.RAdam, dict(lr=1e-2, decoupled_weight_decay=True,
+                                           weight_decay=0.1)),
+]
+IDS = [f"{c[0].__name__}-{i}" for i, c in enumerate(CASES)]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3),
+                               torch.nn.Linear(3, 2))
+
+
+def _groups(model, lr):
+    layers = list(model)
+    return [{"params": list(layers[0].parameters()) + list(layers[3].parameters())},
+            {"params": list(layers[2].parameters()), "lr": lr * 0.3}]
+
+
+def _train_step(model, opt, x, y, zero="optimizer", skip_last=False):
+    if zero == "optimizer":
+        opt.zero_grad()
+    elif zero == "model":
+        model.zero_grad()
+    elif zero == "keep":
+        opt.zero_grad(set_to_none=False)
+    h = model[1](model[0](x))
+    out = model[2](h)
+    if not skip_last:
+        out = model[3](out)
+    loss = (out ** 2).mean() if skip_last else torch.nn.functional.mse_loss(out, y)
+    loss.backward()
+    opt.step()
+
+
+def _assert_same(model_a, model_b, rtol=1e-6):
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        np.testing.assert_allclose(a.detach().cpu().numpy(), b.detach().cpu().numpy(),
+                                   rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("flat_cls,torch_cls,kw", CASES, ids=IDS)
+def test_training_and_checkpoints_match_torch(flat_cls, torch_cls, kw):
+    ref, ours = _model(), _model()
+    ref_opt = torch_cls(_groups(ref, kw["lr"]), **kw)
+    opt = flat_cls(_groups(ours, kw["lr"]), **kw)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)) for _ in range(100)]
+    zero_modes = ["optimizer", "model", "keep"]
+    for step, (x, y) in enumerate(data):
+        zero = zero_modes[step % 3]
+        skip = step % 7 == 3  # the last layer gets no gradient this step
+        _train_step(ref, ref_opt, x, y, zero, skip)
+        _train_step(ours, opt, x, y, zero, skip)
+        if step == 40:  # our checkpoint into a fresh flat optimizer
+            saved = copy.deepcopy(opt.state_dict())
+            opt = flat_cls(_groups(ours, kw["lr"]), **kw)
+            opt.load_state_dict(saved)
+        if step == 60:  # torch's checkpoint into ours, ours into torch
+            ref_saved = copy.deepcopy(ref_opt.state_dict())
+            ours_saved = copy.deepcopy(opt.state_dict())
+            opt = flat_cls(_groups(ours, kw["lr"]), **kw)
+            opt.load_state_dict(ref_saved)
+            ref_opt = torch_cls(_groups(ref, kw["lr"]), **kw)
+            ref_opt.load_state_dict(ours_saved)
+    _assert_same(ref, ours)
+
+
+def test_lr_scheduler_drives_the_flat_optimizer():
+    ref, ours = _model(), _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = xt.FlatAdamW(ours.parameters(), lr=1e-2)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+        _train_step(ref, ref_opt, x, y)
+        _train_step(ours, opt, x, y)
+        ref_sched.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    _assert_same(ref, ours)
+
+
+def test_grad_scaler_skips_inf_steps_and_keeps_state():
+    model = _model()
+    opt = xt.FlatAdam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = torch.randn(8, 6), torch.randn(8, 2)
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = copy.deepcopy(opt.state_dict())
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    next(model.parameters()).grad[0, 0] = float("inf")
+    scaler.step(opt)  # skipped: inf found
+    scaler.update()
+    for a, b in zip(before, model.parameters()):
+        torch.testing.assert_close(a, b.detach())
+    after = opt.state_dict()
+    for k, entry in state_before["state"].items():
+        for name, value in entry.items():
+            torch.testing.assert_close(value, after["state"][k][name])
+
+
+def test_replaced_parameter_is_detected():
+    model = _model()
+    opt = xt.FlatSGD(model.parameters(), lr=0.1)
+    model[0].weight.data = torch.zeros(16, 6)
+    model(torch.randn(2, 6)).sum().backward()
+    with pytest.raises(RuntimeError, match="replaced or reshaped"):
+        opt.step()
+
+
+@pytest.mark.parametrize("cls,kw,match", [
+    (xt.FlatAdam, dict(lr=-1.0), "Invalid learning rate"),
+    (xt.FlatAdamW, dict(betas=(0.9, 1.0)), "beta parameter at index 1"),
+    (xt.FlatSGD, dict(lr=0.1, nesterov=True), "Nesterov"),
+    (xt.FlatAdam, dict(lr=0.1, bogus=3), "unknown hyperparameter"),
+])
+def test_bad_hyperparameters(cls, kw, match):
+    with pytest.raises(ValueError, match=match):
+        cls(_model().parameters(), **kw)
+
+
+def test_params_share_the_flat_buffer():
+    model = _model()
+    opt = xt.FlatAdam(model.parameters())
+    (bucket,) = opt._buckets
+    base = bucket.flat_params.data_ptr()
+    for p, seg in zip(model.parameters(), bucket.layout.segments):
+        assert p.data_ptr() == base + 4 * seg.offset
+        assert p.data_ptr() % 16 == 0
+    model(torch.randn(2, 6)).sum().backward()
+    assert all(p.grad.data_ptr() == bucket.flat_grads.data_ptr() + 4 * s.offset
+               for p, s in zip(model.parameters(), bucket.layout.segments))
+
+
+def test_lion_trains_with_torch_names():
+    model = _model()
+    opt = xt.FlatLion(model.parameters(), lr=1e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
+    x, y = torch.randn(64, 6), torch.randn(64, 2)
+    first = torch.nn.functional.mse_loss(model(x), y).item()
+    for _ in range(50):
+        _train_step(model, opt, x, y)
+        sched.step()
+    assert torch.nn.functional.mse_loss(model(x), y).item() < first

@@ -1,0 +1,186 @@
+"""Flat optimizer kernels: one launch updates every parameter of a flat buffer.
+
+A block takes one chunk of one segment (``chunk_seg``, ``chunk_start``, ``chunk_end``) and
+reads that segment's scalars from the per-step table: sign (0: no gradient this step, skip),
+L2 coefficient, decoupled decay factor, then eight rule-specific scalars (``xferlib/optim.py``
+computes them exactly as torch does). Threads move float4 vectors: segments start on 16-byte
+boundaries, so every access is a whole aligned vector. The elementwise code follows torch's
+operation order.
+"""
+
+from xferlib._kernels._registry import KernelModule
+
+OPTIM_KERNEL = r"""
+typedef long long i64;
+
+#define LOAD4(ptr, i, a) { const float4 t_ = *reinterpret_cast<const float4*>((ptr) + (i)); \
+    a[0] = t_.x; a[1] = t_.y; a[2] = t_.z; a[3] = t_.w; }
+#define STORE4(ptr, i, a) { *reinterpret_cast<float4*>((ptr) + (i)) = \
+    make_float4(a[0], a[1], a[2], a[3]); }
+
+// KIND: 0 sgd, 1 adam/adamw, 2 adagrad, 3 rmsprop, 4 adamax, 5 nadam, 6 radam, 7 lion.
+// s0..s2: the rule's state buffers in the order slot_names() gives (null when unused).
+template <int KIND>
+__global__ void flat_update(float* __restrict__ params, const float* __restrict__ grads,
+                            float* __restrict__ s0, float* __restrict__ s1,
+                            float* __restrict__ s2, const float* __restrict__ table,
+                            const int* __restrict__ chunk_seg,
+                            const i64* __restrict__ chunk_start,
+                            const i64* __restrict__ chunk_end, int ncols) {
+    const float* r = table + (i64)chunk_seg[blockIdx.x] * ncols;
+    const float sign = r[0], l2 = r[1], decay = r[2];
+    if (sign == 0.0f) return;  // no gradient for this segment this step
+    float c[8];
+    #pragma unroll
+    for (int k = 0; k < 8; ++k) c[k] = r[3 + k];
+    const i64 end = chunk_end[blockIdx.x];
+    for (i64 i = chunk_start[blockIdx.x] + 4 * (i64)threadIdx.x; i < end;
+         i += 4 * (i64)blockDim.x) {
+        float p[4], g[4], a[4], b[4], m[4];
+        LOAD4(params, i, p);
+        LOAD4(grads, i, g);
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            g[e] *= sign;
+            if (decay != 1.0f) p[e] *= decay;
+            if (l2 != 0.0f) g[e] += l2 * p[e];
+        }
+        if (KIND == 0) {  // sgd: lr, momentum, keep, take, use_momentum, nesterov
+            if (c[4] != 0.0f) {
+                LOAD4(s0, i, a);
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    a[e] = a[e] * c[2] + c[3] * g[e];
+                    g[e] = c[5] != 0.0f ? g[e] + c[1] * a[e] : a[e];
+                }
+                STORE4(s0, i, a);
+            }
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) p[e] -= c[0] * g[e];
+        } else if (KIND == 1) {  // adam: step_size, b1, b2, eps, sqrt(bc2), amsgrad
+            LOAD4(s0, i, a);
+            LOAD4(s1, i, b);
+            if (c[5] != 0.0f) LOAD4(s2, i, m);
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                a[e] += (g[e] - a[e]) * (1.0f - c[1]);
+                b[e] = b[e] * c[2] + (1.0f - c[2]) * g[e] * g[e];
+                float v = b[e];
+                if (c[5] != 0.0f) { m[e] = fmaxf(m[e], b[e]); v = m[e]; }
+                const float denom = sqrtf(v) / c[4] + c[3];
+                p[e] -= c[0] * (a[e] / denom);
+            }
+            STORE4(s0, i, a);
+            STORE4(s1, i, b);
+            if (c[5] != 0.0f) STORE4(s2, i, m);
+        } else if (KIND == 2) {  // adagrad: clr, eps
+            LOAD4(s0, i, a);
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                a[e] += g[e] * g[e];
+                p[e] -= c[0] * (g[e] / (sqrtf(a[e]) + c[1]));
+            }
+            STORE4(s0, i, a);
+        } else if (KIND == 3) {  // rmsprop: lr, alpha, eps, momentum, centered
+            LOAD4(s0, i, a);
+            if (c[3] > 0.0f) LOAD4(s1, i, b);
+            if (c[4] != 0.0f) LOAD4(s2, i, m);
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                a[e] = a[e] * c[1] + (1.0f - c[1]) * g[e] * g[e];
+                float avg;
+                if (c[4] != 0.0f) {
+                    m[e] += (g[e] - m[e]) * (1.0f - c[1]);
+                    avg = sqrtf(a[e] - m[e] * m[e]) + c[2];
+                } else {
+                    avg = sqrtf(a[e]) + c[2];
+                }
+                if (c[3] > 0.0f) {
+                    b[e] = b[e] * c[3] + g[e] / avg;
+                    p[e] -= c[0] * b[e];
+                } else {
+                    p[e] -= c[0] * (g[e] / avg);
+                }
+            }
+            STORE4(s0, i, a);
+            if (c[3] > 0.0f) STORE4(s1, i, b);
+            if (c[4] != 0.0f) STORE4(s2, i, m);
+        } else if (KIND == 4) {  // adamax: clr, b1, b2, eps
+            LOAD4(s0, i, a);
+            LOAD4(s1, i, b);
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                a[e] += (g[e] - a[e]) * (1.0f - c[1]);
+                b[e] = fmaxf(b[e] * c[2], fabsf(g[e]) + c[3]);
+                p[e] -= c[0] * (a[e] / b[e]);
+            }
+            STORE4(s0, i, a);
+            STORE4(s1, i, b);
+        } else if (KIND == 5) {  // nadam: coef_grad, coef_avg, b1, b2, bc2, eps
+            LOAD4(s0, i, a);
+            LOAD4(s1, i, b);
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                a[e] += (g[e] - a[e]) * (1.0f - c[2]);
+                b[e] = b[e] * c[3] + (1.0f - c[3]) * g[e] * g[e];
+                const float denom = sqrtf(b[e] / c[4]) + c[5];
+                p[e] += c[0] * (g[e] / denom);
+                p[e] += c[1] * (a[e] / denom);
+            }
+            STORE4(s0, i, a);
+            STORE4(s1, i, b);
+        } else if (KIND == 6) {  // radam: lr/bc1, b1, b2, eps, sqrt(bc2), rect, rectified
+            LOAD4(s0, i, a);
+            LOAD4(s1, i, b);
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                a[e] += (g[e] - a[e]) * (1.0f - c[1]);
+                b[e] = b[e] * c[2] + (1.0f - c[2]) * g[e] * g[e];
+                if (c[6] != 0.0f) {
+                    const float adaptive = c[4] / (sqrtf(b[e]) + c[3]);
+                    p[e] -= c[0] * a[e] * adaptive * c[5];
+                } else {
+                    p[e] -= c[0] * a[e];
+                }
+            }
+            STORE4(s0, i, a);
+            STORE4(s1, i, b);
+        } else if (KIND == 7) {  // lion (optax): lr, b1, b2, weight decay
+            LOAD4(s0, i, a);
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float mix = c[1] * a[e] + (1.0f - c[1]) * g[e];
+                float update = (mix > 0.0f) - (mix < 0.0f);
+                a[e] = a[e] * c[2] + (1.0f - c[2]) * g[e];
+                update += c[3] * p[e];
+                p[e] -= c[0] * update;
+            }
+            STORE4(s0, i, a);
+        }
+        STORE4(params, i, p);
+    }
+}
+"""
+
+# State buffers of each rule, in the kernel's s0, s1, s2 order.
+_SLOTS = {
+    0: ("momentum_buffer",),
+    1: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    2: ("sum",),
+    3: ("square_avg", "momentum_buffer", "grad_avg"),
+    4: ("exp_avg", "exp_inf"),
+    5: ("exp_avg", "exp_avg_sq"),
+    6: ("exp_avg", "exp_avg_sq"),
+    7: ("exp_avg",),
+}
+
+
+def slot_names(kind: int) -> tuple:
+    return _SLOTS[kind]
+
+
+def update_name(kind: int) -> str:
+    return f"flat_update<{kind}>"
+
+
+OPTIM_MODULE = KernelModule("optim", OPTIM_KERNEL, tuple(update_name(k) for k in _SLOTS))

@@ -1,0 +1,679 @@
+"""Flat-buffer optimizers: every parameter in one buffer, one update over all of it.
+
+A :class:`FlatLayout` places many tensors (*segments*) in one flat array, each starting on a
+16-byte boundary, each tagged with its parameter group. An optimizer is a pair of functions,
+optax style::
+
+    opt = xferlib.optim.adam(lr=1e-3)
+    state = opt.init(layout)                       # zeroed state buffers, step counters
+    state = opt.update(params, grads, state)       # params updated in place
+
+``params`` and ``grads`` are flat arrays laid out by ``layout`` (NumPy on the CPU, CuPy on the
+GPU); the state buffers are flat arrays of the same layout. The update rules, hyperparameter
+names and defaults are torch.optim's (optax's for :func:`lion`), eps placement and bias
+correction included, so a flat optimizer follows the torch optimizer it replaces step for
+step.
+
+Per-step scalars (bias corrections, step sizes, NAdam's momentum products) are computed on
+the host per segment, from each segment's own step counter (a segment without a gradient in a
+step is skipped, as torch skips a parameter whose ``.grad`` is None); the elementwise work then
+runs in one pass: vectorized NumPy over runs of segments that share their scalars, or one CUDA
+launch over the whole buffer (``xferlib/_kernels/optim.py``) with a per-segment scalar table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from xferlib._backend import is_cupy_array
+
+__all__ = [
+    "Segment",
+    "FlatLayout",
+    "FlatState",
+    "FlatOptimizer",
+    "OPTIMIZERS",
+    "sgd",
+    "adam",
+    "adamw",
+    "adagrad",
+    "rmsprop",
+    "adamax",
+    "nadam",
+    "radam",
+    "lion",
+    "global_norm",
+    "clip_coefficient",
+]
+
+ALIGN_BYTES = 16  # every segment starts on a 16-byte boundary: whole-vector kernel accesses
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One tensor inside the flat buffer."""
+
+    offset: int  # in elements
+    size: int
+    shape: tuple
+    group: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """Where each tensor lives in one flat buffer of ``total`` elements of ``dtype``."""
+
+    segments: tuple
+    total: int
+    dtype: np.dtype
+
+    @classmethod
+    def from_shapes(cls, shapes, groups=None, dtype=np.float32) -> "FlatLayout":
+        """Lay out tensors of ``shapes`` (with ``groups`` ids, default all 0) in order, each
+        padded to a 16-byte boundary."""
+        dtype = np.dtype(dtype)
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+        groups = [0] * len(shapes) if groups is None else [int(g) for g in groups]
+        if len(groups) != len(shapes):
+            raise ValueError(f"{len(shapes)} shapes but {len(groups)} group ids")
+        if any(g < 0 for g in groups):
+            raise ValueError(f"group ids must be >= 0, got {min(groups)}")
+        align = max(1, ALIGN_BYTES // dtype.itemsize)
+        segments, offset = [], 0
+        for shape, group in zip(shapes, groups):
+            if any(d < 0 for d in shape):
+                raise ValueError(f"negative dimension in shape {shape}")
+            size = math.prod(shape)
+            segments.append(Segment(offset, size, shape, group))
+            offset += -(-size // align) * align
+        return cls(tuple(segments), offset, dtype)
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + max((s.group for s in self.segments), default=-1)
+
+    @property
+    def group_ids(self) -> np.ndarray:
+        """The group of each segment, as an array (cached)."""
+        cached = self.__dict__.get("_group_ids")
+        if cached is None:
+            cached = np.array([s.group for s in self.segments], dtype=np.int64)
+            object.__setattr__(self, "_group_ids", cached)
+        return cached
+
+    def empty(self, xp=np):
+        return xp.empty(self.total, dtype=self.dtype)
+
+    def zeros(self, xp=np):
+        return xp.zeros(self.total, dtype=self.dtype)
+
+    def views(self, flat) -> list:
+        """One view per segment, shaped as the tensor, sharing memory with ``flat``."""
+        self.check(flat, "flat")
+        return [flat[s.offset:s.offset + s.size].reshape(s.shape) for s in self.segments]
+
+    def pack(self, arrays, out=None):
+        """Copy ``arrays`` (one per segment) into a flat buffer (padding zeroed)."""
+        arrays = list(arrays)
+        if len(arrays) != len(self.segments):
+            raise ValueError(f"{len(arrays)} arrays for {len(self.segments)} segments")
+        xp = _namespace(arrays[0]) if arrays else np
+        flat = self.zeros(xp) if out is None else out
+        for seg, a in zip(self.segments, arrays):
+            if tuple(a.shape) != seg.shape:
+                raise ValueError(f"array of shape {tuple(a.shape)} for a segment of {seg.shape}")
+            flat[seg.offset:seg.offset + seg.size] = a.reshape(-1)
+        return flat
+
+    def check(self, flat, name: str) -> None:
+        if flat.ndim != 1 or flat.shape[0] != self.total:
+            raise ValueError(f"{name} must be a flat array of {self.total} elements, got shape "
+                             f"{tuple(flat.shape)}")
+        if flat.dtype != self.dtype:
+            raise TypeError(f"{name} dtype {flat.dtype} does not match the layout's {self.dtype}")
+
+
+def _namespace(x):
+    if is_cupy_array(x):
+        import cupy
+
+        return cupy
+    return np
+
+
+# ----------------------------------------------------------------------------- state
+
+
+class FlatState(NamedTuple):
+    """Optimizer state: flat buffers by torch's state names, and per-segment scalars.
+
+    ``steps``: int64 step count per segment (torch's ``state['step']``). ``scalars``: other
+    per-segment host scalars by name (NAdam's ``mu_product``).
+    """
+
+    buffers: dict
+    steps: np.ndarray
+    scalars: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatOptimizer:
+    """An ``(init, update)`` pair with the metadata adapters need."""
+
+    name: str
+    defaults: dict
+    init: Callable
+    update: Callable
+    state_names: Callable  # hyper -> names of the flat state buffers
+    kind: int  # the kernel's optimizer id
+
+
+# ----------------------------------------------------------------------------- the rules
+#
+# Each rule has three parts: a hyperparameter check, per-segment scalars (host, float64, from
+# the segment's step count) and the elementwise update (NumPy here; CUDA in
+# xferlib/_kernels/optim.py). Before the rule runs, the gradient is negated for ``maximize`` and
+# weight decay is applied the way torch applies it for that optimizer: added to the gradient
+# (L2) or multiplied into the parameter (decoupled, AdamW-style). Elementwise code follows
+# torch's op order so the float32 results track torch's.
+
+SCALARS = 8  # rule-specific scalars per segment
+COMMON = 3  # sign, L2 coefficient, decoupled decay factor
+
+
+def _check_common(h: dict) -> None:
+    lr = h.get("lr", h.get("learning_rate"))
+    if not isinstance(lr, (int, float)) or not lr >= 0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if h.get("weight_decay", 0.0) < 0:
+        raise ValueError(f"Invalid weight_decay value: {h['weight_decay']}")
+    if h.get("eps", 0.0) < 0:
+        raise ValueError(f"Invalid epsilon value: {h['eps']}")
+    if "betas" in h:
+        b1, b2 = h["betas"]
+        if not 0.0 <= b1 < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {b1}")
+        if not 0.0 <= b2 < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {b2}")
+
+
+def _f32(x) -> np.float32:
+    return np.float32(x)
+
+
+def _sgd_check(h):
+    _check_common(h)
+    if h["momentum"] < 0:
+        raise ValueError(f"Invalid momentum value: {h['momentum']}")
+    if h["dampening"] < 0:
+        raise ValueError(f"Invalid dampening value: {h['dampening']}")
+    if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
+def _sgd_scalars(h, step, extra):
+    first = step == 1  # torch's first step copies the gradient into the momentum buffer
+    keep = 0.0 if first else h["momentum"]
+    take = 1.0 if first else 1.0 - h["dampening"]
+    return [h["lr"], h["momentum"], keep, take, float(h["momentum"] != 0),
+            float(h["nesterov"]), 0.0, 0.0]
+
+
+def _sgd_numpy(c, p, g, b):
+    lr, mom, keep, take, use_momentum, nesterov = c[:6]
+    if use_momentum:
+        buf = b["momentum_buffer"]
+        buf *= _f32(keep)
+        buf += _f32(take) * g
+        g = g + _f32(mom) * buf if nesterov else buf
+    p -= _f32(lr) * g
+
+
+def _adam_scalars(h, step, extra):
+    b1, b2 = h["betas"]
+    bc1 = 1.0 - b1 ** step
+    return [h["lr"] / bc1, b1, b2, h["eps"], math.sqrt(1.0 - b2 ** step),
+            float(h["amsgrad"]), 0.0, 0.0]
+
+
+def _adam_numpy(c, p, g, b):
+    step_size, b1, b2, eps, bc2_sqrt, amsgrad = c[:6]
+    m, v = b["exp_avg"], b["exp_avg_sq"]
+    m += (g - m) * _f32(1.0 - b1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
+    v *= _f32(b2)
+    v += _f32(1.0 - b2) * g * g
+    if amsgrad:
+        np.maximum(b["max_exp_avg_sq"], v, out=b["max_exp_avg_sq"])
+        v = b["max_exp_avg_sq"]
+    denom = np.sqrt(v) / _f32(bc2_sqrt) + _f32(eps)
+    p -= _f32(step_size) * (m / denom)
+
+
+def _adagrad_check(h):
+    _check_common(h)
+    if h["lr_decay"] < 0:
+        raise ValueError(f"Invalid lr_decay value: {h['lr_decay']}")
+    if h["initial_accumulator_value"] < 0:
+        raise ValueError("Invalid initial_accumulator_value value: "
+                         f"{h['initial_accumulator_value']}")
+
+
+def _adagrad_scalars(h, step, extra):
+    return [h["lr"] / (1.0 + (step - 1) * h["lr_decay"]), h["eps"], 0, 0, 0, 0, 0, 0]
+
+
+def _adagrad_numpy(c, p, g, b):
+    clr, eps = c[:2]
+    s = b["sum"]
+    s += g * g
+    p -= _f32(clr) * (g / (np.sqrt(s) + _f32(eps)))
+
+
+def _rmsprop_check(h):
+    _check_common(h)
+    if h["momentum"] < 0:
+        raise ValueError(f"Invalid momentum value: {h['momentum']}")
+    if h["alpha"] < 0:
+        raise ValueError(f"Invalid alpha value: {h['alpha']}")
+
+
+def _rmsprop_scalars(h, step, extra):
+    return [h["lr"], h["alpha"], h["eps"], h["momentum"], float(h["centered"]), 0, 0, 0]
+
+
+def _rmsprop_numpy(c, p, g, b):
+    lr, alpha, eps, mom, centered = c[:5]
+    sq = b["square_avg"]
+    sq *= _f32(alpha)
+    sq += _f32(1.0 - alpha) * g * g
+    if centered:
+        ga = b["grad_avg"]
+        ga += (g - ga) * _f32(1.0 - alpha)
+        avg = np.sqrt(sq - ga * ga) + _f32(eps)
+    else:
+        avg = np.sqrt(sq) + _f32(eps)
+    if mom > 0:
+        buf = b["momentum_buffer"]
+        buf *= _f32(mom)
+        buf += g / avg
+        p -= _f32(lr) * buf
+    else:
+        p -= _f32(lr) * (g / avg)
+
+
+def _adamax_scalars(h, step, extra):
+    b1, b2 = h["betas"]
+    return [h["lr"] / (1.0 - b1 ** step), b1, b2, h["eps"], 0, 0, 0, 0]
+
+
+def _adamax_numpy(c, p, g, b):
+    clr, b1, b2, eps = c[:4]
+    m, u = b["exp_avg"], b["exp_inf"]
+    m += (g - m) * _f32(1.0 - b1)
+    np.maximum(u * _f32(b2), np.abs(g) + _f32(eps), out=u)
+    p -= _f32(clr) * (m / u)
+
+
+def _nadam_check(h):
+    _check_common(h)
+    if h["momentum_decay"] < 0:
+        raise ValueError(f"Invalid momentum_decay value: {h['momentum_decay']}")
+
+
+def _nadam_scalars(h, step, extra):
+    b1, b2 = h["betas"]
+    mu = b1 * (1.0 - 0.5 * 0.96 ** (step * h["momentum_decay"]))
+    mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1) * h["momentum_decay"]))
+    mu_product = extra["mu_product"] * mu
+    extra["mu_product"] = mu_product  # stored back per segment by the caller
+    return [-h["lr"] * (1.0 - mu) / (1.0 - mu_product),
+            -h["lr"] * mu_next / (1.0 - mu_product * mu_next),
+            b1, b2, 1.0 - b2 ** step, h["eps"], 0, 0]
+
+
+def _nadam_numpy(c, p, g, b):
+    coef_grad, coef_avg, b1, b2, bc2, eps = c[:6]
+    m, v = b["exp_avg"], b["exp_avg_sq"]
+    m += (g - m) * _f32(1.0 - b1)
+    v *= _f32(b2)
+    v += _f32(1.0 - b2) * g * g
+    denom = np.sqrt(v / _f32(bc2)) + _f32(eps)
+    p += _f32(coef_grad) * (g / denom)
+    p += _f32(coef_avg) * (m / denom)
+
+
+def _radam_scalars(h, step, extra):
+    b1, b2 = h["betas"]
+    bc1 = 1.0 - b1 ** step
+    bc2 = 1.0 - b2 ** step
+    rho_inf = 2.0 / (1.0 - b2) - 1.0
+    rho_t = rho_inf - 2.0 * step * (b2 ** step) / bc2
+    if rho_t > 5.0:  # variance is tractable: rectified adaptive step
+        rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf
+                         / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+        return [h["lr"] / bc1, b1, b2, h["eps"], math.sqrt(bc2), rect, 1.0, 0.0]
+    return [h["lr"] / bc1, b1, b2, h["eps"], math.sqrt(bc2), 0.0, 0.0, 0.0]
+
+
+def _radam_numpy(c, p, g, b):
+    lr_bc1, b1, b2, eps, bc2_sqrt, rect, rectified = c[:7]
+    m, v = b["exp_avg"], b["exp_avg_sq"]
+    m += (g - m) * _f32(1.0 - b1)
+    v *= _f32(b2)
+    v += _f32(1.0 - b2) * g * g
+    if rectified:
+        adaptive = _f32(bc2_sqrt) / (np.sqrt(v) + _f32(eps))
+        p -= _f32(lr_bc1) * m * adaptive * _f32(rect)
+    else:
+        p -= _f32(lr_bc1) * m
+
+
+def _lion_scalars(h, step, extra):
+    return [h["learning_rate"], h["b1"], h["b2"], h["weight_decay"], 0, 0, 0, 0]
+
+
+def _lion_numpy(c, p, g, b):
+    # optax.lion: update = sign(b1 m + (1 - b1) g) + wd p;  m <- b2 m + (1 - b2) g
+    lr, b1, b2, wd = c[:4]
+    m = b["exp_avg"]
+    update = np.sign(_f32(b1) * m + _f32(1.0 - b1) * g)
+    m *= _f32(b2)
+    m += _f32(1.0 - b2) * g
+    if wd:
+        update += _f32(wd) * p
+    p -= _f32(lr) * update
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    kind: int
+    defaults: dict
+    check: Callable
+    scalars: Callable
+    numpy: Callable
+    buffers: Callable  # hyper -> state buffer names
+    decay: str  # "l2", "decoupled", "flag" (decoupled_weight_decay), or "none"
+
+
+_RULES = {
+    "sgd": _Rule(0, dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                         nesterov=False, maximize=False),
+                 _sgd_check, _sgd_scalars, _sgd_numpy,
+                 lambda h: ["momentum_buffer"] if h["momentum"] else [], "l2"),
+    "adam": _Rule(1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                          amsgrad=False, maximize=False),
+                  _check_common, _adam_scalars, _adam_numpy,
+                  lambda h: ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h["amsgrad"]
+                                                         else []), "l2"),
+    "adamw": _Rule(1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                           amsgrad=False, maximize=False),
+                   _check_common, _adam_scalars, _adam_numpy,
+                   lambda h: ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h["amsgrad"]
+                                                          else []), "decoupled"),
+    "adagrad": _Rule(2, dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0,
+                             initial_accumulator_value=0.0, eps=1e-10, maximize=False),
+                     _adagrad_check, _adagrad_scalars, _adagrad_numpy, lambda h: ["sum"], "l2"),
+    "rmsprop": _Rule(3, dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
+                             centered=False, maximize=False),
+                     _rmsprop_check, _rmsprop_scalars, _rmsprop_numpy,
+                     lambda h: ["square_avg"] + (["momentum_buffer"] if h["momentum"] > 0
+                                                 else []) + (["grad_avg"] if h["centered"]
+                                                             else []), "l2"),
+    "adamax": _Rule(4, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                            maximize=False),
+                    _check_common, _adamax_scalars, _adamax_numpy,
+                    lambda h: ["exp_avg", "exp_inf"], "l2"),
+    "nadam": _Rule(5, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                           momentum_decay=4e-3, decoupled_weight_decay=False, maximize=False),
+                   _nadam_check, _nadam_scalars, _nadam_numpy,
+                   lambda h: ["exp_avg", "exp_avg_sq"], "flag"),
+    "radam": _Rule(6, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                           decoupled_weight_decay=False, maximize=False),
+                   _check_common, _radam_scalars, _radam_numpy,
+                   lambda h: ["exp_avg", "exp_avg_sq"], "flag"),
+    "lion": _Rule(7, dict(learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=1e-3),
+                  _check_common, _lion_scalars, _lion_numpy, lambda h: ["exp_avg"], "none"),
+}
+
+OPTIMIZERS = tuple(_RULES)
+
+
+def _common_scalars(rule: _Rule, h: dict) -> list:
+    sign = -1.0 if h.get("maximize", False) else 1.0
+    wd = h.get("weight_decay", 0.0)
+    decoupled = rule.decay == "decoupled" or (rule.decay == "flag"
+                                               and h["decoupled_weight_decay"])
+    if rule.decay == "none" or not wd:
+        return [sign, 0.0, 1.0]
+    if decoupled:
+        return [sign, 0.0, 1.0 - h["lr"] * wd]
+    return [sign, wd, 1.0]
+
+
+def _preamble_numpy(common, p, g):
+    """maximize and weight decay, as torch applies them before each rule."""
+    sign, l2, decay = common
+    if sign < 0:
+        g = -g
+    if decay != 1.0:
+        p *= _f32(decay)
+    if l2:
+        g = g + _f32(l2) * p
+    return g
+
+
+def resolve_hyper(name: str, overrides: dict | None = None) -> dict:
+    """``name``'s defaults updated by ``overrides``, checked (ValueError as torch raises)."""
+    rule = _RULES[name]
+    unknown = set(overrides or ()) - set(rule.defaults)
+    if unknown:
+        raise ValueError(f"{name}: unknown hyperparameter(s) {sorted(unknown)}; "
+                         f"known: {sorted(rule.defaults)}")
+    h = {**rule.defaults, **(overrides or {})}
+    rule.check(h)
+    return h
+
+
+def _make(name: str):
+    rule = _RULES[name]
+
+    def factory(**hyper) -> FlatOptimizer:
+        defaults = resolve_hyper(name, hyper)
+
+        def state_names(h=None):
+            return rule.buffers(defaults if h is None else h)
+
+        def init(layout: FlatLayout, hypers: Sequence[dict] | None = None, xp=None):
+            """Zeroed state for ``layout`` (``xp``: numpy or cupy; default numpy)."""
+            xp = np if xp is None else xp
+            hypers = _group_hypers(layout, hypers, defaults, name)
+            names = []
+            for h in hypers:
+                names += [n for n in rule.buffers(h) if n not in names]
+            buffers = {n: layout.zeros(xp) for n in names}
+            if name == "adagrad":
+                for seg in layout.segments:
+                    value = hypers[seg.group]["initial_accumulator_value"]
+                    buffers["sum"][seg.offset:seg.offset + seg.size] = value
+            scalars = {"mu_product": np.ones(len(layout.segments))} if name == "nadam" else {}
+            return FlatState(buffers, np.zeros(len(layout.segments), dtype=np.int64), scalars)
+
+        def update(layout: FlatLayout, params, grads, state: FlatState,
+                   hypers: Sequence[dict] | None = None, active=None, stream=None) -> FlatState:
+            """One step in place on ``params`` and ``state``; returns ``state``.
+
+            ``hypers``: one dict per group (default: this optimizer's hyperparameters).
+            ``active``: bool per segment; inactive segments (no gradient) are skipped and
+            their step counters stay.
+            """
+            layout.check(params, "params")
+            layout.check(grads, "grads")
+            hypers = _group_hypers(layout, hypers, defaults, name)
+            active = (np.ones(len(layout.segments), dtype=bool) if active is None
+                      else np.asarray(active, dtype=bool))
+            if active.shape != (len(layout.segments),):
+                raise ValueError(f"active must have one flag per segment "
+                                 f"({len(layout.segments)}), got shape {active.shape}")
+            table = step_scalars(rule, layout, state, hypers, active)
+            if is_cupy_array(params):
+                _update_cuda(rule, name, layout, params, grads, state, table, stream)
+            else:
+                _update_numpy(rule, layout, params, grads, state, table, active)
+            return state
+
+        return FlatOptimizer(name, defaults, init, update, state_names, rule.kind)
+
+    factory.__name__ = name
+    factory.__qualname__ = name
+    factory.__doc__ = (f"Flat {name}: torch.optim's rule, names and defaults "
+                       f"{_RULES[name].defaults}." if name != "lion" else
+                       f"Flat lion: optax.lion's rule, names and defaults "
+                       f"{_RULES[name].defaults}.")
+    return factory
+
+
+def _group_hypers(layout, hypers, defaults, name):
+    if hypers is None:
+        hypers = [defaults] * max(1, layout.num_groups)
+    hypers = list(hypers)
+    if len(hypers) < layout.num_groups:
+        raise ValueError(f"layout has {layout.num_groups} groups but {len(hypers)} "
+                         "hyperparameter dicts were given")
+    return hypers
+
+
+def step_scalars(rule: _Rule, layout: FlatLayout, state: FlatState, hypers, active):
+    """Advance the step counters of active segments and return the per-segment scalar table
+    (float64, ``COMMON + SCALARS`` columns; rows of inactive segments are zero).
+
+    Scalars are computed once per group and distinct step (segments of a group usually share
+    their step), so the host cost does not grow with the number of tensors."""
+    table = np.zeros((len(layout.segments), COMMON + SCALARS))
+    state.steps[active] += 1
+    groups = layout.group_ids
+    for group, h in enumerate(hypers[:max(1, layout.num_groups)]):
+        selected = np.flatnonzero(active & (groups == group))
+        if selected.size == 0:
+            continue
+        common = _common_scalars(rule, h)
+        keys = [state.steps[selected]] + [state.scalars[k][selected] for k in state.scalars]
+        unique, inverse = np.unique(np.stack(keys, axis=1), axis=0, return_inverse=True)
+        rows = np.empty((len(unique), COMMON + SCALARS))
+        new_extra = {k: np.empty(len(unique)) for k in state.scalars}
+        for u, key in enumerate(unique):
+            extra = dict(zip(state.scalars, key[1:]))
+            rows[u, :COMMON] = common
+            rows[u, COMMON:] = rule.scalars(h, int(key[0]), extra)
+            for k in state.scalars:
+                new_extra[k][u] = extra[k]
+        inverse = inverse.reshape(-1)
+        table[selected] = rows[inverse]
+        for k in state.scalars:
+            state.scalars[k][selected] = new_extra[k][inverse]
+    return table
+
+
+def _update_numpy(rule, layout, params, grads, state, table, active):
+    # Runs of adjacent active segments that share every scalar update as one slice.
+    segments = layout.segments
+    i = 0
+    while i < len(segments):
+        if not active[i]:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(segments) and active[j] and np.array_equal(table[j], table[i]):
+            j += 1
+        start = segments[i].offset
+        end = segments[j].offset if j < len(segments) else layout.total
+        p = params[start:end]
+        g = _preamble_numpy(table[i, :COMMON], p, grads[start:end])
+        buffers = {n: b[start:end] for n, b in state.buffers.items()}
+        rule.numpy(table[i, COMMON:], p, g, buffers)
+        i = j
+
+
+def _update_cuda(rule, name, layout, params, grads, state, table, stream):
+    """One launch over the whole buffer: a block per chunk of a segment, the segment's scalars
+    from a table uploaded with the launch (inactive segments have a zero sign and exit)."""
+    import cupy
+
+    from xferlib._backend import as_cupy_stream
+    from xferlib._kernels.optim import OPTIM_MODULE, slot_names, update_name
+
+    stream = as_cupy_stream(stream)
+    chunks = _chunk_table(layout)
+    slots = slot_names(rule.kind)
+    pointers = []
+    for slot in slots:
+        buffer = state.buffers.get(slot)
+        if buffer is not None:
+            layout.check(buffer, slot)
+        pointers.append(np.uint64(0) if buffer is None else buffer)
+    pointers += [np.uint64(0)] * (3 - len(pointers))
+    with stream:
+        device_table = cupy.asarray(table.astype(np.float32))
+        kernel = OPTIM_MODULE.get_function(update_name(rule.kind))
+        kernel((len(chunks[0]),), (256,),
+               (params, grads, *pointers, device_table, *chunks, np.int32(table.shape[1])),
+               stream=stream)
+
+
+_CHUNK = 8192  # elements per block
+
+
+def _chunk_table(layout: FlatLayout):
+    """(segment id, start, end) per block, cached per layout and device."""
+    import cupy
+
+    cache = layout.__dict__.setdefault("_chunks", {})
+    device = cupy.cuda.runtime.getDevice()
+    cached = cache.get(device)
+    if cached is None:
+        seg_ids, starts, ends = [], [], []
+        for i, seg in enumerate(layout.segments):
+            end = (layout.segments[i + 1].offset if i + 1 < len(layout.segments)
+                   else layout.total)  # the padding rides along: it stays zero
+            for start in range(seg.offset, end, _CHUNK):
+                seg_ids.append(i)
+                starts.append(start)
+                ends.append(min(end, start + _CHUNK))
+        cached = cache[device] = (cupy.asarray(np.array(seg_ids, dtype=np.int32)),
+                                 cupy.asarray(np.array(starts, dtype=np.int64)),
+                                 cupy.asarray(np.array(ends, dtype=np.int64)))
+    return cached
+
+
+sgd = _make("sgd")
+adam = _make("adam")
+adamw = _make("adamw")
+adagrad = _make("adagrad")
+rmsprop = _make("rmsprop")
+adamax = _make("adamax")
+nadam = _make("nadam")
+radam = _make("radam")
+lion = _make("lion")
+
+
+# ----------------------------------------------------------------------------- clipping
+
+
+def global_norm(grads, norm_type: float = 2.0) -> float:
+    """The norm of all gradients in a flat buffer (padding is zero, so it does not count)."""
+    xp = _namespace(grads)
+    g = grads.astype(xp.float32, copy=False)
+    if norm_type == float("inf"):
+        return float(xp.abs(g).max()) if g.size else 0.0
+    return float(xp.sum(xp.abs(g) ** norm_type) ** (1.0 / norm_type))
+
+
+def clip_coefficient(total_norm: float, max_norm: float, eps: float = 1e-6) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: ``min(1, max_norm / (total_norm + eps))``."""
+    return min(1.0, max_norm / (total_norm + eps))
