@@ -173,3 +173,24 @@ def test_lion_trains_with_torch_names():
         _train_step(model, opt, x, y)
         sched.step()
     assert torch.nn.functional.mse_loss(model(x), y).item() < first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flat_cls,torch_cls,kw", CASES, ids=IDS)
+def test_cuda_training_matches_torch_cuda(flat_cls, torch_cls, kw):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none here")
+    ref, ours = _model().cuda(), _model().cuda()
+    ref_opt = torch_cls(_groups(ref, kw["lr"]), **kw)
+    opt = flat_cls(_groups(ours, kw["lr"]), **kw)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(100):
+        x = torch.randn(8, 6, device="cuda", generator=g)
+        y = torch.randn(8, 2, device="cuda", generator=g)
+        _train_step(ref, ref_opt, x, y, ["optimizer", "model", "keep"][step % 3], step % 7 == 3)
+        _train_step(ours, opt, x, y, ["optimizer", "model", "keep"][step % 3], step % 7 == 3)
+        if step == 50:
+            saved = copy.deepcopy(opt.state_dict())
+            opt = flat_cls(_groups(ours, kw["lr"]), **kw)
+            opt.load_state_dict(saved)
+    _assert_same(ref, ours, rtol=1e-4)

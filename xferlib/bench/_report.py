@@ -57,7 +57,9 @@ def write_plot(path: str, results: list[dict]) -> None:
     except ImportError:
         print("matplotlib is not installed; no plot (pip install 'xferlib[bench]')")
         return
-    records = [r for r in results if r.get("rows")]
+    records = [r for r in results if r.get("rows") and "row_bytes" in r]
+    if not records:
+        return _bar_plot(path, results, plt)
     sizes = sorted({r["row_bytes"] for r in records})
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
     for ax, size in zip(axes[0], sizes):
@@ -75,6 +77,27 @@ def write_plot(path: str, results: list[dict]) -> None:
         ax.set_ylabel("GB/s")
         ax.set_title(f"{size} B rows")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def _bar_plot(path, results, plt):
+    """Milliseconds per implementation, one panel per parameter set (``xferlib bench optim``)."""
+    sets = sorted({r["set"] for r in results if "set" in r})
+    if not sets:
+        print("nothing to plot")
+        return
+    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 4), squeeze=False)
+    for ax, name in zip(axes[0], sets):
+        rows = [r for r in results if r.get("set") == name]
+        ax.barh([r["impl"] for r in rows], [r["ms"] for r in rows])
+        ax.axvline(rows[0]["floor_ms"], color="k", linestyle="--", label="HBM floor")
+        ax.set_xscale("log")
+        ax.set_xlabel("ms per step")
+        ax.set_title(name)
+        ax.tick_params(axis="y", labelsize=6)
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

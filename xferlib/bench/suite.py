@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from xferlib.bench import transfer
+from xferlib.bench import optim, transfer
 from xferlib.bench._report import print_table, write_json, write_plot
 
-SUITES = {"transfer": transfer.run}
+SUITES = {"transfer": transfer.run, "optim": optim.run}
 
 
 def run_suites(names, *, quick=False, json_path=None, plot_path=None) -> dict:
@@ -29,12 +29,20 @@ def run_suites(names, *, quick=False, json_path=None, plot_path=None) -> dict:
         targets = payload[name].get("targets")
         if targets:
             print("targets:")
-            print_table(targets, [("op", "op", "s"), ("row_bytes", "row B", "d"),
-                                  ("rows", "rows", "d"), ("GB_per_s", "GB/s", ".1f"),
-                                  ("target_GB_per_s", "target", ".0f"), ("met", "met", "")])
+            print_table(targets, [(k, k, _fmt(v)) for k, v in targets[0].items()])
     if json_path:
         write_json(json_path, payload)
     if plot_path:
         results = [r for suite in payload.values() for r in suite.get("results", [])]
         write_plot(plot_path, results)
     return payload
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return ""
+    if isinstance(value, int):
+        return "d"
+    if isinstance(value, float):
+        return ".3g"
+    return "s"

@@ -1,0 +1,236 @@
+"""``xferlib bench optim``: one Adam step over well-known parameter sets.
+
+For ResNet-50, BERT-base, 100 x Linear(128, 128) and 2000 tensors of 4096 (float32), beside
+each other in the same run: torch.optim.Adam as a for-loop, with ``foreach``, with
+``fused=True``, fused inside a CUDA graph; contiguous_params 1.0.0 with Adam when it is
+installed; optax.adam under ``jax.jit`` on the pytree and on one flat array; and xferlib's
+``FlatAdam.step()`` (whole step, host work included) and its kernel alone. Milliseconds of
+device time, % of the HBM-copy floor (28 bytes per parameter at this GPU's measured copy rate),
+and host time per ``step()``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from xferlib.bench._timing import gpu_time_ms
+from xferlib.bench.shapes import (bert_base_shapes, linear_stack_shapes, many_small_shapes,
+                                  resnet50_shapes)
+
+BYTES_PER_PARAM = 28  # Adam reads p, g, m, v and writes p, m, v: 7 x 4 bytes
+
+SETS = {
+    "resnet50": resnet50_shapes,
+    "bert_base": bert_base_shapes,
+    "linear128x100": linear_stack_shapes,
+    "small4096x2000": many_small_shapes,
+}
+
+# BENCHMARKS.md targets (H200): ms ceilings and speedups over torch fused / contiguous_params.
+TARGETS = {"resnet50": dict(max_ms=0.19, vs_fused=4.0), "bert_base": dict(max_ms=0.81,
+                                                                           vs_fused=2.0)}
+
+
+def run(quick: bool = False) -> dict:
+    from xferlib._backend import cupy_available
+    from xferlib.bench._report import environment
+
+    if not cupy_available():
+        print("no CUDA GPU found: the optimizer benchmark needs a GPU (skipped)")
+        return {"suite": "optim", "environment": environment(), "results": [], "targets": []}
+    import torch
+
+    copy_rate = _hbm_copy_rate(torch)
+    print(f"HBM copy: {copy_rate:.0f} GB/s (read+write); Adam floor = 28 B/param at that rate")
+    results = []
+    names = ("resnet50", "bert_base") if quick else tuple(SETS)
+    for name in names:
+        shapes = SETS[name]()
+        numel = sum(math.prod(s) for s in shapes)
+        floor_ms = numel * BYTES_PER_PARAM / copy_rate / 1e6
+        rows = _measure_set(torch, shapes, quick)
+        for impl, (ms, host_us) in rows.items():
+            results.append({"set": name, "tensors": len(shapes), "params": numel, "impl": impl,
+                            "ms": ms, "host_us": host_us, "floor_ms": floor_ms,
+                            "pct_of_floor": 100 * floor_ms / ms if ms else None})
+        _print_set(name, len(shapes), numel, floor_ms, rows)
+    return {"suite": "optim", "environment": environment(), "hbm_copy_GB_per_s": copy_rate,
+            "results": results, "targets": _check_targets(results)}
+
+
+def _hbm_copy_rate(torch) -> float:
+    n = 1 << 28  # 1 GiB of float32
+    a = torch.randn(n, device="cuda")
+    b = torch.empty_like(a)
+    ms = gpu_time_ms(lambda i: b.copy_(a), 10)
+    return 2 * a.numel() * 4 / ms / 1e6
+
+
+def _params(torch, shapes, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device="cuda", generator=g)
+    return params
+
+
+def _host_us(torch, fn, steps=50) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    host = (time.perf_counter() - t0) / steps * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def _measure_set(torch, shapes, quick):
+    from xferlib.adapters.torch import FlatAdam
+
+    rows = {}
+    repeats = 10 if quick else 20
+    for label, kw in (("torch for-loop", dict(foreach=False)), ("torch foreach",
+                                                                 dict(foreach=True)),
+                      ("torch fused", dict(fused=True))):
+        params = _params(torch, shapes)
+        opt = torch.optim.Adam(params, lr=1e-3, **kw)
+        rows[label] = (gpu_time_ms(lambda i: opt.step(), repeats), _host_us(torch, opt.step))
+        del opt, params
+
+    params = _params(torch, shapes)
+    opt = torch.optim.Adam(params, lr=torch.tensor(1e-3, device="cuda"), fused=True,
+                           capturable=True)
+    opt.step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    rows["torch fused in CUDA graph"] = (gpu_time_ms(lambda i: graph.replay(), repeats),
+                                         _host_us(torch, graph.replay))
+    del graph, opt, params
+
+    try:
+        from contiguous_params import ContiguousParams as Reference
+    except ImportError:
+        Reference = None
+    if Reference is not None:
+        params = _params(torch, shapes)
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        contiguous = Reference(params)
+        for p, g in zip(contiguous.original(), grads):
+            p.grad.copy_(g)
+        opt = torch.optim.Adam(contiguous.contiguous(), lr=1e-3)
+        rows["contiguous_params 1.0.0 + Adam"] = (gpu_time_ms(lambda i: opt.step(), repeats),
+                                                  _host_us(torch, opt.step))
+        del opt, contiguous, params
+
+    params = _params(torch, shapes)
+    grads = [p.grad.clone() for p in params]
+    flat = FlatAdam(params, lr=1e-3)
+    (bucket,) = flat._buckets
+    for p, g in zip(params, grads):
+        p.grad.copy_(g)  # mark every parameter as having a gradient
+        bucket.has_grad = [True] * len(params)
+    rows["xferlib FlatAdam.step()"] = (gpu_time_ms(lambda i: flat.step(), repeats),
+                                       _host_us(torch, flat.step))
+    rows["xferlib flat kernel alone"] = _kernel_alone(bucket, flat, repeats)
+    del flat, params
+
+    rows.update(_jax_rows(shapes, repeats))
+    return rows
+
+
+def _kernel_alone(bucket, flat, repeats):
+    import cupy
+
+    from xferlib import optim as core
+    from xferlib._kernels.optim import OPTIM_MODULE, update_name
+
+    rule = flat._rule
+    table = core.step_scalars(core._RULES["adam"], bucket.layout, bucket.state, flat._hypers(),
+                              np.ones(len(bucket.layout.segments), dtype=bool))
+    device_table = cupy.asarray(table.astype(np.float32))
+    chunks = core._chunk_table(bucket.layout)
+    kernel = OPTIM_MODULE.get_function(update_name(rule.kind))
+    s = bucket.state.buffers
+    args = (bucket.core_params, bucket.core_grads, s["exp_avg"], s["exp_avg_sq"], np.uint64(0),
+            device_table, *chunks, np.int32(table.shape[1]))
+
+    def launch():
+        kernel((len(chunks[0]),), (256,), args)
+
+    import torch
+
+    return gpu_time_ms(lambda i: launch(), repeats), _host_us(torch, launch)
+
+
+def _jax_rows(shapes, repeats):
+    try:
+        import jax
+        import jax.numpy as jnp
+        import optax
+    except ImportError:
+        return {}
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        return {}
+    rows = {}
+    key = jax.random.key(0)
+    params = [jax.random.normal(jax.random.fold_in(key, i), s) for i, s in enumerate(shapes)]
+    grads = [jax.random.normal(jax.random.fold_in(key, 10_000 + i), s)
+             for i, s in enumerate(shapes)]
+    tx = optax.adam(1e-3)
+
+    @jax.jit
+    def step(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    for label, (p, g) in (("optax.adam on the pytree (jit)", (params, grads)),
+                          ("optax.adam on one flat array (jit)",
+                           (jnp.concatenate([x.reshape(-1) for x in params]),
+                            jnp.concatenate([x.reshape(-1) for x in grads])))):
+        state = tx.init(p)
+        holder = {"p": p, "s": state}
+
+        def one(i, holder=holder, g=g):
+            holder["p"], holder["s"] = step(holder["p"], holder["s"], g)
+
+        one(0)
+        jax.block_until_ready(holder["p"])
+        t0 = time.perf_counter()
+        n = max(repeats, 20)
+        for i in range(n):
+            one(i)
+        jax.block_until_ready(holder["p"])
+        rows[label] = ((time.perf_counter() - t0) / n * 1e3, None)
+    return rows
+
+
+def _print_set(name, tensors, numel, floor_ms, rows):
+    print(f"-- {name}: {tensors} tensors, {numel / 1e6:.1f}M params, floor {floor_ms:.3f} ms")
+    fused = rows.get("torch fused", (None,))[0]
+    for impl, (ms, host_us) in rows.items():
+        ratio = f"{fused / ms:5.2f}x fused" if fused and ms else ""
+        host = f"host {host_us:7.1f} us" if host_us is not None else "host       -"
+        print(f"  {impl:38s} {ms:8.3f} ms  {100 * floor_ms / ms:5.1f}% of floor  {host}  "
+              f"{ratio}")
+
+
+def _check_targets(results) -> list[dict]:
+    checks = []
+    by = {(r["set"], r["impl"]): r for r in results}
+    for name, target in TARGETS.items():
+        ours = by.get((name, "xferlib FlatAdam.step()"))
+        fused = by.get((name, "torch fused"))
+        if ours is None or fused is None:
+            continue
+        checks.append({"op": f"adam {name}", "ms": ours["ms"], "target_ms": target["max_ms"],
+                       "vs_fused": fused["ms"] / ours["ms"], "target_vs_fused": target["vs_fused"],
+                       "met": ours["ms"] <= target["max_ms"]
+                       and fused["ms"] / ours["ms"] >= target["vs_fused"]})
+    return checks
