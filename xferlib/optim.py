@@ -555,6 +555,8 @@ def step_scalars(rule: _Rule, layout: FlatLayout, state: FlatState, hypers, acti
 
     Scalars are computed once per group and distinct step (segments of a group usually share
     their step), so the host cost does not grow with the number of tensors."""
+    if active.all() and len(state.steps) and (state.steps == state.steps[0]).all():
+        return _uniform_step_scalars(rule, layout, state, hypers)
     table = np.zeros((len(layout.segments), COMMON + SCALARS))
     state.steps[active] += 1
     groups = layout.group_ids
@@ -578,6 +580,26 @@ def step_scalars(rule: _Rule, layout: FlatLayout, state: FlatState, hypers, acti
         for k in state.scalars:
             state.scalars[k][selected] = new_extra[k][inverse]
     return table
+
+
+def _uniform_step_scalars(rule, layout, state, hypers):
+    """The common case: every segment steps, all at the same count. One row per group."""
+    step = int(state.steps[0]) + 1
+    state.steps[...] += 1
+    groups = layout.group_ids
+    rows = np.zeros((max(1, layout.num_groups), COMMON + SCALARS))
+    for group in range(len(rows)):
+        members = groups == group
+        if not members.any():
+            continue
+        h = hypers[group]
+        first = int(np.argmax(members))
+        extra = {k: v[first] for k, v in state.scalars.items()}
+        rows[group, :COMMON] = _common_scalars(rule, h)
+        rows[group, COMMON:] = rule.scalars(h, step, extra)
+        for k, v in extra.items():
+            state.scalars[k][members] = v
+    return rows[groups]
 
 
 def _update_numpy(rule, layout, params, grads, state, table, active):
@@ -619,11 +641,36 @@ def _update_cuda(rule, name, layout, params, grads, state, table, stream):
         pointers.append(np.uint64(0) if buffer is None else buffer)
     pointers += [np.uint64(0)] * (3 - len(pointers))
     with stream:
-        device_table = cupy.asarray(table.astype(np.float32))
+        device_table = _upload_table(layout, table, stream)
         kernel = OPTIM_MODULE.get_function(update_name(rule.kind))
         kernel((len(chunks[0]),), (256,),
                (params, grads, *pointers, device_table, *chunks, np.int32(table.shape[1])),
                stream=stream)
+
+
+def _upload_table(layout, table, stream):
+    """Copy the scalar table to the GPU asynchronously, through two pinned staging buffers
+    used in turn (an event says when a buffer's previous copy is done)."""
+    import cupy
+
+    from xferlib.memory import pinned_empty
+
+    cache = layout.__dict__.setdefault("_tables", {})
+    device = cupy.cuda.runtime.getDevice()
+    ring = cache.get(device)
+    if ring is None or ring["pinned"][0].shape != table.shape:
+        ring = cache[device] = {
+            "pinned": [pinned_empty(table.shape, np.float32) for _ in range(2)],
+            "device": [cupy.empty(table.shape, dtype=np.float32) for _ in range(2)],
+            "events": [None, None], "turn": 0}
+    turn = ring["turn"]
+    ring["turn"] = 1 - turn
+    if ring["events"][turn] is not None:
+        ring["events"][turn].synchronize()
+    ring["pinned"][turn][...] = table
+    ring["device"][turn].set(ring["pinned"][turn], stream=stream)
+    ring["events"][turn] = stream.record()
+    return ring["device"][turn]
 
 
 _CHUNK = 8192  # elements per block

@@ -15,6 +15,9 @@ torch, a parameter that received no gradient since ``zero_grad()`` is skipped by
 
 from __future__ import annotations
 
+import operator
+
+import numpy as np
 import torch
 
 from xferlib import optim as core
@@ -49,7 +52,9 @@ class _Bucket:
             view.copy_(p.detach())
             p.data = view
             p.grad = grad  # zero; backward accumulates into the flat buffer in place
-        self.has_grad = [False] * len(self.params)
+        self.has_grad = np.zeros(len(self.params), dtype=bool)
+        self.expected_ptrs = [v.data_ptr() for v in self.param_views]
+        self.expected_shapes = [v.shape for v in self.param_views]
         self.hooks = [p.register_post_accumulate_grad_hook(self._marker(i))
                       for i, p in enumerate(self.params)]
         xp = _xp(self.device)
@@ -71,6 +76,11 @@ class _Bucket:
         return mark
 
     def check_params(self):
+        # Whole-list comparisons run in C: the common case costs well under a microsecond
+        # a parameter.
+        if (list(map(torch.Tensor.data_ptr, self.params)) == self.expected_ptrs
+                and list(map(_shape, self.params)) == self.expected_shapes):
+            return
         for i, (p, view) in enumerate(zip(self.params, self.param_views)):
             if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
                 raise RuntimeError(
@@ -80,26 +90,25 @@ class _Bucket:
 
     def collect_grads(self):
         """Bring every gradient into the flat buffer; the mask of parameters that have one."""
-        active = []
-        for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
-            g = p.grad
+        grads = list(map(_grad, self.params))
+        if all(map(operator.is_, grads, self.grad_views)):
+            return self.has_grad  # the common case: gradients accumulated in place
+        for i, (p, g, view) in enumerate(zip(self.params, grads, self.grad_views)):
             if g is None:
                 view.zero_()  # so a later in-place accumulation starts from zero
-                active.append(False)
-                continue
-            if g.data_ptr() != view.data_ptr():  # model.zero_grad() or an assigned gradient
+                self.has_grad[i] = False
+            elif g is not view:  # model.zero_grad() then backward, or an assigned gradient
                 view.copy_(g)
                 p.grad = view
                 self.has_grad[i] = True
-            active.append(self.has_grad[i])
-        return active
+        return self.has_grad
 
     def zero_grad(self, set_to_none: bool):
         self.flat_grads.zero_()
         for p, view in zip(self.params, self.grad_views):
             p.grad = view
         if set_to_none:  # torch semantics: no gradient until the next backward
-            self.has_grad = [False] * len(self.params)
+            self.has_grad[:] = False
 
     def step(self, rule, hypers):
         self.check_params()
@@ -107,6 +116,10 @@ class _Bucket:
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         rule.update(self.layout, self.core_params, self.core_grads, self.state, hypers,
                     active=active, stream=stream)
+
+
+_grad = operator.attrgetter("grad")
+_shape = operator.attrgetter("shape")
 
 
 def _xp(device):
@@ -139,6 +152,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
             **{to_core.get(k, k): v for k, v in hyper.items()})
         defaults = {self._renamed.get(k, k): v for k, v in self._rule.defaults.items()}
         self._buckets = None
+        self._checked_hypers = None
         super().__init__(params, defaults)
         self._buckets = self._build_buckets()
 
@@ -170,8 +184,10 @@ class _FlatOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         hypers = self._hypers()
-        for h in hypers:
-            core.resolve_hyper(self._rule_name, h)
+        if hypers != self._checked_hypers:  # schedulers change lr: check what changed
+            for h in hypers:
+                core.resolve_hyper(self._rule_name, h)
+            self._checked_hypers = [dict(h) for h in hypers]
         for bucket in self._buckets:
             bucket.step(self._rule, hypers)
         return loss

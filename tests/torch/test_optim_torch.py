@@ -55,10 +55,10 @@ def _train_step(model, opt, x, y, zero="optimizer", skip_last=False):
     opt.step()
 
 
-def _assert_same(model_a, model_b, rtol=1e-6):
+def _assert_same(model_a, model_b, rtol=1e-6, atol=1e-6):
     for a, b in zip(model_a.parameters(), model_b.parameters()):
         np.testing.assert_allclose(a.detach().cpu().numpy(), b.detach().cpu().numpy(),
-                                   rtol=rtol, atol=1e-6)
+                                   rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("flat_cls,torch_cls,kw", CASES, ids=IDS)
@@ -193,4 +193,4 @@ def test_cuda_training_matches_torch_cuda(flat_cls, torch_cls, kw):
             saved = copy.deepcopy(opt.state_dict())
             opt = flat_cls(_groups(ours, kw["lr"]), **kw)
             opt.load_state_dict(saved)
-    _assert_same(ref, ours, rtol=1e-4)
+    _assert_same(ref, ours, rtol=1e-4, atol=1e-5)  # torch's CUDA kernels fuse differently
