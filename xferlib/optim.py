@@ -48,6 +48,8 @@ __all__ = [
     "lion",
     "global_norm",
     "clip_coefficient",
+    "apply_table",
+    "resolve_hyper",
 ]
 
 ALIGN_BYTES = 16  # every segment starts on a 16-byte boundary: whole-vector kernel accesses
@@ -522,10 +524,7 @@ def _make(name: str):
                 raise ValueError(f"active must have one flag per segment "
                                  f"({len(layout.segments)}), got shape {active.shape}")
             table = step_scalars(rule, layout, state, hypers, active)
-            if is_cupy_array(params):
-                _update_cuda(rule, name, layout, params, grads, state, table, stream)
-            else:
-                _update_numpy(rule, layout, params, grads, state, table, active)
+            apply_table(name, layout, params, grads, state.buffers, table, stream=stream)
             return state
 
         return FlatOptimizer(name, defaults, init, update, state_names, rule.kind)
@@ -602,9 +601,10 @@ def _uniform_step_scalars(rule, layout, state, hypers):
     return rows[groups]
 
 
-def _update_numpy(rule, layout, params, grads, state, table, active):
+def _update_numpy(rule, layout, params, grads, buffers, table):
     # Runs of adjacent active segments that share every scalar update as one slice.
     segments = layout.segments
+    active = table[:, 0] != 0
     i = 0
     while i < len(segments):
         if not active[i]:
@@ -617,14 +617,35 @@ def _update_numpy(rule, layout, params, grads, state, table, active):
         end = segments[j].offset if j < len(segments) else layout.total
         p = params[start:end]
         g = _preamble_numpy(table[i, :COMMON], p, grads[start:end])
-        buffers = {n: b[start:end] for n, b in state.buffers.items()}
-        rule.numpy(table[i, COMMON:], p, g, buffers)
+        rule.numpy(table[i, COMMON:], p, g, {n: b[start:end] for n, b in buffers.items()})
         i = j
 
 
-def _update_cuda(rule, name, layout, params, grads, state, table, stream):
+def apply_table(name: str, layout: FlatLayout, params, grads, buffers: dict, table, *,
+                updates=None, stream=None) -> None:
+    """The elementwise half of a step, given the per-segment scalar table.
+
+    ``table``: ``(segments, COMMON + SCALARS)``, a host array (copied to the GPU for the CUDA
+    path) or, on the GPU, a device array already there (the JAX adapter computes it inside
+    ``jit``). A row whose sign is 0 skips its segment. With ``updates``, ``params`` stay as
+    they are and ``updates`` receives the step (new - old), optax's convention; ``updates`` may
+    be ``grads`` itself.
+    """
+    rule = _RULES[name]
+    if is_cupy_array(params):
+        _update_cuda(rule, layout, params, grads, buffers, table, updates, stream)
+        return
+    if updates is None:
+        _update_numpy(rule, layout, params, grads, buffers, table)
+        return
+    new = params.copy()
+    _update_numpy(rule, layout, new, grads, buffers, table)
+    np.subtract(new, params, out=updates)
+
+
+def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream):
     """One launch over the whole buffer: a block per chunk of a segment, the segment's scalars
-    from a table uploaded with the launch (inactive segments have a zero sign and exit)."""
+    from the table (inactive segments have a zero sign and exit)."""
     import cupy
 
     from xferlib._backend import as_cupy_stream
@@ -632,20 +653,22 @@ def _update_cuda(rule, name, layout, params, grads, state, table, stream):
 
     stream = as_cupy_stream(stream)
     chunks = _chunk_table(layout)
-    slots = slot_names(rule.kind)
     pointers = []
-    for slot in slots:
-        buffer = state.buffers.get(slot)
+    for slot in slot_names(rule.kind):
+        buffer = buffers.get(slot)
         if buffer is not None:
             layout.check(buffer, slot)
         pointers.append(np.uint64(0) if buffer is None else buffer)
     pointers += [np.uint64(0)] * (3 - len(pointers))
     with stream:
-        device_table = _upload_table(layout, table, stream)
+        if is_cupy_array(table):
+            device_table = table
+        else:
+            device_table = _upload_table(layout, table, stream)
         kernel = OPTIM_MODULE.get_function(update_name(rule.kind))
         kernel((len(chunks[0]),), (256,),
-               (params, grads, *pointers, device_table, *chunks, np.int32(table.shape[1])),
-               stream=stream)
+               (params, grads, *pointers, device_table, *chunks, np.int32(table.shape[1]),
+                np.uint64(0) if updates is None else updates), stream=stream)
 
 
 def _upload_table(layout, table, stream):

@@ -4,6 +4,16 @@ They run inside ``jax.jit``, ``jax.grad`` and ``lax.scan``: on GPU the core's CU
 launch on XLA's own stream; on CPU the NumPy path runs on XLA's host buffers in place.
 """
 
+from xferlib.adapters.jax.optim import (
+    FlatState,
+    flat_adam,
+    flat_adamw,
+    flat_lion,
+    flat_sgd,
+    ravel,
+    ravel_like,
+)
 from xferlib.adapters.jax.rows import gather_rows
 
-__all__ = ["gather_rows"]
+__all__ = ["FlatState", "flat_adam", "flat_adamw", "flat_lion", "flat_sgd", "gather_rows",
+           "ravel", "ravel_like"]

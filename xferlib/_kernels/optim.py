@@ -26,7 +26,10 @@ __global__ void flat_update(float* __restrict__ params, const float* __restrict_
                             float* __restrict__ s2, const float* __restrict__ table,
                             const int* __restrict__ chunk_seg,
                             const i64* __restrict__ chunk_start,
-                            const i64* __restrict__ chunk_end, int ncols) {
+                            const i64* __restrict__ chunk_end, int ncols,
+                            float* __restrict__ updates) {
+    // updates != null: leave params alone and write the step (new - old) there instead, as an
+    // optax GradientTransformation returns it (updates may alias grads).
     const float* r = table + (i64)chunk_seg[blockIdx.x] * ncols;
     const float sign = r[0], l2 = r[1], decay = r[2];
     if (sign == 0.0f) return;  // no gradient for this segment this step
@@ -36,9 +39,11 @@ __global__ void flat_update(float* __restrict__ params, const float* __restrict_
     const i64 end = chunk_end[blockIdx.x];
     for (i64 i = chunk_start[blockIdx.x] + 4 * (i64)threadIdx.x; i < end;
          i += 4 * (i64)blockDim.x) {
-        float p[4], g[4], a[4], b[4], m[4];
+        float p[4], g[4], a[4], b[4], m[4], old[4];
         LOAD4(params, i, p);
         LOAD4(grads, i, g);
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) old[e] = p[e];
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
             g[e] *= sign;
@@ -157,7 +162,13 @@ __global__ void flat_update(float* __restrict__ params, const float* __restrict_
             }
             STORE4(s0, i, a);
         }
-        STORE4(params, i, p);
+        if (updates != nullptr) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) p[e] -= old[e];
+            STORE4(updates, i, p);
+        } else {
+            STORE4(params, i, p);
+        }
     }
 }
 """
