@@ -190,15 +190,29 @@ def _jax_rows(shapes, repeats):
         updates, s = tx.update(g, s, p)
         return optax.apply_updates(p, updates), s
 
-    for label, (p, g) in (("optax.adam on the pytree (jit)", (params, grads)),
-                          ("optax.adam on one flat array (jit)",
-                           (jnp.concatenate([x.reshape(-1) for x in params]),
-                            jnp.concatenate([x.reshape(-1) for x in grads])))):
-        state = tx.init(p)
+    from xferlib.adapters.jax import flat_adam, ravel, ravel_like
+
+    flat_params, unravel = ravel(params)
+    flat_grads = ravel_like(grads, unravel)
+    flat_tx = flat_adam(1e-3)
+
+    @jax.jit
+    def flat_step(p, s, g):
+        updates, s = flat_tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    for label, (p, g), fn, t in (
+            ("optax.adam on the pytree (jit)", (params, grads), step, tx),
+            ("optax.adam on one flat array (jit)",
+             (jnp.concatenate([x.reshape(-1) for x in params]),
+              jnp.concatenate([x.reshape(-1) for x in grads])), step, tx),
+            ("xferlib flat_adam + apply_updates (jit)", (flat_params, flat_grads), flat_step,
+             flat_tx)):
+        state = t.init(p)
         holder = {"p": p, "s": state}
 
-        def one(i, holder=holder, g=g):
-            holder["p"], holder["s"] = step(holder["p"], holder["s"], g)
+        def one(i, holder=holder, g=g, fn=fn):
+            holder["p"], holder["s"] = fn(holder["p"], holder["s"], g)
 
         one(0)
         jax.block_until_ready(holder["p"])
