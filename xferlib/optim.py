@@ -99,7 +99,11 @@ class FlatLayout:
 
     @property
     def num_groups(self) -> int:
-        return 1 + max((s.group for s in self.segments), default=-1)
+        cached = self.__dict__.get("_num_groups")
+        if cached is None:
+            cached = 1 + max((s.group for s in self.segments), default=-1)
+            object.__setattr__(self, "_num_groups", cached)
+        return cached
 
     @property
     def group_ids(self) -> np.ndarray:
@@ -587,12 +591,15 @@ def _uniform_step_scalars(rule, layout, state, hypers):
     state.steps[...] += 1
     groups = layout.group_ids
     rows = np.zeros((max(1, layout.num_groups), COMMON + SCALARS))
+    single = len(rows) == 1
     for group in range(len(rows)):
-        members = groups == group
-        if not members.any():
-            continue
+        members = slice(None) if single else groups == group
+        first = 0 if single else np.flatnonzero(members)
+        if not single:
+            if first.size == 0:
+                continue
+            first = int(first[0])
         h = hypers[group]
-        first = int(np.argmax(members))
         extra = {k: v[first] for k, v in state.scalars.items()}
         rows[group, :COMMON] = _common_scalars(rule, h)
         rows[group, COMMON:] = rule.scalars(h, step, extra)

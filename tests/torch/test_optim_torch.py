@@ -139,6 +139,16 @@ def test_replaced_parameter_is_detected():
         opt.step()
 
 
+def test_reshaped_parameter_is_detected_at_checkpoints():
+    model = _model()
+    opt = xt.FlatSGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    model[0].weight.data = model[0].weight.data.view(6, 16)  # same bytes, new shape
+    with pytest.raises(RuntimeError, match="replaced or reshaped"):
+        opt.state_dict()
+
+
 @pytest.mark.parametrize("cls,kw,match", [
     (xt.FlatAdam, dict(lr=-1.0), "Invalid learning rate"),
     (xt.FlatAdamW, dict(betas=(0.9, 1.0)), "beta parameter at index 1"),
