@@ -94,10 +94,21 @@ def as_cupy_stream(stream=None):
     if isinstance(stream, cupy.cuda.Stream):
         return stream
     if isinstance(stream, (int, np.integer)):
-        stream = ExternalStream(int(stream))
-    if not hasattr(stream, "__cuda_stream__"):
+        handle = int(stream)
+    elif hasattr(stream, "__cuda_stream__"):
+        handle = int(stream.__cuda_stream__()[1])
+    else:
         raise TypeError(
             f"stream must be None, an int cudaStream_t, a cupy Stream or an object with "
             f"__cuda_stream__; got {type(stream).__name__}"
         )
-    return cupy.cuda.Stream.from_external(stream)
+    # One CuPy wrapper per raw handle: wrapping costs more than a kernel launch's host time.
+    wrapped = _WRAPPED_STREAMS.get(handle)
+    if wrapped is None:
+        if len(_WRAPPED_STREAMS) > 64:
+            _WRAPPED_STREAMS.clear()
+        wrapped = _WRAPPED_STREAMS[handle] = cupy.cuda.Stream.from_external(ExternalStream(handle))
+    return wrapped
+
+
+_WRAPPED_STREAMS: dict = {}
