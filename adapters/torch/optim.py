@@ -199,6 +199,24 @@ class _FlatOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             bucket.zero_grad(set_to_none)
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6):
+        """``torch.nn.utils.clip_grad_norm_`` over every gradient of this optimizer, as one
+        reduction over each flat gradient buffer and one in-place scale (no per-tensor
+        kernels, no host sync). Returns the total norm (a tensor), as torch does."""
+        norm_type = float(norm_type)
+        norms = []
+        for bucket in self._buckets:
+            bucket.collect_grads()
+            norms.append(torch.linalg.vector_norm(bucket.flat_grads, norm_type))
+        device = norms[0].device
+        norms = torch.stack([n.to(device) for n in norms])
+        total = torch.linalg.vector_norm(norms, norm_type)
+        coef = torch.clamp(max_norm / (total + eps), max=1.0)
+        for bucket in self._buckets:
+            bucket.flat_grads.mul_(coef.to(bucket.device))
+        return total
+
     # -- checkpoints in torch.optim's per-parameter format ---------------------------------
 
     def _param_index(self):

@@ -204,3 +204,22 @@ def test_cuda_training_matches_torch_cuda(flat_cls, torch_cls, kw):
             opt = flat_cls(_groups(ours, kw["lr"]), **kw)
             opt.load_state_dict(saved)
     _assert_same(ref, ours, rtol=1e-4, atol=1e-5)  # torch's CUDA kernels fuse differently
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_matches_torch(norm_type):
+    ref, ours = _model(), _model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = xt.FlatAdam(ours.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        x, y = 10 * torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+        for model, optimizer in ((ref, ref_opt), (ours, opt)):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, norm_type)
+        norm = opt.clip_grad_norm_(0.5, norm_type)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+        ref_opt.step()
+        opt.step()
+    _assert_same(ref, ours, rtol=1e-5)
