@@ -148,7 +148,7 @@ def to_cupy(x, *, copy: bool | None = None):
     if kind == "torch":
         if x.device.type != "cuda":
             return _host_to_cupy(_torch_cpu_to_numpy(x.detach()), copy, "torch CPU")
-        out = cupy.from_dlpack(x.detach())
+        out = _torch_cuda_to_cupy(x.detach())
         return out.copy() if copy else out
     if _jax_platform(x) != "gpu":
         if copy is False:
@@ -156,6 +156,17 @@ def to_cupy(x, *, copy: bool | None = None):
         return cupy.asarray(np.asarray(x))
     out = cupy.from_dlpack(x)
     return out if copy is False else out.copy()
+
+
+def _torch_cuda_to_cupy(t):
+    import torch
+
+    cupy = require_cupy()
+    if t.dtype == torch.bfloat16:  # through the bits: not every CuPy imports bfloat16 DLPack
+        import ml_dtypes
+
+        return cupy.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
+    return cupy.from_dlpack(t)
 
 
 def _host_to_cupy(x: np.ndarray, copy, src_name: str):

@@ -512,15 +512,20 @@ def _make(name: str):
             return FlatState(buffers, np.zeros(len(layout.segments), dtype=np.int64), scalars)
 
         def update(layout: FlatLayout, params, grads, state: FlatState,
-                   hypers: Sequence[dict] | None = None, active=None, stream=None) -> FlatState:
+                   hypers: Sequence[dict] | None = None, active=None, stream=None,
+                   params_lowp=None) -> FlatState:
             """One step in place on ``params`` and ``state``; returns ``state``.
 
             ``hypers``: one dict per group (default: this optimizer's hyperparameters).
             ``active``: bool per segment; inactive segments (no gradient) are skipped and
-            their step counters stay.
+            their step counters stay. Mixed precision: ``params`` are the float32 master
+            weights, ``grads`` may be bfloat16 or float16, and ``params_lowp`` (the model's
+            low-precision copy, same dtype as ``grads``) receives the updated weights rounded.
             """
             layout.check(params, "params")
-            layout.check(grads, "grads")
+            _check_grads(layout, grads, "grads")
+            if params_lowp is not None:
+                _check_grads(layout, params_lowp, "params_lowp")
             hypers = _group_hypers(layout, hypers, defaults, name)
             active = (np.ones(len(layout.segments), dtype=bool) if active is None
                       else np.asarray(active, dtype=bool))
@@ -528,7 +533,8 @@ def _make(name: str):
                 raise ValueError(f"active must have one flag per segment "
                                  f"({len(layout.segments)}), got shape {active.shape}")
             table = step_scalars(rule, layout, state, hypers, active)
-            apply_table(name, layout, params, grads, state.buffers, table, stream=stream)
+            apply_table(name, layout, params, grads, state.buffers, table, stream=stream,
+                        params_lowp=params_lowp)
             return state
 
         return FlatOptimizer(name, defaults, init, update, state_names, rule.kind)
@@ -629,7 +635,7 @@ def _update_numpy(rule, layout, params, grads, buffers, table):
 
 
 def apply_table(name: str, layout: FlatLayout, params, grads, buffers: dict, table, *,
-                updates=None, stream=None) -> None:
+                updates=None, stream=None, params_lowp=None) -> None:
     """The elementwise half of a step, given the per-segment scalar table.
 
     ``table``: ``(segments, COMMON + SCALARS)``, a host array (copied to the GPU for the CUDA
@@ -640,17 +646,31 @@ def apply_table(name: str, layout: FlatLayout, params, grads, buffers: dict, tab
     """
     rule = _RULES[name]
     if is_cupy_array(params):
-        _update_cuda(rule, layout, params, grads, buffers, table, updates, stream)
+        _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, params_lowp)
         return
+    if grads.dtype != np.float32:
+        grads = grads.astype(np.float32)
     if updates is None:
         _update_numpy(rule, layout, params, grads, buffers, table)
+        if params_lowp is not None:
+            params_lowp[...] = params.astype(params_lowp.dtype)
         return
     new = params.copy()
     _update_numpy(rule, layout, new, grads, buffers, table)
     np.subtract(new, params, out=updates)
 
 
-def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream):
+def _check_grads(layout: FlatLayout, grads, name: str) -> None:
+    """Gradients (and low-precision parameter copies): the layout's length, float32 or a
+    16-bit float type."""
+    if grads.ndim != 1 or grads.shape[0] != layout.total:
+        raise ValueError(f"{name} must be a flat array of {layout.total} elements, got shape "
+                         f"{tuple(grads.shape)}")
+    if np.dtype(grads.dtype).name not in ("float32", "bfloat16", "float16"):
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {grads.dtype}")
+
+
+def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, params_lowp):
     """One launch over the whole buffer: a block per chunk of a segment, the segment's scalars
     from the table (inactive segments have a zero sign and exit)."""
     import cupy
@@ -672,10 +692,15 @@ def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream):
             device_table = table
         else:
             device_table = _upload_table(layout, table, stream)
-        kernel = OPTIM_MODULE.get_function(update_name(rule.kind))
+        grad_dtype = np.dtype(grads.dtype).name
+        if params_lowp is not None and np.dtype(params_lowp.dtype).name != grad_dtype:
+            raise TypeError(f"params_lowp dtype {params_lowp.dtype} must match the gradients' "
+                            f"{grads.dtype}")
+        kernel = OPTIM_MODULE.get_function(update_name(rule.kind, grad_dtype))
         kernel((len(chunks[0]),), (256,),
                (params, grads, *pointers, device_table, *chunks, np.int32(table.shape[1]),
-                np.uint64(0) if updates is None else updates), stream=stream)
+                np.uint64(0) if updates is None else updates,
+                np.uint64(0) if params_lowp is None else params_lowp), stream=stream)
 
 
 def _upload_table(layout, table, stream):

@@ -41,9 +41,13 @@ class _Bucket:
         self.params = [p for p, _ in entries]
         p0 = self.params[0]
         self.device, self.dtype = p0.device, p0.dtype
+        if self.dtype not in _DTYPES:
+            raise TypeError(f"flat optimizers take float32, bfloat16 or float16 parameters, "
+                            f"got {self.dtype}")
+        # The layout is the float32 master's; 16-bit parameters and gradients share its
+        # offsets (16-byte aligned for float32, so 8-byte aligned for them).
         self.layout = core.FlatLayout.from_shapes([tuple(p.shape) for p in self.params],
-                                                  [g for _, g in entries],
-                                                  dtype=_numpy_dtype(p0.dtype))
+                                                  [g for _, g in entries], dtype=np.float32)
         self.flat_params = torch.zeros(self.layout.total, dtype=self.dtype, device=self.device)
         self.flat_grads = torch.zeros_like(self.flat_params)
         self.param_views = self._views(self.flat_params)
@@ -64,8 +68,12 @@ class _Bucket:
             tensor = torch.from_dlpack(buffer) if self.device.type == "cuda" else \
                 torch.from_numpy(buffer)
             self.state_tensors[name] = tensor
-        self.core_params = _core_view(self.flat_params)
+        # Mixed precision: float32 master weights updated by the kernel, which also writes
+        # them back rounded into the model's 16-bit parameters.
+        self.master = None if self.dtype == torch.float32 else self.flat_params.float()
+        self.core_params = _core_view(self.flat_params if self.master is None else self.master)
         self.core_grads = _core_view(self.flat_grads)
+        self.core_lowp = None if self.master is None else _core_view(self.flat_params)
 
     def _views(self, flat):
         return [flat[s.offset:s.offset + s.size].view(s.shape) for s in self.layout.segments]
@@ -118,7 +126,7 @@ class _Bucket:
         active = self.collect_grads()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         rule.update(self.layout, self.core_params, self.core_grads, self.state, hypers,
-                    active=active, stream=stream)
+                    active=active, stream=stream, params_lowp=self.core_lowp)
 
 
 _grad = operator.attrgetter("grad")
@@ -135,12 +143,7 @@ def _xp(device):
     return numpy
 
 
-def _numpy_dtype(dtype):
-    import numpy as np
-
-    if dtype == torch.float32:
-        return np.float32
-    raise TypeError(f"flat optimizers take float32 parameters for now, got {dtype}")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _FlatOptimizer(torch.optim.Optimizer):
@@ -247,6 +250,9 @@ class _FlatOptimizer(torch.optim.Optimizer):
                     entry[name] = flat[seg.offset:seg.offset + seg.size].view(seg.shape).clone()
                 if self._rule_name == "nadam":
                     entry["mu_product"] = torch.tensor(float(bucket.state.scalars["mu_product"][i]))
+                if bucket.master is not None:  # float32 master weights of 16-bit parameters
+                    entry["master_param"] = bucket.master[
+                        seg.offset:seg.offset + seg.size].view(seg.shape).clone()
                 state[index[id(p)]] = entry
         groups = []
         for group in self.param_groups:
@@ -259,10 +265,20 @@ class _FlatOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             bucket.check_params(shapes=True)
         super().load_state_dict(state_dict)  # torch's checks and param_groups update
+        self.state.clear()
+        # Read the tensors from the checkpoint itself: torch casts loaded state to each
+        # parameter's dtype, which would round the float32 state of 16-bit parameters.
+        saved = state_dict["state"]
+        index = self._param_index()
         for bucket in self._buckets:
             for i, p in enumerate(bucket.params):
-                entry = self.state.pop(p, {})
+                entry = saved.get(index[id(p)], {})
                 seg = bucket.layout.segments[i]
+                if bucket.master is not None:
+                    master = entry.get("master_param")
+                    source = p.detach() if master is None else master
+                    bucket.master[seg.offset:seg.offset + seg.size].copy_(
+                        source.reshape(-1).to(bucket.master.device, torch.float32))
                 names = [n for n in bucket.state_tensors if n in entry]
                 for name in names:
                     flat = bucket.state_tensors[name]

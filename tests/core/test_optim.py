@@ -161,3 +161,40 @@ def test_cuda_kernel_matches_numpy_path(name, kwargs):
     np.testing.assert_allclose(dev_params.get(), host_params, rtol=2e-5, atol=2e-6)
     for key, buffer in host_state.buffers.items():
         np.testing.assert_allclose(dev_state.buffers[key].get(), buffer, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("xp_name", ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_mixed_precision_master_weights(xp_name, low):
+    import ml_dtypes
+
+    if xp_name == "cupy":
+        from xferlib._backend import cupy_available
+
+        if not cupy_available():
+            pytest.skip("needs a CUDA GPU with CuPy; none here")
+        import cupy as xp
+    else:
+        xp = np
+    low_dtype = np.dtype(ml_dtypes.bfloat16) if low == "bfloat16" else np.dtype(np.float16)
+    rng = np.random.default_rng(5)
+    layout = optim.FlatLayout.from_shapes(SHAPES)
+    master0 = layout.pack([rng.standard_normal(s).astype(np.float32) for s in SHAPES])
+    tparams = [torch.tensor(v.copy(), requires_grad=True) for v in layout.views(master0)]
+    topt = torch.optim.AdamW(tparams, lr=1e-2, weight_decay=0.1)
+    opt = optim.adamw(lr=1e-2, weight_decay=0.1)
+    master = xp.asarray(master0)
+    lowp = xp.asarray(master0.astype(low_dtype))
+    state = opt.init(layout, xp=xp)
+    for _ in range(30):
+        grads = layout.pack([rng.standard_normal(s).astype(np.float32) for s in SHAPES])
+        grads_low = grads.astype(low_dtype)
+        for p, g in zip(tparams, layout.views(grads_low.astype(np.float32))):
+            p.grad = torch.tensor(g.copy())
+        topt.step()
+        opt.update(layout, master, xp.asarray(grads_low), state, params_lowp=lowp)
+    host_master = master.get() if xp is not np else master
+    host_lowp = lowp.get() if xp is not np else lowp
+    for view, p in zip(layout.views(host_master), tparams):
+        np.testing.assert_allclose(view, p.detach().numpy(), rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(host_lowp, host_master.astype(low_dtype))

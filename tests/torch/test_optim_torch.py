@@ -223,3 +223,35 @@ def test_clip_grad_norm_matches_torch(norm_type):
         ref_opt.step()
         opt.step()
     _assert_same(ref, ours, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_train_on_float32_masters(device, dtype):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none here")
+    model = _model().to(device=device, dtype=dtype)
+    reference = _model().to(device)  # float32 twin fed the same low-precision gradients
+    for p, q in zip(reference.parameters(), model.parameters()):
+        p.data.copy_(q.detach().float())
+    opt = xt.FlatAdam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(4)
+    for step in range(20):
+        x = torch.randn(8, 6, generator=g).to(device)
+        opt.zero_grad()
+        (model(x.to(dtype)) ** 2).mean().backward()
+        for p, q in zip(reference.parameters(), model.parameters()):
+            p.grad = q.grad.float().clone()
+        ref_opt.step()
+        opt.step()
+        if step == 10:
+            saved = copy.deepcopy(opt.state_dict())
+            opt = xt.FlatAdam(model.parameters(), lr=1e-2)
+            opt.load_state_dict(saved)
+    (bucket,) = opt._buckets
+    for p, q, seg in zip(reference.parameters(), model.parameters(), bucket.layout.segments):
+        master = bucket.master[seg.offset:seg.offset + seg.size].view(seg.shape)
+        np.testing.assert_allclose(master.cpu().numpy(), p.detach().cpu().numpy(),
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(q.detach(), master.to(dtype))

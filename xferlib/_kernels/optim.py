@@ -13,6 +13,44 @@ from xferlib._kernels._registry import KernelModule
 OPTIM_KERNEL = r"""
 typedef long long i64;
 
+// Low-precision gradients / parameter copies (mixed precision with float32 master weights),
+// as raw bits: conversions go through PTX, so no CUDA header is needed at compile time.
+struct bf16 { unsigned short bits; };
+struct f16 { unsigned short bits; };
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) { return __uint_as_float(((unsigned)x.bits) << 16); }
+__device__ __forceinline__ float to_f32(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ void from_f32(float a, float& out) { out = a; }
+__device__ __forceinline__ void from_f32(float a, bf16& out) {
+    unsigned int u = __float_as_uint(a);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { out.bits = (unsigned short)((u >> 16) | 0x40u); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    out.bits = (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ void from_f32(float a, f16& out) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(a));
+    out.bits = h;
+}
+template <typename T> struct alignas(4 * sizeof(T)) vec4 { T v[4]; };
+template <typename T>
+__device__ __forceinline__ void load4(const T* ptr, i64 i, float* a) {
+    const vec4<T> t = *reinterpret_cast<const vec4<T>*>(ptr + i);
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) a[e] = to_f32(t.v[e]);
+}
+template <typename T>
+__device__ __forceinline__ void store4(T* ptr, i64 i, const float* a) {
+    vec4<T> t;
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) from_f32(a[e], t.v[e]);
+    *reinterpret_cast<vec4<T>*>(ptr + i) = t;
+}
+
 #define LOAD4(ptr, i, a) { const float4 t_ = *reinterpret_cast<const float4*>((ptr) + (i)); \
     a[0] = t_.x; a[1] = t_.y; a[2] = t_.z; a[3] = t_.w; }
 #define STORE4(ptr, i, a) { *reinterpret_cast<float4*>((ptr) + (i)) = \
@@ -20,14 +58,16 @@ typedef long long i64;
 
 // KIND: 0 sgd, 1 adam/adamw, 2 adagrad, 3 rmsprop, 4 adamax, 5 nadam, 6 radam, 7 lion.
 // s0..s2: the rule's state buffers in the order slot_names() gives (null when unused).
-template <int KIND>
-__global__ void flat_update(float* __restrict__ params, const float* __restrict__ grads,
+// G: the gradients' type; with `lowp` non-null the updated float32 master weights are also
+// written there, rounded to G (the model's low-precision parameters).
+template <int KIND, typename G>
+__global__ void flat_update(float* __restrict__ params, const G* __restrict__ grads,
                             float* __restrict__ s0, float* __restrict__ s1,
                             float* __restrict__ s2, const float* __restrict__ table,
                             const int* __restrict__ chunk_seg,
                             const i64* __restrict__ chunk_start,
                             const i64* __restrict__ chunk_end, int ncols,
-                            float* __restrict__ updates) {
+                            float* __restrict__ updates, G* __restrict__ lowp) {
     // updates != null: leave params alone and write the step (new - old) there instead, as an
     // optax GradientTransformation returns it (updates may alias grads).
     const float* r = table + (i64)chunk_seg[blockIdx.x] * ncols;
@@ -41,7 +81,7 @@ __global__ void flat_update(float* __restrict__ params, const float* __restrict_
          i += 4 * (i64)blockDim.x) {
         float p[4], g[4], a[4], b[4], m[4], old[4];
         LOAD4(params, i, p);
-        LOAD4(grads, i, g);
+        load4(grads, i, g);
         #pragma unroll
         for (int e = 0; e < 4; ++e) old[e] = p[e];
         #pragma unroll
@@ -168,6 +208,7 @@ __global__ void flat_update(float* __restrict__ params, const float* __restrict_
             STORE4(updates, i, p);
         } else {
             STORE4(params, i, p);
+            if (lowp != nullptr) store4(lowp, i, p);
         }
     }
 }
@@ -190,8 +231,13 @@ def slot_names(kind: int) -> tuple:
     return _SLOTS[kind]
 
 
-def update_name(kind: int) -> str:
-    return f"flat_update<{kind}>"
+# Gradient / low-precision parameter types, by NumPy dtype name.
+GRAD_TYPES = {"float32": "float", "bfloat16": "bf16", "float16": "f16"}
 
 
-OPTIM_MODULE = KernelModule("optim", OPTIM_KERNEL, tuple(update_name(k) for k in _SLOTS))
+def update_name(kind: int, grad_dtype: str = "float32") -> str:
+    return f"flat_update<{kind}, {GRAD_TYPES[grad_dtype]}>"
+
+
+OPTIM_MODULE = KernelModule("optim", OPTIM_KERNEL,
+                            tuple(update_name(k, g) for k in _SLOTS for g in GRAD_TYPES))

@@ -159,7 +159,7 @@ def _kernel_alone(bucket, flat, repeats):
     kernel = OPTIM_MODULE.get_function(update_name(rule.kind))
     s = bucket.state.buffers
     args = (bucket.core_params, bucket.core_grads, s["exp_avg"], s["exp_avg_sq"], np.uint64(0),
-            device_table, *chunks, np.int32(table.shape[1]), np.uint64(0))
+            device_table, *chunks, np.int32(table.shape[1]), np.uint64(0), np.uint64(0))
 
     def launch():
         kernel((len(chunks[0]),), (256,), args)
