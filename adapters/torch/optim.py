@@ -59,6 +59,7 @@ class _Bucket:
         self.has_grad = np.zeros(len(self.params), dtype=bool)
         self.expected_ptrs = [v.data_ptr() for v in self.param_views]
         self.expected_shapes = [v.shape for v in self.param_views]
+        self.steps_since_full_check = 0
         self.hooks = [p.register_post_accumulate_grad_hook(self._marker(i))
                       for i, p in enumerate(self.params)]
         xp = _xp(self.device)
@@ -74,6 +75,7 @@ class _Bucket:
         self.core_params = _core_view(self.flat_params if self.master is None else self.master)
         self.core_grads = _core_view(self.flat_grads)
         self.core_lowp = None if self.master is None else _core_view(self.flat_params)
+        self.storage_uses = _uses(self.flat_params)  # last: every view above counts
 
     def _views(self, flat):
         return [flat[s.offset:s.offset + s.size].view(s.shape) for s in self.layout.segments]
@@ -84,13 +86,20 @@ class _Bucket:
         return mark
 
     def check_params(self, shapes: bool = False):
-        # Every step: each parameter's address, compared as one list (a fraction of a
-        # microsecond a parameter). A parameter re-pointed elsewhere would otherwise silently
-        # stop training. Shapes (slower to read) are checked when checkpoints are written or
-        # read: a view reshaped in place still covers the same bytes, so the update itself
-        # stays correct and in bounds.
+        # A parameter re-pointed elsewhere (``p.data = ...``) would silently stop training.
+        # Every step costs O(1): re-pointing a parameter drops a reference to the flat
+        # buffer's storage, so an unchanged use count skips the per-parameter address check
+        # (which still runs every 64 steps, and whenever the count moves). Shapes are
+        # checked when checkpoints are written or read: a view reshaped in place still covers
+        # the same bytes, so the update itself stays correct and in bounds.
+        uses = _uses(self.flat_params)
+        self.steps_since_full_check += 1
+        if (not shapes and uses == self.storage_uses and self.steps_since_full_check < 64):
+            return
         if list(map(torch.Tensor.data_ptr, self.params)) == self.expected_ptrs and (
                 not shapes or list(map(_shape, self.params)) == self.expected_shapes):
+            self.storage_uses = uses  # other views come and go: the addresses are right
+            self.steps_since_full_check = 0
             return
         for i, (p, view) in enumerate(zip(self.params, self.param_views)):
             if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
@@ -130,6 +139,11 @@ class _Bucket:
 
 
 _grad = operator.attrgetter("grad")
+
+
+def _uses(tensor) -> int:
+    """How many tensors share ``tensor``'s storage (an O(1) query)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 _shape = operator.attrgetter("shape")
 
 
