@@ -210,16 +210,19 @@ def _check_common(h: dict) -> None:
             raise ValueError(f"Invalid beta parameter at index 1: {b2}")
 
 
+def _check_nonnegative(h: dict, *keys) -> None:
+    _check_common(h)
+    for key in keys:
+        if h[key] < 0:
+            raise ValueError(f"Invalid {key} value: {h[key]}")
+
+
 def _f32(x) -> np.float32:
     return np.float32(x)
 
 
 def _sgd_check(h):
-    _check_common(h)
-    if h["momentum"] < 0:
-        raise ValueError(f"Invalid momentum value: {h['momentum']}")
-    if h["dampening"] < 0:
-        raise ValueError(f"Invalid dampening value: {h['dampening']}")
+    _check_nonnegative(h, "momentum", "dampening")
     if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
@@ -263,12 +266,7 @@ def _adam_numpy(c, p, g, b):
 
 
 def _adagrad_check(h):
-    _check_common(h)
-    if h["lr_decay"] < 0:
-        raise ValueError(f"Invalid lr_decay value: {h['lr_decay']}")
-    if h["initial_accumulator_value"] < 0:
-        raise ValueError("Invalid initial_accumulator_value value: "
-                         f"{h['initial_accumulator_value']}")
+    _check_nonnegative(h, "lr_decay", "initial_accumulator_value")
 
 
 def _adagrad_scalars(h, step, extra):
@@ -283,11 +281,7 @@ def _adagrad_numpy(c, p, g, b):
 
 
 def _rmsprop_check(h):
-    _check_common(h)
-    if h["momentum"] < 0:
-        raise ValueError(f"Invalid momentum value: {h['momentum']}")
-    if h["alpha"] < 0:
-        raise ValueError(f"Invalid alpha value: {h['alpha']}")
+    _check_nonnegative(h, "momentum", "alpha")
 
 
 def _rmsprop_scalars(h, step, extra):
@@ -328,9 +322,7 @@ def _adamax_numpy(c, p, g, b):
 
 
 def _nadam_check(h):
-    _check_common(h)
-    if h["momentum_decay"] < 0:
-        raise ValueError(f"Invalid momentum_decay value: {h['momentum_decay']}")
+    _check_nonnegative(h, "momentum_decay")
 
 
 def _nadam_scalars(h, step, extra):
