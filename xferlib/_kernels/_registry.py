@@ -45,10 +45,10 @@ class KernelModule:
         return mod
 
     def get_function(self, name_expression: str):
-        import cupy
-
         if name_expression not in self._names:
             raise KeyError(f"{self.name}: {name_expression!r} is not a registered instantiation")
+        import cupy
+
         key = (cupy.cuda.runtime.getDevice(), name_expression)
         function = self._functions.get(key)
         if function is not None:
