@@ -49,6 +49,8 @@ __all__ = [
     "global_norm",
     "clip_coefficient",
     "apply_table",
+    "apply_adam_device_scalars",
+    "adam_device_hyper",
     "resolve_hyper",
 ]
 
@@ -650,6 +652,50 @@ def apply_table(name: str, layout: FlatLayout, params, grads, buffers: dict, tab
     new = params.copy()
     _update_numpy(rule, layout, new, grads, buffers, table)
     np.subtract(new, params, out=updates)
+
+
+def adam_device_hyper(name: str, h: dict) -> list:
+    """One group's row for :func:`apply_adam_device_scalars`: lr, beta1, beta2, eps,
+    weight_decay, decoupled, amsgrad, maximize."""
+    if name not in ("adam", "adamw"):
+        raise ValueError(f"device-side step scalars exist for adam and adamw, not {name}")
+    b1, b2 = h["betas"]
+    return [h["lr"], b1, b2, h["eps"], h["weight_decay"], float(name == "adamw"),
+            float(h["amsgrad"]), float(h["maximize"])]
+
+
+def apply_adam_device_scalars(layout: FlatLayout, params, grads, buffers: dict, hyper,
+                              segment_groups, steps, active, *, stream=None,
+                              params_lowp=None) -> None:
+    """An Adam/AdamW step whose scalars are computed on the GPU from device-resident state.
+
+    ``hyper``: float32 ``(groups, 8)`` rows of :func:`adam_device_hyper`; ``segment_groups``:
+    int32 group per segment; ``steps``: float32 step count per segment (advanced here for
+    active segments); ``active``: uint8 per segment. All CuPy arrays: nothing crosses from the
+    host, so the two launches can be captured in a CUDA graph and replayed.
+    """
+    from xferlib._backend import as_cupy_stream
+    from xferlib._kernels.optim import OPTIM_MODULE, device_scalars_name
+
+    layout.check(params, "params")
+    _check_grads(layout, grads, "grads")
+    for name in ("exp_avg", "exp_avg_sq"):
+        layout.check(buffers[name], name)
+    n = len(layout.segments)
+    if steps.shape != (n,) or active.shape != (n,) or segment_groups.shape != (n,):
+        raise ValueError(f"steps, active and segment_groups need one entry per segment ({n})")
+    stream = as_cupy_stream(stream)
+    chunks = _chunk_table(layout)
+    grad_dtype = np.dtype(grads.dtype).name
+    vmax = buffers.get("max_exp_avg_sq")
+    with stream:
+        kernel = OPTIM_MODULE.get_function(device_scalars_name(grad_dtype))
+        kernel((len(chunks[0]),), (256,),
+               (params, grads, buffers["exp_avg"], buffers["exp_avg_sq"],
+                np.uint64(0) if vmax is None else vmax, hyper, segment_groups, steps, active,
+                *chunks, np.uint64(0) if params_lowp is None else params_lowp), stream=stream)
+        advance = OPTIM_MODULE.get_function("advance_steps")
+        advance((max(1, -(-n // 256)),), (256,), (steps, active, np.int32(n)), stream=stream)
 
 
 def _check_grads(layout: FlatLayout, grads, name: str) -> None:

@@ -36,7 +36,7 @@ def _core_view(t: torch.Tensor):
 class _Bucket:
     """The parameters of one (device, dtype): their flat buffers, layout and state."""
 
-    def __init__(self, entries, rule: core.FlatOptimizer, hypers):
+    def __init__(self, entries, rule: core.FlatOptimizer, hypers, capturable: bool = False):
         # entries: [(param, group index)] in param_groups order
         self.params = [p for p, _ in entries]
         p0 = self.params[0]
@@ -75,7 +75,36 @@ class _Bucket:
         self.core_params = _core_view(self.flat_params if self.master is None else self.master)
         self.core_grads = _core_view(self.flat_grads)
         self.core_lowp = None if self.master is None else _core_view(self.flat_params)
+        self.capturable = capturable
+        if capturable:
+            self._init_device_scalars(entries)
         self.storage_uses = _uses(self.flat_params)  # last: every view above counts
+
+    def _init_device_scalars(self, entries):
+        """Capturable mode: step counts, the active mask and hyperparameters on the GPU."""
+        if self.device.type != "cuda":
+            raise ValueError("capturable=True needs CUDA parameters")
+        n, groups = len(self.params), max(g for _, g in entries) + 1
+        self.dev_steps = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self.dev_active = torch.zeros(n, dtype=torch.uint8, device=self.device)
+        self.dev_groups = torch.tensor([g for _, g in entries], dtype=torch.int32,
+                                       device=self.device)
+        self.dev_hyper = torch.zeros((groups, 8), dtype=torch.float32, device=self.device)
+        self.core_device = [_core_view(t) for t in (self.dev_hyper, self.dev_groups,
+                                                    self.dev_steps, self.dev_active)]
+        self.uploaded_active = None
+        self.uploaded_hyper = None
+
+    def steps(self) -> np.ndarray:
+        """Step count per parameter (read from the GPU in capturable mode)."""
+        if self.capturable:
+            return self.dev_steps.cpu().numpy().astype(np.int64)
+        return self.state.steps
+
+    def set_step(self, i: int, step: int) -> None:
+        self.state.steps[i] = step
+        if self.capturable:
+            self.dev_steps[i] = float(step)
 
     def _views(self, flat):
         return [flat[s.offset:s.offset + s.size].view(s.shape) for s in self.layout.segments]
@@ -134,8 +163,25 @@ class _Bucket:
         self.check_params()
         active = self.collect_grads()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if self.capturable:
+            self._step_device_scalars(rule, hypers, active, stream)
+            return
         rule.update(self.layout, self.core_params, self.core_grads, self.state, hypers,
                     active=active, stream=stream, params_lowp=self.core_lowp)
+
+    def _step_device_scalars(self, rule, hypers, active, stream):
+        # Host-to-device copies happen only when the mask or a hyperparameter changed, so a
+        # step taken after them (warm-up) is pure device work and can be graph-captured.
+        if self.uploaded_active is None or not np.array_equal(active, self.uploaded_active):
+            self.dev_active.copy_(torch.from_numpy(active.astype(np.uint8)))
+            self.uploaded_active = active.copy()
+        rows = [core.adam_device_hyper(rule.name, h) for h in hypers]
+        if rows != self.uploaded_hyper:
+            self.dev_hyper.copy_(torch.tensor(rows, dtype=torch.float32))
+            self.uploaded_hyper = rows
+        core.apply_adam_device_scalars(self.layout, self.core_params, self.core_grads,
+                                       self.state.buffers, *self.core_device, stream=stream,
+                                       params_lowp=self.core_lowp)
 
 
 _grad = operator.attrgetter("grad")
@@ -165,6 +211,10 @@ class _FlatOptimizer(torch.optim.Optimizer):
     _renamed = {}  # core name -> torch-side name (Lion's learning_rate is torch's lr)
 
     def __init__(self, params, **hyper):
+        self._capturable = bool(hyper.pop("capturable", False))
+        if self._capturable and self._rule_name not in ("adam", "adamw"):
+            raise ValueError(f"capturable=True is supported by FlatAdam and FlatAdamW, not "
+                             f"{type(self).__name__}")
         for key in _TORCH_ONLY_KEYS:
             hyper.pop(key, None)
         to_core = {v: k for k, v in self._renamed.items()}
@@ -195,7 +245,8 @@ class _FlatOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 by_key.setdefault((p.device, p.dtype), []).append((p, gi))
         hypers = self._hypers()
-        return [_Bucket(entries, self._rule, hypers) for entries in by_key.values()]
+        return [_Bucket(entries, self._rule, hypers, self._capturable)
+                for entries in by_key.values()]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -250,8 +301,9 @@ class _FlatOptimizer(torch.optim.Optimizer):
         index = self._param_index()
         state = {}
         for bucket in self._buckets:
+            steps = bucket.steps()
             for i, p in enumerate(bucket.params):
-                step = int(bucket.state.steps[i])
+                step = int(steps[i])
                 if step == 0:
                     continue
                 entry = {}
@@ -299,11 +351,11 @@ class _FlatOptimizer(torch.optim.Optimizer):
                     flat[seg.offset:seg.offset + seg.size].copy_(
                         entry[name].reshape(-1).to(flat.device, flat.dtype))
                 if "step" in entry:
-                    bucket.state.steps[i] = int(float(entry["step"]))
+                    bucket.set_step(i, int(float(entry["step"])))
                 elif self._rule_name == "sgd":
-                    bucket.state.steps[i] = 1 if entry.get("momentum_buffer") is not None else 0
+                    bucket.set_step(i, 1 if entry.get("momentum_buffer") is not None else 0)
                 else:
-                    bucket.state.steps[i] = 0
+                    bucket.set_step(i, 0)
                 if "mu_product" in entry:
                     bucket.state.scalars["mu_product"][i] = float(entry["mu_product"])
         self.state.clear()

@@ -255,3 +255,63 @@ def test_low_precision_params_train_on_float32_masters(device, dtype):
         np.testing.assert_allclose(master.cpu().numpy(), p.detach().cpu().numpy(),
                                    rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(q.detach(), master.to(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flat_cls,torch_cls,kw", [
+    (xt.FlatAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1)),
+    (xt.FlatAdam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True, maximize=True)),
+    (xt.FlatAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+])
+def test_capturable_matches_torch_capturable(flat_cls, torch_cls, kw):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none here")
+    ref, ours = _model().cuda(), _model().cuda()
+    ref_opt = torch_cls(_groups(ref, kw["lr"]), capturable=True, **kw)
+    opt = flat_cls(_groups(ours, kw["lr"]), capturable=True, **kw)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(60):
+        x = torch.randn(8, 6, device="cuda", generator=g)
+        y = torch.randn(8, 2, device="cuda", generator=g)
+        _train_step(ref, ref_opt, x, y, ["optimizer", "model", "keep"][step % 3], step % 7 == 3)
+        _train_step(ours, opt, x, y, ["optimizer", "model", "keep"][step % 3], step % 7 == 3)
+        if step == 30:
+            saved = copy.deepcopy(opt.state_dict())
+            opt = flat_cls(_groups(ours, kw["lr"]), capturable=True, **kw)
+            opt.load_state_dict(saved)
+    _assert_same(ref, ours, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_the_flat_step():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none here")
+    ref, ours = _model().cuda(), _model().cuda()
+    x = torch.randn(8, 6, device="cuda")
+    for model in (ref, ours):
+        (model(x) ** 2).mean().backward()  # fixed gradients for every step
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, capturable=True)
+    opt = xt.FlatAdam(ours.parameters(), lr=1e-2, capturable=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opt.step()  # warm-up: compiles, uploads the mask and hyperparameters
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for _ in range(9):
+        graph.replay()
+    for _ in range(10):
+        ref_opt.step()
+    torch.cuda.synchronize()
+    _assert_same(ref, ours, rtol=1e-4, atol=1e-5)
+    (bucket,) = opt._buckets
+    assert list(bucket.steps()) == [10] * len(bucket.params)
+
+
+def test_capturable_needs_adam_and_cuda():
+    with pytest.raises(ValueError, match="FlatAdam and FlatAdamW"):
+        xt.FlatSGD(_model().parameters(), lr=0.1, capturable=True)
+    with pytest.raises(ValueError, match="CUDA parameters"):
+        xt.FlatAdam(_model().parameters(), capturable=True)

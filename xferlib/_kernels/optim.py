@@ -3,7 +3,8 @@
 A block takes one chunk of one segment (``chunk_seg``, ``chunk_start``, ``chunk_end``) and
 reads that segment's scalars from the per-step table: sign (0: no gradient this step, skip),
 L2 coefficient, decoupled decay factor, then eight rule-specific scalars (``xferlib/optim.py``
-computes them exactly as torch does). Threads move float4 vectors: segments start on 16-byte
+computes them exactly as torch does). For Adam/AdamW a second entry point computes those
+scalars on the device from device-resident step counts, so a step can live in a CUDA graph. Threads move float4 vectors: segments start on 16-byte
 boundaries, so every access is a whole aligned vector. The elementwise code follows torch's
 operation order.
 """
@@ -59,26 +60,16 @@ __device__ __forceinline__ void store4(T* ptr, i64 i, const float* a) {
 // KIND: 0 sgd, 1 adam/adamw, 2 adagrad, 3 rmsprop, 4 adamax, 5 nadam, 6 radam, 7 lion.
 // s0..s2: the rule's state buffers in the order slot_names() gives (null when unused).
 // G: the gradients' type; with `lowp` non-null the updated float32 master weights are also
-// written there, rounded to G (the model's low-precision parameters).
+// written there, rounded to G (the model's low-precision parameters). With `updates`
+// non-null, params stay and the step (new - old) goes there instead, as an optax
+// GradientTransformation returns it (updates may alias grads).
 template <int KIND, typename G>
-__global__ void flat_update(float* __restrict__ params, const G* __restrict__ grads,
-                            float* __restrict__ s0, float* __restrict__ s1,
-                            float* __restrict__ s2, const float* __restrict__ table,
-                            const int* __restrict__ chunk_seg,
-                            const i64* __restrict__ chunk_start,
-                            const i64* __restrict__ chunk_end, int ncols,
-                            float* __restrict__ updates, G* __restrict__ lowp) {
-    // updates != null: leave params alone and write the step (new - old) there instead, as an
-    // optax GradientTransformation returns it (updates may alias grads).
-    const float* r = table + (i64)chunk_seg[blockIdx.x] * ncols;
-    const float sign = r[0], l2 = r[1], decay = r[2];
-    if (sign == 0.0f) return;  // no gradient for this segment this step
-    float c[8];
-    #pragma unroll
-    for (int k = 0; k < 8; ++k) c[k] = r[3 + k];
-    const i64 end = chunk_end[blockIdx.x];
-    for (i64 i = chunk_start[blockIdx.x] + 4 * (i64)threadIdx.x; i < end;
-         i += 4 * (i64)blockDim.x) {
+__device__ void update_chunk(float* __restrict__ params, const G* __restrict__ grads,
+                             float* __restrict__ s0, float* __restrict__ s1,
+                             float* __restrict__ s2, const float sign, const float l2,
+                             const float decay, const float* c, const i64 start, const i64 end,
+                             float* __restrict__ updates, G* __restrict__ lowp) {
+    for (i64 i = start + 4 * (i64)threadIdx.x; i < end; i += 4 * (i64)blockDim.x) {
         float p[4], g[4], a[4], b[4], m[4], old[4];
         LOAD4(params, i, p);
         load4(grads, i, g);
@@ -212,6 +203,68 @@ __global__ void flat_update(float* __restrict__ params, const G* __restrict__ gr
         }
     }
 }
+
+// One block per chunk of a segment; the segment's scalars come from the per-step table:
+// sign (0: no gradient this step, skip), L2 coefficient, decoupled decay factor, then eight
+// rule-specific scalars.
+template <int KIND, typename G>
+__global__ void flat_update(float* __restrict__ params, const G* __restrict__ grads,
+                            float* __restrict__ s0, float* __restrict__ s1,
+                            float* __restrict__ s2, const float* __restrict__ table,
+                            const int* __restrict__ chunk_seg,
+                            const i64* __restrict__ chunk_start,
+                            const i64* __restrict__ chunk_end, int ncols,
+                            float* __restrict__ updates, G* __restrict__ lowp) {
+    const float* r = table + (i64)chunk_seg[blockIdx.x] * ncols;
+    if (r[0] == 0.0f) return;  // no gradient for this segment this step
+    float c[8];
+    #pragma unroll
+    for (int k = 0; k < 8; ++k) c[k] = r[3 + k];
+    update_chunk<KIND, G>(params, grads, s0, s1, s2, r[0], r[1], r[2], c,
+                          chunk_start[blockIdx.x], chunk_end[blockIdx.x], updates, lowp);
+}
+
+// Adam/AdamW with the step's scalars computed on the device from per-segment step counts
+// and per-group hyperparameters (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad,
+// maximize): nothing is copied from the host per step, so the step can be captured in a CUDA
+// graph and replayed. advance_steps runs after it and counts the step.
+template <typename G>
+__global__ void flat_adam_device_scalars(float* __restrict__ params,
+                                         const G* __restrict__ grads, float* __restrict__ s0,
+                                         float* __restrict__ s1, float* __restrict__ s2,
+                                         const float* __restrict__ hyper,
+                                         const int* __restrict__ seg_group,
+                                         const float* __restrict__ steps,
+                                         const unsigned char* __restrict__ active,
+                                         const int* __restrict__ chunk_seg,
+                                         const i64* __restrict__ chunk_start,
+                                         const i64* __restrict__ chunk_end,
+                                         G* __restrict__ lowp) {
+    const int seg = chunk_seg[blockIdx.x];
+    if (!active[seg]) return;
+    const float* h = hyper + 8 * seg_group[seg];
+    const float lr = h[0], b1 = h[1], b2 = h[2], eps = h[3], wd = h[4];
+    const bool decoupled = h[5] != 0.0f;
+    const float t = steps[seg] + 1.0f;
+    float c[8];
+    c[0] = lr / (1.0f - powf(b1, t));
+    c[1] = b1;
+    c[2] = b2;
+    c[3] = eps;
+    c[4] = sqrtf(1.0f - powf(b2, t));
+    c[5] = h[6];
+    c[6] = 0.0f;
+    c[7] = 0.0f;
+    update_chunk<1, G>(params, grads, s0, s1, s2, h[7] != 0.0f ? -1.0f : 1.0f,
+                       decoupled ? 0.0f : wd, decoupled ? 1.0f - lr * wd : 1.0f, c,
+                       chunk_start[blockIdx.x], chunk_end[blockIdx.x], nullptr, lowp);
+}
+
+__global__ void advance_steps(float* __restrict__ steps, const unsigned char* __restrict__ active,
+                              int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && active[i]) steps[i] += 1.0f;
+}
 """
 
 # State buffers of each rule, in the kernel's s0, s1, s2 order.
@@ -239,5 +292,11 @@ def update_name(kind: int, grad_dtype: str = "float32") -> str:
     return f"flat_update<{kind}, {GRAD_TYPES[grad_dtype]}>"
 
 
-OPTIM_MODULE = KernelModule("optim", OPTIM_KERNEL,
-                            tuple(update_name(k, g) for k in _SLOTS for g in GRAD_TYPES))
+def device_scalars_name(grad_dtype: str = "float32") -> str:
+    return f"flat_adam_device_scalars<{GRAD_TYPES[grad_dtype]}>"
+
+
+OPTIM_MODULE = KernelModule(
+    "optim", OPTIM_KERNEL,
+    tuple(update_name(k, g) for k in _SLOTS for g in GRAD_TYPES)
+    + tuple(device_scalars_name(g) for g in GRAD_TYPES) + ("advance_steps",))
