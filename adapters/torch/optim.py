@@ -52,11 +52,15 @@ class _Bucket:
         self.flat_grads = torch.zeros_like(self.flat_params)
         self.param_views = self._views(self.flat_params)
         self.grad_views = self._views(self.flat_grads)
-        for p, view, grad in zip(self.params, self.param_views, self.grad_views):
+        self.has_grad = np.zeros(len(self.params), dtype=bool)
+        for i, (p, view, grad) in enumerate(zip(self.params, self.param_views,
+                                                self.grad_views)):
             view.copy_(p.detach())
             p.data = view
-            p.grad = grad  # zero; backward accumulates into the flat buffer in place
-        self.has_grad = np.zeros(len(self.params), dtype=bool)
+            if p.grad is not None:  # a gradient computed before the optimizer was built
+                grad.copy_(p.grad)
+                self.has_grad[i] = True
+            p.grad = grad  # backward accumulates into the flat buffer in place
         self.expected_ptrs = [v.data_ptr() for v in self.param_views]
         self.expected_shapes = [v.shape for v in self.param_views]
         self.steps_since_full_check = 0

@@ -315,3 +315,15 @@ def test_capturable_needs_adam_and_cuda():
         xt.FlatSGD(_model().parameters(), lr=0.1, capturable=True)
     with pytest.raises(ValueError, match="CUDA parameters"):
         xt.FlatAdam(_model().parameters(), capturable=True)
+
+
+def test_gradients_computed_before_construction_are_kept():
+    ref, ours = _model(), _model()
+    x = torch.randn(8, 6)
+    for model in (ref, ours):
+        (model(x) ** 2).mean().backward()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = xt.FlatAdam(ours.parameters(), lr=1e-2)
+    ref_opt.step()
+    opt.step()
+    _assert_same(ref, ours)
