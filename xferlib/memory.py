@@ -161,13 +161,13 @@ def is_pinned(array) -> bool:
     return attrs.type == cupy.cuda.runtime.memoryTypeHost
 
 
-def device_pointer(array: np.ndarray) -> int:
+def device_pointer(array: np.ndarray, name: str = "array") -> int:
     """The address at which the GPU sees a pinned host array (equal to the host address
-    under unified addressing). ValueError when the array is not pinned."""
+    under unified addressing). ValueError, naming ``name``, when the array is not pinned."""
     if not is_pinned(array):
         raise ValueError(
-            "the table is in pageable host memory, which GPU kernels cannot read; "
-            "pin it with xferlib.pin(table) or allocate it with xferlib.pinned_empty"
+            f"{name} is in pageable host memory, which GPU kernels cannot reach; "
+            f"pin it with xferlib.pin({name}) or allocate it with xferlib.pinned_empty"
         )
     import cupy
 

@@ -153,10 +153,10 @@ def unique_indices(idx):
 # ----------------------------------------------------------------------------- GPU helpers
 
 
-def _device_address(array) -> int:
+def _device_address(array, name: str) -> int:
     """Where a kernel finds ``array``: a CuPy array's pointer, or a pinned host array's
     device address (ValueError for pageable memory)."""
-    return int(array.data.ptr) if is_cupy_array(array) else device_pointer(array)
+    return int(array.data.ptr) if is_cupy_array(array) else device_pointer(array, name)
 
 
 def _word_bytes(*values: int) -> int:
@@ -259,8 +259,8 @@ def _launch_sorted_kernel(kind: str, table, keys, perm, first_bad, rows, stream)
     from xferlib._kernels.rows import (ROWS_MODULE, ADD_TYPES, gather_name, scatter_add_name,
                                        scatter_name)
 
-    table_ptr = _device_address(table)
-    rows_ptr = _device_address(rows)
+    table_ptr = _device_address(table, "table")
+    rows_ptr = _device_address(rows, "out" if kind == "gather" else "src")
     itemsize = table.dtype.itemsize
     word = _word_bytes(table.shape[1] * itemsize, table.strides[0], rows.strides[0],
                        table_ptr, rows_ptr)
@@ -337,10 +337,13 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
         if not is_cupy_array(table) and not is_pinned(table):
             # Pageable memory is out of the GPU's reach: gather on the host, then upload.
             host_idx = cupy.asnumpy(idx) if is_cupy_array(idx) else idx
-            rows = gather_rows(table, host_idx)
+            rows = gather_rows(table, host_idx, sorted_indices=sorted_indices)
             if out is None:
                 return cupy.asarray(rows)
-            out.set(rows) if is_cupy_array(out) else np.copyto(out, rows)
+            if is_cupy_array(out):
+                out.set(rows)
+            else:
+                np.copyto(out, rows)
             return out
         idx = _to_gpu_indices(idx, num_rows)
         if out is None:
