@@ -43,7 +43,12 @@ def run(quick: bool = False) -> dict:
     if not cupy_available():
         print("no CUDA GPU found: the optimizer benchmark needs a GPU (skipped)")
         return {"suite": "optim", "environment": environment(), "results": [], "targets": []}
-    import torch
+    try:
+        import torch
+    except ImportError:
+        print("torch is not installed: the optimizer benchmark compares against torch.optim "
+              "(pip install 'xferlib[torch]'; skipped)")
+        return {"suite": "optim", "environment": environment(), "results": [], "targets": []}
 
     copy_rate = _hbm_copy_rate(torch)
     print(f"HBM copy: {copy_rate:.0f} GB/s (read+write); Adam floor = 28 B/param at that rate")
