@@ -3,6 +3,7 @@
 The core imports NumPy only; CuPy, torch and JAX are imported lazily, where they are used.
 """
 
+from xferlib import optim, tt
 from xferlib._backend import cupy_available
 from xferlib.handoff import array_kind, data_pointer, to_cupy, to_jax, to_numpy, to_torch
 from xferlib.memory import PinnedArray, is_pinned, pin, pinned_empty, pinned_zeros
@@ -30,6 +31,7 @@ __all__ = [
     "gather_rows_fwd",
     "gather_rows_reference",
     "is_pinned",
+    "optim",
     "pin",
     "pinned_empty",
     "pinned_zeros",
@@ -41,5 +43,6 @@ __all__ = [
     "to_jax",
     "to_numpy",
     "to_torch",
+    "tt",
     "unique_indices",
 ]

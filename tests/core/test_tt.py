@@ -1,0 +1,148 @@
+import math
+
+import numpy as np
+import pytest
+
+from xferlib import tt
+
+SHAPES = [
+    tt.TTShape([3, 4], [2, 3], [5]),
+    tt.TTShape([5, 4, 3], [2, 2, 4], [3, 4]),
+    tt.TTShape([2, 3, 2, 3], [2, 1, 3, 2], [2, 3, 2]),
+]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"d{s.d}")
+def test_rows_match_the_reference_and_the_dense_table(shape, rng):
+    cores = tt.init_tt_cores(shape, "normal", rng=rng)
+    idx = rng.integers(0, shape.num_rows, 50)
+    ref = tt.tt_rows_reference(cores, shape, idx)
+    np.testing.assert_allclose(tt.tt_rows(cores, shape, idx), ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(tt.tt_to_dense(cores, shape)[idx], ref, rtol=1e-5, atol=1e-7)
+
+
+def test_digits_are_most_significant_first():
+    shape = tt.TTShape([3, 4, 5], [1, 1, 1], [1, 1])
+    assert shape.digits([0, 1, 5, 59]).tolist() == [[0, 0, 0], [0, 0, 1], [0, 1, 0], [2, 3, 4]]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"d{s.d}")
+def test_tt_svd_is_exact_at_full_rank(shape, rng):
+    cores = tt.init_tt_cores(shape, "normal", rng=rng)
+    dense = tt.tt_to_dense(cores, shape).astype(np.float64)
+    again = tt.tt_from_dense(dense, shape.ranks, shape.p_shapes, shape.q_shapes)
+    np.testing.assert_allclose(tt.tt_to_dense(again, shape), dense, rtol=1e-4, atol=1e-6)
+
+
+def test_tt_svd_recovers_a_low_rank_table(rng):
+    low = tt.TTShape([8, 8], [4, 4], [3])
+    dense = tt.tt_to_dense(tt.init_tt_cores(low, "normal", rng=rng), low).astype(np.float64)
+    for rank in (3, 6):  # the true TT rank, and more (padded with zeros)
+        shape = tt.TTShape([8, 8], [4, 4], [rank])
+        cores = tt.tt_from_dense(dense, [rank], shape.p_shapes, shape.q_shapes)
+        np.testing.assert_allclose(tt.tt_to_dense(cores, shape), dense, rtol=1e-4, atol=1e-6)
+    # fewer rows than prod(p): the missing rows are zero
+    shape = tt.TTShape([8, 8], [4, 4], [32])
+    cores = tt.tt_from_dense(dense[:50], [32], shape.p_shapes, shape.q_shapes)
+    np.testing.assert_allclose(tt.tt_to_dense(cores, shape)[:50], dense[:50], atol=1e-5)
+    np.testing.assert_allclose(tt.tt_to_dense(cores, shape)[50:], 0.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_bags_match_reference(mode, weighted, rng):
+    shape = SHAPES[1]
+    cores = tt.init_tt_cores(shape, "normal", rng=rng)
+    indices = rng.integers(0, shape.num_rows, 40)
+    offsets = np.array([0, 3, 3, 17, 40])  # includes an empty bag
+    weights = rng.random(40) if weighted else None
+    out = tt.tt_embedding_bag(cores, shape, indices, offsets, mode=mode,
+                              per_sample_weights=weights)
+    ref = tt.tt_embedding_bag_reference(cores, shape, indices, offsets, mode=mode,
+                                        per_sample_weights=weights)
+    assert out.shape == (4, shape.dim) and not out[1].any()
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-7)
+    without_last = tt.tt_embedding_bag(cores, shape, indices, offsets[:-1], mode=mode,
+                                       per_sample_weights=weights, include_last_offset=False)
+    np.testing.assert_allclose(without_last, out)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"d{s.d}")
+def test_core_gradients_are_exact(shape, rng):
+    # The bags are linear in each core: <grad_k, delta_k> equals the change of <g, bags>.
+    cores = [c.astype(np.float64) for c in tt.init_tt_cores(shape, "normal", rng=rng)]
+    indices = rng.integers(0, shape.num_rows, 30)
+    indices[:5] = indices[5]  # repeated rows add up
+    offsets = np.array([0, 10, 30])
+    weights = rng.random(30)
+    g = rng.standard_normal((2, shape.dim))
+    _, residuals = tt.tt_embedding_bag_fwd(cores, shape, indices, offsets, mode="mean",
+                                           per_sample_weights=weights)
+    grads = tt.tt_embedding_bag_bwd(cores, shape, residuals, g)
+
+    def loss(cs):
+        return float(np.sum(g * tt.tt_embedding_bag_reference(
+            cs, shape, indices, offsets, mode="mean", per_sample_weights=weights)))
+
+    base = loss(cores)
+    for k in range(shape.d):
+        delta = rng.standard_normal(cores[k].shape)
+        moved = list(cores)
+        moved[k] = cores[k] + delta
+        assert np.sum(grads[k] * delta) == pytest.approx(loss(moved) - base, rel=1e-4, abs=1e-6)
+
+
+def test_suggest_tt_shapes():
+    assert tt.suggest_tt_shapes(128, 3, allow_round_up=False) == [4, 4, 8]
+    assert tt.suggest_tt_shapes(64, 3, allow_round_up=False) == [4, 4, 4]
+    p = tt.suggest_tt_shapes(11_000_000, 3)
+    assert math.prod(p) >= 11_000_000 and max(p) / min(p) < 2
+    p = tt.suggest_tt_shapes(1_000_003, 3)  # a prime: rounding up balances it
+    assert math.prod(p) >= 1_000_003 and max(p) / min(p) < 2
+    with pytest.raises(ValueError):
+        tt.suggest_tt_shapes(10, 5)
+
+
+@pytest.mark.parametrize("dist", ["uniform", "normal", "approx-normal", "approx-uniform"])
+def test_initializers(dist, rng):
+    shape = tt.TTShape([20, 22, 25], [4, 4, 4], [8, 8])
+    cores = tt.init_tt_cores(shape, dist, rng=rng)
+    for k, core in enumerate(cores):
+        assert core.shape == shape.core_shape(k) and core.dtype == np.float32
+        assert np.isfinite(core).all() and core.std() > 0
+    if dist == "approx-normal":
+        scale = (1.0 / math.sqrt(3 * shape.num_rows)) ** (1.0 / 3.0)
+        assert all(np.abs(c).min() >= 2 * scale * (1 - 1e-6) for c in cores)
+    if dist == "uniform":
+        assert all(c.min() >= 0 for c in cores)
+    with pytest.raises(ValueError, match="weight_dist"):
+        tt.init_tt_cores(shape, "bogus")
+
+
+def test_approx_normal_is_fast_for_large_cores():
+    import time
+
+    shape = tt.TTShape([200, 220, 250], [4, 4, 4], [32, 32])
+    t0 = time.perf_counter()
+    tt.init_tt_cores(shape, "approx-normal", rng=np.random.default_rng(0))
+    assert time.perf_counter() - t0 < 60  # FBTT's per-element loop takes minutes here
+
+
+def test_bad_input(rng):
+    shape = SHAPES[0]
+    cores = tt.init_tt_cores(shape, "normal", rng=rng)
+    with pytest.raises(IndexError, match="index 12 at position 1"):
+        tt.tt_rows(cores, shape, np.array([0, 12]))
+    with pytest.raises(ValueError, match="core 0 must have shape"):
+        tt.tt_rows([cores[1], cores[0]], shape, np.array([0]))
+    with pytest.raises(ValueError, match="offsets"):
+        tt.tt_embedding_bag(cores, shape, np.array([0, 1]), np.array([0, 3]))
+    with pytest.raises(ValueError, match="2 to 4 cores"):
+        tt.TTShape([2], [2], [])
+    with pytest.raises(ValueError, match="mode"):
+        tt.tt_embedding_bag(cores, shape, np.array([0, 1]), np.array([0, 2]), mode="max")

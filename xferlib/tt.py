@@ -1,0 +1,394 @@
+"""Tensor-Train (TT) embedding tables: shapes, initializers, lookups and gradients (NumPy).
+
+A table of ``prod(p_shapes)`` rows of ``prod(q_shapes)`` columns is stored as ``d`` cores
+(2 <= d <= 4). Core ``k`` has shape ``(p_k, R_k * q_k * R_{k+1})``: row ``i_k`` of it is an
+``R_k x q_k x R_{k+1}`` slice, in that order, with ``R_0 = R_d = 1`` (FBTT-Embedding's layout,
+without its leading table axis). Row ``i`` of the table splits into digits
+``(i_1, ..., i_d)``, most significant first (``i = sum_k i_k * prod(p_{k+1:})``), and is the
+product of the slices ``G_1[i_1] G_2[i_2] ... G_d[i_d]``, flattened with ``q_1`` most
+significant. Only the requested rows are ever rebuilt.
+
+This module holds the float64 references and the vectorized NumPy path; the CUDA kernels and
+the framework adapters build on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+__all__ = [
+    "TTShape",
+    "suggest_tt_shapes",
+    "init_tt_cores",
+    "tt_rows",
+    "tt_rows_reference",
+    "tt_to_dense",
+    "tt_from_dense",
+    "tt_embedding_bag",
+    "tt_embedding_bag_reference",
+    "tt_embedding_bag_fwd",
+    "tt_embedding_bag_bwd",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TTShape:
+    """The factorization of a TT table. ``ranks`` are the inner ranks (``d - 1`` of them)."""
+
+    p_shapes: tuple
+    q_shapes: tuple
+    ranks: tuple
+
+    def __post_init__(self):
+        p, q, r = (tuple(int(v) for v in x) for x in (self.p_shapes, self.q_shapes, self.ranks))
+        object.__setattr__(self, "p_shapes", p)
+        object.__setattr__(self, "q_shapes", q)
+        object.__setattr__(self, "ranks", r)
+        if not 2 <= len(p) <= 4:
+            raise ValueError(f"TT tables have 2 to 4 cores, got p_shapes {p}")
+        if len(q) != len(p) or len(r) != len(p) - 1:
+            raise ValueError(f"need len(q_shapes) == len(p_shapes) == len(ranks) + 1, got "
+                             f"p={p} q={q} ranks={r}")
+        if min(p + q + r) <= 0:
+            raise ValueError(f"shapes and ranks must be positive: p={p} q={q} ranks={r}")
+
+    @property
+    def d(self) -> int:
+        return len(self.p_shapes)
+
+    @property
+    def padded_ranks(self) -> tuple:
+        return (1,) + self.ranks + (1,)
+
+    @property
+    def num_rows(self) -> int:
+        return math.prod(self.p_shapes)
+
+    @property
+    def dim(self) -> int:
+        return math.prod(self.q_shapes)
+
+    def core_shape(self, k: int) -> tuple:
+        r = self.padded_ranks
+        return (self.p_shapes[k], r[k] * self.q_shapes[k] * r[k + 1])
+
+    def core_slices(self, core, k: int):
+        """Core ``k`` as ``(p_k, R_k, q_k, R_{k+1})``."""
+        r = self.padded_ranks
+        return np.asarray(core).reshape(self.p_shapes[k], r[k], self.q_shapes[k], r[k + 1])
+
+    def digits(self, idx) -> np.ndarray:
+        """``(n, d)`` digits of row indices, most significant first."""
+        idx = np.asarray(idx, dtype=np.int64)
+        strides = [math.prod(self.p_shapes[k + 1:]) for k in range(self.d)]
+        return np.stack([(idx // s) % p for s, p in zip(strides, self.p_shapes)], axis=1)
+
+    def check_cores(self, cores) -> None:
+        if len(cores) != self.d:
+            raise ValueError(f"{self.d} cores expected, got {len(cores)}")
+        for k, core in enumerate(cores):
+            if tuple(np.shape(core)) != self.core_shape(k):
+                raise ValueError(f"core {k} must have shape {self.core_shape(k)}, got "
+                                 f"{tuple(np.shape(core))}")
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def _balanced_factors(n: int, d: int) -> list[int]:
+    """``d`` factors of ``n`` (product exactly ``n``), as equal as greedy placement of its
+    prime factors, largest first, into the currently smallest factor makes them."""
+    primes, m, f = [], n, 2
+    while f * f <= m:
+        while m % f == 0:
+            primes.append(f)
+            m //= f
+        f += 1
+    if m > 1:
+        primes.append(m)
+    factors = [1] * d
+    for prime in sorted(primes, reverse=True):
+        factors[factors.index(min(factors))] *= prime
+    return sorted(factors)
+
+
+def _spread(factors) -> float:
+    """How unbalanced a factorization is (0 for equal factors)."""
+    logs = np.log(np.asarray(factors, dtype=np.float64))
+    return float(logs.max() - logs.min())
+
+
+def suggest_tt_shapes(n: int, d: int = 3, allow_round_up: bool = True) -> list[int]:
+    """A balanced factorization of ``n`` into ``d`` factors.
+
+    With ``allow_round_up`` (for row counts), ``n`` may be rounded up to ``ceil(n / 10^k) *
+    10^k`` when that balances the factors better, so their product is >= ``n``. Embedding
+    dimensions use ``allow_round_up=False``: the product is exactly ``n`` (128 -> [4, 4, 8]).
+    """
+    if n <= 0 or not 2 <= d <= 4:
+        raise ValueError(f"need n > 0 and 2 <= d <= 4, got n={n}, d={d}")
+    best = _balanced_factors(n, d)
+    if allow_round_up:
+        for k in range(1, len(str(n))):
+            candidate = _balanced_factors(-(-n // 10 ** k) * 10 ** k, d)
+            if _spread(candidate) < _spread(best) - 1e-12:
+                best = candidate
+    return best
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def init_tt_cores(shape: TTShape, weight_dist: str = "approx-normal", num_embeddings=None,
+                  rng=None) -> list[np.ndarray]:
+    """Float32 cores drawn as FBTT-Embedding draws them.
+
+    ``uniform``: i.i.d. U(0, s) with ``s = (2 / (N + D)) ** (1 / (2 d)) * prod(R ** (-1 / (2 d)))``.
+    ``normal``: i.i.d. N(0, 1 / sqrt(N)). ``approx-normal``: N(0, 1) draws kept only where
+    ``|x| >= 2`` (redrawn otherwise), times ``(1 / sqrt(3 N)) ** (1 / 3)``. ``approx-uniform``
+    (3 cores): FBTT's saw-tooth construction, so that rows of the full table look uniform.
+    ``N`` is ``num_embeddings`` (default: the table's rows). Vectorized: seconds, not minutes,
+    for large cores.
+    """
+    rng = np.random.default_rng() if rng is None else rng
+    n_rows = shape.num_rows if num_embeddings is None else int(num_embeddings)
+    d, ranks = shape.d, np.asarray(shape.padded_ranks, dtype=np.float64)
+    if weight_dist == "uniform":
+        stddev = math.sqrt(2.0 / (n_rows + shape.dim))
+        core_stddev = stddev ** (1.0 / d) * np.prod(ranks ** (-1.0 / (2 * d)))
+        return [rng.uniform(0.0, core_stddev, shape.core_shape(k)).astype(np.float32)
+                for k in range(d)]
+    if weight_dist == "normal":
+        return [rng.normal(0.0, 1.0 / math.sqrt(n_rows), shape.core_shape(k)).astype(np.float32)
+                for k in range(d)]
+    if weight_dist == "approx-normal":
+        scale = (1.0 / math.sqrt(3 * n_rows)) ** (1.0 / 3.0)
+        cores = []
+        for k in range(d):
+            w = rng.standard_normal(shape.core_shape(k))
+            small = np.abs(w) < 2
+            while small.any():  # redraw only the rejected entries
+                w[small] = rng.standard_normal(int(small.sum()))
+                small = np.abs(w) < 2
+            cores.append((w * scale).astype(np.float32))
+        return cores
+    if weight_dist == "approx-uniform":
+        return _approx_uniform(shape, n_rows, rng)
+    raise ValueError(f"weight_dist must be 'uniform', 'normal', 'approx-uniform' or "
+                     f"'approx-normal', got {weight_dist!r}")
+
+
+def _saw_tooth(rng, count, grid=15, width=0.7 / 30.0):
+    # A train of flat teeth j / grid + U(-width / 2, width / 2): convolved with a narrow
+    # Gaussian (the other cores' noise) the gaps fill and the result looks uniform.
+    j = rng.integers(-(grid - 1), grid, count)
+    return j / grid - width / 2.0 + width * rng.random(count)
+
+
+def _approx_uniform(shape: TTShape, n_rows: int, rng) -> list[np.ndarray]:
+    if shape.d != 3:
+        raise ValueError("approx-uniform initialization is defined for 3 cores")
+    (p1, p2, p3), (q1, q2, q3) = shape.p_shapes, shape.q_shapes
+    _, r1, r2, _ = shape.padded_ranks
+    sigma = 0.01
+    head = 1.0 / math.sqrt(r1) + sigma * rng.standard_normal((1, p1, q1, r1))
+    mid_scale = 1.0 / math.sqrt(r1)
+    mid = (mid_scale + sigma * rng.standard_normal((r1, p2, q2, r2))).reshape(r1, p2 * q2, r2)
+    values = _saw_tooth(rng, p2 * q2) / mid_scale
+    columns = np.arange(p2 * q2)
+    picks = rng.integers(0, (r2 + 1) // 2, p2 * q2) * 2  # an even rank index per (m, n)
+    mid[:, columns, picks] = (rng.standard_normal((r1, p2 * q2)) * (sigma * sigma / mid_scale))
+    mid[rng.integers(0, r1, p2 * q2), columns, picks] = values
+    tail = sigma * rng.standard_normal((r2, p3 * q3))
+    odd = max(1, r2 // 2)
+    rows = np.minimum(rng.integers(0, odd, p3 * q3) * 2 + 1, r2 - 1)  # an odd rank index
+    tail[rows, np.arange(p3 * q3)] = _saw_tooth(rng, p3 * q3)
+    scale = 1.0 / (math.sqrt(n_rows) ** (1.0 / 3.0))
+    blocks = [head, mid.reshape(r1, p2, q2, r2), tail.reshape(r2, p3, q3, 1)]
+    return [(b * scale).transpose(1, 0, 2, 3).reshape(shape.core_shape(k)).astype(np.float32)
+            for k, b in enumerate(blocks)]
+
+
+# ----------------------------------------------------------------------------- lookups
+
+
+def tt_rows_reference(cores, shape: TTShape, idx) -> np.ndarray:
+    """Rows ``idx`` of the table, float64, one explicit chain of slice products per row."""
+    shape.check_cores(cores)
+    digits = shape.digits(idx)
+    out = np.empty((len(digits), shape.dim))
+    slices = [shape.core_slices(np.asarray(c, dtype=np.float64), k) for k, c in enumerate(cores)]
+    for n, row_digits in enumerate(digits):
+        acc = np.ones((1, 1))  # (columns so far, rank)
+        for k, i_k in enumerate(row_digits):
+            g = slices[k][i_k]  # (R_k, q_k, R_{k+1})
+            acc = np.einsum("ar,rjs->ajs", acc, g).reshape(-1, g.shape[2])
+        out[n] = acc[:, 0]
+    return out
+
+
+def _prefix_products(cores, shape: TTShape, digits, upto: int, dtype):
+    """``(n, prod(q_1..q_upto), R_upto)``: the product of the first ``upto`` slices."""
+    n = len(digits)
+    acc = np.ones((n, 1, 1), dtype=dtype)
+    for k in range(upto):
+        g = shape.core_slices(cores[k], k)[digits[:, k]].astype(dtype, copy=False)
+        acc = np.einsum("nar,nrjs->najs", acc, g).reshape(n, -1, g.shape[3])
+    return acc
+
+
+def _suffix_products(cores, shape: TTShape, digits, start: int, dtype):
+    """``(n, R_start, prod(q_start..q_d))``: the product of slices ``start..d-1``."""
+    n = len(digits)
+    acc = np.ones((n, 1, 1), dtype=dtype)
+    for k in range(shape.d - 1, start - 1, -1):
+        g = shape.core_slices(cores[k], k)[digits[:, k]].astype(dtype, copy=False)
+        acc = np.einsum("nrjs,nsb->nrjb", g, acc).reshape(n, g.shape[1], -1)
+    return acc
+
+
+def tt_rows(cores, shape: TTShape, idx) -> np.ndarray:
+    """Rows ``idx`` of the table (float32), batched slice products."""
+    shape.check_cores(cores)
+    digits = shape.digits(_checked_indices(idx, shape))
+    return _prefix_products(cores, shape, digits, shape.d, np.float32)[:, :, 0]
+
+
+def tt_to_dense(cores, shape: TTShape) -> np.ndarray:
+    """The whole table, ``(prod(p), prod(q))`` float32 (FBTT's ``tt_matrix_to_full``)."""
+    return tt_rows(cores, shape, np.arange(shape.num_rows))
+
+
+def tt_from_dense(table, ranks, p_shapes, q_shapes) -> list[np.ndarray]:
+    """Compress a trained ``(rows, dim)`` table into TT cores of at most ``ranks`` (TT-SVD).
+
+    Rows beyond ``len(table)`` up to ``prod(p_shapes)`` are zero. With full ranks the
+    reconstruction is exact; smaller ranks give the truncated-SVD approximation.
+    """
+    shape = TTShape(p_shapes, q_shapes, ranks)
+    table = np.asarray(table, dtype=np.float64)
+    if table.ndim != 2 or table.shape[1] != shape.dim or table.shape[0] > shape.num_rows:
+        raise ValueError(f"table must be (<= {shape.num_rows}, {shape.dim}), got {table.shape}")
+    full = np.zeros((shape.num_rows, shape.dim))
+    full[:len(table)] = table
+    d, p, q = shape.d, shape.p_shapes, shape.q_shapes
+    # Interleave to (p1, q1, p2, q2, ...): the TT of this tensor has cores (R, p_k, q_k, R).
+    tensor = full.reshape(*p, *q).transpose([x for k in range(d) for x in (k, d + k)])
+    cores, rank, rest = [], 1, tensor.reshape(-1)
+    for k in range(d - 1):
+        rest = rest.reshape(rank * p[k] * q[k], -1)
+        u, s, vt = np.linalg.svd(rest, full_matrices=False)
+        keep = min(shape.ranks[k], len(s))
+        core = u[:, :keep].reshape(rank, p[k], q[k], keep)
+        if keep < shape.ranks[k]:  # pad to the requested rank with zeros
+            core = np.concatenate([core, np.zeros((rank, p[k], q[k], shape.ranks[k] - keep))],
+                                  axis=3)
+            s = np.concatenate([s[:keep], np.zeros(shape.ranks[k] - keep)])
+            vt = np.concatenate([vt[:keep], np.zeros((shape.ranks[k] - keep, vt.shape[1]))])
+        else:
+            s, vt = s[:keep], vt[:keep]
+        cores.append(core)
+        rest = s[:, None] * vt
+        rank = shape.ranks[k]
+    cores.append(rest.reshape(rank, p[-1], q[-1], 1))
+    return [c.transpose(1, 0, 2, 3).reshape(shape.core_shape(k)).astype(np.float32)
+            for k, c in enumerate(cores)]
+
+
+# ----------------------------------------------------------------------------- bags
+
+
+def _checked_indices(idx, shape: TTShape) -> np.ndarray:
+    idx = np.asarray(idx)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers, got {idx.dtype}")
+    if idx.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
+    bad = np.flatnonzero((idx < 0) | (idx >= shape.num_rows))
+    if bad.size:
+        raise IndexError(f"index {int(idx[bad[0]])} at position {int(bad[0])} is out of range "
+                         f"for a TT table of {shape.num_rows} rows")
+    return idx.astype(np.int64)
+
+
+def _bag_ids(indices, offsets, include_last_offset: bool):
+    """Bag of each lookup and the number of bags, from offsets (B+1 with the last)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    n = len(indices)
+    if offsets.ndim != 1 or len(offsets) == 0:
+        raise ValueError("offsets must be a non-empty 1-D array")
+    bounds = offsets if include_last_offset else np.append(offsets, n)
+    if bounds[0] != 0 or bounds[-1] != n or np.any(np.diff(bounds) < 0):
+        raise ValueError(f"offsets must start at 0, not decrease, and end at {n} "
+                         f"(include_last_offset={include_last_offset}); got {offsets.tolist()}")
+    counts = np.diff(bounds)
+    return np.repeat(np.arange(len(counts)), counts), counts
+
+
+def _lookup_weights(counts, bag, per_sample_weights, mode, n, dtype):
+    w = np.ones(n, dtype=dtype) if per_sample_weights is None else np.asarray(
+        per_sample_weights, dtype=dtype)
+    if w.shape != (n,):
+        raise ValueError(f"per_sample_weights must have shape ({n},), got {w.shape}")
+    if mode == "mean":
+        w = w / np.maximum(counts, 1)[bag]
+    elif mode != "sum":
+        raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+    return w
+
+
+def tt_embedding_bag_reference(cores, shape: TTShape, indices, offsets, *, mode="sum",
+                               per_sample_weights=None, include_last_offset=True):
+    """Pooled bags in float64 from the dense rows: the oracle for :func:`tt_embedding_bag`."""
+    indices = _checked_indices(indices, shape)
+    bag, counts = _bag_ids(indices, offsets, include_last_offset)
+    w = _lookup_weights(counts, bag, per_sample_weights, mode, len(indices), np.float64)
+    rows = tt_rows_reference(cores, shape, indices) * w[:, None]
+    out = np.zeros((len(counts), shape.dim))
+    np.add.at(out, bag, rows)
+    return out
+
+
+def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
+                         per_sample_weights=None, include_last_offset=True):
+    """``(bags, residuals)``: pooled rows ``(B, D)`` (float32) and what backward needs."""
+    shape.check_cores(cores)
+    indices = _checked_indices(indices, shape)
+    bag, counts = _bag_ids(indices, offsets, include_last_offset)
+    w = _lookup_weights(counts, bag, per_sample_weights, mode, len(indices), np.float32)
+    rows = tt_rows(cores, shape, indices) * w[:, None]
+    out = np.zeros((len(counts), shape.dim), dtype=np.float32)
+    np.add.at(out, bag, rows)
+    return out, (indices, bag, w)
+
+
+def tt_embedding_bag(cores, shape, indices, offsets, **kwargs) -> np.ndarray:
+    """Pooled TT rows per bag (sum or mean, optional per-sample weights), float32."""
+    return tt_embedding_bag_fwd(cores, shape, indices, offsets, **kwargs)[0]
+
+
+def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np.ndarray]:
+    """Gradients of the cores (float32, the cores' shapes) from ``(B, D)`` bag gradients.
+
+    For lookup ``n`` with digits ``i``, the slice gradient of core ``k`` is
+    ``sum_{a,b} Left[n, a, r] * g[n, a, j, b] * Right[n, s, b]``, with ``Left`` the product of
+    the slices before ``k`` and ``Right`` of those after; rows of repeated digits add up.
+    """
+    indices, bag, w = residuals
+    digits = shape.digits(indices)
+    n = len(indices)
+    g = np.asarray(grad_bags, dtype=np.float32)[bag] * w[:, None]  # (n, D)
+    grads = []
+    q = shape.q_shapes
+    for k in range(shape.d):
+        left = _prefix_products(cores, shape, digits, k, np.float32)  # (n, A, R_k)
+        right = _suffix_products(cores, shape, digits, k + 1, np.float32)  # (n, R_k+1, B)
+        gk = g.reshape(n, left.shape[1], q[k], right.shape[2])
+        slice_grads = np.einsum("nar,najb,nsb->nrjs", left, gk, right)
+        grad = np.zeros((shape.p_shapes[k],) + slice_grads.shape[1:], dtype=np.float32)
+        np.add.at(grad, digits[:, k], slice_grads)
+        grads.append(grad.reshape(shape.core_shape(k)))
+    return grads
