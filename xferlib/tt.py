@@ -31,6 +31,9 @@ __all__ = [
     "tt_embedding_bag_reference",
     "tt_embedding_bag_fwd",
     "tt_embedding_bag_bwd",
+    "tt_sparse_state",
+    "tt_sparse_update",
+    "SPARSE_OPTIMIZERS",
 ]
 
 
@@ -392,3 +395,68 @@ def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np
         np.add.at(grad, digits[:, k], slice_grads)
         grads.append(grad.reshape(shape.core_shape(k)))
     return grads
+
+
+# ----------------------------------------------------------------------------- fused updates
+
+SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "rowwise_adam")
+
+
+def tt_sparse_state(shape: TTShape, optimizer: str) -> list[dict]:
+    """Zeroed optimizer state per core for :func:`tt_sparse_update`."""
+    if optimizer not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
+    states = []
+    for k in range(shape.d):
+        rows, width = shape.core_shape(k)
+        if optimizer == "sgd":
+            states.append({})
+        elif optimizer == "adagrad":
+            states.append({"sum": np.zeros((rows, width), np.float32)})
+        elif optimizer == "rowwise_adagrad":
+            states.append({"sum": np.zeros(rows, np.float32)})
+        else:
+            states.append({"exp_avg": np.zeros((rows, width), np.float32),
+                           "exp_avg_sq": np.zeros(rows, np.float32),
+                           "step": np.zeros(rows, np.int64)})
+    return states
+
+
+def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer: str, *,
+                     lr: float, eps: float = 1e-10, betas=(0.9, 0.999)) -> None:
+    """Apply ``optimizer`` in place to every core row the batch touched (all of them: no row
+    of any core is skipped), from the core gradients of :func:`tt_embedding_bag_bwd`.
+
+    ``sgd``: ``G -= lr g``. ``adagrad``: elementwise ``s += g^2; G -= lr g / (sqrt(s) + eps)``.
+    ``rowwise_adagrad``: one accumulator per core row, ``s += mean(g^2)``. ``rowwise_adam``:
+    elementwise first moment, one second moment and step count per row, bias-corrected.
+    Rows the batch did not touch keep their values and state (lazy semantics).
+    """
+    if optimizer not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
+    if lr < 0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    digits = shape.digits(residuals[0])
+    b1, b2 = betas
+    for k, (core, grad, state) in enumerate(zip(cores, grads, states)):
+        rows = np.unique(digits[:, k])
+        g = grad[rows]
+        if optimizer == "sgd":
+            core[rows] -= np.float32(lr) * g
+        elif optimizer == "adagrad":
+            s = state["sum"]
+            s[rows] += g * g
+            core[rows] -= np.float32(lr) * g / (np.sqrt(s[rows]) + np.float32(eps))
+        elif optimizer == "rowwise_adagrad":
+            s = state["sum"]
+            s[rows] += (g * g).mean(axis=1)
+            core[rows] -= np.float32(lr) * g / (np.sqrt(s[rows])[:, None] + np.float32(eps))
+        else:
+            m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+            step[rows] += 1
+            m[rows] = np.float32(b1) * m[rows] + np.float32(1 - b1) * g
+            v[rows] = np.float32(b2) * v[rows] + np.float32(1 - b2) * (g * g).mean(axis=1)
+            t = step[rows].astype(np.float64)
+            m_hat = m[rows] / (1 - b1 ** t)[:, None].astype(np.float32)
+            v_hat = (v[rows] / (1 - b2 ** t)).astype(np.float32)
+            core[rows] -= np.float32(lr) * m_hat / (np.sqrt(v_hat)[:, None] + np.float32(eps))

@@ -13,6 +13,8 @@ from xferlib.adapters.torch.optim import (
     FlatSGD,
 )
 from xferlib.adapters.torch.rows import gather_rows
+from xferlib.adapters.torch.tt import OptimType, TTEmbeddingBag, tt_matrix_to_full
 
 __all__ = ["ContiguousParams", "FlatAdagrad", "FlatAdam", "FlatAdamax", "FlatAdamW", "FlatLion", "FlatNAdam",
-           "FlatRAdam", "FlatRMSprop", "FlatSGD", "gather_rows"]
+           "FlatRAdam", "FlatRMSprop", "FlatSGD", "OptimType", "TTEmbeddingBag", "gather_rows",
+           "tt_matrix_to_full"]

@@ -146,3 +146,40 @@ def test_bad_input(rng):
         tt.TTShape([2], [2], [])
     with pytest.raises(ValueError, match="mode"):
         tt.tt_embedding_bag(cores, shape, np.array([0, 1]), np.array([0, 2]), mode="max")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "rowwise_adam"])
+def test_sparse_updates_reach_every_touched_row(optimizer, rng):
+    # More rows in the first core than R*q*R: FBTT's launch skips such rows; none is skipped
+    # here, and rows no lookup touched stay as they were.
+    shape = tt.TTShape([40, 3, 3], [2, 2, 2], [2, 2])
+    cores = tt.init_tt_cores(shape, "normal", rng=rng)
+    before = [c.copy() for c in cores]
+    indices = np.arange(0, shape.num_rows, 2)  # every first-core row, half the table
+    offsets = np.array([0, len(indices)])
+    _, residuals = tt.tt_embedding_bag_fwd(cores, shape, indices, offsets)
+    grads = tt.tt_embedding_bag_bwd(cores, shape, residuals, rng.standard_normal((1, shape.dim)))
+    states = tt.tt_sparse_state(shape, optimizer)
+    tt.tt_sparse_update(cores, shape, residuals, grads, states, optimizer, lr=0.1)
+    touched = np.unique(shape.digits(indices)[:, 0])
+    assert len(touched) == 40
+    assert np.all(np.any(cores[0] != before[0], axis=1))
+    if optimizer == "sgd":
+        for c, b, g in zip(cores, before, grads):
+            np.testing.assert_allclose(c, b - 0.1 * g, rtol=1e-6, atol=1e-7)
+    # a batch touching one row leaves every other row and its state alone
+    one = np.array([5])
+    _, res1 = tt.tt_embedding_bag_fwd(cores, shape, one, np.array([0, 1]))
+    g1 = tt.tt_embedding_bag_bwd(cores, shape, res1, np.ones((1, shape.dim)))
+    snapshot = [c.copy() for c in cores]
+    tt.tt_sparse_update(cores, shape, res1, g1, states, optimizer, lr=0.1)
+    digits = shape.digits(one)[0]
+    for k, (c, s) in enumerate(zip(cores, snapshot)):
+        others = np.setdiff1d(np.arange(c.shape[0]), [digits[k]])
+        np.testing.assert_array_equal(c[others], s[others])
+
+
+def test_sparse_update_rejects_unknown_optimizer(rng):
+    shape = SHAPES[0]
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        tt.tt_sparse_state(shape, "lamb")

@@ -1,0 +1,173 @@
+"""``TTEmbeddingBag``: FBTT-Embedding's module and names over xferlib's TT core.
+
+Constructor, defaults, core layout (``tt_cores[k]`` is ``[1, p_k, R_k * q_k * R_{k+1}]``, each
+row an ``R_k x q_k x R_{k+1}`` slice) and B+1 offsets are FBTT's, so its checkpoints load.
+With ``sparse=True`` the optimizer update is fused into backward and reaches every core row
+the batch touched; an optimizer type that is not implemented raises instead of silently
+running another. This version runs on CPU tensors (the NumPy path of ``xferlib.tt``); the
+CUDA kernels are not built yet, and CUDA tensors are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import torch
+
+from xferlib import tt as core
+
+__all__ = ["OptimType", "TTEmbeddingBag", "tt_matrix_to_full"]
+
+
+class OptimType(enum.Enum):
+    SGD = "sgd"
+    EXACT_SGD = "exact_sgd"
+    ADAGRAD = "adagrad"
+    EXACT_ADAGRAD = "exact_adagrad"
+    EXACT_ROWWISE_ADAGRAD = "exact_row_wise_adagrad"
+    ADAM = "adam"
+
+    def __str__(self):
+        return self.value
+
+
+# Deterministic summation makes SGD and EXACT_SGD (and the Adagrad pair) the same update.
+_CORE_OPTIMIZER = {
+    OptimType.SGD: "sgd",
+    OptimType.EXACT_SGD: "sgd",
+    OptimType.ADAGRAD: "adagrad",
+    OptimType.EXACT_ADAGRAD: "adagrad",
+    OptimType.EXACT_ROWWISE_ADAGRAD: "rowwise_adagrad",
+    OptimType.ADAM: "rowwise_adam",
+}
+
+
+def _cpu_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.device.type != "cpu":
+        raise ValueError("TTEmbeddingBag runs on CPU tensors for now (its CUDA kernels are not "
+                         "built yet); keep the module and its inputs on the CPU")
+    return t.detach().numpy()
+
+
+def tt_matrix_to_full(tt_p_shapes, tt_q_shapes, tt_ranks, tt_cores, tt_permute=None):
+    """The full ``(prod(p), prod(q))`` table from TT cores, as FBTT's function of this name.
+
+    ``tt_ranks`` may include the padding 1s or not. ``tt_permute`` gives the cores' axis
+    order relative to ``(R_k, p_k, q_k, R_{k+1})``; FBTT's modules store ``[1, 0, 2, 3]``,
+    which is also what ``None`` means here for 2-D or ``[1, p, ...]`` cores.
+    """
+    ranks = list(tt_ranks)
+    if len(ranks) == len(tt_p_shapes) + 1:
+        ranks = ranks[1:-1]
+    shape = core.TTShape(tt_p_shapes, tt_q_shapes, ranks)
+    permute = [1, 0, 2, 3] if tt_permute is None else list(tt_permute)
+    if sorted(permute) != [0, 1, 2, 3]:
+        raise ValueError(f"tt_permute must be a permutation of [0, 1, 2, 3], got {tt_permute}")
+    padded = shape.padded_ranks
+    cores = []
+    for k, c in enumerate(tt_cores):
+        natural = (padded[k], shape.p_shapes[k], shape.q_shapes[k], padded[k + 1])
+        stored = [natural[i] for i in permute]
+        a = _cpu_numpy(torch.as_tensor(c)).reshape(stored).transpose(np.argsort(permute))
+        cores.append(np.ascontiguousarray(a.transpose(1, 0, 2, 3)).reshape(shape.core_shape(k)))
+    return torch.from_numpy(core.tt_to_dense(cores, shape))
+
+
+class _TTBagFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module, indices, offsets, per_sample_weights, *cores):
+        arrays = [_cpu_numpy(c)[0] for c in cores]
+        out, residuals = core.tt_embedding_bag_fwd(
+            arrays, module.shape, _cpu_numpy(indices), _cpu_numpy(offsets), mode=module.mode,
+            per_sample_weights=None if per_sample_weights is None
+            else _cpu_numpy(per_sample_weights),
+            include_last_offset=module.include_last_offset)
+        ctx.module, ctx.residuals, ctx.arrays = module, residuals, arrays
+        return torch.from_numpy(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        module = ctx.module
+        grads = core.tt_embedding_bag_bwd(ctx.arrays, module.shape, ctx.residuals,
+                                          _cpu_numpy(grad_out.contiguous()))
+        none = (None, None, None, None)
+        if module.sparse:  # fused: update the cores in place, hand no gradient back
+            with torch.no_grad():
+                core.tt_sparse_update([_cpu_numpy(c.data)[0] for c in module.tt_cores],
+                                      module.shape, ctx.residuals, grads, module.sparse_state,
+                                      _CORE_OPTIMIZER[module.optimizer],
+                                      lr=module.learning_rate, eps=module.eps)
+            return none + (None,) * len(grads)
+        return none + tuple(torch.from_numpy(g)[None] for g in grads)
+
+
+class TTEmbeddingBag(torch.nn.Module):
+    """An ``nn.EmbeddingBag`` whose table is a Tensor Train (FBTT-Embedding's API).
+
+    ``forward(indices, offsets, per_sample_weights=None)`` takes B+1 offsets (FBTT's
+    convention; ``include_last_offset=False`` takes B) and returns ``(B, embedding_dim)``
+    pooled with ``mode`` ("sum" or "mean").
+
+    >>> bag = TTEmbeddingBag(1000, 16, [4, 4], sparse=False)
+    >>> bag(torch.tensor([1, 2, 999]), torch.tensor([0, 2, 3])).shape
+    torch.Size([2, 16])
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tt_ranks, tt_p_shapes=None,
+                 tt_q_shapes=None, optimizer: OptimType = OptimType.SGD,
+                 learning_rate: float = 0.1, eps: float = 1.0e-10, sparse: bool = True,
+                 use_cache: bool = False, cache_size: int = 0, hashtbl_size: int = 0,
+                 weight_dist: str = "approx-normal", enforce_embedding_dim: bool = False, *,
+                 mode: str = "sum", include_last_offset: bool = True, seed=None):
+        super().__init__()
+        if num_embeddings <= 0 or embedding_dim <= 0:
+            raise ValueError(f"num_embeddings and embedding_dim must be positive, got "
+                             f"{num_embeddings}, {embedding_dim}")
+        tt_ranks = [int(r) for r in tt_ranks]
+        d = len(tt_ranks) + 1
+        p = core.suggest_tt_shapes(num_embeddings, d) if tt_p_shapes is None else tt_p_shapes
+        q = (core.suggest_tt_shapes(embedding_dim, d, allow_round_up=not enforce_embedding_dim)
+             if tt_q_shapes is None else tt_q_shapes)
+        self.shape = core.TTShape(p, q, tt_ranks)
+        if self.shape.num_rows < num_embeddings:
+            raise ValueError(f"prod(tt_p_shapes) = {self.shape.num_rows} < num_embeddings "
+                             f"{num_embeddings}")
+        if self.shape.dim != embedding_dim and tt_q_shapes is not None:
+            raise ValueError(f"prod(tt_q_shapes) = {self.shape.dim} != embedding_dim "
+                             f"{embedding_dim}")
+        if not isinstance(optimizer, OptimType):
+            raise ValueError(f"optimizer must be an OptimType ({[o.name for o in OptimType]}), "
+                             f"got {optimizer!r}; others are not implemented")
+        if use_cache:
+            raise ValueError("the TT row cache is not available in this version; "
+                             "use_cache=False")
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, self.shape.dim
+        self.tt_p_shapes, self.tt_q_shapes = list(self.shape.p_shapes), list(self.shape.q_shapes)
+        self.tt_ranks = list(self.shape.padded_ranks)
+        self.optimizer, self.learning_rate, self.eps = optimizer, float(learning_rate), eps
+        self.sparse, self.mode, self.include_last_offset = sparse, mode, include_last_offset
+        cores = core.init_tt_cores(self.shape, weight_dist, num_embeddings,
+                                   rng=np.random.default_rng(seed))
+        self.tt_cores = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.from_numpy(c)[None]) for c in cores])
+        self.sparse_state = core.tt_sparse_state(self.shape, _CORE_OPTIMIZER[optimizer])
+
+    def forward(self, indices, offsets, per_sample_weights=None):
+        bad = torch.nonzero((indices < 0) | (indices >= self.num_embeddings)).flatten()
+        if bad.numel():
+            position = int(bad[0])
+            raise IndexError(f"index {int(indices[position])} at position {position} is out of "
+                             f"range for {self.num_embeddings} embeddings")
+        return _TTBagFunction.apply(self, indices.long(), offsets.long(), per_sample_weights,
+                                    *self.tt_cores)
+
+    def full_weight(self) -> torch.Tensor:
+        """The dense ``(prod(p), embedding_dim)`` table the cores stand for."""
+        return tt_matrix_to_full(self.tt_p_shapes, self.tt_q_shapes, self.tt_ranks,
+                                 list(self.tt_cores), [1, 0, 2, 3])
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.learning_rate = float(lr)

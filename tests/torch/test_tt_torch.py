@@ -1,0 +1,106 @@
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from xferlib.adapters.torch import OptimType, TTEmbeddingBag, tt_matrix_to_full  # noqa: E402
+
+
+def _torch_full(module):
+    """The dense table from the cores with differentiable torch ops (the test's reference)."""
+    p, q, r = module.tt_p_shapes, module.tt_q_shapes, module.tt_ranks
+    res = None
+    for k, c in enumerate(module.tt_cores):
+        g = c[0].view(p[k], r[k], q[k], r[k + 1])
+        if res is None:
+            res = g.reshape(p[k], q[k], r[k + 1])  # r[0] == 1
+            continue
+        res = torch.einsum("aAr,bris->abAis", res, g)
+        res = res.reshape(res.shape[0] * res.shape[1], res.shape[2] * res.shape[3], r[k + 1])
+    return res[:, :, 0]
+
+
+def _bag(n=4, per_bag=5, num=600, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    indices = torch.randint(0, num, (n * per_bag,), generator=g)
+    indices[:3] = indices[3]  # repeats
+    offsets = torch.arange(0, n * per_bag + 1, per_bag)
+    return indices, offsets
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_forward_and_dense_gradients_match_a_torch_reference(mode):
+    bag = TTEmbeddingBag(600, 16, [3, 4], tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4],
+                         sparse=False, weight_dist="normal", mode=mode, seed=0)
+    indices, offsets = _bag()
+    weights = torch.rand(indices.shape) if mode == "sum" else None
+    out = bag(indices, offsets, weights)
+    full = _torch_full(bag)
+    ref = torch.nn.functional.embedding_bag(indices, full, offsets[:-1], mode=mode,
+                                            per_sample_weights=weights)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn(out.shape)
+    out.backward(g)
+    ours = [c.grad.clone() for c in bag.tt_cores]
+    for c in bag.tt_cores:
+        c.grad = None
+    ref.backward(g)  # into the cores through the differentiable dense reference
+    for mine, c in zip(ours, bag.tt_cores):
+        torch.testing.assert_close(mine, c.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(bag.full_weight(), _torch_full(bag).detach(), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_sparse_sgd_is_fused_into_backward():
+    bag = TTEmbeddingBag(600, 16, [3, 4], tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4],
+                         optimizer=OptimType.SGD, learning_rate=0.5, weight_dist="normal",
+                         seed=1)
+    dense = TTEmbeddingBag(600, 16, [3, 4], tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4],
+                           sparse=False, weight_dist="normal", seed=1)
+    indices, offsets = _bag(seed=3)
+    g = torch.randn(4, 16)
+    before = [c.detach().clone() for c in bag.tt_cores]
+    bag(indices, offsets).backward(g)
+    dense(indices, offsets).backward(g)
+    for c, b, d in zip(bag.tt_cores, before, dense.tt_cores):
+        assert c.grad is None
+        torch.testing.assert_close(c.detach(), b - 0.5 * d.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_trains_a_bag_toward_targets():
+    bag = TTEmbeddingBag(1000, 8, [4, 4], optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
+                         learning_rate=0.2, seed=2)
+    indices, offsets = _bag(n=8, per_bag=3, num=1000, seed=4)
+    target = torch.randn(8, 8)
+    first = torch.nn.functional.mse_loss(bag(indices, offsets), target).item()
+    for _ in range(50):
+        torch.nn.functional.mse_loss(bag(indices, offsets), target).backward()
+    assert torch.nn.functional.mse_loss(bag(indices, offsets), target).item() < 0.5 * first
+
+
+def test_shapes_defaults_and_bad_input():
+    bag = TTEmbeddingBag(11_000_000, 64, [32, 32], sparse=False, weight_dist="uniform", seed=0)
+    assert np.prod(bag.tt_p_shapes) >= 11_000_000 and bag.tt_q_shapes == [4, 4, 4]
+    assert [tuple(c.shape) for c in bag.tt_cores][1][0] == 1
+    assert bag.tt_ranks == [1, 32, 32, 1]
+    with pytest.raises(ValueError, match="OptimType"):
+        TTEmbeddingBag(100, 8, [2, 2], optimizer="lamb")
+    with pytest.raises(ValueError, match="cache"):
+        TTEmbeddingBag(100, 8, [2, 2], use_cache=True)
+    with pytest.raises(ValueError, match="num_embeddings"):
+        TTEmbeddingBag(1000, 8, [2, 2], tt_p_shapes=[2, 2, 2], tt_q_shapes=[2, 2, 2])
+    small = TTEmbeddingBag(100, 8, [2, 2], sparse=False)
+    with pytest.raises(IndexError, match="index 100 at position 1"):
+        small(torch.tensor([0, 100]), torch.tensor([0, 2]))
+
+
+def test_tt_matrix_to_full_accepts_fbtt_layouts():
+    bag = TTEmbeddingBag(60, 8, [2, 3], tt_p_shapes=[3, 4, 5], tt_q_shapes=[2, 2, 2],
+                         sparse=False, weight_dist="normal", seed=5)
+    full = bag.full_weight()
+    # the same cores as 4-D (R, p, q, R) tensors, FBTT's natural order
+    natural = [c.detach()[0].view(p, r0, q, r1).permute(1, 0, 2, 3).contiguous()
+               for c, p, q, r0, r1 in zip(bag.tt_cores, bag.tt_p_shapes, bag.tt_q_shapes,
+                                          bag.tt_ranks[:-1], bag.tt_ranks[1:])]
+    again = tt_matrix_to_full(bag.tt_p_shapes, bag.tt_q_shapes, [2, 3], natural, [0, 1, 2, 3])
+    torch.testing.assert_close(again, full)
