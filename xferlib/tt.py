@@ -31,6 +31,7 @@ __all__ = [
     "tt_embedding_bag_reference",
     "tt_embedding_bag_fwd",
     "tt_embedding_bag_bwd",
+    "tt_bag_residuals",
     "tt_sparse_state",
     "tt_sparse_update",
     "SPARSE_OPTIMIZERS",
@@ -355,15 +356,24 @@ def tt_embedding_bag_reference(cores, shape: TTShape, indices, offsets, *, mode=
     return out
 
 
+def tt_bag_residuals(shape: TTShape, indices, offsets, *, mode="sum", per_sample_weights=None,
+                     include_last_offset=True):
+    """``(indices, bag of each lookup, weight of each lookup, number of bags)``, checked."""
+    indices = _checked_indices(indices, shape)
+    bag, counts = _bag_ids(indices, offsets, include_last_offset)
+    w = _lookup_weights(counts, bag, per_sample_weights, mode, len(indices), np.float32)
+    return indices, bag, w, len(counts)
+
+
 def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
                          per_sample_weights=None, include_last_offset=True):
     """``(bags, residuals)``: pooled rows ``(B, D)`` (float32) and what backward needs."""
     shape.check_cores(cores)
-    indices = _checked_indices(indices, shape)
-    bag, counts = _bag_ids(indices, offsets, include_last_offset)
-    w = _lookup_weights(counts, bag, per_sample_weights, mode, len(indices), np.float32)
+    indices, bag, w, num_bags = tt_bag_residuals(
+        shape, indices, offsets, mode=mode, per_sample_weights=per_sample_weights,
+        include_last_offset=include_last_offset)
     rows = tt_rows(cores, shape, indices) * w[:, None]
-    out = np.zeros((len(counts), shape.dim), dtype=np.float32)
+    out = np.zeros((num_bags, shape.dim), dtype=np.float32)
     np.add.at(out, bag, rows)
     return out, (indices, bag, w)
 

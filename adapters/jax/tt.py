@@ -1,0 +1,105 @@
+"""``tt_embedding_bag`` for JAX: a ``custom_vjp`` over ``buffer_callback``.
+
+Cores use FBTT's layout without its leading table axis: core ``k`` is
+``(p_k, R_k * q_k * R_{k+1})``; ``ranks`` are the inner ranks, as ``tt_ranks`` is given to
+``TTEmbeddingBag``. Gradients flow to the cores, so any optax optimizer trains them. This
+version runs on JAX's CPU backend (xferlib's NumPy path on XLA's buffers); on a GPU backend the
+call fails with a clear error until the TT CUDA kernels exist.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from xferlib import tt as core
+from xferlib.adapters.jax._callback import is_gpu_buffer
+
+__all__ = ["tt_embedding_bag"]
+
+
+def _host_arrays(buffers):
+    if any(is_gpu_buffer(b) for b in buffers):
+        raise RuntimeError("tt_embedding_bag runs on JAX's CPU backend for now (the TT CUDA "
+                           "kernels are not built yet); place the cores and indices on the CPU")
+    return [np.asarray(b) for b in buffers]
+
+
+@functools.lru_cache(maxsize=None)
+def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: bool):
+    d = shape.d
+
+    def split(arrays):
+        cores, rest = arrays[:d], arrays[d:]
+        weights = rest[2] if weighted else None
+        return cores, rest[0], rest[1], weights
+
+    def forward_callback(ctx, out, *args):
+        cores, indices, offsets, weights = split(_host_arrays(args))
+        np.asarray(out)[...] = core.tt_embedding_bag(
+            cores, shape, indices, offsets, mode=mode, per_sample_weights=weights,
+            include_last_offset=include_last_offset)
+
+    def backward_callback(ctx, outs, *args):
+        arrays = _host_arrays(args)
+        grad_bags = arrays[-1]
+        cores, indices, offsets, weights = split(arrays[:-1])
+        indices, bag, w, _ = core.tt_bag_residuals(
+            shape, indices, offsets, mode=mode, per_sample_weights=weights,
+            include_last_offset=include_last_offset)
+        grads = core.tt_embedding_bag_bwd(cores, shape, (indices, bag, w), grad_bags)
+        for out, grad in zip(outs, grads):
+            np.asarray(out)[...] = grad
+
+    def num_bags(offsets):
+        return offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+
+    def bags(cores, indices, offsets, weights):
+        out_type = jax.ShapeDtypeStruct((num_bags(offsets), shape.dim), jnp.float32)
+        extra = (weights,) if weighted else ()
+        return buffer_callback(forward_callback, out_type)(*cores, indices, offsets, *extra)
+
+    @jax.custom_vjp
+    def function(cores, indices, offsets, weights):
+        return bags(cores, indices, offsets, weights)
+
+    def fwd(cores, indices, offsets, weights):
+        return bags(cores, indices, offsets, weights), (cores, indices, offsets, weights)
+
+    def bwd(residuals, g):
+        cores, indices, offsets, weights = residuals
+        out_types = tuple(jax.ShapeDtypeStruct(c.shape, jnp.float32) for c in cores)
+        extra = (weights,) if weighted else ()
+        grads = buffer_callback(backward_callback, out_types)(*cores, indices, offsets, *extra,
+                                                              g.astype(jnp.float32))
+        zero_int = np.zeros(indices.shape, jax.dtypes.float0)
+        zero_off = np.zeros(offsets.shape, jax.dtypes.float0)
+        return tuple(grads), zero_int, zero_off, None if weights is None else \
+            jnp.zeros_like(weights)
+
+    function.defvjp(fwd, bwd)
+    return function
+
+
+def tt_embedding_bag(cores, indices, offsets, *, p_shapes, q_shapes, ranks, mode="sum",
+                     include_last_offset=True, per_sample_weights=None):
+    """Pooled rows of a TT table: ``(B, prod(q_shapes))`` float32, differentiable w.r.t. the
+    cores (not w.r.t. ``per_sample_weights``)."""
+    shape = core.TTShape(p_shapes, q_shapes, ranks)
+    cores = tuple(jnp.asarray(c, jnp.float32) for c in cores)
+    shape.check_cores([np.empty(c.shape, np.uint8) for c in cores])
+    if mode not in ("sum", "mean"):
+        raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+    indices = jnp.asarray(indices)
+    offsets = jnp.asarray(offsets)
+    if not jnp.issubdtype(indices.dtype, jnp.integer) or not jnp.issubdtype(offsets.dtype,
+                                                                           jnp.integer):
+        raise TypeError("indices and offsets must be integer arrays")
+    weights = None if per_sample_weights is None else jnp.asarray(per_sample_weights,
+                                                                  jnp.float32)
+    return _make(shape, mode, bool(include_last_offset), weights is not None)(
+        cores, indices, offsets, weights)
