@@ -11,6 +11,13 @@ from xferlib.adapters.jax import tt_embedding_bag  # noqa: E402
 SHAPE = tt.TTShape([6, 10, 10], [2, 2, 4], [3, 4])
 
 
+@pytest.fixture(autouse=True)
+def on_cpu():
+    # The TT ops run on JAX's CPU backend for now, also on machines with a GPU.
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _jnp_full(cores):
     """Dense table with differentiable jnp ops (the reference)."""
     p, q, r = SHAPE.p_shapes, SHAPE.q_shapes, SHAPE.padded_ranks
