@@ -4,9 +4,11 @@ A :class:`FlatLayout` places many tensors (*segments*) in one flat array, each s
 16-byte boundary, each tagged with its parameter group. An optimizer is a pair of functions,
 optax style::
 
+    layout = xferlib.optim.FlatLayout.from_shapes([(128, 64), (64,)])
+    params, grads = layout.pack([w, b]), layout.zeros()
     opt = xferlib.optim.adam(lr=1e-3)
-    state = opt.init(layout)                       # zeroed state buffers, step counters
-    state = opt.update(params, grads, state)       # params updated in place
+    state = opt.init(layout)                          # zeroed state buffers, step counters
+    state = opt.update(layout, params, grads, state)  # params updated in place
 
 ``params`` and ``grads`` are flat arrays laid out by ``layout`` (NumPy on the CPU, CuPy on the
 GPU); the state buffers are flat arrays of the same layout. The update rules, hyperparameter
