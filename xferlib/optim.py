@@ -50,6 +50,7 @@ __all__ = [
     "lion",
     "global_norm",
     "clip_coefficient",
+    "clip_by_global_norm",
     "apply_table",
     "apply_adam_device_scalars",
     "adam_device_hyper",
@@ -807,13 +808,63 @@ lion = _make("lion")
 # ----------------------------------------------------------------------------- clipping
 
 
-def global_norm(grads, norm_type: float = 2.0) -> float:
-    """The norm of all gradients in a flat buffer (padding is zero, so it does not count)."""
+def _partial_norm(grads, norm_type: float):
+    """Per-buffer part of a global norm: max |g| (inf norm) or sum |g|^p, as a 0-d array."""
     xp = _namespace(grads)
     g = grads.astype(xp.float32, copy=False)
     if norm_type == float("inf"):
-        return float(xp.abs(g).max()) if g.size else 0.0
-    return float(xp.sum(xp.abs(g) ** norm_type) ** (1.0 / norm_type))
+        return xp.abs(g).max() if g.size else xp.zeros((), xp.float32)
+    return xp.sum(xp.abs(g) ** norm_type)
+
+
+def _total_norm(buffers, norm_type: float):
+    """The norm over several flat buffers, as a 0-d array; no host sync unless the buffers
+    live in different namespaces (NumPy and CuPy)."""
+    partials = [_partial_norm(g, norm_type) for g in buffers]
+    namespaces = {_namespace(g) for g in buffers}
+    xp = namespaces.pop() if len(namespaces) == 1 else np
+    if xp is np:
+        partials = [np.float32(float(v)) for v in partials]
+    stacked = xp.stack([xp.asarray(v, dtype=xp.float32) for v in partials])
+    if norm_type == float("inf"):
+        return stacked.max()
+    return stacked.sum() ** (1.0 / norm_type)
+
+
+def global_norm(grads, norm_type: float = 2.0) -> float:
+    """The norm of all gradients in a flat buffer (padding is zero, so it does not count)."""
+    return float(_total_norm([grads], norm_type))
+
+
+def clip_by_global_norm(buffers, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6,
+                        *, stream=None):
+    """Scale flat gradient buffers in place so their joint norm is at most ``max_norm``,
+    with :func:`clip_coefficient`'s factor computed on the device (no host sync): one
+    reduction per buffer and one in-place scale. Returns the norm before clipping (0-d)."""
+    buffers = list(buffers)
+    if not buffers:
+        raise ValueError("clip_by_global_norm needs at least one buffer")
+    norm_type = float(norm_type)
+    gpu = any(is_cupy_array(g) for g in buffers)
+    if gpu:
+        from xferlib._backend import as_cupy_stream
+
+        context = as_cupy_stream(stream)
+    else:
+        import contextlib
+
+        context = contextlib.nullcontext()
+    with context:
+        total = _total_norm(buffers, norm_type)
+        for g in buffers:
+            xp = _namespace(g)
+            coef = xp.minimum(xp.asarray(max_norm / (total + eps), dtype=xp.float32),
+                              xp.float32(1.0))
+            if g.dtype == np.float32:
+                g *= coef
+            else:  # 16-bit gradients: scale in float32, round once
+                g[...] = (g.astype(xp.float32) * coef).astype(g.dtype)
+    return total
 
 
 def clip_coefficient(total_norm: float, max_norm: float, eps: float = 1e-6) -> float:

@@ -31,6 +31,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib import optim as core
 from xferlib._kernels.optim import slot_names
+from xferlib.handoff import data_pointer
 from xferlib.adapters.jax._callback import as_core_array, is_gpu_buffer, xla_stream
 
 __all__ = ["ravel", "ravel_like", "flat_sgd", "flat_adam", "flat_adamw", "flat_lion",
@@ -88,7 +89,7 @@ def _callback(name, layout, num_buffers):
         updates, *buffers_out = [as_core_array(o, gpu) for o in outs]
         sources = [as_core_array(x, gpu) for x in (grads, *buffers_in)]
         for out, src in zip([updates, *buffers_out], sources):  # when XLA could not alias
-            if _pointer(out) != _pointer(src):
+            if data_pointer(out) != data_pointer(src):
                 _copy(out, src, gpu, stream)
         kind = core._RULES[name].kind
         buffers = dict(zip(slot_names(kind), buffers_out))
@@ -96,10 +97,6 @@ def _callback(name, layout, num_buffers):
                          as_core_array(table, gpu), updates=updates, stream=stream)
 
     return callback
-
-
-def _pointer(array) -> int:
-    return int(array.data.ptr) if hasattr(array.data, "ptr") else int(array.ctypes.data)
 
 
 def _copy(out, src, gpu, stream):

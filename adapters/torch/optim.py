@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from xferlib import optim as core
-from xferlib.handoff import to_cupy, to_numpy
+from xferlib.handoff import to_cupy, to_numpy, to_torch
 
 __all__ = ["FlatSGD", "FlatAdam", "FlatAdamW", "FlatAdagrad", "FlatRMSprop", "FlatAdamax",
            "FlatNAdam", "FlatRAdam", "FlatLion"]
@@ -191,6 +191,11 @@ class _Bucket:
 _grad = operator.attrgetter("grad")
 
 
+def _as_array(value):
+    """NumPy reductions return scalars; the handoff takes arrays."""
+    return np.asarray(value) if isinstance(value, np.generic) else value
+
+
 def _uses(tensor) -> int:
     """How many tensors share ``tensor``'s storage (an O(1) query)."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
@@ -276,18 +281,13 @@ class _FlatOptimizer(torch.optim.Optimizer):
         """``torch.nn.utils.clip_grad_norm_`` over every gradient of this optimizer, as one
         reduction over each flat gradient buffer and one in-place scale (no per-tensor
         kernels, no host sync). Returns the total norm (a tensor), as torch does."""
-        norm_type = float(norm_type)
-        norms = []
         for bucket in self._buckets:
             bucket.collect_grads()
-            norms.append(torch.linalg.vector_norm(bucket.flat_grads, norm_type))
-        device = norms[0].device
-        norms = torch.stack([n.to(device) for n in norms])
-        total = torch.linalg.vector_norm(norms, norm_type)
-        coef = torch.clamp(max_norm / (total + eps), max=1.0)
-        for bucket in self._buckets:
-            bucket.flat_grads.mul_(coef.to(bucket.device))
-        return total
+        device = self._buckets[0].device
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        total = core.clip_by_global_norm([b.core_grads for b in self._buckets], max_norm,
+                                         norm_type, eps, stream=stream)
+        return to_torch(_as_array(total))
 
     # -- checkpoints in torch.optim's per-parameter format ---------------------------------
 

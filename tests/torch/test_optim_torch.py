@@ -185,25 +185,32 @@ def test_lion_trains_with_torch_names():
     assert torch.nn.functional.mse_loss(model(x), y).item() < first
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("flat_cls,torch_cls,kw", CASES, ids=IDS)
-def test_cuda_training_matches_torch_cuda(flat_cls, torch_cls, kw):
+def _cuda_training_matches(flat_cls, torch_cls, kw, steps, restore_at, **extra):
+    """Train twins on CUDA with every zero_grad variant and skipped layers, restoring our
+    optimizer from its checkpoint once; torch's CUDA kernels fuse differently, hence the
+    tolerance."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; none here")
     ref, ours = _model().cuda(), _model().cuda()
-    ref_opt = torch_cls(_groups(ref, kw["lr"]), **kw)
-    opt = flat_cls(_groups(ours, kw["lr"]), **kw)
+    ref_opt = torch_cls(_groups(ref, kw["lr"]), **extra, **kw)
+    opt = flat_cls(_groups(ours, kw["lr"]), **extra, **kw)
     g = torch.Generator(device="cuda").manual_seed(1)
-    for step in range(100):
+    for step in range(steps):
         x = torch.randn(8, 6, device="cuda", generator=g)
         y = torch.randn(8, 2, device="cuda", generator=g)
         _train_step(ref, ref_opt, x, y, ["optimizer", "model", "keep"][step % 3], step % 7 == 3)
         _train_step(ours, opt, x, y, ["optimizer", "model", "keep"][step % 3], step % 7 == 3)
-        if step == 50:
+        if step == restore_at:
             saved = copy.deepcopy(opt.state_dict())
-            opt = flat_cls(_groups(ours, kw["lr"]), **kw)
+            opt = flat_cls(_groups(ours, kw["lr"]), **extra, **kw)
             opt.load_state_dict(saved)
-    _assert_same(ref, ours, rtol=1e-4, atol=1e-5)  # torch's CUDA kernels fuse differently
+    _assert_same(ref, ours, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flat_cls,torch_cls,kw", CASES, ids=IDS)
+def test_cuda_training_matches_torch_cuda(flat_cls, torch_cls, kw):
+    _cuda_training_matches(flat_cls, torch_cls, kw, steps=100, restore_at=50)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
@@ -264,22 +271,7 @@ def test_low_precision_params_train_on_float32_masters(device, dtype):
     (xt.FlatAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
 ])
 def test_capturable_matches_torch_capturable(flat_cls, torch_cls, kw):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU; none here")
-    ref, ours = _model().cuda(), _model().cuda()
-    ref_opt = torch_cls(_groups(ref, kw["lr"]), capturable=True, **kw)
-    opt = flat_cls(_groups(ours, kw["lr"]), capturable=True, **kw)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for step in range(60):
-        x = torch.randn(8, 6, device="cuda", generator=g)
-        y = torch.randn(8, 2, device="cuda", generator=g)
-        _train_step(ref, ref_opt, x, y, ["optimizer", "model", "keep"][step % 3], step % 7 == 3)
-        _train_step(ours, opt, x, y, ["optimizer", "model", "keep"][step % 3], step % 7 == 3)
-        if step == 30:
-            saved = copy.deepcopy(opt.state_dict())
-            opt = flat_cls(_groups(ours, kw["lr"]), capturable=True, **kw)
-            opt.load_state_dict(saved)
-    _assert_same(ref, ours, rtol=1e-4, atol=1e-5)
+    _cuda_training_matches(flat_cls, torch_cls, kw, steps=60, restore_at=30, capturable=True)
 
 
 @pytest.mark.gpu
