@@ -15,6 +15,7 @@ __all__ = [
     "is_numpy_array",
     "is_cupy_array",
     "namespace_name",
+    "array_module",
     "cupy_available",
     "require_cupy",
     "ExternalStream",
@@ -41,6 +42,11 @@ def namespace_name(x) -> str:
         f"expected a numpy.ndarray or cupy.ndarray, got {type(x).__module__}.{type(x).__name__}; "
         "convert torch tensors and JAX arrays with xferlib.to_numpy / xferlib.to_cupy"
     )
+
+
+def array_module(x):
+    """The module of an array: ``numpy`` or, for CuPy arrays, ``cupy`` (imported already)."""
+    return sys.modules["cupy"] if is_cupy_array(x) else np
 
 
 @functools.lru_cache(maxsize=None)

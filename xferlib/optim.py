@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from xferlib._backend import is_cupy_array
+from xferlib._backend import array_module, is_cupy_array
 
 __all__ = [
     "Segment",
@@ -135,7 +135,7 @@ class FlatLayout:
         arrays = list(arrays)
         if len(arrays) != len(self.segments):
             raise ValueError(f"{len(arrays)} arrays for {len(self.segments)} segments")
-        xp = _namespace(arrays[0]) if arrays else np
+        xp = array_module(arrays[0]) if arrays else np
         flat = self.zeros(xp) if out is None else out
         for seg, a in zip(self.segments, arrays):
             if tuple(a.shape) != seg.shape:
@@ -149,14 +149,6 @@ class FlatLayout:
                              f"{tuple(flat.shape)}")
         if flat.dtype != self.dtype:
             raise TypeError(f"{name} dtype {flat.dtype} does not match the layout's {self.dtype}")
-
-
-def _namespace(x):
-    if is_cupy_array(x):
-        import cupy
-
-        return cupy
-    return np
 
 
 # ----------------------------------------------------------------------------- state
@@ -810,7 +802,7 @@ lion = _make("lion")
 
 def _partial_norm(grads, norm_type: float):
     """Per-buffer part of a global norm: max |g| (inf norm) or sum |g|^p, as a 0-d array."""
-    xp = _namespace(grads)
+    xp = array_module(grads)
     g = grads.astype(xp.float32, copy=False)
     if norm_type == float("inf"):
         return xp.abs(g).max() if g.size else xp.zeros((), xp.float32)
@@ -821,7 +813,7 @@ def _total_norm(buffers, norm_type: float):
     """The norm over several flat buffers, as a 0-d array; no host sync unless the buffers
     live in different namespaces (NumPy and CuPy)."""
     partials = [_partial_norm(g, norm_type) for g in buffers]
-    namespaces = {_namespace(g) for g in buffers}
+    namespaces = {array_module(g) for g in buffers}
     xp = namespaces.pop() if len(namespaces) == 1 else np
     if xp is np:
         partials = [np.float32(float(v)) for v in partials]
@@ -857,7 +849,7 @@ def clip_by_global_norm(buffers, max_norm: float, norm_type: float = 2.0, eps: f
     with context:
         total = _total_norm(buffers, norm_type)
         for g in buffers:
-            xp = _namespace(g)
+            xp = array_module(g)
             coef = xp.minimum(xp.asarray(max_norm / (total + eps), dtype=xp.float32),
                               xp.float32(1.0))
             if g.dtype == np.float32:
