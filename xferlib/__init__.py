@@ -7,6 +7,8 @@ from xferlib import optim, tt
 from xferlib._backend import cupy_available
 from xferlib.handoff import array_kind, data_pointer, to_cupy, to_jax, to_numpy, to_torch
 from xferlib.memory import PinnedArray, is_pinned, pin, pinned_empty, pinned_zeros
+from xferlib.table import (SPARSE_OPTIMIZERS, HostTable, optimizer_defaults,
+                           sparse_update_reference)
 from xferlib.rows import (
     gather_rows,
     gather_rows_bwd,
@@ -22,7 +24,9 @@ from xferlib.rows import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "HostTable",
     "PinnedArray",
+    "SPARSE_OPTIMIZERS",
     "array_kind",
     "cupy_available",
     "data_pointer",
@@ -31,6 +35,7 @@ __all__ = [
     "gather_rows_fwd",
     "gather_rows_reference",
     "is_pinned",
+    "optimizer_defaults",
     "optim",
     "pin",
     "pinned_empty",
@@ -39,6 +44,7 @@ __all__ = [
     "scatter_add_rows_reference",
     "scatter_rows",
     "scatter_rows_reference",
+    "sparse_update_reference",
     "to_cupy",
     "to_jax",
     "to_numpy",

@@ -1,0 +1,355 @@
+import zipfile
+
+import numpy as np
+import pytest
+
+import xferlib
+from xferlib.testing import GPU_SKIP_REASON
+
+# (optimizer, hyperparameters, torch.optim class name): every variant the kernels branch on.
+VARIANTS = [
+    ("sgd", {"lr": 0.1}, "SGD"),
+    ("sgd", {"lr": 0.1, "momentum": 0.9}, "SGD"),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}, "SGD"),
+    ("sgd", {"lr": 0.1, "momentum": 0.8, "dampening": 0.1, "maximize": True}, "SGD"),
+    ("adam", {"lr": 0.01}, "Adam"),
+    ("adam", {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}, "Adam"),
+    ("adam", {"lr": 0.01, "maximize": True, "betas": (0.8, 0.99)}, "Adam"),
+    ("adamw", {"lr": 0.01}, "AdamW"),
+    ("adamw", {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}, "AdamW"),
+    ("adagrad", {"lr": 0.1}, "Adagrad"),
+    ("adagrad", {"lr": 0.1, "lr_decay": 0.01, "weight_decay": 0.01,
+                 "initial_accumulator_value": 0.1}, "Adagrad"),
+    ("adamax", {"lr": 0.01}, "Adamax"),
+    ("adamax", {"lr": 0.01, "weight_decay": 0.01, "maximize": True}, "Adamax"),
+    ("rmsprop", {"lr": 0.01}, "RMSprop"),
+    ("rmsprop", {"lr": 0.01, "momentum": 0.5}, "RMSprop"),
+    ("rmsprop", {"lr": 0.01, "centered": True, "momentum": 0.9, "weight_decay": 0.01},
+     "RMSprop"),
+    ("adadelta", {}, "Adadelta"),
+    ("adadelta", {"lr": 0.5, "rho": 0.8, "weight_decay": 0.01}, "Adadelta"),
+    ("rowwise_adagrad", {"lr": 0.1}, None),
+    ("rowwise_adagrad", {"lr": 0.1, "weight_decay": 0.01, "initial_accumulator_value": 0.1},
+     None),
+]
+NUM_ROWS, STEPS = 50, 6
+
+
+@pytest.fixture(params=["numpy", pytest.param("gpu", marks=pytest.mark.gpu)])
+def where(request):
+    if request.param == "gpu" and not xferlib.cupy_available():
+        pytest.skip(GPU_SKIP_REASON)
+    return request.param
+
+
+def _put(where, array):
+    if where == "numpy":
+        return array
+    import cupy
+
+    return cupy.asarray(array)
+
+
+def _get(x):
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
+def _batches(rng, dim, index_dtype, n=40):
+    for _ in range(STEPS):
+        # Skewed, so some rows repeat within a batch and some are never touched.
+        idx = (rng.zipf(1.5, size=n) % NUM_ROWS).astype(index_dtype)
+        yield idx, rng.standard_normal((n, dim)).astype(np.float32)
+
+
+def _state_of(table):
+    return {name: np.array(table.state(name), dtype=np.float64)
+            for name in table.state_names() if name != "step"}
+
+
+@pytest.mark.parametrize("name, hyper, torch_name", VARIANTS)
+@pytest.mark.parametrize("dim", [5, 33])
+def test_matches_reference(where, rng, name, hyper, torch_name, dim):
+    init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
+    table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
+                              init=init.copy())
+    weights, state, steps = init.astype(np.float64), _state_of(table), np.zeros(NUM_ROWS)
+    for idx, grads in _batches(rng, dim, "int64"):
+        table.apply_gradients(_put(where, idx), _put(where, grads))
+        weights, state, steps = xferlib.sparse_update_reference(name, weights, state, steps,
+                                                                idx, grads, hyper)
+    np.testing.assert_allclose(table.numpy(), weights, rtol=2e-5, atol=2e-6)
+    for key, value in _state_of(table).items():
+        np.testing.assert_allclose(value, state[key], rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(table.state("step"), steps)
+
+
+@pytest.mark.parametrize("name, hyper, torch_name",
+                         [v for v in VARIANTS if v[2] is not None])
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_matches_torch_optim_per_row(where, rng, name, hyper, torch_name, index_dtype):
+    """Lazy semantics: each touched row steps exactly like a torch.optim parameter of its own
+    that receives the row's summed gradient on the steps the row is in the batch."""
+    torch = pytest.importorskip("torch")
+    dim = 7
+    init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
+    table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
+                              init=init.copy())
+    params = [torch.nn.Parameter(torch.tensor(row, dtype=torch.float64)) for row in init]
+    optimizers = [getattr(torch.optim, torch_name)([p], **hyper) for p in params]
+    for idx, grads in _batches(rng, dim, index_dtype):
+        table.apply_gradients(_put(where, idx), _put(where, grads))
+        summed = np.zeros((NUM_ROWS, dim))
+        np.add.at(summed, idx, grads.astype(np.float64))
+        for row in np.unique(idx):
+            params[row].grad = torch.tensor(summed[row])
+            optimizers[row].step()
+    expected = np.stack([p.detach().numpy() for p in params])
+    np.testing.assert_allclose(table.numpy(), expected, rtol=3e-5, atol=3e-6)
+
+
+def test_rowwise_adagrad_formula():
+    table = xferlib.HostTable(3, 4, optimizer="rowwise_adagrad",
+                              optimizer_kwargs={"lr": 0.5, "eps": 0.0}, init="zeros")
+    g = np.array([[1.0, 2.0, 3.0, 4.0]], np.float32)
+    table.apply_gradients(np.array([1]), g)
+    total = np.mean(g ** 2)  # FBGEMM: one accumulator per row, fed the mean square
+    np.testing.assert_allclose(table.numpy()[1], -0.5 * g[0] / np.sqrt(total), rtol=1e-6)
+    np.testing.assert_allclose(table.state("sum"), [0.0, total, 0.0], rtol=1e-6)
+
+
+def test_duplicates_sum_like_dense_sgd(where, rng):
+    """For SGD the result equals a dense step on the summed gradient."""
+    init = rng.standard_normal((20, 6)).astype(np.float32)
+    table = xferlib.HostTable(20, 6, optimizer="sgd", optimizer_kwargs={"lr": 0.1},
+                              init=init.copy())
+    idx = np.array([3, 3, 3, 9, 3, 0], np.int32)
+    grads = rng.standard_normal((6, 6)).astype(np.float32)
+    table.apply_gradients(_put(where, idx), _put(where, grads))
+    dense = np.zeros((20, 6))
+    np.add.at(dense, idx, grads.astype(np.float64))
+    np.testing.assert_allclose(table.numpy(), init - 0.1 * dense, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 4097, 20000])
+def test_lookup_matches_weights(where, rng, n):
+    table = xferlib.HostTable(3000, 9, init=("uniform", -1.0, 1.0), seed=1)
+    idx = rng.integers(0, 3000, size=n)
+    rows = _get(table.lookup(_put(where, idx)))
+    assert rows.shape == (n, 9) and rows.dtype == np.float32
+    np.testing.assert_array_equal(rows, np.asarray(table.numpy())[idx])
+
+
+def test_float64_table(where, rng):
+    table = xferlib.HostTable(10, 3, "float64", optimizer="adam",
+                              optimizer_kwargs={"lr": 0.1}, init="zeros")
+    idx, grads = np.array([1, 1, 4]), rng.standard_normal((3, 3))
+    table.apply_gradients(_put(where, idx), _put(where, grads))
+    w, _, _ = xferlib.sparse_update_reference("adam", np.zeros((10, 3)),
+                                              {"exp_avg": np.zeros((10, 3)),
+                                               "exp_avg_sq": np.zeros((10, 3))},
+                                              np.zeros(10), idx, grads, {"lr": 0.1})
+    np.testing.assert_allclose(table.numpy(), w, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("bad", [-1, 10])
+def test_bad_index_changes_nothing(where, rng, bad):
+    table = xferlib.HostTable(10, 4, optimizer="adam", seed=0)
+    before_w, before_s = np.array(table.numpy()), _state_of(table)
+    idx = np.array([1, bad, 2])
+    grads = np.ones((3, 4), np.float32)
+    with pytest.raises(IndexError, match=f"index {bad} at position 1"):
+        table.apply_gradients(_put(where, idx), _put(where, grads))
+    with pytest.raises(IndexError, match=f"index {bad} at position 1"):
+        table.lookup(_put(where, idx))
+    np.testing.assert_array_equal(table.numpy(), before_w)
+    for key, value in _state_of(table).items():
+        np.testing.assert_array_equal(value, before_s[key])
+    assert not table.state("step").any()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        xferlib.HostTable(4, 2, optimizer="lamb")
+    with pytest.raises(ValueError, match="unknown hyperparameter"):
+        xferlib.HostTable(4, 2, optimizer="adam", optimizer_kwargs={"momentum": 0.9})
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        xferlib.HostTable(4, 2, optimizer="adam", optimizer_kwargs={"lr": -1.0})
+    with pytest.raises(ValueError, match="Invalid beta"):
+        xferlib.HostTable(4, 2, optimizer="adamw", optimizer_kwargs={"betas": (0.9, 1.0)})
+    with pytest.raises(ValueError, match="Nesterov"):
+        xferlib.HostTable(4, 2, optimizer="sgd", optimizer_kwargs={"nesterov": True})
+    with pytest.raises(TypeError, match="float32 or float64"):
+        xferlib.HostTable(4, 2, dtype="int32")
+    with pytest.raises(ValueError, match="init"):
+        xferlib.HostTable(4, 2, init="ones")
+    with pytest.raises(ValueError, match="shape"):
+        xferlib.HostTable(4, 2, init=np.zeros((4, 3), np.float32))
+    table = xferlib.HostTable(4, 2, optimizer="sgd")
+    with pytest.raises(ValueError, match="grad_rows must have shape"):
+        table.apply_gradients(np.array([0, 1]), np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        table.lookup(np.array([0.0]))
+    with pytest.raises(ValueError, match="no optimizer"):
+        xferlib.HostTable(4, 2).apply_gradients(np.array([0]), np.zeros((1, 2), np.float32))
+    with pytest.raises(ValueError, match="state layout"):
+        table.set_hyper(momentum=0.9)
+    with pytest.raises(KeyError, match="exp_avg"):
+        table.state("exp_avg")
+
+
+def test_set_hyper_changes_lr():
+    table = xferlib.HostTable(4, 2, optimizer="sgd", optimizer_kwargs={"lr": 1.0}, init="zeros")
+    table.set_hyper(lr=0.25)
+    table.apply_gradients(np.array([2]), np.ones((1, 2), np.float32))
+    np.testing.assert_array_equal(table.numpy()[2], [-0.25, -0.25])
+    assert table.hyper["lr"] == 0.25
+
+
+def test_init_array_is_used_in_place():
+    weights = np.arange(12, dtype=np.float32).reshape(6, 2)
+    table = xferlib.HostTable(6, 2, optimizer="sgd", optimizer_kwargs={"lr": 1.0},
+                              init=weights)
+    table.apply_gradients(np.array([5]), np.ones((1, 2), np.float32))
+    assert np.shares_memory(table.numpy(), weights)
+    np.testing.assert_array_equal(weights[5], [9.0, 10.0])
+
+
+def test_initializers():
+    uniform = np.asarray(xferlib.HostTable(20000, 4, init=("uniform", -0.5, 0.25),
+                                           seed=3).numpy())
+    assert uniform.min() >= -0.5 and uniform.max() <= 0.25 and uniform.std() > 0.1
+    normal = np.asarray(xferlib.HostTable(20000, 4, init=("normal", 2.0, 0.5), seed=3).numpy())
+    assert abs(normal.mean() - 2.0) < 0.02 and abs(normal.std() - 0.5) < 0.02
+    assert not xferlib.HostTable(7, 3, init="zeros").numpy().any()
+    adagrad = xferlib.HostTable(7, 3, optimizer="adagrad",
+                                optimizer_kwargs={"initial_accumulator_value": 0.3})
+    np.testing.assert_allclose(adagrad.state("sum"), 0.3)
+
+
+def test_save_load_round_trip(tmp_path, rng):
+    table = xferlib.HostTable(30, 5, optimizer="adam", optimizer_kwargs={"lr": 0.05}, seed=2)
+    for idx, grads in _batches(rng, 5, "int64"):
+        table.apply_gradients(idx % 30, grads[:, :5])
+    path = tmp_path / "table.npz"
+    table.save(path)
+    loaded = xferlib.HostTable.load(path)
+    assert loaded.optimizer == "adam" and loaded.hyper == table.hyper
+    np.testing.assert_array_equal(loaded.numpy(), table.numpy())
+    for name in table.state_names():
+        np.testing.assert_array_equal(loaded.state(name), table.state(name))
+    # Training goes on identically from the restored copy.
+    idx, grads = np.array([1, 2, 2]), rng.standard_normal((3, 5)).astype(np.float32)
+    table.apply_gradients(idx, grads)
+    loaded.apply_gradients(idx, grads)
+    np.testing.assert_array_equal(loaded.numpy(), table.numpy())
+
+
+def test_load_rejects_truncated_and_foreign_files(tmp_path):
+    table = xferlib.HostTable(100, 8, optimizer="sgd")
+    path = tmp_path / "t.npz"
+    table.save(path)
+    data = path.read_bytes()
+    truncated = tmp_path / "truncated.npz"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or not an xferlib HostTable"):
+        xferlib.HostTable.load(truncated)
+    foreign = tmp_path / "foreign.npz"
+    np.savez(foreign, weights=np.zeros(3))
+    with pytest.raises(ValueError, match="not an xferlib HostTable file"):
+        xferlib.HostTable.load(foreign)
+    with pytest.raises(FileNotFoundError):
+        xferlib.HostTable.load(tmp_path / "missing.npz")
+    assert zipfile.is_zipfile(path)
+    assert not list(tmp_path.glob(".xferlib-*"))  # no temporary file left behind
+
+
+def test_save_is_atomic_on_failure(tmp_path, monkeypatch):
+    table = xferlib.HostTable(10, 2, optimizer="sgd", init="zeros")
+    path = tmp_path / "t.npz"
+    table.save(path)
+    before = path.read_bytes()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", broken)
+    with pytest.raises(OSError, match="disk full"):
+        table.save(path)
+    assert path.read_bytes() == before
+    assert not list(tmp_path.glob(".xferlib-*"))
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("cache_rows", [1, 8, 50])
+def test_cache_gives_the_same_training(rng, policy, cache_rows):
+    import cupy
+
+    dim = 6
+    init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
+    plain = xferlib.HostTable(NUM_ROWS, dim, optimizer="adam", init=init.copy())
+    cached = xferlib.HostTable(NUM_ROWS, dim, optimizer="adam", init=init.copy(),
+                               cache_rows=cache_rows, cache_policy=policy)
+    for idx, grads in _batches(rng, dim, "int64"):
+        a = plain.lookup(cupy.asarray(idx))
+        b = cached.lookup(cupy.asarray(idx))
+        np.testing.assert_array_equal(a.get(), b.get())
+        plain.apply_gradients(cupy.asarray(idx), cupy.asarray(grads))
+        cached.apply_gradients(cupy.asarray(idx), cupy.asarray(grads))
+    np.testing.assert_allclose(cached.numpy(), plain.numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(cached.state("step"), plain.state("step"))
+    stats = cached.cache_stats()
+    assert stats["hits"] + stats["misses"] == stats["lookups"] > 0
+    assert stats["hits"] > 0 and stats["admitted"] <= stats["misses"]
+
+
+@pytest.mark.gpu
+def test_cache_rows_are_written_back_on_save(tmp_path, rng):
+    import cupy
+
+    table = xferlib.HostTable(40, 4, optimizer="sgd", optimizer_kwargs={"lr": 1.0},
+                              init="zeros", cache_rows=10)
+    idx = cupy.asarray(np.arange(10))
+    table.lookup(idx)
+    table.apply_gradients(idx, cupy.ones((10, 4), dtype=np.float32))
+    table.save(tmp_path / "t.npz")
+    loaded = xferlib.HostTable.load(tmp_path / "t.npz")
+    np.testing.assert_array_equal(loaded.numpy()[:10], -1.0)
+    # Evicting everything still keeps every update.
+    other = cupy.asarray(np.arange(10, 40))
+    table.lookup(other)
+    np.testing.assert_array_equal(table.numpy()[:10], -1.0)
+
+
+@pytest.mark.gpu
+def test_prefetch_sees_updates_queued_after_it(rng):
+    import cupy
+
+    dim = 8
+    table = xferlib.HostTable(100, dim, optimizer="adam", optimizer_kwargs={"lr": 0.1},
+                              seed=4)
+    reference = xferlib.HostTable(100, dim, optimizer="adam", optimizer_kwargs={"lr": 0.1},
+                                  seed=4)
+    batches = [cupy.asarray(rng.integers(0, 30, size=64)) for _ in range(5)]
+    rows = table.lookup(batches[0])
+    for step in range(4):
+        table.prefetch(batches[step + 1])  # overlaps the rows of the batch being trained
+        grads = cupy.asarray(rng.standard_normal((64, dim)).astype(np.float32))
+        table.apply_gradients(batches[step], grads)
+        reference.lookup(batches[step])
+        reference.apply_gradients(batches[step], grads)
+        rows = table.lookup(batches[step + 1])
+        np.testing.assert_array_equal(rows.get(), reference.lookup(batches[step + 1]).get())
+    np.testing.assert_array_equal(table.numpy(), reference.numpy())
+
+
+@pytest.mark.gpu
+def test_gpu_bad_grads_namespace():
+    import cupy
+
+    table = xferlib.HostTable(10, 2, optimizer="sgd")
+    with pytest.raises(TypeError, match="CuPy"):
+        table.apply_gradients(cupy.arange(2), np.zeros((2, 2), np.float32))
