@@ -655,15 +655,29 @@ class HostTable:
         weights[rows] = w
         state[rows] = s
 
-    def scatter(self, idx, rows) -> None:
+    def scatter(self, idx, rows, *, stream=None) -> None:
         """Overwrite the weights of rows ``idx`` (last write wins for repeats); the optimizer
-        state is left as it is."""
+        state is left as it is. CuPy ``idx`` and ``rows`` write straight to pinned memory."""
+        from xferlib.rows import scatter_rows
+
         _check_index_dtype(idx)
         if rows.shape != (idx.shape[0], self.dim):
             raise ValueError(f"rows must have shape {(idx.shape[0], self.dim)}, got {rows.shape}")
-        if is_cupy_array(idx):
+        if is_cupy_array(idx) and is_cupy_array(rows):
+            if self._gpu is not None and self._gpu.cache is not None:
+                self._flush(drop_cache=True)
+            gpu = self._gpu_state()
+            stream = as_cupy_stream(stream)
+            with stream:
+                gpu._join_prefetch(stream)
+                gpu.pending = None
+                scatter_rows(self._weights, idx, rows.astype(self.dtype, copy=False),
+                             stream=stream)
+                gpu._record(stream)
+            return
+        if is_cupy_array(idx) or is_cupy_array(rows):
+            idx = idx.get() if is_cupy_array(idx) else idx
             rows = rows.get() if is_cupy_array(rows) else rows
-            idx = idx.get()
         _check_host_indices(idx, self.num_rows)
         self._flush(drop_cache=True)
         self._weights.view(np.ndarray)[idx] = np.asarray(rows, dtype=self.dtype)

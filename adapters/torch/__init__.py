@@ -12,9 +12,10 @@ from xferlib.adapters.torch.optim import (
     FlatRMSprop,
     FlatSGD,
 )
+from xferlib.adapters.torch.host import HostEmbedding, HostEmbeddingBag
 from xferlib.adapters.torch.rows import gather_rows
 from xferlib.adapters.torch.tt import OptimType, TTEmbeddingBag, tt_matrix_to_full
 
 __all__ = ["ContiguousParams", "FlatAdagrad", "FlatAdam", "FlatAdamax", "FlatAdamW", "FlatLion", "FlatNAdam",
-           "FlatRAdam", "FlatRMSprop", "FlatSGD", "OptimType", "TTEmbeddingBag", "gather_rows",
+           "FlatRAdam", "FlatRMSprop", "FlatSGD", "HostEmbedding", "HostEmbeddingBag", "OptimType", "TTEmbeddingBag", "gather_rows",
            "tt_matrix_to_full"]

@@ -1,0 +1,362 @@
+"""``HostEmbeddingBag`` and ``HostEmbedding``: torch modules over an :class:`xferlib.HostTable`.
+
+The table (weights and optimizer state) stays in pinned host RAM; a forward pass brings the
+rows of the batch to ``device`` and a backward pass runs the table's sparse optimizer on the
+touched rows (fused into backward, as FBGEMM's tables do), so there is no optimizer to step
+for these modules. Their conventions are ``torch.nn.EmbeddingBag``'s and ``torch.nn.Embedding``'s.
+
+With ``optimizer=None`` the modules instead expose the batch's rows as the parameter
+``weight`` (its ``.data`` is the batch's unique rows, ``len(unique) x dim``) and ANY
+``torch.optim`` optimizer trains them: around ``optimizer.step()`` (global step hooks) the
+rows' per-row optimizer state is swapped in from pinned host arrays and the updated rows and
+state are written back. Per-parameter scalar state (Adam's ``step``) is shared by all rows, as
+in a dense table. Rows a batch sees for the first time start from the optimizer's state after
+a step with a zero gradient (its initial state for every torch.optim optimizer, except SGD
+with dampening, whose first step copies the gradient).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from xferlib.adapters.torch._convert import as_core_array, current_stream
+from xferlib.memory import pinned_empty
+from xferlib._backend import cupy_available
+from xferlib.table import HostTable
+
+__all__ = ["HostEmbeddingBag", "HostEmbedding"]
+
+
+class _HostRows(torch.autograd.Function):
+    """Rows of the module's table at ``idx``; backward runs the table's fused optimizer."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, idx):
+        ctx.module = module
+        ctx.save_for_backward(idx)
+        return module._lookup(idx)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (idx,) = ctx.saved_tensors
+        ctx.module._apply_gradients(idx, grad_rows)
+        return None, None, None
+
+
+def _default_device(device):
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class _HostModule(torch.nn.Module):
+    def __init__(self, num_embeddings, embedding_dim, *, optimizer, optimizer_kwargs,
+                 cache_rows, padding_idx, device, init, cache_policy="lru", seed=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        if padding_idx is not None:
+            if not -self.num_embeddings <= padding_idx < self.num_embeddings:
+                raise ValueError(f"padding_idx must be within [-{self.num_embeddings}, "
+                                 f"{self.num_embeddings}), got {padding_idx}")
+            padding_idx %= self.num_embeddings
+        self.padding_idx = padding_idx
+        self.device = _default_device(device)
+        if self.device.type == "cuda" and not cupy_available():
+            raise ValueError("a CUDA device needs CuPy (pip install xferlib[cuda12] or [cuda13])")
+        self.table = HostTable(num_embeddings, embedding_dim, "float32", optimizer,
+                               optimizer_kwargs, cache_rows if self.device.type == "cuda" else 0,
+                               init=init, cache_policy=cache_policy, seed=seed)
+        if padding_idx is not None:  # as torch: the padding row starts at zero
+            self.table.scatter(np.array([padding_idx]), np.zeros((1, self.embedding_dim),
+                                                                  np.float32))
+        self._any_optimizer = optimizer is None
+        if self._any_optimizer:
+            self.weight = torch.nn.Parameter(torch.empty(0, self.embedding_dim,
+                                                         device=self.device))
+            self._batch_rows = None
+            self._host_state = {}
+            self._fresh_state = None
+            _ANY_OPTIMIZER_MODULES.add(self)
+
+    # ------------------------------------------------------------------ transfers
+
+    def _core_indices(self, idx: torch.Tensor):
+        return as_core_array(idx.to(self.device).contiguous())
+
+    def _lookup(self, idx: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((idx.shape[0], self.embedding_dim), dtype=torch.float32,
+                          device=self.device)
+        if self.device.type == "cuda":
+            self.table.lookup(self._core_indices(idx), out=as_core_array(out),
+                              stream=current_stream(self.device))
+        else:
+            self.table.lookup(self._core_indices(idx), out=as_core_array(out))
+        return out
+
+    def _apply_gradients(self, idx: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        grad_rows = grad_rows.to(device=self.device, dtype=torch.float32).contiguous()
+        if self.padding_idx is not None:  # the padding row is never updated
+            keep = idx != self.padding_idx
+            idx, grad_rows = idx[keep], grad_rows[keep]
+        self.table.apply_gradients(self._core_indices(idx), as_core_array(grad_rows),
+                                   stream=current_stream(self.device))
+
+    def _rows(self, flat_idx: torch.Tensor):
+        """The batch's rows and, for each position, its row among them."""
+        if flat_idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indices must be int32 or int64, got {flat_idx.dtype}")
+        flat_idx = flat_idx.to(self.device)
+        if self._any_optimizer:
+            # Range check before torch.unique; then the unique rows become `weight`.
+            if flat_idx.numel():
+                low, high = int(flat_idx.min()), int(flat_idx.max())
+                if low < 0 or high >= self.num_embeddings:
+                    bad = low if low < 0 else high
+                    position = int((flat_idx == bad).nonzero()[0, 0])
+                    raise IndexError(f"index {bad} at position {position} is out of range for "
+                                     f"a table of {self.num_embeddings} rows")
+            uniq, inverse = torch.unique(flat_idx, return_inverse=True)
+            with torch.no_grad():
+                self.weight.data = self._lookup(uniq)
+                self.weight.grad = None
+            self._batch_rows = uniq
+            return self.weight, inverse
+        anchor = torch.empty(0, device=self.device,
+                             requires_grad=torch.is_grad_enabled() and self.training)
+        rows = _HostRows.apply(anchor, self, flat_idx)
+        return rows, torch.arange(flat_idx.numel(), device=self.device)
+
+    def _pad_position(self, flat_idx, positions, rows):
+        """Positions of the padding row point at an extra zero row excluded by padding_idx."""
+        if self.padding_idx is None:
+            return positions, rows, None
+        extra = rows.shape[0]
+        rows = torch.cat([rows, rows.new_zeros(1, self.embedding_dim)])
+        positions = torch.where(flat_idx.to(self.device) == self.padding_idx, extra, positions)
+        return positions, rows, extra
+
+    # ------------------------------------------------------------------ any torch optimizer
+
+    def _before_step(self, optimizer) -> None:
+        if self._batch_rows is None or self.weight.grad is None:
+            return
+        state = optimizer.state.get(self.weight)
+        if not state or not self._host_state:
+            return
+        rows = self._core_indices(self._batch_rows)
+        for name, host in self._host_state.items():
+            state[name] = self._gather_state(host, rows)
+
+    def _after_step(self, optimizer) -> None:
+        if self._batch_rows is None or self.weight.grad is None:
+            return
+        rows_t = self._batch_rows
+        state = optimizer.state.get(self.weight, {})
+        if not self._host_state:
+            self._allocate_host_state(optimizer, state)
+        rows = self._core_indices(rows_t)
+        for name, host in self._host_state.items():
+            self._scatter_state(host, rows, state[name])
+        with torch.no_grad():
+            self.table.scatter(rows, as_core_array(self.weight.data.contiguous()),
+                               stream=current_stream(self.device))
+
+    def _allocate_host_state(self, optimizer, state) -> None:
+        """Per-row state arrays for every state tensor shaped like the rows, filled with the
+        state a fresh row gets (the optimizer's state after one zero-gradient step)."""
+        group = next(g for g in optimizer.param_groups
+                     if any(p is self.weight for p in g["params"]))
+        probe = torch.nn.Parameter(torch.zeros(1, self.embedding_dim))
+        probe.grad = torch.zeros_like(probe)
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        hyper.pop("initial_lr", None)
+        fresh = type(optimizer)([probe], **hyper)
+        fresh.step()
+        fresh_state = fresh.state[probe]
+        alloc = pinned_empty if self.device.type == "cuda" else np.empty
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == self.weight.shape:
+                host = alloc((self.num_embeddings, self.embedding_dim), np.float32)
+                host[...] = fresh_state[name].reshape(-1).numpy()
+                self._host_state[name] = host
+
+    def _gather_state(self, host, rows) -> torch.Tensor:
+        from xferlib.rows import gather_rows
+
+        out = torch.empty((rows.shape[0], self.embedding_dim), device=self.device)
+        gather_rows(host, rows, out=as_core_array(out), stream=current_stream(self.device))
+        return out
+
+    def _scatter_state(self, host, rows, value: torch.Tensor) -> None:
+        from xferlib.rows import scatter_rows
+
+        scatter_rows(host, rows, as_core_array(value.detach().float().contiguous()),
+                     stream=current_stream(self.device))
+
+    # ------------------------------------------------------------------ state_dict
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # The table, not the per-batch `weight`, is this module's state: a copy of the
+        # weights and of every optimizer state array (use table.save for huge tables).
+        destination[prefix + "weight"] = torch.from_numpy(np.array(self.table.numpy()))
+        for name in self.table.state_names():
+            destination[prefix + "table_state." + name] = torch.from_numpy(
+                np.array(self.table.state(name)))
+        for name, host in getattr(self, "_host_state", {}).items():
+            self._sync()
+            destination[prefix + "optimizer_state." + name] = torch.from_numpy(np.array(host))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        expected = {prefix + "weight"} | {prefix + "table_state." + n
+                                          for n in self.table.state_names()}
+        for key in expected:
+            if key not in state_dict:
+                missing_keys.append(key)
+        for key in state_dict:
+            if key.startswith(prefix) and key not in expected and not key.startswith(
+                    prefix + "optimizer_state."):
+                unexpected_keys.append(key)
+        if any(k in missing_keys for k in expected):
+            return
+        weight = state_dict[prefix + "weight"]
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
+                              f"{tuple(weight.shape)}, the table has shape "
+                              f"{(self.num_embeddings, self.embedding_dim)}")
+            return
+        self.table._flush(drop_cache=True)
+        self.table._weights.view(np.ndarray)[...] = weight.detach().cpu().numpy()
+        from xferlib.table import _split_state
+
+        slots, scalars, steps = _split_state(self.table._layout,
+                                             self.table._state.view(np.ndarray))
+        for name, view in {**slots, **scalars, "step": steps}.items():
+            view[...] = state_dict[prefix + "table_state." + name].cpu().numpy()
+        for name in list(getattr(self, "_host_state", {})):
+            key = prefix + "optimizer_state." + name
+            if key in state_dict:
+                self._host_state[name][...] = state_dict[key].cpu().numpy()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, optimizer="
+                f"{self.table.optimizer!r}, cache_rows={self.table.cache_rows}, "
+                f"device={self.device}")
+
+
+class HostEmbeddingBag(_HostModule):
+    """``torch.nn.EmbeddingBag`` over a table in pinned host RAM, trained in backward.
+
+    Args follow ``torch.nn.EmbeddingBag`` (``mode`` ``"sum"``/``"mean"``/``"max"``,
+    ``include_last_offset``, ``padding_idx``), plus ``optimizer`` (a
+    :data:`xferlib.SPARSE_OPTIMIZERS` name, fused into backward; None lets any torch.optim
+    optimizer train ``weight``), ``optimizer_kwargs`` (torch.optim's names), ``cache_rows``
+    (GPU hot-row cache), ``device`` (where outputs live; default CUDA when present),
+    ``init`` (as :class:`xferlib.HostTable`; default N(0, 1) like torch).
+
+    >>> import torch
+    >>> from xferlib.adapters.torch import HostEmbeddingBag
+    >>> bag = HostEmbeddingBag(1000, 8, optimizer="adam", device="cpu")
+    >>> out = bag(torch.tensor([1, 2, 4, 5, 4]), torch.tensor([0, 2]))
+    >>> out.sum().backward()   # rows 1, 2, 4, 5 took one Adam step
+    >>> out.shape
+    torch.Size([2, 8])
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, *, mode="sum", optimizer="adam",
+                 optimizer_kwargs=None, cache_rows=0, include_last_offset=False,
+                 padding_idx=None, device=None, init=("normal", 0.0, 1.0),
+                 cache_policy="lru", seed=None):
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, optimizer=optimizer,
+                         optimizer_kwargs=optimizer_kwargs, cache_rows=cache_rows,
+                         padding_idx=padding_idx, device=device, init=init,
+                         cache_policy=cache_policy, seed=seed)
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError("if input is 2-D, offsets must be None")
+        elif input.dim() == 1:
+            if offsets is None:
+                raise ValueError("offsets has to be a 1-D tensor when input is 1-D")
+            if offsets.dim() != 1:
+                raise ValueError("offsets has to be a 1-D tensor")
+        else:
+            raise ValueError(f"input has to be 1-D or 2-D, got {input.dim()}-D")
+        if per_sample_weights is not None and self.mode != "sum":
+            raise NotImplementedError("per_sample_weights are supported for mode='sum' only "
+                                      f"(as torch), got mode={self.mode!r}")
+        flat = input.reshape(-1)
+        rows, positions = self._rows(flat)
+        positions, rows, pad = self._pad_position(flat, positions, rows)
+        positions = positions.view(input.shape)
+        if offsets is not None:
+            offsets = offsets.to(self.device)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(self.device)
+        return F.embedding_bag(positions, rows, offsets, mode=self.mode,
+                               per_sample_weights=per_sample_weights,
+                               include_last_offset=self.include_last_offset, padding_idx=pad)
+
+
+class HostEmbedding(_HostModule):
+    """``torch.nn.Embedding`` over a table in pinned host RAM, trained in backward.
+
+    Same arguments as :class:`HostEmbeddingBag` without ``mode`` and offsets;
+    ``forward(input)`` takes indices of any shape and returns ``(*input.shape, dim)``.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, *, optimizer="adam",
+                 optimizer_kwargs=None, cache_rows=0, padding_idx=None, device=None,
+                 init=("normal", 0.0, 1.0), cache_policy="lru", seed=None):
+        super().__init__(num_embeddings, embedding_dim, optimizer=optimizer,
+                         optimizer_kwargs=optimizer_kwargs, cache_rows=cache_rows,
+                         padding_idx=padding_idx, device=device, init=init,
+                         cache_policy=cache_policy, seed=seed)
+
+    def forward(self, input):
+        flat = input.reshape(-1)
+        rows, positions = self._rows(flat)
+        if self._any_optimizer or self.padding_idx is not None:
+            positions, rows, _ = self._pad_position(flat, positions, rows)
+            rows = rows.index_select(0, positions)
+        return rows.view(*input.shape, self.embedding_dim)
+
+
+# ----------------------------------------------------------------------------- step hooks
+
+_ANY_OPTIMIZER_MODULES: "weakref.WeakSet[_HostModule]" = weakref.WeakSet()
+
+
+def _modules_of(optimizer):
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [m for m in list(_ANY_OPTIMIZER_MODULES) if id(m.weight) in params]
+
+
+def _pre_step(optimizer, args, kwargs):
+    for module in _modules_of(optimizer):
+        module._before_step(optimizer)
+
+
+def _post_step(optimizer, args, kwargs):
+    for module in _modules_of(optimizer):
+        module._after_step(optimizer)
+
+
+from torch.optim.optimizer import (register_optimizer_step_post_hook,  # noqa: E402
+                                   register_optimizer_step_pre_hook)
+
+register_optimizer_step_pre_hook(_pre_step)
+register_optimizer_step_post_hook(_post_step)

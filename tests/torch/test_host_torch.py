@@ -1,0 +1,206 @@
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import xferlib  # noqa: E402
+from xferlib.adapters.torch import HostEmbedding, HostEmbeddingBag  # noqa: E402
+from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
+
+ROWS, DIM = 40, 6
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    if request.param == "cuda" and not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip(GPU_SKIP_REASON)
+    return torch.device(request.param)
+
+
+def _reference_step(name, hyper, weights, state, steps, flat_idx, bag_fn, grad_out):
+    """Dense float64 autograd through the same bag op, then the lazy sparse update on the
+    rows the batch touched."""
+    w = torch.tensor(weights, requires_grad=True)
+    out = bag_fn(w)
+    out.backward(grad_out.double())
+    touched = np.unique(flat_idx)
+    grads = w.grad.numpy()[touched]
+    return xferlib.sparse_update_reference(name, weights, state, steps, touched, grads, hyper)
+
+
+def _state(module):
+    return {n: np.array(module.table.state(n), dtype=np.float64)
+            for n in module.table.state_names() if n != "step"}
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("name, hyper", [("sgd", {"lr": 0.1, "momentum": 0.9}),
+                                         ("adam", {"lr": 0.01}),
+                                         ("adagrad", {"lr": 0.1}),
+                                         ("rmsprop", {"lr": 0.01, "centered": True})])
+def test_bag_fused_update_matches_reference(device, rng, mode, name, hyper):
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    bag = HostEmbeddingBag(ROWS, DIM, mode=mode, optimizer=name, optimizer_kwargs=hyper,
+                           device=device, init=init.copy())
+    weights, state, steps = init.astype(np.float64), _state(bag), np.zeros(ROWS)
+    for _ in range(4):
+        idx = torch.from_numpy(rng.integers(0, ROWS, size=25))
+        offsets = torch.tensor([0, 3, 3, 10, 24])
+        out = bag(idx.to(device), offsets.to(device))
+        grad_out = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))
+        out.backward(grad_out.to(device))
+
+        def bag_fn(w):
+            return torch.nn.functional.embedding_bag(idx, w, offsets, mode=mode)
+
+        expected_out = bag_fn(torch.tensor(weights)).numpy()
+        np.testing.assert_allclose(out.detach().cpu().numpy(), expected_out, rtol=1e-5,
+                                   atol=1e-6)
+        weights, state, steps = _reference_step(name, hyper, weights, state, steps,
+                                                idx.numpy(), bag_fn, grad_out)
+    np.testing.assert_allclose(bag.table.numpy(), weights, rtol=2e-5, atol=2e-6)
+
+
+def test_bag_options_match_torch(device, rng):
+    """2-D input, include_last_offset, per_sample_weights, padding_idx: outputs equal
+    torch.nn.EmbeddingBag's, and SGD equals a dense SGD step on the same gradient."""
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    for kwargs, call in [
+        (dict(mode="mean"), lambda m: m(torch.tensor([[1, 2, 2], [0, 5, 9]]))),
+        (dict(mode="sum", include_last_offset=True),
+         lambda m: m(torch.tensor([4, 4, 7, 8]), torch.tensor([0, 1, 4]))),
+        (dict(mode="sum"), lambda m: m(torch.tensor([3, 1, 3]), torch.tensor([0, 1]),
+                             per_sample_weights=torch.tensor([0.5, 2.0, -1.0]))),
+        (dict(mode="sum", padding_idx=2), lambda m: m(torch.tensor([2, 1, 2, 5]), torch.tensor([0, 2]))),
+        (dict(mode="mean", padding_idx=2),
+         lambda m: m(torch.tensor([[2, 1], [2, 2]]))),
+    ]:
+        weights = init.copy()
+        if "padding_idx" in kwargs:
+            weights[kwargs["padding_idx"]] = 0
+        dense = torch.nn.EmbeddingBag(ROWS, DIM, **kwargs, _weight=torch.tensor(weights))
+        ours = HostEmbeddingBag(ROWS, DIM, optimizer="sgd", optimizer_kwargs={"lr": 0.5},
+                                device=device, init=init.copy(), **kwargs)
+
+        def moved(m, call=call):
+            if m is dense:
+                return call(m)
+            return call(lambda *a, **k: m(*[x.to(device) for x in a],
+                                          **{n: v.to(device) for n, v in k.items()}))
+
+        expected, out = moved(dense), moved(ours)
+        np.testing.assert_allclose(out.detach().cpu().numpy(), expected.detach().numpy(),
+                                   rtol=1e-6, atol=1e-6)
+        g = torch.from_numpy(rng.standard_normal(expected.shape).astype(np.float32))
+        expected.backward(g)
+        out.backward(g.to(device))
+        with torch.no_grad():
+            dense.weight -= 0.5 * dense.weight.grad
+        np.testing.assert_allclose(ours.table.numpy(), dense.weight.detach().numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        if "padding_idx" in kwargs:
+            assert ours.table.state("step")[kwargs["padding_idx"]] == 0
+
+
+def test_embedding_fused(device, rng):
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    emb = HostEmbedding(ROWS, DIM, optimizer="adamw", optimizer_kwargs={"lr": 0.05},
+                        device=device, init=init.copy())
+    weights, state, steps = init.astype(np.float64), _state(emb), np.zeros(ROWS)
+    for _ in range(3):
+        idx = torch.from_numpy(rng.integers(0, ROWS, size=(4, 5)))
+        out = emb(idx.to(device))
+        assert out.shape == (4, 5, DIM)
+        grad_out = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))
+        out.backward(grad_out.to(device))
+        weights, state, steps = _reference_step(
+            "adamw", {"lr": 0.05}, weights, state, steps, idx.numpy().ravel(),
+            lambda w: torch.nn.functional.embedding(idx, w), grad_out)
+    np.testing.assert_allclose(emb.table.numpy(), weights, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("optimizer_cls, kwargs", [
+    ("NAdam", {"lr": 0.05}), ("Rprop", {"lr": 0.01}), ("RAdam", {"lr": 0.05}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True}), ("ASGD", {"lr": 0.05}),
+])
+def test_any_torch_optimizer_matches_dense_when_every_row_is_touched(device, rng,
+                                                                     optimizer_cls, kwargs):
+    """optimizer=None: with every row in every batch, swapping rows and state in and out
+    around optimizer.step() must reproduce the dense torch.optim run exactly."""
+    rows = 12
+    init = rng.standard_normal((rows, DIM)).astype(np.float32)
+    dense = torch.nn.EmbeddingBag(rows, DIM, mode="sum", _weight=torch.tensor(init.copy()))
+    ours = HostEmbeddingBag(rows, DIM, mode="sum", optimizer=None, device=device,
+                            init=init.copy())
+    opt_dense = getattr(torch.optim, optimizer_cls)(dense.parameters(), **kwargs)
+    opt_ours = getattr(torch.optim, optimizer_cls)(ours.parameters(), **kwargs)
+    for step in range(5):
+        idx = torch.from_numpy(rng.permutation(np.r_[np.arange(rows),
+                                                     rng.integers(0, rows, 8)]))
+        offsets = torch.tensor([0, 5, 11])
+        g = torch.from_numpy(rng.standard_normal((3, DIM)).astype(np.float32))
+        for module, opt, dev in ((dense, opt_dense, "cpu"), (ours, opt_ours, device)):
+            opt.zero_grad()
+            module(idx.to(dev), offsets.to(dev)).backward(g.to(dev))
+            opt.step()
+    np.testing.assert_allclose(ours.table.numpy(), dense.weight.detach().numpy(), rtol=2e-5,
+                               atol=2e-6)
+
+
+def test_any_optimizer_leaves_untouched_rows_and_keeps_state(device, rng):
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    ours = HostEmbedding(ROWS, DIM, optimizer=None, device=device, init=init.copy())
+    opt = torch.optim.Adam(ours.parameters(), lr=0.1)
+    batches = [torch.tensor([1, 2, 2]), torch.tensor([7]), torch.tensor([2, 1])]
+    for idx in batches:
+        opt.zero_grad()
+        ours(idx.to(device)).sum().backward()
+        opt.step()
+    weights = ours.table.numpy()
+    untouched = np.setdiff1d(np.arange(ROWS), [1, 2, 7])
+    np.testing.assert_array_equal(weights[untouched], init[untouched])
+    # Rows 1 and 2 carry their Adam moments across the batch without them.
+    exp_avg = ours.state_dict()["optimizer_state.exp_avg"].numpy()
+    assert np.all(exp_avg[[1, 2, 7]] != 0) and not exp_avg[untouched].any()
+
+
+def test_state_dict_round_trip(device, rng):
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    a = HostEmbeddingBag(ROWS, DIM, optimizer="adam", device=device, init=init.copy())
+    idx, offsets = torch.tensor([1, 5, 5, 9]), torch.tensor([0, 2])
+    a(idx.to(device), offsets.to(device)).sum().backward()
+    b = HostEmbeddingBag(ROWS, DIM, optimizer="adam", device=device, init="zeros")
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        m(idx.to(device), offsets.to(device)).sum().backward()
+    np.testing.assert_array_equal(b.table.numpy(), a.table.numpy())
+    np.testing.assert_array_equal(b.table.state("exp_avg_sq"), a.table.state("exp_avg_sq"))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        HostEmbeddingBag(ROWS + 1, DIM, device=device).load_state_dict(a.state_dict())
+
+
+def test_bad_input(device):
+    bag = HostEmbeddingBag(ROWS, DIM, optimizer="sgd", device=device)
+    before = np.array(bag.table.numpy())
+    with pytest.raises(IndexError, match=f"index {ROWS} at position 1"):
+        bag(torch.tensor([0, ROWS]).to(device), torch.tensor([0]).to(device))
+    with pytest.raises(ValueError, match="offsets"):
+        bag(torch.tensor([0, 1]).to(device))
+    with pytest.raises(ValueError, match="2-D, offsets must be None"):
+        bag(torch.tensor([[0, 1]]).to(device), torch.tensor([0]).to(device))
+    with pytest.raises(ValueError, match="mode"):
+        HostEmbeddingBag(ROWS, DIM, mode="median")
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        HostEmbeddingBag(ROWS, DIM, optimizer="lamb")
+    with pytest.raises(TypeError, match="int32 or int64"):
+        HostEmbedding(ROWS, DIM, optimizer=None, device=device)(torch.tensor([0.5]).to(device))
+    np.testing.assert_array_equal(bag.table.numpy(), before)
+
+
+def test_no_update_without_grad(device):
+    bag = HostEmbeddingBag(ROWS, DIM, optimizer="sgd", device=device, init="zeros")
+    with torch.no_grad():
+        bag(torch.tensor([1, 2]).to(device), torch.tensor([0]).to(device))
+    bag.eval()
+    bag(torch.tensor([1, 2]).to(device), torch.tensor([0]).to(device))
+    assert not bag.table.state("step").any()
