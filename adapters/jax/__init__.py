@@ -13,8 +13,9 @@ from xferlib.adapters.jax.optim import (
     ravel,
     ravel_like,
 )
+from xferlib.adapters.jax.host import host_lookup, host_update
 from xferlib.adapters.jax.rows import gather_rows
 from xferlib.adapters.jax.tt import tt_embedding_bag
 
 __all__ = ["FlatState", "flat_adam", "flat_adamw", "flat_lion", "flat_sgd", "gather_rows",
-           "ravel", "ravel_like", "tt_embedding_bag"]
+           "host_lookup", "host_update", "ravel", "ravel_like", "tt_embedding_bag"]

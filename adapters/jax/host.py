@@ -1,0 +1,90 @@
+"""Host-resident tables inside ``jax.jit``: look rows up and train them with the table's fused
+sparse optimizer, on XLA's stream.
+
+JAX never owns a host table (a ``pinned_host`` array is moved to the device before a callback
+sees it), so the :class:`xferlib.HostTable` stays a Python object and these functions are
+``buffer_callback`` ops that reach it: the GPU path launches xferlib's kernels on XLA's
+compute stream, the CPU path runs the NumPy path on the host buffers. Both ops are marked as
+having side effects, so XLA neither drops an update nor hoists, merges or caches a lookup;
+within a step the update depends on the gradients, which depend on the lookup, and steps of a
+``lax.scan`` or of successive jitted calls run in order, so a lookup always sees every
+update queued before it.
+
+    table = xferlib.HostTable(10_000_000, 64, optimizer="adam")
+
+    @jax.jit
+    def train_step(idx, labels):
+        rows = host_lookup(table, idx)
+        loss, g = jax.value_and_grad(loss_fn)(rows, labels)
+        return loss, host_update(table, idx, g)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from xferlib.adapters.jax._callback import as_core_array, is_gpu_buffer, xla_stream
+from xferlib.table import HostTable
+
+__all__ = ["host_lookup", "host_update"]
+
+
+def _check(table, idx):
+    if not isinstance(table, HostTable):
+        raise TypeError(f"table must be an xferlib.HostTable, got {type(table).__name__}")
+    idx = jnp.asarray(idx)
+    if idx.ndim != 1:
+        raise ValueError(f"idx must be 1-D, got shape {idx.shape}")
+    if idx.dtype not in (jnp.int32, jnp.int64):
+        raise TypeError(f"idx must be int32 or int64, got {idx.dtype}")
+    return idx
+
+
+def host_lookup(table: HostTable, idx: jax.Array) -> jax.Array:
+    """The rows ``idx`` of ``table``, ``(len(idx), dim)``, on the device JAX runs on.
+
+    The rows are an ordinary JAX array: differentiate a loss with respect to them and hand
+    the gradient to :func:`host_update`. An out-of-range index raises IndexError (an XLA
+    runtime error under ``jit``); nothing is clamped.
+    """
+    idx = _check(table, idx)
+
+    def callback(ctx, out, idx_buffer):
+        gpu = is_gpu_buffer(out)
+        table.lookup(as_core_array(idx_buffer, gpu), out=as_core_array(out, gpu),
+                     **({"stream": xla_stream(ctx, gpu)} if gpu else {}))
+
+    out_type = jax.ShapeDtypeStruct((idx.shape[0], table.dim), np.dtype(table.dtype))
+    return buffer_callback(callback, out_type, has_side_effect=True)(idx)
+
+
+def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.Array:
+    """Run ``table``'s optimizer on rows ``idx`` with ``grad_rows`` (repeated indices summed).
+
+    Returns a scalar int32 token (0) that callers may ignore or thread into later work."""
+    idx = _check(table, idx)
+    grad_rows = jnp.asarray(grad_rows, dtype=np.dtype(table.dtype))
+    if grad_rows.shape != (idx.shape[0], table.dim):
+        raise ValueError(f"grad_rows must have shape {(idx.shape[0], table.dim)}, "
+                         f"got {grad_rows.shape}")
+    if table.optimizer is None:
+        raise ValueError("this table has no optimizer; build it with optimizer=...")
+
+    def callback(ctx, token, idx_buffer, grad_buffer):
+        gpu = is_gpu_buffer(token)
+        kwargs = {"stream": xla_stream(ctx, gpu)} if gpu else {}
+        table.apply_gradients(as_core_array(idx_buffer, gpu), as_core_array(grad_buffer, gpu),
+                              **kwargs)
+        if gpu:
+            from xferlib._backend import as_cupy_stream
+
+            with as_cupy_stream(kwargs["stream"]):
+                as_core_array(token, gpu).fill(0)
+        else:
+            as_core_array(token, gpu).fill(0)
+
+    token_type = jax.ShapeDtypeStruct((), np.int32)
+    return buffer_callback(callback, token_type, has_side_effect=True)(idx, grad_rows)
