@@ -869,8 +869,12 @@ class _DeviceSide:
     # -------------------------------------------------------------- lookup
 
     def lookup(self, idx, out, stream):
+        import cupy
+
         stream = as_cupy_stream(stream)
         self._check_out(out, idx.shape[0])
+        if idx.shape[0] == 0:
+            return out if out is not None else cupy.empty((0, self.table.dim), self.table.dtype)
         with stream:
             pending, self.pending = self.pending, None
             if pending is not None and pending[0] is idx:
@@ -979,6 +983,8 @@ class _DeviceSide:
 
         table = self.table
         stream = as_cupy_stream(stream)
+        if not isinstance(idx, _Plan) and idx.shape[0] == 0:
+            return
         with stream:
             grads = cupy.ascontiguousarray(grads, dtype=table.dtype)
             plan = idx if isinstance(idx, _Plan) else self._plan(idx, stream)

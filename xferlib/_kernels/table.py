@@ -164,7 +164,7 @@ __global__ void refresh_rows(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i
 // at s + k * dim, row scalars after the slots; t: the row's step count after this step.
 
 template <typename T>
-__device__ __forceinline__ T lerp(T a, T b, T w) {  // torch.lerp for weight < 0.5
+__device__ __forceinline__ T lerp_low(T a, T b, T w) {  // torch.lerp for weight < 0.5
     return a + w * (b - a);
 }
 
@@ -202,7 +202,7 @@ __device__ void update_row(T* w, T* s, const T* g, i64 dim, i64 t, const double*
             if (wd != (T)0) {
                 if (decoupled) p *= shrink; else gi += wd * p;
             }
-            const T m = lerp(s[e], gi, b1c);
+            const T m = lerp_low(s[e], gi, b1c);
             const T v = s[dim + e] * b2 + b2c * gi * gi;
             s[e] = m;
             s[dim + e] = v;
@@ -249,7 +249,7 @@ __device__ void update_row(T* w, T* s, const T* g, i64 dim, i64 t, const double*
         for (i64 e = lane; e < dim; e += 32) {
             T gi = maximize ? -g[e] : g[e];
             if (wd != (T)0) gi += wd * w[e];
-            const T m = lerp(s[e], gi, b1c);
+            const T m = lerp_low(s[e], gi, b1c);
             const T a = s[dim + e] * b2, b = fabs(gi) + eps;
             const T u = a > b ? a : b;
             s[e] = m;
@@ -268,7 +268,7 @@ __device__ void update_row(T* w, T* s, const T* g, i64 dim, i64 t, const double*
             s[e] = sq;
             T avg;
             if (centered) {
-                const T a = lerp(s[ga + e], gi, alphac);
+                const T a = lerp_low(s[ga + e], gi, alphac);
                 s[ga + e] = a;
                 avg = sqrt(sq - a * a) + eps;
             } else {
@@ -289,8 +289,8 @@ __device__ void update_row(T* w, T* s, const T* g, i64 dim, i64 t, const double*
             T gi = maximize ? -g[e] : g[e];
             if (wd != (T)0) gi += wd * w[e];
             const T sq = s[e] * rho + rhoc * gi * gi;
-            const T std = sqrt(sq + eps);
-            const T delta = sqrt(s[dim + e] + eps) / std * gi;
+            const T sd = sqrt(sq + eps);
+            const T delta = sqrt(s[dim + e] + eps) / sd * gi;
             s[e] = sq;
             s[dim + e] = s[dim + e] * rho + rhoc * delta * delta;
             w[e] -= lr * delta;
