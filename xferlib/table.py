@@ -600,20 +600,23 @@ class HostTable:
 
     # ------------------------------------------------------------------ lookup / update
 
-    def lookup(self, idx, out=None, *, stream=None):
+    def lookup(self, idx, out=None, *, stream=None, return_batch: bool = False):
         """The weights of rows ``idx``: ``(len(idx), dim)``, on the GPU for CuPy indices (read
         from the cache or straight from pinned host RAM), as NumPy for NumPy indices.
 
         With a GPU cache, rows that missed are admitted (evicting rows not in this batch,
         which are written back first). Rows prefetched for this very ``idx`` object by
-        :meth:`prefetch` are served from the prefetch buffer."""
+        :meth:`prefetch` are served from the prefetch buffer. ``return_batch=True`` returns
+        ``(rows, batch)``: pass ``batch`` to :meth:`apply_gradients` instead of ``idx`` to
+        reuse this lookup's checked, sorted indices."""
         _check_index_dtype(idx)
         if is_cupy_array(idx):
-            return self._gpu_state().lookup(idx, out, stream)
+            rows, batch = self._gpu_state().lookup(idx, out, stream)
+            return (rows, batch) if return_batch else rows
         self._flush(drop_cache=True)
         _check_host_indices(idx, self.num_rows)
         rows = np.take(self._weights.view(np.ndarray), idx, axis=0, out=out)
-        return rows
+        return (rows, idx) if return_batch else rows
 
     def apply_gradients(self, idx, grad_rows, *, stream=None) -> None:
         """Sum the gradients of repeated indices and run the table's optimizer on each touched
@@ -622,6 +625,14 @@ class HostTable:
         if self._rule is None:
             raise ValueError("this table has no optimizer; build it with optimizer=... or "
                              "write rows with scatter()")
+        if isinstance(idx, _Plan):  # a batch from lookup(..., return_batch=True)
+            if not is_cupy_array(grad_rows):
+                raise TypeError("grad_rows must be a CuPy array for a GPU batch")
+            if grad_rows.shape != (idx.n, self.dim):
+                raise ValueError(f"grad_rows must have shape {(idx.n, self.dim)}, "
+                                 f"got {grad_rows.shape}")
+            self._gpu_state().apply(idx, grad_rows, stream)
+            return
         _check_index_dtype(idx)
         self._check_grads(idx, grad_rows)
         if is_cupy_array(idx):
@@ -874,7 +885,8 @@ class _DeviceSide:
         stream = as_cupy_stream(stream)
         self._check_out(out, idx.shape[0])
         if idx.shape[0] == 0:
-            return out if out is not None else cupy.empty((0, self.table.dim), self.table.dtype)
+            rows = out if out is not None else cupy.empty((0, self.table.dim), self.table.dtype)
+            return rows, self._empty_plan(idx)
         with stream:
             pending, self.pending = self.pending, None
             if pending is not None and pending[0] is idx:
@@ -894,7 +906,13 @@ class _DeviceSide:
             if not checked:
                 _raise_if_bad(plan.verdict, plan.idx, self.table.num_rows, stream)
             self._record(stream)
-        return rows
+        return rows, plan
+
+    def _empty_plan(self, idx) -> _Plan:
+        import cupy
+
+        empty = cupy.empty(0, dtype=np.int64)
+        return _Plan(idx, empty, empty, empty, cupy.full(2, -1, dtype=np.uint64))
 
     # -------------------------------------------------------------- cache
 
@@ -978,12 +996,11 @@ class _DeviceSide:
         import cupy
 
         from xferlib._kernels import launch_config
-        from xferlib._kernels.table import (TABLE_MODULE, refresh_rows_name,
-                                            sparse_update_name, sum_runs_name)
+        from xferlib._kernels.table import TABLE_MODULE, refresh_rows_name, sparse_update_name
 
         table = self.table
         stream = as_cupy_stream(stream)
-        if not isinstance(idx, _Plan) and idx.shape[0] == 0:
+        if (idx.n if isinstance(idx, _Plan) else idx.shape[0]) == 0:
             return
         with stream:
             grads = cupy.ascontiguousarray(grads, dtype=table.dtype)
@@ -991,12 +1008,7 @@ class _DeviceSide:
             self._join_prefetch(stream)
             n, dim = plan.n, table.dim
             if n:
-                summed = cupy.zeros((n, dim), dtype=table.dtype)
-                total = n * dim
-                blocks = max(1, min(65535, -(-total // 256)))
-                TABLE_MODULE.get_function(sum_runs_name(self.dtype_name))(
-                    (blocks,), (256,), (grads, plan.run, plan.perm, np.int64(n), np.int64(dim),
-                                        summed), stream=stream)
+                summed = self._sum_gradients(plan, grads, stream)
                 grid, block = launch_config(n)
                 kernel = sparse_update_name(table._rule.kind, self.dtype_name,
                                             plan.keys.itemsize)
@@ -1017,6 +1029,28 @@ class _DeviceSide:
             if not isinstance(idx, _Plan):
                 _raise_if_bad(plan.verdict, plan.idx, table.num_rows, stream)
             self._record(stream)
+
+    def _sum_gradients(self, plan: _Plan, grads, stream):
+        """Each run's gradient sum, in sorted-position order: deterministic."""
+        import cupy
+
+        from xferlib._kernels.table import (SUM_CHUNK, TABLE_MODULE, sum_chunks_name,
+                                            sum_spans_name)
+
+        n, dim = plan.n, self.table.dim
+        chunks = -(-n // SUM_CHUNK)
+        summed = cupy.empty((n, dim), dtype=self.table.dtype)  # rows past the last run unused
+        head = cupy.empty((chunks, dim), dtype=self.table.dtype)
+        tail = cupy.empty((chunks, dim), dtype=self.table.dtype)
+        blocks = max(1, min(65535, -(-chunks * dim // 256)))
+        key_bytes = plan.keys.itemsize
+        TABLE_MODULE.get_function(sum_chunks_name(self.dtype_name, key_bytes))(
+            (blocks,), (256,), (grads, plan.keys, plan.run, plan.perm, np.int64(n),
+                                np.int64(dim), summed, head, tail), stream=stream)
+        TABLE_MODULE.get_function(sum_spans_name(self.dtype_name, key_bytes))(
+            (blocks,), (256,), (plan.keys, plan.run, np.int64(n), np.int64(dim), summed, head,
+                                tail), stream=stream)
+        return summed
 
     # -------------------------------------------------------------- prefetch
 

@@ -38,12 +38,14 @@ class _HostRows(torch.autograd.Function):
     def forward(ctx, anchor, module, idx):
         ctx.module = module
         ctx.save_for_backward(idx)
-        return module._lookup(idx)
+        rows, ctx.batch = module._lookup(idx, return_batch=True)
+        return rows
 
     @staticmethod
     def backward(ctx, grad_rows):
         (idx,) = ctx.saved_tensors
-        ctx.module._apply_gradients(idx, grad_rows)
+        ctx.module._apply_gradients(idx, grad_rows, ctx.batch)
+        ctx.batch = None
         return None, None, None
 
 
@@ -87,22 +89,21 @@ class _HostModule(torch.nn.Module):
     def _core_indices(self, idx: torch.Tensor):
         return as_core_array(idx.to(self.device).contiguous())
 
-    def _lookup(self, idx: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, idx: torch.Tensor, return_batch: bool = False):
         out = torch.empty((idx.shape[0], self.embedding_dim), dtype=torch.float32,
                           device=self.device)
-        if self.device.type == "cuda":
-            self.table.lookup(self._core_indices(idx), out=as_core_array(out),
-                              stream=current_stream(self.device))
-        else:
-            self.table.lookup(self._core_indices(idx), out=as_core_array(out))
-        return out
+        stream = {"stream": current_stream(self.device)} if self.device.type == "cuda" else {}
+        _, batch = self.table.lookup(self._core_indices(idx), out=as_core_array(out),
+                                     return_batch=True, **stream)
+        return (out, batch) if return_batch else out
 
-    def _apply_gradients(self, idx: torch.Tensor, grad_rows: torch.Tensor) -> None:
+    def _apply_gradients(self, idx: torch.Tensor, grad_rows: torch.Tensor, batch=None) -> None:
         grad_rows = grad_rows.to(device=self.device, dtype=torch.float32).contiguous()
         if self.padding_idx is not None:  # the padding row is never updated
             keep = idx != self.padding_idx
-            idx, grad_rows = idx[keep], grad_rows[keep]
-        self.table.apply_gradients(self._core_indices(idx), as_core_array(grad_rows),
+            idx, grad_rows, batch = idx[keep], grad_rows[keep], None
+        target = batch if batch is not None else self._core_indices(idx)
+        self.table.apply_gradients(target, as_core_array(grad_rows),
                                    stream=current_stream(self.device))
 
     def _rows(self, flat_idx: torch.Tensor):

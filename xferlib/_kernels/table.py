@@ -88,15 +88,67 @@ __global__ void expand_rows(const T* __restrict__ uniq, const i64* __restrict__ 
     }
 }
 
-// summed[run[j]] += grads[perm[j]] (summed zeroed by the caller).
-template <typename T>
-__global__ void sum_runs(const T* __restrict__ grads, const i64* __restrict__ run,
-                         const i64* __restrict__ perm, i64 n, i64 dim, T* __restrict__ summed) {
-    const i64 total = n * dim;
+// Deterministic sum of the gradients of each run of equal rows, in sorted-position order,
+// in two passes (no atomics, and no warp stuck on a hot row's thousands of repeats).
+// Pass 1: thread (c, e) walks chunk c's SUM_CHUNK positions; a run that starts and ends in
+// the chunk is written to summed[run]; the segment holding the chunk's first position goes
+// to head[c] and the one holding its last position to tail[c] (the same when one run fills
+// the chunk), for runs that cross a chunk boundary.
+#define SUM_CHUNK 32
+template <typename T, typename K>
+__global__ void sum_chunks(const T* __restrict__ grads, const K* __restrict__ keys,
+                           const i64* __restrict__ run, const i64* __restrict__ perm, i64 n,
+                           i64 dim, T* __restrict__ summed, T* __restrict__ head,
+                           T* __restrict__ tail) {
+    const i64 chunks = (n + SUM_CHUNK - 1) / SUM_CHUNK;
+    const i64 total = chunks * dim;
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const i64 j = i / dim, e = i - j * dim;
-        atomicAdd(&summed[run[j] * dim + e], grads[perm[j] * dim + e]);
+        const i64 c = i / dim, e = i - c * dim;
+        const i64 first = c * SUM_CHUNK;
+        const i64 last = (first + SUM_CHUNK < n ? first + SUM_CHUNK : n) - 1;
+        const bool head_open = first > 0 && keys[first] == keys[first - 1];
+        const bool tail_open = last + 1 < n && keys[last + 1] == keys[last];
+        T acc = 0;
+        i64 begin = first;
+        for (i64 j = first; j <= last; ++j) {
+            acc += grads[perm[j] * dim + e];
+            if (j == last || keys[j + 1] != keys[j]) {  // the segment [begin, j] ends here
+                const bool is_head = begin == first && head_open;
+                const bool is_tail = j == last && tail_open;
+                if (is_head) head[c * dim + e] = acc;
+                if (is_tail) tail[c * dim + e] = acc;
+                if (!is_head && !is_tail) summed[run[j] * dim + e] = acc;
+                acc = 0;
+                begin = j + 1;
+            }
+        }
+    }
+}
+
+// Pass 2: for each run that crosses chunk boundaries (found at the chunk where it starts),
+// add its pieces in order: the start chunk's tail, whole middle chunks, the end chunk's head.
+template <typename T, typename K>
+__global__ void sum_spans(const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
+                          i64 dim, T* __restrict__ summed, const T* __restrict__ head,
+                          const T* __restrict__ tail) {
+    const i64 chunks = (n + SUM_CHUNK - 1) / SUM_CHUNK;
+    const i64 total = chunks * dim;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const i64 c = i / dim, e = i - c * dim;
+        const i64 first = c * SUM_CHUNK;
+        const i64 last = first + SUM_CHUNK - 1;
+        if (last + 1 >= n || keys[last + 1] != keys[last]) continue;  // no run leaves c
+        const K key = keys[last];
+        if (keys[first] == key && first > 0 && keys[first - 1] == key) continue;  // began earlier
+        T acc = tail[c * dim + e];
+        for (i64 d = c + 1; d < chunks; ++d) {
+            acc += head[d * dim + e];
+            const i64 d_last = (d + 1) * SUM_CHUNK - 1;
+            if (d_last + 1 >= n || keys[d_last + 1] != key) break;  // the run ends in chunk d
+        }
+        summed[run[last] * dim + e] = acc;
     }
 }
 
@@ -347,8 +399,15 @@ def expand_rows_name(dtype_name: str) -> str:
     return f"expand_rows<{_TYPES[dtype_name]}>"
 
 
-def sum_runs_name(dtype_name: str) -> str:
-    return f"sum_runs<{_TYPES[dtype_name]}>"
+SUM_CHUNK = 32
+
+
+def sum_chunks_name(dtype_name: str, key_bytes: int) -> str:
+    return f"sum_chunks<{_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
+
+
+def sum_spans_name(dtype_name: str, key_bytes: int) -> str:
+    return f"sum_spans<{_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
 
 
 def swap_slots_name(dtype_name: str) -> str:
@@ -364,11 +423,12 @@ def _all_names():
         yield run_starts_name(key_bytes)
     for dtype_name in _TYPES:
         yield expand_rows_name(dtype_name)
-        yield sum_runs_name(dtype_name)
         yield swap_slots_name(dtype_name)
         for key_bytes in _KEYS:
             yield gather_unique_name(dtype_name, key_bytes)
             yield refresh_rows_name(dtype_name, key_bytes)
+            yield sum_chunks_name(dtype_name, key_bytes)
+            yield sum_spans_name(dtype_name, key_bytes)
             for rule in range(len(RULES)):
                 yield sparse_update_name(rule, dtype_name, key_bytes)
 

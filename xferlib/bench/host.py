@@ -115,12 +115,13 @@ def _run_gpu(quick: bool) -> dict:
     _print(results[-1])
     lookup_cached = _record(f"xferlib lookup (cache {cache_rows} rows)",
                             gpu_time_ms(lambda i: cached.lookup(pick(i)), repeats), BATCH,
-                            kind="lookup", **cached.cache_stats())
+                            kind="lookup",
+                            **{f"cache_{k}": v for k, v in cached.cache_stats().items()})
     del cached
     results += [lookup_plain, lookup_cached]
     _print(lookup_plain)
     _print(lookup_cached)
-    print(f"  cache hit rate (unique rows): {lookup_cached['hit_rate']:.3f}")
+    print(f"  cache hit rate (unique rows): {lookup_cached['cache_hit_rate']:.3f}")
 
     results += _baselines(host_sets, idx_sets, grads, repeats)
     results.append(prefetch)
