@@ -305,25 +305,26 @@ class _RowLayout:
     row_scalars: tuple
 
     @property
-    def state_offset(self) -> int:  # start of the state in an interleaved row (8-byte aligned)
-        return _align(self.dim, self.itemsize)
+    def state_offset(self) -> int:  # start of the state in an interleaved row
+        return _align(self.dim, self.itemsize, 16)
 
     @property
     def step_offset(self) -> int:  # the int64 step count, relative to the state
-        return _align(len(self.slots) * self.dim + len(self.row_scalars), self.itemsize)
+        return _align(len(self.slots) * self.dim + len(self.row_scalars), self.itemsize, 8)
 
     @property
     def state_width(self) -> int:
-        return self.step_offset + 8 // self.itemsize
+        return _align(self.step_offset + 8 // self.itemsize, self.itemsize, 16)
 
     @property
     def row_width(self) -> int:
         return self.state_offset + self.state_width
 
 
-def _align(units: int, itemsize: int) -> int:
-    """``units`` rounded up so that ``units * itemsize`` is a multiple of 8 bytes."""
-    per_word = max(1, 8 // itemsize)
+def _align(units: int, itemsize: int, boundary: int) -> int:
+    """``units`` rounded up so that ``units * itemsize`` is a multiple of ``boundary`` bytes
+    (16: rows and their parts start on 16-byte words, so kernels move whole words)."""
+    per_word = max(1, boundary // itemsize)
     return -(-units // per_word) * per_word
 
 
@@ -770,6 +771,12 @@ class _DeviceSide:
         self.s_ptr = device_pointer(table._state.view(np.ndarray), "state")
         self.w_stride = table._weights.strides[0] // table.dtype.itemsize
         self.s_stride = table._state.strides[0] // table.dtype.itemsize
+        self.vec = self._vector_width(layout)
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        # Kernels that reach host RAM are latency-bound: a few blocks per SM keep enough
+        # loads in flight for the link; prefetches take fewer, leaving SMs to the compute
+        # they overlap.
+        self.max_blocks, self.prefetch_blocks = 4 * sms, max(8, sms // 4)
         self.hyper = None
         self.stats = dict(lookups=0, hits=0, misses=0, admitted=0, evicted=0)
         self.pending = None  # (idx, plan, rows, event) of a prefetch
@@ -779,15 +786,31 @@ class _DeviceSide:
         self.cache_width = layout.row_width
         if k:
             self.cache = cupy.empty((k, layout.row_width), dtype=table.dtype)
-            self.slot_of_row = cupy.full(table.num_rows, -1, dtype=np.int32)
+            # One scratch entry past the end of each map takes writes that have no target.
+            self.slot_of_row = cupy.full(table.num_rows + 1, -1, dtype=np.int32)
             self.row_of_slot = cupy.full(k, -1, dtype=np.int64)
-            self.last_used = cupy.zeros(k, dtype=np.int64)
-            self.uses = cupy.zeros(k, dtype=np.int64)
+            self.last_used = cupy.zeros(k + 1, dtype=np.int64)
+            self.uses = cupy.zeros(k + 1, dtype=np.int64)
             self.tick = 0
+            self.filled = 0
         else:
             self.cache = self.slot_of_row = None
 
     # -------------------------------------------------------------- helpers
+
+    def _vector_width(self, layout) -> int:
+        """16-byte words per lane where every row part and pointer allows it, else 1."""
+        word = 16 // self.table.dtype.itemsize
+        units = (layout.dim, layout.state_width, layout.state_offset, self.w_stride,
+                 self.s_stride)
+        aligned = all(u % word == 0 for u in units) and self.w_ptr % 16 == 0 \
+            and self.s_ptr % 16 == 0
+        return word if aligned else 1
+
+    def _grid(self, n_warps: int, prefetch: bool = False):
+
+        cap = self.prefetch_blocks if prefetch else self.max_blocks
+        return launch_config(n_warps, max_blocks=cap)
 
     def _cache_args(self):
         layout = self.table._layout
@@ -835,18 +858,18 @@ class _DeviceSide:
         if self.pending is not None:
             stream.wait_event(self.pending[3])
 
-    def _gather_unique(self, plan: _Plan, stream, full: bool = False):
+    def _gather_unique(self, plan: _Plan, stream, full: bool = False, prefetch: bool = False):
         import cupy
 
-        from xferlib._kernels import launch_config
         from xferlib._kernels.table import TABLE_MODULE, gather_unique_name
 
         layout = self.table._layout
         width = layout.dim + (layout.state_width if full else 0)
         out = cupy.empty((plan.n, width), dtype=self.table.dtype)
         if plan.n:
-            grid, block = launch_config(plan.n)
-            TABLE_MODULE.get_function(gather_unique_name(self.dtype_name, plan.keys.itemsize))(
+            grid, block = self._grid(plan.n, prefetch)
+            name = gather_unique_name(self.vec, self.dtype_name, plan.keys.itemsize)
+            TABLE_MODULE.get_function(name)(
                 grid, block, (*self._host_args(), *self._cache_args(), plan.keys, plan.run,
                               np.int64(plan.n), np.int64(layout.dim),
                               np.int64(layout.state_width), np.int32(full), out, plan.verdict),
@@ -918,56 +941,58 @@ class _DeviceSide:
 
     def _admit(self, plan: _Plan, stream) -> None:
         """Count hits, then admit missed rows into the least recently (or least often) used
-        slots this batch does not use, writing the evicted rows back first."""
+        slots this batch does not use, writing the evicted rows back first. One host sync
+        (the number of misses); victims are picked by one sort of the slots' scores."""
         import cupy
 
-        from xferlib._kernels import launch_config
         from xferlib._kernels.table import TABLE_MODULE, swap_slots_name
 
-        starts = cupy.empty(plan.n, dtype=bool)
-        starts[0] = True
-        cupy.not_equal(plan.keys[1:], plan.keys[:-1], out=starts[1:])
-        uniq = plan.keys[starts].astype(np.int64)
-        slots = self.slot_of_row[uniq]
+        n, k = plan.n, self.cache.shape[0]
+        uniq = cupy.empty(n, dtype=np.int64)
+        uniq[plan.run] = plan.keys  # each run's row at the run's id (repeats write alike)
+        valid = cupy.arange(n) <= plan.run[-1]
+        slots = cupy.where(valid, self.slot_of_row[cupy.where(valid, uniq, 0)], -1)
         hit = slots >= 0
         self.tick += 1
-        hit_slots = slots[hit]
-        self.last_used[hit_slots] = self.tick
-        self.uses[hit_slots] += 1
-        missed = uniq[~hit]
-        n_hit, n_miss = int(hit_slots.size), int(missed.size)
-        k = self.cache.shape[0]
+        touched = cupy.where(hit, slots, k)  # slot k: a scratch entry for the non-hits
+        self.last_used[touched] = self.tick
+        self.uses[touched] += 1
+        missed = uniq[cupy.flatnonzero(valid & ~hit)]  # the one sync: how many missed
+        n_unique = int(plan.run[-1]) + 1
+        n_miss = int(missed.size)
+        n_hit = n_unique - n_miss
         admit = min(n_miss, k - n_hit)
-        self.stats["lookups"] += n_hit + n_miss
+        self.stats["lookups"] += n_unique
         self.stats["hits"] += n_hit
         self.stats["misses"] += n_miss
         if admit <= 0:
             return
-        score = (self.last_used if self.table.cache_policy == "lru" else self.uses)
+        score = self.last_used[:k] if self.table.cache_policy == "lru" else self.uses[:k]
         score = cupy.where(self.row_of_slot < 0, -1, score)
-        score = cupy.where(self.last_used == self.tick, np.iinfo(np.int64).max, score)
+        score = cupy.where(self.last_used[:k] == self.tick, np.iinfo(np.int64).max, score)
         victims = cupy.argsort(score)[:admit].astype(np.int32)
         old_rows = self.row_of_slot[victims]
         new_rows = missed[:admit]
-        grid, block = launch_config(admit)
+        grid, block = self._grid(admit)
         layout = self.table._layout
-        TABLE_MODULE.get_function(swap_slots_name(self.dtype_name))(
+        TABLE_MODULE.get_function(swap_slots_name(self.vec, self.dtype_name))(
             grid, block, (*self._host_args(), self.cache, np.int64(self.cache_width),
                           np.int64(layout.dim), np.int64(layout.state_offset), victims,
                           old_rows, new_rows, np.int64(admit)), stream=stream)
-        evicted = old_rows[old_rows >= 0]
-        self.stats["admitted"] += admit
-        self.stats["evicted"] += int(evicted.size)
-        self.slot_of_row[evicted] = -1
+        # Evicted rows (old_rows >= 0) leave the map; empty slots (-1) touch the scratch entry.
+        self.slot_of_row[cupy.where(old_rows >= 0, old_rows, self.table.num_rows)] = -1
         self.slot_of_row[new_rows] = victims
         self.row_of_slot[victims] = new_rows
         self.last_used[victims] = self.tick
         self.uses[victims] = 1
+        empty = min(admit, k - self.filled)  # empty slots score lowest, so they go first
+        self.stats["admitted"] += admit
+        self.stats["evicted"] += admit - empty
+        self.filled += empty
 
     def flush(self, drop_cache: bool) -> None:
         import cupy
 
-        from xferlib._kernels import launch_config
         from xferlib._kernels.table import TABLE_MODULE, swap_slots_name
 
         stream = cupy.cuda.get_current_stream()
@@ -978,9 +1003,9 @@ class _DeviceSide:
         if self.cache is not None:
             k = self.cache.shape[0]
             slots = cupy.arange(k, dtype=np.int32)
-            grid, block = launch_config(k)
+            grid, block = self._grid(k)
             layout = self.table._layout
-            TABLE_MODULE.get_function(swap_slots_name(self.dtype_name))(
+            TABLE_MODULE.get_function(swap_slots_name(self.vec, self.dtype_name))(
                 grid, block, (*self._host_args(), self.cache, np.int64(self.cache_width),
                               np.int64(layout.dim), np.int64(layout.state_offset), slots,
                               self.row_of_slot, np.uint64(0), np.int64(k)), stream=stream)
@@ -988,6 +1013,7 @@ class _DeviceSide:
                 cached = self.row_of_slot[self.row_of_slot >= 0]
                 self.slot_of_row[cached] = -1
                 self.row_of_slot[...] = -1
+                self.filled = 0
         stream.synchronize()
 
     # -------------------------------------------------------------- update
@@ -995,7 +1021,6 @@ class _DeviceSide:
     def apply(self, idx, grads, stream) -> None:
         import cupy
 
-        from xferlib._kernels import launch_config
         from xferlib._kernels.table import TABLE_MODULE, refresh_rows_name, sparse_update_name
 
         table = self.table
@@ -1009,18 +1034,19 @@ class _DeviceSide:
             n, dim = plan.n, table.dim
             if n:
                 summed = self._sum_gradients(plan, grads, stream)
-                grid, block = launch_config(n)
-                kernel = sparse_update_name(table._rule.kind, self.dtype_name,
+                grid, block = self._grid(n)
+                kernel = sparse_update_name(table._rule.kind, self.vec, self.dtype_name,
                                             plan.keys.itemsize)
                 TABLE_MODULE.get_function(kernel)(
                     grid, block, (*self._host_args(), *self._cache_args(), plan.keys, plan.run,
                                   np.int64(n), summed, np.int64(dim),
+                                  np.int64(len(table._layout.slots)),
                                   np.int64(table._layout.step_offset), self._hyper_array(),
                                   plan.verdict), stream=stream)
                 if self.pending is not None:
                     _, pplan, prows, _ = self.pending
                     if pplan.n:
-                        grid, block = launch_config(pplan.n)
+                        grid, block = self._grid(pplan.n)
                         TABLE_MODULE.get_function(
                             refresh_rows_name(self.dtype_name, pplan.keys.itemsize))(
                             grid, block, (*self._host_args(), *self._cache_args(), pplan.keys,
@@ -1067,7 +1093,7 @@ class _DeviceSide:
         side.wait_event(ready)  # after every update queued so far
         with side:
             plan = self._plan(idx, side)
-            rows = self._gather_unique(plan, side)
+            rows = self._gather_unique(plan, side, prefetch=True)
             done = cupy.cuda.Event(disable_timing=True)
             done.record(side)
         self.pending = (idx, plan, rows, done)

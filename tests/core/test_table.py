@@ -67,7 +67,7 @@ def _state_of(table):
 
 
 @pytest.mark.parametrize("name, hyper, torch_name", VARIANTS)
-@pytest.mark.parametrize("dim", [5, 33])
+@pytest.mark.parametrize("dim", [5, 16, 33])  # 16: the 16-byte-word path on the GPU
 def test_matches_reference(where, rng, name, hyper, torch_name, dim):
     init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
     table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
@@ -285,10 +285,10 @@ def test_save_is_atomic_on_failure(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("cache_rows", [1, 8, 50])
-def test_cache_gives_the_same_training(rng, policy, cache_rows):
+@pytest.mark.parametrize("dim", [6, 8])
+def test_cache_gives_the_same_training(rng, policy, cache_rows, dim):
     import cupy
 
-    dim = 6
     init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
     plain = xferlib.HostTable(NUM_ROWS, dim, optimizer="adam", init=init.copy())
     cached = xferlib.HostTable(NUM_ROWS, dim, optimizer="adam", init=init.copy(),
@@ -304,6 +304,7 @@ def test_cache_gives_the_same_training(rng, policy, cache_rows):
     stats = cached.cache_stats()
     assert stats["hits"] + stats["misses"] == stats["lookups"] > 0
     assert stats["hits"] > 0 and stats["admitted"] <= stats["misses"]
+    assert stats["evicted"] <= stats["admitted"]
 
 
 @pytest.mark.gpu

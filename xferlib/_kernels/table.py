@@ -48,9 +48,20 @@ __global__ void run_starts(const K* __restrict__ keys, i64 n, i64* __restrict__ 
         flags[j] = (j == 0 || keys[j] != keys[j - 1]) ? 1 : 0;
 }
 
+template <typename T, int V> struct alignas(sizeof(T) * V) words { T v[V]; };
+
+// Copy `len` elements (a multiple of V) with V-element words: 16-byte accesses for V = 4.
+template <int V, typename T>
+__device__ __forceinline__ void copy_words(T* __restrict__ dst, const T* __restrict__ src,
+                                           i64 len, int lane) {
+    typedef words<T, V> W;
+    for (i64 e = (i64)V * lane; e < len; e += 32 * V)
+        *reinterpret_cast<W*>(dst + e) = *reinterpret_cast<const W*>(src + e);
+}
+
 // out[run] = the run's row: its `dim` weights, then (full != 0) its `s_width` state words.
 // One warp per run, reading the row once from the cache or the host.
-template <typename T, typename K>
+template <int V, typename T, typename K>
 __global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
                               T* cache, i64 cache_width, i64 s_off,
                               const int* __restrict__ slot_of_row,
@@ -68,9 +79,8 @@ __global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
         Place<T> p = locate(row, host_w, w_stride, host_s, s_stride, cache, cache_width, s_off,
                             slot_of_row);
         T* dst = out + run[j] * out_width;
-        for (i64 e = lane; e < dim; e += 32) dst[e] = p.w[e];
-        if (full)
-            for (i64 e = lane; e < s_width; e += 32) dst[dim + e] = p.s[e];
+        copy_words<V>(dst, p.w, dim, lane);
+        if (full) copy_words<V>(dst + dim, p.s, s_width, lane);
     }
 }
 
@@ -154,7 +164,7 @@ __global__ void sum_spans(const K* __restrict__ keys, const i64* __restrict__ ru
 
 // Cache bookkeeping: write the rows held by `slots` back to the host (old_rows[i] < 0: the
 // slot was empty), then (fetch != 0) fill the slots with the full host rows `new_rows`.
-template <typename T>
+template <int V, typename T>
 __global__ void swap_slots(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
                            T* cache, i64 cache_width, i64 dim, i64 s_off,
                            const int* __restrict__ slots,
@@ -169,15 +179,15 @@ __global__ void swap_slots(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64
         if (old_row >= 0 && old_row < n_rows) {
             T* w = host_w + old_row * w_stride;
             T* s = host_s + old_row * s_stride;
-            for (i64 e = lane; e < dim; e += 32) w[e] = c[e];
-            for (i64 e = lane; e < s_width; e += 32) s[e] = c[s_off + e];
+            copy_words<V>(w, c, dim, lane);
+            copy_words<V>(s, c + s_off, s_width, lane);
         }
         const i64 new_row = new_rows != nullptr ? new_rows[i] : -1;
         if (new_row >= 0 && new_row < n_rows) {
             const T* w = host_w + new_row * w_stride;
             const T* s = host_s + new_row * s_stride;
-            for (i64 e = lane; e < dim; e += 32) c[e] = w[e];
-            for (i64 e = lane; e < s_width; e += 32) c[s_off + e] = s[e];
+            copy_words<V>(c, w, dim, lane);
+            copy_words<V>(c + s_off, s, s_width, lane);
         }
     }
 }
@@ -212,8 +222,10 @@ __global__ void refresh_rows(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i
 
 // ------------------------------------------------------------------------ update rules
 // RULE: 0 sgd, 1 adam/adamw, 2 adagrad, 3 rowwise_adagrad, 4 adamax, 5 rmsprop, 6 adadelta.
-// h: the rule's hyperparameters (xferlib/table.py, _KERNEL_HYPER); s: the row's state, slot k
-// at s + k * dim, row scalars after the slots; t: the row's step count after this step.
+// h: the rule's hyperparameters (xferlib/table.py, kernel_hyper); a row's state slot k sits at
+// s + k * dim, row scalars after the slots; t: the row's step count after this step.
+// row_consts turns h and t into per-row constants c (bias corrections in double, as torch's
+// Python scalars); elem applies the rule to one element w with its slot values st[].
 
 template <typename T>
 __device__ __forceinline__ T lerp_low(T a, T b, T w) {  // torch.lerp for weight < 0.5
@@ -227,137 +239,166 @@ __device__ __forceinline__ T warp_sum(T x) {
     return x;
 }
 
+#define NC 12
 template <int RULE, typename T>
-__device__ void update_row(T* w, T* s, const T* g, i64 dim, i64 t, const double* h, int lane) {
+__device__ __forceinline__ void row_consts(const double* h, i64 t, T* c) {
     if (RULE == 0) {  // sgd: lr, momentum, dampening, weight_decay, nesterov, maximize
-        const T lr = h[0], mom = h[1], keep = 1.0 - h[2], wd = h[3];
-        const bool nesterov = h[4] != 0.0, maximize = h[5] != 0.0;
-        for (i64 e = lane; e < dim; e += 32) {
-            T gi = maximize ? -g[e] : g[e];
-            if (wd != (T)0) gi += wd * w[e];
-            if (mom != (T)0) {
-                const T b = t == 1 ? gi : mom * s[e] + keep * gi;
-                s[e] = b;
-                gi = nesterov ? gi + mom * b : b;
-            }
-            w[e] -= lr * gi;
-        }
-    } else if (RULE == 1) {  // adam/adamw: lr, b1, b2, eps, wd, decoupled, amsgrad, maximize
+        c[0] = h[0]; c[1] = h[1]; c[2] = 1.0 - h[2]; c[3] = h[3]; c[4] = h[4]; c[5] = h[5];
+    } else if (RULE == 1) {  // adam(w): lr, b1, b2, eps, wd, decoupled, amsgrad, maximize
         const double bc1 = 1.0 - pow(h[1], (double)t), bc2 = 1.0 - pow(h[2], (double)t);
-        const T step_size = h[0] / bc1, bc2_sqrt = sqrt(bc2);
-        const T b1c = 1.0 - h[1], b2 = h[2], b2c = 1.0 - h[2], eps = h[3], wd = h[4];
-        const T shrink = 1.0 - h[0] * h[4];
-        const bool decoupled = h[5] != 0.0, amsgrad = h[6] != 0.0, maximize = h[7] != 0.0;
-        for (i64 e = lane; e < dim; e += 32) {
-            T gi = maximize ? -g[e] : g[e];
-            T p = w[e];
-            if (wd != (T)0) {
-                if (decoupled) p *= shrink; else gi += wd * p;
-            }
-            const T m = lerp_low(s[e], gi, b1c);
-            const T v = s[dim + e] * b2 + b2c * gi * gi;
-            s[e] = m;
-            s[dim + e] = v;
-            T vmax = v;
-            if (amsgrad) {
-                vmax = s[2 * dim + e] > v ? s[2 * dim + e] : v;
-                s[2 * dim + e] = vmax;
-            }
-            const T denom = sqrt(vmax) / bc2_sqrt + eps;
-            w[e] = p - step_size * (m / denom);
-        }
+        c[0] = h[0] / bc1; c[1] = sqrt(bc2); c[2] = 1.0 - h[1]; c[3] = h[2]; c[4] = 1.0 - h[2];
+        c[5] = h[3]; c[6] = h[4]; c[7] = 1.0 - h[0] * h[4]; c[8] = h[5]; c[9] = h[6];
+        c[10] = h[7];
     } else if (RULE == 2) {  // adagrad: lr, lr_decay, wd, eps, maximize
-        const T clr = h[0] / (1.0 + (double)(t - 1) * h[1]), wd = h[2], eps = h[3];
-        const bool maximize = h[4] != 0.0;
-        for (i64 e = lane; e < dim; e += 32) {
-            T gi = maximize ? -g[e] : g[e];
-            if (wd != (T)0) gi += wd * w[e];
-            const T sum = s[e] + gi * gi;
-            s[e] = sum;
-            w[e] -= clr * (gi / (sqrt(sum) + eps));
-        }
-    } else if (RULE == 3) {  // rowwise_adagrad: lr, wd, eps, maximize; state: one sum per row
-        const T lr = h[0], wd = h[1], eps = h[2];
-        const bool maximize = h[3] != 0.0;
-        T sq = 0;
-        for (i64 e = lane; e < dim; e += 32) {
-            T gi = maximize ? -g[e] : g[e];
-            if (wd != (T)0) gi += wd * w[e];
-            sq += gi * gi;
-        }
-        const T sum = s[0] + warp_sum(sq) / (T)dim;
-        const T scale = lr / (sqrt(sum) + eps);
-        for (i64 e = lane; e < dim; e += 32) {
-            T gi = maximize ? -g[e] : g[e];
-            if (wd != (T)0) gi += wd * w[e];
-            w[e] -= scale * gi;
-        }
-        __syncwarp();
-        if (lane == 0) s[0] = sum;
+        c[0] = h[0] / (1.0 + (double)(t - 1) * h[1]); c[1] = h[2]; c[2] = h[3]; c[3] = h[4];
     } else if (RULE == 4) {  // adamax: lr, b1, b2, eps, wd, maximize
-        const T clr = h[0] / (1.0 - pow(h[1], (double)t));
-        const T b1c = 1.0 - h[1], b2 = h[2], eps = h[3], wd = h[4];
-        const bool maximize = h[5] != 0.0;
-        for (i64 e = lane; e < dim; e += 32) {
-            T gi = maximize ? -g[e] : g[e];
-            if (wd != (T)0) gi += wd * w[e];
-            const T m = lerp_low(s[e], gi, b1c);
-            const T a = s[dim + e] * b2, b = fabs(gi) + eps;
-            const T u = a > b ? a : b;
-            s[e] = m;
-            s[dim + e] = u;
-            w[e] -= clr * (m / u);
-        }
+        c[0] = h[0] / (1.0 - pow(h[1], (double)t)); c[1] = 1.0 - h[1]; c[2] = h[2];
+        c[3] = h[3]; c[4] = h[4]; c[5] = h[5];
     } else if (RULE == 5) {  // rmsprop: lr, alpha, eps, wd, momentum, centered, maximize
-        const T lr = h[0], alpha = h[1], alphac = 1.0 - h[1], eps = h[2], wd = h[3];
-        const T mom = h[4];
-        const bool centered = h[5] != 0.0, maximize = h[6] != 0.0;
-        const i64 mb = dim, ga = (mom > (T)0 ? 2 : 1) * dim;  // slot offsets
-        for (i64 e = lane; e < dim; e += 32) {
-            T gi = maximize ? -g[e] : g[e];
-            if (wd != (T)0) gi += wd * w[e];
-            const T sq = s[e] * alpha + alphac * gi * gi;
-            s[e] = sq;
-            T avg;
-            if (centered) {
-                const T a = lerp_low(s[ga + e], gi, alphac);
-                s[ga + e] = a;
-                avg = sqrt(sq - a * a) + eps;
-            } else {
-                avg = sqrt(sq) + eps;
-            }
-            if (mom > (T)0) {
-                const T b = s[mb + e] * mom + gi / avg;
-                s[mb + e] = b;
-                w[e] -= lr * b;
-            } else {
-                w[e] -= lr * (gi / avg);
-            }
-        }
+        c[0] = h[0]; c[1] = h[1]; c[2] = 1.0 - h[1]; c[3] = h[2]; c[4] = h[3]; c[5] = h[4];
+        c[6] = h[5]; c[7] = h[6];
     } else if (RULE == 6) {  // adadelta: lr, rho, eps, wd, maximize
-        const T lr = h[0], rho = h[1], rhoc = 1.0 - h[1], eps = h[2], wd = h[3];
-        const bool maximize = h[4] != 0.0;
-        for (i64 e = lane; e < dim; e += 32) {
-            T gi = maximize ? -g[e] : g[e];
-            if (wd != (T)0) gi += wd * w[e];
-            const T sq = s[e] * rho + rhoc * gi * gi;
-            const T sd = sqrt(sq + eps);
-            const T delta = sqrt(s[dim + e] + eps) / sd * gi;
-            s[e] = sq;
-            s[dim + e] = s[dim + e] * rho + rhoc * delta * delta;
-            w[e] -= lr * delta;
+        c[0] = h[0]; c[1] = h[1]; c[2] = 1.0 - h[1]; c[3] = h[2]; c[4] = h[3]; c[5] = h[4];
+    }
+}
+
+template <int RULE, typename T>
+__device__ __forceinline__ void elem(T& w, T* st, T g, const T* c, i64 t) {
+    if (RULE == 0) {
+        if (c[5] != (T)0) g = -g;
+        if (c[3] != (T)0) g += c[3] * w;
+        if (c[1] != (T)0) {
+            const T b = t == 1 ? g : c[1] * st[0] + c[2] * g;  // torch: the first step copies g
+            st[0] = b;
+            g = c[4] != (T)0 ? g + c[1] * b : b;
         }
+        w -= c[0] * g;
+    } else if (RULE == 1) {
+        if (c[10] != (T)0) g = -g;
+        T p = w;
+        if (c[6] != (T)0) {
+            if (c[8] != (T)0) p *= c[7]; else g += c[6] * p;
+        }
+        const T m = lerp_low(st[0], g, c[2]);
+        const T v = st[1] * c[3] + c[4] * g * g;
+        st[0] = m;
+        st[1] = v;
+        T vmax = v;
+        if (c[9] != (T)0) {
+            vmax = st[2] > v ? st[2] : v;
+            st[2] = vmax;
+        }
+        w = p - c[0] * (m / (sqrt(vmax) / c[1] + c[5]));
+    } else if (RULE == 2) {
+        if (c[3] != (T)0) g = -g;
+        if (c[1] != (T)0) g += c[1] * w;
+        const T sum = st[0] + g * g;
+        st[0] = sum;
+        w -= c[0] * (g / (sqrt(sum) + c[2]));
+    } else if (RULE == 4) {
+        if (c[5] != (T)0) g = -g;
+        if (c[4] != (T)0) g += c[4] * w;
+        const T m = lerp_low(st[0], g, c[1]);
+        const T a = st[1] * c[2], b = fabs(g) + c[3];
+        const T u = a > b ? a : b;
+        st[0] = m;
+        st[1] = u;
+        w -= c[0] * (m / u);
+    } else if (RULE == 5) {
+        if (c[7] != (T)0) g = -g;
+        if (c[4] != (T)0) g += c[4] * w;
+        const T sq = st[0] * c[1] + c[2] * g * g;
+        st[0] = sq;
+        const int ga = c[5] > (T)0 ? 2 : 1;  // grad_avg's slot
+        T avg;
+        if (c[6] != (T)0) {
+            const T a = lerp_low(st[ga], g, c[2]);
+            st[ga] = a;
+            avg = sqrt(sq - a * a) + c[3];
+        } else {
+            avg = sqrt(sq) + c[3];
+        }
+        if (c[5] > (T)0) {
+            const T b = st[1] * c[5] + g / avg;
+            st[1] = b;
+            w -= c[0] * b;
+        } else {
+            w -= c[0] * (g / avg);
+        }
+    } else if (RULE == 6) {
+        if (c[5] != (T)0) g = -g;
+        if (c[4] != (T)0) g += c[4] * w;
+        const T sq = st[0] * c[1] + c[2] * g * g;
+        const T sd = sqrt(sq + c[3]);
+        const T delta = sqrt(st[1] + c[3]) / sd * g;
+        st[0] = sq;
+        st[1] = st[1] * c[1] + c[2] * delta * delta;
+        w -= c[0] * delta;
+    }
+}
+
+// Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): one accumulator per row, fed the mean
+// squared gradient. h: lr, wd, eps, maximize.
+template <typename T>
+__device__ void rowwise_adagrad_row(T* w, T* s, const T* g, i64 dim, i64 n_slots,
+                                    const double* h, int lane) {
+    const T lr = h[0], wd = h[1], eps = h[2];
+    const bool maximize = h[3] != 0.0;
+    T sq = 0;
+    for (i64 e = lane; e < dim; e += 32) {
+        T gi = maximize ? -g[e] : g[e];
+        if (wd != (T)0) gi += wd * w[e];
+        sq += gi * gi;
+    }
+    T* total = s + n_slots * dim;
+    const T sum = *total + warp_sum(sq) / (T)dim;
+    const T scale = lr / (sqrt(sum) + eps);
+    for (i64 e = lane; e < dim; e += 32) {
+        T gi = maximize ? -g[e] : g[e];
+        if (wd != (T)0) gi += wd * w[e];
+        w[e] -= scale * gi;
+    }
+    __syncwarp();
+    if (lane == 0) *total = sum;
+}
+
+template <typename T, int V> struct alignas(sizeof(T) * V) vec { T v[V]; };
+
+// V consecutive elements per lane: 16-byte loads (V = 4 floats) when the caller checked the
+// alignment, so each lane keeps three or four independent loads in flight over PCIe.
+template <int RULE, int V, typename T>
+__device__ __forceinline__ void update_row(T* __restrict__ w, T* __restrict__ s,
+                                           const T* __restrict__ g, i64 dim, i64 n_slots,
+                                           i64 t, const T* c, int lane) {
+    for (i64 base = (i64)V * lane; base < dim; base += 32 * V) {
+        vec<T, V> wv = *reinterpret_cast<const vec<T, V>*>(w + base);
+        const vec<T, V> gv = *reinterpret_cast<const vec<T, V>*>(g + base);
+        vec<T, V> sv[3];
+        #pragma unroll
+        for (int k = 0; k < 3; ++k)
+            if (k < n_slots) sv[k] = *reinterpret_cast<const vec<T, V>*>(s + k * dim + base);
+        #pragma unroll
+        for (int q = 0; q < V; ++q) {
+            T st[3] = {sv[0].v[q], sv[1].v[q], sv[2].v[q]};
+            elem<RULE, T>(wv.v[q], st, gv.v[q], c, t);
+            #pragma unroll
+            for (int k = 0; k < 3; ++k) sv[k].v[q] = st[k];
+        }
+        *reinterpret_cast<vec<T, V>*>(w + base) = wv;
+        #pragma unroll
+        for (int k = 0; k < 3; ++k)
+            if (k < n_slots) *reinterpret_cast<vec<T, V>*>(s + k * dim + base) = sv[k];
     }
 }
 
 // One warp per distinct row: apply the rule to the row with its summed gradient, then count
 // the step. `step_off`: where the int64 step count sits in the row's state, in T units.
-template <int RULE, typename T, typename K>
+template <int RULE, int V, typename T, typename K>
 __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
                               T* cache, i64 cache_width, i64 s_off,
                               const int* __restrict__ slot_of_row,
                               const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
-                              const T* __restrict__ summed, i64 dim, i64 step_off,
+                              const T* __restrict__ summed, i64 dim, i64 n_slots, i64 step_off,
                               const double* __restrict__ h,
                               const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
@@ -371,7 +412,14 @@ __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
                             slot_of_row);
         i64* step = reinterpret_cast<i64*>(p.s + step_off);
         const i64 t = *step + 1;
-        update_row<RULE, T>(p.w, p.s, summed + run[j] * dim, dim, t, h, lane);
+        const T* g = summed + run[j] * dim;
+        if (RULE == 3) {
+            rowwise_adagrad_row<T>(p.w, p.s, g, dim, n_slots, h, lane);
+        } else {
+            T c[NC];
+            row_consts<RULE, T>(h, t, c);
+            update_row<RULE, V, T>(p.w, p.s, g, dim, n_slots, t, c, lane);
+        }
         __syncwarp();
         if (lane == 0) *step = t;
     }
@@ -387,8 +435,8 @@ def run_starts_name(key_bytes: int) -> str:
     return f"run_starts<{_KEYS[key_bytes]}>"
 
 
-def gather_unique_name(dtype_name: str, key_bytes: int) -> str:
-    return f"gather_unique<{_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
+def gather_unique_name(vec: int, dtype_name: str, key_bytes: int) -> str:
+    return f"gather_unique<{vec}, {_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
 
 
 def refresh_rows_name(dtype_name: str, key_bytes: int) -> str:
@@ -410,12 +458,17 @@ def sum_spans_name(dtype_name: str, key_bytes: int) -> str:
     return f"sum_spans<{_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
 
 
-def swap_slots_name(dtype_name: str) -> str:
-    return f"swap_slots<{_TYPES[dtype_name]}>"
+def swap_slots_name(vec: int, dtype_name: str) -> str:
+    return f"swap_slots<{vec}, {_TYPES[dtype_name]}>"
 
 
-def sparse_update_name(rule: int, dtype_name: str, key_bytes: int) -> str:
-    return f"sparse_update<{rule}, {_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
+def sparse_update_name(rule: int, vec: int, dtype_name: str, key_bytes: int) -> str:
+    return f"sparse_update<{rule}, {vec}, {_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
+
+
+def vector_widths(dtype_name: str) -> tuple:
+    """Elements per lane access the kernels are built for: 16-byte words, or one element."""
+    return (1, 4) if dtype_name == "float32" else (1, 2)
 
 
 def _all_names():
@@ -423,14 +476,16 @@ def _all_names():
         yield run_starts_name(key_bytes)
     for dtype_name in _TYPES:
         yield expand_rows_name(dtype_name)
-        yield swap_slots_name(dtype_name)
+        for vec in vector_widths(dtype_name):
+            yield swap_slots_name(vec, dtype_name)
         for key_bytes in _KEYS:
-            yield gather_unique_name(dtype_name, key_bytes)
             yield refresh_rows_name(dtype_name, key_bytes)
             yield sum_chunks_name(dtype_name, key_bytes)
             yield sum_spans_name(dtype_name, key_bytes)
-            for rule in range(len(RULES)):
-                yield sparse_update_name(rule, dtype_name, key_bytes)
+            for vec in vector_widths(dtype_name):
+                yield gather_unique_name(vec, dtype_name, key_bytes)
+                for rule in range(len(RULES)):
+                    yield sparse_update_name(rule, vec, dtype_name, key_bytes)
 
 
 TABLE_MODULE = KernelModule("table", TABLE_KERNEL, tuple(_all_names()))
