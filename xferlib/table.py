@@ -808,6 +808,7 @@ class _DeviceSide:
         return word if aligned else 1
 
     def _grid(self, n_warps: int, prefetch: bool = False):
+        from xferlib._kernels import launch_config
 
         cap = self.prefetch_blocks if prefetch else self.max_blocks
         return launch_config(n_warps, max_blocks=cap)
