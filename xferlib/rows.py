@@ -47,6 +47,9 @@ __all__ = [
 _INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _ADD_DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
 _NO_BAD_INDEX = np.iinfo(np.uint64).max
+# Up to this many positions the tile sort + merges runs (no host sync, no device-wide sort);
+# above it, CuPy's radix argsort.
+_TILED_SORT_MAX = 1 << 22
 
 
 # ----------------------------------------------------------------------------- references
@@ -180,11 +183,10 @@ def _sorted_positions(idx, num_rows: int, stream, presorted: bool = False):
     """
     import cupy
 
-    from xferlib._kernels import rows as kernels
     from xferlib._kernels.rows import ROWS_MODULE, check_name
 
     n = idx.size
-    if not presorted and n <= kernels.SMALL_SORT_TILE and num_rows <= np.iinfo(np.int32).max:
+    if not presorted and n <= _TILED_SORT_MAX and num_rows <= np.iinfo(np.int32).max:
         return _sorted_positions_small(idx, num_rows, stream)
     narrow = idx.dtype == np.int64 and num_rows <= np.iinfo(np.int32).max
     keys32 = cupy.empty(n, dtype=np.int32) if narrow else None
@@ -218,26 +220,43 @@ def _identity_permutation(n: int):
 
 
 def _sorted_positions_small(idx, num_rows: int, stream):
-    """:func:`_sorted_positions` for batches that fit one block: a single launch."""
+    """:func:`_sorted_positions` without a device-wide sort or a host sync: tiles of up to
+    16,384 positions are checked, narrowed and sorted by one block each (one launch), then
+    merged pairwise (one launch per doubling). A single tile is one launch."""
     import cupy
 
-    from xferlib._kernels.rows import (ROWS_MODULE, SMALL_SORT_ITEMS, SMALL_SORT_THREADS,
-                                       small_sort_name, small_sort_shared_bytes)
+    from xferlib._kernels.rows import (MERGE_NAME, ROWS_MODULE, SMALL_SORT_ITEMS,
+                                       SMALL_SORT_THREADS, small_sort_name,
+                                       small_sort_shared_bytes)
 
     n = idx.size
-    items = next(i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n)
+    items = next((i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n),
+                 SMALL_SORT_ITEMS[-1])
+    tile = items * SMALL_SORT_THREADS
     rows = cupy.empty(n, dtype=np.int32)
     perm = cupy.empty(n, dtype=np.int64)
-    first_bad = cupy.empty(2, dtype=np.uint64)
+    verdict = cupy.empty(2, dtype=np.uint64)
+    verdict.data.memset_async(0xFF, 16, stream)
     kernel = ROWS_MODULE.get_function(small_sort_name(idx.dtype.name, items))
     shared = small_sort_shared_bytes(items)
     if kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
     bits = max(1, int(num_rows - 1).bit_length())
-    kernel((1,), (SMALL_SORT_THREADS,), (idx, np.int32(n), np.int64(num_rows), np.int32(bits),
-                                         rows, perm, first_bad),
+    tiles = max(1, -(-n // tile))
+    kernel((tiles,), (SMALL_SORT_THREADS,), (idx, np.int64(n), np.int64(num_rows),
+                                             np.int32(bits), rows, perm, verdict),
            shared_mem=shared, stream=stream)
-    return rows, perm, first_bad
+    width = tile
+    if width < n:
+        merge = ROWS_MODULE.get_function(MERGE_NAME)
+        rows_b, perm_b = cupy.empty_like(rows), cupy.empty_like(perm)
+        blocks = max(1, min(65535, -(-n // 256)))
+        while width < n:
+            merge((blocks,), (256,), (rows, perm, np.int64(n), np.int64(width), rows_b, perm_b),
+                  stream=stream)
+            rows, rows_b, perm, perm_b = rows_b, rows, perm_b, perm
+            width *= 2
+    return rows, perm, verdict
 
 
 def _raise_if_bad(verdict, idx, num_rows: int, stream) -> None:

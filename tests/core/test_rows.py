@@ -164,9 +164,13 @@ def test_gather_fwd_bwd_matches_reference(backend, rng):
     assert_matches_reference(backend.to_host(grad), expected, "float32", scale=10)
 
 
+@pytest.mark.parametrize("sort", ["tiles", "device-wide"])
 @pytest.mark.parametrize("index_dtype", ["int32", "int64"])
-def test_large_batches_take_the_device_wide_sort(backend, rng, index_dtype):
-    # Batches above one block's tile (16384 positions) sort on the whole device.
+def test_large_batches(backend, rng, index_dtype, sort, monkeypatch):
+    # Batches above one block's tile (16384 positions): sorted tiles merged pairwise (three
+    # tiles: a tile without a partner in the first round), or CuPy's device-wide argsort.
+    if sort == "device-wide":
+        monkeypatch.setattr(xferlib.rows, "_TILED_SORT_MAX", 1000)
     num_rows, dim, n = 5000, 24, 40000
     host_table = random_rows(rng, (num_rows, dim), "float32")
     host_idx = rng.integers(0, num_rows, size=n).astype(index_dtype)

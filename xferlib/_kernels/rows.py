@@ -116,10 +116,17 @@ __device__ __forceinline__ unsigned int block_exclusive_scan(unsigned int x,
 
 template <typename I, int ITEMS>
 __global__ void __launch_bounds__(SMALL_SORT_THREADS)
-check_and_sort_small(const I* __restrict__ idx, int n, i64 n_rows, int bits,
+check_and_sort_small(const I* __restrict__ idx, i64 n_total, i64 n_rows, int bits,
                      int* __restrict__ rows_out, i64* __restrict__ perm_out,
                      unsigned long long* __restrict__ first_bad) {
     const int TILE = SMALL_SORT_THREADS * ITEMS;
+    // Block b sorts positions [b * TILE, b * TILE + n): one tile; merge_sorted_runs joins
+    // the tiles. first_bad was set to all ones by the caller; blocks report by atomicMin.
+    const i64 base = (i64)blockIdx.x * TILE;
+    const int n = (int)(n_total - base < TILE ? n_total - base : TILE);
+    idx += base;
+    rows_out += base;
+    perm_out += base;
     const int COUNTS = 16 * SMALL_SORT_THREADS;  // [16 digits][THREADS]
     extern __shared__ unsigned int smem[];
     unsigned int* counts = smem;
@@ -177,12 +184,36 @@ check_and_sort_small(const I* __restrict__ idx, int n, i64 n_rows, int bits,
         const int p = t * ITEMS + i;
         if (p < n) {
             rows_out[p] = (int)k[i];
-            perm_out[p] = (i64)v[i];
+            perm_out[p] = base + (i64)v[i];
         }
     }
-    if (t == 0) {
-        first_bad[0] = bad;
-        first_bad[1] = ~0ull;  // sorted here: no order to violate
+    if (t == 0 && bad != ~0ull) atomicMin(&first_bad[0], (unsigned long long)(base + bad));
+}
+
+// One round of a stable merge sort over sorted runs of `width` positions: runs 2m and 2m+1
+// become one sorted run. Each position finds its place with a binary search in the other
+// run of its pair; a key of the left run goes before equal keys of the right run, so the
+// merge keeps batch order among equal rows (stable), as the tile sort does.
+__global__ void merge_sorted_runs(const int* __restrict__ keys, const i64* __restrict__ perm,
+                                  i64 n, i64 width, int* __restrict__ keys_out,
+                                  i64* __restrict__ perm_out) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const i64 run = i / width, start = run * width;
+        const bool left = (run & 1) == 0;
+        const i64 pair = left ? start : start - width;
+        const i64 o_start = left ? start + width : start - width;
+        const i64 o_end = left ? (o_start + width < n ? o_start + width : n) : start;
+        const int key = keys[i];
+        i64 lo = o_start, hi = o_start < n ? o_end : o_start;
+        while (lo < hi) {  // left: how many keys < key; right: how many keys <= key
+            const i64 mid = (lo + hi) >> 1;
+            const bool before = left ? keys[mid] < key : keys[mid] <= key;
+            if (before) lo = mid + 1; else hi = mid;
+        }
+        const i64 dest = pair + (i - start) + (lo - o_start);
+        keys_out[dest] = key;
+        perm_out[dest] = perm[i];
     }
 }
 
@@ -313,6 +344,9 @@ def small_sort_name(index_dtype_name: str, items: int) -> str:
     return f"check_and_sort_small<{INDEX_TYPES[index_dtype_name]}, {items}>"
 
 
+MERGE_NAME = "merge_sorted_runs"
+
+
 def small_sort_shared_bytes(items: int) -> int:
     """Dynamic shared memory of one instantiation: padded counts, keys and positions."""
 
@@ -334,6 +368,7 @@ def _all_names():
         yield check_name(index_dtype)
         for items in SMALL_SORT_ITEMS:
             yield small_sort_name(index_dtype, items)
+    yield MERGE_NAME
 
 
 ROWS_MODULE = KernelModule("rows", ROWS_KERNEL, tuple(_all_names()))
