@@ -936,7 +936,8 @@ class _DeviceSide:
         import cupy
 
         empty = cupy.empty(0, dtype=np.int64)
-        return _Plan(idx, empty, empty, empty, cupy.full(2, -1, dtype=np.uint64))
+        return _Plan(idx, empty, empty, empty,
+                     cupy.full(2, np.iinfo(np.uint64).max, dtype=np.uint64))
 
     # -------------------------------------------------------------- cache
 
