@@ -418,6 +418,8 @@ class HostTable:
       cache_rows: rows (with their state) kept in a GPU cache; 0: no cache.
       cache_policy: ``"lru"`` (evict the least recently used rows) or ``"lfu"`` (the least
         often used). Rows of the batch being looked up are never evicted by that batch.
+      cache_admission: ``"second-sight"`` (default: a missed row enters the cache the second
+        time a lookup misses it; rows seen once are served from host RAM) or ``"always"``.
       init: ``"zeros"``, ``("uniform", low, high)``, ``("normal", mean, std)`` (default
         ``("normal", 0, 1)``, as ``torch.nn.Embedding``), or a ``(num_rows, dim)`` C-contiguous
         NumPy array of the table's dtype, which is pinned in place and becomes the weights
@@ -435,7 +437,7 @@ class HostTable:
 
     def __init__(self, num_rows: int, dim: int, dtype="float32", optimizer=None,
                  optimizer_kwargs=None, cache_rows: int = 0, init=("normal", 0.0, 1.0), *,
-                 cache_policy: str = "lru", seed=None):
+                 cache_policy: str = "lru", cache_admission: str = "second-sight", seed=None):
         num_rows, dim, cache_rows = int(num_rows), int(dim), int(cache_rows)
         if num_rows < 0 or dim < 1:
             raise ValueError(f"a table needs num_rows >= 0 and dim >= 1, got ({num_rows}, {dim})")
@@ -446,6 +448,9 @@ class HostTable:
             raise ValueError(f"cache_rows must be >= 0, got {cache_rows}")
         if cache_policy not in ("lru", "lfu"):
             raise ValueError(f"cache_policy must be 'lru' or 'lfu', got {cache_policy!r}")
+        if cache_admission not in ("second-sight", "always"):
+            raise ValueError(f"cache_admission must be 'second-sight' or 'always', got "
+                             f"{cache_admission!r}")
         if optimizer is None:
             if optimizer_kwargs:
                 raise ValueError("optimizer_kwargs given without an optimizer")
@@ -457,6 +462,7 @@ class HostTable:
         self.optimizer = optimizer
         self.cache_rows = min(cache_rows, num_rows)
         self.cache_policy = cache_policy
+        self.cache_admission = cache_admission
         self._layout = _RowLayout(dim, dtype.itemsize,
                                   tuple(self._rule.slots(self._hyper)) if self._rule else (),
                                   self._rule.row_scalars if self._rule else ())
@@ -548,6 +554,7 @@ class HostTable:
         meta = dict(format=_FORMAT, num_rows=self.num_rows, dim=self.dim,
                     dtype=self.dtype.name, optimizer=self.optimizer, hyper=self._hyper,
                     cache_rows=self.cache_rows, cache_policy=self.cache_policy,
+                    cache_admission=self.cache_admission,
                     slots=list(self._layout.slots), row_scalars=list(self._layout.row_scalars))
         path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(path))
@@ -583,7 +590,8 @@ class HostTable:
                 table = cls(meta["num_rows"], meta["dim"], meta["dtype"], meta["optimizer"],
                             meta["hyper"] or None,
                             meta["cache_rows"] if cache_rows is None else cache_rows,
-                            init="zeros", cache_policy=meta["cache_policy"])
+                            init="zeros", cache_policy=meta["cache_policy"],
+                            cache_admission=meta.get("cache_admission", "second-sight"))
                 weights, state = data["weights"], data["state"]
                 if (weights.shape != table._weights.shape
                         or state.shape != table._state.shape):
@@ -758,6 +766,18 @@ class _Plan:
         return int(self.keys.size)
 
 
+def _high_priority_stream():
+    """A non-blocking stream of the device's highest priority: when a prefetch overlaps
+    compute, the block scheduler gives the prefetch's blocks the SMs that free up first."""
+    import cupy
+
+    _, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
+    try:
+        return cupy.cuda.Stream(non_blocking=True, priority=greatest)
+    except TypeError:  # a CuPy without the priority argument
+        return cupy.cuda.Stream(non_blocking=True)
+
+
 class _DeviceSide:
     """The GPU half of a HostTable: kernels, the hot-row cache and the prefetch stream."""
 
@@ -791,6 +811,8 @@ class _DeviceSide:
             self.row_of_slot = cupy.full(k, -1, dtype=np.int64)
             self.last_used = cupy.zeros(k + 1, dtype=np.int64)
             self.uses = cupy.zeros(k + 1, dtype=np.int64)
+            self.seen = cupy.zeros(table.num_rows + 1, dtype=np.uint8)
+            self.doorkeeper = table.cache_admission == "second-sight"
             self.tick = 0
             self.filled = 0
         else:
@@ -959,11 +981,17 @@ class _DeviceSide:
         touched = cupy.where(hit, slots, k)  # slot k: a scratch entry for the non-hits
         self.last_used[touched] = self.tick
         self.uses[touched] += 1
-        missed = uniq[cupy.flatnonzero(valid & ~hit)]  # the one sync: how many missed
-        n_unique = int(plan.run[-1]) + 1
-        n_miss = int(missed.size)
+        # A missed row is admitted only on its second sight (a doorkeeper, as TinyLFU's):
+        # under a Zipf law most misses are tail rows seen once, and admitting each would
+        # move its full row in and a victim's out for nothing.
+        seen = self.seen[cupy.where(valid, uniq, self.table.num_rows)]
+        self.seen[cupy.where(valid & ~hit, uniq, self.table.num_rows)] = 1
+        eligible = valid & ~hit & (seen > 0) if self.doorkeeper else valid & ~hit
+        missed = uniq[cupy.flatnonzero(eligible)]  # the one sync: how many to admit
+        counts = cupy.stack([plan.run[-1] + 1, cupy.count_nonzero(valid & ~hit)]).get()
+        n_unique, n_miss = int(counts[0]), int(counts[1])
         n_hit = n_unique - n_miss
-        admit = min(n_miss, k - n_hit)
+        admit = min(int(missed.size), k - n_hit)
         self.stats["lookups"] += n_unique
         self.stats["hits"] += n_hit
         self.stats["misses"] += n_miss
@@ -1087,7 +1115,7 @@ class _DeviceSide:
 
         main = as_cupy_stream(stream)
         if self.side_stream is None:
-            self.side_stream = cupy.cuda.Stream(non_blocking=True)
+            self.side_stream = _high_priority_stream()
         self._join_prefetch(main)  # one prefetch in flight at a time
         side = self.side_stream
         ready = cupy.cuda.Event(disable_timing=True)

@@ -182,6 +182,8 @@ def test_bad_arguments():
         xferlib.HostTable(4, 2, dtype="int32")
     with pytest.raises(ValueError, match="init"):
         xferlib.HostTable(4, 2, init="ones")
+    with pytest.raises(ValueError, match="cache_admission"):
+        xferlib.HostTable(4, 2, cache_admission="never")
     with pytest.raises(ValueError, match="shape"):
         xferlib.HostTable(4, 2, init=np.zeros((4, 3), np.float32))
     table = xferlib.HostTable(4, 2, optimizer="sgd")
@@ -286,13 +288,15 @@ def test_save_is_atomic_on_failure(tmp_path, monkeypatch):
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("cache_rows", [1, 8, 50])
 @pytest.mark.parametrize("dim", [6, 8])
-def test_cache_gives_the_same_training(rng, policy, cache_rows, dim):
+@pytest.mark.parametrize("admission", ["second-sight", "always"])
+def test_cache_gives_the_same_training(rng, policy, cache_rows, dim, admission):
     import cupy
 
     init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
     plain = xferlib.HostTable(NUM_ROWS, dim, optimizer="adam", init=init.copy())
     cached = xferlib.HostTable(NUM_ROWS, dim, optimizer="adam", init=init.copy(),
-                               cache_rows=cache_rows, cache_policy=policy)
+                               cache_rows=cache_rows, cache_policy=policy,
+                               cache_admission=admission)
     for idx, grads in _batches(rng, dim, "int64"):
         a = plain.lookup(cupy.asarray(idx))
         b = cached.lookup(cupy.asarray(idx))
@@ -312,7 +316,7 @@ def test_cache_rows_are_written_back_on_save(tmp_path, rng):
     import cupy
 
     table = xferlib.HostTable(40, 4, optimizer="sgd", optimizer_kwargs={"lr": 1.0},
-                              init="zeros", cache_rows=10)
+                              init="zeros", cache_rows=10, cache_admission="always")
     idx = cupy.asarray(np.arange(10))
     table.lookup(idx)
     table.apply_gradients(idx, cupy.ones((10, 4), dtype=np.float32))
