@@ -768,12 +768,12 @@ class _Plan:
 
 def _high_priority_stream():
     """A non-blocking stream of the device's highest priority: when a prefetch overlaps
-    compute, the block scheduler gives the prefetch's blocks the SMs that free up first."""
+    compute, the block scheduler gives the prefetch's blocks the SMs that free up first.
+    (CUDA clamps the requested priority into the device's range.)"""
     import cupy
 
-    _, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
     try:
-        return cupy.cuda.Stream(non_blocking=True, priority=greatest)
+        return cupy.cuda.Stream(non_blocking=True, priority=-(1 << 10))
     except TypeError:  # a CuPy without the priority argument
         return cupy.cuda.Stream(non_blocking=True)
 
