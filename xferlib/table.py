@@ -1060,7 +1060,6 @@ class _DeviceSide:
         with stream:
             grads = cupy.ascontiguousarray(grads, dtype=table.dtype)
             plan = idx if isinstance(idx, _Plan) else self._plan(idx, stream)
-            self._join_prefetch(stream)
             n, dim = plan.n, table.dim
             if n:
                 summed = self._sum_gradients(plan, grads, stream)
@@ -1074,7 +1073,10 @@ class _DeviceSide:
                                   np.int64(table._layout.step_offset), self._hyper_array(),
                                   plan.verdict), stream=stream)
                 if self.pending is not None:
-                    _, pplan, prows, _ = self.pending
+                    # The prefetch ran beside this update and may hold rows from before it:
+                    # once it is done, re-read the rows both touched (nothing else changed).
+                    _, pplan, prows, done = self.pending
+                    stream.wait_event(done)
                     if pplan.n:
                         grid, block = self._grid(pplan.n)
                         TABLE_MODULE.get_function(

@@ -204,3 +204,39 @@ def test_no_update_without_grad(device):
     bag.eval()
     bag(torch.tensor([1, 2]).to(device), torch.tensor([0]).to(device))
     assert not bag.table.state("step").any()
+
+
+@pytest.mark.gpu
+def test_results_do_not_depend_on_the_current_stream(rng):
+    if not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip(GPU_SKIP_REASON)
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    modules = [HostEmbeddingBag(ROWS, DIM, optimizer="adam", device="cuda", init=init.copy(),
+                                cache_rows=cache) for cache in (0, 0, 8)]
+    side = torch.cuda.Stream()
+    for _ in range(4):
+        idx = torch.from_numpy(rng.integers(0, ROWS, size=30)).cuda()
+        offsets = torch.tensor([0, 7, 19], device="cuda")
+        g = torch.randn(3, DIM, device="cuda")
+        modules[0](idx, offsets).backward(g)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the same work queued on a non-default stream
+            for m in modules[1:]:
+                m(idx, offsets).backward(g)
+        torch.cuda.current_stream().wait_stream(side)
+    for m in modules[1:]:
+        np.testing.assert_allclose(m.table.numpy(), modules[0].table.numpy(), rtol=1e-6,
+                                   atol=1e-7)
+
+
+def test_nan_gradients_propagate_as_in_torch(rng):
+    bag = HostEmbeddingBag(ROWS, DIM, optimizer="adam", device="cpu", init="zeros")
+    out = bag(torch.tensor([3, 4]), torch.tensor([0]))
+    out.backward(torch.full_like(out, float("nan")))
+    dense = torch.nn.Parameter(torch.zeros(2, DIM))
+    opt = torch.optim.Adam([dense])
+    dense.grad = torch.full_like(dense, float("nan"))
+    opt.step()
+    np.testing.assert_array_equal(np.isnan(bag.table.numpy()[[3, 4]]),
+                                  torch.isnan(dense).numpy())
+    assert not np.isnan(bag.table.numpy()[[0, 1, 2, 5]]).any()
