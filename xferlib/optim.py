@@ -661,13 +661,19 @@ def adam_device_hyper(name: str, h: dict) -> list:
 
 def apply_adam_device_scalars(layout: FlatLayout, params, grads, buffers: dict, hyper,
                               segment_groups, steps, active, *, stream=None,
-                              params_lowp=None) -> None:
+                              params_lowp=None, grad_mul=None, grad_scale=None,
+                              found_inf=None) -> None:
     """An Adam/AdamW step whose scalars are computed on the GPU from device-resident state.
 
     ``hyper``: float32 ``(groups, 8)`` rows of :func:`adam_device_hyper`; ``segment_groups``:
     int32 group per segment; ``steps``: float32 step count per segment (advanced here for
     active segments); ``active``: uint8 per segment. All CuPy arrays: nothing crosses from the
     host, so the two launches can be captured in a CUDA graph and replayed.
+
+    Optional float32 one-element device arrays, read by the kernel: ``grad_mul`` multiplies
+    the gradients (a clipping factor from :func:`global_norm_clip_factor`); ``grad_scale``
+    divides them (a loss scale); ``found_inf`` != 0 skips the step entirely: parameters,
+    state and step counts stay as they are (GradScaler's contract).
     """
     from xferlib._backend import as_cupy_stream
     from xferlib._kernels.optim import OPTIM_MODULE, device_scalars_name
@@ -688,9 +694,16 @@ def apply_adam_device_scalars(layout: FlatLayout, params, grads, buffers: dict, 
         kernel((len(chunks[0]),), (256,),
                (params, grads, buffers["exp_avg"], buffers["exp_avg_sq"],
                 np.uint64(0) if vmax is None else vmax, hyper, segment_groups, steps, active,
-                *chunks, np.uint64(0) if params_lowp is None else params_lowp), stream=stream)
+                *chunks, _or_null(params_lowp), _or_null(grad_mul), _or_null(grad_scale),
+                _or_null(found_inf)), stream=stream)
         advance = OPTIM_MODULE.get_function("advance_steps")
-        advance((max(1, -(-n // 256)),), (256,), (steps, active, np.int32(n)), stream=stream)
+        advance((max(1, -(-n // 256)),), (256,), (steps, active, np.int32(n),
+                                                  _or_null(found_inf)), stream=stream)
+
+
+def _or_null(array):
+    """A kernel argument: the array, or a null pointer for None."""
+    return np.uint64(0) if array is None else array
 
 
 def _check_grads(layout: FlatLayout, grads, name: str) -> None:
@@ -828,30 +841,45 @@ def global_norm(grads, norm_type: float = 2.0) -> float:
     return float(_total_norm([grads], norm_type))
 
 
+def _stream_context(buffers, stream):
+    if any(is_cupy_array(g) for g in buffers):
+        from xferlib._backend import as_cupy_stream
+
+        return as_cupy_stream(stream)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def global_norm_clip_factor(buffers, max_norm: float, norm_type: float = 2.0,
+                            eps: float = 1e-6, *, stream=None):
+    """``(total_norm, factor)`` over flat gradient buffers, both computed where the buffers
+    live (no host sync on the GPU): ``factor = min(1, max_norm / (total_norm + eps))``, as
+    torch.nn.utils.clip_grad_norm_. The gradients are not touched: hand ``factor`` to a
+    fused update (``apply_adam_device_scalars(grad_mul=...)``) to clip without a pass of
+    its own, or use :func:`clip_by_global_norm`."""
+    buffers = list(buffers)
+    if not buffers:
+        raise ValueError("clipping needs at least one gradient buffer")
+    with _stream_context(buffers, stream):
+        total = _total_norm(buffers, float(norm_type))
+        xp = array_module(total)
+        factor = xp.minimum(xp.asarray(max_norm / (total + eps), dtype=xp.float32),
+                            xp.float32(1.0))
+    return total, factor
+
+
 def clip_by_global_norm(buffers, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6,
                         *, stream=None):
     """Scale flat gradient buffers in place so their joint norm is at most ``max_norm``,
     with :func:`clip_coefficient`'s factor computed on the device (no host sync): one
     reduction per buffer and one in-place scale. Returns the norm before clipping (0-d)."""
     buffers = list(buffers)
-    if not buffers:
-        raise ValueError("clip_by_global_norm needs at least one buffer")
-    norm_type = float(norm_type)
-    gpu = any(is_cupy_array(g) for g in buffers)
-    if gpu:
-        from xferlib._backend import as_cupy_stream
-
-        context = as_cupy_stream(stream)
-    else:
-        import contextlib
-
-        context = contextlib.nullcontext()
-    with context:
-        total = _total_norm(buffers, norm_type)
+    total, factor = global_norm_clip_factor(buffers, max_norm, norm_type, eps, stream=stream)
+    with _stream_context(buffers, stream):
         for g in buffers:
             xp = array_module(g)
-            coef = xp.minimum(xp.asarray(max_norm / (total + eps), dtype=xp.float32),
-                              xp.float32(1.0))
+            coef = xp.asarray(factor)
             if g.dtype == np.float32:
                 g *= coef
             else:  # 16-bit gradients: scale in float32, round once

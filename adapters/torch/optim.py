@@ -163,17 +163,21 @@ class _Bucket:
         if set_to_none:  # torch semantics: no gradient until the next backward
             self.has_grad[:] = False
 
-    def step(self, rule, hypers):
+    def step(self, rule, hypers, grad_mul=None, grad_scale=None, found_inf=None):
         self.check_params()
         active = self.collect_grads()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if self.capturable:
-            self._step_device_scalars(rule, hypers, active, stream)
+            scaling = {name: None if t is None else to_cupy(
+                t.to(self.device, torch.float32).reshape(1))
+                for name, t in (("grad_mul", grad_mul), ("grad_scale", grad_scale),
+                                ("found_inf", found_inf))}
+            self._step_device_scalars(rule, hypers, active, stream, scaling)
             return
         rule.update(self.layout, self.core_params, self.core_grads, self.state, hypers,
                     active=active, stream=stream, params_lowp=self.core_lowp)
 
-    def _step_device_scalars(self, rule, hypers, active, stream):
+    def _step_device_scalars(self, rule, hypers, active, stream, scaling):
         # Host-to-device copies happen only when the mask or a hyperparameter changed, so a
         # step taken after them (warm-up) is pure device work and can be graph-captured.
         if self.uploaded_active is None or not np.array_equal(active, self.uploaded_active):
@@ -185,7 +189,7 @@ class _Bucket:
             self.uploaded_hyper = rows
         core.apply_adam_device_scalars(self.layout, self.core_params, self.core_grads,
                                        self.state.buffers, *self.core_device, stream=stream,
-                                       params_lowp=self.core_lowp)
+                                       params_lowp=self.core_lowp, **scaling)
 
 
 _grad = operator.attrgetter("grad")
@@ -232,8 +236,12 @@ class _FlatOptimizer(torch.optim.Optimizer):
         defaults = {self._renamed.get(k, k): v for k, v in self._rule.defaults.items()}
         self._buckets = None
         self._checked_hypers = None
+        self._grad_mul = None  # a clipping factor waiting for the next step (fused clipping)
         super().__init__(params, defaults)
         self._buckets = self._build_buckets()
+        # With device-side scalars, GradScaler hands the step its scale and found_inf tensors
+        # (torch's protocol for fused optimizers): the kernel unscales, and skips on inf/NaN.
+        self._step_supports_amp_scaling = self._capturable
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -268,8 +276,11 @@ class _FlatOptimizer(torch.optim.Optimizer):
             for h in hypers:
                 core.resolve_hyper(self._rule_name, h)
             self._checked_hypers = [dict(h) for h in hypers]
+        scaling = dict(grad_mul=self._grad_mul, grad_scale=getattr(self, "grad_scale", None),
+                       found_inf=getattr(self, "found_inf", None))
+        self._grad_mul = None
         for bucket in self._buckets:
-            bucket.step(self._rule, hypers)
+            bucket.step(self._rule, hypers, **scaling)
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
@@ -277,16 +288,29 @@ class _FlatOptimizer(torch.optim.Optimizer):
             bucket.zero_grad(set_to_none)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6):
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6,
+                        fused: bool = False):
         """``torch.nn.utils.clip_grad_norm_`` over every gradient of this optimizer, as one
         reduction over each flat gradient buffer and one in-place scale (no per-tensor
-        kernels, no host sync). Returns the total norm (a tensor), as torch does."""
+        kernels, no host sync). Returns the total norm (a tensor), as torch does.
+
+        ``fused=True`` (``capturable=True`` optimizers): the gradients are left as they are and
+        the factor is applied inside the next ``step()``'s update kernel, saving the pass
+        that scales the gradient buffer."""
         for bucket in self._buckets:
             bucket.collect_grads()
         device = self._buckets[0].device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        total = core.clip_by_global_norm([b.core_grads for b in self._buckets], max_norm,
-                                         norm_type, eps, stream=stream)
+        grads = [b.core_grads for b in self._buckets]
+        if fused:
+            if not self._capturable:
+                raise ValueError("clip_grad_norm_(fused=True) needs capturable=True (the "
+                                 "clipping factor is read by the update kernel on the GPU)")
+            total, factor = core.global_norm_clip_factor(grads, max_norm, norm_type, eps,
+                                                         stream=stream)
+            self._grad_mul = to_torch(factor.reshape(1))
+            return to_torch(_as_array(total))
+        total = core.clip_by_global_norm(grads, max_norm, norm_type, eps, stream=stream)
         return to_torch(_as_array(total))
 
     # -- checkpoints in torch.optim's per-parameter format ---------------------------------

@@ -319,3 +319,56 @@ def test_gradients_computed_before_construction_are_kept():
     ref_opt.step()
     opt.step()
     _assert_same(ref, ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flat_cls, torch_cls", [(xt.FlatAdam, torch.optim.Adam),
+                                                 (xt.FlatAdamW, torch.optim.AdamW)])
+def test_grad_scaler_unscales_and_skips_inside_the_kernel(flat_cls, torch_cls):
+    """capturable=True: GradScaler passes grad_scale and found_inf to the step; the kernel
+    unscales, and on an inf step leaves parameters, state and step counts untouched."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none here")
+    ref, ours = _model().cuda(), _model().cuda()
+    ref_opt = torch_cls(ref.parameters(), lr=1e-2)
+    opt = flat_cls(ours.parameters(), lr=1e-2, capturable=True)
+    assert opt._step_supports_amp_scaling
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0 ** 12) for _ in range(2)]
+    x, y = torch.randn(8, 6, device="cuda"), torch.randn(8, 2, device="cuda")
+    for step in range(8):
+        for model, o, scaler in ((ref, ref_opt, scalers[0]), (ours, opt, scalers[1])):
+            o.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            if step == 3:  # an overflow: the step is skipped and the scale backs off
+                next(model.parameters()).grad[0, 0] = float("inf")
+            scaler.step(o)
+            scaler.update()
+        if step == 3:
+            (bucket,) = opt._buckets
+            assert list(bucket.steps()) == [3] * len(bucket.params)
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+    _assert_same(ref, ours, rtol=1e-5, atol=1e-6)
+    (bucket,) = opt._buckets
+    assert list(bucket.steps()) == [7] * len(bucket.params)
+
+
+@pytest.mark.gpu
+def test_fused_clipping_matches_torch_clip_grad_norm():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none here")
+    ref, ours = _model().cuda(), _model().cuda()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = xt.FlatAdam(ours.parameters(), lr=1e-2, capturable=True)
+    x, y = torch.randn(8, 6, device="cuda"), torch.randn(8, 2, device="cuda")
+    for _ in range(6):
+        for model, o in ((ref, ref_opt), (ours, opt)):
+            o.zero_grad()
+            (100 * torch.nn.functional.mse_loss(model(x), y)).backward()
+        expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        total = opt.clip_grad_norm_(0.5, fused=True)
+        torch.testing.assert_close(total.reshape(()), expected, rtol=1e-5, atol=1e-6)
+        ref_opt.step()
+        opt.step()  # the factor is applied inside the update kernel
+    _assert_same(ref, ours, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="capturable"):
+        xt.FlatAdam(_model().parameters()).clip_grad_norm_(1.0, fused=True)

@@ -239,9 +239,18 @@ __global__ void flat_adam_device_scalars(float* __restrict__ params,
                                          const int* __restrict__ chunk_seg,
                                          const i64* __restrict__ chunk_start,
                                          const i64* __restrict__ chunk_end,
-                                         G* __restrict__ lowp) {
+                                         G* __restrict__ lowp,
+                                         const float* __restrict__ grad_mul,
+                                         const float* __restrict__ grad_scale,
+                                         const float* __restrict__ found_inf) {
+    // GradScaler: on inf/NaN gradients (found_inf != 0) nothing is written, parameters and
+    // state alike; otherwise gradients are unscaled here (1 / grad_scale), and multiplied by
+    // grad_mul (a global-norm clipping factor computed on the device), with no extra pass.
+    if (found_inf != nullptr && *found_inf != 0.0f) return;
     const int seg = chunk_seg[blockIdx.x];
     if (!active[seg]) return;
+    float gmul = grad_mul != nullptr ? *grad_mul : 1.0f;
+    if (grad_scale != nullptr) gmul *= 1.0f / *grad_scale;
     const float* h = hyper + 8 * seg_group[seg];
     const float lr = h[0], b1 = h[1], b2 = h[2], eps = h[3], wd = h[4];
     const bool decoupled = h[5] != 0.0f;
@@ -255,13 +264,14 @@ __global__ void flat_adam_device_scalars(float* __restrict__ params,
     c[5] = h[6];
     c[6] = 0.0f;
     c[7] = 0.0f;
-    update_chunk<1, G>(params, grads, s0, s1, s2, h[7] != 0.0f ? -1.0f : 1.0f,
+    update_chunk<1, G>(params, grads, s0, s1, s2, (h[7] != 0.0f ? -1.0f : 1.0f) * gmul,
                        decoupled ? 0.0f : wd, decoupled ? 1.0f - lr * wd : 1.0f, c,
                        chunk_start[blockIdx.x], chunk_end[blockIdx.x], nullptr, lowp);
 }
 
 __global__ void advance_steps(float* __restrict__ steps, const unsigned char* __restrict__ active,
-                              int n) {
+                              int n, const float* __restrict__ found_inf) {
+    if (found_inf != nullptr && *found_inf != 0.0f) return;  // a skipped step is not counted
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n && active[i]) steps[i] += 1.0f;
 }
