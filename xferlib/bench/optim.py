@@ -1,6 +1,7 @@
 """``xferlib bench optim``: one Adam step over well-known parameter sets.
 
-For ResNet-50, BERT-base, 100 x Linear(128, 128) and 2000 tensors of 4096 (float32), beside
+For ResNet-50, BERT-base, 100 x Linear(128, 128) and 2000 tensors of 4096 (float32, and
+bf16 parameters with float32 master weights), beside
 each other in the same run: torch.optim.Adam as a for-loop, with ``foreach``, with
 ``fused=True``, fused inside a CUDA graph; contiguous_params 1.0.0 with Adam when it is
 installed; optax.adam under ``jax.jit`` on the pytree and on one flat array; and xferlib's
@@ -76,12 +77,76 @@ def _hbm_copy_rate(torch) -> float:
     return 2 * a.numel() * 4 / ms / 1e6
 
 
-def _params(torch, shapes, seed=0):
+def _params(torch, shapes, seed=0, dtype=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in shapes]
+    dtype = dtype or torch.float32
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g).to(dtype))
+              for s in shapes]
     for p in params:
-        p.grad = torch.randn(p.shape, device="cuda", generator=g)
+        p.grad = torch.randn(p.shape, device="cuda", generator=g).to(dtype)
     return params
+
+
+def _graph(torch, step):
+    """``step`` captured in a CUDA graph after a warm-up on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def _bf16_rows(torch, shapes, repeats):
+    """bf16 parameters and gradients with float32 master weights and state (28 B/param):
+    torch's way (fused Adam on float32 masters, then a foreach copy into the bf16 model) and
+    xferlib's (FlatAdam on the bf16 parameters keeps the masters in its flat buffer, one
+    kernel). Both in CUDA graphs; torch fused on the bf16 tensors themselves (bf16 state, no
+    masters) for reference."""
+    from xferlib.adapters.torch import FlatAdam
+
+    rows = {}
+    model = _params(torch, shapes, dtype=torch.bfloat16)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in model]
+    for m, p in zip(masters, model):
+        m.grad = p.grad.float()
+    opt = torch.optim.Adam(masters, lr=torch.tensor(1e-3, device="cuda"), fused=True,
+                           capturable=True)
+
+    def torch_step():
+        for m, p in zip(masters, model):  # gradients arrive in bf16
+            m.grad.copy_(p.grad)
+        opt.step()
+        torch._foreach_copy_([p.data for p in model], [m.data for m in masters])
+
+    graph = _graph(torch, torch_step)
+    rows["bf16: torch fused on fp32 masters + copies, CUDA graph"] = (
+        gpu_time_ms(lambda i: graph.replay(), repeats), _host_us(torch, graph.replay))
+    del graph, opt, masters, model
+
+    model = _params(torch, shapes, dtype=torch.bfloat16)
+    opt = torch.optim.Adam(model, lr=torch.tensor(1e-3, device="cuda"), fused=True,
+                           capturable=True)
+    graph = _graph(torch, opt.step)
+    rows["bf16: torch fused on bf16 tensors (no masters), CUDA graph"] = (
+        gpu_time_ms(lambda i: graph.replay(), repeats), _host_us(torch, graph.replay))
+    del graph, opt, model
+
+    model = _params(torch, shapes, dtype=torch.bfloat16)
+    grads = [p.grad.clone() for p in model]
+    flat = FlatAdam(model, lr=1e-3, capturable=True)
+    (bucket,) = flat._buckets
+    for p, g in zip(model, grads):
+        p.grad.copy_(g)
+    bucket.has_grad[:] = True
+    graph = _graph(torch, flat.step)
+    rows["bf16: xferlib FlatAdam (fp32 masters inside), CUDA graph"] = (
+        gpu_time_ms(lambda i: graph.replay(), repeats), _host_us(torch, graph.replay))
+    del graph, flat, model
+    return rows
 
 
 def _host_us(torch, fn, steps=50) -> float:
@@ -169,6 +234,7 @@ def _measure_set(torch, shapes, quick):
         gpu_time_ms(lambda i: graph.replay(), repeats), _host_us(torch, graph.replay))
     del graph, flat, params
 
+    rows.update(_bf16_rows(torch, shapes, repeats))
     rows.update(_jax_rows(shapes, repeats))
     return rows
 
