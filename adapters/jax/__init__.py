@@ -10,6 +10,7 @@ from xferlib.adapters.jax.optim import (
     flat_adamw,
     flat_lion,
     flat_sgd,
+    flat_step,
     ravel,
     ravel_like,
 )
@@ -17,5 +18,5 @@ from xferlib.adapters.jax.host import host_lookup, host_update
 from xferlib.adapters.jax.rows import gather_rows
 from xferlib.adapters.jax.tt import tt_embedding_bag
 
-__all__ = ["FlatState", "flat_adam", "flat_adamw", "flat_lion", "flat_sgd", "gather_rows",
+__all__ = ["FlatState", "flat_adam", "flat_adamw", "flat_lion", "flat_sgd", "flat_step", "gather_rows",
            "host_lookup", "host_update", "ravel", "ravel_like", "tt_embedding_bag"]

@@ -35,7 +35,7 @@ from xferlib.handoff import data_pointer
 from xferlib.adapters.jax._callback import as_core_array, is_gpu_buffer, xla_stream
 
 __all__ = ["ravel", "ravel_like", "flat_sgd", "flat_adam", "flat_adamw", "flat_lion",
-           "FlatState"]
+           "flat_step", "FlatState"]
 
 
 def _layout_for(shapes):
@@ -81,20 +81,26 @@ class FlatState(NamedTuple):
     buffers: tuple  # the rule's state buffers, in the kernel's slot order
 
 
-def _callback(name, layout, num_buffers):
+def _callback(name, layout, num_buffers, in_place=False):
+    """The kernel call. Default: the gradients' buffer becomes the updates (optax's
+    convention). ``in_place``: the parameters' buffer is updated instead (``flat_step``)."""
     def callback(ctx, outs, params, grads, *rest):
         *buffers_in, table = rest
         gpu = is_gpu_buffer(params)
         stream = xla_stream(ctx, gpu)
-        updates, *buffers_out = [as_core_array(o, gpu) for o in outs]
-        sources = [as_core_array(x, gpu) for x in (grads, *buffers_in)]
-        for out, src in zip([updates, *buffers_out], sources):  # when XLA could not alias
+        first, *buffers_out = [as_core_array(o, gpu) for o in outs]
+        sources = [as_core_array(x, gpu) for x in (params if in_place else grads, *buffers_in)]
+        for out, src in zip([first, *buffers_out], sources):  # when XLA could not alias
             if data_pointer(out) != data_pointer(src):
                 _copy(out, src, gpu, stream)
         kind = core._RULES[name].kind
         buffers = dict(zip(slot_names(kind), buffers_out))
-        core.apply_table(name, layout, as_core_array(params, gpu), updates, buffers,
-                         as_core_array(table, gpu), updates=updates, stream=stream)
+        if in_place:
+            core.apply_table(name, layout, first, as_core_array(grads, gpu), buffers,
+                             as_core_array(table, gpu), stream=stream)
+        else:
+            core.apply_table(name, layout, as_core_array(params, gpu), first, buffers,
+                             as_core_array(table, gpu), updates=first, stream=stream)
 
     return callback
 
@@ -123,25 +129,53 @@ def _transformation(name, used_slots, row_fn, hyper):
         zeros = tuple(jnp.zeros_like(params) for _ in slots)
         return FlatState(jnp.zeros([], jnp.int32), zeros)
 
-    def update(updates, state, params=None):
+    def run(grads, state, params, in_place):
         if params is None:
             raise ValueError(f"flat_{name} needs params (for weight decay and the kernel)")
-        _check_flat(updates)
+        _check_flat(grads)
         _check_flat(params)
         count = state.count + 1
         row = row_fn(hyper, count, state.count)
         layout = _layout_for([tuple(params.shape)])
         table = row.reshape(1, -1)
-        out_types = (jax.ShapeDtypeStruct(updates.shape, jnp.float32),
+        out_types = (jax.ShapeDtypeStruct(params.shape, jnp.float32),
                      *(jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in state.buffers))
-        # inputs: params 0, grads 1, buffers 2.., table last; grads -> updates, buffers in place
-        aliases = {1: 0, **{2 + i: 1 + i for i in range(len(state.buffers))}}
-        outs = buffer_callback(_callback(name, layout, len(slots)), out_types,
+        # inputs: params 0, grads 1, buffers 2.., table last; grads (or params) -> output 0,
+        # buffers in place
+        aliases = {0 if in_place else 1: 0, **{2 + i: 1 + i for i in range(len(state.buffers))}}
+        outs = buffer_callback(_callback(name, layout, len(slots), in_place), out_types,
                                input_output_aliases=aliases)(
-            params, updates, *state.buffers, table)
+            params, grads, *state.buffers, table)
         return outs[0], FlatState(count, tuple(outs[1:]))
 
+    def update(updates, state, params=None):
+        return run(updates, state, params, in_place=False)
+
+    update.step_in_place = lambda grads, state, params: run(grads, state, params, True)
     return optax.GradientTransformation(init, update)
+
+
+def flat_step(tx, grads, state, params):
+    """``(new_params, new_state)``: what ``tx.update`` followed by ``optax.apply_updates``
+    gives, in ONE pass of the flat kernel that updates the parameters' buffer in place
+    (donate ``params`` and ``state`` to the jitted step so XLA aliases them). Saves the
+    write and re-read of the updates that optax's convention costs (36 -> 28 bytes per
+    parameter for Adam). ``tx``: a transformation from ``flat_sgd``, ``flat_adam``,
+    ``flat_adamw`` or ``flat_lion``.
+
+    >>> import jax.numpy as jnp
+    >>> from xferlib.adapters.jax import flat_adam, flat_step
+    >>> tx = flat_adam(0.1)
+    >>> params = jnp.ones(8)
+    >>> params, state = flat_step(tx, jnp.ones(8), tx.init(params), params)
+    >>> round(float(params[0]), 4)
+    0.9
+    """
+    step = getattr(tx.update, "step_in_place", None)
+    if step is None:
+        raise TypeError("flat_step takes a transformation made by xferlib's flat_sgd, "
+                        "flat_adam, flat_adamw or flat_lion")
+    return step(grads, state, params)
 
 
 def _check_flat(x):

@@ -1,5 +1,7 @@
 """Flat JAX optimizers against optax under jax.jit."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -7,8 +9,8 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
-from xferlib.adapters.jax import (flat_adam, flat_adamw, flat_lion, flat_sgd, ravel,  # noqa
-                                  ravel_like)
+from xferlib.adapters.jax import (flat_adam, flat_adamw, flat_lion, flat_sgd,  # noqa: E402
+                                  flat_step, ravel, ravel_like)
 
 CASES = [
     (flat_adam, optax.adam, dict(learning_rate=1e-2)),
@@ -67,6 +69,37 @@ def test_jit_training_matches_optax(device, ours, theirs, kw):
                                    jax.tree_util.tree_leaves(ref_params)):
         np.testing.assert_allclose(np.asarray(ours_leaf), np.asarray(ref_leaf), rtol=2e-5,
                                    atol=2e-6)
+
+
+@pytest.mark.parametrize("ours,theirs,kw", CASES, ids=[f"{c[0].__name__}-{i}"
+                                                        for i, c in enumerate(CASES)])
+def test_flat_step_in_place_matches_optax(device, ours, theirs, kw):
+    """flat_step: parameters updated in one pass, donated to the jitted step."""
+    params = jax.device_put(_params(jax.random.key(0)), device)
+    xs = jax.device_put(jax.random.normal(jax.random.key(1), (20, 4, 7)), device)
+    flat, unravel = ravel(params)
+    tx, ref_tx = ours(**kw), theirs(**kw)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(flat, state, x):
+        grads = ravel_like(jax.grad(_loss)(unravel(flat), x), unravel)
+        return flat_step(tx, grads, state, flat)
+
+    @jax.jit
+    def ref_step(params, state, x):
+        updates, state = ref_tx.update(jax.grad(_loss)(params, x), state, params)
+        return optax.apply_updates(params, updates), state
+
+    state, ref_state = tx.init(flat), ref_tx.init(params)
+    for x in xs:
+        flat, state = step(flat, state, x)
+        params, ref_state = ref_step(params, ref_state, x)
+    for ours_leaf, ref_leaf in zip(jax.tree_util.tree_leaves(unravel(flat)),
+                                   jax.tree_util.tree_leaves(params)):
+        np.testing.assert_allclose(np.asarray(ours_leaf), np.asarray(ref_leaf), rtol=2e-5,
+                                   atol=2e-6)
+    with pytest.raises(TypeError, match="flat_step takes"):
+        flat_step(optax.adam(1e-3), flat, state, flat)
 
 
 def test_ravel_roundtrip_and_alignment():

@@ -285,24 +285,30 @@ def _jax_rows(shapes, repeats):
         updates, s = tx.update(g, s, p)
         return optax.apply_updates(p, updates), s
 
-    from xferlib.adapters.jax import flat_adam, ravel, ravel_like
+    from xferlib.adapters.jax import flat_adam, flat_step, ravel, ravel_like
 
     flat_params, unravel = ravel(params)
     flat_grads = ravel_like(grads, unravel)
     flat_tx = flat_adam(1e-3)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def flat_step(p, s, g):
+    def flat_step_(p, s, g):
         updates, s = flat_tx.update(g, s, p)
         return optax.apply_updates(p, updates), s
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def in_place_step(p, s, g):
+        return flat_step(flat_tx, g, s, p)
 
     for label, (p, g), fn, t in (
             ("optax.adam on the pytree (jit)", (params, grads), step, tx),
             ("optax.adam on one flat array (jit)",
              (jnp.concatenate([x.reshape(-1) for x in params]),
               jnp.concatenate([x.reshape(-1) for x in grads])), step, tx),
-            ("xferlib flat_adam + apply_updates (jit)", (flat_params, flat_grads), flat_step,
-             flat_tx)):
+            ("xferlib flat_adam + apply_updates (jit)", (flat_params, flat_grads), flat_step_,
+             flat_tx),
+            ("xferlib flat_step, params in place (jit)", (jnp.copy(flat_params), flat_grads),
+             in_place_step, flat_tx)):
         state = t.init(p)
         holder = {"p": p, "s": state}
 
