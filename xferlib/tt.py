@@ -8,8 +8,9 @@ without its leading table axis). Row ``i`` of the table splits into digits
 product of the slices ``G_1[i_1] G_2[i_2] ... G_d[i_d]``, flattened with ``q_1`` most
 significant. Only the requested rows are ever rebuilt.
 
-This module holds the float64 references and the vectorized NumPy path; the CUDA kernels and
-the framework adapters build on it.
+This module holds the float64 references and the vectorized array path, which runs on NumPy
+arrays (CPU) and on CuPy arrays (GPU, batched products through cuBLAS), following the arrays
+it is given; the framework adapters build on it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import dataclasses
 import math
 
 import numpy as np
+
+from xferlib._backend import array_module, is_cupy_array
 
 __all__ = [
     "TTShape",
@@ -82,13 +85,15 @@ class TTShape:
     def core_slices(self, core, k: int):
         """Core ``k`` as ``(p_k, R_k, q_k, R_{k+1})``."""
         r = self.padded_ranks
-        return np.asarray(core).reshape(self.p_shapes[k], r[k], self.q_shapes[k], r[k + 1])
+        core = core if is_cupy_array(core) else np.asarray(core)
+        return core.reshape(self.p_shapes[k], r[k], self.q_shapes[k], r[k + 1])
 
-    def digits(self, idx) -> np.ndarray:
-        """``(n, d)`` digits of row indices, most significant first."""
-        idx = np.asarray(idx, dtype=np.int64)
+    def digits(self, idx):
+        """``(n, d)`` digits of row indices, most significant first (same namespace)."""
+        xp = array_module(idx) if is_cupy_array(idx) else np
+        idx = xp.asarray(idx, dtype=xp.int64)
         strides = [math.prod(self.p_shapes[k + 1:]) for k in range(self.d)]
-        return np.stack([(idx // s) % p for s, p in zip(strides, self.p_shapes)], axis=1)
+        return xp.stack([(idx // s) % p for s, p in zip(strides, self.p_shapes)], axis=1)
 
     def check_cores(self, cores) -> None:
         if len(cores) != self.d:
@@ -236,22 +241,36 @@ def tt_rows_reference(cores, shape: TTShape, idx) -> np.ndarray:
 
 def _prefix_products(cores, shape: TTShape, digits, upto: int, dtype):
     """``(n, prod(q_1..q_upto), R_upto)``: the product of the first ``upto`` slices."""
+    xp = array_module(digits)
     n = len(digits)
-    acc = np.ones((n, 1, 1), dtype=dtype)
+    acc = xp.ones((n, 1, 1), dtype=dtype)
     for k in range(upto):
         g = shape.core_slices(cores[k], k)[digits[:, k]].astype(dtype, copy=False)
-        acc = np.einsum("nar,nrjs->najs", acc, g).reshape(n, -1, g.shape[3])
+        # (n, A, R) x (n, R, q S) as one batched matmul, then split q from S
+        acc = xp.matmul(acc, g.reshape(n, g.shape[1], -1)).reshape(n, -1, g.shape[3])
     return acc
 
 
 def _suffix_products(cores, shape: TTShape, digits, start: int, dtype):
     """``(n, R_start, prod(q_start..q_d))``: the product of slices ``start..d-1``."""
+    xp = array_module(digits)
     n = len(digits)
-    acc = np.ones((n, 1, 1), dtype=dtype)
+    acc = xp.ones((n, 1, 1), dtype=dtype)
     for k in range(shape.d - 1, start - 1, -1):
         g = shape.core_slices(cores[k], k)[digits[:, k]].astype(dtype, copy=False)
-        acc = np.einsum("nrjs,nsb->nrjb", g, acc).reshape(n, g.shape[1], -1)
+        # (n, R q, S) x (n, S, B) as one batched matmul
+        acc = xp.matmul(g.reshape(n, -1, g.shape[3]), acc).reshape(n, g.shape[1], -1)
     return acc
+
+
+def _scatter_add(out, idx, values) -> None:
+    """``out[idx] += values`` with repeated indices summed, on either namespace."""
+    if is_cupy_array(out):
+        import cupyx
+
+        cupyx.scatter_add(out, idx, values)
+    else:
+        np.add.at(out, idx, values)
 
 
 def tt_rows(cores, shape: TTShape, idx) -> np.ndarray:
@@ -305,40 +324,46 @@ def tt_from_dense(table, ranks, p_shapes, q_shapes) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- bags
 
 
-def _checked_indices(idx, shape: TTShape) -> np.ndarray:
-    idx = np.asarray(idx)
+def _checked_indices(idx, shape: TTShape):
+    xp = array_module(idx) if is_cupy_array(idx) else np
+    idx = xp.asarray(idx)
     if idx.dtype.kind not in "iu":
         raise TypeError(f"indices must be integers, got {idx.dtype}")
     if idx.ndim != 1:
         raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
-    bad = np.flatnonzero((idx < 0) | (idx >= shape.num_rows))
+    bad = xp.flatnonzero((idx < 0) | (idx >= shape.num_rows))
     if bad.size:
-        raise IndexError(f"index {int(idx[bad[0]])} at position {int(bad[0])} is out of range "
+        position = int(bad[0])
+        raise IndexError(f"index {int(idx[position])} at position {position} is out of range "
                          f"for a TT table of {shape.num_rows} rows")
-    return idx.astype(np.int64)
+    return idx.astype(xp.int64)
 
 
 def _bag_ids(indices, offsets, include_last_offset: bool):
-    """Bag of each lookup and the number of bags, from offsets (B+1 with the last)."""
-    offsets = np.asarray(offsets, dtype=np.int64)
+    """Bag of each lookup and the lookups per bag, from offsets (B+1 with the last), in the
+    indices' namespace. The offsets are checked on the host (B + 1 numbers)."""
+    xp = array_module(indices)
+    host = np.asarray(offsets.get() if is_cupy_array(offsets) else offsets, dtype=np.int64)
     n = len(indices)
-    if offsets.ndim != 1 or len(offsets) == 0:
+    if host.ndim != 1 or len(host) == 0:
         raise ValueError("offsets must be a non-empty 1-D array")
-    bounds = offsets if include_last_offset else np.append(offsets, n)
+    bounds = host if include_last_offset else np.append(host, n)
     if bounds[0] != 0 or bounds[-1] != n or np.any(np.diff(bounds) < 0):
         raise ValueError(f"offsets must start at 0, not decrease, and end at {n} "
-                         f"(include_last_offset={include_last_offset}); got {offsets.tolist()}")
-    counts = np.diff(bounds)
-    return np.repeat(np.arange(len(counts)), counts), counts
+                         f"(include_last_offset={include_last_offset}); got {host.tolist()}")
+    bounds = xp.asarray(bounds)
+    bag = xp.searchsorted(bounds[1:], xp.arange(n), side="right")
+    return bag, xp.diff(bounds)
 
 
 def _lookup_weights(counts, bag, per_sample_weights, mode, n, dtype):
-    w = np.ones(n, dtype=dtype) if per_sample_weights is None else np.asarray(
+    xp = array_module(bag)
+    w = xp.ones(n, dtype=dtype) if per_sample_weights is None else xp.asarray(
         per_sample_weights, dtype=dtype)
     if w.shape != (n,):
         raise ValueError(f"per_sample_weights must have shape ({n},), got {w.shape}")
     if mode == "mean":
-        w = w / np.maximum(counts, 1)[bag]
+        w = w / xp.maximum(counts, 1)[bag]
     elif mode != "sum":
         raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
     return w
@@ -373,8 +398,8 @@ def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
         shape, indices, offsets, mode=mode, per_sample_weights=per_sample_weights,
         include_last_offset=include_last_offset)
     rows = tt_rows(cores, shape, indices) * w[:, None]
-    out = np.zeros((num_bags, shape.dim), dtype=np.float32)
-    np.add.at(out, bag, rows)
+    out = array_module(rows).zeros((num_bags, shape.dim), dtype=np.float32)
+    _scatter_add(out, bag, rows)
     return out, (indices, bag, w)
 
 
@@ -391,18 +416,22 @@ def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np
     the slices before ``k`` and ``Right`` of those after; rows of repeated digits add up.
     """
     indices, bag, w = residuals
+    xp = array_module(indices)
     digits = shape.digits(indices)
     n = len(indices)
-    g = np.asarray(grad_bags, dtype=np.float32)[bag] * w[:, None]  # (n, D)
+    g = xp.asarray(grad_bags, dtype=np.float32)[bag] * w[:, None]  # (n, D)
     grads = []
     q = shape.q_shapes
     for k in range(shape.d):
         left = _prefix_products(cores, shape, digits, k, np.float32)  # (n, A, R_k)
         right = _suffix_products(cores, shape, digits, k + 1, np.float32)  # (n, R_k+1, B)
-        gk = g.reshape(n, left.shape[1], q[k], right.shape[2])
-        slice_grads = np.einsum("nar,najb,nsb->nrjs", left, gk, right)
-        grad = np.zeros((shape.p_shapes[k],) + slice_grads.shape[1:], dtype=np.float32)
-        np.add.at(grad, digits[:, k], slice_grads)
+        a, r_k, r_k1, b = left.shape[1], left.shape[2], right.shape[1], right.shape[2]
+        # sum_a Left[n,a,r] g[n,a,(j,b)] -> (n, r, j, b); then sum_b (.)[n,r,j,b] Right[n,s,b]
+        t = xp.matmul(left.transpose(0, 2, 1), g.reshape(n, a, q[k] * b))
+        slice_grads = xp.matmul(t.reshape(n, r_k * q[k], b), right.transpose(0, 2, 1))
+        slice_grads = slice_grads.reshape(n, r_k, q[k], r_k1)
+        grad = xp.zeros((shape.p_shapes[k],) + slice_grads.shape[1:], dtype=np.float32)
+        _scatter_add(grad, digits[:, k], slice_grads)
         grads.append(grad.reshape(shape.core_shape(k)))
     return grads
 
@@ -412,8 +441,9 @@ def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np
 SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "rowwise_adam")
 
 
-def tt_sparse_state(shape: TTShape, optimizer: str) -> list[dict]:
-    """Zeroed optimizer state per core for :func:`tt_sparse_update`."""
+def tt_sparse_state(shape: TTShape, optimizer: str, xp=np) -> list[dict]:
+    """Zeroed optimizer state per core for :func:`tt_sparse_update` (``xp``: numpy or cupy,
+    where the cores live)."""
     if optimizer not in SPARSE_OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
     states = []
@@ -422,13 +452,13 @@ def tt_sparse_state(shape: TTShape, optimizer: str) -> list[dict]:
         if optimizer == "sgd":
             states.append({})
         elif optimizer == "adagrad":
-            states.append({"sum": np.zeros((rows, width), np.float32)})
+            states.append({"sum": xp.zeros((rows, width), np.float32)})
         elif optimizer == "rowwise_adagrad":
-            states.append({"sum": np.zeros(rows, np.float32)})
+            states.append({"sum": xp.zeros(rows, np.float32)})
         else:
-            states.append({"exp_avg": np.zeros((rows, width), np.float32),
-                           "exp_avg_sq": np.zeros(rows, np.float32),
-                           "step": np.zeros(rows, np.int64)})
+            states.append({"exp_avg": xp.zeros((rows, width), np.float32),
+                           "exp_avg_sq": xp.zeros(rows, np.float32),
+                           "step": xp.zeros(rows, np.int64)})
     return states
 
 
@@ -447,20 +477,21 @@ def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer:
     if lr < 0:
         raise ValueError(f"Invalid learning rate: {lr}")
     digits = shape.digits(residuals[0])
+    xp = array_module(digits)
     b1, b2 = betas
     for k, (core, grad, state) in enumerate(zip(cores, grads, states)):
-        rows = np.unique(digits[:, k])
+        rows = xp.unique(digits[:, k])
         g = grad[rows]
         if optimizer == "sgd":
             core[rows] -= np.float32(lr) * g
         elif optimizer == "adagrad":
             s = state["sum"]
             s[rows] += g * g
-            core[rows] -= np.float32(lr) * g / (np.sqrt(s[rows]) + np.float32(eps))
+            core[rows] -= np.float32(lr) * g / (xp.sqrt(s[rows]) + np.float32(eps))
         elif optimizer == "rowwise_adagrad":
             s = state["sum"]
             s[rows] += (g * g).mean(axis=1)
-            core[rows] -= np.float32(lr) * g / (np.sqrt(s[rows])[:, None] + np.float32(eps))
+            core[rows] -= np.float32(lr) * g / (xp.sqrt(s[rows])[:, None] + np.float32(eps))
         else:
             m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
             step[rows] += 1
@@ -469,4 +500,4 @@ def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer:
             t = step[rows].astype(np.float64)
             m_hat = m[rows] / (1 - b1 ** t)[:, None].astype(np.float32)
             v_hat = (v[rows] / (1 - b2 ** t)).astype(np.float32)
-            core[rows] -= np.float32(lr) * m_hat / (np.sqrt(v_hat)[:, None] + np.float32(eps))
+            core[rows] -= np.float32(lr) * m_hat / (xp.sqrt(v_hat)[:, None] + np.float32(eps))

@@ -4,8 +4,8 @@ Constructor, defaults, core layout (``tt_cores[k]`` is ``[1, p_k, R_k * q_k * R_
 row an ``R_k x q_k x R_{k+1}`` slice) and B+1 offsets are FBTT's, so its checkpoints load.
 With ``sparse=True`` the optimizer update is fused into backward and reaches every core row
 the batch touched; an optimizer type that is not implemented raises instead of silently
-running another. This version runs on CPU tensors (the NumPy path of ``xferlib.tt``); the
-CUDA kernels are not built yet, and CUDA tensors are refused with a clear error.
+running another. CPU tensors run the NumPy path of ``xferlib.tt``; CUDA tensors run the same
+code on CuPy views of the tensors (batched products through cuBLAS, on torch's stream).
 """
 
 from __future__ import annotations
@@ -43,11 +43,33 @@ _CORE_OPTIMIZER = {
 }
 
 
-def _cpu_numpy(t: torch.Tensor) -> np.ndarray:
+def _array(t: torch.Tensor):
+    """A zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor."""
+    t = t.detach()
+    if t.device.type == "cuda":
+        from xferlib.handoff import to_cupy
+
+        return to_cupy(t)
     if t.device.type != "cpu":
-        raise ValueError("TTEmbeddingBag runs on CPU tensors for now (its CUDA kernels are not "
-                         "built yet); keep the module and its inputs on the CPU")
-    return t.detach().numpy()
+        raise ValueError(f"TTEmbeddingBag runs on CPU or CUDA tensors, got {t.device}")
+    return t.numpy()
+
+
+def _torch(array) -> torch.Tensor:
+    from xferlib.handoff import to_torch
+
+    return to_torch(array)
+
+
+def _on_stream(t: torch.Tensor):
+    """torch's current stream as a context for CuPy work (nothing on the CPU)."""
+    import contextlib
+
+    if t.device.type != "cuda":
+        return contextlib.nullcontext()
+    from xferlib._backend import as_cupy_stream
+
+    return as_cupy_stream(torch.cuda.current_stream(t.device))
 
 
 def tt_matrix_to_full(tt_p_shapes, tt_q_shapes, tt_ranks, tt_cores, tt_permute=None):
@@ -69,7 +91,8 @@ def tt_matrix_to_full(tt_p_shapes, tt_q_shapes, tt_ranks, tt_cores, tt_permute=N
     for k, c in enumerate(tt_cores):
         natural = (padded[k], shape.p_shapes[k], shape.q_shapes[k], padded[k + 1])
         stored = [natural[i] for i in permute]
-        a = _cpu_numpy(torch.as_tensor(c)).reshape(stored).transpose(np.argsort(permute))
+        a = torch.as_tensor(c).detach().cpu().numpy().reshape(stored).transpose(
+            np.argsort(permute))
         cores.append(np.ascontiguousarray(a.transpose(1, 0, 2, 3)).reshape(shape.core_shape(k)))
     return torch.from_numpy(core.tt_to_dense(cores, shape))
 
@@ -77,29 +100,34 @@ def tt_matrix_to_full(tt_p_shapes, tt_q_shapes, tt_ranks, tt_cores, tt_permute=N
 class _TTBagFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, indices, offsets, per_sample_weights, *cores):
-        arrays = [_cpu_numpy(c)[0] for c in cores]
-        out, residuals = core.tt_embedding_bag_fwd(
-            arrays, module.shape, _cpu_numpy(indices), _cpu_numpy(offsets), mode=module.mode,
-            per_sample_weights=None if per_sample_weights is None
-            else _cpu_numpy(per_sample_weights),
-            include_last_offset=module.include_last_offset)
-        ctx.module, ctx.residuals, ctx.arrays = module, residuals, arrays
-        return torch.from_numpy(out)
+        device = cores[0]
+        with _on_stream(device):
+            arrays = [_array(c)[0] for c in cores]
+            out, residuals = core.tt_embedding_bag_fwd(
+                arrays, module.shape, _array(indices.to(device.device)), _array(offsets),
+                mode=module.mode,
+                per_sample_weights=None if per_sample_weights is None
+                else _array(per_sample_weights.to(device.device)),
+                include_last_offset=module.include_last_offset)
+        ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
+        return _torch(out)
 
     @staticmethod
     def backward(ctx, grad_out):
         module = ctx.module
-        grads = core.tt_embedding_bag_bwd(ctx.arrays, module.shape, ctx.residuals,
-                                          _cpu_numpy(grad_out.contiguous()))
-        none = (None, None, None, None)
-        if module.sparse:  # fused: update the cores in place, hand no gradient back
-            with torch.no_grad():
-                core.tt_sparse_update([_cpu_numpy(c.data)[0] for c in module.tt_cores],
-                                      module.shape, ctx.residuals, grads, module.sparse_state,
-                                      _CORE_OPTIMIZER[module.optimizer],
-                                      lr=module.learning_rate, eps=module.eps)
-            return none + (None,) * len(grads)
-        return none + tuple(torch.from_numpy(g)[None] for g in grads)
+        with _on_stream(ctx.device):
+            grads = core.tt_embedding_bag_bwd(ctx.arrays, module.shape, ctx.residuals,
+                                              _array(grad_out.contiguous()))
+            none = (None, None, None, None)
+            if module.sparse:  # fused: update the cores in place, hand no gradient back
+                with torch.no_grad():
+                    core.tt_sparse_update([_array(c.data)[0] for c in module.tt_cores],
+                                          module.shape, ctx.residuals, grads,
+                                          module._state_for(ctx.arrays[0]),
+                                          _CORE_OPTIMIZER[module.optimizer],
+                                          lr=module.learning_rate, eps=module.eps)
+                return none + (None,) * len(grads)
+        return none + tuple(_torch(g)[None] for g in grads)
 
 
 class TTEmbeddingBag(torch.nn.Module):
@@ -164,10 +192,21 @@ class TTEmbeddingBag(torch.nn.Module):
         return _TTBagFunction.apply(self, indices.long(), offsets.long(), per_sample_weights,
                                     *self.tt_cores)
 
+    def _state_for(self, like):
+        """The fused optimizer's state, moved (once) to where the cores are."""
+        from xferlib._backend import array_module
+
+        xp = array_module(like)
+        first = next((v for st in self.sparse_state for v in st.values()), None)
+        if first is not None and array_module(first) is not xp:
+            self.sparse_state = [{k: xp.asarray(v) if xp is not np else v.get()
+                                  for k, v in st.items()} for st in self.sparse_state]
+        return self.sparse_state
+
     def full_weight(self) -> torch.Tensor:
         """The dense ``(prod(p), embedding_dim)`` table the cores stand for."""
         return tt_matrix_to_full(self.tt_p_shapes, self.tt_q_shapes, self.tt_ranks,
-                                 list(self.tt_cores), [1, 0, 2, 3])
+                                 list(self.tt_cores), [1, 0, 2, 3]).to(self.tt_cores[0].device)
 
     def set_learning_rate(self, lr: float) -> None:
         self.learning_rate = float(lr)

@@ -104,3 +104,33 @@ def test_tt_matrix_to_full_accepts_fbtt_layouts():
                                           bag.tt_ranks[:-1], bag.tt_ranks[1:])]
     again = tt_matrix_to_full(bag.tt_p_shapes, bag.tt_q_shapes, [2, 3], natural, [0, 1, 2, 3])
     torch.testing.assert_close(again, full)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", [OptimType.SGD, OptimType.EXACT_ADAGRAD,
+                                       OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])
+def test_cuda_matches_cpu(optimizer):
+    """The module on a GPU (CuPy views of the tensors, torch's stream) trains as on the CPU."""
+    import xferlib
+
+    if not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip("needs a CUDA GPU with CuPy; none here")
+    kw = dict(tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4], optimizer=optimizer,
+              learning_rate=0.05, weight_dist="normal", seed=3)
+    cpu, gpu = TTEmbeddingBag(600, 16, [3, 4], **kw), TTEmbeddingBag(600, 16, [3, 4], **kw).cuda()
+    for seed in range(4):
+        indices, offsets = _bag(seed=seed)
+        out_cpu = cpu(indices, offsets)
+        out_gpu = gpu(indices.cuda(), offsets.cuda())
+        np.testing.assert_allclose(out_gpu.detach().cpu().numpy(), out_cpu.detach().numpy(),
+                                   rtol=1e-4, atol=1e-5)
+        g = torch.randn(out_cpu.shape, generator=torch.Generator().manual_seed(seed))
+        out_cpu.backward(g)
+        out_gpu.backward(g.cuda())
+    for a, b in zip(cpu.tt_cores, gpu.tt_cores):
+        np.testing.assert_allclose(b.detach().cpu().numpy(), a.detach().numpy(), rtol=1e-4,
+                                   atol=1e-5)
+    assert gpu.full_weight().device.type == "cuda"
+    dense = TTEmbeddingBag(600, 16, [3, 4], sparse=False, **kw).cuda()
+    dense(*(t.cuda() for t in _bag())).sum().backward()
+    assert all(c.grad is not None and c.grad.is_cuda for c in dense.tt_cores)
