@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, GPU, CUDA runtime, backends, pinned-memory check")
     bench = sub.add_parser("bench", help="run benchmark suites (all when none is named)")
-    bench.add_argument("suites", nargs="*", help="suites to run: transfer, optim, table")
+    bench.add_argument("suites", nargs="*", help="suites to run: transfer, optim, table, tt")
     bench.add_argument("--quick", action="store_true", help="a reduced set (under 2 minutes)")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG plot")

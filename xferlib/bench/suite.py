@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from xferlib.bench import optim, table, transfer
+from xferlib.bench import optim, table, transfer, tt
 from xferlib.bench._report import print_table, write_json, write_plot
 
-SUITES = {"transfer": transfer.run, "optim": optim.run, "table": table.run}
+SUITES = {"transfer": transfer.run, "optim": optim.run, "table": table.run, "tt": tt.run}
 
 
 def run_suites(names, *, quick=False, json_path=None, plot_path=None) -> dict:

@@ -1,0 +1,170 @@
+"""``xferlib bench tt``: TT-compressed embedding bags, a training step (forward, backward and
+SGD update) at FBTT-Embedding's benchmark configuration.
+
+Table of 200 x 220 x 250 = 11M rows of 64 = 4 x 4 x 4 columns, TT ranks [32, 32], bags of
+L = 20 lookups, B = 512 and B = 8192 bags, uniform and Zipf(1.05) indices. In one run, with the
+same batches:
+
+* xferlib ``TTEmbeddingBag`` (FBTT's API, fused SGD in backward);
+* the dense table it replaces: ``nn.EmbeddingBag(11M, 64, sparse=True)`` + ``torch.optim.SGD``;
+* a pure-torch TT: the same cores, slices gathered per lookup and multiplied with batched
+  matmuls, autograd for the core gradients, ``torch.optim.SGD`` on the cores.
+
+Milliseconds per step, lookups per second, FLOP/s of the TT products (forward + backward taken
+as 3x the forward chain's 2 * m * k * n) and the memory of each table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from xferlib.bench._timing import gpu_time_ms
+
+P_SHAPES, Q_SHAPES, RANKS = (200, 220, 250), (4, 4, 4), (32, 32)
+BAG = 20
+BATCHES = (512, 8192)
+INDEX_SETS = 4
+
+# BENCHMARKS.md targets (H200), at FBTT's configuration (B=512) and at B=8192.
+TARGETS = dict(max_vs_dense=1.0, vs_pure_torch=7.0, lookups_per_s_8192=100e6)
+
+
+def run(quick: bool = False) -> dict:
+    from xferlib._backend import cupy_available
+    from xferlib.bench._report import environment
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if not cupy_available() or torch is None or not torch.cuda.is_available():
+        print("the TT benchmark needs a CUDA GPU, CuPy and torch (skipped)")
+        return {"suite": "tt", "environment": environment(), "results": [], "targets": []}
+    return _run_gpu(torch, quick)
+
+
+def _forward_flops_per_lookup() -> int:
+    """2 m k n of each product in the chain (columns so far x rank) @ (rank x q R)."""
+    r = (1,) + RANKS + (1,)
+    flops, cols = 0, Q_SHAPES[0]
+    for k in range(1, len(Q_SHAPES)):
+        flops += 2 * cols * r[k] * Q_SHAPES[k] * r[k + 1]
+        cols *= Q_SHAPES[k]
+    return flops
+
+
+def _batches(torch, rng, num_rows, batch, dist):
+    from xferlib.bench.table import zipf_indices
+
+    out = []
+    perm = rng.permutation(num_rows) if dist == "zipf" else None
+    for _ in range(INDEX_SETS):
+        n = batch * BAG
+        idx = (zipf_indices(rng, num_rows, n, permutation=perm) if dist == "zipf"
+               else rng.integers(0, num_rows, size=n))
+        out.append(torch.from_numpy(idx).cuda())
+    offsets = torch.arange(0, batch * BAG + 1, BAG, device="cuda")
+    return out, offsets
+
+
+def _pure_torch_tt(torch, cores):
+    """Forward of the pure-torch TT: gather each lookup's slices, chain batched matmuls."""
+    r = (1,) + RANKS + (1,)
+    strides = [math.prod(P_SHAPES[k + 1:]) for k in range(len(P_SHAPES))]
+
+    def rows(idx):
+        acc = None
+        for k, core in enumerate(cores):
+            digit = (idx // strides[k]) % P_SHAPES[k]
+            g = core[digit].view(-1, r[k], Q_SHAPES[k] * r[k + 1])
+            acc = g if acc is None else torch.bmm(acc.reshape(len(idx), -1, r[k]), g)
+        return acc.reshape(len(idx), -1)
+
+    return rows
+
+
+def _run_gpu(torch, quick: bool) -> dict:
+    from xferlib.adapters.torch import OptimType, TTEmbeddingBag
+    from xferlib.bench._report import environment
+
+    repeats = 10 if quick else 20
+    num_rows, dim = math.prod(P_SHAPES), math.prod(Q_SHAPES)
+    rng = np.random.default_rng(0)
+    ours = TTEmbeddingBag(num_rows, dim, list(RANKS), list(P_SHAPES), list(Q_SHAPES),
+                          optimizer=OptimType.SGD, learning_rate=0.01, sparse=True,
+                          weight_dist="normal", seed=0).cuda()
+    tt_bytes = sum(c.numel() * 4 for c in ours.tt_cores)
+    cores = [torch.nn.Parameter(c.detach()[0].clone()) for c in ours.tt_cores]
+    tt_rows = _pure_torch_tt(torch, cores)
+    tt_opt = torch.optim.SGD(cores, lr=0.01)
+    dense = torch.nn.EmbeddingBag(num_rows, dim, mode="sum", sparse=True).cuda()
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=0.01)
+    dense_bytes = num_rows * dim * 4
+    print(f"TT {P_SHAPES} x {Q_SHAPES}, ranks {RANKS}: cores {tt_bytes / 2**20:.2f} MiB vs "
+          f"dense {dense_bytes / 2**30:.2f} GiB ({dense_bytes / tt_bytes:.0f}x)")
+    flops = 3 * _forward_flops_per_lookup()
+    results = []
+    for batch in (BATCHES[:1] if quick else BATCHES):
+        for dist in ("uniform", "zipf"):
+            sets, offsets = _batches(torch, rng, num_rows, batch, dist)
+            grad = torch.randn(batch, dim, device="cuda")
+            bag_of = torch.arange(batch, device="cuda").repeat_interleave(BAG)
+
+            def ours_step(i):
+                ours(sets[i % INDEX_SETS], offsets).backward(grad)
+
+            def dense_step(i):
+                dense_opt.zero_grad()
+                dense(sets[i % INDEX_SETS], offsets[:-1]).backward(grad)
+                dense_opt.step()
+
+            def tt_step(i):
+                tt_opt.zero_grad()
+                rows = tt_rows(sets[i % INDEX_SETS])
+                out = torch.zeros(batch, dim, device="cuda").index_add_(0, bag_of, rows)
+                out.backward(grad)
+                tt_opt.step()
+
+            for name, fn, nbytes in (("xferlib TTEmbeddingBag (fused SGD)", ours_step, tt_bytes),
+                                     ("dense nn.EmbeddingBag(sparse=True) + SGD", dense_step,
+                                      dense_bytes),
+                                     ("pure-torch TT (bmm) + SGD", tt_step, tt_bytes)):
+                ms = gpu_time_ms(fn, repeats)
+                lookups = batch * BAG
+                r = {"impl": name, "batch": batch, "bag": BAG, "dist": dist, "ms": ms,
+                     "lookups_per_s": lookups / ms * 1e3, "us_per_lookup": ms * 1e3 / lookups,
+                     "table_bytes": nbytes}
+                if "TT" in name:
+                    r["tflop_per_s"] = flops * lookups / ms / 1e9
+                results.append(r)
+                print(f"  B={batch:5d} {dist:7s} {ms:8.3f} ms  {r['lookups_per_s'] / 1e6:8.1f} M "
+                      f"lookups/s  {name}")
+    return {"suite": "tt", "environment": environment(), "results": results,
+            "targets": _check_targets(results)}
+
+
+def _check_targets(results) -> list[dict]:
+    checks = []
+    for r in results:
+        if not r["impl"].startswith("xferlib"):
+            continue
+        same = {x["impl"]: x for x in results
+                if (x["batch"], x["dist"]) == (r["batch"], r["dist"])}
+        dense = same.get("dense nn.EmbeddingBag(sparse=True) + SGD")
+        pure = same.get("pure-torch TT (bmm) + SGD")
+        tag = f"B={r['batch']} {r['dist']}"
+        if r["batch"] == 512 and dense:
+            checks.append({"target": f"{tag}: step / dense step (at most)",
+                           "value": r["ms"] / dense["ms"], "goal": TARGETS["max_vs_dense"],
+                           "met": r["ms"] <= dense["ms"] * TARGETS["max_vs_dense"]})
+        if r["batch"] == 512 and pure:
+            checks.append({"target": f"{tag}: speedup vs pure-torch TT",
+                           "value": pure["ms"] / r["ms"], "goal": TARGETS["vs_pure_torch"],
+                           "met": pure["ms"] / r["ms"] >= TARGETS["vs_pure_torch"]})
+        if r["batch"] == 8192:
+            checks.append({"target": f"{tag}: lookups/s", "value": r["lookups_per_s"],
+                           "goal": TARGETS["lookups_per_s_8192"],
+                           "met": r["lookups_per_s"] >= TARGETS["lookups_per_s_8192"]})
+    return checks
