@@ -36,6 +36,7 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream, cupy_available, is_cupy_array
 from xferlib.memory import device_pointer, is_pinned, pin, pinned_empty
+from xferlib.optim import _check_common
 from xferlib.rows import (_check_host_indices, _check_index_dtype, _raise_if_bad,
                           _sorted_positions, _to_gpu_indices)
 
@@ -156,21 +157,8 @@ def _adadelta(h, w, s, r, g, t):
     w -= f(h["lr"]) * delta
 
 
-def _check_betas_eps(h):
-    if h["lr"] < 0:
-        raise ValueError(f"Invalid learning rate: {h['lr']}")
-    if h.get("eps", 0.0) < 0:
-        raise ValueError(f"Invalid epsilon value: {h['eps']}")
-    if h.get("weight_decay", 0.0) < 0:
-        raise ValueError(f"Invalid weight_decay value: {h['weight_decay']}")
-    if "betas" in h:
-        for i, b in enumerate(h["betas"]):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-
-
 def _check_sgd(h):
-    _check_betas_eps(h)
+    _check_common(h)
     for key in ("momentum", "dampening"):
         if h[key] < 0:
             raise ValueError(f"Invalid {key} value: {h[key]}")
@@ -180,7 +168,7 @@ def _check_sgd(h):
 
 def _check_range(*keys, upper=None):
     def check(h):
-        _check_betas_eps(h)
+        _check_common(h)
         for key in keys:
             if h[key] < 0 or (upper is not None and h[key] > upper):
                 raise ValueError(f"Invalid {key} value: {h[key]}")
@@ -218,7 +206,7 @@ _RULES = {
         (), _zero,
         lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], 0.0, h["amsgrad"],
                    h["maximize"]],
-        _adam, _check_betas_eps),
+        _adam, _check_common),
     "adamw": _SparseRule(
         1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                 maximize=False),
@@ -226,7 +214,7 @@ _RULES = {
         (), _zero,
         lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], 1.0, h["amsgrad"],
                    h["maximize"]],
-        _adamw, _check_betas_eps),
+        _adamw, _check_common),
     "adagrad": _SparseRule(
         2, dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
                 eps=1e-10, maximize=False),
@@ -244,7 +232,7 @@ _RULES = {
         4, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False),
         lambda h: ["exp_avg", "exp_inf"], (), _zero,
         lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], h["maximize"]],
-        _adamax, _check_betas_eps),
+        _adamax, _check_common),
     "rmsprop": _SparseRule(
         5, dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
                 maximize=False),

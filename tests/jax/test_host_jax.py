@@ -10,16 +10,6 @@ from xferlib.adapters.jax import host_lookup, host_update  # noqa: E402
 ROWS, DIM, N = 64, 8, 48
 
 
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def device(request):
-    if request.param == "gpu":
-        try:
-            return jax.devices("gpu")[0]
-        except RuntimeError:
-            pytest.skip("needs a JAX GPU backend; none here")
-    return jax.devices("cpu")[0]
-
-
 def _loss(rows, targets):
     return jnp.sum((rows - targets) ** 2)
 

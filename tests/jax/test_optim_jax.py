@@ -34,14 +34,6 @@ def _loss(params, x):
     return jnp.mean(h ** 2) + jnp.mean(params["emb"]["table"] ** 2)
 
 
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def device(request):
-    try:
-        return jax.devices(request.param)[0]
-    except RuntimeError:
-        pytest.skip(f"needs a JAX {request.param} backend; none here")
-
-
 @pytest.mark.parametrize("ours,theirs,kw", CASES, ids=[f"{c[0].__name__}-{i}"
                                                         for i, c in enumerate(CASES)])
 def test_jit_training_matches_optax(device, ours, theirs, kw):

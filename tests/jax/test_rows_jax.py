@@ -11,20 +11,6 @@ from xferlib.testing import assert_matches_reference  # noqa: E402
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
-def _backend_params():
-    return ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=_backend_params())
-def device(request):
-    if request.param == "gpu":
-        try:
-            return jax.devices("gpu")[0]
-        except RuntimeError:
-            pytest.skip("needs a JAX GPU backend; none here")
-    return jax.devices("cpu")[0]
-
-
 def _data(device, shape, n, dtype, seed=0):
     rng = np.random.default_rng(seed)
     table = rng.standard_normal(shape).astype(np.float32)

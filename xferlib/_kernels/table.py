@@ -22,6 +22,16 @@ __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
     return (verdict[0] & verdict[1]) != ~0ull;
 }
 
+// Each warp takes one distinct row of the batch at a time: the sorted position j that starts
+// a run of equal keys, with its row inside the table (others are skipped, so no input makes a
+// kernel touch memory outside its arrays). Declares `lane`, `j` and `row`.
+#define FOR_EACH_DISTINCT_ROW                                                               \
+    const int lane = threadIdx.x & 31;                                                      \
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);                                   \
+    for (i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < n; j += warps)      \
+        if (const i64 row = (j > 0 && keys[j] == keys[j - 1]) ? -1 : (i64)keys[j];          \
+            row >= 0 && row < n_rows)
+
 template <typename T> struct Place { T* w; T* s; };
 
 template <typename T>
@@ -69,13 +79,8 @@ __global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
                               i64 dim, i64 s_width, int full, T* __restrict__ out,
                               const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
-    const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 out_width = full ? dim + s_width : dim;
-    for (i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < n; j += warps) {
-        if (j > 0 && keys[j] == keys[j - 1]) continue;
-        const i64 row = (i64)keys[j];
-        if (row < 0 || row >= n_rows) continue;
+    FOR_EACH_DISTINCT_ROW {
         Place<T> p = locate(row, host_w, w_stride, host_s, s_stride, cache, cache_width, s_off,
                             slot_of_row);
         T* dst = out + run[j] * out_width;
@@ -201,18 +206,13 @@ __global__ void refresh_rows(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i
                              const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
                              const K* __restrict__ updated, i64 n_updated, i64 dim,
                              T* __restrict__ out) {
-    const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    for (i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < n; j += warps) {
-        if (j > 0 && keys[j] == keys[j - 1]) continue;
-        const i64 row = (i64)keys[j];
-        if (row < 0 || row >= n_rows) continue;
+    FOR_EACH_DISTINCT_ROW {
         i64 lo = 0, hi = n_updated;
         while (lo < hi) {
             const i64 mid = (lo + hi) >> 1;
             if ((i64)updated[mid] < row) lo = mid + 1; else hi = mid;
         }
-        if (lo == n_updated || (i64)updated[lo] != row) continue;
+        if (lo == n_updated || (i64)updated[lo] != row) continue;  // not updated: fresh
         Place<T> p = locate(row, host_w, w_stride, host_s, s_stride, cache, cache_width, s_off,
                             slot_of_row);
         T* dst = out + run[j] * dim;
@@ -402,12 +402,7 @@ __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
                               const double* __restrict__ h,
                               const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
-    const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    for (i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < n; j += warps) {
-        if (j > 0 && keys[j] == keys[j - 1]) continue;
-        const i64 row = (i64)keys[j];
-        if (row < 0 || row >= n_rows) continue;
+    FOR_EACH_DISTINCT_ROW {
         Place<T> p = locate(row, host_w, w_stride, host_s, s_stride, cache, cache_width, s_off,
                             slot_of_row);
         i64* step = reinterpret_cast<i64*>(p.s + step_off);
