@@ -479,8 +479,12 @@ def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer:
     digits = shape.digits(residuals[0])
     xp = array_module(digits)
     b1, b2 = betas
+    # A core row the batch did not touch has a zero gradient, which leaves it and its sgd /
+    # adagrad / row-wise adagrad state exactly as they are (eps > 0 keeps 0 / sqrt(0) away):
+    # those update the whole (small) core at once, with no sort and no host sync.
+    whole = optimizer == "sgd" or (optimizer in ("adagrad", "rowwise_adagrad") and eps > 0)
     for k, (core, grad, state) in enumerate(zip(cores, grads, states)):
-        rows = xp.unique(digits[:, k])
+        rows = slice(None) if whole else xp.unique(digits[:, k])
         g = grad[rows]
         if optimizer == "sgd":
             core[rows] -= np.float32(lr) * g
