@@ -2,9 +2,9 @@
 
 Cores use FBTT's layout without its leading table axis: core ``k`` is
 ``(p_k, R_k * q_k * R_{k+1})``; ``ranks`` are the inner ranks, as ``tt_ranks`` is given to
-``TTEmbeddingBag``. Gradients flow to the cores, so any optax optimizer trains them. This
-version runs on JAX's CPU backend (xferlib's NumPy path on XLA's buffers); on a GPU backend the
-call fails with a clear error until the TT CUDA kernels exist.
+``TTEmbeddingBag``. Gradients flow to the cores, so any optax optimizer trains them. On the
+CPU backend xferlib's NumPy path runs on XLA's buffers; on a GPU backend the same code runs
+on CuPy views of them, on XLA's stream.
 """
 
 from __future__ import annotations
@@ -17,16 +17,22 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib import tt as core
-from xferlib.adapters.jax._callback import is_gpu_buffer
+from xferlib.adapters.jax._callback import as_core_array, is_gpu_buffer, xla_stream
 
 __all__ = ["tt_embedding_bag"]
 
 
-def _host_arrays(buffers):
-    if any(is_gpu_buffer(b) for b in buffers):
-        raise RuntimeError("tt_embedding_bag runs on JAX's CPU backend for now (the TT CUDA "
-                           "kernels are not built yet); place the cores and indices on the CPU")
-    return [np.asarray(b) for b in buffers]
+def _arrays(ctx, buffers):
+    """Core arrays for XLA's buffers and the stream context to run them in."""
+    import contextlib
+
+    gpu = any(is_gpu_buffer(b) for b in buffers)
+    if not gpu:
+        return [np.asarray(b) for b in buffers], contextlib.nullcontext(), gpu
+    from xferlib._backend import as_cupy_stream
+
+    return ([as_core_array(b, True) for b in buffers], as_cupy_stream(xla_stream(ctx, True)),
+            gpu)
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,21 +45,24 @@ def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: b
         return cores, rest[0], rest[1], weights
 
     def forward_callback(ctx, out, *args):
-        cores, indices, offsets, weights = split(_host_arrays(args))
-        np.asarray(out)[...] = core.tt_embedding_bag(
-            cores, shape, indices, offsets, mode=mode, per_sample_weights=weights,
-            include_last_offset=include_last_offset)
+        arrays, stream, gpu = _arrays(ctx, args)
+        with stream:
+            cores, indices, offsets, weights = split(arrays)
+            as_core_array(out, gpu)[...] = core.tt_embedding_bag(
+                cores, shape, indices, offsets, mode=mode, per_sample_weights=weights,
+                include_last_offset=include_last_offset)
 
     def backward_callback(ctx, outs, *args):
-        arrays = _host_arrays(args)
-        grad_bags = arrays[-1]
-        cores, indices, offsets, weights = split(arrays[:-1])
-        indices, bag, w, _ = core.tt_bag_residuals(
-            shape, indices, offsets, mode=mode, per_sample_weights=weights,
-            include_last_offset=include_last_offset)
-        grads = core.tt_embedding_bag_bwd(cores, shape, (indices, bag, w), grad_bags)
-        for out, grad in zip(outs, grads):
-            np.asarray(out)[...] = grad
+        arrays, stream, gpu = _arrays(ctx, args)
+        with stream:
+            grad_bags = arrays[-1]
+            cores, indices, offsets, weights = split(arrays[:-1])
+            indices, bag, w, _ = core.tt_bag_residuals(
+                shape, indices, offsets, mode=mode, per_sample_weights=weights,
+                include_last_offset=include_last_offset)
+            grads = core.tt_embedding_bag_bwd(cores, shape, (indices, bag, w), grad_bags)
+            for out, grad in zip(outs, grads):
+                as_core_array(out, gpu)[...] = grad
 
     def num_bags(offsets):
         return offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]

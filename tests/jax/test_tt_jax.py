@@ -12,9 +12,9 @@ SHAPE = tt.TTShape([6, 10, 10], [2, 2, 4], [3, 4])
 
 
 @pytest.fixture(autouse=True)
-def on_cpu():
-    # The TT ops run on JAX's CPU backend for now, also on machines with a GPU.
-    with jax.default_device(jax.devices("cpu")[0]):
+def on_device(device):
+    # Every test once on JAX's CPU backend and once on its GPU backend, where there is one.
+    with jax.default_device(device):
         yield
 
 
