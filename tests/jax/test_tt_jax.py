@@ -13,8 +13,9 @@ SHAPE = tt.TTShape([6, 10, 10], [2, 2, 4], [3, 4])
 
 @pytest.fixture(autouse=True)
 def on_device(device):
-    # Every test once on JAX's CPU backend and once on its GPU backend, where there is one.
-    with jax.default_device(device):
+    # Every test once on JAX's CPU backend and once on its GPU backend, where there is one;
+    # the jnp references in float32 matmul precision (XLA would use TF32 on the GPU).
+    with jax.default_device(device), jax.default_matmul_precision("highest"):
         yield
 
 
