@@ -349,7 +349,7 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
         _check_host_indices(idx, num_rows)
         if sorted_indices:
             _check_host_order(idx)
-        return np.take(np.asarray(table), idx, axis=0, out=out)
+        return _take_rows(np.asarray(table), idx, out)
 
     cupy = _cupy_for_gpu_path()
     stream = as_cupy_stream(stream)
@@ -435,6 +435,18 @@ def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
                               src, stream)
         _raise_if_bad(first_bad, idx, num_rows, stream)
     return table
+
+
+def _take_rows(table: np.ndarray, idx, out=None) -> np.ndarray:
+    """``table[idx]`` into ``out``. np.take would first copy a table whose rows are strided
+    (a column slice of a wider array) whole; indexing reads only the rows asked for."""
+    if table.flags.c_contiguous:
+        return np.take(table, idx, axis=0, out=out)
+    rows = table[idx]
+    if out is None:
+        return rows
+    out[...] = rows
+    return out
 
 
 def _scatter_numpy(table, idx, src):

@@ -38,7 +38,7 @@ from xferlib._backend import as_cupy_stream, cupy_available, is_cupy_array
 from xferlib.memory import device_pointer, is_pinned, pin, pinned_empty
 from xferlib.optim import _check_common
 from xferlib.rows import (_check_host_indices, _check_index_dtype, _raise_if_bad,
-                          _sorted_positions, _to_gpu_indices)
+                          _sorted_positions, _take_rows, _to_gpu_indices)
 
 __all__ = ["HostTable", "SPARSE_OPTIMIZERS", "sparse_update_reference", "optimizer_defaults"]
 
@@ -612,7 +612,7 @@ class HostTable:
             return (rows, batch) if return_batch else rows
         self._flush(drop_cache=True)
         _check_host_indices(idx, self.num_rows)
-        rows = np.take(self._weights.view(np.ndarray), idx, axis=0, out=out)
+        rows = _take_rows(self._weights.view(np.ndarray), idx, out)
         return (rows, idx) if return_batch else rows
 
     def apply_gradients(self, idx, grad_rows, *, stream=None) -> None:
