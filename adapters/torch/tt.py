@@ -197,10 +197,13 @@ class TTEmbeddingBag(torch.nn.Module):
         from xferlib._backend import array_module
 
         xp = array_module(like)
-        first = next((v for st in self.sparse_state for v in st.values()), None)
-        if first is not None and array_module(first) is not xp:
-            self.sparse_state = [{k: xp.asarray(v) if xp is not np else v.get()
-                                  for k, v in st.items()} for st in self.sparse_state]
+
+        def moved(v):
+            if array_module(v) is xp:
+                return v
+            return xp.asarray(v) if xp is not np else v.get()
+
+        self.sparse_state = [{k: moved(v) for k, v in st.items()} for st in self.sparse_state]
         return self.sparse_state
 
     def full_weight(self) -> torch.Tensor:
@@ -210,3 +213,36 @@ class TTEmbeddingBag(torch.nn.Module):
 
     def set_learning_rate(self, lr: float) -> None:
         self.learning_rate = float(lr)
+
+    # The fused optimizer's state travels with the module's state_dict as
+    # ``optimizer_state.<core>.<name>``; a checkpoint without it (FBTT's) loads with fresh state.
+    _STATE_PREFIX = "optimizer_state."
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for k, state in enumerate(self.sparse_state):
+            for name, value in state.items():
+                host = value if isinstance(value, np.ndarray) else value.get()
+                destination[f"{prefix}{self._STATE_PREFIX}{k}.{name}"] = torch.from_numpy(
+                    np.array(host))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        head = prefix + self._STATE_PREFIX
+        ours = [key for key in state_dict if key.startswith(head)]
+        for key in ours:
+            k, _, name = key[len(head):].partition(".")
+            expected = (self.sparse_state[int(k)].get(name) if k.isdigit()
+                        and int(k) < len(self.sparse_state) else None)
+            value = state_dict[key]
+            if expected is None:
+                unexpected_keys.append(key)
+            elif tuple(value.shape) != tuple(expected.shape):
+                error_msgs.append(f"size mismatch for {key}: {tuple(value.shape)} in the "
+                                  f"checkpoint, {tuple(expected.shape)} here")
+            else:  # host copy; moved next to the cores at the next fused update
+                self.sparse_state[int(k)][name] = value.detach().cpu().numpy().astype(
+                    np.dtype(expected.dtype), copy=True)
+        rest = {key: v for key, v in state_dict.items() if key not in ours}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)

@@ -134,3 +134,23 @@ def test_cuda_matches_cpu(optimizer):
     dense = TTEmbeddingBag(600, 16, [3, 4], sparse=False, **kw).cuda()
     dense(*(t.cuda() for t in _bag())).sum().backward()
     assert all(c.grad is not None and c.grad.is_cuda for c in dense.tt_cores)
+
+
+@pytest.mark.parametrize("optimizer", [OptimType.EXACT_ADAGRAD, OptimType.ADAM])
+def test_state_dict_carries_the_fused_optimizer_state(optimizer):
+    kw = dict(tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4], optimizer=optimizer,
+              learning_rate=0.05, weight_dist="normal")
+    a = TTEmbeddingBag(600, 16, [3, 4], seed=1, **kw)
+    for seed in range(3):
+        a(*_bag(seed=seed)).sum().backward()
+    checkpoint = a.state_dict()
+    assert any(key.startswith("optimizer_state.") for key in checkpoint)
+    b = TTEmbeddingBag(600, 16, [3, 4], seed=2, **kw)
+    b.load_state_dict(checkpoint)
+    for module in (a, b):
+        module(*_bag(seed=7)).sum().backward()
+    for x, y in zip(a.tt_cores, b.tt_cores):
+        np.testing.assert_array_equal(x.detach().numpy(), y.detach().numpy())
+    # A checkpoint without optimizer state (as FBTT writes) still loads strictly.
+    cores_only = {k: v for k, v in checkpoint.items() if k.startswith("tt_cores.")}
+    TTEmbeddingBag(600, 16, [3, 4], **kw).load_state_dict(cores_only)
