@@ -329,11 +329,14 @@ def _split_state(layout: _RowLayout, state):
 
 
 def _sum_duplicates(idx: np.ndarray, grads: np.ndarray):
-    """Sorted unique rows and their summed gradients (sequential order per row)."""
-    order = np.argsort(idx, kind="stable")
-    sorted_idx = idx[order]
-    starts = np.flatnonzero(np.r_[True, sorted_idx[1:] != sorted_idx[:-1]])
-    return sorted_idx[starts], np.add.reduceat(grads[order], starts, axis=0)
+    """Sorted unique rows and their summed gradients, accumulated in float64 in batch order
+    (one ``bincount`` over (row, column) pairs: deterministic, and faster than a reduceat)."""
+    rows, inverse = np.unique(idx, return_inverse=True)
+    dim = grads.shape[1]
+    cells = (inverse.reshape(-1, 1) * dim + np.arange(dim)).ravel()
+    summed = np.bincount(cells, weights=np.asarray(grads, dtype=np.float64).ravel(),
+                         minlength=rows.size * dim)
+    return rows, summed.reshape(rows.size, dim).astype(grads.dtype, copy=False)
 
 
 def sparse_update_reference(name: str, weights, state: dict, steps, idx, grads,
