@@ -8,10 +8,11 @@ where they live. A GPU cache of hot rows (``cache_rows``) serves them from HBM, 
 
 Row layout
 ----------
-One row of the table's storage holds the row's weights, then (8-byte aligned) its optimizer
-state: the rule's full-width slots (``dim`` values each, e.g. Adam's ``exp_avg`` and
+One row of the table's storage holds the row's weights, then (on a 16-byte boundary) its
+optimizer state: the rule's full-width slots (``dim`` values each, e.g. Adam's ``exp_avg`` and
 ``exp_avg_sq``), the rule's per-row scalars (row-wise Adagrad's ``sum``), and the row's step
-count as an int64 in the last 8 bytes. So one sorted fetch brings a row's weights and state
+count as an 8-byte-aligned int64 at the end; rows are padded to 16 bytes, so the kernels move
+whole 16-byte words. So one sorted fetch brings a row's weights and state
 together. A table built on a user's NumPy array (``init=array``) keeps the weights in that
 array, pinned in place, and the state in a second pinned array.
 
