@@ -118,3 +118,13 @@ def as_cupy_stream(stream=None):
 
 
 _WRAPPED_STREAMS: dict = {}
+
+
+def stream_scope(stream, gpu: bool):
+    """A ``with`` context that makes ``stream`` CuPy's current stream (so CuPy array
+    operations queue on it) when the work is on the GPU; a no-op for NumPy work."""
+    if not gpu:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return as_cupy_stream(stream)

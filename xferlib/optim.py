@@ -842,13 +842,9 @@ def global_norm(grads, norm_type: float = 2.0) -> float:
 
 
 def _stream_context(buffers, stream):
-    if any(is_cupy_array(g) for g in buffers):
-        from xferlib._backend import as_cupy_stream
+    from xferlib._backend import stream_scope
 
-        return as_cupy_stream(stream)
-    import contextlib
-
-    return contextlib.nullcontext()
+    return stream_scope(stream, any(is_cupy_array(g) for g in buffers))
 
 
 def global_norm_clip_factor(buffers, max_norm: float, norm_type: float = 2.0,

@@ -373,22 +373,22 @@ def sparse_update_reference(name: str, weights, state: dict, steps, idx, grads,
 # ----------------------------------------------------------------------------- the table
 
 
-def _initial_weights(init, num_rows: int, dim: int, dtype, rng):
+def _initial_weights(init, rng):
     """Parse ``init``: ``"zeros"``, ``("uniform", low, high)``, ``("normal", mean, std)``."""
     if isinstance(init, str):
         init = (init,)
     kind = init[0] if isinstance(init, tuple) and init else None
     if kind == "zeros" and len(init) == 1:
-        return lambda out, start: out.fill(0)
+        return lambda out: out.fill(0)
     if kind in ("uniform", "normal") and len(init) == 3:
         a, b = float(init[1]), float(init[2])
         if kind == "uniform":
             if not a <= b:
                 raise ValueError(f"uniform init needs low <= high, got ({a}, {b})")
-            return lambda out, start: out.__setitem__(..., rng.uniform(a, b, out.shape))
+            return lambda out: out.__setitem__(..., rng.uniform(a, b, out.shape))
         if b < 0:
             raise ValueError(f"normal init needs std >= 0, got {b}")
-        return lambda out, start: out.__setitem__(..., rng.normal(a, b, out.shape))
+        return lambda out: out.__setitem__(..., rng.normal(a, b, out.shape))
     raise ValueError(f"init must be 'zeros', ('uniform', low, high), ('normal', mean, std) or "
                      f"a (num_rows, dim) NumPy array, got {init!r}")
 
@@ -477,7 +477,7 @@ class HostTable:
             self._state = alloc(shape + (layout.state_width,), self.dtype)
             fill_weights = None
         else:
-            fill_weights = _initial_weights(init, self.num_rows, self.dim, self.dtype, rng)
+            fill_weights = _initial_weights(init, rng)
             self._storage = alloc(shape + (layout.row_width,), self.dtype)
             self._weights = self._storage[:, :self.dim]
             self._state = self._storage[:, layout.state_offset:]
@@ -485,7 +485,7 @@ class HostTable:
         for start in range(0, self.num_rows, _INIT_CHUNK_ROWS):
             stop = min(start + _INIT_CHUNK_ROWS, self.num_rows)
             if fill_weights is not None:
-                fill_weights(self._weights[start:stop], start)
+                fill_weights(self._weights[start:stop])
             state = self._state[start:stop]
             state[...] = 0
             slots, scalars, steps = _split_state(layout, state)
@@ -536,6 +536,29 @@ class HostTable:
 
     def state_names(self) -> tuple:
         return (*self._layout.slots, *self._layout.row_scalars, "step")
+
+    def restore(self, weights, state: dict) -> None:
+        """Overwrite the weights (``(num_rows, dim)``) and every optimizer state array (the
+        names of :meth:`state_names`, shaped as :meth:`state` returns them), e.g. from a
+        checkpoint. Shapes are checked before anything is written; the GPU cache is written
+        back and emptied first."""
+        weights = np.asarray(weights)
+        if weights.shape != (self.num_rows, self.dim):
+            raise ValueError(f"weights must have shape {(self.num_rows, self.dim)}, got "
+                             f"{weights.shape}")
+        slots, scalars, steps = _split_state(self._layout, self._state.view(np.ndarray))
+        views = {**slots, **scalars, "step": steps}
+        missing = sorted(set(views) - set(state))
+        if missing:
+            raise ValueError(f"state is missing {missing}")
+        for name, view in views.items():
+            if np.shape(state[name]) != view.shape:
+                raise ValueError(f"state {name!r} must have shape {view.shape}, got "
+                                 f"{np.shape(state[name])}")
+        self._flush(drop_cache=True)
+        self._weights.view(np.ndarray)[...] = weights
+        for name, view in views.items():
+            view[...] = np.asarray(state[name])
 
     # ------------------------------------------------------------------ save / load
 

@@ -24,14 +24,10 @@ __all__ = ["tt_embedding_bag"]
 
 def _arrays(ctx, buffers):
     """Core arrays for XLA's buffers and the stream context to run them in."""
-    import contextlib
+    from xferlib._backend import stream_scope
 
     gpu = any(is_gpu_buffer(b) for b in buffers)
-    if not gpu:
-        return [np.asarray(b) for b in buffers], contextlib.nullcontext(), gpu
-    from xferlib._backend import as_cupy_stream
-
-    return ([as_core_array(b, True) for b in buffers], as_cupy_stream(xla_stream(ctx, True)),
+    return ([as_core_array(b, gpu) for b in buffers], stream_scope(xla_stream(ctx, gpu), gpu),
             gpu)
 
 

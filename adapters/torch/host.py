@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from xferlib.adapters.torch._convert import as_core_array, current_stream
+from xferlib.adapters.torch._convert import (as_core_array, current_stream, fresh_row_state,
+                                             gather_to_torch, scatter_from_torch)
 from xferlib.memory import pinned_empty
 from xferlib._backend import cupy_available
 from xferlib.table import HostTable
@@ -150,7 +151,7 @@ class _HostModule(torch.nn.Module):
             return
         rows = self._core_indices(self._batch_rows)
         for name, host in self._host_state.items():
-            state[name] = self._gather_state(host, rows)
+            state[name] = gather_to_torch(host, rows, self.device)
 
     def _after_step(self, optimizer) -> None:
         if self._batch_rows is None or self.weight.grad is None:
@@ -161,42 +162,20 @@ class _HostModule(torch.nn.Module):
             self._allocate_host_state(optimizer, state)
         rows = self._core_indices(rows_t)
         for name, host in self._host_state.items():
-            self._scatter_state(host, rows, state[name])
+            scatter_from_torch(host, rows, state[name], self.device)
         with torch.no_grad():
             self.table.scatter(rows, as_core_array(self.weight.data.contiguous()),
                                stream=current_stream(self.device))
 
     def _allocate_host_state(self, optimizer, state) -> None:
         """Per-row state arrays for every state tensor shaped like the rows, filled with the
-        state a fresh row gets (the optimizer's state after one zero-gradient step)."""
-        group = next(g for g in optimizer.param_groups
-                     if any(p is self.weight for p in g["params"]))
-        probe = torch.nn.Parameter(torch.zeros(1, self.embedding_dim))
-        probe.grad = torch.zeros_like(probe)
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        hyper.pop("initial_lr", None)
-        fresh = type(optimizer)([probe], **hyper)
-        fresh.step()
-        fresh_state = fresh.state[probe]
+        state a fresh row gets."""
         alloc = pinned_empty if self.device.type == "cuda" else np.empty
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor) and value.shape == self.weight.shape:
-                host = alloc((self.num_embeddings, self.embedding_dim), np.float32)
-                host[...] = fresh_state[name].reshape(-1).numpy()
-                self._host_state[name] = host
-
-    def _gather_state(self, host, rows) -> torch.Tensor:
-        from xferlib.rows import gather_rows
-
-        out = torch.empty((rows.shape[0], self.embedding_dim), device=self.device)
-        gather_rows(host, rows, out=as_core_array(out), stream=current_stream(self.device))
-        return out
-
-    def _scatter_state(self, host, rows, value: torch.Tensor) -> None:
-        from xferlib.rows import scatter_rows
-
-        scatter_rows(host, rows, as_core_array(value.detach().float().contiguous()),
-                     stream=current_stream(self.device))
+        fresh = fresh_row_state(optimizer, self.weight, state, self.embedding_dim)
+        for name, values in fresh.items():
+            host = alloc((self.num_embeddings, self.embedding_dim), np.float32)
+            host[...] = values
+            self._host_state[name] = host
 
     # ------------------------------------------------------------------ state_dict
 
@@ -230,14 +209,9 @@ class _HostModule(torch.nn.Module):
                               f"{tuple(weight.shape)}, the table has shape "
                               f"{(self.num_embeddings, self.embedding_dim)}")
             return
-        self.table._flush(drop_cache=True)
-        self.table._weights.view(np.ndarray)[...] = weight.detach().cpu().numpy()
-        from xferlib.table import _split_state
-
-        slots, scalars, steps = _split_state(self.table._layout,
-                                             self.table._state.view(np.ndarray))
-        for name, view in {**slots, **scalars, "step": steps}.items():
-            view[...] = state_dict[prefix + "table_state." + name].cpu().numpy()
+        self.table.restore(weight.detach().cpu().numpy(),
+                           {name: state_dict[prefix + "table_state." + name].cpu().numpy()
+                            for name in self.table.state_names()})
         for name in list(getattr(self, "_host_state", {})):
             key = prefix + "optimizer_state." + name
             if key in state_dict:
@@ -297,6 +271,7 @@ class HostEmbeddingBag(_HostModule):
         else:
             raise ValueError(f"input has to be 1-D or 2-D, got {input.dim()}-D")
         if per_sample_weights is not None and self.mode != "sum":
+            # torch.nn.EmbeddingBag's contract (weights scale rows before a sum), same error type
             raise NotImplementedError("per_sample_weights are supported for mode='sum' only "
                                       f"(as torch), got mode={self.mode!r}")
         flat = input.reshape(-1)

@@ -28,10 +28,9 @@ import numpy as np
 import torch
 
 from xferlib._backend import cupy_available
-from xferlib.adapters.torch._convert import as_core_array, current_stream
+from xferlib.adapters.torch._convert import fresh_row_state, gather_to_torch, scatter_from_torch
 from xferlib.handoff import to_torch
 from xferlib.memory import pinned_empty
-from xferlib.rows import gather_rows, scatter_rows
 
 __all__ = ["ModelFactory", "OptimizerFactory", "DataGadget"]
 
@@ -90,19 +89,11 @@ class _Collection:
         return idx
 
     def get(self, idx: np.ndarray) -> torch.Tensor:
-        array = self.require("reading rows")
-        out = torch.empty((idx.size, array.shape[1]), dtype=_torch_dtype(array.dtype),
-                          device=self.device)
-        gather_rows(array, self.indices(idx), out=as_core_array(out),
-                    stream=current_stream(self.device))
-        return out.view(idx.size, *self.row_shape)
+        rows = gather_to_torch(self.require("reading rows"), self.indices(idx), self.device)
+        return rows.view(idx.size, *self.row_shape)
 
     def put(self, idx: np.ndarray, rows: torch.Tensor) -> None:
-        array = self.require("writing rows")
-        rows = rows.detach().to(device=self.device, dtype=_torch_dtype(array.dtype))
-        rows = rows.reshape(idx.size, array.shape[1])
-        scatter_rows(array, self.indices(idx), as_core_array(rows.contiguous()),
-                     stream=current_stream(self.device))
+        scatter_from_torch(self.require("writing rows"), self.indices(idx), rows, self.device)
 
     def numpy(self) -> np.ndarray:
         array = self.require("reading the collection")
@@ -110,10 +101,6 @@ class _Collection:
             torch.cuda.current_stream(self.device).synchronize()
         host = array.get() if hasattr(array, "get") else np.array(array)
         return host.reshape(host.shape[0], *self.row_shape)
-
-
-def _torch_dtype(dtype) -> torch.dtype:
-    return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
 
 
 def _default_device() -> torch.device:
@@ -267,22 +254,15 @@ class OptimizerFactory(_Common):
             collection.put(idx, state[name])
 
     def _create_collections(self, state) -> None:
-        group = next(g for g in self.given_optimizer.param_groups
-                     if any(p is self.param for p in g["params"]))
-        probe = torch.nn.Parameter(torch.zeros(1, self.embed_dimension, dtype=self.param.dtype))
-        probe.grad = torch.zeros_like(probe)
-        hyper = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
-        fresh = type(self.given_optimizer)([probe], **hyper)
-        fresh.step()
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor) and value.shape == self.param.shape:
-                host = np.empty((self.total_classes, self.embed_dimension), self.datatype)
-                host[...] = fresh.state[probe][name].detach().reshape(-1).numpy()
-                collection = _Collection(self.CPUPinn, self.param.device)
-                collection.place(host)
-                self._collections[name] = collection
-                if self._collection is None:
-                    self._collection = collection
+        fresh = fresh_row_state(self.given_optimizer, self.param, state, self.embed_dimension)
+        for name, values in fresh.items():
+            host = np.empty((self.total_classes, self.embed_dimension), self.datatype)
+            host[...] = values
+            collection = _Collection(self.CPUPinn, self.param.device)
+            collection.place(host)
+            self._collections[name] = collection
+            if self._collection is None:
+                self._collection = collection
 
 
 class DataGadget(_Common):

@@ -63,13 +63,10 @@ def _torch(array) -> torch.Tensor:
 
 def _on_stream(t: torch.Tensor):
     """torch's current stream as a context for CuPy work (nothing on the CPU)."""
-    import contextlib
+    from xferlib._backend import stream_scope
 
-    if t.device.type != "cuda":
-        return contextlib.nullcontext()
-    from xferlib._backend import as_cupy_stream
-
-    return as_cupy_stream(torch.cuda.current_stream(t.device))
+    gpu = t.device.type == "cuda"
+    return stream_scope(torch.cuda.current_stream(t.device) if gpu else None, gpu)
 
 
 def tt_matrix_to_full(tt_p_shapes, tt_q_shapes, tt_ranks, tt_cores, tt_permute=None):

@@ -240,3 +240,15 @@ def test_nan_gradients_propagate_as_in_torch(rng):
     np.testing.assert_array_equal(np.isnan(bag.table.numpy()[[3, 4]]),
                                   torch.isnan(dense).numpy())
     assert not np.isnan(bag.table.numpy()[[0, 1, 2, 5]]).any()
+
+
+def test_per_sample_weights_follow_torch_modes():
+    """torch defines per-sample weights for mode='sum' only and raises NotImplementedError
+    otherwise; the module answers the same, before any row moves."""
+    for mode in ("mean", "max"):
+        ours = HostEmbeddingBag(ROWS, DIM, mode=mode, optimizer="sgd", device="cpu")
+        theirs = torch.nn.EmbeddingBag(ROWS, DIM, mode=mode)
+        args = (torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))
+        for module in (ours, theirs):
+            with pytest.raises(NotImplementedError, match="mode='sum'"):
+                module(*args)

@@ -222,14 +222,7 @@ def _measure_set(torch, shapes, quick):
     bucket.has_grad[:] = True
     rows["xferlib FlatAdam(capturable).step()"] = (gpu_time_ms(lambda i: flat.step(), repeats),
                                                    _host_us(torch, flat.step))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        flat.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        flat.step()
+    graph = _graph(torch, flat.step)
     rows["xferlib FlatAdam(capturable) in CUDA graph"] = (
         gpu_time_ms(lambda i: graph.replay(), repeats), _host_us(torch, graph.replay))
     del graph, flat, params

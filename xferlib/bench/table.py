@@ -194,7 +194,7 @@ def _baselines(host_sets, idx_sets, grads, repeats) -> list:
     out = []
     grads_t = torch.from_dlpack(grads)
     out += _speedtorch(torch, host_sets, grads_t, repeats)
-    out.append(_cpu_staged(torch, host_sets, idx_sets, grads_t, repeats))
+    out.append(_cpu_staged(torch, idx_sets, grads_t, repeats))
     _print(out[-1])
     out.append(_all_gpu(torch, idx_sets, grads_t, repeats))
     _print(out[-1])
@@ -255,11 +255,10 @@ class _LegacyDlpack:
         return self.array.__dlpack__()
 
 
-def _cpu_staged(torch, host_sets, idx_sets, grads_t, repeats) -> dict:
+def _cpu_staged(torch, idx_sets, grads_t, repeats) -> dict:
     weights = torch.empty(TABLE_ROWS, DIM).uniform_(-0.1, 0.1)
     staging_in = torch.empty(BATCH, DIM).pin_memory()
     staging_out = torch.empty(BATCH, DIM).pin_memory()
-    host_idx = [torch.from_numpy(h) for h in host_sets]
     dev_idx = [torch.from_dlpack(i) for i in idx_sets]
 
     def step(i):
@@ -273,7 +272,6 @@ def _cpu_staged(torch, host_sets, idx_sets, grads_t, repeats) -> dict:
         torch.cuda.current_stream().synchronize()
         weights.index_add_(0, uniq_host, staging_out[:n])
 
-    del host_idx
     return _record("torch CPU-staged (index_select, copy, host index_add_) + SGD",
                    gpu_time_ms(step, repeats), BATCH, kind="step")
 
