@@ -719,8 +719,6 @@ def _check_grads(layout: FlatLayout, grads, name: str) -> None:
 def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, params_lowp):
     """One launch over the whole buffer: a block per chunk of a segment, the segment's scalars
     from the table (inactive segments have a zero sign and exit)."""
-    import cupy
-
     from xferlib._backend import as_cupy_stream
     from xferlib._kernels.optim import OPTIM_MODULE, slot_names, update_name
 
