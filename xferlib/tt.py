@@ -37,6 +37,9 @@ __all__ = [
     "tt_bag_residuals",
     "tt_sparse_state",
     "tt_sparse_update",
+    "tt_fused_update",
+    "tt_check_plan",
+    "TTBagPlan",
     "SPARSE_OPTIMIZERS",
 ]
 
@@ -383,7 +386,11 @@ def tt_embedding_bag_reference(cores, shape: TTShape, indices, offsets, *, mode=
 
 def tt_bag_residuals(shape: TTShape, indices, offsets, *, mode="sum", per_sample_weights=None,
                      include_last_offset=True):
-    """``(indices, bag of each lookup, weight of each lookup, number of bags)``, checked."""
+    """What backward needs, checked: ``(indices, bag of each lookup, weight of each lookup,
+    number of bags)``; for GPU indices of a shape the kernels take, a :class:`TTBagPlan`."""
+    if _uses_kernels(shape, indices):
+        return _gpu_plan(None, shape, indices, offsets, mode, per_sample_weights,
+                         include_last_offset, check=True)[1]
     indices = _checked_indices(indices, shape)
     bag, counts = _bag_ids(indices, offsets, include_last_offset)
     w = _lookup_weights(counts, bag, per_sample_weights, mode, len(indices), np.float32)
@@ -391,9 +398,18 @@ def tt_bag_residuals(shape: TTShape, indices, offsets, *, mode="sum", per_sample
 
 
 def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
-                         per_sample_weights=None, include_last_offset=True):
-    """``(bags, residuals)``: pooled rows ``(B, D)`` (float32) and what backward needs."""
+                         per_sample_weights=None, include_last_offset=True, check=True):
+    """``(bags, residuals)``: pooled rows ``(B, D)`` (float32) and what backward needs.
+
+    GPU (CuPy) arrays run the CUDA kernels (see :class:`TTBagPlan`); ``check=False`` there
+    leaves the verdict on bad indices or offsets unread until backward or
+    :func:`tt_check_plan` (no host sync in the forward; the bags of a rejected batch are
+    zeros and nothing is ever written outside them). NumPy arrays are checked at once.
+    """
     shape.check_cores(cores)
+    if _uses_kernels(shape, indices, cores):
+        return _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights,
+                         include_last_offset, check)
     indices, bag, w, num_bags = tt_bag_residuals(
         shape, indices, offsets, mode=mode, per_sample_weights=per_sample_weights,
         include_last_offset=include_last_offset)
@@ -415,6 +431,10 @@ def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np
     ``sum_{a,b} Left[n, a, r] * g[n, a, j, b] * Right[n, s, b]``, with ``Left`` the product of
     the slices before ``k`` and ``Right`` of those after; rows of repeated digits add up.
     """
+    if isinstance(residuals, TTBagPlan):
+        grad, _ = _gpu_core_grads(cores, shape, residuals, grad_bags, dense=True)
+        return [grad[start:stop].reshape(shape.core_shape(k))
+                for k, (start, stop) in enumerate(_grad_spans(shape))]
     indices, bag, w = residuals
     xp = array_module(indices)
     digits = shape.digits(indices)
@@ -476,7 +496,8 @@ def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer:
         raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
     if lr < 0:
         raise ValueError(f"Invalid learning rate: {lr}")
-    digits = shape.digits(residuals[0])
+    digits = shape.digits(residuals.indices if isinstance(residuals, TTBagPlan) else
+                          residuals[0])
     xp = array_module(digits)
     b1, b2 = betas
     # A core row the batch did not touch has a zero gradient, which leaves it and its sgd /
@@ -505,3 +526,236 @@ def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer:
             m_hat = m[rows] / (1 - b1 ** t)[:, None].astype(np.float32)
             v_hat = (v[rows] / (1 - b2 ** t)).astype(np.float32)
             core[rows] -= np.float32(lr) * m_hat / (xp.sqrt(v_hat)[:, None] + np.float32(eps))
+
+
+def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimizer: str, *,
+                    lr: float, eps: float = 1e-10, betas=(0.9, 0.999)) -> None:
+    """Backward and :func:`tt_sparse_update` in one: the cores change in place from the bag
+    gradients. On the GPU kernel path no dense core gradient exists: each touched core row's
+    gradient is summed (in sorted order, deterministic) and the optimizer runs on those rows
+    only, with no host sync (a deferred input check is read first, before anything changes).
+    """
+    if optimizer not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
+    if lr < 0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not isinstance(residuals, TTBagPlan):
+        grads = tt_embedding_bag_bwd(cores, shape, residuals, grad_bags)
+        tt_sparse_update(cores, shape, residuals, grads, states, optimizer, lr=lr, eps=eps,
+                         betas=betas)
+        return
+    grad, touched = _gpu_core_grads(cores, shape, residuals, grad_bags, dense=False)
+    if grad is None:  # an empty batch touches nothing
+        return
+    pointers = lambda arrays: [a if a is not None else np.uint64(0) for a in arrays]  # noqa: E731
+    pad = [None] * (4 - shape.d)
+    elem = [st.get("sum" if optimizer == "adagrad" else "exp_avg") for st in states]
+    row = [st.get("sum" if optimizer == "rowwise_adagrad" else "exp_avg_sq") for st in states]
+    if optimizer not in ("adagrad", "rowwise_adam"):
+        elem = [None] * shape.d
+    if optimizer not in ("rowwise_adagrad", "rowwise_adam"):
+        row = [None] * shape.d
+    steps = [st.get("step") for st in states]
+    code = SPARSE_OPTIMIZERS.index(optimizer)
+    _launch(shape, "tt_update", (_total_core_rows(shape),), (256,),
+            pointers(list(cores) + pad) + pointers(elem + pad) + pointers(row + pad)
+            + pointers(steps + pad)
+            + [grad, touched, np.int32(code), np.float32(lr), np.float32(eps),
+               np.float64(betas[0]), np.float64(betas[1])])
+
+
+# ----------------------------------------------------------------------------- CUDA kernels
+# The kernel path (xferlib/_kernels/tt.py): a batch sorted by row, rows sharing a prefix
+# computed from one prefix product, backward grouped by core row without a dense gradient.
+
+_KERNEL_SHARED_LIMIT = 48 * 1024  # static shared memory a kernel may use without opting in
+_NO_BAD = np.iinfo(np.uint64).max
+
+
+class TTBagPlan:
+    """Residuals of the GPU kernel path: the batch sorted by row (``rows``, ``perm``), the
+    bag of each lookup, its offsets and weights, and the device verdict of the input check
+    (read once, by :func:`tt_check_plan`)."""
+
+    __slots__ = ("indices", "offsets", "include_last_offset", "per_sample_weights", "mean",
+                 "rows", "perm", "bag_of", "verdict", "num_bags", "checked")
+
+    def __init__(self, **fields):
+        for name in self.__slots__:
+            setattr(self, name, fields.get(name))
+
+    @property
+    def n(self) -> int:
+        return int(self.indices.size)
+
+
+def _uses_kernels(shape: TTShape, indices, cores=None) -> bool:
+    """GPU arrays and a shape whose products fit the kernels' shared memory."""
+    if not is_cupy_array(indices) or (cores is not None and not all(
+            is_cupy_array(c) and c.dtype == np.float32 for c in cores)):
+        return False
+    from xferlib._kernels.tt import shared_bytes
+
+    return max(shared_bytes(shape.p_shapes, shape.q_shapes, shape.ranks).values()) \
+        <= _KERNEL_SHARED_LIMIT
+
+
+def _kernel(shape: TTShape, name: str):
+    from xferlib._kernels.tt import tt_module
+
+    return tt_module(shape.p_shapes, shape.q_shapes, shape.ranks).get_function(name)
+
+
+def _launch(shape: TTShape, name: str, grid, block, args) -> None:
+    import cupy
+
+    _kernel(shape, name)(grid, block, tuple(args), stream=cupy.cuda.get_current_stream())
+
+
+def _sort_positions(keys, num_keys: int):
+    """``(sorted keys, positions, verdict)``: a stable sort on the device, no host sync."""
+    import cupy
+
+    from xferlib.rows import _sorted_positions
+
+    return _sorted_positions(keys, num_keys, cupy.cuda.get_current_stream())
+
+
+def _clean_verdict():
+    """Two device words set to all ones (no bad position found yet)."""
+    import cupy
+
+    verdict = cupy.empty(2, dtype=np.uint64)
+    verdict.data.memset_async(0xFF, 16, cupy.cuda.get_current_stream())
+    return verdict
+
+
+def _total_core_rows(shape: TTShape) -> int:
+    return sum(shape.p_shapes)
+
+
+def _grad_spans(shape: TTShape) -> list[tuple[int, int]]:
+    """Where each core's rows sit in the flat gradient buffer."""
+    spans, start = [], 0
+    for k in range(shape.d):
+        size = shape.core_shape(k)[0] * shape.core_shape(k)[1]
+        spans.append((start, start + size))
+        start += size
+    return spans
+
+
+def _key_name(rows) -> str:
+    return "int" if rows.dtype == np.int32 else "long long"
+
+
+def _core_pointers(cores) -> list:
+    return list(cores) + [np.uint64(0)] * (4 - len(cores))
+
+
+def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
+              include_last_offset, check):
+    """Sort and check the batch and (with ``cores``) pool its rows: ``(bags or None, plan)``."""
+    import cupy
+
+    from xferlib._kernels.tt import CHUNK, THREADS
+
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers, got {indices.dtype}")
+    if indices.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {indices.shape}")
+    offsets = cupy.asarray(offsets)
+    if offsets.ndim != 1 or offsets.size == 0 or offsets.dtype.kind not in "iu":
+        raise ValueError("offsets must be a non-empty 1-D integer array")
+    if mode not in ("sum", "mean"):
+        raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+    n = int(indices.size)
+    weights = None
+    if per_sample_weights is not None:
+        weights = cupy.ascontiguousarray(cupy.asarray(per_sample_weights, dtype=np.float32))
+        if weights.shape != (n,):
+            raise ValueError(f"per_sample_weights must have shape ({n},), got {weights.shape}")
+    if indices.dtype not in (np.int32, np.int64):
+        indices = indices.astype(np.int64)
+    indices = cupy.ascontiguousarray(indices)
+    offsets = cupy.ascontiguousarray(offsets.astype(np.int64, copy=False))
+    rows, perm, sort_verdict = _sort_positions(indices, shape.num_rows)
+    verdict = _clean_verdict()
+    n_off = int(offsets.size)
+    num_bags = n_off - 1 if include_last_offset else n_off
+    _launch(shape, "tt_check_bags", (max(1, min(1024, -(-(n_off + 1) // 256))),), (256,),
+            (offsets, np.int64(n_off), np.int32(include_last_offset), np.int64(n),
+             sort_verdict, verdict))
+    y = out = None
+    if cores is not None:
+        y = cupy.empty((n, shape.dim), dtype=np.float32)
+        _launch(shape, f"tt_rows<{_key_name(rows)}>", (max(1, -(-n // CHUNK)),), (THREADS,),
+                _core_pointers(cores) + [rows, perm, np.int64(n), y, verdict])
+        out = cupy.empty((num_bags, shape.dim), dtype=np.float32)
+    bag_of = cupy.empty(n, dtype=np.int64)
+    total = num_bags * shape.dim
+    _launch(shape, "tt_pool", (max(1, min(65535, -(-total // 256))),), (256,),
+            (y if y is not None else np.uint64(0), offsets, np.int64(n_off),
+             np.int32(include_last_offset), np.int64(n),
+             weights if weights is not None else np.uint64(0), np.int32(mode == "mean"),
+             out if out is not None else np.uint64(0), bag_of, verdict))
+    plan = TTBagPlan(indices=indices, offsets=offsets, include_last_offset=include_last_offset,
+                     per_sample_weights=weights, mean=mode == "mean", rows=rows, perm=perm,
+                     bag_of=bag_of, verdict=verdict, num_bags=num_bags, checked=False)
+    if check:
+        tt_check_plan(plan, shape)
+    return out, plan
+
+
+def tt_check_plan(plan: TTBagPlan, shape: TTShape) -> None:
+    """Read a kernel-path batch's verdict (one 16-byte copy, a stream sync; once per plan) and
+    raise IndexError for an index outside the table or ValueError for bad offsets."""
+    if plan.checked:
+        return
+    bad_index, bad_offset = (int(v) for v in plan.verdict.get())
+    if bad_index != _NO_BAD:
+        value = int(plan.indices[bad_index:bad_index + 1].get()[0])
+        raise IndexError(f"index {value} at position {bad_index} is out of range for a TT "
+                         f"table of {shape.num_rows} rows")
+    if bad_offset != _NO_BAD:
+        raise ValueError(f"offsets must start at 0, not decrease, and end at {plan.n} "
+                         f"(include_last_offset={plan.include_last_offset}); got "
+                         f"{plan.offsets.get().tolist()}")
+    plan.checked = True
+
+
+def _gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bool):
+    """Each touched core row's gradient, in a flat buffer (zeros elsewhere when ``dense``,
+    else untouched rows are left unwritten) and the flags of the touched rows."""
+    import cupy
+
+    from xferlib._kernels.tt import CHUNK, REDUCE_THREADS, THREADS
+
+    tt_check_plan(plan, shape)
+    n, d = plan.n, shape.d
+    grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))
+    if grad_bags.shape != (plan.num_bags, shape.dim):
+        raise ValueError(f"bag gradients must have shape {(plan.num_bags, shape.dim)}, got "
+                         f"{grad_bags.shape}")
+    size = _grad_spans(shape)[-1][1]
+    if n == 0:
+        return (cupy.zeros(size, dtype=np.float32) if dense else None), None
+    r = shape.padded_ranks
+    a_last = math.prod(shape.q_shapes[:-1])
+    ubuf = cupy.empty(n * a_last * r[d - 1], dtype=np.float32)
+    cbuf = cupy.empty(n * r[d - 1] * shape.q_shapes[-1], dtype=np.float32)
+    keys = cupy.empty((d - 1) * n, dtype=np.int32)
+    key_name = _key_name(plan.rows)
+    weights = plan.per_sample_weights
+    _launch(shape, f"tt_bwd_pieces<{key_name}>", (max(1, -(-n // CHUNK)),), (THREADS,),
+            _core_pointers(cores) + [
+                plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
+                np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
+                weights if weights is not None else np.uint64(0), np.int32(plan.mean),
+                grad_bags, ubuf, cbuf, keys, plan.verdict])
+    skeys, items, _ = _sort_positions(keys, sum(shape.p_shapes[1:]) + 1)
+    grad = (cupy.zeros if dense else cupy.empty)(size, dtype=np.float32)
+    touched = cupy.zeros(_total_core_rows(shape), dtype=np.int32)
+    _launch(shape, f"tt_reduce<{key_name}>", (_total_core_rows(shape),), (REDUCE_THREADS,),
+            _core_pointers(cores) + [plan.rows, np.int64(n), skeys, items, np.int64(keys.size),
+                                     ubuf, cbuf, grad, touched, plan.verdict])
+    return grad, touched

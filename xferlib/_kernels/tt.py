@@ -1,0 +1,478 @@
+"""TT embedding kernels: rows from cores, pooling, backward grouped by index prefix, update.
+
+The table's factorization (``p``, ``q``, ranks) is compiled in (one module per shape, built
+on first use), so every product's loops have constant bounds. Core ``k`` holds ``P(k)`` slices
+of ``W(k) = R(k) * Q(k) * R(k+1)`` floats; the *prefix* of a row is its first ``D - 1``
+digits, whose slices multiply to a ``(A_LAST x R_LAST)`` matrix that the last core's slice
+finishes into the row.
+
+The pipeline over a batch sorted by row (rows sharing a prefix sit side by side):
+
+* ``tt_check_bags``: validates offsets (and carries the sort's bad-index verdict): a rejected
+  batch makes every later kernel a no-op, so nothing is written.
+* ``tt_rows``: each block walks ``CHUNK`` sorted positions, recomputes the prefix product only
+  when the prefix changes, and finishes each row with one small product.
+* ``tt_pool``: sums (or averages) each bag's rows in bag order (deterministic).
+* ``tt_bwd_pieces``: per *piece* (a run of one prefix inside a chunk) accumulates ``U = sum
+  g_n G_last[i_d]^T`` (the upstream of the prefix product) and per lookup the last core's
+  slice gradient ``Left^T g_n``; writes the keys that group them by core row.
+* ``tt_reduce``: one block per core row sums its contributions in sorted order (no atomics)
+  into a gradient row; prefix cores are differentiated through the prefix chain per piece.
+* ``tt_update``: the fused optimizer on every touched core row.
+
+Every kernel bounds every index by the compiled shape, so no input reaches outside an array.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from xferlib._kernels._registry import KernelModule
+
+CHUNK = 16  # sorted positions per block in tt_rows / tt_bwd_pieces
+THREADS = 128
+REDUCE_THREADS = 256
+
+TT_KERNEL = r"""
+typedef long long i64;
+typedef unsigned long long u64;
+
+constexpr int D = TT_D;
+__host__ __device__ constexpr i64 P(int k) {
+    return k == 0 ? TT_P0 : k == 1 ? TT_P1 : k == 2 ? TT_P2 : k == 3 ? TT_P3 : 1;
+}
+__host__ __device__ constexpr int Q(int k) {
+    return k == 0 ? TT_Q0 : k == 1 ? TT_Q1 : k == 2 ? TT_Q2 : k == 3 ? TT_Q3 : 1;
+}
+// Ranks padded with 1 at both ends: R(0) = R(D) = 1.
+__host__ __device__ constexpr int R(int k) {
+    return (k <= 0 || k >= D) ? 1 : k == 1 ? TT_R1 : k == 2 ? TT_R2 : TT_R3;
+}
+__host__ __device__ constexpr int W(int k) { return R(k) * Q(k) * R(k + 1); }
+__host__ __device__ constexpr i64 STRIDE(int k) { return k >= D - 1 ? 1 : P(k + 1) * STRIDE(k + 1); }
+// prod Q(f .. l-1)
+__host__ __device__ constexpr int QPROD(int f, int l) { return f >= l ? 1 : Q(f) * QPROD(f + 1, l); }
+// Core k's first slice in the flat gradient buffer / touched flags / grid of row blocks.
+__host__ __device__ constexpr i64 GOFF(int k) { return k <= 0 ? 0 : GOFF(k - 1) + P(k - 1) * W(k - 1); }
+__host__ __device__ constexpr i64 ROFF(int k) { return k <= 0 ? 0 : ROFF(k - 1) + P(k - 1); }
+// Sort keys group the items of cores 1 .. D-1 by (core, digit): key = KOFF(k) + digit.
+__host__ __device__ constexpr int KOFF(int k) { return k <= 1 ? 0 : KOFF(k - 1) + (int)P(k - 1); }
+
+constexpr int DIM = QPROD(0, D);
+constexpr int A_LAST = QPROD(0, D - 1);
+constexpr int R_LAST = R(D - 1);
+constexpr int QL = Q(D - 1);
+constexpr int UW = A_LAST * R_LAST;           // a piece's upstream U
+constexpr int CW = R_LAST * QL;               // a lookup's last-core slice gradient
+constexpr i64 NUM_ROWS = P(0) * STRIDE(0);
+constexpr int SENTINEL = KOFF(D);             // key of an item that is not a piece start
+constexpr int CHUNK = TT_CHUNK;
+constexpr int MAXBUF = TT_MAXBUF;             // largest chain product (floats)
+constexpr int MAXW = TT_MAXW;                 // largest slice
+constexpr int MAXV = TT_MAXV;                 // largest L^T U intermediate
+
+__device__ __forceinline__ bool rejected(const u64* v) { return v[0] != ~0ull || v[1] != ~0ull; }
+
+__device__ __forceinline__ i64 bound_at(const i64* off, i64 n_off, i64 n, i64 t) {
+    return t < n_off ? off[t] : n;
+}
+
+__device__ __forceinline__ void digits_of(i64 row, i64* dig) {
+#pragma unroll
+    for (int k = 0; k < D; ++k) dig[k] = (row / STRIDE(k)) % P(k);
+}
+
+// out (M x N) (+)= op(a) (M x K) op(b) (K x N), row-major; TA: a is stored (K x M); TB: b is
+// stored (N x K). Thread t always owns outputs t, t + blockDim.x, ... (accumulators rely on it).
+template <int M, int K, int N, bool TA, bool TB, bool ACC>
+__device__ __forceinline__ void block_matmul(const float* a, const float* b, float* out) {
+    for (int o = threadIdx.x; o < M * N; o += blockDim.x) {
+        const int m = o / N, c = o - m * N;
+        float s = ACC ? out[o] : 0.f;
+#pragma unroll 8
+        for (int k = 0; k < K; ++k)
+            s += (TA ? a[k * M + m] : a[m * K + k]) * (TB ? b[c * K + k] : b[k * N + c]);
+        out[o] = s;
+    }
+}
+
+// The product of the slices of cores F..L of the row with digits dig, a row-major
+// (R(F) * QPROD(F, L + 1)) x R(L + 1) matrix: the core's slice itself (in global memory) when
+// F == L, else computed into out (tmp: scratch), synchronized.
+template <int F, int L>
+__device__ const float* chain(const float* const* cores, const i64* dig, float* out, float* tmp) {
+    if constexpr (F == L) {
+        return cores[F] + dig[F] * W(F);
+    } else {
+        const float* prev = chain<F, L - 1>(cores, dig, tmp, out);
+        block_matmul<R(F) * QPROD(F, L), R(L), Q(L) * R(L + 1), false, false, false>(
+            prev, cores[L] + dig[L] * W(L), out);
+        __syncthreads();
+        return out;
+    }
+}
+
+#define CORE_ARGS const float* c0, const float* c1, const float* c2, const float* c3
+#define CORES const float* cores[4] = {c0, c1, c2, c3}
+
+// verdict[0] <- the sort's first bad index position; verdict[1] <- first bad offset position.
+extern "C" __global__ void tt_check_bags(const i64* offsets, i64 n_off, int include_last, i64 n,
+                                         const u64* sort_verdict, u64* verdict) {
+    const i64 nb = include_last ? n_off : n_off + 1;
+    const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (first == 0) verdict[0] = sort_verdict[0];
+    for (i64 t = first; t < nb; t += (i64)gridDim.x * blockDim.x) {
+        const i64 v = bound_at(offsets, n_off, n, t);
+        const bool bad = (t == 0 && v != 0) || (t == nb - 1 && v != n) ||
+                         (t > 0 && v < bound_at(offsets, n_off, n, t - 1));
+        if (bad) atomicMin(verdict + 1, (u64)t);
+    }
+}
+
+// y[perm[j]] = row rows[j] of the table, for the CHUNK sorted positions of this block.
+template <typename K>
+__global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float* y,
+                        const u64* verdict) {
+    if (rejected(verdict)) return;
+    __shared__ float left[MAXBUF], tmp[MAXBUF];
+    CORES;
+    i64 dig[4] = {0, 0, 0, 0};
+    const i64 start = (i64)blockIdx.x * CHUNK, end = min(n, start + CHUNK);
+    i64 prefix = -1;
+    const float* lp = left;
+    for (i64 j = start; j < end; ++j) {
+        const i64 row = (i64)rows[j];
+        if (row < 0 || row >= NUM_ROWS) continue;  // unreachable: the verdict rejects it
+        digits_of(row, dig);
+        const i64 pre = row / P(D - 1);
+        if (pre != prefix) {
+            __syncthreads();
+            lp = chain<0, D - 2>(cores, dig, left, tmp);
+            prefix = pre;
+        }
+        block_matmul<A_LAST, R_LAST, QL, false, false, false>(
+            lp, cores[D - 1] + dig[D - 1] * W(D - 1), y + perm[j] * DIM);
+    }
+}
+
+// out[b] = sum over bag b of w * y[m]; bag_of[m] = b. A rejected batch gives zeros. With
+// y == nullptr only bag_of is written (a backward that rebuilds its plan).
+extern "C" __global__ void tt_pool(const float* y, const i64* offsets, i64 n_off,
+                                   int include_last, i64 n, const float* psw, int mean,
+                                   float* out, i64* bag_of, const u64* verdict) {
+    const i64 bags = (include_last ? n_off : n_off + 1) - 1;
+    const bool bad = rejected(verdict);
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < bags * DIM;
+         t += (i64)gridDim.x * blockDim.x) {
+        const i64 b = t / DIM;
+        const int e = (int)(t - b * DIM);
+        float s = 0.f;
+        if (!bad) {
+            const i64 lo = max((i64)0, bound_at(offsets, n_off, n, b));
+            const i64 hi = min(n, bound_at(offsets, n_off, n, b + 1));
+            for (i64 m = lo; m < hi; ++m) {
+                if (e == 0) bag_of[m] = b;
+                if (y == nullptr) continue;
+                float w = psw != nullptr ? psw[m] : 1.f;
+                if (mean) w /= (float)(hi - lo);
+                s += w * y[m * DIM + e];
+            }
+        }
+        if (out != nullptr) out[t] = s;
+    }
+}
+
+// Per piece (a run of one prefix within the block's CHUNK sorted positions, slot = its first
+// position): U = sum_n g_n G_last[i_d]^T. Per position j: C[j] = Left^T g_n, and the sort
+// keys of its items: keys[(D-2) n + j] (last core) and keys[(k-1) n + j] (middle core k, piece
+// starts only; SENTINEL elsewhere).
+template <typename K>
+__global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
+                              const i64* bag_of, const i64* offsets, i64 n_off,
+                              int include_last, const float* psw, int mean,
+                              const float* grad_out, float* ubuf, float* cbuf, int* keys,
+                              const u64* verdict) {
+    if (rejected(verdict)) return;
+    __shared__ float left[MAXBUF], tmp[MAXBUF], g[DIM], u[UW];
+    CORES;
+    i64 dig[4] = {0, 0, 0, 0};
+    const i64 start = (i64)blockIdx.x * CHUNK, end = min(n, start + CHUNK);
+    i64 prefix = -1, piece = -1;
+    const float* lp = left;
+    for (i64 j = start; j < end; ++j) {
+        const i64 row = (i64)rows[j];
+        if (row < 0 || row >= NUM_ROWS) continue;  // unreachable: the verdict rejects it
+        digits_of(row, dig);
+        const i64 pre = row / P(D - 1);
+        const bool starts = pre != prefix;
+        if (starts) {
+            __syncthreads();
+            if (piece >= 0)
+                for (int o = threadIdx.x; o < UW; o += blockDim.x) ubuf[piece * UW + o] = u[o];
+            lp = chain<0, D - 2>(cores, dig, left, tmp);
+            for (int o = threadIdx.x; o < UW; o += blockDim.x) u[o] = 0.f;
+            prefix = pre;
+            piece = j;
+        }
+        if (threadIdx.x == 0) {
+            keys[(i64)(D - 2) * n + j] = KOFF(D - 1) + (int)dig[D - 1];
+#pragma unroll
+            for (int k = 1; k <= D - 2; ++k)
+                keys[(i64)(k - 1) * n + j] = starts ? KOFF(k) + (int)dig[k] : SENTINEL;
+        }
+        const i64 m = perm[j];
+        const i64 b = bag_of[m];
+        float w = psw != nullptr ? psw[m] : 1.f;
+        if (mean) w /= (float)(bound_at(offsets, n_off, n, b + 1) - bound_at(offsets, n_off, n, b));
+        for (int o = threadIdx.x; o < DIM; o += blockDim.x) g[o] = w * grad_out[b * DIM + o];
+        __syncthreads();
+        const float* last = cores[D - 1] + dig[D - 1] * W(D - 1);  // (R_LAST x QL)
+        block_matmul<R_LAST, A_LAST, QL, true, false, false>(lp, g, cbuf + j * CW);
+        block_matmul<A_LAST, QL, R_LAST, false, true, true>(g, last, u);
+        __syncthreads();
+    }
+    if (piece >= 0)
+        for (int o = threadIdx.x; o < UW; o += blockDim.x) ubuf[piece * UW + o] = u[o];
+}
+
+// Slice gradient of prefix-chain core KC from one piece's upstream U (global, A_LAST x
+// R_LAST): acc += (L^T U) S^T with L the product of the slices before KC and S of those after
+// it (up to core D-2), either of them absent at the chain's ends.
+template <int KC>
+__device__ void prefix_slice_grad(const float* const* cores, const i64* dig, const float* U,
+                                  float* acc, float* bl, float* bs, float* tmp, float* v) {
+    constexpr int BR = QPROD(KC + 1, D - 1) * R_LAST;  // columns of U per (r_k, j_k)
+    __syncthreads();
+    const float* l = nullptr;
+    const float* s = nullptr;
+    if constexpr (KC > 0) l = chain<0, KC - 1>(cores, dig, bl, tmp);
+    if constexpr (KC < D - 2) s = chain<KC + 1, D - 2>(cores, dig, bs, tmp);
+    if constexpr (KC == 0 && KC == D - 2) {
+        for (int o = threadIdx.x; o < W(KC); o += blockDim.x) acc[o] += U[o];
+    } else if constexpr (KC == 0) {
+        block_matmul<Q(KC), BR, R(KC + 1), false, true, true>(U, s, acc);
+    } else if constexpr (KC == D - 2) {
+        block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, true>(l, U, acc);
+    } else {
+        block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, false>(l, U, v);
+        __syncthreads();
+        block_matmul<R(KC) * Q(KC), BR, R(KC + 1), false, true, true>(v, s, acc);
+    }
+}
+
+__device__ __forceinline__ i64 lower_bound_int(const int* a, i64 n, int key) {
+    i64 lo = 0, hi = n;
+    while (lo < hi) { const i64 mid = (lo + hi) >> 1; if (a[mid] < key) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+
+template <typename K>
+__device__ __forceinline__ i64 lower_bound_rows(const K* a, i64 n, i64 key) {
+    i64 lo = 0, hi = n;
+    while (lo < hi) { const i64 mid = (lo + hi) >> 1; if ((i64)a[mid] < key) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+
+template <typename K>
+__device__ __forceinline__ bool piece_starts(const K* rows, i64 j) {
+    return j % CHUNK == 0 || (i64)rows[j] / P(D - 1) != (i64)rows[j - 1] / P(D - 1);
+}
+
+template <int KC, typename K>
+__device__ void reduce_row(const float* const* cores, const K* rows, i64 n, const int* skeys,
+                           const i64* items, i64 n_items, const float* ubuf, const float* cbuf,
+                           i64 i, float* grad, int* touched, float* acc, float* bl, float* bs,
+                           float* tmp, float* v) {
+    i64 dig[4] = {0, 0, 0, 0};
+    bool any = false;
+    for (int o = threadIdx.x; o < W(KC); o += blockDim.x) acc[o] = 0.f;
+    if constexpr (KC == D - 1) {
+        const int key = KOFF(KC) + (int)i;
+        const i64 lo = lower_bound_int(skeys, n_items, key), hi = lower_bound_int(skeys, n_items, key + 1);
+        any = hi > lo;
+        for (int o = threadIdx.x; o < CW; o += blockDim.x) {
+            float s = 0.f;
+            for (i64 t = lo; t < hi; ++t) {
+                const i64 j = items[t] - (i64)(D - 2) * n;
+                if (j >= 0 && j < n) s += cbuf[j * CW + o];
+            }
+            acc[o] = s;
+        }
+    } else if constexpr (KC == 0) {
+        const i64 lo = lower_bound_rows(rows, n, i * STRIDE(0));
+        const i64 hi = lower_bound_rows(rows, n, (i + 1) * STRIDE(0));
+        any = hi > lo;
+        for (i64 j = lo; j < hi; ++j) {
+            if (!piece_starts(rows, j)) continue;
+            digits_of((i64)rows[j], dig);
+            prefix_slice_grad<KC>(cores, dig, ubuf + j * UW, acc, bl, bs, tmp, v);
+        }
+    } else {
+        const int key = KOFF(KC) + (int)i;
+        const i64 lo = lower_bound_int(skeys, n_items, key), hi = lower_bound_int(skeys, n_items, key + 1);
+        any = hi > lo;
+        for (i64 t = lo; t < hi; ++t) {
+            const i64 j = items[t] - (i64)(KC - 1) * n;
+            if (j < 0 || j >= n) continue;
+            digits_of((i64)rows[j], dig);
+            prefix_slice_grad<KC>(cores, dig, ubuf + j * UW, acc, bl, bs, tmp, v);
+        }
+    }
+    __syncthreads();
+    if (!any) return;
+    for (int o = threadIdx.x; o < W(KC); o += blockDim.x) grad[GOFF(KC) + i * W(KC) + o] = acc[o];
+    if (threadIdx.x == 0) touched[ROFF(KC) + i] = 1;
+}
+
+// One block per core row (all cores): its gradient row, summed in sorted order, and a flag.
+template <typename K>
+__global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, const i64* items,
+                          i64 n_items, const float* ubuf, const float* cbuf, float* grad,
+                          int* touched, const u64* verdict) {
+    if (rejected(verdict)) return;
+    __shared__ float acc[MAXW], bl[MAXBUF], bs[MAXBUF], tmp[MAXBUF], v[MAXV];
+    CORES;
+    const i64 b = blockIdx.x;
+    if (b < ROFF(1)) {
+        reduce_row<0>(cores, rows, n, skeys, items, n_items, ubuf, cbuf, b, grad, touched,
+                      acc, bl, bs, tmp, v);
+    } else if (b < ROFF(2)) {
+        reduce_row<1>(cores, rows, n, skeys, items, n_items, ubuf, cbuf, b - ROFF(1), grad,
+                      touched, acc, bl, bs, tmp, v);
+    } else if constexpr (D > 2) {
+        if (b < ROFF(3)) {
+            reduce_row<(D > 2 ? 2 : 1)>(cores, rows, n, skeys, items, n_items, ubuf, cbuf,
+                                        b - ROFF(2), grad, touched, acc, bl, bs, tmp, v);
+        } else if constexpr (D > 3) {
+            if (b < ROFF(4))
+                reduce_row<(D > 3 ? 3 : 1)>(cores, rows, n, skeys, items, n_items, ubuf, cbuf,
+                                            b - ROFF(3), grad, touched, acc, bl, bs, tmp, v);
+        }
+    }
+}
+
+// The fused optimizer on every touched core row. opt: 0 sgd, 1 adagrad, 2 row-wise adagrad,
+// 3 row-wise adam (elementwise first moment, one second moment and step per row).
+#define STATE_ARGS(name) float* name##0, float* name##1, float* name##2, float* name##3
+extern "C" __global__ void tt_update(float* c0, float* c1, float* c2, float* c3,
+                                     STATE_ARGS(e), STATE_ARGS(r), i64* s0, i64* s1, i64* s2,
+                                     i64* s3, const float* grad, const int* touched, int opt,
+                                     float lr, float eps, double beta1, double beta2) {
+    __shared__ float red[32];
+    __shared__ float row_scale[2];
+    const i64 b = blockIdx.x;
+    int k = 0;
+    while (k < D - 1 && b >= ROFF(k + 1)) ++k;
+    const i64 i = b - ROFF(k);
+    if (i < 0 || i >= P(k) || !touched[b]) return;
+    const int width = W(k);
+    float* cores[4] = {c0, c1, c2, c3};
+    float* elem[4] = {e0, e1, e2, e3};
+    float* rowst[4] = {r0, r1, r2, r3};
+    i64* steps[4] = {s0, s1, s2, s3};
+    float* w = cores[k] + i * width;
+    const float* g = grad + GOFF(k) + i * width;
+    if (opt == 0) {
+        for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * g[o];
+        return;
+    }
+    if (opt == 1) {
+        float* s = elem[k] + i * width;
+        for (int o = threadIdx.x; o < width; o += blockDim.x) {
+            const float gg = g[o], sum = s[o] + gg * gg;
+            s[o] = sum;
+            w[o] -= lr * gg / (sqrtf(sum) + eps);
+        }
+        return;
+    }
+    // row-wise: mean of g^2 over the row (block reduction)
+    float part = 0.f;
+    for (int o = threadIdx.x; o < width; o += blockDim.x) part += g[o] * g[o];
+    for (int off = 16; off > 0; off >>= 1) part += __shfl_down_sync(0xffffffffu, part, off);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = part;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+        for (int t = 0; t < (int)((blockDim.x + 31) >> 5); ++t) total += red[t];
+        const float mean_sq = total / (float)width;
+        if (opt == 2) {
+            const float sum = rowst[k][i] + mean_sq;
+            rowst[k][i] = sum;
+            row_scale[0] = sqrtf(sum) + eps;
+        } else {
+            const i64 t = steps[k][i] + 1;
+            steps[k][i] = t;
+            const float vv = (float)beta2 * rowst[k][i] + (float)(1.0 - beta2) * mean_sq;
+            rowst[k][i] = vv;
+            row_scale[0] = sqrtf((float)(vv / (1.0 - pow(beta2, (double)t)))) + eps;
+            row_scale[1] = (float)(1.0 - pow(beta1, (double)t));
+        }
+    }
+    __syncthreads();
+    if (opt == 2) {
+        for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * g[o] / row_scale[0];
+        return;
+    }
+    float* m = elem[k] + i * width;
+    for (int o = threadIdx.x; o < width; o += blockDim.x) {
+        const float mm = (float)beta1 * m[o] + (float)(1.0 - beta1) * g[o];
+        m[o] = mm;
+        w[o] -= lr * (mm / row_scale[1]) / row_scale[0];
+    }
+}
+"""
+
+KEY_TYPES = ("int", "long long")
+ROWS_NAMES = {key: f"tt_rows<{key}>" for key in KEY_TYPES}
+BWD_NAMES = {key: f"tt_bwd_pieces<{key}>" for key in KEY_TYPES}
+REDUCE_NAMES = {key: f"tt_reduce<{key}>" for key in KEY_TYPES}
+PLAIN_NAMES = ("tt_check_bags", "tt_pool", "tt_update")
+
+
+def _chain_sizes(p, q, ranks):
+    """Shared-memory needs (floats): the largest chain product over the prefix cores, the
+    largest slice and the largest L^T U intermediate."""
+    d = len(p)
+    r = (1,) + tuple(ranks) + (1,)
+    maxbuf = 1
+    for first in range(d - 1):
+        for last in range(first + 1, d - 1):  # a single slice is read in place
+            maxbuf = max(maxbuf, r[first] * math.prod(q[first:last + 1]) * r[last + 1])
+    maxw = max(r[k] * q[k] * r[k + 1] for k in range(d))
+    maxv = 1
+    for k in range(1, d - 2):  # middle prefix cores with both L and S present
+        maxv = max(maxv, r[k] * math.prod(q[k:d - 1]) * r[d - 1])
+    return maxbuf, maxw, maxv
+
+
+def shared_bytes(p, q, ranks) -> dict:
+    """Static shared memory of each kernel, in bytes, for a shape."""
+    maxbuf, maxw, maxv = _chain_sizes(p, q, ranks)
+    d = len(p)
+    dim = math.prod(q)
+    uw = math.prod(q[:d - 1]) * ((1,) + tuple(ranks))[d - 1]
+    return {"rows": 8 * maxbuf, "bwd": 4 * (2 * maxbuf + dim + uw),
+            "reduce": 4 * (maxw + 3 * maxbuf + maxv)}
+
+
+@functools.lru_cache(maxsize=None)
+def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
+    """The compiled-in-shape module for one factorization (built once per shape)."""
+    maxbuf, maxw, maxv = _chain_sizes(p, q, ranks)
+    pad = lambda values, n, fill: list(values) + [fill] * (n - len(values))  # noqa: E731
+    pp, qq, rr = pad(p, 4, 1), pad(q, 4, 1), pad(ranks, 3, 1)
+    defines = [f"#define TT_D {len(p)}"]
+    defines += [f"#define TT_P{k} {v}LL" for k, v in enumerate(pp)]
+    defines += [f"#define TT_Q{k} {v}" for k, v in enumerate(qq)]
+    defines += [f"#define TT_R{k + 1} {v}" for k, v in enumerate(rr)]
+    defines += [f"#define TT_CHUNK {CHUNK}", f"#define TT_MAXBUF {maxbuf}",
+                f"#define TT_MAXW {maxw}", f"#define TT_MAXV {maxv}"]
+    names = (list(ROWS_NAMES.values()) + list(BWD_NAMES.values())
+             + list(REDUCE_NAMES.values()) + list(PLAIN_NAMES))
+    label = "x".join(map(str, p)) + "_" + "x".join(map(str, q)) + "_r" + "x".join(map(str, ranks))
+    return KernelModule(f"tt_{label}", "\n".join(defines) + "\n" + TT_KERNEL, names)
+
+
+# FBTT-Embedding's benchmark shape, registered at import so the all-modules test compiles it.
+TT_MODULE = tt_module((200, 220, 250), (4, 4, 4), (32, 32))
