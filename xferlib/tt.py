@@ -327,18 +327,19 @@ def tt_from_dense(table, ranks, p_shapes, q_shapes) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- bags
 
 
-def _checked_indices(idx, shape: TTShape):
+def _checked_indices(idx, shape: TTShape, num_embeddings=None):
+    bound = shape.num_rows if num_embeddings is None else int(num_embeddings)
     xp = array_module(idx) if is_cupy_array(idx) else np
     idx = xp.asarray(idx)
     if idx.dtype.kind not in "iu":
         raise TypeError(f"indices must be integers, got {idx.dtype}")
     if idx.ndim != 1:
         raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
-    bad = xp.flatnonzero((idx < 0) | (idx >= shape.num_rows))
+    bad = xp.flatnonzero((idx < 0) | (idx >= bound))
     if bad.size:
         position = int(bad[0])
         raise IndexError(f"index {int(idx[position])} at position {position} is out of range "
-                         f"for a TT table of {shape.num_rows} rows")
+                         f"for a TT table of {bound} rows")
     return idx.astype(xp.int64)
 
 
@@ -385,20 +386,21 @@ def tt_embedding_bag_reference(cores, shape: TTShape, indices, offsets, *, mode=
 
 
 def tt_bag_residuals(shape: TTShape, indices, offsets, *, mode="sum", per_sample_weights=None,
-                     include_last_offset=True):
+                     include_last_offset=True, num_embeddings=None):
     """What backward needs, checked: ``(indices, bag of each lookup, weight of each lookup,
     number of bags)``; for GPU indices of a shape the kernels take, a :class:`TTBagPlan`."""
     if _uses_kernels(shape, indices):
         return _gpu_plan(None, shape, indices, offsets, mode, per_sample_weights,
-                         include_last_offset, check=True)[1]
-    indices = _checked_indices(indices, shape)
+                         include_last_offset, True, num_embeddings)[1]
+    indices = _checked_indices(indices, shape, num_embeddings)
     bag, counts = _bag_ids(indices, offsets, include_last_offset)
     w = _lookup_weights(counts, bag, per_sample_weights, mode, len(indices), np.float32)
     return indices, bag, w, len(counts)
 
 
 def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
-                         per_sample_weights=None, include_last_offset=True, check=True):
+                         per_sample_weights=None, include_last_offset=True, check=True,
+                         num_embeddings=None):
     """``(bags, residuals)``: pooled rows ``(B, D)`` (float32) and what backward needs.
 
     GPU (CuPy) arrays run the CUDA kernels (see :class:`TTBagPlan`); ``check=False`` there
@@ -409,10 +411,10 @@ def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
     shape.check_cores(cores)
     if _uses_kernels(shape, indices, cores):
         return _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights,
-                         include_last_offset, check)
+                         include_last_offset, check, num_embeddings)
     indices, bag, w, num_bags = tt_bag_residuals(
         shape, indices, offsets, mode=mode, per_sample_weights=per_sample_weights,
-        include_last_offset=include_last_offset)
+        include_last_offset=include_last_offset, num_embeddings=num_embeddings)
     rows = tt_rows(cores, shape, indices) * w[:, None]
     out = array_module(rows).zeros((num_bags, shape.dim), dtype=np.float32)
     _scatter_add(out, bag, rows)
@@ -578,7 +580,7 @@ class TTBagPlan:
     (read once, by :func:`tt_check_plan`)."""
 
     __slots__ = ("indices", "offsets", "include_last_offset", "per_sample_weights", "mean",
-                 "rows", "perm", "bag_of", "verdict", "num_bags", "checked")
+                 "rows", "perm", "bag_of", "verdict", "num_bags", "checked", "bound")
 
     def __init__(self, **fields):
         for name in self.__slots__:
@@ -653,7 +655,7 @@ def _core_pointers(cores) -> list:
 
 
 def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
-              include_last_offset, check):
+              include_last_offset, check, num_embeddings=None):
     """Sort and check the batch and (with ``cores``) pool its rows: ``(bags or None, plan)``."""
     import cupy
 
@@ -678,7 +680,8 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
         indices = indices.astype(np.int64)
     indices = cupy.ascontiguousarray(indices)
     offsets = cupy.ascontiguousarray(offsets.astype(np.int64, copy=False))
-    rows, perm, sort_verdict = _sort_positions(indices, shape.num_rows)
+    bound = shape.num_rows if num_embeddings is None else int(num_embeddings)
+    rows, perm, sort_verdict = _sort_positions(indices, bound)
     verdict = _clean_verdict()
     n_off = int(offsets.size)
     num_bags = n_off - 1 if include_last_offset else n_off
@@ -700,7 +703,8 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
              out if out is not None else np.uint64(0), bag_of, verdict))
     plan = TTBagPlan(indices=indices, offsets=offsets, include_last_offset=include_last_offset,
                      per_sample_weights=weights, mean=mode == "mean", rows=rows, perm=perm,
-                     bag_of=bag_of, verdict=verdict, num_bags=num_bags, checked=False)
+                     bag_of=bag_of, verdict=verdict, num_bags=num_bags, checked=False,
+                     bound=bound)
     if check:
         tt_check_plan(plan, shape)
     return out, plan
@@ -715,7 +719,7 @@ def tt_check_plan(plan: TTBagPlan, shape: TTShape) -> None:
     if bad_index != _NO_BAD:
         value = int(plan.indices[bad_index:bad_index + 1].get()[0])
         raise IndexError(f"index {value} at position {bad_index} is out of range for a TT "
-                         f"table of {shape.num_rows} rows")
+                         f"table of {plan.bound} rows")
     if bad_offset != _NO_BAD:
         raise ValueError(f"offsets must start at 0, not decrease, and end at {plan.n} "
                          f"(include_last_offset={plan.include_last_offset}); got "

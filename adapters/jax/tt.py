@@ -53,10 +53,12 @@ def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: b
         with stream:
             grad_bags = arrays[-1]
             cores, indices, offsets, weights = split(arrays[:-1])
-            indices, bag, w, _ = core.tt_bag_residuals(
+            residuals = core.tt_bag_residuals(
                 shape, indices, offsets, mode=mode, per_sample_weights=weights,
                 include_last_offset=include_last_offset)
-            grads = core.tt_embedding_bag_bwd(cores, shape, (indices, bag, w), grad_bags)
+            if not isinstance(residuals, core.TTBagPlan):  # (indices, bag, weights, bags)
+                residuals = residuals[:3]
+            grads = core.tt_embedding_bag_bwd(cores, shape, residuals, grad_bags)
             for out, grad in zip(outs, grads):
                 as_core_array(out, gpu)[...] = grad
 

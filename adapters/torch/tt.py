@@ -98,32 +98,37 @@ class _TTBagFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, indices, offsets, per_sample_weights, *cores):
         device = cores[0]
+        # A step that will be differentiated reads the GPU input check in backward, before any
+        # core changes, so the forward never waits on the device.
+        training = torch.is_grad_enabled() and any(c.requires_grad for c in cores)
         with _on_stream(device):
             arrays = [_array(c)[0] for c in cores]
             out, residuals = core.tt_embedding_bag_fwd(
-                arrays, module.shape, _array(indices.to(device.device)), _array(offsets),
-                mode=module.mode,
+                arrays, module.shape, _array(indices.to(device.device)),
+                _array(offsets.to(device.device)), mode=module.mode,
                 per_sample_weights=None if per_sample_weights is None
                 else _array(per_sample_weights.to(device.device)),
-                include_last_offset=module.include_last_offset)
+                include_last_offset=module.include_last_offset, check=not training,
+                num_embeddings=module.num_embeddings)
         ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
         return _torch(out)
 
     @staticmethod
     def backward(ctx, grad_out):
         module = ctx.module
+        none = (None, None, None, None)
         with _on_stream(ctx.device):
-            grads = core.tt_embedding_bag_bwd(ctx.arrays, module.shape, ctx.residuals,
-                                              _array(grad_out.contiguous()))
-            none = (None, None, None, None)
+            grad_bags = _array(grad_out.contiguous())
             if module.sparse:  # fused: update the cores in place, hand no gradient back
                 with torch.no_grad():
-                    core.tt_sparse_update([_array(c.data)[0] for c in module.tt_cores],
-                                          module.shape, ctx.residuals, grads,
-                                          module._state_for(ctx.arrays[0]),
-                                          _CORE_OPTIMIZER[module.optimizer],
-                                          lr=module.learning_rate, eps=module.eps)
-                return none + (None,) * len(grads)
+                    core.tt_fused_update([_array(c.data)[0] for c in module.tt_cores],
+                                         module.shape, ctx.residuals, grad_bags,
+                                         module._state_for(ctx.arrays[0]),
+                                         _CORE_OPTIMIZER[module.optimizer],
+                                         lr=module.learning_rate, eps=module.eps)
+                return none + (None,) * len(ctx.arrays)
+            grads = core.tt_embedding_bag_bwd(ctx.arrays, module.shape, ctx.residuals,
+                                              grad_bags)
         return none + tuple(_torch(g)[None] for g in grads)
 
 
@@ -181,11 +186,6 @@ class TTEmbeddingBag(torch.nn.Module):
         self.sparse_state = core.tt_sparse_state(self.shape, _CORE_OPTIMIZER[optimizer])
 
     def forward(self, indices, offsets, per_sample_weights=None):
-        bad = torch.nonzero((indices < 0) | (indices >= self.num_embeddings)).flatten()
-        if bad.numel():
-            position = int(bad[0])
-            raise IndexError(f"index {int(indices[position])} at position {position} is out of "
-                             f"range for {self.num_embeddings} embeddings")
         return _TTBagFunction.apply(self, indices.long(), offsets.long(), per_sample_weights,
                                     *self.tt_cores)
 

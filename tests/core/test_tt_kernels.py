@@ -1,0 +1,186 @@
+"""The CUDA kernel path of ``xferlib.tt`` against the float64 reference and the NumPy path."""
+
+import numpy as np
+import pytest
+
+from xferlib import tt
+from xferlib._backend import cupy_available
+
+pytestmark = pytest.mark.gpu
+
+# d = 2, 3, 4; several with p_k > R_k * q_k * R_{k+1} (rows FBTT's launch never reached), and
+# FBTT's benchmark shape.
+SHAPES = [
+    tt.TTShape([40, 3], [2, 2], [2]),
+    tt.TTShape([7, 5], [3, 2], [4]),
+    tt.TTShape([11, 13, 17], [2, 4, 2], [3, 5]),
+    tt.TTShape([20, 22, 25], [4, 2, 4], [8, 6]),
+    tt.TTShape([3, 4, 5, 6], [2, 3, 2, 2], [3, 4, 5]),
+    tt.TTShape([5, 6, 7, 3], [2, 2, 2, 2], [2, 3, 2]),
+    tt.TTShape([200, 220, 250], [4, 4, 4], [32, 32]),
+]
+CASES = [  # mode, weighted, few distinct rows (duplicates), optimizer, index dtype, last offset
+    ("sum", False, False, "sgd", np.int64, True),
+    ("mean", True, True, "adagrad", np.int32, True),
+    ("sum", True, False, "rowwise_adagrad", np.int64, False),
+    ("mean", False, True, "rowwise_adam", np.int32, True),
+]
+
+
+@pytest.fixture
+def cupy():
+    if not cupy_available():
+        pytest.skip("needs a CUDA GPU with CuPy; none on this machine")
+    import cupy
+
+    return cupy
+
+
+def _batch(rng, shape, bags, max_len, duplicates, dtype, include_last):
+    counts = rng.integers(0, max_len + 1, bags)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    high = min(shape.num_rows, 6) if duplicates else shape.num_rows
+    idx = rng.integers(0, high, int(counts.sum())).astype(dtype)
+    return idx, (offsets if include_last else offsets[:-1])
+
+
+def _close(actual, expected, rtol):
+    scale = np.abs(expected).max() + 1e-6
+    assert np.abs(np.asarray(actual) - expected).max() <= rtol * scale
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[3]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s.p_shapes)))
+def test_kernels_match_the_reference(cupy, shape, case):
+    mode, weighted, duplicates, optimizer, dtype, include_last = case
+    rng = np.random.default_rng(hash((shape.p_shapes, mode)) % 2**32)
+    assert tt._uses_kernels(shape, cupy.zeros(1, np.int64))
+    cores = [3 * c for c in tt.init_tt_cores(shape, "normal", rng=rng)]
+    idx, offsets = _batch(rng, shape, 37, 40, duplicates, dtype, include_last)
+    psw = rng.standard_normal(len(idx)).astype(np.float32) if weighted else None
+    kw = dict(mode=mode, include_last_offset=include_last)
+    ref = tt.tt_embedding_bag_reference(cores, shape, idx, offsets, per_sample_weights=psw, **kw)
+    gpu_cores = [cupy.asarray(c) for c in cores]
+    gpu = dict(per_sample_weights=None if psw is None else cupy.asarray(psw), **kw)
+    out, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, cupy.asarray(idx),
+                                        cupy.asarray(offsets), **gpu)
+    assert isinstance(plan, tt.TTBagPlan)
+    _close(out.get(), ref, 1e-5)
+    # dense core gradients against the NumPy path (itself checked against autograd on CPU)
+    g = rng.standard_normal(ref.shape).astype(np.float32)
+    _, res = tt.tt_embedding_bag_fwd(cores, shape, idx, offsets, per_sample_weights=psw, **kw)
+    expected = tt.tt_embedding_bag_bwd(cores, shape, res, g)
+    for got, want in zip(tt.tt_embedding_bag_bwd(gpu_cores, shape, plan, cupy.asarray(g)),
+                         expected):
+        _close(got.get(), want, 1e-4)
+    # two fused steps against the NumPy path's backward + sparse update
+    states = tt.tt_sparse_state(shape, optimizer)
+    gpu_states = [{k: cupy.asarray(v) for k, v in st.items()} for st in states]
+    host_cores = [c.copy() for c in cores]
+    for _ in range(2):
+        _, res = tt.tt_embedding_bag_fwd(host_cores, shape, idx, offsets, per_sample_weights=psw,
+                                         **kw)
+        tt.tt_fused_update(host_cores, shape, res, g, states, optimizer, lr=0.05)
+        _, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, cupy.asarray(idx),
+                                          cupy.asarray(offsets), check=False, **gpu)
+        tt.tt_fused_update(gpu_cores, shape, plan, cupy.asarray(g), gpu_states, optimizer,
+                           lr=0.05)
+    for got, want in zip(gpu_cores, host_cores):
+        _close(got.get(), want, 1e-4)
+    for got, want in zip(gpu_states, states):
+        for name in want:
+            np.testing.assert_allclose(got[name].get(), want[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dist", ["uniform", "zipf"])
+def test_large_batches_take_the_device_wide_sort(cupy, dist):
+    """More than 65,536 lookups (and 131,072 backward items) go through the radix sort."""
+    shape = tt.TTShape([20, 22, 25], [4, 2, 4], [8, 6])
+    rng = np.random.default_rng(1)
+    cores = tt.init_tt_cores(shape, "normal", rng=rng)
+    n = 70_000
+    idx = (rng.zipf(1.3, n) % shape.num_rows if dist == "zipf"
+           else rng.integers(0, shape.num_rows, n)).astype(np.int64)
+    offsets = np.arange(0, n + 1, 20)
+    offsets[-1] = n
+    gpu_cores = [cupy.asarray(c) for c in cores]
+    out, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, cupy.asarray(idx),
+                                        cupy.asarray(offsets))
+    _, res = tt.tt_embedding_bag_fwd(cores, shape, idx, offsets)
+    _close(out.get(), tt.tt_embedding_bag(cores, shape, idx, offsets), 1e-5)
+    g = rng.standard_normal(out.shape).astype(np.float32)
+    for got, want in zip(tt.tt_embedding_bag_bwd(gpu_cores, shape, plan, cupy.asarray(g)),
+                         tt.tt_embedding_bag_bwd(cores, shape, res, g)):
+        _close(got.get(), want, 1e-4)
+
+
+def test_bad_input_changes_nothing(cupy):
+    shape = tt.TTShape([7, 5], [3, 2], [4])
+    cores = [cupy.asarray(c) for c in tt.init_tt_cores(shape, "normal")]
+    before = [c.get() for c in cores]
+    cases = [([1, 35, 2], [0, 1, 3], IndexError, "index 35 at position 1"),
+             ([1, -1, 2], [0, 1, 3], IndexError, "index -1 at position 1"),
+             ([1, 2, 3], [0, 2, 1, 3], ValueError, "offsets"),
+             ([1, 2, 3], [0, 1, 2], ValueError, "offsets"),
+             ([1, 2, 3], [1, 3], ValueError, "offsets")]
+    for idx, offsets, error, match in cases:
+        with pytest.raises(error, match=match):
+            tt.tt_embedding_bag_fwd(cores, shape, cupy.asarray(np.array(idx)),
+                                    cupy.asarray(np.array(offsets)))
+        # deferred: the forward returns, the update raises before touching anything
+        _, plan = tt.tt_embedding_bag_fwd(cores, shape, cupy.asarray(np.array(idx)),
+                                          cupy.asarray(np.array(offsets)), check=False)
+        with pytest.raises(error, match=match):
+            tt.tt_fused_update(cores, shape, plan, cupy.ones((plan.num_bags, 6), np.float32),
+                               tt.tt_sparse_state(shape, "sgd", cupy), "sgd", lr=0.1)
+    with pytest.raises(IndexError, match="index 30 at position 0"):
+        tt.tt_embedding_bag_fwd(cores, shape, cupy.asarray(np.array([30])),
+                                cupy.asarray(np.array([0, 1])), num_embeddings=30)
+    for got, want in zip(cores, before):
+        np.testing.assert_array_equal(got.get(), want)
+
+
+def test_empty_batch(cupy):
+    shape = tt.TTShape([7, 5], [3, 2], [4])
+    cores = [cupy.asarray(c) for c in tt.init_tt_cores(shape, "normal")]
+    before = [c.get() for c in cores]
+    out, plan = tt.tt_embedding_bag_fwd(cores, shape, cupy.zeros(0, np.int64),
+                                        cupy.asarray(np.array([0, 0, 0])))
+    assert out.shape == (2, 6) and not out.get().any()
+    tt.tt_fused_update(cores, shape, plan, cupy.ones((2, 6), np.float32),
+                       tt.tt_sparse_state(shape, "adagrad", cupy), "adagrad", lr=0.1)
+    grads = tt.tt_embedding_bag_bwd(cores, shape, plan, cupy.ones((2, 6), np.float32))
+    assert all(not g.get().any() for g in grads)
+    for got, want in zip(cores, before):
+        np.testing.assert_array_equal(got.get(), want)
+
+
+def test_deterministic(cupy):
+    """Sums run in sorted order, never through atomics: two runs agree bit for bit."""
+    shape = tt.TTShape([20, 22, 25], [4, 2, 4], [8, 6])
+    rng = np.random.default_rng(3)
+    cores = tt.init_tt_cores(shape, "normal", rng=rng)
+    idx = cupy.asarray((rng.zipf(1.2, 5000) % shape.num_rows).astype(np.int64))
+    offsets = cupy.arange(0, 5001, 10)
+    g = cupy.asarray(rng.standard_normal((500, shape.dim)).astype(np.float32))
+    results = []
+    for _ in range(2):
+        gpu_cores = [cupy.asarray(c) for c in cores]
+        _, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, idx, offsets)
+        tt.tt_fused_update(gpu_cores, shape, plan, g, tt.tt_sparse_state(shape, "adagrad", cupy),
+                           "adagrad", lr=0.1)
+        results.append([c.get() for c in gpu_cores])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_large_shapes_fall_back_to_the_array_path(cupy):
+    shape = tt.TTShape([10, 10, 10], [8, 8, 8], [128, 128])
+    assert not tt._uses_kernels(shape, cupy.zeros(1, np.int64))
+    rng = np.random.default_rng(0)
+    cores = tt.init_tt_cores(shape, "normal", rng=rng)
+    idx, offsets = np.array([1, 999, 5]), np.array([0, 2, 3])
+    out, residuals = tt.tt_embedding_bag_fwd([cupy.asarray(c) for c in cores], shape,
+                                             cupy.asarray(idx), cupy.asarray(offsets))
+    assert not isinstance(residuals, tt.TTBagPlan)
+    _close(out.get(), tt.tt_embedding_bag_reference(cores, shape, idx, offsets), 1e-4)
