@@ -747,6 +747,7 @@ def _gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bo
     a_last = math.prod(shape.q_shapes[:-1])
     ubuf = cupy.empty(n * a_last * r[d - 1], dtype=np.float32)
     cbuf = cupy.empty(n * r[d - 1] * shape.q_shapes[-1], dtype=np.float32)
+    c0buf = cupy.empty(n * shape.core_shape(0)[1] if d > 2 else 1, dtype=np.float32)
     keys = cupy.empty((d - 1) * n, dtype=np.int32)
     key_name = _key_name(plan.rows)
     weights = plan.per_sample_weights
@@ -755,11 +756,11 @@ def _gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bo
                 plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
                 np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
                 weights if weights is not None else np.uint64(0), np.int32(plan.mean),
-                grad_bags, ubuf, cbuf, keys, plan.verdict])
+                grad_bags, ubuf, cbuf, c0buf, keys, plan.verdict])
     skeys, items, _ = _sort_positions(keys, sum(shape.p_shapes[1:]) + 1)
     grad = (cupy.zeros if dense else cupy.empty)(size, dtype=np.float32)
     touched = cupy.zeros(_total_core_rows(shape), dtype=np.int32)
     _launch(shape, f"tt_reduce<{key_name}>", (_total_core_rows(shape),), (REDUCE_THREADS,),
             _core_pointers(cores) + [plan.rows, np.int64(n), skeys, items, np.int64(keys.size),
-                                     ubuf, cbuf, grad, touched, plan.verdict])
+                                     ubuf, cbuf, c0buf, grad, touched, plan.verdict])
     return grad, touched

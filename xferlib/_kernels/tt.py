@@ -71,6 +71,7 @@ constexpr int CHUNK = TT_CHUNK;
 constexpr int MAXBUF = TT_MAXBUF;             // largest chain product (floats)
 constexpr int MAXW = TT_MAXW;                 // largest slice
 constexpr int MAXV = TT_MAXV;                 // largest L^T U intermediate
+constexpr int MAXS = TT_MAXS;                 // largest staged right-hand slice
 
 __device__ __forceinline__ bool rejected(const u64* v) { return v[0] != ~0ull || v[1] != ~0ull; }
 
@@ -97,17 +98,46 @@ __device__ __forceinline__ void block_matmul(const float* a, const float* b, flo
     }
 }
 
+// out (M x N) (+)= a (M x K) b^T, b stored (N x K), for long K: one warp per output, lanes
+// split K, so both operands are read along contiguous rows (coalesced from global memory).
+// Warp w owns outputs w, w + warps, ...
+template <int M, int K, int N, bool ACC>
+__device__ __forceinline__ void warp_matmul_nt(const float* a, const float* b, float* out) {
+    const int lanes = blockDim.x < 32 ? blockDim.x : 32;
+    const int lane = threadIdx.x % lanes, warp = threadIdx.x / lanes, warps = blockDim.x / lanes;
+    for (int o = warp; o < M * N; o += warps) {
+        const int m = o / N, c = o - m * N;
+        float s = 0.f;
+        for (int k = lane; k < K; k += lanes) s += a[m * K + k] * b[c * K + k];
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
+        if (lane == 0) out[o] = ACC ? out[o] + s : s;
+    }
+}
+
+// dst[0:count] = src[0:count] (global -> shared, all threads), then synchronize.
+__device__ __forceinline__ void stage(float* dst, const float* src, int count) {
+    for (int o = threadIdx.x; o < count; o += blockDim.x) dst[o] = src[o];
+    __syncthreads();
+}
+
+__device__ __forceinline__ const float* slice_of(const float* const* cores, int k, const i64* dig) {
+    return cores[k] + dig[k] * W(k);
+}
+
 // The product of the slices of cores F..L of the row with digits dig, a row-major
 // (R(F) * QPROD(F, L + 1)) x R(L + 1) matrix: the core's slice itself (in global memory) when
-// F == L, else computed into out (tmp: scratch), synchronized.
+// F == L, else computed into out (tmp: scratch; each right-hand slice is first staged in sb),
+// synchronized.
 template <int F, int L>
-__device__ const float* chain(const float* const* cores, const i64* dig, float* out, float* tmp) {
+__device__ const float* chain(const float* const* cores, const i64* dig, float* out, float* tmp,
+                              float* sb) {
     if constexpr (F == L) {
-        return cores[F] + dig[F] * W(F);
+        return slice_of(cores, F, dig);
     } else {
-        const float* prev = chain<F, L - 1>(cores, dig, tmp, out);
-        block_matmul<R(F) * QPROD(F, L), R(L), Q(L) * R(L + 1), false, false, false>(
-            prev, cores[L] + dig[L] * W(L), out);
+        const float* prev = chain<F, L - 1>(cores, dig, tmp, out, sb);
+        __syncthreads();
+        stage(sb, slice_of(cores, L, dig), W(L));
+        block_matmul<R(F) * QPROD(F, L), R(L), Q(L) * R(L + 1), false, false, false>(prev, sb, out);
         __syncthreads();
         return out;
     }
@@ -130,29 +160,45 @@ extern "C" __global__ void tt_check_bags(const i64* offsets, i64 n_off, int incl
     }
 }
 
+// The block's CHUNK sorted positions: rows and batch positions, loaded once (coalesced) so the
+// per-row loop never waits on a dependent global load.
+template <typename K>
+__device__ __forceinline__ i64 load_chunk(const K* rows, const i64* perm, i64 n, i64* srow,
+                                          i64* sperm) {
+    const i64 start = (i64)blockIdx.x * CHUNK;
+    for (int t = threadIdx.x; t < CHUNK; t += blockDim.x) {
+        const i64 j = start + t;
+        srow[t] = j < n ? (i64)rows[j] : -1;
+        sperm[t] = j < n ? perm[j] : -1;
+    }
+    __syncthreads();
+    return start;
+}
+
 // y[perm[j]] = row rows[j] of the table, for the CHUNK sorted positions of this block.
 template <typename K>
 __global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float* y,
                         const u64* verdict) {
     if (rejected(verdict)) return;
-    __shared__ float left[MAXBUF], tmp[MAXBUF];
+    __shared__ float left[MAXBUF], tmp[MAXBUF], sb[MAXS], lb[CW];
+    __shared__ i64 srow[CHUNK], sperm[CHUNK];
     CORES;
+    const i64 start = load_chunk(rows, perm, n, srow, sperm);
     i64 dig[4] = {0, 0, 0, 0};
-    const i64 start = (i64)blockIdx.x * CHUNK, end = min(n, start + CHUNK);
     i64 prefix = -1;
     const float* lp = left;
-    for (i64 j = start; j < end; ++j) {
-        const i64 row = (i64)rows[j];
+    for (int t = 0; t < CHUNK && start + t < n; ++t) {
+        const i64 row = srow[t];
         if (row < 0 || row >= NUM_ROWS) continue;  // unreachable: the verdict rejects it
         digits_of(row, dig);
         const i64 pre = row / P(D - 1);
+        __syncthreads();
         if (pre != prefix) {
-            __syncthreads();
-            lp = chain<0, D - 2>(cores, dig, left, tmp);
+            lp = chain<0, D - 2>(cores, dig, left, tmp, sb);
             prefix = pre;
         }
-        block_matmul<A_LAST, R_LAST, QL, false, false, false>(
-            lp, cores[D - 1] + dig[D - 1] * W(D - 1), y + perm[j] * DIM);
+        stage(lb, slice_of(cores, D - 1, dig), CW);
+        block_matmul<A_LAST, R_LAST, QL, false, false, false>(lp, lb, y + sperm[t] * DIM);
     }
 }
 
@@ -183,37 +229,68 @@ extern "C" __global__ void tt_pool(const float* y, const i64* offsets, i64 n_off
     }
 }
 
+// A finished piece (its upstream U in u): U goes to ubuf[piece] (middle cores read it), and
+// core 0's slice gradient U S^T (S: the slices of cores 1..D-2) to c0buf[piece].
+__device__ __forceinline__ void flush_piece(const float* const* cores, const i64* dig,
+                                            const float* u, i64 piece, float* ubuf,
+                                            float* c0buf, float* left, float* tmp, float* sb) {
+    for (int o = threadIdx.x; o < UW; o += blockDim.x) ubuf[piece * UW + o] = u[o];
+    if constexpr (D > 2) {
+        const float* s = chain<1, D - 2>(cores, dig, left, tmp, sb);
+        warp_matmul_nt<Q(0), UW / Q(0), R(1), false>(u, s, c0buf + piece * W(0));
+    }
+}
+
 // Per piece (a run of one prefix within the block's CHUNK sorted positions, slot = its first
-// position): U = sum_n g_n G_last[i_d]^T. Per position j: C[j] = Left^T g_n, and the sort
-// keys of its items: keys[(D-2) n + j] (last core) and keys[(k-1) n + j] (middle core k, piece
-// starts only; SENTINEL elsewhere).
+// position): U = sum_n g_n G_last[i_d]^T, then flush_piece. Per position j: C[j] = Left^T g_n,
+// and the sort keys of its items: keys[(D-2) n + j] (last core) and keys[(k-1) n + j] (middle
+// core k, piece starts only; SENTINEL elsewhere).
 template <typename K>
 __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
                               const i64* bag_of, const i64* offsets, i64 n_off,
                               int include_last, const float* psw, int mean,
-                              const float* grad_out, float* ubuf, float* cbuf, int* keys,
-                              const u64* verdict) {
+                              const float* grad_out, float* ubuf, float* cbuf, float* c0buf,
+                              int* keys, const u64* verdict) {
     if (rejected(verdict)) return;
-    __shared__ float left[MAXBUF], tmp[MAXBUF], g[DIM], u[UW];
+    __shared__ float left[MAXBUF], tmp[MAXBUF], sb[MAXS], lb[CW], u[UW], g[CHUNK * DIM];
+    __shared__ i64 srow[CHUNK], sperm[CHUNK];
     CORES;
-    i64 dig[4] = {0, 0, 0, 0};
-    const i64 start = (i64)blockIdx.x * CHUNK, end = min(n, start + CHUNK);
+    const i64 start = load_chunk(rows, perm, n, srow, sperm);
+    // every position's scaled bag gradient, staged at once
+    for (int o = threadIdx.x; o < CHUNK * DIM; o += blockDim.x) {
+        const int t = o / DIM, e = o - t * DIM;
+        const i64 m = sperm[t];
+        float v = 0.f;
+        if (m >= 0 && m < n) {
+            const i64 b = bag_of[m];
+            float w = psw != nullptr ? psw[m] : 1.f;
+            if (mean) w /= (float)(bound_at(offsets, n_off, n, b + 1) - bound_at(offsets, n_off, n, b));
+            v = w * grad_out[b * DIM + e];
+        }
+        g[o] = v;
+    }
+    i64 dig[4] = {0, 0, 0, 0}, pdig[4] = {0, 0, 0, 0};
     i64 prefix = -1, piece = -1;
     const float* lp = left;
-    for (i64 j = start; j < end; ++j) {
-        const i64 row = (i64)rows[j];
+    for (int t = 0; t < CHUNK && start + t < n; ++t) {
+        const i64 j = start + t;
+        const i64 row = srow[t];
         if (row < 0 || row >= NUM_ROWS) continue;  // unreachable: the verdict rejects it
         digits_of(row, dig);
         const i64 pre = row / P(D - 1);
         const bool starts = pre != prefix;
+        __syncthreads();
         if (starts) {
-            __syncthreads();
-            if (piece >= 0)
-                for (int o = threadIdx.x; o < UW; o += blockDim.x) ubuf[piece * UW + o] = u[o];
-            lp = chain<0, D - 2>(cores, dig, left, tmp);
+            if (piece >= 0) {
+                flush_piece(cores, pdig, u, piece, ubuf, c0buf, left, tmp, sb);
+                __syncthreads();
+            }
+            lp = chain<0, D - 2>(cores, dig, left, tmp, sb);
             for (int o = threadIdx.x; o < UW; o += blockDim.x) u[o] = 0.f;
             prefix = pre;
             piece = j;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) pdig[k] = dig[k];
         }
         if (threadIdx.x == 0) {
             keys[(i64)(D - 2) * n + j] = KOFF(D - 1) + (int)dig[D - 1];
@@ -221,43 +298,39 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
             for (int k = 1; k <= D - 2; ++k)
                 keys[(i64)(k - 1) * n + j] = starts ? KOFF(k) + (int)dig[k] : SENTINEL;
         }
-        const i64 m = perm[j];
-        const i64 b = bag_of[m];
-        float w = psw != nullptr ? psw[m] : 1.f;
-        if (mean) w /= (float)(bound_at(offsets, n_off, n, b + 1) - bound_at(offsets, n_off, n, b));
-        for (int o = threadIdx.x; o < DIM; o += blockDim.x) g[o] = w * grad_out[b * DIM + o];
-        __syncthreads();
-        const float* last = cores[D - 1] + dig[D - 1] * W(D - 1);  // (R_LAST x QL)
-        block_matmul<R_LAST, A_LAST, QL, true, false, false>(lp, g, cbuf + j * CW);
-        block_matmul<A_LAST, QL, R_LAST, false, true, true>(g, last, u);
-        __syncthreads();
+        stage(lb, slice_of(cores, D - 1, dig), CW);  // (R_LAST x QL)
+        const float* gj = g + t * DIM;
+        block_matmul<R_LAST, A_LAST, QL, true, false, false>(lp, gj, cbuf + j * CW);
+        block_matmul<A_LAST, QL, R_LAST, false, true, true>(gj, lb, u);
     }
-    if (piece >= 0)
-        for (int o = threadIdx.x; o < UW; o += blockDim.x) ubuf[piece * UW + o] = u[o];
+    if (piece >= 0) {
+        __syncthreads();
+        flush_piece(cores, pdig, u, piece, ubuf, c0buf, left, tmp, sb);
+    }
 }
 
-// Slice gradient of prefix-chain core KC from one piece's upstream U (global, A_LAST x
-// R_LAST): acc += (L^T U) S^T with L the product of the slices before KC and S of those after
-// it (up to core D-2), either of them absent at the chain's ends.
+// Slice gradient of middle core KC (1 <= KC <= D-2) from one piece's upstream U (global,
+// A_LAST x R_LAST): acc += (L^T U) S^T, L the product of the slices before KC and S of those
+// after it up to core D-2 (absent for KC == D-2). With both single slices in global memory
+// (D == 3) nothing is staged and no barrier is needed between pieces.
 template <int KC>
-__device__ void prefix_slice_grad(const float* const* cores, const i64* dig, const float* U,
-                                  float* acc, float* bl, float* bs, float* tmp, float* v) {
+__device__ void middle_slice_grad(const float* const* cores, const i64* dig, const float* U,
+                                  float* acc, float* bl, float* bs, float* tmp, float* sb,
+                                  float* v) {
     constexpr int BR = QPROD(KC + 1, D - 1) * R_LAST;  // columns of U per (r_k, j_k)
-    __syncthreads();
-    const float* l = nullptr;
-    const float* s = nullptr;
-    if constexpr (KC > 0) l = chain<0, KC - 1>(cores, dig, bl, tmp);
-    if constexpr (KC < D - 2) s = chain<KC + 1, D - 2>(cores, dig, bs, tmp);
-    if constexpr (KC == 0 && KC == D - 2) {
-        for (int o = threadIdx.x; o < W(KC); o += blockDim.x) acc[o] += U[o];
-    } else if constexpr (KC == 0) {
-        block_matmul<Q(KC), BR, R(KC + 1), false, true, true>(U, s, acc);
-    } else if constexpr (KC == D - 2) {
-        block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, true>(l, U, acc);
+    if constexpr (KC == 1 && KC == D - 2) {
+        block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, true>(slice_of(cores, 0, dig), U, acc);
     } else {
-        block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, false>(l, U, v);
         __syncthreads();
-        block_matmul<R(KC) * Q(KC), BR, R(KC + 1), false, true, true>(v, s, acc);
+        const float* l = chain<0, KC - 1>(cores, dig, bl, tmp, sb);
+        if constexpr (KC == D - 2) {
+            block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, true>(l, U, acc);
+        } else {
+            const float* s = chain<KC + 1, D - 2>(cores, dig, bs, tmp, sb);
+            block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, false>(l, U, v);
+            __syncthreads();
+            warp_matmul_nt<R(KC) * Q(KC), BR, R(KC + 1), true>(v, s, acc);
+        }
     }
 }
 
@@ -282,33 +355,41 @@ __device__ __forceinline__ bool piece_starts(const K* rows, i64 j) {
 template <int KC, typename K>
 __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, const int* skeys,
                            const i64* items, i64 n_items, const float* ubuf, const float* cbuf,
-                           i64 i, float* grad, int* touched, float* acc, float* bl, float* bs,
-                           float* tmp, float* v) {
+                           const float* c0buf, i64 i, float* grad, int* touched, float* acc,
+                           float* bl, float* bs, float* tmp, float* sb, float* v) {
     i64 dig[4] = {0, 0, 0, 0};
     bool any = false;
-    for (int o = threadIdx.x; o < W(KC); o += blockDim.x) acc[o] = 0.f;
-    if constexpr (KC == D - 1) {
-        const int key = KOFF(KC) + (int)i;
-        const i64 lo = lower_bound_int(skeys, n_items, key), hi = lower_bound_int(skeys, n_items, key + 1);
+    if constexpr (KC == D - 1 || KC == 0) {
+        // sums of per-item slice gradients: the last core's per lookup (cbuf), core 0's per
+        // piece (c0buf, or U itself when the prefix is core 0 alone)
+        i64 lo, hi;
+        if constexpr (KC == D - 1) {
+            const int key = KOFF(KC) + (int)i;
+            lo = lower_bound_int(skeys, n_items, key);
+            hi = lower_bound_int(skeys, n_items, key + 1);
+        } else {
+            lo = lower_bound_rows(rows, n, i * STRIDE(0));
+            hi = lower_bound_rows(rows, n, (i + 1) * STRIDE(0));
+        }
         any = hi > lo;
-        for (int o = threadIdx.x; o < CW; o += blockDim.x) {
+        const float* src = KC == D - 1 ? cbuf : (D == 2 ? ubuf : c0buf);
+        for (int o = threadIdx.x; o < W(KC); o += blockDim.x) {
             float s = 0.f;
             for (i64 t = lo; t < hi; ++t) {
-                const i64 j = items[t] - (i64)(D - 2) * n;
-                if (j >= 0 && j < n) s += cbuf[j * CW + o];
+                i64 j;
+                if constexpr (KC == D - 1) {
+                    j = items[t] - (i64)(D - 2) * n;
+                    if (j < 0 || j >= n) continue;
+                } else {
+                    j = t;
+                    if (!piece_starts(rows, j)) continue;
+                }
+                s += src[j * W(KC) + o];
             }
             acc[o] = s;
         }
-    } else if constexpr (KC == 0) {
-        const i64 lo = lower_bound_rows(rows, n, i * STRIDE(0));
-        const i64 hi = lower_bound_rows(rows, n, (i + 1) * STRIDE(0));
-        any = hi > lo;
-        for (i64 j = lo; j < hi; ++j) {
-            if (!piece_starts(rows, j)) continue;
-            digits_of((i64)rows[j], dig);
-            prefix_slice_grad<KC>(cores, dig, ubuf + j * UW, acc, bl, bs, tmp, v);
-        }
     } else {
+        for (int o = threadIdx.x; o < W(KC); o += blockDim.x) acc[o] = 0.f;
         const int key = KOFF(KC) + (int)i;
         const i64 lo = lower_bound_int(skeys, n_items, key), hi = lower_bound_int(skeys, n_items, key + 1);
         any = hi > lo;
@@ -316,7 +397,7 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
             const i64 j = items[t] - (i64)(KC - 1) * n;
             if (j < 0 || j >= n) continue;
             digits_of((i64)rows[j], dig);
-            prefix_slice_grad<KC>(cores, dig, ubuf + j * UW, acc, bl, bs, tmp, v);
+            middle_slice_grad<KC>(cores, dig, ubuf + j * UW, acc, bl, bs, tmp, sb, v);
         }
     }
     __syncthreads();
@@ -328,26 +409,23 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
 // One block per core row (all cores): its gradient row, summed in sorted order, and a flag.
 template <typename K>
 __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, const i64* items,
-                          i64 n_items, const float* ubuf, const float* cbuf, float* grad,
-                          int* touched, const u64* verdict) {
+                          i64 n_items, const float* ubuf, const float* cbuf, const float* c0buf,
+                          float* grad, int* touched, const u64* verdict) {
     if (rejected(verdict)) return;
-    __shared__ float acc[MAXW], bl[MAXBUF], bs[MAXBUF], tmp[MAXBUF], v[MAXV];
+    __shared__ float acc[MAXW], bl[MAXBUF], bs[MAXBUF], tmp[MAXBUF], sb[MAXS], v[MAXV];
     CORES;
     const i64 b = blockIdx.x;
+#define REDUCE_ARGS cores, rows, n, skeys, items, n_items, ubuf, cbuf, c0buf
+#define REDUCE_BUFS grad, touched, acc, bl, bs, tmp, sb, v
     if (b < ROFF(1)) {
-        reduce_row<0>(cores, rows, n, skeys, items, n_items, ubuf, cbuf, b, grad, touched,
-                      acc, bl, bs, tmp, v);
+        reduce_row<0>(REDUCE_ARGS, b, REDUCE_BUFS);
     } else if (b < ROFF(2)) {
-        reduce_row<1>(cores, rows, n, skeys, items, n_items, ubuf, cbuf, b - ROFF(1), grad,
-                      touched, acc, bl, bs, tmp, v);
+        reduce_row<1>(REDUCE_ARGS, b - ROFF(1), REDUCE_BUFS);
     } else if constexpr (D > 2) {
         if (b < ROFF(3)) {
-            reduce_row<(D > 2 ? 2 : 1)>(cores, rows, n, skeys, items, n_items, ubuf, cbuf,
-                                        b - ROFF(2), grad, touched, acc, bl, bs, tmp, v);
+            reduce_row<(D > 2 ? 2 : 1)>(REDUCE_ARGS, b - ROFF(2), REDUCE_BUFS);
         } else if constexpr (D > 3) {
-            if (b < ROFF(4))
-                reduce_row<(D > 3 ? 3 : 1)>(cores, rows, n, skeys, items, n_items, ubuf, cbuf,
-                                            b - ROFF(3), grad, touched, acc, bl, bs, tmp, v);
+            if (b < ROFF(4)) reduce_row<(D > 3 ? 3 : 1)>(REDUCE_ARGS, b - ROFF(3), REDUCE_BUFS);
         }
     }
 }
@@ -432,34 +510,38 @@ PLAIN_NAMES = ("tt_check_bags", "tt_pool", "tt_update")
 
 def _chain_sizes(p, q, ranks):
     """Shared-memory needs (floats): the largest chain product over the prefix cores, the
-    largest slice and the largest L^T U intermediate."""
+    largest slice, the largest L^T U intermediate and the largest staged right-hand slice."""
     d = len(p)
     r = (1,) + tuple(ranks) + (1,)
+    width = [r[k] * q[k] * r[k + 1] for k in range(d)]
     maxbuf = 1
     for first in range(d - 1):
         for last in range(first + 1, d - 1):  # a single slice is read in place
             maxbuf = max(maxbuf, r[first] * math.prod(q[first:last + 1]) * r[last + 1])
-    maxw = max(r[k] * q[k] * r[k + 1] for k in range(d))
     maxv = 1
     for k in range(1, d - 2):  # middle prefix cores with both L and S present
         maxv = max(maxv, r[k] * math.prod(q[k:d - 1]) * r[d - 1])
-    return maxbuf, maxw, maxv
+    maxs = max([1] + width[1:d - 1])  # right-hand slices of chain products
+    return maxbuf, max(width), maxv, maxs
 
 
 def shared_bytes(p, q, ranks) -> dict:
     """Static shared memory of each kernel, in bytes, for a shape."""
-    maxbuf, maxw, maxv = _chain_sizes(p, q, ranks)
+    maxbuf, maxw, maxv, maxs = _chain_sizes(p, q, ranks)
     d = len(p)
-    dim = math.prod(q)
-    uw = math.prod(q[:d - 1]) * ((1,) + tuple(ranks))[d - 1]
-    return {"rows": 8 * maxbuf, "bwd": 4 * (2 * maxbuf + dim + uw),
-            "reduce": 4 * (maxw + 3 * maxbuf + maxv)}
+    r = (1,) + tuple(ranks) + (1,)
+    dim, cw = math.prod(q), r[d - 1] * q[d - 1]
+    uw = math.prod(q[:d - 1]) * r[d - 1]
+    index = 16 * CHUNK
+    return {"rows": 4 * (2 * maxbuf + maxs + cw) + index,
+            "bwd": 4 * (2 * maxbuf + maxs + cw + uw + CHUNK * dim) + index,
+            "reduce": 4 * (maxw + 3 * maxbuf + maxs + maxv)}
 
 
 @functools.lru_cache(maxsize=None)
 def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
     """The compiled-in-shape module for one factorization (built once per shape)."""
-    maxbuf, maxw, maxv = _chain_sizes(p, q, ranks)
+    maxbuf, maxw, maxv, maxs = _chain_sizes(p, q, ranks)
     pad = lambda values, n, fill: list(values) + [fill] * (n - len(values))  # noqa: E731
     pp, qq, rr = pad(p, 4, 1), pad(q, 4, 1), pad(ranks, 3, 1)
     defines = [f"#define TT_D {len(p)}"]
@@ -467,7 +549,7 @@ def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
     defines += [f"#define TT_Q{k} {v}" for k, v in enumerate(qq)]
     defines += [f"#define TT_R{k + 1} {v}" for k, v in enumerate(rr)]
     defines += [f"#define TT_CHUNK {CHUNK}", f"#define TT_MAXBUF {maxbuf}",
-                f"#define TT_MAXW {maxw}", f"#define TT_MAXV {maxv}"]
+                f"#define TT_MAXW {maxw}", f"#define TT_MAXV {maxv}", f"#define TT_MAXS {maxs}"]
     names = (list(ROWS_NAMES.values()) + list(BWD_NAMES.values())
              + list(REDUCE_NAMES.values()) + list(PLAIN_NAMES))
     label = "x".join(map(str, p)) + "_" + "x".join(map(str, q)) + "_r" + "x".join(map(str, ranks))
