@@ -96,11 +96,10 @@ def tt_matrix_to_full(tt_p_shapes, tt_q_shapes, tt_ranks, tt_cores, tt_permute=N
 
 class _TTBagFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, module, indices, offsets, per_sample_weights, *cores):
+    def forward(ctx, module, training, indices, offsets, per_sample_weights, *cores):
+        # training: the step will be differentiated; it reads the GPU input check in backward,
+        # before any core changes, so the forward never waits on the device.
         device = cores[0]
-        # A step that will be differentiated reads the GPU input check in backward, before any
-        # core changes, so the forward never waits on the device.
-        training = torch.is_grad_enabled() and any(c.requires_grad for c in cores)
         with _on_stream(device):
             arrays = [_array(c)[0] for c in cores]
             out, residuals = core.tt_embedding_bag_fwd(
@@ -116,7 +115,7 @@ class _TTBagFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         module = ctx.module
-        none = (None, None, None, None)
+        none = (None,) * 5
         with _on_stream(ctx.device):
             grad_bags = _array(grad_out.contiguous())
             if module.sparse:  # fused: update the cores in place, hand no gradient back
@@ -186,8 +185,9 @@ class TTEmbeddingBag(torch.nn.Module):
         self.sparse_state = core.tt_sparse_state(self.shape, _CORE_OPTIMIZER[optimizer])
 
     def forward(self, indices, offsets, per_sample_weights=None):
-        return _TTBagFunction.apply(self, indices.long(), offsets.long(), per_sample_weights,
-                                    *self.tt_cores)
+        training = torch.is_grad_enabled() and any(c.requires_grad for c in self.tt_cores)
+        return _TTBagFunction.apply(self, training, indices.long(), offsets.long(),
+                                    per_sample_weights, *self.tt_cores)
 
     def _state_for(self, like):
         """The fused optimizer's state, moved (once) to where the cores are."""

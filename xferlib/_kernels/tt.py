@@ -114,9 +114,44 @@ __device__ __forceinline__ void warp_matmul_nt(const float* a, const float* b, f
     }
 }
 
-// dst[0:count] = src[0:count] (global -> shared, all threads), then synchronize.
-__device__ __forceinline__ void stage(float* dst, const float* src, int count) {
-    for (int o = threadIdx.x; o < count; o += blockDim.x) dst[o] = src[o];
+// dst[0:COUNT] = src[0:COUNT] (global -> shared, all threads), then synchronize. Each thread
+// issues its loads (16-byte words where the slice allows) before any store, so a staged slice
+// costs one memory latency, not one per word.
+template <int COUNT>
+__device__ __forceinline__ void stage(float* dst, const float* src) {
+    constexpr int BATCH = 8;
+    if constexpr (COUNT % 4 == 0) {
+        constexpr int N4 = COUNT / 4;
+        const float4* s4 = reinterpret_cast<const float4*>(src);
+        float4* d4 = reinterpret_cast<float4*>(dst);
+        for (int base = threadIdx.x; base < N4; base += blockDim.x * BATCH) {
+            float4 r[BATCH];
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int o = base + u * blockDim.x;
+                if (o < N4) r[u] = s4[o];
+            }
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int o = base + u * blockDim.x;
+                if (o < N4) d4[o] = r[u];
+            }
+        }
+    } else {
+        for (int base = threadIdx.x; base < COUNT; base += blockDim.x * BATCH) {
+            float r[BATCH];
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int o = base + u * blockDim.x;
+                if (o < COUNT) r[u] = src[o];
+            }
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int o = base + u * blockDim.x;
+                if (o < COUNT) dst[o] = r[u];
+            }
+        }
+    }
     __syncthreads();
 }
 
@@ -131,12 +166,12 @@ __device__ __forceinline__ const float* slice_of(const float* const* cores, int 
 template <int F, int L>
 __device__ const float* chain(const float* const* cores, const i64* dig, float* out, float* tmp,
                               float* sb) {
-    if constexpr (F == L) {
+    if constexpr (F >= L) {
         return slice_of(cores, F, dig);
     } else {
         const float* prev = chain<F, L - 1>(cores, dig, tmp, out, sb);
         __syncthreads();
-        stage(sb, slice_of(cores, L, dig), W(L));
+        stage<W(L)>(sb, slice_of(cores, L, dig));
         block_matmul<R(F) * QPROD(F, L), R(L), Q(L) * R(L + 1), false, false, false>(prev, sb, out);
         __syncthreads();
         return out;
@@ -180,7 +215,7 @@ template <typename K>
 __global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float* y,
                         const u64* verdict) {
     if (rejected(verdict)) return;
-    __shared__ float left[MAXBUF], tmp[MAXBUF], sb[MAXS], lb[CW];
+    __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], lb[CW];
     __shared__ i64 srow[CHUNK], sperm[CHUNK];
     CORES;
     const i64 start = load_chunk(rows, perm, n, srow, sperm);
@@ -197,7 +232,7 @@ __global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float*
             lp = chain<0, D - 2>(cores, dig, left, tmp, sb);
             prefix = pre;
         }
-        stage(lb, slice_of(cores, D - 1, dig), CW);
+        stage<CW>(lb, slice_of(cores, D - 1, dig));
         block_matmul<A_LAST, R_LAST, QL, false, false, false>(lp, lb, y + sperm[t] * DIM);
     }
 }
@@ -231,12 +266,13 @@ extern "C" __global__ void tt_pool(const float* y, const i64* offsets, i64 n_off
 
 // A finished piece (its upstream U in u): U goes to ubuf[piece] (middle cores read it), and
 // core 0's slice gradient U S^T (S: the slices of cores 1..D-2) to c0buf[piece].
+// With three cores S is slice 1, still staged in sb by the piece's prefix product.
 __device__ __forceinline__ void flush_piece(const float* const* cores, const i64* dig,
                                             const float* u, i64 piece, float* ubuf,
                                             float* c0buf, float* left, float* tmp, float* sb) {
     for (int o = threadIdx.x; o < UW; o += blockDim.x) ubuf[piece * UW + o] = u[o];
     if constexpr (D > 2) {
-        const float* s = chain<1, D - 2>(cores, dig, left, tmp, sb);
+        const float* s = D == 3 ? sb : chain<1, D - 2>(cores, dig, left, tmp, sb);
         warp_matmul_nt<Q(0), UW / Q(0), R(1), false>(u, s, c0buf + piece * W(0));
     }
 }
@@ -252,22 +288,38 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
                               const float* grad_out, float* ubuf, float* cbuf, float* c0buf,
                               int* keys, const u64* verdict) {
     if (rejected(verdict)) return;
-    __shared__ float left[MAXBUF], tmp[MAXBUF], sb[MAXS], lb[CW], u[UW], g[CHUNK * DIM];
+    __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], lb[CW], u[UW], g[CHUNK * DIM];
+    __shared__ i64 sbag[CHUNK];
+    __shared__ float sw[CHUNK];
     __shared__ i64 srow[CHUNK], sperm[CHUNK];
     CORES;
     const i64 start = load_chunk(rows, perm, n, srow, sperm);
-    // every position's scaled bag gradient, staged at once
-    for (int o = threadIdx.x; o < CHUNK * DIM; o += blockDim.x) {
-        const int t = o / DIM, e = o - t * DIM;
+    // every position's bag and weight, then its scaled bag gradient, staged at once
+    for (int t = threadIdx.x; t < CHUNK; t += blockDim.x) {
         const i64 m = sperm[t];
-        float v = 0.f;
+        i64 b = -1;
+        float w = 0.f;
         if (m >= 0 && m < n) {
-            const i64 b = bag_of[m];
-            float w = psw != nullptr ? psw[m] : 1.f;
+            b = bag_of[m];
+            w = psw != nullptr ? psw[m] : 1.f;
             if (mean) w /= (float)(bound_at(offsets, n_off, n, b + 1) - bound_at(offsets, n_off, n, b));
-            v = w * grad_out[b * DIM + e];
         }
-        g[o] = v;
+        sbag[t] = b;
+        sw[t] = w;
+    }
+    __syncthreads();
+    for (int base = threadIdx.x; base < CHUNK * DIM; base += blockDim.x * 8) {
+        float r[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            const int o = base + q * blockDim.x, t = o / DIM;
+            r[q] = (o < CHUNK * DIM && sbag[t] >= 0) ? grad_out[sbag[t] * DIM + (o - t * DIM)] : 0.f;
+        }
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            const int o = base + q * blockDim.x;
+            if (o < CHUNK * DIM) g[o] = sw[o / DIM] * r[q];
+        }
     }
     i64 dig[4] = {0, 0, 0, 0}, pdig[4] = {0, 0, 0, 0};
     i64 prefix = -1, piece = -1;
@@ -298,7 +350,7 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
             for (int k = 1; k <= D - 2; ++k)
                 keys[(i64)(k - 1) * n + j] = starts ? KOFF(k) + (int)dig[k] : SENTINEL;
         }
-        stage(lb, slice_of(cores, D - 1, dig), CW);  // (R_LAST x QL)
+        stage<CW>(lb, slice_of(cores, D - 1, dig));  // (R_LAST x QL)
         const float* gj = g + t * DIM;
         block_matmul<R_LAST, A_LAST, QL, true, false, false>(lp, gj, cbuf + j * CW);
         block_matmul<A_LAST, QL, R_LAST, false, true, true>(gj, lb, u);
@@ -412,7 +464,7 @@ __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, con
                           i64 n_items, const float* ubuf, const float* cbuf, const float* c0buf,
                           float* grad, int* touched, const u64* verdict) {
     if (rejected(verdict)) return;
-    __shared__ float acc[MAXW], bl[MAXBUF], bs[MAXBUF], tmp[MAXBUF], sb[MAXS], v[MAXV];
+    __shared__ __align__(16) float acc[MAXW], bl[MAXBUF], bs[MAXBUF], tmp[MAXBUF], sb[MAXS], v[MAXV];
     CORES;
     const i64 b = blockIdx.x;
 #define REDUCE_ARGS cores, rows, n, skeys, items, n_items, ubuf, cbuf, c0buf
