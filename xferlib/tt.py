@@ -400,25 +400,37 @@ def tt_bag_residuals(shape: TTShape, indices, offsets, *, mode="sum", per_sample
 
 def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
                          per_sample_weights=None, include_last_offset=True, check=True,
-                         num_embeddings=None):
+                         num_embeddings=None, out=None):
     """``(bags, residuals)``: pooled rows ``(B, D)`` (float32) and what backward needs.
 
     GPU (CuPy) arrays run the CUDA kernels (see :class:`TTBagPlan`); ``check=False`` there
     leaves the verdict on bad indices or offsets unread until backward or
     :func:`tt_check_plan` (no host sync in the forward; the bags of a rejected batch are
     zeros and nothing is ever written outside them). NumPy arrays are checked at once.
+    ``num_embeddings``: indices must be below it (default: every row of the factorization).
+    ``out``: a ``(B, D)`` float32 array (of the cores' namespace) to write the bags into.
     """
     shape.check_cores(cores)
     if _uses_kernels(shape, indices, cores):
         return _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights,
-                         include_last_offset, check, num_embeddings)
+                         include_last_offset, check, num_embeddings, out)
     indices, bag, w, num_bags = tt_bag_residuals(
         shape, indices, offsets, mode=mode, per_sample_weights=per_sample_weights,
         include_last_offset=include_last_offset, num_embeddings=num_embeddings)
     rows = tt_rows(cores, shape, indices) * w[:, None]
-    out = array_module(rows).zeros((num_bags, shape.dim), dtype=np.float32)
-    _scatter_add(out, bag, rows)
+    bags = array_module(rows).zeros((num_bags, shape.dim), dtype=np.float32)
+    _scatter_add(bags, bag, rows)
+    if out is None:
+        return bags, (indices, bag, w)
+    _check_out(out, num_bags, shape)
+    out[...] = bags
     return out, (indices, bag, w)
+
+
+def _check_out(out, num_bags: int, shape: TTShape) -> None:
+    if tuple(out.shape) != (num_bags, shape.dim) or out.dtype != np.float32:
+        raise ValueError(f"out must be float32 of shape {(num_bags, shape.dim)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
 
 
 def tt_embedding_bag(cores, shape, indices, offsets, **kwargs) -> np.ndarray:
@@ -655,7 +667,7 @@ def _core_pointers(cores) -> list:
 
 
 def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
-              include_last_offset, check, num_embeddings=None):
+              include_last_offset, check, num_embeddings=None, out=None):
     """Sort and check the batch and (with ``cores``) pool its rows: ``(bags or None, plan)``."""
     import cupy
 
@@ -693,7 +705,12 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
         y = cupy.empty((n, shape.dim), dtype=np.float32)
         _launch(shape, f"tt_rows<{_key_name(rows)}>", (max(1, -(-n // CHUNK)),), (THREADS,),
                 _core_pointers(cores) + [rows, perm, np.int64(n), y, verdict])
-        out = cupy.empty((num_bags, shape.dim), dtype=np.float32)
+        if out is None:
+            out = cupy.empty((num_bags, shape.dim), dtype=np.float32)
+        else:
+            _check_out(out, num_bags, shape)
+            if not out.flags.c_contiguous:
+                raise ValueError("out must be C-contiguous")
     bag_of = cupy.empty(n, dtype=np.int64)
     total = num_bags * shape.dim
     _launch(shape, "tt_pool", (max(1, min(65535, -(-total // 256))),), (256,),

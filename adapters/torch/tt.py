@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from xferlib import tt as core
+from xferlib.adapters.torch._convert import as_core_array
 
 __all__ = ["OptimType", "TTEmbeddingBag", "tt_matrix_to_full"]
 
@@ -45,14 +46,9 @@ _CORE_OPTIMIZER = {
 
 def _array(t: torch.Tensor):
     """A zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor."""
-    t = t.detach()
-    if t.device.type == "cuda":
-        from xferlib.handoff import to_cupy
-
-        return to_cupy(t)
-    if t.device.type != "cpu":
+    if t.device.type not in ("cuda", "cpu"):
         raise ValueError(f"TTEmbeddingBag runs on CPU or CUDA tensors, got {t.device}")
-    return t.numpy()
+    return as_core_array(t)
 
 
 def _torch(array) -> torch.Tensor:
@@ -100,17 +96,19 @@ class _TTBagFunction(torch.autograd.Function):
         # training: the step will be differentiated; it reads the GPU input check in backward,
         # before any core changes, so the forward never waits on the device.
         device = cores[0]
+        num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
+        out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
         with _on_stream(device):
             arrays = [_array(c)[0] for c in cores]
-            out, residuals = core.tt_embedding_bag_fwd(
+            _, residuals = core.tt_embedding_bag_fwd(
                 arrays, module.shape, _array(indices.to(device.device)),
                 _array(offsets.to(device.device)), mode=module.mode,
                 per_sample_weights=None if per_sample_weights is None
                 else _array(per_sample_weights.to(device.device)),
                 include_last_offset=module.include_last_offset, check=not training,
-                num_embeddings=module.num_embeddings)
+                num_embeddings=module.num_embeddings, out=_array(out))
         ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
-        return _torch(out)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -33,6 +33,7 @@ from xferlib._kernels._registry import KernelModule
 CHUNK = 16  # sorted positions per block in tt_rows / tt_bwd_pieces
 THREADS = 128
 REDUCE_THREADS = 256
+PIECE_BATCH = 8  # PB in the kernel source
 
 TT_KERNEL = r"""
 typedef long long i64;
@@ -71,7 +72,8 @@ constexpr int CHUNK = TT_CHUNK;
 constexpr int MAXBUF = TT_MAXBUF;             // largest chain product (floats)
 constexpr int MAXW = TT_MAXW;                 // largest slice
 constexpr int MAXV = TT_MAXV;                 // largest L^T U intermediate
-constexpr int MAXS = TT_MAXS;                 // largest staged right-hand slice
+constexpr int MAXS = TT_MAXS;                 // largest staged right-hand slice (padded)
+constexpr int PB = 8;                         // pieces staged at once by the 3-core reduction
 
 __device__ __forceinline__ bool rejected(const u64* v) { return v[0] != ~0ull || v[1] != ~0ull; }
 
@@ -85,15 +87,16 @@ __device__ __forceinline__ void digits_of(i64 row, i64* dig) {
 }
 
 // out (M x N) (+)= op(a) (M x K) op(b) (K x N), row-major; TA: a is stored (K x M); TB: b is
-// stored (N x K). Thread t always owns outputs t, t + blockDim.x, ... (accumulators rely on it).
-template <int M, int K, int N, bool TA, bool TB, bool ACC>
+// stored (N x K); LDB: b's row stride (a padded staging). Thread t always owns outputs t,
+// t + blockDim.x, ... (accumulators rely on it).
+template <int M, int K, int N, bool TA, bool TB, bool ACC, int LDB = (TB ? K : N)>
 __device__ __forceinline__ void block_matmul(const float* a, const float* b, float* out) {
     for (int o = threadIdx.x; o < M * N; o += blockDim.x) {
         const int m = o / N, c = o - m * N;
         float s = ACC ? out[o] : 0.f;
 #pragma unroll 8
         for (int k = 0; k < K; ++k)
-            s += (TA ? a[k * M + m] : a[m * K + k]) * (TB ? b[c * K + k] : b[k * N + c]);
+            s += (TA ? a[k * M + m] : a[m * K + k]) * (TB ? b[c * LDB + k] : b[k * LDB + c]);
         out[o] = s;
     }
 }
@@ -114,55 +117,38 @@ __device__ __forceinline__ void warp_matmul_nt(const float* a, const float* b, f
     }
 }
 
-// dst[0:COUNT] = src[0:COUNT] (global -> shared, all threads), then synchronize. Each thread
-// issues its loads (16-byte words where the slice allows) before any store, so a staged slice
-// costs one memory latency, not one per word.
-template <int COUNT>
-__device__ __forceinline__ void stage(float* dst, const float* src) {
-    constexpr int BATCH = 8;
-    if constexpr (COUNT % 4 == 0) {
-        constexpr int N4 = COUNT / 4;
-        const float4* s4 = reinterpret_cast<const float4*>(src);
-        float4* d4 = reinterpret_cast<float4*>(dst);
-        for (int base = threadIdx.x; base < N4; base += blockDim.x * BATCH) {
-            float4 r[BATCH];
+__device__ __forceinline__ const float* slice_of(const float* const* cores, int k, const i64* dig) {
+    return cores[k] + dig[k] * W(k);
+}
+
+// A slice staged as ROWS rows of COLS floats at a row stride of COLS + 1 (shared), so that
+// reading down a column across lanes hits distinct banks. Loads are issued before stores.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void stage_padded(float* dst, const float* src) {
+    constexpr int COUNT = ROWS * COLS, BATCH = 8;
+    for (int base = threadIdx.x; base < COUNT; base += blockDim.x * BATCH) {
+        float r[BATCH];
 #pragma unroll
-            for (int u = 0; u < BATCH; ++u) {
-                const int o = base + u * blockDim.x;
-                if (o < N4) r[u] = s4[o];
-            }
-#pragma unroll
-            for (int u = 0; u < BATCH; ++u) {
-                const int o = base + u * blockDim.x;
-                if (o < N4) d4[o] = r[u];
-            }
+        for (int u = 0; u < BATCH; ++u) {
+            const int o = base + u * blockDim.x;
+            if (o < COUNT) r[u] = src[o];
         }
-    } else {
-        for (int base = threadIdx.x; base < COUNT; base += blockDim.x * BATCH) {
-            float r[BATCH];
 #pragma unroll
-            for (int u = 0; u < BATCH; ++u) {
-                const int o = base + u * blockDim.x;
-                if (o < COUNT) r[u] = src[o];
-            }
-#pragma unroll
-            for (int u = 0; u < BATCH; ++u) {
-                const int o = base + u * blockDim.x;
-                if (o < COUNT) dst[o] = r[u];
-            }
+        for (int u = 0; u < BATCH; ++u) {
+            const int o = base + u * blockDim.x;
+            if (o < COUNT) dst[o + o / COLS] = r[u];
         }
     }
     __syncthreads();
 }
 
-__device__ __forceinline__ const float* slice_of(const float* const* cores, int k, const i64* dig) {
-    return cores[k] + dig[k] * W(k);
-}
+// Row stride of a staged right-hand slice L (see chain).
+__host__ __device__ constexpr int LDS(int l) { return Q(l) * R(l + 1) + 1; }
 
 // The product of the slices of cores F..L of the row with digits dig, a row-major
 // (R(F) * QPROD(F, L + 1)) x R(L + 1) matrix: the core's slice itself (in global memory) when
-// F == L, else computed into out (tmp: scratch; each right-hand slice is first staged in sb),
-// synchronized.
+// F == L, else computed into out (tmp: scratch; each right-hand slice is first staged in sb,
+// padded, where it stays until the next chain), synchronized.
 template <int F, int L>
 __device__ const float* chain(const float* const* cores, const i64* dig, float* out, float* tmp,
                               float* sb) {
@@ -171,8 +157,9 @@ __device__ const float* chain(const float* const* cores, const i64* dig, float* 
     } else {
         const float* prev = chain<F, L - 1>(cores, dig, tmp, out, sb);
         __syncthreads();
-        stage<W(L)>(sb, slice_of(cores, L, dig));
-        block_matmul<R(F) * QPROD(F, L), R(L), Q(L) * R(L + 1), false, false, false>(prev, sb, out);
+        stage_padded<R(L), Q(L) * R(L + 1)>(sb, slice_of(cores, L, dig));
+        block_matmul<R(F) * QPROD(F, L), R(L), Q(L) * R(L + 1), false, false, false, LDS(L)>(
+            prev, sb, out);
         __syncthreads();
         return out;
     }
@@ -195,16 +182,34 @@ extern "C" __global__ void tt_check_bags(const i64* offsets, i64 n_off, int incl
     }
 }
 
-// The block's CHUNK sorted positions: rows and batch positions, loaded once (coalesced) so the
-// per-row loop never waits on a dependent global load.
+// The block's CHUNK sorted positions: rows and batch positions, then every position's
+// last-core slice (ls[t * CW ...]), loaded once with independent loads, so the per-row loop
+// never waits on global memory for them.
 template <typename K>
-__device__ __forceinline__ i64 load_chunk(const K* rows, const i64* perm, i64 n, i64* srow,
-                                          i64* sperm) {
+__device__ __forceinline__ i64 load_chunk(const float* last_core, const K* rows, const i64* perm,
+                                          i64 n, i64* srow, i64* sperm, float* ls) {
     const i64 start = (i64)blockIdx.x * CHUNK;
     for (int t = threadIdx.x; t < CHUNK; t += blockDim.x) {
         const i64 j = start + t;
-        srow[t] = j < n ? (i64)rows[j] : -1;
+        const i64 row = j < n ? (i64)rows[j] : -1;
+        srow[t] = row >= 0 && row < NUM_ROWS ? row : -1;
         sperm[t] = j < n ? perm[j] : -1;
+    }
+    __syncthreads();
+    constexpr int COUNT = CHUNK * CW, BATCH = 8;
+    for (int base = threadIdx.x; base < COUNT; base += blockDim.x * BATCH) {
+        float r[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const int o = base + u * blockDim.x, t = o / CW;
+            r[u] = (o < COUNT && srow[t] >= 0)
+                       ? last_core[(srow[t] % P(D - 1)) * CW + (o - t * CW)] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const int o = base + u * blockDim.x;
+            if (o < COUNT) ls[o] = r[u];
+        }
     }
     __syncthreads();
     return start;
@@ -215,25 +220,24 @@ template <typename K>
 __global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float* y,
                         const u64* verdict) {
     if (rejected(verdict)) return;
-    __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], lb[CW];
+    __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], ls[CHUNK * CW];
     __shared__ i64 srow[CHUNK], sperm[CHUNK];
     CORES;
-    const i64 start = load_chunk(rows, perm, n, srow, sperm);
+    const i64 start = load_chunk(cores[D - 1], rows, perm, n, srow, sperm, ls);
     i64 dig[4] = {0, 0, 0, 0};
     i64 prefix = -1;
     const float* lp = left;
     for (int t = 0; t < CHUNK && start + t < n; ++t) {
         const i64 row = srow[t];
-        if (row < 0 || row >= NUM_ROWS) continue;  // unreachable: the verdict rejects it
+        if (row < 0) continue;  // unreachable: the verdict rejects such a batch
         digits_of(row, dig);
         const i64 pre = row / P(D - 1);
-        __syncthreads();
         if (pre != prefix) {
+            __syncthreads();
             lp = chain<0, D - 2>(cores, dig, left, tmp, sb);
             prefix = pre;
         }
-        stage<CW>(lb, slice_of(cores, D - 1, dig));
-        block_matmul<A_LAST, R_LAST, QL, false, false, false>(lp, lb, y + sperm[t] * DIM);
+        block_matmul<A_LAST, R_LAST, QL, false, false, false>(lp, ls + t * CW, y + sperm[t] * DIM);
     }
 }
 
@@ -265,14 +269,16 @@ extern "C" __global__ void tt_pool(const float* y, const i64* offsets, i64 n_off
 }
 
 // A finished piece (its upstream U in u): U goes to ubuf[piece] (middle cores read it), and
-// core 0's slice gradient U S^T (S: the slices of cores 1..D-2) to c0buf[piece].
-// With three cores S is slice 1, still staged in sb by the piece's prefix product.
+// core 0's slice gradient U S^T (S: the slices of cores 1..D-2) to c0buf[piece]. With three
+// cores S is slice 1, still staged (padded) in sb by the piece's prefix product.
 __device__ __forceinline__ void flush_piece(const float* const* cores, const i64* dig,
                                             const float* u, i64 piece, float* ubuf,
                                             float* c0buf, float* left, float* tmp, float* sb) {
     for (int o = threadIdx.x; o < UW; o += blockDim.x) ubuf[piece * UW + o] = u[o];
-    if constexpr (D > 2) {
-        const float* s = D == 3 ? sb : chain<1, D - 2>(cores, dig, left, tmp, sb);
+    if constexpr (D == 3) {
+        block_matmul<Q(0), UW / Q(0), R(1), false, true, false, LDS(1)>(u, sb, c0buf + piece * W(0));
+    } else if constexpr (D > 3) {
+        const float* s = chain<1, D - 2>(cores, dig, left, tmp, sb);
         warp_matmul_nt<Q(0), UW / Q(0), R(1), false>(u, s, c0buf + piece * W(0));
     }
 }
@@ -288,12 +294,13 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
                               const float* grad_out, float* ubuf, float* cbuf, float* c0buf,
                               int* keys, const u64* verdict) {
     if (rejected(verdict)) return;
-    __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], lb[CW], u[UW], g[CHUNK * DIM];
+    __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], ls[CHUNK * CW], u[UW],
+        g[CHUNK * DIM];
     __shared__ i64 sbag[CHUNK];
     __shared__ float sw[CHUNK];
     __shared__ i64 srow[CHUNK], sperm[CHUNK];
     CORES;
-    const i64 start = load_chunk(rows, perm, n, srow, sperm);
+    const i64 start = load_chunk(cores[D - 1], rows, perm, n, srow, sperm, ls);
     // every position's bag and weight, then its scaled bag gradient, staged at once
     for (int t = threadIdx.x; t < CHUNK; t += blockDim.x) {
         const i64 m = sperm[t];
@@ -321,18 +328,19 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
             if (o < CHUNK * DIM) g[o] = sw[o / DIM] * r[q];
         }
     }
+    __syncthreads();
     i64 dig[4] = {0, 0, 0, 0}, pdig[4] = {0, 0, 0, 0};
     i64 prefix = -1, piece = -1;
     const float* lp = left;
     for (int t = 0; t < CHUNK && start + t < n; ++t) {
         const i64 j = start + t;
         const i64 row = srow[t];
-        if (row < 0 || row >= NUM_ROWS) continue;  // unreachable: the verdict rejects it
+        if (row < 0) continue;  // unreachable: the verdict rejects such a batch
         digits_of(row, dig);
         const i64 pre = row / P(D - 1);
         const bool starts = pre != prefix;
-        __syncthreads();
         if (starts) {
+            __syncthreads();
             if (piece >= 0) {
                 flush_piece(cores, pdig, u, piece, ubuf, c0buf, left, tmp, sb);
                 __syncthreads();
@@ -350,10 +358,9 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
             for (int k = 1; k <= D - 2; ++k)
                 keys[(i64)(k - 1) * n + j] = starts ? KOFF(k) + (int)dig[k] : SENTINEL;
         }
-        stage<CW>(lb, slice_of(cores, D - 1, dig));  // (R_LAST x QL)
         const float* gj = g + t * DIM;
         block_matmul<R_LAST, A_LAST, QL, true, false, false>(lp, gj, cbuf + j * CW);
-        block_matmul<A_LAST, QL, R_LAST, false, true, true>(gj, lb, u);
+        block_matmul<A_LAST, QL, R_LAST, false, true, true>(gj, ls + t * CW, u);
     }
     if (piece >= 0) {
         __syncthreads();
@@ -370,7 +377,7 @@ __device__ void middle_slice_grad(const float* const* cores, const i64* dig, con
                                   float* acc, float* bl, float* bs, float* tmp, float* sb,
                                   float* v) {
     constexpr int BR = QPROD(KC + 1, D - 1) * R_LAST;  // columns of U per (r_k, j_k)
-    if constexpr (KC == 1 && KC == D - 2) {
+    if constexpr (KC == 1 && KC == D - 2) {  // (three cores: handled in batches by reduce_row)
         block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, true>(slice_of(cores, 0, dig), U, acc);
     } else {
         __syncthreads();
@@ -404,16 +411,57 @@ __device__ __forceinline__ bool piece_starts(const K* rows, i64 j) {
     return j % CHUNK == 0 || (i64)rows[j] / P(D - 1) != (i64)rows[j - 1] / P(D - 1);
 }
 
+// Three cores, middle core: items t in [lo, hi) are pieces; PB at a time, their upstream U and
+// core-0 slice are staged (independent loads), then acc += G0[i0]^T U for each, in order.
+template <typename K>
+__device__ void reduce_middle_batched(const float* const* cores, const K* rows, i64 n,
+                                      const i64* items, i64 lo, i64 hi, const float* ubuf,
+                                      float* acc, float* mb, i64* mj) {
+    constexpr int ITEM = UW + W(0);
+    for (i64 t0 = lo; t0 < hi; t0 += PB) {
+        __syncthreads();
+        for (int p = threadIdx.x; p < PB; p += blockDim.x) {
+            const i64 t = t0 + p;
+            const i64 j = t < hi ? items[t] : -1;
+            mj[p] = (j >= 0 && j < n) ? j : -1;
+        }
+        __syncthreads();
+        for (int base = threadIdx.x; base < PB * ITEM; base += blockDim.x * 8) {
+            float r[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int o = base + u * blockDim.x, p = o / ITEM, e = o - p * ITEM;
+                float x = 0.f;
+                if (o < PB * ITEM && mj[p] >= 0) {
+                    const i64 j = mj[p];
+                    x = e < UW ? ubuf[j * UW + e]
+                               : cores[0][((i64)rows[j] / STRIDE(0)) * W(0) + (e - UW)];
+                }
+                r[u] = x;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int o = base + u * blockDim.x;
+                if (o < PB * ITEM) mb[o] = r[u];
+            }
+        }
+        __syncthreads();
+        for (int p = 0; p < PB && t0 + p < hi; ++p)
+            block_matmul<R(1), Q(0), Q(1) * R(2), true, false, true>(mb + p * ITEM + UW,
+                                                                    mb + p * ITEM, acc);
+    }
+}
+
 template <int KC, typename K>
 __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, const int* skeys,
                            const i64* items, i64 n_items, const float* ubuf, const float* cbuf,
                            const float* c0buf, i64 i, float* grad, int* touched, float* acc,
-                           float* bl, float* bs, float* tmp, float* sb, float* v) {
-    i64 dig[4] = {0, 0, 0, 0};
+                           float* bl, float* bs, float* tmp, float* sb, float* v, float* mb,
+                           i64* mj) {
     bool any = false;
     if constexpr (KC == D - 1 || KC == 0) {
         // sums of per-item slice gradients: the last core's per lookup (cbuf), core 0's per
-        // piece (c0buf, or U itself when the prefix is core 0 alone)
+        // piece (c0buf, or U itself when the prefix is core 0 alone); eight loads in flight
         i64 lo, hi;
         if constexpr (KC == D - 1) {
             const int key = KOFF(KC) + (int)i;
@@ -427,16 +475,24 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
         const float* src = KC == D - 1 ? cbuf : (D == 2 ? ubuf : c0buf);
         for (int o = threadIdx.x; o < W(KC); o += blockDim.x) {
             float s = 0.f;
-            for (i64 t = lo; t < hi; ++t) {
-                i64 j;
-                if constexpr (KC == D - 1) {
-                    j = items[t] - (i64)(D - 2) * n;
-                    if (j < 0 || j >= n) continue;
-                } else {
-                    j = t;
-                    if (!piece_starts(rows, j)) continue;
+            for (i64 t0 = lo; t0 < hi; t0 += 8) {
+                float x[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const i64 t = t0 + u;
+                    float value = 0.f;
+                    if (t < hi) {
+                        if constexpr (KC == D - 1) {
+                            const i64 j = items[t] - (i64)(D - 2) * n;
+                            if (j >= 0 && j < n) value = src[j * W(KC) + o];
+                        } else {
+                            if (piece_starts(rows, t)) value = src[t * W(KC) + o];
+                        }
+                    }
+                    x[u] = value;
                 }
-                s += src[j * W(KC) + o];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) s += x[u];
             }
             acc[o] = s;
         }
@@ -445,11 +501,16 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
         const int key = KOFF(KC) + (int)i;
         const i64 lo = lower_bound_int(skeys, n_items, key), hi = lower_bound_int(skeys, n_items, key + 1);
         any = hi > lo;
-        for (i64 t = lo; t < hi; ++t) {
-            const i64 j = items[t] - (i64)(KC - 1) * n;
-            if (j < 0 || j >= n) continue;
-            digits_of((i64)rows[j], dig);
-            middle_slice_grad<KC>(cores, dig, ubuf + j * UW, acc, bl, bs, tmp, sb, v);
+        if constexpr (D == 3) {
+            reduce_middle_batched(cores, rows, n, items, lo, hi, ubuf, acc, mb, mj);
+        } else {
+            i64 dig[4] = {0, 0, 0, 0};
+            for (i64 t = lo; t < hi; ++t) {
+                const i64 j = items[t] - (i64)(KC - 1) * n;
+                if (j < 0 || j >= n) continue;
+                digits_of((i64)rows[j], dig);
+                middle_slice_grad<KC>(cores, dig, ubuf + j * UW, acc, bl, bs, tmp, sb, v);
+            }
         }
     }
     __syncthreads();
@@ -464,11 +525,15 @@ __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, con
                           i64 n_items, const float* ubuf, const float* cbuf, const float* c0buf,
                           float* grad, int* touched, const u64* verdict) {
     if (rejected(verdict)) return;
-    __shared__ __align__(16) float acc[MAXW], bl[MAXBUF], bs[MAXBUF], tmp[MAXBUF], sb[MAXS], v[MAXV];
+    // Three cores need no chain products here, only the batch of pieces (mb).
+    constexpr int CH = D == 3 ? 1 : MAXBUF, CS = D == 3 ? 1 : MAXS;
+    __shared__ __align__(16) float acc[MAXW], bl[CH], bs[CH], tmp[CH], sb[CS], v[MAXV],
+        mb[D == 3 ? PB * (UW + W(0)) : 1];
+    __shared__ i64 mj[PB];
     CORES;
     const i64 b = blockIdx.x;
 #define REDUCE_ARGS cores, rows, n, skeys, items, n_items, ubuf, cbuf, c0buf
-#define REDUCE_BUFS grad, touched, acc, bl, bs, tmp, sb, v
+#define REDUCE_BUFS grad, touched, acc, bl, bs, tmp, sb, v, mb, mj
     if (b < ROFF(1)) {
         reduce_row<0>(REDUCE_ARGS, b, REDUCE_BUFS);
     } else if (b < ROFF(2)) {
@@ -573,7 +638,8 @@ def _chain_sizes(p, q, ranks):
     maxv = 1
     for k in range(1, d - 2):  # middle prefix cores with both L and S present
         maxv = max(maxv, r[k] * math.prod(q[k:d - 1]) * r[d - 1])
-    maxs = max([1] + width[1:d - 1])  # right-hand slices of chain products
+    # right-hand slices of chain products, staged with one float of padding per row
+    maxs = max([1] + [r[k] * (q[k] * r[k + 1] + 1) for k in range(1, d - 1)])
     return maxbuf, max(width), maxv, maxs
 
 
@@ -585,9 +651,13 @@ def shared_bytes(p, q, ranks) -> dict:
     dim, cw = math.prod(q), r[d - 1] * q[d - 1]
     uw = math.prod(q[:d - 1]) * r[d - 1]
     index = 16 * CHUNK
-    return {"rows": 4 * (2 * maxbuf + maxs + cw) + index,
-            "bwd": 4 * (2 * maxbuf + maxs + cw + uw + CHUNK * dim) + index,
-            "reduce": 4 * (maxw + 3 * maxbuf + maxs + maxv)}
+    if d == 3:
+        reduce = 4 * (maxw + 4 + maxv + PIECE_BATCH * (uw + q[0] * r[1])) + 8 * PIECE_BATCH
+    else:
+        reduce = 4 * (maxw + 3 * maxbuf + maxs + maxv + 1) + 8 * PIECE_BATCH
+    return {"rows": 4 * (2 * maxbuf + maxs + CHUNK * cw) + index,
+            "bwd": 4 * (2 * maxbuf + maxs + CHUNK * cw + uw + CHUNK * dim) + 24 * CHUNK + index,
+            "reduce": reduce}
 
 
 @functools.lru_cache(maxsize=None)
