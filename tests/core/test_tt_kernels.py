@@ -85,8 +85,11 @@ def test_kernels_match_the_reference(cupy, shape, case):
                                           cupy.asarray(offsets), check=False, **gpu)
         tt.tt_fused_update(gpu_cores, shape, plan, cupy.asarray(g), gpu_states, optimizer,
                            lr=0.05)
-    for got, want in zip(gpu_cores, host_cores):  # adagrad divides small gradient differences
-        _close(got.get(), want, 1e-4, atol=5e-5)
+    # Adagrad's first steps move an entry by about lr * sign(g) even where g is a rounding-level
+    # sum of opposite terms, so those entries may differ by a fraction of lr between orders.
+    atol = 0.01 * 0.05 if optimizer in ("adagrad", "rowwise_adagrad") else 0.0
+    for got, want in zip(gpu_cores, host_cores):
+        _close(got.get(), want, 1e-4, atol=atol)
     for got, want in zip(gpu_states, states):
         for name in want:
             np.testing.assert_allclose(got[name].get(), want[name], rtol=1e-4, atol=1e-6)
