@@ -40,6 +40,9 @@ __all__ = [
     "tt_fused_update",
     "tt_check_plan",
     "TTBagPlan",
+    "TTRowCache",
+    "tt_cache_grad",
+    "NO_ROW",
     "SPARSE_OPTIMIZERS",
 ]
 
@@ -400,7 +403,7 @@ def tt_bag_residuals(shape: TTShape, indices, offsets, *, mode="sum", per_sample
 
 def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
                          per_sample_weights=None, include_last_offset=True, check=True,
-                         num_embeddings=None, out=None):
+                         num_embeddings=None, out=None, cache=None):
     """``(bags, residuals)``: pooled rows ``(B, D)`` (float32) and what backward needs.
 
     GPU (CuPy) arrays run the CUDA kernels (see :class:`TTBagPlan`); ``check=False`` there
@@ -409,15 +412,21 @@ def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
     zeros and nothing is ever written outside them). NumPy arrays are checked at once.
     ``num_embeddings``: indices must be below it (default: every row of the factorization).
     ``out``: a ``(B, D)`` float32 array (of the cores' namespace) to write the bags into.
+    ``cache``: a :class:`TTRowCache`; lookups of its rows read its dense rows instead.
     """
     shape.check_cores(cores)
     if _uses_kernels(shape, indices, cores):
         return _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights,
-                         include_last_offset, check, num_embeddings, out)
+                         include_last_offset, check, num_embeddings, out, cache)
     indices, bag, w, num_bags = tt_bag_residuals(
         shape, indices, offsets, mode=mode, per_sample_weights=per_sample_weights,
         include_last_offset=include_last_offset, num_embeddings=num_embeddings)
-    rows = tt_rows(cores, shape, indices) * w[:, None]
+    rows = tt_rows(cores, shape, indices)
+    if cache is not None:
+        slot = cache.slots(indices)
+        xp = array_module(rows)
+        rows = xp.where((slot >= 0)[:, None], cache.weight[xp.maximum(slot, 0)], rows)
+    rows = rows * w[:, None]
     bags = array_module(rows).zeros((num_bags, shape.dim), dtype=np.float32)
     _scatter_add(bags, bag, rows)
     if out is None:
@@ -478,22 +487,21 @@ SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "rowwise_adam")
 def tt_sparse_state(shape: TTShape, optimizer: str, xp=np) -> list[dict]:
     """Zeroed optimizer state per core for :func:`tt_sparse_update` (``xp``: numpy or cupy,
     where the cores live)."""
+    return [_row_state(*shape.core_shape(k), optimizer, xp) for k in range(shape.d)]
+
+
+def _row_state(rows: int, width: int, optimizer: str, xp=np) -> dict:
+    """Zeroed state of ``optimizer`` for ``rows`` parameter rows of ``width``."""
     if optimizer not in SPARSE_OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
-    states = []
-    for k in range(shape.d):
-        rows, width = shape.core_shape(k)
-        if optimizer == "sgd":
-            states.append({})
-        elif optimizer == "adagrad":
-            states.append({"sum": xp.zeros((rows, width), np.float32)})
-        elif optimizer == "rowwise_adagrad":
-            states.append({"sum": xp.zeros(rows, np.float32)})
-        else:
-            states.append({"exp_avg": xp.zeros((rows, width), np.float32),
-                           "exp_avg_sq": xp.zeros(rows, np.float32),
-                           "step": xp.zeros(rows, np.int64)})
-    return states
+    if optimizer == "sgd":
+        return {}
+    if optimizer == "adagrad":
+        return {"sum": xp.zeros((rows, width), np.float32)}
+    if optimizer == "rowwise_adagrad":
+        return {"sum": xp.zeros(rows, np.float32)}
+    return {"exp_avg": xp.zeros((rows, width), np.float32),
+            "exp_avg_sq": xp.zeros(rows, np.float32), "step": xp.zeros(rows, np.int64)}
 
 
 def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer: str, *,
@@ -513,46 +521,62 @@ def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer:
     digits = shape.digits(residuals.indices if isinstance(residuals, TTBagPlan) else
                           residuals[0])
     xp = array_module(digits)
-    b1, b2 = betas
     # A core row the batch did not touch has a zero gradient, which leaves it and its sgd /
     # adagrad / row-wise adagrad state exactly as they are (eps > 0 keeps 0 / sqrt(0) away):
     # those update the whole (small) core at once, with no sort and no host sync.
     whole = optimizer == "sgd" or (optimizer in ("adagrad", "rowwise_adagrad") and eps > 0)
     for k, (core, grad, state) in enumerate(zip(cores, grads, states)):
         rows = slice(None) if whole else xp.unique(digits[:, k])
-        g = grad[rows]
-        if optimizer == "sgd":
-            core[rows] -= np.float32(lr) * g
-        elif optimizer == "adagrad":
-            s = state["sum"]
-            s[rows] += g * g
-            core[rows] -= np.float32(lr) * g / (xp.sqrt(s[rows]) + np.float32(eps))
-        elif optimizer == "rowwise_adagrad":
-            s = state["sum"]
-            s[rows] += (g * g).mean(axis=1)
-            core[rows] -= np.float32(lr) * g / (xp.sqrt(s[rows])[:, None] + np.float32(eps))
-        else:
-            m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
-            step[rows] += 1
-            m[rows] = np.float32(b1) * m[rows] + np.float32(1 - b1) * g
-            v[rows] = np.float32(b2) * v[rows] + np.float32(1 - b2) * (g * g).mean(axis=1)
-            t = step[rows].astype(np.float64)
-            m_hat = m[rows] / (1 - b1 ** t)[:, None].astype(np.float32)
-            v_hat = (v[rows] / (1 - b2 ** t)).astype(np.float32)
-            core[rows] -= np.float32(lr) * m_hat / (xp.sqrt(v_hat)[:, None] + np.float32(eps))
+        _update_rows(core, grad, state, rows, optimizer, lr, eps, betas)
+
+
+def _update_rows(param, grad, state, rows, optimizer: str, lr: float, eps: float, betas) -> None:
+    """``optimizer`` on rows ``rows`` of a 2-D ``param`` (a core, or a cache of dense rows) from
+    their gradient rows, in place, with ``state`` shaped as :func:`tt_sparse_state` makes it."""
+    xp = array_module(param)
+    b1, b2 = betas
+    g = grad[rows]
+    if optimizer == "sgd":
+        param[rows] -= np.float32(lr) * g
+    elif optimizer == "adagrad":
+        s = state["sum"]
+        s[rows] += g * g
+        param[rows] -= np.float32(lr) * g / (xp.sqrt(s[rows]) + np.float32(eps))
+    elif optimizer == "rowwise_adagrad":
+        s = state["sum"]
+        s[rows] += (g * g).mean(axis=1)
+        param[rows] -= np.float32(lr) * g / (xp.sqrt(s[rows])[:, None] + np.float32(eps))
+    else:
+        m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        step[rows] += 1
+        m[rows] = np.float32(b1) * m[rows] + np.float32(1 - b1) * g
+        v[rows] = np.float32(b2) * v[rows] + np.float32(1 - b2) * (g * g).mean(axis=1)
+        t = step[rows].astype(np.float64)
+        m_hat = m[rows] / (1 - b1 ** t)[:, None].astype(np.float32)
+        v_hat = (v[rows] / (1 - b2 ** t)).astype(np.float32)
+        param[rows] -= np.float32(lr) * m_hat / (xp.sqrt(v_hat)[:, None] + np.float32(eps))
 
 
 def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimizer: str, *,
-                    lr: float, eps: float = 1e-10, betas=(0.9, 0.999)) -> None:
+                    lr: float, eps: float = 1e-10, betas=(0.9, 0.999), cache=None) -> None:
     """Backward and :func:`tt_sparse_update` in one: the cores change in place from the bag
     gradients. On the GPU kernel path no dense core gradient exists: each touched core row's
     gradient is summed (in sorted order, deterministic) and the optimizer runs on those rows
     only, with no host sync (a deferred input check is read first, before anything changes).
+    With a ``cache`` its hit rows take the same optimizer step on their dense values, and the
+    cores still learn from every lookup (write-through, see :class:`TTRowCache`).
     """
     if optimizer not in SPARSE_OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
     if lr < 0:
         raise ValueError(f"Invalid learning rate: {lr}")
+    if cache is not None:
+        if isinstance(residuals, TTBagPlan):
+            tt_check_plan(residuals, shape)
+        grad, touched = tt_cache_grad(cache, shape, residuals, grad_bags)
+        rows = (slice(None) if optimizer != "rowwise_adam" else
+                array_module(touched).flatnonzero(touched))
+        _update_rows(cache.weight, grad, cache.state, rows, optimizer, lr, eps, betas)
     if not isinstance(residuals, TTBagPlan):
         grads = tt_embedding_bag_bwd(cores, shape, residuals, grad_bags)
         tt_sparse_update(cores, shape, residuals, grads, states, optimizer, lr=lr, eps=eps,
@@ -576,6 +600,182 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
             + pointers(steps + pad)
             + [grad, touched, np.int32(code), np.float32(lr), np.float32(eps),
                np.float64(betas[0]), np.float64(betas[1])])
+
+
+# ----------------------------------------------------------------------------- row cache
+
+NO_ROW = np.iinfo(np.int64).max  # an empty cache slot: sorts after every row
+_HASH = 0x9E3779B97F4A7C15  # Fibonacci hashing of row ids into the frequency table
+_PROBES = 32  # open addressing: a row is counted within 32 slots of its hash, or not at all
+
+
+class TTRowCache:
+    """Hot rows of a TT table held as dense rows (FBTT-Embedding's software cache).
+
+    Arrays (NumPy or CuPy, where the cores are; fixed sizes, so framework views stay valid):
+    ``rows`` (``capacity``, sorted ids, :data:`NO_ROW` in empty slots), ``weight``
+    (``capacity x dim``), ``state`` (the sparse optimizer's state per cached row) and a
+    frequency table ``freq_keys`` / ``freq_counts`` (``hashtbl_size`` slots, key -1 = empty;
+    a row is counted in one of the 32 slots after its hash, or not at all when they are full,
+    as FBTT's 32-way table does).
+
+    * :meth:`count` adds a batch's lookups to the frequencies (the module does it in training);
+    * :meth:`populate` (explicit, as in FBTT) fills the cache with the most frequent rows:
+      rows already cached keep their trained dense values and optimizer state, new ones start
+      from their TT value with fresh state;
+    * lookups of cached rows read the dense row; a training step updates it with the same
+      optimizer, and **also** passes the lookup's gradient to the cores as if the row were not
+      cached (write-through). So the cores learn from every lookup and nothing trained is lost
+      when a row leaves the cache (:meth:`populate`, :meth:`reset`): what leaves is only the
+      row's dense refinement, and the row reverts to its (trained) TT value.
+    """
+
+    def __init__(self, shape: TTShape, capacity: int, hashtbl_size: int, optimizer: str, xp=np):
+        if capacity <= 0:
+            raise ValueError(f"cache_size must be positive with use_cache=True, got {capacity}")
+        if hashtbl_size < capacity:
+            raise ValueError(f"hashtbl_size ({hashtbl_size}) must be at least cache_size "
+                             f"({capacity})")
+        self.shape, self.capacity, self.optimizer = shape, int(capacity), optimizer
+        self.rows = xp.full(self.capacity, NO_ROW, dtype=np.int64)
+        self.weight = xp.zeros((self.capacity, shape.dim), dtype=np.float32)
+        self.state = _row_state(self.capacity, shape.dim, optimizer, xp)
+        self.freq_keys = xp.full(int(hashtbl_size), -1, dtype=np.int64)
+        self.freq_counts = xp.zeros(int(hashtbl_size), dtype=np.int64)
+
+    @classmethod
+    def from_arrays(cls, shape: TTShape, optimizer: str, *, rows, weight, state, freq_keys,
+                    freq_counts) -> "TTRowCache":
+        """A cache over existing arrays (a framework's tensors seen as NumPy/CuPy arrays)."""
+        cache = cls.__new__(cls)
+        cache.shape, cache.optimizer, cache.capacity = shape, optimizer, int(rows.shape[0])
+        cache.rows, cache.weight, cache.state = rows, weight, dict(state)
+        cache.freq_keys, cache.freq_counts = freq_keys, freq_counts
+        return cache
+
+    def arrays(self) -> dict:
+        """Every array of the cache by name (``state.<name>`` for the optimizer's)."""
+        out = {"rows": self.rows, "weight": self.weight, "freq_keys": self.freq_keys,
+               "freq_counts": self.freq_counts}
+        out.update({f"state.{k}": v for k, v in self.state.items()})
+        return out
+
+    def slots(self, indices):
+        """Cache slot of each lookup (int64), -1 where the row is not cached. No host sync."""
+        xp = array_module(self.rows)
+        indices = xp.asarray(indices, dtype=np.int64)
+        pos = xp.minimum(xp.searchsorted(self.rows, indices), self.capacity - 1)
+        return xp.where(self.rows[pos] == indices, pos, -1)
+
+    def count(self, indices) -> None:
+        """Add the lookups of ``indices`` (checked already) to the frequency table."""
+        xp = array_module(self.freq_keys)
+        indices = xp.asarray(indices, dtype=np.int64)
+        if xp is not np:
+            _launch(self.shape, "tt_count", (max(1, min(4096, -(-indices.size // 256))),),
+                    (256,), (indices, np.int64(indices.size), self.freq_keys,
+                             self.freq_counts, np.int64(self.freq_keys.size)))
+            return
+        size = self.freq_keys.size
+        rows, counts = np.unique(indices, return_counts=True)
+        for row, count in zip(rows.tolist(), counts.tolist()):
+            home = ((row * _HASH) % 2 ** 64) % size
+            for probe in range(min(size, _PROBES)):
+                slot = (home + probe) % size
+                if self.freq_keys[slot] in (-1, row):
+                    self.freq_keys[slot] = row
+                    self.freq_counts[slot] += count
+                    break
+
+    def populate(self, cores) -> None:
+        """Cache the ``capacity`` most frequent rows (ties: the smaller id), keeping the dense
+        values and state of rows already cached, from the cores' values for new ones."""
+        xp = array_module(self.rows)
+        keys = _to_host(self.freq_keys)
+        counts = _to_host(self.freq_counts)
+        seen = keys >= 0
+        keys, counts = keys[seen], counts[seen]
+        order = np.lexsort((keys, -counts))[:self.capacity]
+        chosen = np.sort(keys[order])
+        old_rows = _to_host(self.rows)
+        old_at = {int(r): i for i, r in enumerate(old_rows) if r != NO_ROW}
+        weight = np.zeros((self.capacity, self.shape.dim), dtype=np.float32)
+        state = {k: np.zeros_like(_to_host(v)) for k, v in self.state.items()}
+        old_weight = _to_host(self.weight)
+        old_state = {k: _to_host(v) for k, v in self.state.items()}
+        fresh = [i for i, r in enumerate(chosen.tolist()) if r not in old_at]
+        for i, r in enumerate(chosen.tolist()):
+            if r in old_at:
+                weight[i] = old_weight[old_at[r]]
+                for k in state:
+                    state[k][i] = old_state[k][old_at[r]]
+        if fresh:
+            weight[fresh] = _to_host(tt_rows(cores, self.shape, xp.asarray(chosen[fresh])))
+        rows = np.full(self.capacity, NO_ROW, dtype=np.int64)
+        rows[:len(chosen)] = chosen
+        self.rows[...] = xp.asarray(rows)
+        self.weight[...] = xp.asarray(weight)
+        for k, v in self.state.items():
+            v[...] = xp.asarray(state[k])
+
+    def reset(self) -> None:
+        """Empty the cache and forget the frequencies. The cores already hold every lookup's
+        training (write-through), so rows simply revert to their TT values."""
+        self.rows[...] = NO_ROW
+        self.weight[...] = 0
+        for v in self.state.values():
+            v[...] = 0
+        self.freq_keys[...] = -1
+        self.freq_counts[...] = 0
+
+    def overlay(self, table) -> None:
+        """Write the cached rows over a dense ``table`` (what the forward returns)."""
+        rows = _to_host(self.rows)
+        used = rows != NO_ROW
+        table[array_module(table).asarray(rows[used])] = self.weight[
+            array_module(self.weight).asarray(np.flatnonzero(used))]
+
+
+def _to_host(a) -> np.ndarray:
+    return a.get() if is_cupy_array(a) else np.asarray(a)
+
+
+def tt_cache_grad(cache: TTRowCache, shape: TTShape, residuals, grad_bags):
+    """``(grad, touched)``: each cache row's summed gradient (``capacity x dim``, zeros where
+    not hit; deterministic sum) and whether the batch hit it."""
+    from xferlib.rows import scatter_add_rows
+
+    if isinstance(residuals, TTBagPlan):
+        indices, bag, w = residuals.indices, residuals.bag_of, _plan_weights(residuals)
+    else:
+        indices, bag, w = residuals
+    xp = array_module(indices)
+    slot = cache.slots(indices)
+    target = xp.where(slot >= 0, slot, cache.capacity)  # misses land in a spare row
+    contrib = xp.asarray(grad_bags, dtype=np.float32)[bag] * w[:, None]
+    grad = xp.zeros((cache.capacity + 1, shape.dim), dtype=np.float32)
+    if len(target):
+        scatter_add_rows(grad, target, xp.ascontiguousarray(contrib))
+    touched = xp.zeros(cache.capacity + 1, dtype=bool)
+    touched[target] = True
+    return grad[:cache.capacity], touched[:cache.capacity]
+
+
+def _plan_weights(plan):
+    """Each lookup's pooling weight on the kernel path (per-sample weight, / bag size for
+    mean)."""
+    import cupy
+
+    n = plan.n
+    w = (plan.per_sample_weights if plan.per_sample_weights is not None
+         else cupy.ones(n, dtype=np.float32))
+    if plan.mean and n:
+        bounds = plan.offsets if plan.include_last_offset else cupy.concatenate(
+            [plan.offsets, cupy.asarray([n], dtype=np.int64)])
+        counts = cupy.diff(bounds)
+        w = w / cupy.maximum(counts, 1)[plan.bag_of].astype(np.float32)
+    return w
+
 
 
 # ----------------------------------------------------------------------------- CUDA kernels
@@ -667,7 +867,7 @@ def _core_pointers(cores) -> list:
 
 
 def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
-              include_last_offset, check, num_embeddings=None, out=None):
+              include_last_offset, check, num_embeddings=None, out=None, cache=None):
     """Sort and check the batch and (with ``cores``) pool its rows: ``(bags or None, plan)``."""
     import cupy
 
@@ -713,10 +913,14 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
                 raise ValueError("out must be C-contiguous")
     bag_of = cupy.empty(n, dtype=np.int64)
     total = num_bags * shape.dim
+    slot = cache.slots(indices) if cache is not None and y is not None else None
     _launch(shape, "tt_pool", (max(1, min(65535, -(-total // 256))),), (256,),
             (y if y is not None else np.uint64(0), offsets, np.int64(n_off),
              np.int32(include_last_offset), np.int64(n),
              weights if weights is not None else np.uint64(0), np.int32(mode == "mean"),
+             slot if slot is not None else np.uint64(0),
+             cache.weight if slot is not None else np.uint64(0),
+             np.int64(cache.capacity if slot is not None else 0),
              out if out is not None else np.uint64(0), bag_of, verdict))
     plan = TTBagPlan(indices=indices, offsets=offsets, include_last_offset=include_last_offset,
                      per_sample_weights=weights, mean=mode == "mean", rows=rows, perm=perm,

@@ -92,7 +92,8 @@ def tt_matrix_to_full(tt_p_shapes, tt_q_shapes, tt_ranks, tt_cores, tt_permute=N
 
 class _TTBagFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, module, training, indices, offsets, per_sample_weights, *cores):
+    def forward(ctx, module, training, indices, offsets, per_sample_weights, cache_weight,
+                *cores):
         # training: the step will be differentiated; it reads the GPU input check in backward,
         # before any core changes, so the forward never waits on the device.
         device = cores[0]
@@ -100,19 +101,23 @@ class _TTBagFunction(torch.autograd.Function):
         out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
         with _on_stream(device):
             arrays = [_array(c)[0] for c in cores]
+            indices = _array(indices.to(device.device))
+            cache = module._core_cache()
+            if cache is not None and training and module.training:
+                cache.count(indices)  # FBTT counts accesses in training forwards
             _, residuals = core.tt_embedding_bag_fwd(
-                arrays, module.shape, _array(indices.to(device.device)),
-                _array(offsets.to(device.device)), mode=module.mode,
-                per_sample_weights=None if per_sample_weights is None
+                arrays, module.shape, indices, _array(offsets.to(device.device)),
+                mode=module.mode, per_sample_weights=None if per_sample_weights is None
                 else _array(per_sample_weights.to(device.device)),
                 include_last_offset=module.include_last_offset, check=not training,
-                num_embeddings=module.num_embeddings, out=_array(out))
+                num_embeddings=module.num_embeddings, out=_array(out), cache=cache)
         ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
+        ctx.cache = cache
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        module = ctx.module
+        module, cache = ctx.module, ctx.cache
         none = (None,) * 5
         with _on_stream(ctx.device):
             grad_bags = _array(grad_out.contiguous())
@@ -122,11 +127,15 @@ class _TTBagFunction(torch.autograd.Function):
                                          module.shape, ctx.residuals, grad_bags,
                                          module._state_for(ctx.arrays[0]),
                                          _CORE_OPTIMIZER[module.optimizer],
-                                         lr=module.learning_rate, eps=module.eps)
-                return none + (None,) * len(ctx.arrays)
+                                         lr=module.learning_rate, eps=module.eps, cache=cache)
+                return none + (None,) * (1 + len(ctx.arrays))
             grads = core.tt_embedding_bag_bwd(ctx.arrays, module.shape, ctx.residuals,
                                               grad_bags)
-        return none + tuple(_torch(g)[None] for g in grads)
+            cache_grad = None
+            if cache is not None:
+                cache_grad = _torch(core.tt_cache_grad(cache, module.shape, ctx.residuals,
+                                                       grad_bags)[0])
+        return none + (cache_grad,) + tuple(_torch(g)[None] for g in grads)
 
 
 class TTEmbeddingBag(torch.nn.Module):
@@ -166,9 +175,6 @@ class TTEmbeddingBag(torch.nn.Module):
         if not isinstance(optimizer, OptimType):
             raise ValueError(f"optimizer must be an OptimType ({[o.name for o in OptimType]}), "
                              f"got {optimizer!r}; others are not implemented")
-        if use_cache:
-            raise ValueError("the TT row cache is not available in this version; "
-                             "use_cache=False")
         if mode not in ("sum", "mean"):
             raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, self.shape.dim
@@ -181,11 +187,78 @@ class TTEmbeddingBag(torch.nn.Module):
         self.tt_cores = torch.nn.ParameterList(
             [torch.nn.Parameter(torch.from_numpy(c)[None]) for c in cores])
         self.sparse_state = core.tt_sparse_state(self.shape, _CORE_OPTIMIZER[optimizer])
+        self.use_cache, self.cache_size = bool(use_cache), int(cache_size)
+        self.hashtbl_size = int(hashtbl_size) or 4 * self.cache_size
+        self.cache_weight = None
+        if self.use_cache:
+            # The cache's arrays are the module's: buffers (and the dense rows a Parameter,
+            # trained by an outside optimizer when sparse=False) that follow .to() and
+            # state_dict.
+            cache = core.TTRowCache(self.shape, self.cache_size, self.hashtbl_size,
+                                    _CORE_OPTIMIZER[optimizer])
+            self.cache_weight = torch.nn.Parameter(torch.from_numpy(cache.weight),
+                                                   requires_grad=not sparse)
+            self.register_buffer("cache_rows", torch.from_numpy(cache.rows))
+            self.register_buffer("cache_freq_keys", torch.from_numpy(cache.freq_keys))
+            self.register_buffer("cache_freq_counts", torch.from_numpy(cache.freq_counts))
+            for name, value in cache.state.items():
+                self.register_buffer(f"cache_state_{name}", torch.from_numpy(value))
 
     def forward(self, indices, offsets, per_sample_weights=None):
-        training = torch.is_grad_enabled() and any(c.requires_grad for c in self.tt_cores)
+        training = torch.is_grad_enabled() and (
+            any(c.requires_grad for c in self.tt_cores) or self.cache_weight is not None
+            and self.cache_weight.requires_grad)
         return _TTBagFunction.apply(self, training, indices.long(), offsets.long(),
-                                    per_sample_weights, *self.tt_cores)
+                                    per_sample_weights, self.cache_weight, *self.tt_cores)
+
+    # --------------------------------------------------------------------- row cache
+
+    def _core_cache(self):
+        """The cache as xferlib's TTRowCache over this module's tensors (None without)."""
+        if not self.use_cache:
+            return None
+        state = {name[len("cache_state_"):]: _array(buf)
+                 for name, buf in self.named_buffers(recurse=False)
+                 if name.startswith("cache_state_")}
+        return core.TTRowCache.from_arrays(
+            self.shape, _CORE_OPTIMIZER[self.optimizer], rows=_array(self.cache_rows),
+            weight=_array(self.cache_weight.data), state=state,
+            freq_keys=_array(self.cache_freq_keys), freq_counts=_array(self.cache_freq_counts))
+
+    def _require_cache(self):
+        if not self.use_cache:
+            raise RuntimeError("this TTEmbeddingBag was built with use_cache=False")
+        return self._core_cache()
+
+    def update_cache(self, indices) -> None:
+        """Count the lookups of ``indices`` in the access frequencies (the forward does it in
+        training; the cache's contents change only at :meth:`cache_populate`)."""
+        cache = self._require_cache()
+        indices = torch.as_tensor(indices).long().to(self.cache_rows.device)
+        bad = (indices < 0) | (indices >= self.num_embeddings)
+        if bool(bad.any()):
+            position = int(torch.nonzero(bad)[0, 0])
+            raise IndexError(f"index {int(indices[position])} at position {position} is out "
+                             f"of range for {self.num_embeddings} embeddings")
+        with _on_stream(self.cache_rows):
+            cache.count(_array(indices))
+
+    @torch.no_grad()
+    def cache_populate(self) -> None:
+        """Fill the cache with the ``cache_size`` most frequently looked-up rows. Rows that stay
+        keep their trained dense values and optimizer state; new rows start from the cores.
+        The cores keep learning every row (write-through, see ``xferlib.tt.TTRowCache``), so
+        rows that leave lose nothing the cores were taught."""
+        cache = self._require_cache()
+        with _on_stream(self.cache_rows):
+            cache.populate([_array(c.data)[0] for c in self.tt_cores])
+
+    @torch.no_grad()
+    def reset_cache(self) -> None:
+        """Empty the cache and its access counts; every row reads the cores again."""
+        cache = self._require_cache()
+        with _on_stream(self.cache_rows):
+            cache.reset()
 
     def _state_for(self, like):
         """The fused optimizer's state, moved (once) to where the cores are."""
@@ -202,9 +275,14 @@ class TTEmbeddingBag(torch.nn.Module):
         return self.sparse_state
 
     def full_weight(self) -> torch.Tensor:
-        """The dense ``(prod(p), embedding_dim)`` table the cores stand for."""
-        return tt_matrix_to_full(self.tt_p_shapes, self.tt_q_shapes, self.tt_ranks,
+        """The dense ``(prod(p), embedding_dim)`` table the forward reads: the cores' rows, and
+        the cached rows' dense values where a cache is in use."""
+        full = tt_matrix_to_full(self.tt_p_shapes, self.tt_q_shapes, self.tt_ranks,
                                  list(self.tt_cores), [1, 0, 2, 3]).to(self.tt_cores[0].device)
+        if self.use_cache:
+            with torch.no_grad(), _on_stream(self.cache_rows):
+                self._core_cache().overlay(_array(full))
+        return full
 
     def set_learning_rate(self, lr: float) -> None:
         self.learning_rate = float(lr)

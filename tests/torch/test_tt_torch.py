@@ -85,8 +85,12 @@ def test_shapes_defaults_and_bad_input():
     assert bag.tt_ranks == [1, 32, 32, 1]
     with pytest.raises(ValueError, match="OptimType"):
         TTEmbeddingBag(100, 8, [2, 2], optimizer="lamb")
-    with pytest.raises(ValueError, match="cache"):
+    with pytest.raises(ValueError, match="cache_size must be positive"):
         TTEmbeddingBag(100, 8, [2, 2], use_cache=True)
+    with pytest.raises(ValueError, match="hashtbl_size"):
+        TTEmbeddingBag(100, 8, [2, 2], use_cache=True, cache_size=10, hashtbl_size=5)
+    with pytest.raises(RuntimeError, match="use_cache=False"):
+        TTEmbeddingBag(100, 8, [2, 2]).cache_populate()
     with pytest.raises(ValueError, match="num_embeddings"):
         TTEmbeddingBag(1000, 8, [2, 2], tt_p_shapes=[2, 2, 2], tt_q_shapes=[2, 2, 2])
     small = TTEmbeddingBag(100, 8, [2, 2], sparse=False)
@@ -154,3 +158,156 @@ def test_state_dict_carries_the_fused_optimizer_state(optimizer):
     # A checkpoint without optimizer state (as FBTT writes) still loads strictly.
     cores_only = {k: v for k, v in checkpoint.items() if k.startswith("tt_cores.")}
     TTEmbeddingBag(600, 16, [3, 4], **kw).load_state_dict(cores_only)
+
+
+# ----------------------------------------------------------------------------- row cache
+
+CACHE_KW = dict(tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4], weight_dist="normal", seed=3,
+                learning_rate=0.05)
+
+
+def _hot_bag(step, num=600):
+    """Bags where rows 5, 17 and 400 are hot."""
+    g = torch.Generator().manual_seed(step)
+    indices = torch.randint(0, num, (24,), generator=g)
+    indices[::3] = torch.tensor([5, 17, 400, 5, 17, 5, 5, 400])
+    return indices, torch.arange(0, 25, 6)
+
+
+def _cached_pair(optimizer, device="cpu", sparse=True):
+    plain = TTEmbeddingBag(600, 16, [3, 4], optimizer=optimizer, sparse=sparse, **CACHE_KW)
+    cached = TTEmbeddingBag(600, 16, [3, 4], optimizer=optimizer, sparse=sparse,
+                            use_cache=True, cache_size=3, hashtbl_size=64, **CACHE_KW)
+    return plain.to(device), cached.to(device)
+
+
+def test_cache_counts_populates_and_serves_cached_rows():
+    _, bag = _cached_pair(OptimType.SGD)
+    for step in range(3):
+        bag(*_hot_bag(step)).sum().backward()
+    bag.cache_populate()
+    assert bag.cache_rows[:3].tolist() == [5, 17, 400]
+    before = bag.full_weight().detach()
+    # the cached dense rows start from the cores' rows
+    torch.testing.assert_close(bag.cache_weight.detach(), before[[5, 17, 400]])
+    indices, offsets = _hot_bag(7)
+    bag.train(False)
+    out = bag(indices, offsets)
+    with torch.no_grad():
+        bag.cache_weight[0] += 1.0  # cached row 5 now differs from the cores' row 5
+    reference = torch.nn.EmbeddingBag.from_pretrained(bag.full_weight().detach(), mode="sum",
+                                                      include_last_offset=True)
+    torch.testing.assert_close(bag(indices, offsets), reference(indices, offsets))
+    assert not torch.allclose(bag(indices, offsets), out)
+    counts = dict(zip(bag.cache_freq_keys.tolist(), bag.cache_freq_counts.tolist()))
+    assert counts[5] == 12 and counts[17] == 6 and counts[400] == 6  # 3 training forwards
+
+
+@pytest.mark.parametrize("optimizer", [OptimType.SGD, OptimType.EXACT_ADAGRAD,
+                                       OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])
+def test_cache_is_write_through(optimizer, device="cpu"):
+    """With the same bag gradients, the cores of a cached module train exactly as without a
+    cache (every lookup reaches them), while cached rows take the optimizer's dense steps."""
+    plain, cached = _cached_pair(optimizer, device)
+    for step in range(2):
+        batch = [t.to(device) for t in _hot_bag(step)]
+        plain(*batch).sum().backward()
+        cached(*batch).sum().backward()
+    cached.cache_populate()
+    start = cached.cache_weight.detach().clone()
+    dense = torch.nn.Parameter(start.clone())
+    torch_opt = {OptimType.SGD: lambda p: torch.optim.SGD(p, lr=0.05),
+                 OptimType.EXACT_ADAGRAD: lambda p: torch.optim.Adagrad(p, lr=0.05, eps=1e-10)}
+    reference = torch_opt.get(optimizer, lambda p: None)([dense])
+    for step in range(2, 6):
+        indices, offsets = (t.to(device) for t in _hot_bag(step))
+        g = torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).to(device)
+        plain(indices, offsets).backward(g)
+        cached(indices, offsets).backward(g)
+        if reference is not None:  # the cached rows' own gradient: their lookups' bag rows
+            slot = {5: 0, 17: 1, 400: 2}
+            grad = torch.zeros_like(dense)
+            for position, row in enumerate(indices.tolist()):
+                if row in slot:
+                    grad[slot[row]] += g[position // 6]
+            dense.grad = grad
+            reference.step()
+    for a, b in zip(plain.tt_cores, cached.tt_cores):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    if reference is not None:
+        torch.testing.assert_close(cached.cache_weight.detach(), dense.detach(), rtol=1e-5,
+                                   atol=1e-6)
+    assert not torch.allclose(cached.cache_weight.detach(), start)
+
+
+def test_repopulate_keeps_trained_rows_and_reset_returns_to_the_cores():
+    _, bag = _cached_pair(OptimType.SGD)
+    for step in range(2):
+        bag(*_hot_bag(step)).sum().backward()
+    bag.cache_populate()
+    for step in range(2, 4):
+        bag(*_hot_bag(step)).sum().backward()
+    trained = bag.cache_weight.detach().clone()
+    # row 250 becomes the hottest: it enters, the least frequent (17 or 400) leaves
+    bag.update_cache(torch.full((40,), 250))
+    bag.cache_populate()
+    rows = bag.cache_rows.tolist()
+    assert 250 in rows and 5 in rows
+    kept = rows.index(5)
+    torch.testing.assert_close(bag.cache_weight.detach()[kept], trained[0])
+    cores_only = tt_matrix_to_full(bag.tt_p_shapes, bag.tt_q_shapes, bag.tt_ranks,
+                                   list(bag.tt_cores), [1, 0, 2, 3])
+    torch.testing.assert_close(bag.cache_weight.detach()[rows.index(250)], cores_only[250])
+    bag.reset_cache()
+    torch.testing.assert_close(bag.full_weight(), cores_only)
+    assert (bag.cache_freq_keys == -1).all() and (bag.cache_freq_counts == 0).all()
+    with pytest.raises(IndexError, match="index 600 at position 0"):
+        bag.update_cache(torch.tensor([600]))
+
+
+def test_cache_with_dense_gradients_and_state_dict():
+    plain, cached = _cached_pair(OptimType.SGD, sparse=False)
+    cached.update_cache(torch.tensor([5, 5, 17, 400, 400, 400]))
+    cached.cache_populate()
+    indices, offsets = _hot_bag(3)
+    g = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    cached(indices, offsets).backward(g)
+    plain(indices, offsets).backward(g)
+    for a, b in zip(plain.tt_cores, cached.tt_cores):  # write-through: every lookup
+        torch.testing.assert_close(b.grad, a.grad)
+    expected = torch.zeros(3, 16)
+    for position, row in enumerate(indices.tolist()):
+        if row in (5, 17, 400):
+            expected[[5, 17, 400].index(row)] += g[position // 6]
+    torch.testing.assert_close(cached.cache_weight.grad, expected)
+    again = TTEmbeddingBag(600, 16, [3, 4], sparse=False, use_cache=True, cache_size=3,
+                           hashtbl_size=64, **CACHE_KW)
+    again.load_state_dict(cached.state_dict())
+    torch.testing.assert_close(again.full_weight(), cached.full_weight())
+    assert again.cache_rows.tolist() == cached.cache_rows.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", [OptimType.SGD, OptimType.ADAM])
+def test_cache_on_cuda(optimizer):
+    import xferlib
+
+    if not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip("needs a CUDA GPU with CuPy; none here")
+    test_cache_is_write_through(optimizer, device="cuda")
+    cpu = TTEmbeddingBag(600, 16, [3, 4], optimizer=optimizer, use_cache=True, cache_size=3,
+                         hashtbl_size=64, **CACHE_KW)
+    gpu = TTEmbeddingBag(600, 16, [3, 4], optimizer=optimizer, use_cache=True, cache_size=3,
+                         hashtbl_size=64, **CACHE_KW).cuda()
+    for step in range(4):
+        indices, offsets = _hot_bag(step)
+        out_cpu, out_gpu = cpu(indices, offsets), gpu(indices.cuda(), offsets.cuda())
+        torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-4, atol=1e-5)
+        out_cpu.sum().backward()
+        out_gpu.sum().backward()
+        if step == 1:
+            cpu.cache_populate()
+            gpu.cache_populate()
+    assert gpu.cache_rows.tolist() == cpu.cache_rows.tolist()
+    assert gpu.cache_freq_counts.sum().item() == cpu.cache_freq_counts.sum().item()
+    torch.testing.assert_close(gpu.full_weight().cpu(), cpu.full_weight(), rtol=1e-4, atol=1e-5)

@@ -243,8 +243,10 @@ __global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float*
 
 // out[b] = sum over bag b of w * y[m]; bag_of[m] = b. A rejected batch gives zeros. With
 // y == nullptr only bag_of is written (a backward that rebuilds its plan).
+// Lookups with slot[m] >= 0 read row slot[m] of the dense row cache cache_w instead.
 extern "C" __global__ void tt_pool(const float* y, const i64* offsets, i64 n_off,
                                    int include_last, i64 n, const float* psw, int mean,
+                                   const i64* slot, const float* cache_w, i64 cache_rows,
                                    float* out, i64* bag_of, const u64* verdict) {
     const i64 bags = (include_last ? n_off : n_off + 1) - 1;
     const bool bad = rejected(verdict);
@@ -261,7 +263,8 @@ extern "C" __global__ void tt_pool(const float* y, const i64* offsets, i64 n_off
                 if (y == nullptr) continue;
                 float w = psw != nullptr ? psw[m] : 1.f;
                 if (mean) w /= (float)(hi - lo);
-                s += w * y[m * DIM + e];
+                const i64 c = slot != nullptr ? slot[m] : -1;
+                s += w * (c >= 0 && c < cache_rows ? cache_w[c * DIM + e] : y[m * DIM + e]);
             }
         }
         if (out != nullptr) out[t] = s;
@@ -547,6 +550,27 @@ __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, con
     }
 }
 
+// Row access frequencies in an open-addressing table (key -1 = empty): a row is counted in
+// one of the 32 slots after its hash, or not at all when those are taken by other rows.
+extern "C" __global__ void tt_count(const i64* idx, i64 n, i64* keys, long long* counts,
+                                    i64 size) {
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < n;
+         t += (i64)gridDim.x * blockDim.x) {
+        const i64 row = idx[t];
+        if (row < 0) continue;
+        const u64 home = ((u64)row * 0x9E3779B97F4A7C15ull) % (u64)size;
+        const int probes = size < 32 ? (int)size : 32;
+        for (int probe = 0; probe < probes; ++probe) {
+            const i64 s = (i64)((home + probe) % (u64)size);
+            const u64 prev = atomicCAS(reinterpret_cast<u64*>(keys + s), ~0ull, (u64)row);
+            if (prev == ~0ull || prev == (u64)row) {
+                atomicAdd(reinterpret_cast<u64*>(counts + s), 1ull);
+                break;
+            }
+        }
+    }
+}
+
 // The fused optimizer on every touched core row. opt: 0 sgd, 1 adagrad, 2 row-wise adagrad,
 // 3 row-wise adam (elementwise first moment, one second moment and step per row).
 #define STATE_ARGS(name) float* name##0, float* name##1, float* name##2, float* name##3
@@ -622,7 +646,7 @@ KEY_TYPES = ("int", "long long")
 ROWS_NAMES = {key: f"tt_rows<{key}>" for key in KEY_TYPES}
 BWD_NAMES = {key: f"tt_bwd_pieces<{key}>" for key in KEY_TYPES}
 REDUCE_NAMES = {key: f"tt_reduce<{key}>" for key in KEY_TYPES}
-PLAIN_NAMES = ("tt_check_bags", "tt_pool", "tt_update")
+PLAIN_NAMES = ("tt_check_bags", "tt_pool", "tt_update", "tt_count")
 
 
 def _chain_sizes(p, q, ranks):
