@@ -456,6 +456,7 @@ def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np
     """
     if isinstance(residuals, TTBagPlan):
         grad, _ = _gpu_core_grads(cores, shape, residuals, grad_bags, dense=True)
+        tt_check_plan(residuals, shape)
         return [grad[start:stop].reshape(shape.core_shape(k))
                 for k, (start, stop) in enumerate(_grad_spans(shape))]
     indices, bag, w = residuals
@@ -562,7 +563,8 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     """Backward and :func:`tt_sparse_update` in one: the cores change in place from the bag
     gradients. On the GPU kernel path no dense core gradient exists: each touched core row's
     gradient is summed (in sorted order, deterministic) and the optimizer runs on those rows
-    only, with no host sync (a deferred input check is read first, before anything changes).
+    only. A forward's deferred input check is read once the update is queued: the kernels of a
+    rejected batch change nothing, and the error is raised before this function returns.
     With a ``cache`` its hit rows take the same optimizer step on their dense values, and the
     cores still learn from every lookup (write-through, see :class:`TTRowCache`).
     """
@@ -600,6 +602,9 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
             + pointers(steps + pad)
             + [grad, touched, np.int32(code), np.float32(lr), np.float32(eps),
                np.float64(betas[0]), np.float64(betas[1])])
+    # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
+    # flagged as touched), and the host waited for nothing while the step was being queued.
+    tt_check_plan(residuals, shape)
 
 
 # ----------------------------------------------------------------------------- row cache
@@ -955,7 +960,6 @@ def _gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bo
 
     from xferlib._kernels.tt import CHUNK, REDUCE_THREADS, THREADS
 
-    tt_check_plan(plan, shape)
     n, d = plan.n, shape.d
     grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))
     if grad_bags.shape != (plan.num_bags, shape.dim):
@@ -963,6 +967,7 @@ def _gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bo
                          f"{grad_bags.shape}")
     size = _grad_spans(shape)[-1][1]
     if n == 0:
+        tt_check_plan(plan, shape)
         return (cupy.zeros(size, dtype=np.float32) if dense else None), None
     r = shape.padded_ranks
     a_last = math.prod(shape.q_shapes[:-1])
