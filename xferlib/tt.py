@@ -747,23 +747,21 @@ def _to_host(a) -> np.ndarray:
 
 def tt_cache_grad(cache: TTRowCache, shape: TTShape, residuals, grad_bags):
     """``(grad, touched)``: each cache row's summed gradient (``capacity x dim``, zeros where
-    not hit; deterministic sum) and whether the batch hit it."""
-    from xferlib.rows import scatter_add_rows
-
+    not hit) and whether the batch hit it. On the GPU the sums go through atomic adds (their
+    rounding depends on the order); on the CPU they run in batch order."""
     if isinstance(residuals, TTBagPlan):
         indices, bag, w = residuals.indices, residuals.bag_of, _plan_weights(residuals)
     else:
         indices, bag, w = residuals
     xp = array_module(indices)
     slot = cache.slots(indices)
-    target = xp.where(slot >= 0, slot, cache.capacity)  # misses land in a spare row
-    contrib = xp.asarray(grad_bags, dtype=np.float32)[bag] * w[:, None]
-    grad = xp.zeros((cache.capacity + 1, shape.dim), dtype=np.float32)
-    if len(target):
-        scatter_add_rows(grad, target, xp.ascontiguousarray(contrib))
-    touched = xp.zeros(cache.capacity + 1, dtype=bool)
-    touched[target] = True
-    return grad[:cache.capacity], touched[:cache.capacity]
+    hits = xp.flatnonzero(slot >= 0)  # a host sync on the GPU: the cache path takes one
+    contrib = xp.asarray(grad_bags, dtype=np.float32)[bag[hits]] * w[hits][:, None]
+    grad = xp.zeros((cache.capacity, shape.dim), dtype=np.float32)
+    _scatter_add(grad, slot[hits], contrib)
+    touched = xp.zeros(cache.capacity, dtype=bool)
+    touched[slot[hits]] = True
+    return grad, touched
 
 
 def _plan_weights(plan):
@@ -888,6 +886,11 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
     if mode not in ("sum", "mean"):
         raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
     n = int(indices.size)
+    num_bags = offsets.size - 1 if include_last_offset else offsets.size
+    if out is not None:
+        _check_out(out, num_bags, shape)
+        if not (is_cupy_array(out) and out.flags.c_contiguous):
+            raise ValueError("out must be a C-contiguous CuPy array on the kernel path")
     weights = None
     if per_sample_weights is not None:
         weights = cupy.ascontiguousarray(cupy.asarray(per_sample_weights, dtype=np.float32))
@@ -905,17 +908,15 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
     _launch(shape, "tt_check_bags", (max(1, min(1024, -(-(n_off + 1) // 256))),), (256,),
             (offsets, np.int64(n_off), np.int32(include_last_offset), np.int64(n),
              sort_verdict, verdict))
-    y = out = None
+    y = None
     if cores is not None:
         y = cupy.empty((n, shape.dim), dtype=np.float32)
         _launch(shape, f"tt_rows<{_key_name(rows)}>", (max(1, -(-n // CHUNK)),), (THREADS,),
                 _core_pointers(cores) + [rows, perm, np.int64(n), y, verdict])
         if out is None:
             out = cupy.empty((num_bags, shape.dim), dtype=np.float32)
-        else:
-            _check_out(out, num_bags, shape)
-            if not out.flags.c_contiguous:
-                raise ValueError("out must be C-contiguous")
+    else:
+        out = None
     bag_of = cupy.empty(n, dtype=np.int64)
     total = num_bags * shape.dim
     slot = cache.slots(indices) if cache is not None and y is not None else None

@@ -62,9 +62,10 @@ def test_kernels_match_the_reference(cupy, shape, case):
     ref = tt.tt_embedding_bag_reference(cores, shape, idx, offsets, per_sample_weights=psw, **kw)
     gpu_cores = [cupy.asarray(c) for c in cores]
     gpu = dict(per_sample_weights=None if psw is None else cupy.asarray(psw), **kw)
+    given = cupy.full(ref.shape, np.nan, dtype=np.float32)
     out, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, cupy.asarray(idx),
-                                        cupy.asarray(offsets), **gpu)
-    assert isinstance(plan, tt.TTBagPlan)
+                                        cupy.asarray(offsets), out=given, **gpu)
+    assert isinstance(plan, tt.TTBagPlan) and out is given
     _close(out.get(), ref, 1e-5)
     # dense core gradients against the NumPy path (itself checked against autograd on CPU)
     g = rng.standard_normal(ref.shape).astype(np.float32)
