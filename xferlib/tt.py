@@ -861,6 +861,11 @@ def _grad_spans(shape: TTShape) -> list[tuple[int, int]]:
     return spans
 
 
+def _lead_core(shape: TTShape) -> int:
+    """The core whose digit leads the kernels' sort key (LEAD in xferlib/_kernels/tt.py)."""
+    return 1 if shape.d == 3 else 0
+
+
 def _key_name(rows) -> str:
     return "int" if rows.dtype == np.int32 else "long long"
 
@@ -901,7 +906,14 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
     indices = cupy.ascontiguousarray(indices)
     offsets = cupy.ascontiguousarray(offsets.astype(np.int64, copy=False))
     bound = shape.num_rows if num_embeddings is None else int(num_embeddings)
-    rows, perm, sort_verdict = _sort_positions(indices, bound)
+    if _lead_core(shape) == 0:  # the sort key is the row
+        rows, perm, sort_verdict = _sort_positions(indices, bound)
+    else:  # the lead core's digit first (xferlib/_kernels/tt.py); bad rows get a rejected key
+        keys = cupy.empty(n, dtype=np.int64)
+        _launch(shape, "tt_keys", (max(1, min(4096, -(-n // 256))),), (256,),
+                (indices if indices.dtype == np.int64 else indices.astype(np.int64),
+                 np.int64(n), np.int64(bound), keys))
+        rows, perm, sort_verdict = _sort_positions(keys, shape.num_rows)
     verdict = _clean_verdict()
     n_off = int(offsets.size)
     num_bags = n_off - 1 if include_last_offset else n_off
@@ -984,7 +996,8 @@ def _gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bo
                 np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
                 weights if weights is not None else np.uint64(0), np.int32(plan.mean),
                 grad_bags, ubuf, cbuf, c0buf, keys, plan.verdict])
-    skeys, items, _ = _sort_positions(keys, sum(shape.p_shapes[1:]) + 1)
+    keyed = sum(shape.p_shapes) - shape.p_shapes[_lead_core(shape)]
+    skeys, items, _ = _sort_positions(keys, keyed + 1)
     grad = (cupy.zeros if dense else cupy.empty)(size, dtype=np.float32)
     touched = cupy.zeros(_total_core_rows(shape), dtype=np.int32)
     _launch(shape, f"tt_reduce<{key_name}>", (_total_core_rows(shape),), (REDUCE_THREADS,),

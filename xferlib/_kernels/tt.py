@@ -57,8 +57,17 @@ __host__ __device__ constexpr int QPROD(int f, int l) { return f >= l ? 1 : Q(f)
 // Core k's first slice in the flat gradient buffer / touched flags / grid of row blocks.
 __host__ __device__ constexpr i64 GOFF(int k) { return k <= 0 ? 0 : GOFF(k - 1) + P(k - 1) * W(k - 1); }
 __host__ __device__ constexpr i64 ROFF(int k) { return k <= 0 ? 0 : ROFF(k - 1) + P(k - 1); }
-// Sort keys group the items of cores 1 .. D-1 by (core, digit): key = KOFF(k) + digit.
-__host__ __device__ constexpr int KOFF(int k) { return k <= 1 ? 0 : KOFF(k - 1) + (int)P(k - 1); }
+// The batch is sorted by a key that puts core LEAD's digit first, then the others in order:
+// with three cores LEAD is the middle core, whose slices are the largest (R x q x R), so rows
+// side by side share them and a block stages each once; otherwise the key is the row itself.
+// Pieces (runs of one prefix, digits 0..D-2) stay contiguous either way.
+constexpr int LEAD = TT_D == 3 ? 1 : 0;
+// Every core but LEAD is "keyed": its items (pieces, or lookups for the last core) are sorted
+// by (core, digit) into region REGION(k) of the item keys: key = KOFF(k) + digit.
+__host__ __device__ constexpr int REGION(int k) { return k < LEAD ? k : k - 1; }
+__host__ __device__ constexpr int KOFF(int k) {
+    return k <= 0 ? 0 : KOFF(k - 1) + (k - 1 == LEAD ? 0 : (int)P(k - 1));
+}
 
 constexpr int DIM = QPROD(0, D);
 constexpr int A_LAST = QPROD(0, D - 1);
@@ -74,6 +83,7 @@ constexpr int MAXW = TT_MAXW;                 // largest slice
 constexpr int MAXV = TT_MAXV;                 // largest L^T U intermediate
 constexpr int MAXS = TT_MAXS;                 // largest staged right-hand slice (padded)
 constexpr int PB = 8;                         // pieces staged at once by the 3-core reduction
+constexpr int REDUCE_THREADS = TT_REDUCE_THREADS;
 
 __device__ __forceinline__ bool rejected(const u64* v) { return v[0] != ~0ull || v[1] != ~0ull; }
 
@@ -84,6 +94,25 @@ __device__ __forceinline__ i64 bound_at(const i64* off, i64 n_off, i64 n, i64 t)
 __device__ __forceinline__ void digits_of(i64 row, i64* dig) {
 #pragma unroll
     for (int k = 0; k < D; ++k) dig[k] = (row / STRIDE(k)) % P(k);
+}
+
+// Rows per value of the lead digit, and the sort key of a row (see LEAD) and back.
+constexpr i64 SPAN = NUM_ROWS / P(LEAD);
+__device__ __forceinline__ i64 key_of(i64 row) {
+    if constexpr (LEAD == 0) {
+        return row;
+    } else {  // three cores: (i1, i0, i2)
+        return ((row / STRIDE(1)) % P(1)) * SPAN + (row / STRIDE(0)) * P(2) + row % P(2);
+    }
+}
+__device__ __forceinline__ void digits_of_key(i64 key, i64* dig) {
+    if constexpr (LEAD == 0) {
+        digits_of(key, dig);
+    } else {
+        dig[1] = key / SPAN;
+        dig[0] = (key / P(2)) % P(0);
+        dig[2] = key % P(2);
+    }
 }
 
 // out (M x N) (+)= op(a) (M x K) op(b) (K x N), row-major; TA: a is stored (K x M); TB: b is
@@ -151,13 +180,19 @@ __host__ __device__ constexpr int LDS(int l) { return Q(l) * R(l + 1) + 1; }
 // padded, where it stays until the next chain), synchronized.
 template <int F, int L>
 __device__ const float* chain(const float* const* cores, const i64* dig, float* out, float* tmp,
-                              float* sb) {
+                              float* sb, i64* sb_tag = nullptr) {
     if constexpr (F >= L) {
         return slice_of(cores, F, dig);
     } else {
-        const float* prev = chain<F, L - 1>(cores, dig, tmp, out, sb);
+        const float* prev = chain<F, L - 1>(cores, dig, tmp, out, sb, sb_tag);
         __syncthreads();
-        stage_padded<R(L), Q(L) * R(L + 1)>(sb, slice_of(cores, L, dig));
+        // sb_tag: which slice sb holds (uniform over the block), so a run of rows with the same
+        // slice stages it once
+        const i64 tag = (i64)L * NUM_ROWS + dig[L];
+        if (sb_tag == nullptr || *sb_tag != tag) {
+            stage_padded<R(L), Q(L) * R(L + 1)>(sb, slice_of(cores, L, dig));
+            if (sb_tag != nullptr) *sb_tag = tag;
+        }
         block_matmul<R(F) * QPROD(F, L), R(L), Q(L) * R(L + 1), false, false, false, LDS(L)>(
             prev, sb, out);
         __syncthreads();
@@ -179,6 +214,16 @@ extern "C" __global__ void tt_check_bags(const i64* offsets, i64 n_off, int incl
         const bool bad = (t == 0 && v != 0) || (t == nb - 1 && v != n) ||
                          (t > 0 && v < bound_at(offsets, n_off, n, t - 1));
         if (bad) atomicMin(verdict + 1, (u64)t);
+    }
+}
+
+// keys[t] = key_of(idx[t]), or NUM_ROWS (which the sort rejects) where idx[t] is outside
+// [0, bound).
+extern "C" __global__ void tt_keys(const i64* idx, i64 n, i64 bound, i64* keys) {
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < n;
+         t += (i64)gridDim.x * blockDim.x) {
+        const i64 row = idx[t];
+        keys[t] = (row >= 0 && row < bound && row < NUM_ROWS) ? key_of(row) : NUM_ROWS;
     }
 }
 
@@ -225,16 +270,16 @@ __global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float*
     CORES;
     const i64 start = load_chunk(cores[D - 1], rows, perm, n, srow, sperm, ls);
     i64 dig[4] = {0, 0, 0, 0};
-    i64 prefix = -1;
+    i64 prefix = -1, sb_tag = -1;
     const float* lp = left;
     for (int t = 0; t < CHUNK && start + t < n; ++t) {
         const i64 row = srow[t];
         if (row < 0) continue;  // unreachable: the verdict rejects such a batch
-        digits_of(row, dig);
+        digits_of_key(row, dig);
         const i64 pre = row / P(D - 1);
         if (pre != prefix) {
             __syncthreads();
-            lp = chain<0, D - 2>(cores, dig, left, tmp, sb);
+            lp = chain<0, D - 2>(cores, dig, left, tmp, sb, &sb_tag);
             prefix = pre;
         }
         block_matmul<A_LAST, R_LAST, QL, false, false, false>(lp, ls + t * CW, y + sperm[t] * DIM);
@@ -281,15 +326,15 @@ __device__ __forceinline__ void flush_piece(const float* const* cores, const i64
     if constexpr (D == 3) {
         block_matmul<Q(0), UW / Q(0), R(1), false, true, false, LDS(1)>(u, sb, c0buf + piece * W(0));
     } else if constexpr (D > 3) {
-        const float* s = chain<1, D - 2>(cores, dig, left, tmp, sb);
+        const float* s = chain<1, D - 2>(cores, dig, left, tmp, sb);  // restages sb (no tag)
         warp_matmul_nt<Q(0), UW / Q(0), R(1), false>(u, s, c0buf + piece * W(0));
     }
 }
 
 // Per piece (a run of one prefix within the block's CHUNK sorted positions, slot = its first
 // position): U = sum_n g_n G_last[i_d]^T, then flush_piece. Per position j: C[j] = Left^T g_n,
-// and the sort keys of its items: keys[(D-2) n + j] (last core) and keys[(k-1) n + j] (middle
-// core k, piece starts only; SENTINEL elsewhere).
+// and the sort keys of its items in region REGION(k) of keys for every keyed core k: the
+// last core's for every position, the others' at piece starts (SENTINEL elsewhere).
 template <typename K>
 __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
                               const i64* bag_of, const i64* offsets, i64 n_off,
@@ -333,13 +378,13 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
     }
     __syncthreads();
     i64 dig[4] = {0, 0, 0, 0}, pdig[4] = {0, 0, 0, 0};
-    i64 prefix = -1, piece = -1;
+    i64 prefix = -1, piece = -1, sb_tag = -1;
     const float* lp = left;
     for (int t = 0; t < CHUNK && start + t < n; ++t) {
         const i64 j = start + t;
         const i64 row = srow[t];
         if (row < 0) continue;  // unreachable: the verdict rejects such a batch
-        digits_of(row, dig);
+        digits_of_key(row, dig);
         const i64 pre = row / P(D - 1);
         const bool starts = pre != prefix;
         if (starts) {
@@ -347,8 +392,9 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
             if (piece >= 0) {
                 flush_piece(cores, pdig, u, piece, ubuf, c0buf, left, tmp, sb);
                 __syncthreads();
+                if constexpr (D > 3) sb_tag = -1;  // the flush restaged sb
             }
-            lp = chain<0, D - 2>(cores, dig, left, tmp, sb);
+            lp = chain<0, D - 2>(cores, dig, left, tmp, sb, &sb_tag);
             for (int o = threadIdx.x; o < UW; o += blockDim.x) u[o] = 0.f;
             prefix = pre;
             piece = j;
@@ -356,10 +402,11 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
             for (int k = 0; k < 4; ++k) pdig[k] = dig[k];
         }
         if (threadIdx.x == 0) {
-            keys[(i64)(D - 2) * n + j] = KOFF(D - 1) + (int)dig[D - 1];
+            keys[(i64)REGION(D - 1) * n + j] = KOFF(D - 1) + (int)dig[D - 1];
 #pragma unroll
-            for (int k = 1; k <= D - 2; ++k)
-                keys[(i64)(k - 1) * n + j] = starts ? KOFF(k) + (int)dig[k] : SENTINEL;
+            for (int k = 0; k <= D - 2; ++k)
+                if (k != LEAD)
+                    keys[(i64)REGION(k) * n + j] = starts ? KOFF(k) + (int)dig[k] : SENTINEL;
         }
         const float* gj = g + t * DIM;
         block_matmul<R_LAST, A_LAST, QL, true, false, false>(lp, gj, cbuf + j * CW);
@@ -414,44 +461,60 @@ __device__ __forceinline__ bool piece_starts(const K* rows, i64 j) {
     return j % CHUNK == 0 || (i64)rows[j] / P(D - 1) != (i64)rows[j - 1] / P(D - 1);
 }
 
-// Three cores, middle core: items t in [lo, hi) are pieces; PB at a time, their upstream U and
-// core-0 slice are staged (independent loads), then acc += G0[i0]^T U for each, in order.
+// Three cores, middle (lead) core: acc += G0[i0]^T U for the pieces starting at the sorted
+// positions of [lo, hi) whose lead digit is this row's. Tiles of blockDim positions are
+// compacted to their piece starts (in order), then PB pieces at a time have their U and
+// core-0 slice staged (independent loads) and are accumulated in order.
 template <typename K>
-__device__ void reduce_middle_batched(const float* const* cores, const K* rows, i64 n,
-                                      const i64* items, i64 lo, i64 hi, const float* ubuf,
-                                      float* acc, float* mb, i64* mj) {
+__device__ void reduce_lead_middle(const float* const* cores, const K* rows, i64 lo, i64 hi,
+                                   const float* ubuf, float* acc, float* mb, i64* mj,
+                                   int* flags) {
     constexpr int ITEM = UW + W(0);
-    for (i64 t0 = lo; t0 < hi; t0 += PB) {
+    for (i64 tile = lo; tile < hi; tile += blockDim.x) {
         __syncthreads();
-        for (int p = threadIdx.x; p < PB; p += blockDim.x) {
-            const i64 t = t0 + p;
-            const i64 j = t < hi ? items[t] : -1;
-            mj[p] = (j >= 0 && j < n) ? j : -1;
+        const i64 j = tile + threadIdx.x;
+        flags[threadIdx.x] = (j < hi && piece_starts(rows, j)) ? 1 : 0;
+        __syncthreads();
+        // inclusive scan of the flags (Hillis-Steele; blockDim is a power of two <= 1024)
+        for (int off = 1; off < (int)blockDim.x; off <<= 1) {
+            const int add = threadIdx.x >= off ? flags[threadIdx.x - off] : 0;
+            __syncthreads();
+            flags[threadIdx.x] += add;
+            __syncthreads();
         }
+        const int count = flags[blockDim.x - 1];
+        const bool mine = j < hi && piece_starts(rows, j);
+        const int at = flags[threadIdx.x] - 1;
         __syncthreads();
-        for (int base = threadIdx.x; base < PB * ITEM; base += blockDim.x * 8) {
-            float r[8];
+        if (mine) mj[PB + at] = j;  // the tile's piece starts, in order, after the batch slots
+        __syncthreads();
+        for (int first = 0; first < count; first += PB) {
+            const int batch = count - first < PB ? count - first : PB;
+            for (int base = threadIdx.x; base < PB * ITEM; base += blockDim.x * 8) {
+                float r[8];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const int o = base + u * blockDim.x, p = o / ITEM, e = o - p * ITEM;
-                float x = 0.f;
-                if (o < PB * ITEM && mj[p] >= 0) {
-                    const i64 j = mj[p];
-                    x = e < UW ? ubuf[j * UW + e]
-                               : cores[0][((i64)rows[j] / STRIDE(0)) * W(0) + (e - UW)];
+                for (int u = 0; u < 8; ++u) {
+                    const int o = base + u * blockDim.x, p = o / ITEM, e = o - p * ITEM;
+                    float x = 0.f;
+                    if (o < PB * ITEM && p < batch) {
+                        const i64 jj = mj[PB + first + p];
+                        x = e < UW ? ubuf[jj * UW + e]
+                                   : cores[0][(((i64)rows[jj] / P(2)) % P(0)) * W(0) + (e - UW)];
+                    }
+                    r[u] = x;
                 }
-                r[u] = x;
-            }
 #pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const int o = base + u * blockDim.x;
-                if (o < PB * ITEM) mb[o] = r[u];
+                for (int u = 0; u < 8; ++u) {
+                    const int o = base + u * blockDim.x;
+                    if (o < PB * ITEM) mb[o] = r[u];
+                }
             }
+            __syncthreads();
+            for (int p = 0; p < batch; ++p)
+                block_matmul<R(1), Q(0), Q(1) * R(2), true, false, true>(mb + p * ITEM + UW,
+                                                                        mb + p * ITEM, acc);
+            __syncthreads();
         }
-        __syncthreads();
-        for (int p = 0; p < PB && t0 + p < hi; ++p)
-            block_matmul<R(1), Q(0), Q(1) * R(2), true, false, true>(mb + p * ITEM + UW,
-                                                                    mb + p * ITEM, acc);
     }
 }
 
@@ -460,21 +523,22 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
                            const i64* items, i64 n_items, const float* ubuf, const float* cbuf,
                            const float* c0buf, i64 i, float* grad, int* touched, float* acc,
                            float* bl, float* bs, float* tmp, float* sb, float* v, float* mb,
-                           i64* mj) {
-    bool any = false;
+                           i64* mj, int* flags) {
+    // The row's items: a range of sorted positions for the lead core, else a run of the
+    // sorted item keys.
+    i64 lo, hi;
+    if constexpr (KC == LEAD) {
+        lo = lower_bound_rows(rows, n, i * SPAN);
+        hi = lower_bound_rows(rows, n, (i + 1) * SPAN);
+    } else {
+        const int key = KOFF(KC) + (int)i;
+        lo = lower_bound_int(skeys, n_items, key);
+        hi = lower_bound_int(skeys, n_items, key + 1);
+    }
+    const bool any = hi > lo;
     if constexpr (KC == D - 1 || KC == 0) {
         // sums of per-item slice gradients: the last core's per lookup (cbuf), core 0's per
         // piece (c0buf, or U itself when the prefix is core 0 alone); eight loads in flight
-        i64 lo, hi;
-        if constexpr (KC == D - 1) {
-            const int key = KOFF(KC) + (int)i;
-            lo = lower_bound_int(skeys, n_items, key);
-            hi = lower_bound_int(skeys, n_items, key + 1);
-        } else {
-            lo = lower_bound_rows(rows, n, i * STRIDE(0));
-            hi = lower_bound_rows(rows, n, (i + 1) * STRIDE(0));
-        }
-        any = hi > lo;
         const float* src = KC == D - 1 ? cbuf : (D == 2 ? ubuf : c0buf);
         for (int o = threadIdx.x; o < W(KC); o += blockDim.x) {
             float s = 0.f;
@@ -485,11 +549,11 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
                     const i64 t = t0 + u;
                     float value = 0.f;
                     if (t < hi) {
-                        if constexpr (KC == D - 1) {
-                            const i64 j = items[t] - (i64)(D - 2) * n;
-                            if (j >= 0 && j < n) value = src[j * W(KC) + o];
-                        } else {
+                        if constexpr (KC == LEAD) {
                             if (piece_starts(rows, t)) value = src[t * W(KC) + o];
+                        } else {
+                            const i64 j = items[t] - (i64)REGION(KC) * n;
+                            if (j >= 0 && j < n) value = src[j * W(KC) + o];
                         }
                     }
                     x[u] = value;
@@ -499,21 +563,17 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
             }
             acc[o] = s;
         }
-    } else {
+    } else if constexpr (KC == LEAD) {  // three cores: the middle core leads the sort
         for (int o = threadIdx.x; o < W(KC); o += blockDim.x) acc[o] = 0.f;
-        const int key = KOFF(KC) + (int)i;
-        const i64 lo = lower_bound_int(skeys, n_items, key), hi = lower_bound_int(skeys, n_items, key + 1);
-        any = hi > lo;
-        if constexpr (D == 3) {
-            reduce_middle_batched(cores, rows, n, items, lo, hi, ubuf, acc, mb, mj);
-        } else {
-            i64 dig[4] = {0, 0, 0, 0};
-            for (i64 t = lo; t < hi; ++t) {
-                const i64 j = items[t] - (i64)(KC - 1) * n;
-                if (j < 0 || j >= n) continue;
-                digits_of((i64)rows[j], dig);
-                middle_slice_grad<KC>(cores, dig, ubuf + j * UW, acc, bl, bs, tmp, sb, v);
-            }
+        reduce_lead_middle(cores, rows, lo, hi, ubuf, acc, mb, mj, flags);
+    } else {  // four cores: a middle core, item by item through the prefix chain
+        for (int o = threadIdx.x; o < W(KC); o += blockDim.x) acc[o] = 0.f;
+        i64 dig[4] = {0, 0, 0, 0};
+        for (i64 t = lo; t < hi; ++t) {
+            const i64 j = items[t] - (i64)REGION(KC) * n;
+            if (j < 0 || j >= n) continue;
+            digits_of_key((i64)rows[j], dig);
+            middle_slice_grad<KC>(cores, dig, ubuf + j * UW, acc, bl, bs, tmp, sb, v);
         }
     }
     __syncthreads();
@@ -532,11 +592,12 @@ __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, con
     constexpr int CH = D == 3 ? 1 : MAXBUF, CS = D == 3 ? 1 : MAXS;
     __shared__ __align__(16) float acc[MAXW], bl[CH], bs[CH], tmp[CH], sb[CS], v[MAXV],
         mb[D == 3 ? PB * (UW + W(0)) : 1];
-    __shared__ i64 mj[PB];
+    __shared__ i64 mj[D == 3 ? PB + REDUCE_THREADS : 1];
+    __shared__ int flags[D == 3 ? REDUCE_THREADS : 1];
     CORES;
     const i64 b = blockIdx.x;
 #define REDUCE_ARGS cores, rows, n, skeys, items, n_items, ubuf, cbuf, c0buf
-#define REDUCE_BUFS grad, touched, acc, bl, bs, tmp, sb, v, mb, mj
+#define REDUCE_BUFS grad, touched, acc, bl, bs, tmp, sb, v, mb, mj, flags
     if (b < ROFF(1)) {
         reduce_row<0>(REDUCE_ARGS, b, REDUCE_BUFS);
     } else if (b < ROFF(2)) {
@@ -646,7 +707,7 @@ KEY_TYPES = ("int", "long long")
 ROWS_NAMES = {key: f"tt_rows<{key}>" for key in KEY_TYPES}
 BWD_NAMES = {key: f"tt_bwd_pieces<{key}>" for key in KEY_TYPES}
 REDUCE_NAMES = {key: f"tt_reduce<{key}>" for key in KEY_TYPES}
-PLAIN_NAMES = ("tt_check_bags", "tt_pool", "tt_update", "tt_count")
+PLAIN_NAMES = ("tt_check_bags", "tt_pool", "tt_update", "tt_count", "tt_keys")
 
 
 def _chain_sizes(p, q, ranks):
@@ -676,7 +737,8 @@ def shared_bytes(p, q, ranks) -> dict:
     uw = math.prod(q[:d - 1]) * r[d - 1]
     index = 16 * CHUNK
     if d == 3:
-        reduce = 4 * (maxw + 4 + maxv + PIECE_BATCH * (uw + q[0] * r[1])) + 8 * PIECE_BATCH
+        reduce = (4 * (maxw + 4 + maxv + PIECE_BATCH * (uw + q[0] * r[1]))
+                  + 8 * (PIECE_BATCH + REDUCE_THREADS) + 4 * REDUCE_THREADS)
     else:
         reduce = 4 * (maxw + 3 * maxbuf + maxs + maxv + 1) + 8 * PIECE_BATCH
     return {"rows": 4 * (2 * maxbuf + maxs + CHUNK * cw) + index,
@@ -695,7 +757,8 @@ def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
     defines += [f"#define TT_Q{k} {v}" for k, v in enumerate(qq)]
     defines += [f"#define TT_R{k + 1} {v}" for k, v in enumerate(rr)]
     defines += [f"#define TT_CHUNK {CHUNK}", f"#define TT_MAXBUF {maxbuf}",
-                f"#define TT_MAXW {maxw}", f"#define TT_MAXV {maxv}", f"#define TT_MAXS {maxs}"]
+                f"#define TT_MAXW {maxw}", f"#define TT_MAXV {maxv}", f"#define TT_MAXS {maxs}",
+                f"#define TT_REDUCE_THREADS {REDUCE_THREADS}"]
     names = (list(ROWS_NAMES.values()) + list(BWD_NAMES.values())
              + list(REDUCE_NAMES.values()) + list(PLAIN_NAMES))
     label = "x".join(map(str, p)) + "_" + "x".join(map(str, q)) + "_r" + "x".join(map(str, ranks))
