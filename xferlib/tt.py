@@ -40,6 +40,7 @@ __all__ = [
     "tt_fused_update",
     "tt_check_plan",
     "TTBagPlan",
+    "TTPendingCheck",
     "TTRowCache",
     "tt_cache_grad",
     "NO_ROW",
@@ -559,7 +560,8 @@ def _update_rows(param, grad, state, rows, optimizer: str, lr: float, eps: float
 
 
 def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimizer: str, *,
-                    lr: float, eps: float = 1e-10, betas=(0.9, 0.999), cache=None) -> None:
+                    lr: float, eps: float = 1e-10, betas=(0.9, 0.999), cache=None,
+                    defer_check: bool = False):
     """Backward and :func:`tt_sparse_update` in one: the cores change in place from the bag
     gradients. On the GPU kernel path no dense core gradient exists: each touched core row's
     gradient is summed (in sorted order, deterministic) and the optimizer runs on those rows
@@ -567,6 +569,10 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     rejected batch change nothing, and the error is raised before this function returns.
     With a ``cache`` its hit rows take the same optimizer step on their dense values, and the
     cores still learn from every lookup (write-through, see :class:`TTRowCache`).
+
+    ``defer_check`` (kernel path, no cache): do not wait for the input check at all; return a
+    :class:`TTPendingCheck` whose ``resolve()`` raises for a rejected batch later (the batch
+    changed nothing). The step then takes no host synchronization. Otherwise returns None.
     """
     if optimizer not in SPARSE_OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
@@ -604,7 +610,10 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
                np.float64(betas[0]), np.float64(betas[1])])
     # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
     # flagged as touched), and the host waited for nothing while the step was being queued.
+    if defer_check and not residuals.checked:
+        return TTPendingCheck(residuals, shape)
     tt_check_plan(residuals, shape)
+    return None
 
 
 # ----------------------------------------------------------------------------- row cache
@@ -947,6 +956,30 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
     if check:
         tt_check_plan(plan, shape)
     return out, plan
+
+
+class TTPendingCheck:
+    """The input check of a kernel-path batch, copied to the host asynchronously (pinned
+    memory, an event on the stream): :meth:`resolve` waits for that copy only (by then usually
+    long done) and raises as :func:`tt_check_plan` would."""
+
+    def __init__(self, plan: TTBagPlan, shape: TTShape):
+        import cupy
+        import cupyx
+
+        self.plan, self.shape = plan, shape
+        self.host = cupyx.empty_pinned(2, dtype=np.uint64)
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(self.host.ctypes.data, plan.verdict.data.ptr, 16,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self.event = cupy.cuda.Event(block=False, disable_timing=True)
+        self.event.record(stream)
+
+    def resolve(self) -> None:
+        self.event.synchronize()
+        if (self.host != _NO_BAD).any():
+            tt_check_plan(self.plan, self.shape)
+        self.plan.checked = True
 
 
 def tt_check_plan(plan: TTBagPlan, shape: TTShape) -> None:

@@ -97,6 +97,7 @@ class _TTBagFunction(torch.autograd.Function):
         # training: the step will be differentiated; it reads the GPU input check in backward,
         # before any core changes, so the forward never waits on the device.
         device = cores[0]
+        module._resolve_pending_check()
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
         out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
         with _on_stream(device):
@@ -123,11 +124,12 @@ class _TTBagFunction(torch.autograd.Function):
             grad_bags = _array(grad_out.contiguous())
             if module.sparse:  # fused: update the cores in place, hand no gradient back
                 with torch.no_grad():
-                    core.tt_fused_update([_array(c.data)[0] for c in module.tt_cores],
-                                         module.shape, ctx.residuals, grad_bags,
-                                         module._state_for(ctx.arrays[0]),
-                                         _CORE_OPTIMIZER[module.optimizer],
-                                         lr=module.learning_rate, eps=module.eps, cache=cache)
+                    # ctx.arrays view the cores' memory: the update writes through them
+                    module._pending_check = core.tt_fused_update(
+                        ctx.arrays, module.shape, ctx.residuals, grad_bags,
+                        module._state_for(ctx.arrays[0]), _CORE_OPTIMIZER[module.optimizer],
+                        lr=module.learning_rate, eps=module.eps, cache=cache,
+                        defer_check=module.defer_input_check)
                 return none + (None,) * (1 + len(ctx.arrays))
             grads = core.tt_embedding_bag_bwd(ctx.arrays, module.shape, ctx.residuals,
                                               grad_bags)
@@ -187,6 +189,12 @@ class TTEmbeddingBag(torch.nn.Module):
         self.tt_cores = torch.nn.ParameterList(
             [torch.nn.Parameter(torch.from_numpy(c)[None]) for c in cores])
         self.sparse_state = core.tt_sparse_state(self.shape, _CORE_OPTIMIZER[optimizer])
+        # On the GPU a fused training step never waits for its input check: a batch with an
+        # index out of range or bad offsets changes nothing (the kernels skip it) and the
+        # IndexError / ValueError is raised by the module's next call (or check_inputs()).
+        # False: every step waits for its check and raises at once.
+        self.defer_input_check = True
+        self._pending_check = None
         self.use_cache, self.cache_size = bool(use_cache), int(cache_size)
         self.hashtbl_size = int(hashtbl_size) or 4 * self.cache_size
         self.cache_weight = None
@@ -210,6 +218,16 @@ class TTEmbeddingBag(torch.nn.Module):
             and self.cache_weight.requires_grad)
         return _TTBagFunction.apply(self, training, indices.long(), offsets.long(),
                                     per_sample_weights, self.cache_weight, *self.tt_cores)
+
+    def _resolve_pending_check(self) -> None:
+        pending, self._pending_check = self._pending_check, None
+        if pending is not None:
+            pending.resolve()
+
+    def check_inputs(self) -> None:
+        """Raise now for a bad batch of the last GPU training step, if there was one (the step
+        changed nothing); the next forward would raise it anyway."""
+        self._resolve_pending_check()
 
     # --------------------------------------------------------------------- row cache
 
@@ -277,6 +295,7 @@ class TTEmbeddingBag(torch.nn.Module):
     def full_weight(self) -> torch.Tensor:
         """The dense ``(prod(p), embedding_dim)`` table the forward reads: the cores' rows, and
         the cached rows' dense values where a cache is in use."""
+        self._resolve_pending_check()
         full = tt_matrix_to_full(self.tt_p_shapes, self.tt_q_shapes, self.tt_ranks,
                                  list(self.tt_cores), [1, 0, 2, 3]).to(self.tt_cores[0].device)
         if self.use_cache:
@@ -292,6 +311,7 @@ class TTEmbeddingBag(torch.nn.Module):
     _STATE_PREFIX = "optimizer_state."
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._resolve_pending_check()
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for k, state in enumerate(self.sparse_state):
             for name, value in state.items():

@@ -311,3 +311,33 @@ def test_cache_on_cuda(optimizer):
     assert gpu.cache_rows.tolist() == cpu.cache_rows.tolist()
     assert gpu.cache_freq_counts.sum().item() == cpu.cache_freq_counts.sum().item()
     torch.testing.assert_close(gpu.full_weight().cpu(), cpu.full_weight(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_training_step_defers_its_input_check():
+    """A GPU training step never waits for its input check: a bad batch changes nothing and
+    the error comes with the module's next call (or check_inputs())."""
+    import xferlib
+
+    if not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip("needs a CUDA GPU with CuPy; none here")
+    bag = TTEmbeddingBag(600, 16, [3, 4], tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4],
+                         optimizer=OptimType.EXACT_ADAGRAD, weight_dist="normal", seed=0).cuda()
+    before = [c.detach().clone() for c in bag.tt_cores]
+    bad = torch.tensor([1, 600, 2], device="cuda")
+    offsets = torch.tensor([0, 1, 3], device="cuda")
+    bag(bad, offsets).sum().backward()  # queued without waiting
+    for a, b in zip(bag.tt_cores, before):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
+    with pytest.raises(IndexError, match="index 600 at position 1"):
+        bag.check_inputs()
+    bag.check_inputs()  # reported once
+    bag(bad, offsets).sum().backward()
+    with pytest.raises(IndexError, match="index 600 at position 1"):
+        bag(torch.tensor([1], device="cuda"), torch.tensor([0, 1], device="cuda"))
+    bag.defer_input_check = False
+    with pytest.raises(ValueError, match="offsets"):
+        bag(torch.tensor([1, 2], device="cuda"), torch.tensor([0, 2, 1], device="cuda")).sum(
+            ).backward()
+    for a, b in zip(bag.tt_cores, before):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
