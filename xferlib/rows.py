@@ -172,7 +172,8 @@ def _word_bytes(*values: int) -> int:
     return 1
 
 
-def _sorted_positions(idx, num_rows: int, stream, presorted: bool = False):
+def _sorted_positions(idx, num_rows: int, stream, presorted: bool = False,
+                      tiled_max: int = _TILED_SORT_MAX):
     """Check GPU indices and sort positions by row, all queued without a host sync.
 
     Returns ``(rows, perm, verdict)``: the rows in ascending order, ``perm`` mapping each
@@ -180,14 +181,15 @@ def _sorted_positions(idx, num_rows: int, stream, presorted: bool = False):
     (first bad position, first out-of-order position; all ones when clean). The row kernels
     read it and leave every array untouched when it is set; :func:`_raise_if_bad` reads it
     once the work is queued. ``presorted``: the caller promises ascending indices; they are
-    checked, not sorted.
+    checked, not sorted. ``tiled_max``: up to this many positions the tile sort + merges
+    runs; above, CuPy's argsort, whose Thrust call waits for the device (a host sync).
     """
     import cupy
 
     from xferlib._kernels.rows import ROWS_MODULE, check_name
 
     n = idx.size
-    if not presorted and n <= _TILED_SORT_MAX and num_rows <= np.iinfo(np.int32).max:
+    if not presorted and n <= tiled_max and num_rows <= np.iinfo(np.int32).max:
         return _sorted_positions_small(idx, num_rows, stream)
     narrow = idx.dtype == np.int64 and num_rows <= np.iinfo(np.int32).max
     keys32 = cupy.empty(n, dtype=np.int32) if narrow else None

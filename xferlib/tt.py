@@ -844,7 +844,10 @@ def _sort_positions(keys, num_keys: int):
 
     from xferlib.rows import _sorted_positions
 
-    return _sorted_positions(keys, num_keys, cupy.cuda.get_current_stream())
+    # Tile sorts and merges at every batch size: CuPy's argsort (Thrust) would wait for the
+    # device, and a training step must not.
+    return _sorted_positions(keys, num_keys, cupy.cuda.get_current_stream(),
+                             tiled_max=np.iinfo(np.int32).max)
 
 
 def _clean_verdict():

@@ -91,14 +91,14 @@ def test_kernels_match_the_reference(cupy, shape, case):
     atol = 0.01 * 0.05 if optimizer in ("adagrad", "rowwise_adagrad") else 0.0
     for got, want in zip(gpu_cores, host_cores):
         _close(got.get(), want, 1e-4, atol=atol)
-    for got, want in zip(gpu_states, states):
+    for got, want in zip(gpu_states, states):  # sums of squares of those gradients
         for name in want:
-            np.testing.assert_allclose(got[name].get(), want[name], rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(got[name].get(), want[name], rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("dist", ["uniform", "zipf"])
-def test_large_batches_take_the_device_wide_sort(cupy, dist):
-    """More than 65,536 lookups (and 131,072 backward items) go through the radix sort."""
+def test_large_batches(cupy, dist):
+    """70,000 lookups (140,000 backward items): several tiles and merge passes per sort."""
     shape = tt.TTShape([20, 22, 25], [4, 2, 4], [8, 6])
     rng = np.random.default_rng(1)
     cores = tt.init_tt_cores(shape, "normal", rng=rng)
