@@ -401,14 +401,23 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
 #pragma unroll
             for (int k = 0; k < 4; ++k) pdig[k] = dig[k];
         }
+        // A repeat of the same row at the next position takes this one's gradient along (the
+        // sorted batch keeps repeats together): a hot row yields one item per chunk, not one
+        // per lookup.
+        const bool folds = t + 1 < CHUNK && start + t + 1 < n && srow[t + 1] == row;
         if (threadIdx.x == 0) {
-            keys[(i64)REGION(D - 1) * n + j] = KOFF(D - 1) + (int)dig[D - 1];
+            keys[(i64)REGION(D - 1) * n + j] = folds ? SENTINEL : KOFF(D - 1) + (int)dig[D - 1];
 #pragma unroll
             for (int k = 0; k <= D - 2; ++k)
                 if (k != LEAD)
                     keys[(i64)REGION(k) * n + j] = starts ? KOFF(k) + (int)dig[k] : SENTINEL;
         }
         const float* gj = g + t * DIM;
+        if (folds) {
+            for (int o = threadIdx.x; o < DIM; o += blockDim.x) g[(t + 1) * DIM + o] += gj[o];
+            __syncthreads();
+            continue;
+        }
         block_matmul<R_LAST, A_LAST, QL, true, false, false>(lp, gj, cbuf + j * CW);
         block_matmul<A_LAST, QL, R_LAST, false, true, true>(gj, ls + t * CW, u);
     }
