@@ -98,3 +98,38 @@ def test_bad_input():
     with pytest.raises(TypeError, match="integer"):
         tt_embedding_bag(cores, jnp.array([0.5]), jnp.array([0, 1]), p_shapes=SHAPE.p_shapes,
                          q_shapes=SHAPE.q_shapes, ranks=SHAPE.ranks)
+
+
+@pytest.mark.parametrize("config", [([40, 6], [2, 4], [2]), ([40, 3, 5], [2, 2, 2], [2, 2]),
+                                    ([12, 2, 3, 2], [2, 1, 2, 2], [2, 2, 2])],
+                         ids=lambda c: f"d{len(c[0])}")
+def test_jax_equals_torch(config):
+    """The JAX function and the torch module agree on bags and core gradients (same cores)."""
+    torch = pytest.importorskip("torch")
+    from xferlib.adapters.torch import TTEmbeddingBag
+
+    p, q, ranks = config
+    shape = tt.TTShape(p, q, ranks)
+    module = TTEmbeddingBag(shape.num_rows, shape.dim, ranks, tt_p_shapes=p, tt_q_shapes=q,
+                            sparse=False, weight_dist="normal", seed=5)
+    rng = np.random.default_rng(5)
+    indices = rng.integers(0, shape.num_rows, 30)
+    offsets = np.array([0, 4, 4, 13, 30])
+    weights = rng.random(30).astype(np.float32)
+    g = rng.standard_normal((4, shape.dim)).astype(np.float32)
+    out = module(torch.as_tensor(indices), torch.as_tensor(offsets),
+                 torch.as_tensor(weights))
+    out.backward(torch.as_tensor(g))
+    cores = [c.detach()[0].numpy() for c in module.tt_cores]
+
+    def loss(cs):
+        bags = tt_embedding_bag(cs, jnp.asarray(indices), jnp.asarray(offsets), p_shapes=p,
+                                q_shapes=q, ranks=ranks,
+                                per_sample_weights=jnp.asarray(weights))
+        return (bags * g).sum(), bags
+
+    (_, bags), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+        [jnp.asarray(c) for c in cores])
+    np.testing.assert_allclose(np.asarray(bags), out.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for grad, c in zip(grads, module.tt_cores):
+        np.testing.assert_allclose(np.asarray(grad), c.grad[0].numpy(), rtol=1e-4, atol=1e-6)

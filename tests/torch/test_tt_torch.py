@@ -28,11 +28,27 @@ def _bag(n=4, per_bag=5, num=600, seed=0):
     return indices, offsets
 
 
+# (num_embeddings, ranks, p, q): d = 2, 3, 4, most with a core of more rows than its slice
+# width R_k q_k R_{k+1} (rows FBTT's fused update never reached).
+CONFIGS = [
+    (240, [2], [40, 6], [2, 4]),
+    (600, [3, 4], [6, 10, 10], [2, 2, 4]),
+    (590, [2, 2], [40, 3, 5], [2, 2, 2]),
+    (144, [2, 2, 2], [12, 2, 3, 2], [2, 1, 2, 2]),
+]
+
+
+def _module(config, **kw):
+    num, ranks, p, q = config
+    return TTEmbeddingBag(num, int(np.prod(q)), ranks, tt_p_shapes=p, tt_q_shapes=q,
+                          weight_dist="normal", **kw)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"d{len(c[2])}-{c[0]}")
 @pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_forward_and_dense_gradients_match_a_torch_reference(mode):
-    bag = TTEmbeddingBag(600, 16, [3, 4], tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4],
-                         sparse=False, weight_dist="normal", mode=mode, seed=0)
-    indices, offsets = _bag()
+def test_forward_and_dense_gradients_match_a_torch_reference(mode, config):
+    bag = _module(config, sparse=False, mode=mode, seed=0)
+    indices, offsets = _bag(num=config[0])
     weights = torch.rand(indices.shape) if mode == "sum" else None
     out = bag(indices, offsets, weights)
     full = _torch_full(bag)
@@ -51,14 +67,14 @@ def test_forward_and_dense_gradients_match_a_torch_reference(mode):
                                atol=1e-6)
 
 
-def test_sparse_sgd_is_fused_into_backward():
-    bag = TTEmbeddingBag(600, 16, [3, 4], tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4],
-                         optimizer=OptimType.SGD, learning_rate=0.5, weight_dist="normal",
-                         seed=1)
-    dense = TTEmbeddingBag(600, 16, [3, 4], tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4],
-                           sparse=False, weight_dist="normal", seed=1)
-    indices, offsets = _bag(seed=3)
-    g = torch.randn(4, 16)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"d{len(c[2])}-{c[0]}")
+def test_sparse_sgd_is_fused_into_backward(config):
+    """The fused SGD step equals the cores minus lr times autograd's core gradients, on
+    every row of every core (the whole core is compared)."""
+    bag = _module(config, optimizer=OptimType.SGD, learning_rate=0.5, seed=1)
+    dense = _module(config, sparse=False, seed=1)
+    indices, offsets = _bag(n=12, per_bag=8, num=config[0], seed=3)
+    g = torch.randn(12, int(np.prod(config[3])))
     before = [c.detach().clone() for c in bag.tt_cores]
     bag(indices, offsets).backward(g)
     dense(indices, offsets).backward(g)
