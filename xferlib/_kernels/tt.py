@@ -116,17 +116,42 @@ __device__ __forceinline__ void digits_of_key(i64 key, i64* dig) {
 }
 
 // out (M x N) (+)= op(a) (M x K) op(b) (K x N), row-major; TA: a is stored (K x M); TB: b is
-// stored (N x K); LDB: b's row stride (a padded staging). Thread t always owns outputs t,
-// t + blockDim.x, ... (accumulators rely on it).
+// stored (N x K); LDB: b's row stride (a padded staging). Where there are outputs enough, a
+// thread computes a TM x TN tile (rows m0..m0+TM-1, columns cb + j * N / TN, so lanes read
+// neighbouring columns), reusing each loaded value TM or TN times: these products are bound
+// by shared-memory loads, not arithmetic. Each output is owned by one thread, the same on
+// every call of one instantiation: accumulating calls need no barrier between them.
 template <int M, int K, int N, bool TA, bool TB, bool ACC, int LDB = (TB ? K : N)>
 __device__ __forceinline__ void block_matmul(const float* a, const float* b, float* out) {
-    for (int o = threadIdx.x; o < M * N; o += blockDim.x) {
-        const int m = o / N, c = o - m * N;
-        float s = ACC ? out[o] : 0.f;
-#pragma unroll 8
-        for (int k = 0; k < K; ++k)
-            s += (TA ? a[k * M + m] : a[m * K + k]) * (TB ? b[c * LDB + k] : b[k * LDB + c]);
-        out[o] = s;
+    constexpr int TM = (M % 4 == 0 && (M / 4) * N >= 128) ? 4 : 1;
+    constexpr int TN = (N % 4 == 0 && (M / TM) * (N / 4) >= 128) ? 4 : 1;
+    constexpr int NT = N / TN, TILES = (M / TM) * NT;
+    for (int tile = threadIdx.x; tile < TILES; tile += blockDim.x) {
+        const int m0 = (tile / NT) * TM, cb = tile % NT;
+        float s[TM][TN];
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) s[i][j] = ACC ? out[(m0 + i) * N + cb + j * NT] : 0.f;
+#pragma unroll 4
+        for (int k = 0; k < K; ++k) {
+            float av[TM], bv[TN];
+#pragma unroll
+            for (int i = 0; i < TM; ++i) av[i] = TA ? a[k * M + m0 + i] : a[(m0 + i) * K + k];
+#pragma unroll
+            for (int j = 0; j < TN; ++j) {
+                const int c = cb + j * NT;
+                bv[j] = TB ? b[c * LDB + k] : b[k * LDB + c];
+            }
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int j = 0; j < TN; ++j) s[i][j] += av[i] * bv[j];
+        }
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) out[(m0 + i) * N + cb + j * NT] = s[i][j];
     }
 }
 
@@ -396,6 +421,7 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
             }
             lp = chain<0, D - 2>(cores, dig, left, tmp, sb, &sb_tag);
             for (int o = threadIdx.x; o < UW; o += blockDim.x) u[o] = 0.f;
+            __syncthreads();  // u is zeroed by stride and accumulated by tiles
             prefix = pre;
             piece = j;
 #pragma unroll
@@ -577,6 +603,7 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
         reduce_lead_middle(cores, rows, lo, hi, ubuf, acc, mb, mj, flags);
     } else {  // four cores: a middle core, item by item through the prefix chain
         for (int o = threadIdx.x; o < W(KC); o += blockDim.x) acc[o] = 0.f;
+        __syncthreads();
         i64 dig[4] = {0, 0, 0, 0};
         for (i64 t = lo; t < hi; ++t) {
             const i64 j = items[t] - (i64)REGION(KC) * n;
