@@ -84,6 +84,7 @@ constexpr int MAXV = TT_MAXV;                 // largest L^T U intermediate
 constexpr int MAXS = TT_MAXS;                 // largest staged right-hand slice (padded)
 constexpr int PB = 8;                         // pieces staged at once by the 3-core reduction
 constexpr int REDUCE_THREADS = TT_REDUCE_THREADS;
+constexpr int BWD_THREADS = TT_THREADS;  // tt_bwd_pieces' block size
 
 __device__ __forceinline__ bool rejected(const u64* v) { return v[0] != ~0ull || v[1] != ~0ull; }
 
@@ -346,10 +347,38 @@ extern "C" __global__ void tt_pool(const float* y, const i64* offsets, i64 n_off
 // cores S is slice 1, still staged (padded) in sb by the piece's prefix product.
 __device__ __forceinline__ void flush_piece(const float* const* cores, const i64* dig,
                                             const float* u, i64 piece, float* ubuf,
-                                            float* c0buf, float* left, float* tmp, float* sb) {
+                                            float* c0buf, float* left, float* tmp, float* sb,
+                                            float* part) {
     for (int o = threadIdx.x; o < UW; o += blockDim.x) ubuf[piece * UW + o] = u[o];
     if constexpr (D == 3) {
-        block_matmul<Q(0), UW / Q(0), R(1), false, true, false, LDS(1)>(u, sb, c0buf + piece * W(0));
+        // c0[m][r] = sum_b U[m][b] S[r][b] over a long b: thread (r, slice) sums every
+        // slices-th b for all m (each S value loaded once), then the slices' partials are
+        // added in order (deterministic).
+        constexpr int M = Q(0), RK = R(1), K = UW / Q(0);
+        const int slices = (int)blockDim.x / RK;
+        if (slices == 0) {
+            block_matmul<M, K, RK, false, true, false, LDS(1)>(u, sb, c0buf + piece * W(0));
+            return;
+        }
+        if ((int)threadIdx.x < slices * RK) {
+            const int r = threadIdx.x % RK, slice = threadIdx.x / RK;
+            float acc[M];
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[m] = 0.f;
+            for (int k = slice; k < K; k += slices) {
+                const float sv = sb[r * LDS(1) + k];
+#pragma unroll
+                for (int m = 0; m < M; ++m) acc[m] += u[m * K + k] * sv;
+            }
+#pragma unroll
+            for (int m = 0; m < M; ++m) part[(slice * M + m) * RK + r] = acc[m];
+        }
+        __syncthreads();
+        for (int o = threadIdx.x; o < M * RK; o += blockDim.x) {
+            float total = 0.f;
+            for (int slice = 0; slice < slices; ++slice) total += part[slice * M * RK + o];
+            c0buf[piece * W(0) + o] = total;
+        }
     } else if constexpr (D > 3) {
         const float* s = chain<1, D - 2>(cores, dig, left, tmp, sb);  // restages sb (no tag)
         warp_matmul_nt<Q(0), UW / Q(0), R(1), false>(u, s, c0buf + piece * W(0));
@@ -368,7 +397,7 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
                               int* keys, const u64* verdict) {
     if (rejected(verdict)) return;
     __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], ls[CHUNK * CW], u[UW],
-        g[CHUNK * DIM];
+        g[CHUNK * DIM], part[D == 3 ? BWD_THREADS * Q(0) : 1];
     __shared__ i64 sbag[CHUNK];
     __shared__ float sw[CHUNK];
     __shared__ i64 srow[CHUNK], sperm[CHUNK];
@@ -415,7 +444,7 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
         if (starts) {
             __syncthreads();
             if (piece >= 0) {
-                flush_piece(cores, pdig, u, piece, ubuf, c0buf, left, tmp, sb);
+                flush_piece(cores, pdig, u, piece, ubuf, c0buf, left, tmp, sb, part);
                 __syncthreads();
                 if constexpr (D > 3) sb_tag = -1;  // the flush restaged sb
             }
@@ -449,7 +478,7 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
     }
     if (piece >= 0) {
         __syncthreads();
-        flush_piece(cores, pdig, u, piece, ubuf, c0buf, left, tmp, sb);
+        flush_piece(cores, pdig, u, piece, ubuf, c0buf, left, tmp, sb, part);
     }
 }
 
@@ -778,7 +807,8 @@ def shared_bytes(p, q, ranks) -> dict:
     else:
         reduce = 4 * (maxw + 3 * maxbuf + maxs + maxv + 1) + 8 * PIECE_BATCH
     return {"rows": 4 * (2 * maxbuf + maxs + CHUNK * cw) + index,
-            "bwd": 4 * (2 * maxbuf + maxs + CHUNK * cw + uw + CHUNK * dim) + 24 * CHUNK + index,
+            "bwd": (4 * (2 * maxbuf + maxs + CHUNK * cw + uw + CHUNK * dim
+                         + (THREADS * q[0] if d == 3 else 1)) + 24 * CHUNK + index),
             "reduce": reduce}
 
 
@@ -794,7 +824,7 @@ def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
     defines += [f"#define TT_R{k + 1} {v}" for k, v in enumerate(rr)]
     defines += [f"#define TT_CHUNK {CHUNK}", f"#define TT_MAXBUF {maxbuf}",
                 f"#define TT_MAXW {maxw}", f"#define TT_MAXV {maxv}", f"#define TT_MAXS {maxs}",
-                f"#define TT_REDUCE_THREADS {REDUCE_THREADS}"]
+                f"#define TT_REDUCE_THREADS {REDUCE_THREADS}", f"#define TT_THREADS {THREADS}"]
     names = (list(ROWS_NAMES.values()) + list(BWD_NAMES.values())
              + list(REDUCE_NAMES.values()) + list(PLAIN_NAMES))
     label = "x".join(map(str, p)) + "_" + "x".join(map(str, q)) + "_r" + "x".join(map(str, ranks))
