@@ -978,6 +978,11 @@ class TTPendingCheck:
         self.event = cupy.cuda.Event(block=False, disable_timing=True)
         self.event.record(stream)
 
+    @property
+    def ready(self) -> bool:
+        """Whether the verdict has arrived (resolve() would not wait)."""
+        return self.event.done
+
     def resolve(self) -> None:
         self.event.synchronize()
         if (self.host != _NO_BAD).any():

@@ -10,6 +10,7 @@ code on CuPy views of the tensors (batched products through cuBLAS, on torch's s
 
 from __future__ import annotations
 
+import collections
 import enum
 
 import numpy as np
@@ -97,7 +98,7 @@ class _TTBagFunction(torch.autograd.Function):
         # training: the step will be differentiated; it reads the GPU input check in backward,
         # before any core changes, so the forward never waits on the device.
         device = cores[0]
-        module._resolve_pending_check()
+        module._resolve_pending_check(wait=False)
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
         out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
         with _on_stream(device):
@@ -125,11 +126,13 @@ class _TTBagFunction(torch.autograd.Function):
             if module.sparse:  # fused: update the cores in place, hand no gradient back
                 with torch.no_grad():
                     # ctx.arrays view the cores' memory: the update writes through them
-                    module._pending_check = core.tt_fused_update(
+                    pending = core.tt_fused_update(
                         ctx.arrays, module.shape, ctx.residuals, grad_bags,
                         module._state_for(ctx.arrays[0]), _CORE_OPTIMIZER[module.optimizer],
                         lr=module.learning_rate, eps=module.eps, cache=cache,
                         defer_check=module.defer_input_check)
+                if pending is not None:
+                    module._pending_checks.append(pending)
                 return none + (None,) * (1 + len(ctx.arrays))
             grads = core.tt_embedding_bag_bwd(ctx.arrays, module.shape, ctx.residuals,
                                               grad_bags)
@@ -191,10 +194,11 @@ class TTEmbeddingBag(torch.nn.Module):
         self.sparse_state = core.tt_sparse_state(self.shape, _CORE_OPTIMIZER[optimizer])
         # On the GPU a fused training step never waits for its input check: a batch with an
         # index out of range or bad offsets changes nothing (the kernels skip it) and the
-        # IndexError / ValueError is raised by the module's next call (or check_inputs()).
+        # IndexError / ValueError is raised by the first call of the module after the GPU
+        # finished that step (at the latest the third call after it), or by check_inputs().
         # False: every step waits for its check and raises at once.
         self.defer_input_check = True
-        self._pending_check = None
+        self._pending_checks = collections.deque()
         self.use_cache, self.cache_size = bool(use_cache), int(cache_size)
         self.hashtbl_size = int(hashtbl_size) or 4 * self.cache_size
         self.cache_weight = None
@@ -219,14 +223,20 @@ class TTEmbeddingBag(torch.nn.Module):
         return _TTBagFunction.apply(self, training, indices.long(), offsets.long(),
                                     per_sample_weights, self.cache_weight, *self.tt_cores)
 
-    def _resolve_pending_check(self) -> None:
-        pending, self._pending_check = self._pending_check, None
-        if pending is not None:
-            pending.resolve()
+    # Steps whose input check is still on its way: the host may run this many steps ahead of
+    # the device before it waits for the oldest.
+    _MAX_PENDING_CHECKS = 2
+
+    def _resolve_pending_check(self, wait: bool = True) -> None:
+        """Raise for a bad batch among the finished GPU steps (all of them with ``wait``)."""
+        pending = self._pending_checks
+        while pending and (wait or pending[0].ready
+                           or len(pending) > self._MAX_PENDING_CHECKS):
+            pending.popleft().resolve()
 
     def check_inputs(self) -> None:
-        """Raise now for a bad batch of the last GPU training step, if there was one (the step
-        changed nothing); the next forward would raise it anyway."""
+        """Raise now for a bad batch of the GPU training steps so far, if there was one (that
+        step changed nothing); a later call of the module would raise it anyway."""
         self._resolve_pending_check()
 
     # --------------------------------------------------------------------- row cache

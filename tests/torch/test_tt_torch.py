@@ -332,7 +332,7 @@ def test_cache_on_cuda(optimizer):
 @pytest.mark.gpu
 def test_cuda_training_step_defers_its_input_check():
     """A GPU training step never waits for its input check: a bad batch changes nothing and
-    the error comes with the module's next call (or check_inputs())."""
+    the error comes with a later call of the module (or check_inputs())."""
     import xferlib
 
     if not (torch.cuda.is_available() and xferlib.cupy_available()):
@@ -349,8 +349,14 @@ def test_cuda_training_step_defers_its_input_check():
         bag.check_inputs()
     bag.check_inputs()  # reported once
     bag(bad, offsets).sum().backward()
+    torch.cuda.synchronize()  # the step is done: the next call reports it
     with pytest.raises(IndexError, match="index 600 at position 1"):
         bag(torch.tensor([1], device="cuda"), torch.tensor([0, 1], device="cuda"))
+    good = torch.tensor([1, 2, 3], device="cuda")
+    bag(bad, offsets).sum().backward()
+    with pytest.raises(IndexError, match="index 600 at position 1"):
+        for _ in range(3):  # at the latest the third call after the bad step
+            bag(good, offsets).sum().backward()
     bag.defer_input_check = False
     with pytest.raises(ValueError, match="offsets"):
         bag(torch.tensor([1, 2], device="cuda"), torch.tensor([0, 2, 1], device="cuda")).sum(
