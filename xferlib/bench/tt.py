@@ -198,7 +198,9 @@ def _check_targets(results) -> list[dict]:
                            "value": pure["ms"] / r["ms"], "goal": TARGETS["vs_pure_torch"],
                            "met": pure["ms"] / r["ms"] >= TARGETS["vs_pure_torch"]})
         if r["batch"] == 8192:
-            checks.append({"target": f"{tag}: lookups/s", "value": r["lookups_per_s"],
-                           "goal": TARGETS["lookups_per_s_8192"],
-                           "met": r["lookups_per_s"] >= TARGETS["lookups_per_s_8192"]})
+            for key, how in (("lookups_per_s", "each step alone"),
+                             ("lookups_per_s_pipelined", "back to back")):
+                checks.append({"target": f"{tag}: lookups/s ({how})", "value": r[key],
+                               "goal": TARGETS["lookups_per_s_8192"],
+                               "met": r[key] >= TARGETS["lookups_per_s_8192"]})
     return checks
