@@ -10,7 +10,11 @@ import statistics
 import time
 
 
-def gpu_time_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
+def gpu_time_ms(fn, repeats: int = 20, warmup: int = 3, steps: int = 1) -> float:
+    """Milliseconds per call: CUDA events around ``steps`` calls back to back, the median
+    over ``repeats`` runs, divided by ``steps``. With ``steps=1`` each call is timed alone
+    (the device waits while the host queues it); with more, the host queues ahead as a
+    training loop does."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
@@ -19,35 +23,19 @@ def gpu_time_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
     stream.synchronize()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
-    for i in range(repeats):
-        start.record(stream)
-        fn(i)
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
-
-
-def gpu_pipelined_ms(fn, steps: int = 20, repeats: int = 5, warmup: int = 3) -> float:
-    """Milliseconds per call when ``steps`` calls run back to back (as in a training loop, the
-    host queues the next call while the device works): CUDA events around each run of calls,
-    the median over ``repeats`` runs, divided by ``steps``."""
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    for i in range(warmup):
-        fn(i)
-    stream.synchronize()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
+    for r in range(repeats):
         start.record(stream)
         for i in range(steps):
-            fn(i)
+            fn(r * steps + i)
         end.record(stream)
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end) / steps)
     return statistics.median(times)
+
+
+def gpu_pipelined_ms(fn, steps: int = 20, repeats: int = 5, warmup: int = 3) -> float:
+    """:func:`gpu_time_ms` with ``steps`` calls back to back."""
+    return gpu_time_ms(fn, repeats, warmup, steps)
 
 
 def cpu_time_ms(fn, repeats: int = 20, warmup: int = 2) -> float:
