@@ -150,6 +150,13 @@ class TTEmbeddingBag(torch.nn.Module):
     convention; ``include_last_offset=False`` takes B) and returns ``(B, embedding_dim)``
     pooled with ``mode`` ("sum" or "mean").
 
+    ``sparse=True``: backward updates the cores in place with ``optimizer`` (every touched core
+    row; no gradient is returned). ``sparse=False``: the cores get dense gradients for any
+    torch optimizer. ``use_cache=True``: the ``cache_size`` most frequent rows (counted in
+    training forwards, chosen at :meth:`cache_populate`) are read from dense rows; see
+    ``xferlib.tt.TTRowCache`` for the write-through semantics. On the GPU a training step does
+    not wait for its input check; see :meth:`check_inputs`.
+
     >>> bag = TTEmbeddingBag(1000, 16, [4, 4], sparse=False)
     >>> bag(torch.tensor([1, 2, 999]), torch.tensor([0, 2, 3])).shape
     torch.Size([2, 16])
