@@ -192,6 +192,19 @@ def _zero(h):
     return 0.0
 
 
+def _adam_rule(weight_decay: float, decoupled: bool, update) -> "_SparseRule":
+    """Adam and AdamW share the kernel rule; AdamW decays the weight apart from the gradient
+    (the kernel reads the flag) and defaults to weight_decay=1e-2, as torch's."""
+    return _SparseRule(
+        1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay,
+                amsgrad=False, maximize=False),
+        lambda h: ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h["amsgrad"] else []),
+        (), _zero,
+        lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], float(decoupled),
+                   h["amsgrad"], h["maximize"]],
+        update, _check_common)
+
+
 _RULES = {
     "sgd": _SparseRule(
         0, dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
@@ -200,22 +213,8 @@ _RULES = {
         lambda h: [h["lr"], h["momentum"], h["dampening"], h["weight_decay"], h["nesterov"],
                    h["maximize"]],
         _sgd, _check_sgd),
-    "adam": _SparseRule(
-        1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
-                maximize=False),
-        lambda h: ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h["amsgrad"] else []),
-        (), _zero,
-        lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], 0.0, h["amsgrad"],
-                   h["maximize"]],
-        _adam, _check_common),
-    "adamw": _SparseRule(
-        1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
-                maximize=False),
-        lambda h: ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h["amsgrad"] else []),
-        (), _zero,
-        lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], 1.0, h["amsgrad"],
-                   h["maximize"]],
-        _adamw, _check_common),
+    "adam": _adam_rule(weight_decay=0.0, decoupled=False, update=_adam),
+    "adamw": _adam_rule(weight_decay=1e-2, decoupled=True, update=_adamw),
     "adagrad": _SparseRule(
         2, dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
                 eps=1e-10, maximize=False),

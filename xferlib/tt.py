@@ -331,14 +331,18 @@ def tt_from_dense(table, ranks, p_shapes, q_shapes) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- bags
 
 
-def _checked_indices(idx, shape: TTShape, num_embeddings=None):
-    bound = shape.num_rows if num_embeddings is None else int(num_embeddings)
-    xp = array_module(idx) if is_cupy_array(idx) else np
-    idx = xp.asarray(idx)
+def _check_index_array(idx) -> None:
     if idx.dtype.kind not in "iu":
         raise TypeError(f"indices must be integers, got {idx.dtype}")
     if idx.ndim != 1:
         raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
+
+
+def _checked_indices(idx, shape: TTShape, num_embeddings=None):
+    bound = shape.num_rows if num_embeddings is None else int(num_embeddings)
+    xp = array_module(idx) if is_cupy_array(idx) else np
+    idx = xp.asarray(idx)
+    _check_index_array(idx)
     bad = xp.flatnonzero((idx < 0) | (idx >= bound))
     if bad.size:
         position = int(bad[0])
@@ -516,10 +520,7 @@ def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer:
     elementwise first moment, one second moment and step count per row, bias-corrected.
     Rows the batch did not touch keep their values and state (lazy semantics).
     """
-    if optimizer not in SPARSE_OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
-    if lr < 0:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    _check_sparse_args(optimizer, lr)
     digits = shape.digits(residuals.indices if isinstance(residuals, TTBagPlan) else
                           residuals[0])
     xp = array_module(digits)
@@ -530,6 +531,13 @@ def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer:
     for k, (core, grad, state) in enumerate(zip(cores, grads, states)):
         rows = slice(None) if whole else xp.unique(digits[:, k])
         _update_rows(core, grad, state, rows, optimizer, lr, eps, betas)
+
+
+def _check_sparse_args(optimizer: str, lr: float) -> None:
+    if optimizer not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
+    if lr < 0:
+        raise ValueError(f"Invalid learning rate: {lr}")
 
 
 def _update_rows(param, grad, state, rows, optimizer: str, lr: float, eps: float, betas) -> None:
@@ -574,10 +582,7 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     :class:`TTPendingCheck` whose ``resolve()`` raises for a rejected batch later (the batch
     changed nothing). The step then takes no host synchronization. Otherwise returns None.
     """
-    if optimizer not in SPARSE_OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
-    if lr < 0:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    _check_sparse_args(optimizer, lr)
     if cache is not None:
         if isinstance(residuals, TTBagPlan):
             tt_check_plan(residuals, shape)
@@ -677,9 +682,8 @@ class TTRowCache:
     def slots(self, indices):
         """Cache slot of each lookup (int64), -1 where the row is not cached. No host sync."""
         xp = array_module(self.rows)
-        indices = xp.asarray(indices, dtype=np.int64)
-        pos = xp.minimum(xp.searchsorted(self.rows, indices), self.capacity - 1)
-        return xp.where(self.rows[pos] == indices, pos, -1)
+        found, pos = _find_sorted(self.rows, xp.asarray(indices, dtype=np.int64))
+        return xp.where(found, pos, -1)
 
     def count(self, indices) -> None:
         """Add the lookups of ``indices`` (checked already) to the frequency table."""
@@ -711,19 +715,16 @@ class TTRowCache:
         keys, counts = keys[seen], counts[seen]
         order = np.lexsort((keys, -counts))[:self.capacity]
         chosen = np.sort(keys[order])
-        old_rows = _to_host(self.rows)
-        old_at = {int(r): i for i, r in enumerate(old_rows) if r != NO_ROW}
+        kept, at = _find_sorted(_to_host(self.rows), chosen)
+        kept_slots, fresh = np.flatnonzero(kept), np.flatnonzero(~kept)
         weight = np.zeros((self.capacity, self.shape.dim), dtype=np.float32)
-        state = {k: np.zeros_like(_to_host(v)) for k, v in self.state.items()}
-        old_weight = _to_host(self.weight)
-        old_state = {k: _to_host(v) for k, v in self.state.items()}
-        fresh = [i for i, r in enumerate(chosen.tolist()) if r not in old_at]
-        for i, r in enumerate(chosen.tolist()):
-            if r in old_at:
-                weight[i] = old_weight[old_at[r]]
-                for k in state:
-                    state[k][i] = old_state[k][old_at[r]]
-        if fresh:
+        weight[kept_slots] = _to_host(self.weight)[at[kept]]
+        state = {}
+        for k, v in self.state.items():
+            old = _to_host(v)
+            state[k] = np.zeros_like(old)
+            state[k][kept_slots] = old[at[kept]]
+        if fresh.size:
             weight[fresh] = _to_host(tt_rows(cores, self.shape, xp.asarray(chosen[fresh])))
         rows = np.full(self.capacity, NO_ROW, dtype=np.int64)
         rows[:len(chosen)] = chosen
@@ -750,6 +751,14 @@ class TTRowCache:
             array_module(self.weight).asarray(np.flatnonzero(used))]
 
 
+def _find_sorted(sorted_rows, values):
+    """``(found, position)`` of each value in a sorted array (same namespace; no host sync):
+    ``sorted_rows[position] == value`` where found."""
+    xp = array_module(sorted_rows)
+    pos = xp.minimum(xp.searchsorted(sorted_rows, values), len(sorted_rows) - 1)
+    return sorted_rows[pos] == values, pos
+
+
 def _to_host(a) -> np.ndarray:
     return a.get() if is_cupy_array(a) else np.asarray(a)
 
@@ -774,20 +783,13 @@ def tt_cache_grad(cache: TTRowCache, shape: TTShape, residuals, grad_bags):
 
 
 def _plan_weights(plan):
-    """Each lookup's pooling weight on the kernel path (per-sample weight, / bag size for
-    mean)."""
-    import cupy
-
-    n = plan.n
-    w = (plan.per_sample_weights if plan.per_sample_weights is not None
-         else cupy.ones(n, dtype=np.float32))
-    if plan.mean and n:
-        bounds = plan.offsets if plan.include_last_offset else cupy.concatenate(
-            [plan.offsets, cupy.asarray([n], dtype=np.int64)])
-        counts = cupy.diff(bounds)
-        w = w / cupy.maximum(counts, 1)[plan.bag_of].astype(np.float32)
-    return w
-
+    """Each lookup's pooling weight on the kernel path (as the NumPy path computes it)."""
+    xp = array_module(plan.bag_of)
+    bounds = plan.offsets if plan.include_last_offset else xp.concatenate(
+        [plan.offsets, xp.asarray([plan.n], dtype=np.int64)])
+    return _lookup_weights(xp.diff(bounds), plan.bag_of, plan.per_sample_weights,
+                           "mean" if plan.mean else "sum", plan.n, np.float32).astype(
+        np.float32, copy=False)
 
 
 # ----------------------------------------------------------------------------- CUDA kernels
@@ -893,10 +895,7 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
 
     from xferlib._kernels.tt import CHUNK, THREADS
 
-    if indices.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers, got {indices.dtype}")
-    if indices.ndim != 1:
-        raise ValueError(f"indices must be 1-D, got shape {indices.shape}")
+    _check_index_array(indices)
     offsets = cupy.asarray(offsets)
     if offsets.ndim != 1 or offsets.size == 0 or offsets.dtype.kind not in "iu":
         raise ValueError("offsets must be a non-empty 1-D integer array")

@@ -176,24 +176,32 @@ __device__ __forceinline__ const float* slice_of(const float* const* cores, int 
     return cores[k] + dig[k] * W(k);
 }
 
-// A slice staged as ROWS rows of COLS floats at a row stride of COLS + 1 (shared), so that
-// reading down a column across lanes hits distinct banks. Loads are issued before stores.
-template <int ROWS, int COLS>
-__device__ __forceinline__ void stage_padded(float* dst, const float* src) {
-    constexpr int COUNT = ROWS * COLS, BATCH = 8;
-    for (int base = threadIdx.x; base < COUNT; base += blockDim.x * BATCH) {
+// store(o, load(o)) for o in [0, count), block-wide; each thread issues its BATCH loads before
+// any store, so staging a block of values costs one memory latency, not one per value.
+template <typename Load, typename Store>
+__device__ __forceinline__ void batched_copy(int count, Load load, Store store) {
+    constexpr int BATCH = 8;
+    for (int base = threadIdx.x; base < count; base += blockDim.x * BATCH) {
         float r[BATCH];
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
             const int o = base + u * blockDim.x;
-            if (o < COUNT) r[u] = src[o];
+            r[u] = o < count ? load(o) : 0.f;
         }
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
             const int o = base + u * blockDim.x;
-            if (o < COUNT) dst[o + o / COLS] = r[u];
+            if (o < count) store(o, r[u]);
         }
     }
+}
+
+// A slice staged as ROWS rows of COLS floats at a row stride of COLS + 1 (shared), so that
+// reading down a column across lanes hits distinct banks.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void stage_padded(float* dst, const float* src) {
+    batched_copy(ROWS * COLS, [&](int o) { return src[o]; },
+                 [&](int o, float v) { dst[o + o / COLS] = v; });
     __syncthreads();
 }
 
@@ -267,21 +275,13 @@ __device__ __forceinline__ i64 load_chunk(const float* last_core, const K* rows,
         sperm[t] = j < n ? perm[j] : -1;
     }
     __syncthreads();
-    constexpr int COUNT = CHUNK * CW, BATCH = 8;
-    for (int base = threadIdx.x; base < COUNT; base += blockDim.x * BATCH) {
-        float r[BATCH];
-#pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-            const int o = base + u * blockDim.x, t = o / CW;
-            r[u] = (o < COUNT && srow[t] >= 0)
-                       ? last_core[(srow[t] % P(D - 1)) * CW + (o - t * CW)] : 0.f;
-        }
-#pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-            const int o = base + u * blockDim.x;
-            if (o < COUNT) ls[o] = r[u];
-        }
-    }
+    batched_copy(
+        CHUNK * CW,
+        [&](int o) {
+            const int t = o / CW;
+            return srow[t] >= 0 ? last_core[(srow[t] % P(D - 1)) * CW + (o - t * CW)] : 0.f;
+        },
+        [&](int o, float v) { ls[o] = v; });
     __syncthreads();
     return start;
 }
@@ -417,19 +417,13 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
         sw[t] = w;
     }
     __syncthreads();
-    for (int base = threadIdx.x; base < CHUNK * DIM; base += blockDim.x * 8) {
-        float r[8];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            const int o = base + q * blockDim.x, t = o / DIM;
-            r[q] = (o < CHUNK * DIM && sbag[t] >= 0) ? grad_out[sbag[t] * DIM + (o - t * DIM)] : 0.f;
-        }
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            const int o = base + q * blockDim.x;
-            if (o < CHUNK * DIM) g[o] = sw[o / DIM] * r[q];
-        }
-    }
+    batched_copy(
+        CHUNK * DIM,
+        [&](int o) {
+            const int t = o / DIM;
+            return sbag[t] >= 0 ? grad_out[sbag[t] * DIM + (o - t * DIM)] : 0.f;
+        },
+        [&](int o, float v) { g[o] = sw[o / DIM] * v; });
     __syncthreads();
     i64 dig[4] = {0, 0, 0, 0}, pdig[4] = {0, 0, 0, 0};
     i64 prefix = -1, piece = -1, sb_tag = -1;
@@ -482,28 +476,24 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
     }
 }
 
-// Slice gradient of middle core KC (1 <= KC <= D-2) from one piece's upstream U (global,
+// Slice gradient of middle core KC (four cores: KC = 1, 2; with three the middle core leads the
+// sort and reduce_lead_middle handles it) from one piece's upstream U (global,
 // A_LAST x R_LAST): acc += (L^T U) S^T, L the product of the slices before KC and S of those
-// after it up to core D-2 (absent for KC == D-2). With both single slices in global memory
-// (D == 3) nothing is staged and no barrier is needed between pieces.
+// after it up to core D-2 (absent for KC == D-2).
 template <int KC>
 __device__ void middle_slice_grad(const float* const* cores, const i64* dig, const float* U,
                                   float* acc, float* bl, float* bs, float* tmp, float* sb,
                                   float* v) {
     constexpr int BR = QPROD(KC + 1, D - 1) * R_LAST;  // columns of U per (r_k, j_k)
-    if constexpr (KC == 1 && KC == D - 2) {  // (three cores: handled in batches by reduce_row)
-        block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, true>(slice_of(cores, 0, dig), U, acc);
+    __syncthreads();
+    const float* l = chain<0, KC - 1>(cores, dig, bl, tmp, sb);
+    if constexpr (KC == D - 2) {
+        block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, true>(l, U, acc);
     } else {
+        const float* s = chain<KC + 1, D - 2>(cores, dig, bs, tmp, sb);
+        block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, false>(l, U, v);
         __syncthreads();
-        const float* l = chain<0, KC - 1>(cores, dig, bl, tmp, sb);
-        if constexpr (KC == D - 2) {
-            block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, true>(l, U, acc);
-        } else {
-            const float* s = chain<KC + 1, D - 2>(cores, dig, bs, tmp, sb);
-            block_matmul<R(KC), QPROD(0, KC), Q(KC) * BR, true, false, false>(l, U, v);
-            __syncthreads();
-            warp_matmul_nt<R(KC) * Q(KC), BR, R(KC + 1), true>(v, s, acc);
-        }
+        warp_matmul_nt<R(KC) * Q(KC), BR, R(KC + 1), true>(v, s, acc);
     }
 }
 
@@ -554,25 +544,16 @@ __device__ void reduce_lead_middle(const float* const* cores, const K* rows, i64
         __syncthreads();
         for (int first = 0; first < count; first += PB) {
             const int batch = count - first < PB ? count - first : PB;
-            for (int base = threadIdx.x; base < PB * ITEM; base += blockDim.x * 8) {
-                float r[8];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int o = base + u * blockDim.x, p = o / ITEM, e = o - p * ITEM;
-                    float x = 0.f;
-                    if (o < PB * ITEM && p < batch) {
-                        const i64 jj = mj[PB + first + p];
-                        x = e < UW ? ubuf[jj * UW + e]
-                                   : cores[0][(((i64)rows[jj] / P(2)) % P(0)) * W(0) + (e - UW)];
-                    }
-                    r[u] = x;
-                }
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int o = base + u * blockDim.x;
-                    if (o < PB * ITEM) mb[o] = r[u];
-                }
-            }
+            batched_copy(
+                PB * ITEM,
+                [&](int o) {
+                    const int p = o / ITEM, e = o - p * ITEM;
+                    if (p >= batch) return 0.f;
+                    const i64 jj = mj[PB + first + p];
+                    return e < UW ? ubuf[jj * UW + e]
+                                  : cores[0][(((i64)rows[jj] / P(2)) % P(0)) * W(0) + (e - UW)];
+                },
+                [&](int o, float v) { mb[o] = v; });
             __syncthreads();
             for (int p = 0; p < batch; ++p)
                 block_matmul<R(1), Q(0), Q(1) * R(2), true, false, true>(mb + p * ITEM + UW,
