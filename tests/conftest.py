@@ -1,3 +1,9 @@
+import os
+
+# Several test processes (pytest -n 4) and torch/CuPy share one GPU: JAX must not preallocate
+# 75% of it. Set before anything imports jax.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import numpy as np
 import pytest
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# JAX preallocates 75% of the GPU when it first touches it; torch and CuPy share the process
+# here, so it must allocate on demand. Set before any suite imports jax.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 from xferlib.bench import optim, table, transfer, tt
 from xferlib.bench._report import print_table, write_json, write_plot
 

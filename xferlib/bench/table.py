@@ -151,7 +151,7 @@ def _run_gpu(quick: bool) -> dict:
           f"{prefetch['ms']:.3f} ms: {100 * prefetch['hidden_fraction']:.0f}% of the transfer "
           f"hidden")
     return {"suite": "table", "environment": environment(), "results": results,
-            "targets": _check_targets(results)}
+            "targets": _check_targets(results, quick)}
 
 
 def _prefetch_overlap(table, pick, repeats) -> dict:
@@ -293,7 +293,7 @@ def _all_gpu(torch, idx_sets, grads_t, repeats) -> dict:
     return record
 
 
-def _check_targets(results) -> list[dict]:
+def _check_targets(results, quick: bool) -> list[dict]:
     checks = []
 
     def find(prefix, dist):
