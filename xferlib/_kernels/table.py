@@ -3,8 +3,8 @@ optimizer on them where they live (pinned host RAM or the GPU hot-row cache).
 
 A batch arrives as sorted positions (``keys`` ascending, ``perm`` back to batch positions,
 ``run`` the id of each position's run of equal rows; see ``xferlib/rows.py``). A row's weights
-and its optimizer state are found by ``locate``: the cache slot when ``slot_of_row`` says
-the row is cached, else the host row. Each distinct row is handled by one warp, so the
+and its optimizer state are found by ``locate``: the cache slot the batch's ``slots`` give
+its run (``xferlib/_kernels/cache.py``), else the host row. Each distinct row is handled by one warp, so the
 per-row step counter (an int64 in the last 8 bytes of the row's state) needs no atomics.
 Rows outside the table are skipped, and every kernel does nothing when the batch's verdict
 says an index was bad (the host raises after reading it).
@@ -14,6 +14,7 @@ bias corrections computed per row from the row's own step count.
 """
 
 from xferlib._kernels._registry import KernelModule
+from xferlib._kernels.cache import CACHE_MODULE  # noqa: F401  (registered with the table's)
 
 TABLE_KERNEL = r"""
 typedef long long i64;
@@ -32,14 +33,17 @@ __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
         if (const i64 row = (j > 0 && keys[j] == keys[j - 1]) ? -1 : (i64)keys[j];          \
             row >= 0 && row < n_rows)
 
-template <typename T> struct Place { T* w; T* s; };
+template <typename T> struct Place { T* w; T* s; bool cached; };
 
+// `slots[r]`: the cache slot of run r's row (xferlib/_kernels/cache.py), -1 for host RAM;
+// null when the table has no cache.
 template <typename T>
-__device__ __forceinline__ Place<T> locate(i64 row, T* host_w, i64 w_stride, T* host_s,
+__device__ __forceinline__ Place<T> locate(i64 row, i64 r, T* host_w, i64 w_stride, T* host_s,
                                            i64 s_stride, T* cache, i64 cache_width, i64 s_off,
-                                           const int* slot_of_row) {
-    const int slot = slot_of_row != nullptr ? slot_of_row[row] : -1;
+                                           const int* slots) {
+    const int slot = slots != nullptr ? slots[r] : -1;
     Place<T> p;
+    p.cached = slot >= 0;
     if (slot >= 0) {
         p.w = cache + (i64)slot * cache_width;
         p.s = p.w + s_off;
@@ -70,19 +74,21 @@ __device__ __forceinline__ void copy_words(T* __restrict__ dst, const T* __restr
 }
 
 // out[run] = the run's row: its `dim` weights, then (full != 0) its `s_width` state words.
-// One warp per run, reading the row once from the cache or the host.
+// One warp per run, reading the row once from the cache or the host. which: 0 every row,
+// 1 the rows in host RAM only (a prefetch), 2 the cached rows only (the lookup after it).
 template <int V, typename T, typename K>
 __global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
                               T* cache, i64 cache_width, i64 s_off,
-                              const int* __restrict__ slot_of_row,
+                              const int* __restrict__ slots,
                               const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
-                              i64 dim, i64 s_width, int full, T* __restrict__ out,
+                              i64 dim, i64 s_width, int full, int which, T* __restrict__ out,
                               const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
     const i64 out_width = full ? dim + s_width : dim;
     FOR_EACH_DISTINCT_ROW {
-        Place<T> p = locate(row, host_w, w_stride, host_s, s_stride, cache, cache_width, s_off,
-                            slot_of_row);
+        Place<T> p = locate(row, run[j], host_w, w_stride, host_s, s_stride, cache,
+                            cache_width, s_off, slots);
+        if ((which == 1 && p.cached) || (which == 2 && !p.cached)) continue;
         T* dst = out + run[j] * out_width;
         copy_words<V>(dst, p.w, dim, lane);
         if (full) copy_words<V>(dst + dim, p.s, s_width, lane);
@@ -167,62 +173,9 @@ __global__ void sum_spans(const K* __restrict__ keys, const i64* __restrict__ ru
     }
 }
 
-// Cache bookkeeping: write the rows held by `slots` back to the host (old_rows[i] < 0: the
-// slot was empty), then (fetch != 0) fill the slots with the full host rows `new_rows`.
-template <int V, typename T>
-__global__ void swap_slots(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
-                           T* cache, i64 cache_width, i64 dim, i64 s_off,
-                           const int* __restrict__ slots,
-                           const i64* __restrict__ old_rows, const i64* __restrict__ new_rows,
-                           i64 n) {
-    const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    const i64 s_width = cache_width - s_off;
-    for (i64 i = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < n; i += warps) {
-        T* c = cache + (i64)slots[i] * cache_width;
-        const i64 old_row = old_rows[i];
-        if (old_row >= 0 && old_row < n_rows) {
-            T* w = host_w + old_row * w_stride;
-            T* s = host_s + old_row * s_stride;
-            copy_words<V>(w, c, dim, lane);
-            copy_words<V>(s, c + s_off, s_width, lane);
-        }
-        const i64 new_row = new_rows != nullptr ? new_rows[i] : -1;
-        if (new_row >= 0 && new_row < n_rows) {
-            const T* w = host_w + new_row * w_stride;
-            const T* s = host_s + new_row * s_stride;
-            copy_words<V>(c, w, dim, lane);
-            copy_words<V>(c + s_off, s, s_width, lane);
-        }
-    }
-}
-
-// Refresh prefetched rows the update just changed: for each prefetched run start, look its
-// row up among the updated (sorted) rows and re-read its weights when it is there.
-template <typename T, typename K>
-__global__ void refresh_rows(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
-                             T* cache, i64 cache_width, i64 s_off,
-                             const int* __restrict__ slot_of_row,
-                             const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
-                             const K* __restrict__ updated, i64 n_updated, i64 dim,
-                             T* __restrict__ out) {
-    FOR_EACH_DISTINCT_ROW {
-        i64 lo = 0, hi = n_updated;
-        while (lo < hi) {
-            const i64 mid = (lo + hi) >> 1;
-            if ((i64)updated[mid] < row) lo = mid + 1; else hi = mid;
-        }
-        if (lo == n_updated || (i64)updated[lo] != row) continue;  // not updated: fresh
-        Place<T> p = locate(row, host_w, w_stride, host_s, s_stride, cache, cache_width, s_off,
-                            slot_of_row);
-        T* dst = out + run[j] * dim;
-        for (i64 e = lane; e < dim; e += 32) dst[e] = p.w[e];
-    }
-}
-
 // ------------------------------------------------------------------------ update rules
 // RULE: 0 sgd, 1 adam/adamw, 2 adagrad, 3 rowwise_adagrad, 4 adamax, 5 rmsprop, 6 adadelta.
-// h: the rule's hyperparameters (xferlib/table.py, kernel_hyper); a row's state slot k sits at
+// h: the rule's hyperparameters (xferlib/table/rules.py, kernel_hyper); a row's state slot k sits at
 // s + k * dim, row scalars after the slots; t: the row's step count after this step.
 // row_consts turns h and t into per-row constants c (bias corrections in double, as torch's
 // Python scalars); elem applies the rule to one element w with its slot values st[].
@@ -396,15 +349,15 @@ __device__ __forceinline__ void update_row(T* __restrict__ w, T* __restrict__ s,
 template <int RULE, int V, typename T, typename K>
 __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
                               T* cache, i64 cache_width, i64 s_off,
-                              const int* __restrict__ slot_of_row,
+                              const int* __restrict__ slots, unsigned char* __restrict__ dirty,
                               const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
                               const T* __restrict__ summed, i64 dim, i64 n_slots, i64 step_off,
                               const double* __restrict__ h,
                               const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
     FOR_EACH_DISTINCT_ROW {
-        Place<T> p = locate(row, host_w, w_stride, host_s, s_stride, cache, cache_width, s_off,
-                            slot_of_row);
+        Place<T> p = locate(row, run[j], host_w, w_stride, host_s, s_stride, cache,
+                            cache_width, s_off, slots);
         i64* step = reinterpret_cast<i64*>(p.s + step_off);
         const i64 t = *step + 1;
         const T* g = summed + run[j] * dim;
@@ -416,7 +369,10 @@ __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
             update_row<RULE, V, T>(p.w, p.s, g, dim, n_slots, t, c, lane);
         }
         __syncwarp();
-        if (lane == 0) *step = t;
+        if (lane == 0) {
+            *step = t;
+            if (p.cached) dirty[slots[run[j]]] = 1;  // written back when evicted or flushed
+        }
     }
 }
 """
@@ -434,10 +390,6 @@ def gather_unique_name(vec: int, dtype_name: str, key_bytes: int) -> str:
     return f"gather_unique<{vec}, {_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
 
 
-def refresh_rows_name(dtype_name: str, key_bytes: int) -> str:
-    return f"refresh_rows<{_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
-
-
 def expand_rows_name(dtype_name: str) -> str:
     return f"expand_rows<{_TYPES[dtype_name]}>"
 
@@ -451,10 +403,6 @@ def sum_chunks_name(dtype_name: str, key_bytes: int) -> str:
 
 def sum_spans_name(dtype_name: str, key_bytes: int) -> str:
     return f"sum_spans<{_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
-
-
-def swap_slots_name(vec: int, dtype_name: str) -> str:
-    return f"swap_slots<{vec}, {_TYPES[dtype_name]}>"
 
 
 def sparse_update_name(rule: int, vec: int, dtype_name: str, key_bytes: int) -> str:
@@ -471,10 +419,7 @@ def _all_names():
         yield run_starts_name(key_bytes)
     for dtype_name in _TYPES:
         yield expand_rows_name(dtype_name)
-        for vec in vector_widths(dtype_name):
-            yield swap_slots_name(vec, dtype_name)
         for key_bytes in _KEYS:
-            yield refresh_rows_name(dtype_name, key_bytes)
             yield sum_chunks_name(dtype_name, key_bytes)
             yield sum_spans_name(dtype_name, key_bytes)
             for vec in vector_widths(dtype_name):

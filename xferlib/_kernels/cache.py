@@ -1,0 +1,320 @@
+"""Host-table GPU cache kernels: a 32-way set-associative cache of full rows (weights and
+optimizer state) in HBM, looked up, filled and evicted on the device.
+
+A row's set is a hash of its id (``set_of``); one warp owns one set at a time, lane ``l``
+holding way ``l``'s tag (the cached row or -1), score (LRU: the tick of its last use; LFU:
+its use count) and last-use tick in registers. A batch's distinct rows are grouped by set (a
+sort of their set ids), so every row of a set is handled by the same warp, one after the
+other, in ascending row order: hits, admission, victim choice, write-back of a dirty victim
+and the fill of the new row happen in one pass with no atomics on the cache (FBGEMM's
+find/miss/insert, fused). ``slots[run]`` receives each distinct row's cache slot, or -1 for a
+row served from host RAM.
+
+Admission: ``doorkeeper`` admits a missed row the second time it misses (a bit per hashed
+row id, set on the first miss; TinyLFU's doorkeeper); otherwise every miss is admitted. A
+victim is an empty way, else the way of lowest score not used by this batch, and (for a
+prefetch, ``protect_prev``) not used by the batch before, whose update may still be running.
+When every way is taken the row is served from the host and not admitted.
+
+A cache of K rows has ceil(K / 32) sets; ways past the K-th are disabled (tag -2).
+
+Every kernel does nothing when the batch's verdict is set (a bad index): a rejected batch
+leaves tags, scores, admission bits, statistics and rows as they were.
+"""
+
+from xferlib._kernels._registry import KernelModule
+
+CACHE_KERNEL = r"""
+typedef long long i64;
+typedef unsigned long long u64;
+#define WAYS 32
+#define FULL 0xffffffffu
+#define NO_WAY 0x7fffffffffffffffll
+#define EMPTY_WAY (-NO_WAY - 1)
+
+__device__ __forceinline__ bool rejected(const u64* verdict) {
+    return (verdict[0] & verdict[1]) != ~0ull;
+}
+
+// splitmix64's finalizer: neighbouring row ids land in unrelated sets.
+__device__ __forceinline__ u64 mix64(u64 x) {
+    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27; x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+__device__ __forceinline__ i64 set_of(i64 row, i64 n_sets) {
+    return (i64)(mix64((u64)row) % (u64)n_sets);
+}
+
+template <typename T, int V> struct alignas(sizeof(T) * V) words { T v[V]; };
+
+template <int V, typename T>
+__device__ __forceinline__ void copy_words(T* __restrict__ dst, const T* __restrict__ src,
+                                           i64 len, int lane) {
+    typedef words<T, V> W;
+    for (i64 e = (i64)V * lane; e < len; e += 32 * V)
+        *reinterpret_cast<W*>(dst + e) = *reinterpret_cast<const W*>(src + e);
+}
+
+// For each distinct row of a sorted batch (run r starting at sorted position j):
+// set_key[r] = its set and run_row[r] = the row; set_key is n_sets (sorts last) past the
+// last run. Thread 0 advances the cache's tick (even for a rejected batch, so the host can
+// count ticks; nothing else changes then).
+template <typename K>
+__global__ void cache_sets(const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
+                           i64 n_sets, int* __restrict__ set_key, i64* __restrict__ run_row,
+                           i64* __restrict__ tick, const u64* __restrict__ verdict) {
+    const bool bad = rejected(verdict);
+    const i64 last_run = n > 0 ? run[n - 1] : -1;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (first == 0) tick[0] += 1;
+    for (i64 j = first; j < n; j += stride) {
+        if (bad || j > last_run) set_key[j] = (int)n_sets;
+        if (!bad && (j == 0 || keys[j] != keys[j - 1])) {
+            const i64 r = run[j];
+            set_key[r] = (int)set_of((i64)keys[j], n_sets);
+            run_row[r] = (i64)keys[j];
+        }
+    }
+}
+
+// The fused find / miss / admit / evict / fill pass. `sets` are the set ids in ascending
+// order and `order[p]` the run at sorted position p; one warp per set present in the batch.
+// stats: lookups, hits, misses, admitted, evicted (unique rows).
+template <int V, typename T>
+__global__ void cache_insert(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
+                             T* cache, i64 cache_width, i64 dim, i64 s_off,
+                             i64* __restrict__ tags, i64* __restrict__ score,
+                             i64* __restrict__ last, unsigned char* __restrict__ dirty,
+                             unsigned* __restrict__ door, i64 door_bits,
+                             const int* __restrict__ sets, const i64* __restrict__ order,
+                             const i64* __restrict__ run_row, i64 n, i64 n_sets,
+                             int* __restrict__ slots, const i64* __restrict__ tick, int lfu,
+                             int doorkeeper, int protect_prev, u64* __restrict__ stats,
+                             const u64* __restrict__ verdict) {
+    if (rejected(verdict)) return;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 now = tick[0];
+    const i64 s_width = cache_width - s_off;
+    for (i64 p = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < n; p += warps) {
+        const int set = sets[p];
+        if (set >= n_sets || set < 0 || (p > 0 && sets[p - 1] == set)) continue;
+        const i64 base = (i64)set * WAYS;
+        i64 tag = tags[base + lane], sc = score[base + lane], ls = last[base + lane];
+        unsigned used = 0;
+        u64 hits = 0, misses = 0, admitted = 0, evicted = 0;
+        for (i64 q = p; q < n && sets[q] == set; ++q) {
+            const i64 r = order[q];
+            const i64 row = run_row[r];
+            const unsigned hit = __ballot_sync(FULL, tag == row);
+            int way = -1;
+            if (hit) {
+                way = __ffs(hit) - 1;
+                if (lane == way) { sc = lfu ? sc + 1 : now; ls = now; }
+                ++hits;
+            } else {
+                ++misses;
+                bool admit = row >= 0 && row < n_rows;
+                if (admit && doorkeeper) {
+                    unsigned seen = 0;
+                    if (lane == 0) {
+                        const u64 h = mix64((u64)row ^ 0x9e3779b97f4a7c15ull) % (u64)door_bits;
+                        const unsigned bit = 1u << (h & 31);
+                        seen = atomicOr(door + (h >> 5), bit) & bit;
+                    }
+                    admit = __shfl_sync(FULL, seen, 0) != 0;
+                }
+                if (admit) {
+                    // Candidates: empty ways first, then the lowest score; never a way this
+                    // batch uses, nor (prefetch) one the batch before used.
+                    i64 key;
+                    if (((used >> lane) & 1u) || tag < -1) key = NO_WAY;  // -2: no such way
+                    else if (tag == -1) key = EMPTY_WAY;
+                    else if (ls >= now - protect_prev) key = NO_WAY;
+                    else key = lfu ? sc : ls;
+                    i64 best = key;
+                    int best_lane = lane;
+                    #pragma unroll
+                    for (int d = 16; d > 0; d >>= 1) {
+                        const i64 o = __shfl_xor_sync(FULL, best, d);
+                        const int ol = __shfl_xor_sync(FULL, best_lane, d);
+                        if (o < best || (o == best && ol < best_lane)) { best = o; best_lane = ol; }
+                    }
+                    if (best != NO_WAY) {
+                        way = best_lane;
+                        const i64 slot = base + way;
+                        const i64 old = __shfl_sync(FULL, tag, way);
+                        T* c = cache + slot * cache_width;
+                        if (old >= 0) {
+                            ++evicted;
+                            if (old < n_rows && dirty[slot]) {  // write the victim back
+                                copy_words<V>(host_w + old * w_stride, c, dim, lane);
+                                copy_words<V>(host_s + old * s_stride, c + s_off, s_width, lane);
+                            }
+                        }
+                        __syncwarp();
+                        copy_words<V>(c, host_w + row * w_stride, dim, lane);
+                        copy_words<V>(c + s_off, host_s + row * s_stride, s_width, lane);
+                        __syncwarp();
+                        if (lane == way) { tag = row; sc = lfu ? 1 : now; ls = now; }
+                        if (lane == 0) dirty[slot] = 0;
+                        ++admitted;
+                    }
+                }
+            }
+            if (way >= 0) used |= 1u << way;
+            if (lane == 0) slots[r] = way >= 0 ? (int)(base + way) : -1;
+        }
+        __threadfence();  // the rows filled above are visible before their tags
+        tags[base + lane] = tag;
+        score[base + lane] = sc;
+        last[base + lane] = ls;
+        if (lane == 0) {
+            atomicAdd(stats + 0, hits + misses);
+            atomicAdd(stats + 1, hits);
+            atomicAdd(stats + 2, misses);
+            atomicAdd(stats + 3, admitted);
+            atomicAdd(stats + 4, evicted);
+        }
+    }
+}
+
+// slots[run] = the cache slot holding each distinct row of a sorted batch, or -1: a lookup
+// that changes nothing (the update of a batch looks its rows up again, so an eviction
+// between its lookup and its update cannot send it to the wrong slot).
+template <typename K>
+__global__ void cache_probe(const i64* __restrict__ tags, i64 n_sets,
+                            const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
+                            i64 n_rows, int* __restrict__ slots,
+                            const u64* __restrict__ verdict) {
+    if (rejected(verdict)) return;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < n; j += warps) {
+        if (j > 0 && keys[j] == keys[j - 1]) continue;
+        const i64 row = (i64)keys[j];
+        if (row < 0 || row >= n_rows) continue;
+        const i64 base = set_of(row, n_sets) * WAYS;
+        const unsigned hit = __ballot_sync(FULL, tags[base + lane] == row);
+        if (lane == 0) slots[run[j]] = hit ? (int)(base + __ffs(hit) - 1) : -1;
+    }
+}
+
+// Write every dirty cached row back to the host; `drop`: empty the cache as well.
+template <int V, typename T>
+__global__ void cache_flush(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
+                            T* cache, i64 cache_width, i64 dim, i64 s_off,
+                            i64* __restrict__ tags, i64* __restrict__ score,
+                            i64* __restrict__ last, unsigned char* __restrict__ dirty,
+                            i64 n_slots, int drop) {
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 s_width = cache_width - s_off;
+    for (i64 slot = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; slot < n_slots;
+         slot += warps) {
+        const i64 row = tags[slot];
+        if (row >= 0 && row < n_rows && dirty[slot]) {
+            const T* c = cache + slot * cache_width;
+            copy_words<V>(host_w + row * w_stride, c, dim, lane);
+            copy_words<V>(host_s + row * s_stride, c + s_off, s_width, lane);
+        }
+        __syncwarp();
+        if (lane == 0) {
+            dirty[slot] = 0;
+            if (drop) { tags[slot] = -1; score[slot] = 0; last[slot] = 0; }
+        }
+    }
+}
+
+// After an update that ran beside a prefetch: the update's rows that lived in host RAM
+// (uslots < 0) may have been read by the prefetch before the update wrote them. Re-read each
+// into the cache slot the prefetch gave it (full row) or into the prefetch's staging rows
+// (weights). Nothing else changed, so nothing else is refreshed.
+template <typename T, typename K>
+__global__ void refresh_prefetched(T* host_w, i64 w_stride, T* host_s, i64 s_stride,
+                                   i64 n_rows, T* cache, i64 cache_width, i64 dim, i64 s_off,
+                                   const i64* __restrict__ tags, i64 n_sets,
+                                   const K* __restrict__ ukeys, const i64* __restrict__ urun,
+                                   i64 un, const int* __restrict__ uslots,
+                                   const K* __restrict__ pkeys, const i64* __restrict__ prun,
+                                   i64 pn, const int* __restrict__ pslots,
+                                   T* __restrict__ staged, const u64* __restrict__ uverdict,
+                                   const u64* __restrict__ pverdict) {
+    if (rejected(uverdict) || rejected(pverdict)) return;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 s_width = cache_width - s_off;
+    for (i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < un; j += warps) {
+        if (j > 0 && ukeys[j] == ukeys[j - 1]) continue;
+        const i64 row = (i64)ukeys[j];
+        if (row < 0 || row >= n_rows) continue;
+        if (uslots != nullptr && uslots[urun[j]] >= 0) continue;  // updated in the cache
+        if (tags != nullptr) {
+            const i64 base = set_of(row, n_sets) * WAYS;
+            const unsigned hit = __ballot_sync(FULL, tags[base + lane] == row);
+            if (hit) {
+                T* c = cache + (base + __ffs(hit) - 1) * cache_width;
+                for (i64 e = lane; e < dim; e += 32) c[e] = host_w[row * w_stride + e];
+                for (i64 e = lane; e < s_width; e += 32) c[s_off + e] = host_s[row * s_stride + e];
+                continue;
+            }
+        }
+        i64 lo = 0, hi = pn;
+        while (lo < hi) {
+            const i64 mid = (lo + hi) >> 1;
+            if ((i64)pkeys[mid] < row) lo = mid + 1; else hi = mid;
+        }
+        if (lo == pn || (i64)pkeys[lo] != row) continue;  // not prefetched
+        const i64 r = prun[lo];
+        if (pslots != nullptr && pslots[r] >= 0) continue;
+        T* dst = staged + r * dim;
+        for (i64 e = lane; e < dim; e += 32) dst[e] = host_w[row * w_stride + e];
+    }
+}
+"""
+
+_TYPES = {"float32": "float", "float64": "double"}
+_KEYS = {4: "int", 8: "long long"}
+WAYS = 32
+
+
+def cache_sets_name(key_bytes: int) -> str:
+    return f"cache_sets<{_KEYS[key_bytes]}>"
+
+
+def cache_insert_name(vec: int, dtype_name: str) -> str:
+    return f"cache_insert<{vec}, {_TYPES[dtype_name]}>"
+
+
+def cache_probe_name(key_bytes: int) -> str:
+    return f"cache_probe<{_KEYS[key_bytes]}>"
+
+
+def cache_flush_name(vec: int, dtype_name: str) -> str:
+    return f"cache_flush<{vec}, {_TYPES[dtype_name]}>"
+
+
+def refresh_prefetched_name(dtype_name: str, key_bytes: int) -> str:
+    return f"refresh_prefetched<{_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
+
+
+def _vector_widths(dtype_name: str) -> tuple:
+    return (1, 4) if dtype_name == "float32" else (1, 2)
+
+
+def _all_names():
+    for key_bytes in _KEYS:
+        yield cache_sets_name(key_bytes)
+        yield cache_probe_name(key_bytes)
+    for dtype_name in _TYPES:
+        for vec in _vector_widths(dtype_name):
+            yield cache_insert_name(vec, dtype_name)
+            yield cache_flush_name(vec, dtype_name)
+        for key_bytes in _KEYS:
+            yield refresh_prefetched_name(dtype_name, key_bytes)
+
+
+CACHE_MODULE = KernelModule("table_cache", CACHE_KERNEL, tuple(_all_names()))

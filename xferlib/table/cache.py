@@ -1,0 +1,236 @@
+"""The GPU cache of a host table: hot rows, with their optimizer state, in HBM.
+
+Design (the kernels are in ``xferlib/_kernels/cache.py``):
+
+* 32-way set-associative: a row's set is a hash of its id; a set's 32 ways are one warp's
+  lanes, so a lookup compares 32 tags in one instruction and needs no global map of rows.
+  A cache of ``K`` rows has ``ceil(K / 32)`` sets; the ways past the ``K``-th are disabled.
+* One fused pass per batch (:meth:`DeviceCache.insert`): the batch's distinct rows are
+  grouped by set (a device sort of their set ids); one warp per set counts hits, decides
+  admission, picks victims, writes dirty victims back to host RAM and fills the new rows.
+  Five launches, no host synchronization, no data-dependent allocation.
+* Admission on the device: ``"second-sight"`` admits a missed row the second time it misses
+  (a bit per hashed row id, TinyLFU's doorkeeper: under a Zipf law most misses are tail rows
+  seen once, and admitting each would move its row in and a victim out for nothing);
+  ``"always"`` admits every miss while a way is free to take.
+* Replacement: empty ways first, then the least recently (``"lru"``: the tick of the last
+  use) or least often (``"lfu"``: the use count) used way; never a way the current batch
+  uses, and for a prefetch never one the batch before used (its update may still be running).
+* Updates of cached rows happen in HBM and mark the slot dirty; dirty rows are written back
+  when evicted and by :meth:`DeviceCache.flush` (``numpy()``, ``state()``, ``save()``).
+
+:class:`CacheModel` is the same policy in NumPy, step for step: the oracle of the GPU tests
+and what CPU CI checks the policy with.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["CacheModel", "DeviceCache", "WAYS", "set_of"]
+
+WAYS = 32
+_DOOR_SALT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 (the kernels' ``mix64``)."""
+    x = np.asarray(x, dtype=np.uint64).copy()
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def set_of(rows, n_sets: int) -> np.ndarray:
+    """The cache set of each row id."""
+    return (_mix64(rows) % np.uint64(n_sets)).astype(np.int64)
+
+
+def _door_bits(num_rows: int) -> int:
+    # About a bit per row (collisions only admit a row early), 1 KiB to 32 MiB of HBM.
+    return int(min(max(num_rows, 1 << 13), 1 << 28) + 31) // 32 * 32
+
+
+def _door_bit(rows, door_bits: int) -> np.ndarray:
+    return (_mix64(np.asarray(rows, np.uint64) ^ _DOOR_SALT) % np.uint64(door_bits)).astype(
+        np.int64)
+
+
+class CacheModel:
+    """The cache's policy in NumPy, the same decisions in the same order as the kernels.
+
+    >>> model = CacheModel(64, num_rows=1000, policy="lru", admission="second-sight")
+    >>> model.access([5, 9]).tolist()         # first sight: served from the host
+    [-1, -1]
+    >>> (model.access([5, 9]) >= 0).tolist()  # second sight: admitted
+    [True, True]
+    >>> model.stats["hits"], model.stats["admitted"]
+    (0, 2)
+    """
+
+    def __init__(self, cache_rows: int, num_rows: int, policy: str = "lru",
+                 admission: str = "second-sight"):
+        self.n_sets = max(1, -(-cache_rows // WAYS))
+        self.tags = np.full(self.n_sets * WAYS, -1, np.int64)
+        self.tags[cache_rows:] = -2
+        self.score = np.zeros_like(self.tags)
+        self.last = np.zeros_like(self.tags)
+        self.lfu, self.doorkeeper = policy == "lfu", admission == "second-sight"
+        self.door_bits = _door_bits(num_rows)
+        self.door = np.zeros(self.door_bits, bool)
+        self.tick = 0
+        self.stats = dict(lookups=0, hits=0, misses=0, admitted=0, evicted=0)
+
+    def access(self, rows, protect_prev: bool = False) -> np.ndarray:
+        """Look a batch's rows up (repeats allowed), admitting and evicting as the kernels
+        do; returns each distinct row's slot (-1: served from the host), in ascending row
+        order."""
+        rows = np.unique(np.asarray(rows, np.int64))
+        self.tick += 1
+        now = self.tick
+        slots = np.full(rows.size, -1, np.int64)
+        sets = set_of(rows, self.n_sets)
+        order = np.lexsort((rows, sets))  # by set, then row (the device sort is stable)
+        used = {}
+        for k in order:
+            row, base = rows[k], sets[k] * WAYS
+            ways = slice(base, base + WAYS)
+            mask = used.setdefault(base, np.zeros(WAYS, bool))
+            self.stats["lookups"] += 1
+            found = np.flatnonzero(self.tags[ways] == row)
+            if found.size:
+                way = found[0]
+                self.score[base + way] = self.score[base + way] + 1 if self.lfu else now
+                self.last[base + way] = now
+                self.stats["hits"] += 1
+            else:
+                self.stats["misses"] += 1
+                way = self._admit(row, base, mask, now, protect_prev)
+            if way >= 0:
+                mask[way] = True
+                slots[k] = base + way
+        return slots
+
+    def _admit(self, row, base, mask, now, protect_prev) -> int:
+        if self.doorkeeper:
+            bit = _door_bit(row, self.door_bits)
+            seen, self.door[bit] = bool(self.door[bit]), True
+            if not seen:
+                return -1
+        tags, last = self.tags[base:base + WAYS], self.last[base:base + WAYS]
+        key = np.where(self.lfu, self.score[base:base + WAYS], last).astype(np.float64)
+        key[tags == -1] = -np.inf
+        key[mask | (tags < -1) | ((tags >= 0) & (last >= now - int(protect_prev)))] = np.inf
+        way = int(np.argmin(key))
+        if key[way] == np.inf:
+            return -1
+        if tags[way] >= 0:
+            self.stats["evicted"] += 1
+        self.tags[base + way] = row
+        self.score[base + way] = 1 if self.lfu else now
+        self.last[base + way] = now
+        self.stats["admitted"] += 1
+        return way
+
+    def cached_rows(self) -> np.ndarray:
+        return np.sort(self.tags[self.tags >= 0])
+
+
+class DeviceCache:
+    """The cache's arrays in HBM and the launches that use them (see the module docstring).
+
+    ``side`` is the table's device side: host pointers, row layout, vector width.
+    """
+
+    def __init__(self, side, cache_rows: int, policy: str, admission: str):
+        import cupy
+
+        table = side.table
+        self.side = side
+        self.n_sets = max(1, -(-cache_rows // WAYS))
+        n_slots = self.n_sets * WAYS
+        self.width = table._layout.row_width
+        self.data = cupy.zeros((n_slots, self.width), dtype=table.dtype)
+        tags = np.full(n_slots, -1, np.int64)
+        tags[cache_rows:] = -2  # ways past cache_rows do not exist
+        self.tags = cupy.asarray(tags)
+        self.score = cupy.zeros(n_slots, np.int64)
+        self.last = cupy.zeros(n_slots, np.int64)
+        self.dirty = cupy.zeros(n_slots, np.uint8)
+        self.door_bits = _door_bits(table.num_rows)
+        self.door = cupy.zeros(self.door_bits // 32, np.uint32)
+        self.tick = cupy.zeros(1, np.int64)
+        self.stats = cupy.zeros(5, np.uint64)
+        self.lfu = np.int32(policy == "lfu")
+        self.doorkeeper = np.int32(admission == "second-sight")
+
+    def _layout_args(self):
+        layout = self.side.table._layout
+        return (self.data, np.int64(self.width), np.int64(layout.dim),
+                np.int64(layout.state_offset))
+
+    def insert(self, plan, stream, protect_prev: bool = False):
+        """The fused find/miss/admit/evict/fill pass over a planned batch: each run's slot
+        (int32, -1 for rows served from the host)."""
+        import cupy
+
+        from xferlib._kernels.cache import CACHE_MODULE, cache_insert_name, cache_sets_name
+        from xferlib.rows import _sorted_positions
+
+        n = plan.n
+        set_key = cupy.empty(n, dtype=np.int32)
+        run_row = cupy.empty(n, dtype=np.int64)
+        slots = cupy.empty(n, dtype=np.int32)
+        blocks = max(1, min(4096, -(-n // 256)))
+        CACHE_MODULE.get_function(cache_sets_name(plan.keys.itemsize))(
+            (blocks,), (256,), (plan.keys, plan.run, np.int64(n), np.int64(self.n_sets),
+                                set_key, run_row, self.tick, plan.verdict), stream=stream)
+        sets, order, _ = _sorted_positions(set_key, self.n_sets + 1, stream)
+        grid, block = self.side._grid(n)
+        CACHE_MODULE.get_function(cache_insert_name(self.side.vec, self.side.dtype_name))(
+            grid, block, (*self.side._host_args(), *self._layout_args(), self.tags,
+                          self.score, self.last, self.dirty, self.door,
+                          np.int64(self.door_bits), sets, order, run_row, np.int64(n),
+                          np.int64(self.n_sets), slots, self.tick, self.lfu, self.doorkeeper,
+                          np.int32(protect_prev), self.stats, plan.verdict), stream=stream)
+        return slots
+
+    def probe(self, plan, stream):
+        """Each run's current slot (-1: in host RAM), changing nothing."""
+        import cupy
+
+        from xferlib._kernels.cache import CACHE_MODULE, cache_probe_name
+
+        slots = cupy.empty(plan.n, dtype=np.int32)
+        grid, block = self.side._grid(plan.n)
+        CACHE_MODULE.get_function(cache_probe_name(plan.keys.itemsize))(
+            grid, block, (self.tags, np.int64(self.n_sets), plan.keys, plan.run,
+                          np.int64(plan.n), np.int64(self.side.table.num_rows), slots,
+                          plan.verdict), stream=stream)
+        return slots
+
+    def flush(self, stream, drop: bool) -> None:
+        """Write dirty rows back to host RAM; ``drop``: empty the cache too."""
+        from xferlib._kernels.cache import CACHE_MODULE, cache_flush_name
+
+        n_slots = self.tags.size
+        grid, block = self.side._grid(n_slots)
+        CACHE_MODULE.get_function(cache_flush_name(self.side.vec, self.side.dtype_name))(
+            grid, block, (*self.side._host_args(), *self._layout_args(), self.tags, self.score,
+                          self.last, self.dirty, np.int64(n_slots), np.int32(drop)),
+            stream=stream)
+
+    def read_stats(self) -> dict:
+        values = self.stats.get().tolist()
+        return dict(zip(("lookups", "hits", "misses", "admitted", "evicted"), values))
+
+    def reset_stats(self) -> None:
+        self.stats.fill(0)
+
+    def cached_rows(self) -> np.ndarray:
+        tags = self.tags.get()
+        return np.sort(tags[tags >= 0])

@@ -1,0 +1,363 @@
+"""The GPU half of a HostTable: planning a batch, the lookup and update launches, deferred
+input checks.
+
+A step takes no host synchronization. Indices are checked by the sort kernel, which leaves a
+16-byte verdict on the device; every later kernel of the batch reads it and writes nothing
+when it is set. The verdict is copied to pinned host memory asynchronously and read by a
+later call (at the latest once the device is two batches behind, or by ``check()``, or by
+anything that flushes), which raises IndexError then. Allocations depend on the batch size
+only, so a step at a fixed batch size can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from xferlib._backend import as_cupy_stream, is_cupy_array
+from xferlib.memory import device_pointer
+from xferlib.rows import _raise_if_bad, _sorted_positions, _to_gpu_indices
+from xferlib.table.cache import DeviceCache
+
+_NO_BAD = np.iinfo(np.uint64).max
+_MAX_PENDING_CHECKS = 2  # the host may run this many unchecked batches ahead of the device
+
+
+@dataclasses.dataclass(eq=False)
+class _Plan:
+    """A batch on the GPU: indices checked and sorted, runs of equal rows numbered, and (with
+    a cache) the slot of each run's row when it was looked up."""
+
+    idx: object
+    keys: object
+    perm: object
+    run: object
+    verdict: object
+    slots: object = None
+
+    @property
+    def n(self) -> int:
+        return int(self.keys.size)
+
+
+class _PendingCheck:
+    """A batch's verdict on its way to the host (pinned memory, an event on the stream)."""
+
+    def __init__(self, plan: _Plan, num_rows: int, stream, capturing: bool):
+        import cupy
+        import cupyx
+
+        self.plan, self.num_rows = plan, num_rows
+        self.host = cupyx.empty_pinned(2, dtype=np.uint64)
+        self.host[...] = _NO_BAD
+        cupy.cuda.runtime.memcpyAsync(self.host.ctypes.data, plan.verdict.data.ptr, 16,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self.event = None
+        if not capturing:  # in a graph the copy is a node; read it after a replay (check())
+            self.event = cupy.cuda.Event(block=False, disable_timing=True)
+            self.event.record(stream)
+
+    @property
+    def ready(self) -> bool:
+        return self.event is None or self.event.done
+
+    def resolve(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        if (self.host != _NO_BAD).any():
+            import cupy
+
+            _raise_if_bad(self.plan.verdict, self.plan.idx, self.num_rows,
+                          cupy.cuda.get_current_stream())
+
+
+def _capturing(stream) -> bool:
+    import cupy
+
+    try:
+        return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
+    except AttributeError:  # a CuPy without the query cannot capture either
+        return False
+
+
+class _DeviceSide:
+    """Kernels, the hot-row cache, the prefetch stream and the pending input checks."""
+
+    def __init__(self, table):
+        import cupy
+
+        self.table = table
+        layout = table._layout
+        self.dtype_name = table.dtype.name
+        self.w_ptr = device_pointer(table._weights.view(np.ndarray), "weights")
+        self.s_ptr = device_pointer(table._state.view(np.ndarray), "state")
+        self.w_stride = table._weights.strides[0] // table.dtype.itemsize
+        self.s_stride = table._state.strides[0] // table.dtype.itemsize
+        self.vec = self._vector_width(layout)
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        # Kernels that reach host RAM are latency-bound: a few blocks per SM keep enough
+        # loads in flight for the link; prefetches take fewer, leaving SMs to the compute
+        # they overlap.
+        self.max_blocks, self.prefetch_blocks = 4 * sms, max(8, sms // 4)
+        self.hyper = None
+        self.pending = None  # the prefetch in flight (xferlib/table/prefetch.py)
+        self.side_stream = None
+        self.last_event = None
+        self.latest_plan = None  # the last lookup's batch: a prefetch never evicts its rows
+        self.checks = collections.deque()
+        self.graph_checks = []
+        self.cache = (DeviceCache(self, table.cache_rows, table.cache_policy,
+                                  table.cache_admission) if table.cache_rows else None)
+
+    # -------------------------------------------------------------- helpers
+
+    def _vector_width(self, layout) -> int:
+        """16-byte words per lane where every row part and pointer allows it, else 1."""
+        word = 16 // self.table.dtype.itemsize
+        units = (layout.dim, layout.state_width, layout.state_offset, self.w_stride,
+                 self.s_stride)
+        aligned = all(u % word == 0 for u in units) and self.w_ptr % 16 == 0 \
+            and self.s_ptr % 16 == 0
+        return word if aligned else 1
+
+    def _grid(self, n_warps: int, prefetch: bool = False):
+        from xferlib._kernels import launch_config
+
+        cap = self.prefetch_blocks if prefetch else self.max_blocks
+        return launch_config(max(1, n_warps), max_blocks=cap)
+
+    def _cache_args(self, slots):
+        layout = self.table._layout
+        if self.cache is None or slots is None:
+            return (np.uint64(0), np.int64(0), np.int64(layout.state_offset), np.uint64(0))
+        return (self.cache.data, np.int64(self.cache.width), np.int64(layout.state_offset),
+                slots)
+
+    def _host_args(self):
+        return (np.uint64(self.w_ptr), np.int64(self.w_stride), np.uint64(self.s_ptr),
+                np.int64(self.s_stride), np.int64(self.table.num_rows))
+
+    def _hyper_array(self):
+        import cupy
+
+        if self.hyper is None:
+            values = [float(v) for v in self.table._rule.kernel_hyper(self.table._hyper)]
+            self.hyper = cupy.asarray(np.array(values + [0.0] * (16 - len(values))))
+        return self.hyper
+
+    def plan(self, idx, stream) -> _Plan:
+        import cupy
+
+        from xferlib._kernels.table import TABLE_MODULE, run_starts_name
+
+        idx = _to_gpu_indices(idx, self.table.num_rows)
+        keys, perm, verdict = _sorted_positions(idx, self.table.num_rows, stream)
+        n = keys.size
+        flags = cupy.empty(n, dtype=np.int64)
+        if n:
+            blocks = max(1, min(4096, -(-n // 256)))
+            TABLE_MODULE.get_function(run_starts_name(keys.dtype.itemsize))(
+                (blocks,), (256,), (keys, np.int64(n), flags), stream=stream)
+        run = cupy.cumsum(flags)
+        run -= 1
+        return _Plan(idx, keys, perm, run, verdict)
+
+    def _record(self, stream) -> None:
+        import cupy
+
+        if _capturing(stream):
+            return
+        self.last_event = cupy.cuda.Event(disable_timing=True)
+        self.last_event.record(stream)
+
+    # -------------------------------------------------------------- input checks
+
+    def defer_check(self, plan: _Plan, stream) -> None:
+        capturing = _capturing(stream)
+        check = _PendingCheck(plan, self.table.num_rows, stream, capturing)
+        (self.graph_checks if capturing else self.checks).append(check)
+
+    def resolve_checks(self, wait: bool = False) -> None:
+        """Raise for the oldest bad batch whose verdict is in; wait for verdicts only when
+        ``wait`` or when the host runs more than two batches ahead."""
+        checks = self.checks
+        while checks and (wait or checks[0].ready or len(checks) > _MAX_PENDING_CHECKS):
+            check = checks.popleft()
+            try:
+                check.resolve()
+            except Exception:
+                checks.clear()  # later batches' kernels ran: only this one is reported
+                raise
+        if wait:
+            for check in self.graph_checks:  # verdicts written by graph replays
+                check.resolve()
+
+    # -------------------------------------------------------------- gather and expand
+
+    def gather_unique(self, plan: _Plan, stream, which: int = 0, out=None,
+                      prefetch: bool = False):
+        import cupy
+
+        from xferlib._kernels.table import TABLE_MODULE, gather_unique_name
+
+        layout = self.table._layout
+        if out is None:
+            out = cupy.empty((plan.n, layout.dim), dtype=self.table.dtype)
+        if plan.n:
+            grid, block = self._grid(plan.n, prefetch)
+            name = gather_unique_name(self.vec, self.dtype_name, plan.keys.itemsize)
+            TABLE_MODULE.get_function(name)(
+                grid, block, (*self._host_args(), *self._cache_args(plan.slots), plan.keys,
+                              plan.run, np.int64(plan.n), np.int64(layout.dim),
+                              np.int64(layout.state_width), np.int32(0), np.int32(which), out,
+                              plan.verdict), stream=stream)
+        return out
+
+    def expand(self, plan: _Plan, uniq, out, stream):
+        import cupy
+
+        from xferlib._kernels.table import TABLE_MODULE, expand_rows_name
+
+        dim = self.table.dim
+        if out is None:
+            out = cupy.empty((plan.n, dim), dtype=self.table.dtype)
+        total = plan.n * dim
+        if total:
+            blocks = max(1, min(65535, -(-total // 256)))
+            TABLE_MODULE.get_function(expand_rows_name(self.dtype_name))(
+                (blocks,), (256,), (uniq, plan.run, plan.perm, np.int64(plan.n), np.int64(dim),
+                                    out, plan.verdict), stream=stream)
+        return out
+
+    def check_out(self, out, n) -> None:
+        if out is None:
+            return
+        if not is_cupy_array(out) or out.shape != (n, self.table.dim) \
+                or out.dtype != self.table.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous CuPy array of shape "
+                             f"{(n, self.table.dim)} and dtype {self.table.dtype}")
+
+    # -------------------------------------------------------------- lookup
+
+    def lookup(self, idx, out, stream):
+        import cupy
+
+        from xferlib.table.prefetch import take_prefetch
+
+        stream = as_cupy_stream(stream)
+        self.resolve_checks()
+        self.check_out(out, idx.shape[0])
+        if idx.shape[0] == 0:
+            rows = out if out is not None else cupy.empty((0, self.table.dim), self.table.dtype)
+            return rows, self._empty_plan(idx)
+        with stream:
+            taken = take_prefetch(self, idx, stream)
+            if taken is not None:  # rows from host RAM staged; cached ones read now
+                plan, uniq = taken
+                if plan.slots is not None:
+                    self.gather_unique(plan, stream, which=2, out=uniq)
+            else:
+                plan = self.plan(idx, stream)
+                if self.cache is not None:
+                    plan.slots = self.cache.insert(plan, stream)
+                uniq = self.gather_unique(plan, stream)
+            rows = self.expand(plan, uniq, out, stream)
+            self.defer_check(plan, stream)
+            self.latest_plan = plan
+            self._record(stream)
+        return rows, plan
+
+    def _empty_plan(self, idx) -> _Plan:
+        import cupy
+
+        empty = cupy.empty(0, dtype=np.int64)
+        return _Plan(idx, empty, empty, empty,
+                     cupy.full(2, np.iinfo(np.uint64).max, dtype=np.uint64))
+
+    # -------------------------------------------------------------- update
+
+    def apply(self, idx, grads, stream) -> None:
+        import cupy
+
+        from xferlib._kernels.table import TABLE_MODULE, sparse_update_name
+        from xferlib.table.prefetch import refresh_after_update
+
+        table = self.table
+        stream = as_cupy_stream(stream)
+        self.resolve_checks()
+        if (idx.n if isinstance(idx, _Plan) else idx.shape[0]) == 0:
+            return
+        with stream:
+            grads = cupy.ascontiguousarray(grads, dtype=table.dtype)
+            fresh = not isinstance(idx, _Plan)
+            plan = self.plan(idx, stream) if fresh else idx
+            pending = self.pending
+            if pending is not None and plan is not self.latest_plan:
+                # The prefetch protects only the last lookup's rows from eviction: let it
+                # finish before this batch's rows are located.
+                stream.wait_event(pending.done)
+            slots = None
+            if self.cache is not None:  # located again: a later lookup may have evicted some
+                slots = self.cache.probe(plan, stream)
+            n, dim = plan.n, table.dim
+            summed = self._sum_gradients(plan, grads, stream)
+            grid, block = self._grid(n)
+            kernel = sparse_update_name(table._rule.kind, self.vec, self.dtype_name,
+                                        plan.keys.itemsize)
+            TABLE_MODULE.get_function(kernel)(
+                grid, block, (*self._host_args(), *self._cache_args(slots),
+                              self.cache.dirty if slots is not None else np.uint64(0),
+                              plan.keys, plan.run, np.int64(n), summed, np.int64(dim),
+                              np.int64(len(table._layout.slots)),
+                              np.int64(table._layout.step_offset), self._hyper_array(),
+                              plan.verdict), stream=stream)
+            if pending is not None:
+                refresh_after_update(self, plan, slots, stream)
+            if fresh:
+                self.defer_check(plan, stream)
+            self._record(stream)
+
+    def _sum_gradients(self, plan: _Plan, grads, stream):
+        """Each run's gradient sum, in sorted-position order: deterministic."""
+        import cupy
+
+        from xferlib._kernels.table import (SUM_CHUNK, TABLE_MODULE, sum_chunks_name,
+                                            sum_spans_name)
+
+        n, dim = plan.n, self.table.dim
+        chunks = -(-n // SUM_CHUNK)
+        summed = cupy.empty((n, dim), dtype=self.table.dtype)  # rows past the last run unused
+        head = cupy.empty((chunks, dim), dtype=self.table.dtype)
+        tail = cupy.empty((chunks, dim), dtype=self.table.dtype)
+        blocks = max(1, min(65535, -(-chunks * dim // 256)))
+        key_bytes = plan.keys.itemsize
+        TABLE_MODULE.get_function(sum_chunks_name(self.dtype_name, key_bytes))(
+            (blocks,), (256,), (grads, plan.keys, plan.run, plan.perm, np.int64(n),
+                                np.int64(dim), summed, head, tail), stream=stream)
+        TABLE_MODULE.get_function(sum_spans_name(self.dtype_name, key_bytes))(
+            (blocks,), (256,), (plan.keys, plan.run, np.int64(n), np.int64(dim), summed, head,
+                                tail), stream=stream)
+        return summed
+
+    # -------------------------------------------------------------- flush
+
+    def join_prefetch(self, stream) -> None:
+        if self.pending is not None:
+            stream.wait_event(self.pending.done)
+
+    def flush(self, drop_cache: bool) -> None:
+        """Queued work done, dirty cached rows written back (``drop_cache``: the cache
+        emptied), every pending input check read."""
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+        self.join_prefetch(stream)
+        self.pending = None
+        if self.last_event is not None:
+            stream.wait_event(self.last_event)
+        if self.cache is not None:
+            self.cache.flush(stream, drop_cache)
+        stream.synchronize()
+        self.resolve_checks(wait=True)

@@ -1,0 +1,374 @@
+"""HostTable: an embedding table and its optimizer state in pinned host RAM.
+
+Each step moves only the rows a batch touches: :meth:`HostTable.lookup` brings their weights
+to the GPU (or returns them as NumPy on a CPU machine) and :meth:`HostTable.apply_gradients`
+sums the gradients of repeated indices and runs a fused sparse optimizer on the touched rows
+where they live. A GPU cache of hot rows (``cache_rows``, ``cache.py``) serves them from HBM,
+and :meth:`HostTable.prefetch` (``prefetch.py``) moves the next batch's rows on a side stream.
+The row layout is in ``layout.py``, the optimizer rules in ``rules.py``, the GPU launches in
+``device.py``, save and load in ``io.py``.
+
+Lazy semantics
+--------------
+The optimizers apply torch.optim's formulas, names and defaults to the rows present in the
+batch only: a row that is not looked up keeps its weights and state (no weight decay, no
+momentum), and bias corrections use the row's own step count (how often the row was
+updated), as FBGEMM's and TensorFlow's lazy sparse optimizers do. A row updated every step
+follows ``torch.optim`` exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xferlib._backend import as_cupy_stream, cupy_available, is_cupy_array
+from xferlib.memory import is_pinned, pin, pinned_empty
+from xferlib.rows import _check_host_indices, _check_index_dtype, _take_rows
+from xferlib.table.device import _DeviceSide, _Plan
+from xferlib.table.io import load_table, save_table
+from xferlib.table.layout import _INIT_CHUNK_ROWS, _RowLayout, _initial_weights, _split_state
+from xferlib.table.prefetch import prefetch as _prefetch
+from xferlib.table.rules import _resolve_hyper, _rule, _sum_duplicates
+
+__all__ = ["HostTable"]
+
+
+class HostTable:
+    """An embedding table and its optimizer state in pinned host memory.
+
+    Args:
+      num_rows, dim: the table's shape.
+      dtype: ``"float32"`` (the GPU path) or ``"float64"``.
+      optimizer: one of :data:`SPARSE_OPTIMIZERS` (``"sgd"``, ``"adam"``, ``"adamw"``,
+        ``"adagrad"``, ``"rowwise_adagrad"``, ``"adamax"``, ``"rmsprop"``, ``"adadelta"``),
+        run by :meth:`apply_gradients`; None for a table that is only looked up and written.
+      optimizer_kwargs: hyperparameters, with torch.optim's names and defaults
+        (:func:`optimizer_defaults`); unknown names or invalid values raise ValueError.
+      cache_rows: rows (with their state) kept in a 32-way set-associative GPU cache; 0: no
+        cache. Looked up, filled and evicted by device kernels (``xferlib/table/cache.py``).
+      cache_policy: ``"lru"`` (evict the least recently used way of the row's set) or
+        ``"lfu"`` (the least often used). Rows of the batch being looked up are never evicted
+        by that batch.
+      cache_admission: ``"second-sight"`` (default: a missed row enters the cache the second
+        time a lookup misses it; rows seen once are served from host RAM) or ``"always"``.
+      init: ``"zeros"``, ``("uniform", low, high)``, ``("normal", mean, std)`` (default
+        ``("normal", 0, 1)``, as ``torch.nn.Embedding``), or a ``(num_rows, dim)`` C-contiguous
+        NumPy array of the table's dtype, which is pinned in place and becomes the weights
+        (no second copy).
+      seed: for the random initializers.
+
+    >>> import numpy as np, xferlib
+    >>> table = xferlib.HostTable(1000, 4, optimizer="sgd", optimizer_kwargs={"lr": 0.5},
+    ...                           init="zeros")
+    >>> idx = np.array([3, 7, 3])
+    >>> table.apply_gradients(idx, np.ones((3, 4), np.float32))
+    >>> table.lookup(np.array([3, 7]))[:, 0].tolist()
+    [-1.0, -0.5]
+    """
+
+    def __init__(self, num_rows: int, dim: int, dtype="float32", optimizer=None,
+                 optimizer_kwargs=None, cache_rows: int = 0, init=("normal", 0.0, 1.0), *,
+                 cache_policy: str = "lru", cache_admission: str = "second-sight", seed=None):
+        num_rows, dim, cache_rows = int(num_rows), int(dim), int(cache_rows)
+        if num_rows < 0 or dim < 1:
+            raise ValueError(f"a table needs num_rows >= 0 and dim >= 1, got ({num_rows}, {dim})")
+        dtype = np.dtype(dtype)
+        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"HostTable stores float32 or float64 rows, got dtype {dtype}")
+        if cache_rows < 0:
+            raise ValueError(f"cache_rows must be >= 0, got {cache_rows}")
+        if cache_policy not in ("lru", "lfu"):
+            raise ValueError(f"cache_policy must be 'lru' or 'lfu', got {cache_policy!r}")
+        if cache_admission not in ("second-sight", "always"):
+            raise ValueError(f"cache_admission must be 'second-sight' or 'always', got "
+                             f"{cache_admission!r}")
+        if optimizer is None:
+            if optimizer_kwargs:
+                raise ValueError("optimizer_kwargs given without an optimizer")
+            self._rule, self._hyper = None, {}
+        else:
+            self._rule = _rule(optimizer)
+            self._hyper = _resolve_hyper(optimizer, optimizer_kwargs)
+        self.num_rows, self.dim, self.dtype = num_rows, dim, dtype
+        self.optimizer = optimizer
+        self.cache_rows = min(cache_rows, num_rows)
+        self.cache_policy = cache_policy
+        self.cache_admission = cache_admission
+        self._layout = _RowLayout(dim, dtype.itemsize,
+                                  tuple(self._rule.slots(self._hyper)) if self._rule else (),
+                                  self._rule.row_scalars if self._rule else ())
+        self._allocate(init, np.random.default_rng(seed))
+        self._gpu = None  # device-side state (cache, hyper table, streams), made on first use
+
+    # ------------------------------------------------------------------ storage
+
+    def _allocate(self, init, rng) -> None:
+        layout, shape = self._layout, (self.num_rows,)
+        alloc = pinned_empty if cupy_available() else np.empty
+        if isinstance(init, np.ndarray):
+            if init.shape != (self.num_rows, self.dim) or init.dtype != self.dtype:
+                raise ValueError(f"init array must have shape {(self.num_rows, self.dim)} and "
+                                 f"dtype {self.dtype}, got {init.shape} {init.dtype}")
+            if not init.flags.c_contiguous:
+                raise ValueError("init array must be C-contiguous (it is used in place)")
+            self._storage = None
+            self._weights = pin(init) if cupy_available() else init
+            self._state = alloc(shape + (layout.state_width,), self.dtype)
+            fill_weights = None
+        else:
+            fill_weights = _initial_weights(init, rng)
+            self._storage = alloc(shape + (layout.row_width,), self.dtype)
+            self._weights = self._storage[:, :self.dim]
+            self._state = self._storage[:, layout.state_offset:]
+        initial = self._rule.initial(self._hyper) if self._rule else 0.0
+        for start in range(0, self.num_rows, _INIT_CHUNK_ROWS):
+            stop = min(start + _INIT_CHUNK_ROWS, self.num_rows)
+            if fill_weights is not None:
+                fill_weights(self._weights[start:stop])
+            state = self._state[start:stop]
+            state[...] = 0
+            slots, scalars, steps = _split_state(layout, state)
+            for view in (*slots.values(), *scalars.values()):
+                view[...] = initial
+            steps[...] = 0
+
+    @property
+    def hyper(self) -> dict:
+        """The optimizer's hyperparameters (a copy; change them with :meth:`set_hyper`)."""
+        return dict(self._hyper)
+
+    def set_hyper(self, **changes) -> None:
+        """Change hyperparameters (e.g. ``lr`` from a schedule) for the following steps.
+        Hyperparameters that change the state layout (momentum on/off, amsgrad, centered)
+        cannot change."""
+        if self._rule is None:
+            raise ValueError("this table has no optimizer")
+        h = _resolve_hyper(self.optimizer, {**self._hyper, **changes})
+        if tuple(self._rule.slots(h)) != self._layout.slots:
+            raise ValueError(f"{sorted(changes)} would change the optimizer state layout "
+                             f"{self._layout.slots}; build a new table")
+        self._hyper = h
+        if self._gpu is not None:
+            self._gpu.hyper = None
+
+    # ------------------------------------------------------------------ host views
+
+    def numpy(self) -> np.ndarray:
+        """The current weights, a read-only ``(num_rows, dim)`` view (GPU cache and queued
+        GPU work flushed first)."""
+        self._flush()
+        view = self._weights.view(np.ndarray)
+        view.flags.writeable = False
+        return view
+
+    def state(self, name: str) -> np.ndarray:
+        """Optimizer state ``name`` as a read-only view: a slot (``num_rows x dim``), a row
+        scalar (``num_rows``), or ``"step"`` (how often each row was updated)."""
+        self._flush()
+        slots, scalars, steps = _split_state(self._layout, self._state.view(np.ndarray))
+        found = {**slots, **scalars, "step": steps}
+        if name not in found:
+            raise KeyError(f"no optimizer state {name!r}; this table has {sorted(found)}")
+        view = found[name]
+        view.flags.writeable = False
+        return view
+
+    def state_names(self) -> tuple:
+        return (*self._layout.slots, *self._layout.row_scalars, "step")
+
+    def restore(self, weights, state: dict) -> None:
+        """Overwrite the weights (``(num_rows, dim)``) and every optimizer state array (the
+        names of :meth:`state_names`, shaped as :meth:`state` returns them), e.g. from a
+        checkpoint. Shapes are checked before anything is written; the GPU cache is written
+        back and emptied first."""
+        weights = np.asarray(weights)
+        if weights.shape != (self.num_rows, self.dim):
+            raise ValueError(f"weights must have shape {(self.num_rows, self.dim)}, got "
+                             f"{weights.shape}")
+        slots, scalars, steps = _split_state(self._layout, self._state.view(np.ndarray))
+        views = {**slots, **scalars, "step": steps}
+        missing = sorted(set(views) - set(state))
+        if missing:
+            raise ValueError(f"state is missing {missing}")
+        for name, view in views.items():
+            if np.shape(state[name]) != view.shape:
+                raise ValueError(f"state {name!r} must have shape {view.shape}, got "
+                                 f"{np.shape(state[name])}")
+        self._flush(drop_cache=True)
+        self._weights.view(np.ndarray)[...] = weights
+        for name, view in views.items():
+            view[...] = np.asarray(state[name])
+
+    # ------------------------------------------------------------------ save / load
+
+    def save(self, path) -> None:
+        """Write weights, state and configuration to ``path`` (a ``.npz``), atomically: a
+        crash leaves the old file or the new one, never a torn one. Cached rows are written
+        back first."""
+        self._flush()
+        save_table(self, path)
+
+    @classmethod
+    def load(cls, path, *, cache_rows=None) -> "HostTable":
+        """A table saved by :meth:`save`. ValueError for a truncated or foreign file."""
+        return load_table(cls, path, cache_rows)
+
+    # ------------------------------------------------------------------ lookup / update
+
+    def lookup(self, idx, out=None, *, stream=None, return_batch: bool = False):
+        """The weights of rows ``idx``: ``(len(idx), dim)``, on the GPU for CuPy indices (read
+        from the cache or straight from pinned host RAM), as NumPy for NumPy indices.
+
+        With a GPU cache, rows that missed are admitted (evicting rows not in this batch,
+        which are written back first). Rows prefetched for this very ``idx`` object by
+        :meth:`prefetch` are served from the prefetch buffer. ``return_batch=True`` returns
+        ``(rows, batch)``: pass ``batch`` to :meth:`apply_gradients` instead of ``idx`` to
+        reuse this lookup's checked, sorted indices.
+
+        GPU indices are checked on the device without a host sync: an index outside the table
+        makes the batch's kernels write nothing and raises IndexError from a later call (at
+        the latest once the device is two batches behind) or from :meth:`check`."""
+        _check_index_dtype(idx)
+        if is_cupy_array(idx):
+            rows, batch = self._gpu_state().lookup(idx, out, stream)
+            return (rows, batch) if return_batch else rows
+        self._flush(drop_cache=True)
+        _check_host_indices(idx, self.num_rows)
+        rows = _take_rows(self._weights.view(np.ndarray), idx, out)
+        return (rows, idx) if return_batch else rows
+
+    def apply_gradients(self, idx, grad_rows, *, stream=None) -> None:
+        """Sum the gradients of repeated indices and run the table's optimizer on each touched
+        row once, where the row lives. ``grad_rows``: ``(len(idx), dim)``, same namespace as
+        ``idx``. Bad input raises before anything changes."""
+        if self._rule is None:
+            raise ValueError("this table has no optimizer; build it with optimizer=... or "
+                             "write rows with scatter()")
+        if isinstance(idx, _Plan):  # a batch from lookup(..., return_batch=True)
+            if not is_cupy_array(grad_rows):
+                raise TypeError("grad_rows must be a CuPy array for a GPU batch")
+            if grad_rows.shape != (idx.n, self.dim):
+                raise ValueError(f"grad_rows must have shape {(idx.n, self.dim)}, "
+                                 f"got {grad_rows.shape}")
+            self._gpu_state().apply(idx, grad_rows, stream)
+            return
+        _check_index_dtype(idx)
+        self._check_grads(idx, grad_rows)
+        if is_cupy_array(idx):
+            if not is_cupy_array(grad_rows):
+                raise TypeError("grad_rows must be a CuPy array like idx")
+            self._gpu_state().apply(idx, grad_rows, stream)
+            return
+        if is_cupy_array(grad_rows):
+            raise TypeError("grad_rows must be a NumPy array like idx")
+        _check_host_indices(idx, self.num_rows)
+        self._flush(drop_cache=True)
+        if idx.size:
+            self._update_numpy(idx, grad_rows)
+
+    def _check_grads(self, idx, grads) -> None:
+        if grads.ndim != 2 or grads.shape != (idx.shape[0], self.dim):
+            raise ValueError(f"grad_rows must have shape {(idx.shape[0], self.dim)}, "
+                             f"got {grads.shape}")
+        if grads.dtype.kind != "f":
+            raise TypeError(f"grad_rows must be floating point, got {grads.dtype}")
+
+    def _update_numpy(self, idx, grads) -> None:
+        rows, g = _sum_duplicates(np.asarray(idx), np.asarray(grads, dtype=self.dtype))
+        weights = self._weights.view(np.ndarray)
+        state = self._state.view(np.ndarray)
+        w, s = weights[rows], state[rows]
+        slots, scalars, steps = _split_state(self._layout, s)
+        t = steps + 1
+        self._rule.update(self._hyper, w, slots, scalars, g, t[:, None])
+        steps[...] = t
+        weights[rows] = w
+        state[rows] = s
+
+    def scatter(self, idx, rows, *, stream=None) -> None:
+        """Overwrite the weights of rows ``idx`` (last write wins for repeats); the optimizer
+        state is left as it is. CuPy ``idx`` and ``rows`` write straight to pinned memory."""
+        from xferlib.rows import scatter_rows
+
+        _check_index_dtype(idx)
+        if rows.shape != (idx.shape[0], self.dim):
+            raise ValueError(f"rows must have shape {(idx.shape[0], self.dim)}, got {rows.shape}")
+        if is_cupy_array(idx) and is_cupy_array(rows):
+            if self._gpu is not None and self._gpu.cache is not None:
+                self._flush(drop_cache=True)
+            gpu = self._gpu_state()
+            stream = as_cupy_stream(stream)
+            gpu.resolve_checks()
+            with stream:
+                gpu.join_prefetch(stream)
+                gpu.pending = None
+                scatter_rows(self._weights, idx, rows.astype(self.dtype, copy=False),
+                             stream=stream)
+                gpu._record(stream)
+            return
+        if is_cupy_array(idx) or is_cupy_array(rows):
+            idx = idx.get() if is_cupy_array(idx) else idx
+            rows = rows.get() if is_cupy_array(rows) else rows
+        _check_host_indices(idx, self.num_rows)
+        self._flush(drop_cache=True)
+        self._weights.view(np.ndarray)[idx] = np.asarray(rows, dtype=self.dtype)
+
+    def prefetch(self, idx, *, stream=None) -> None:
+        """Start moving rows ``idx`` (CuPy indices) to the GPU on a side stream; the next
+        :meth:`lookup` of this same ``idx`` object uses them. Updates queued before the
+        matching lookup are folded in (no stale rows), and nothing is written by a
+        prefetch (no lost updates)."""
+        _check_index_dtype(idx)
+        if not is_cupy_array(idx):
+            raise TypeError("prefetch takes CuPy indices (the GPU path)")
+        _prefetch(self._gpu_state(), idx, stream)
+
+    # ------------------------------------------------------------------ cache
+
+    def cache_stats(self) -> dict:
+        """Hit-rate statistics of the GPU cache since construction or the last reset:
+        unique rows looked up, hits, misses, admitted and evicted rows, hit rate."""
+        stats = dict(lookups=0, hits=0, misses=0, admitted=0, evicted=0)
+        if self._gpu is not None and self._gpu.cache is not None:
+            stats.update(self._gpu.cache.read_stats())
+        stats["hit_rate"] = stats["hits"] / stats["lookups"] if stats["lookups"] else 0.0
+        return stats
+
+    def reset_cache_stats(self) -> None:
+        if self._gpu is not None and self._gpu.cache is not None:
+            self._gpu.cache.reset_stats()
+
+    def check(self) -> None:
+        """Wait for the input checks of every GPU batch queued so far (including those
+        written by CUDA-graph replays) and raise IndexError for the first bad one. A bad
+        batch changes nothing; without this call its error is raised by a later call (once
+        the device is two batches behind) or by anything that flushes."""
+        if self._gpu is not None:
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+            if self._gpu.last_event is not None:
+                self._gpu.last_event.synchronize()
+            if self._gpu.pending is not None:
+                self._gpu.pending.done.synchronize()
+            self._gpu.resolve_checks(wait=True)
+
+    def flush(self) -> None:
+        """Write every cached row back to host memory and wait for queued GPU work."""
+        self._flush()
+
+    def _flush(self, drop_cache: bool = False) -> None:
+        if self._gpu is not None:
+            self._gpu.flush(drop_cache)
+
+    def _gpu_state(self) -> "_DeviceSide":
+        if self._gpu is None:
+            if not is_pinned(self._state.view(np.ndarray)):
+                raise ValueError("this table's memory is not pinned (it was built without a "
+                                 "GPU); the GPU path needs pinned memory")
+            self._gpu = _DeviceSide(self)
+        return self._gpu
+
+    def __repr__(self) -> str:
+        return (f"HostTable({self.num_rows}, {self.dim}, dtype={self.dtype.name!r}, "
+                f"optimizer={self.optimizer!r}, cache_rows={self.cache_rows})")

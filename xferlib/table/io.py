@@ -1,0 +1,75 @@
+"""Saving a host table to a ``.npz`` file and loading it back.
+
+The file holds three arrays: ``meta`` (the configuration as JSON bytes, with a format tag),
+``weights`` and ``state`` (the table's storage as it sits in host RAM, layout included). A
+save is atomic: written to a temporary file in the same directory, synced, then renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import numpy as np
+
+FORMAT = "xferlib.HostTable/1"
+
+
+def save_table(table, path) -> None:
+    """Write ``table`` (already flushed) to ``path``."""
+    layout = table._layout
+    meta = dict(format=FORMAT, num_rows=table.num_rows, dim=table.dim,
+                dtype=table.dtype.name, optimizer=table.optimizer, hyper=table._hyper,
+                cache_rows=table.cache_rows, cache_policy=table.cache_policy,
+                cache_admission=table.cache_admission,
+                slots=list(layout.slots), row_scalars=list(layout.row_scalars))
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".xferlib-", suffix=".npz.tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                     weights=table._weights.view(np.ndarray),
+                     state=table._state.view(np.ndarray))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_table(cls, path, cache_rows=None):
+    """A ``cls`` (HostTable) read from ``path``; ValueError for a truncated or foreign file."""
+    import zipfile
+
+    path = os.fspath(path)
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if set(data.files) != {"meta", "weights", "state"}:
+                raise ValueError(f"{path} is not an xferlib HostTable file "
+                                 f"(arrays {sorted(data.files)})")
+            meta = json.loads(bytes(data["meta"]).decode())
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"{path} is not an xferlib HostTable file "
+                                 f"(format {meta.get('format')!r})")
+            table = cls(meta["num_rows"], meta["dim"], meta["dtype"], meta["optimizer"],
+                        meta["hyper"] or None,
+                        meta["cache_rows"] if cache_rows is None else cache_rows,
+                        init="zeros", cache_policy=meta["cache_policy"],
+                        cache_admission=meta.get("cache_admission", "second-sight"))
+            weights, state = data["weights"], data["state"]
+            if weights.shape != table._weights.shape or state.shape != table._state.shape:
+                raise ValueError(f"{path}: array shapes {weights.shape}, {state.shape} do "
+                                 f"not match its configuration")
+            table._weights[...] = weights
+            table._state[...] = state
+    except (zipfile.BadZipFile, EOFError, OSError, KeyError,
+            json.JSONDecodeError, UnicodeDecodeError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise ValueError(f"{path} is truncated or not an xferlib HostTable file: "
+                         f"{err}") from err
+    return table

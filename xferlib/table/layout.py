@@ -1,0 +1,84 @@
+"""Row layout of a host table's storage, and the weight initializers.
+
+One row of storage holds the row's weights, then (on a 16-byte boundary) its optimizer state:
+the rule's full-width slots (``dim`` values each), the per-row scalars, and the row's step
+count as an 8-byte-aligned int64 at the end; rows are padded to 16 bytes, so kernels move
+whole 16-byte words and one sorted fetch brings a row's weights and state together. The GPU
+cache keeps rows in the same layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowLayout:
+    """Where each part of a row sits, in units of the table's dtype."""
+
+    dim: int
+    itemsize: int
+    slots: tuple
+    row_scalars: tuple
+
+    @property
+    def state_offset(self) -> int:  # start of the state in an interleaved row
+        return _align(self.dim, self.itemsize, 16)
+
+    @property
+    def step_offset(self) -> int:  # the int64 step count, relative to the state
+        return _align(len(self.slots) * self.dim + len(self.row_scalars), self.itemsize, 8)
+
+    @property
+    def state_width(self) -> int:
+        return _align(self.step_offset + 8 // self.itemsize, self.itemsize, 16)
+
+    @property
+    def row_width(self) -> int:
+        return self.state_offset + self.state_width
+
+
+def _align(units: int, itemsize: int, boundary: int) -> int:
+    """``units`` rounded up so that ``units * itemsize`` is a multiple of ``boundary`` bytes
+    (16: rows and their parts start on 16-byte words, so kernels move whole words)."""
+    per_word = max(1, boundary // itemsize)
+    return -(-units // per_word) * per_word
+
+
+def _split_state(layout: _RowLayout, state):
+    """Views of a (rows x state_width) block: slots, row scalars and the int64 steps."""
+    dim = layout.dim
+    slots = {name: state[:, k * dim:(k + 1) * dim] for k, name in enumerate(layout.slots)}
+    base = len(layout.slots) * dim
+    scalars = {name: state[:, base + k] for k, name in enumerate(layout.row_scalars)}
+    step_bytes = slice(layout.step_offset * layout.itemsize,
+                       layout.step_offset * layout.itemsize + 8)
+    steps = state.view(np.uint8)[:, step_bytes].view(np.int64)[:, 0]
+    return slots, scalars, steps
+
+
+def _initial_weights(init, rng):
+    """Parse ``init``: ``"zeros"``, ``("uniform", low, high)``, ``("normal", mean, std)``."""
+    if isinstance(init, str):
+        init = (init,)
+    kind = init[0] if isinstance(init, tuple) and init else None
+    if kind == "zeros" and len(init) == 1:
+        return lambda out: out.fill(0)
+    if kind in ("uniform", "normal") and len(init) == 3:
+        a, b = float(init[1]), float(init[2])
+        if kind == "uniform":
+            if not a <= b:
+                raise ValueError(f"uniform init needs low <= high, got ({a}, {b})")
+            return lambda out: out.__setitem__(..., rng.uniform(a, b, out.shape))
+        if b < 0:
+            raise ValueError(f"normal init needs std >= 0, got {b}")
+        return lambda out: out.__setitem__(..., rng.normal(a, b, out.shape))
+    raise ValueError(f"init must be 'zeros', ('uniform', low, high), ('normal', mean, std) or "
+                     f"a (num_rows, dim) NumPy array, got {init!r}")
+
+
+_INIT_CHUNK_ROWS = 1 << 16
+
+

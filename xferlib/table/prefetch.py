@@ -1,0 +1,110 @@
+"""Prefetch: the next batch's rows move on a side stream while the current step computes.
+
+``HostTable.prefetch(idx)`` queues, on a high-priority side stream that first waits for
+everything already queued on the caller's stream: the sort and check of ``idx``, the cache's
+fused find/admit/fill pass (admitted rows come into HBM with their state; a prefetch never
+evicts a row of the batch looked up last, whose update may be running beside it), and a
+gather of the remaining rows' weights from host RAM into a staging buffer. The next
+``lookup`` of the same ``idx`` object reads the cached rows from HBM and expands the staged
+ones: only HBM work is left on the critical path.
+
+Ordering: an update queued after the prefetch (the current step's ``apply_gradients``) may
+touch rows the prefetch already read. After such an update the caller's stream waits for the
+prefetch and re-reads exactly those rows (``refresh_prefetched``): the next lookup sees every
+update queued before it, and a prefetch writes nothing a later write would lose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from xferlib._backend import as_cupy_stream
+
+
+@dataclasses.dataclass(eq=False)
+class Pending:
+    idx: object
+    plan: object
+    staged: object
+    done: object
+
+
+def _high_priority_stream():
+    """A non-blocking stream of the device's highest priority: when a prefetch overlaps
+    compute, the block scheduler gives the prefetch's blocks the SMs that free up first.
+    (CUDA clamps the requested priority into the device's range.)"""
+    import cupy
+
+    try:
+        return cupy.cuda.Stream(non_blocking=True, priority=-(1 << 10))
+    except TypeError:  # a CuPy without the priority argument
+        return cupy.cuda.Stream(non_blocking=True)
+
+
+def prefetch(side, idx, stream) -> None:
+    """Queue the prefetch of ``idx`` (see the module docstring)."""
+    import cupy
+
+    main = as_cupy_stream(stream)
+    side.resolve_checks()
+    if side.side_stream is None:
+        side.side_stream = _high_priority_stream()
+    side.join_prefetch(main)  # one prefetch in flight at a time
+    other = side.side_stream
+    ready = cupy.cuda.Event(disable_timing=True)
+    ready.record(main)
+    other.wait_event(ready)  # after every lookup and update queued so far
+    with other:
+        plan = side.plan(idx, other)
+        if side.cache is not None and plan.n:
+            plan.slots = side.cache.insert(plan, other, protect_prev=True)
+        staged = side.gather_unique(plan, other, which=1, prefetch=True)
+        side.defer_check(plan, other)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(other)
+    side.pending = Pending(idx, plan, staged, done)
+
+
+def take_prefetch(side, idx, stream):
+    """``(plan, staged)`` when the prefetch in flight is for this ``idx`` object (the caller's
+    stream then waits for it), else None (after waiting for any prefetch in flight)."""
+    pending, side.pending = side.pending, None
+    if pending is None:
+        return None
+    stream.wait_event(pending.done)
+    if pending.idx is not idx:
+        return None
+    return pending.plan, pending.staged
+
+
+def refresh_after_update(side, plan, slots, stream) -> None:
+    """After an update of ``plan`` queued while a prefetch is in flight: wait for the
+    prefetch, then re-read the updated host rows it may have read before the update."""
+    import numpy as np
+
+    from xferlib._kernels.cache import CACHE_MODULE, refresh_prefetched_name
+
+    pending = side.pending
+    stream.wait_event(pending.done)
+    pplan = pending.plan
+    if not pplan.n or not plan.n:
+        return
+    cache = side.cache
+    layout = side.table._layout
+    grid, block = side._grid(plan.n)
+    pkeys = pplan.keys
+    if pkeys.dtype != plan.keys.dtype:  # int32 and int64 batches of a > 2**31-row table
+        pkeys = pkeys.astype(plan.keys.dtype)
+    CACHE_MODULE.get_function(refresh_prefetched_name(side.dtype_name, plan.keys.itemsize))(
+        grid, block,
+        (*side._host_args(),
+         cache.data if cache is not None else np.uint64(0),
+         np.int64(cache.width if cache is not None else 0), np.int64(layout.dim),
+         np.int64(layout.state_offset),
+         cache.tags if cache is not None else np.uint64(0),
+         np.int64(cache.n_sets if cache is not None else 1),
+         plan.keys, plan.run, np.int64(plan.n),
+         slots if slots is not None else np.uint64(0),
+         pkeys, pplan.run, np.int64(pplan.n),
+         pplan.slots if pplan.slots is not None else np.uint64(0),
+         pending.staged, plan.verdict, pplan.verdict), stream=stream)

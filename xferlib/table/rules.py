@@ -1,0 +1,290 @@
+"""Sparse optimizer rules of host tables, and the float64 reference they are tested against.
+
+Each rule updates the rows of a batch in place: ``w`` (rows x dim), the state slots (same
+shape), row scalars (rows,), ``g`` the summed gradients and ``t`` the rows' step counts after
+this step (rows x 1), all in the table's dtype. These NumPy functions are the NumPy path, and
+run in float64 they are the reference (:func:`sparse_update_reference`). The CUDA versions
+are in ``xferlib/_kernels/table.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from xferlib.optim import _check_common
+
+__all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
+
+
+
+def _signed(h, g):
+    return -g if h["maximize"] else g
+
+
+def _l2(h, w, g):
+    return g + w.dtype.type(h["weight_decay"]) * w if h["weight_decay"] else g
+
+
+def _sgd(h, w, s, r, g, t):
+    f = w.dtype.type
+    g = _l2(h, w, _signed(h, g))
+    if h["momentum"]:
+        buf = s["momentum_buffer"]
+        buf[...] = np.where(t == 1, g, f(h["momentum"]) * buf + f(1.0 - h["dampening"]) * g)
+        g = g + f(h["momentum"]) * buf if h["nesterov"] else buf
+    w -= f(h["lr"]) * g
+
+
+def _adam(h, w, s, r, g, t, decoupled=False):
+    f = w.dtype.type
+    b1, b2 = h["betas"]
+    g = _signed(h, g)
+    if h["weight_decay"]:
+        if decoupled:
+            w *= f(1.0 - h["lr"] * h["weight_decay"])
+        else:
+            g = g + f(h["weight_decay"]) * w
+    m, v = s["exp_avg"], s["exp_avg_sq"]
+    m += f(1.0 - b1) * (g - m)
+    v *= f(b2)
+    v += f(1.0 - b2) * g * g
+    if h["amsgrad"]:
+        np.maximum(s["max_exp_avg_sq"], v, out=s["max_exp_avg_sq"])
+        v = s["max_exp_avg_sq"]
+    step_size = (h["lr"] / (1.0 - b1 ** t.astype(np.float64))).astype(w.dtype)
+    bc2_sqrt = np.sqrt(1.0 - b2 ** t.astype(np.float64)).astype(w.dtype)
+    w -= step_size * (m / (np.sqrt(v) / bc2_sqrt + f(h["eps"])))
+
+
+def _adamw(h, w, s, r, g, t):
+    _adam(h, w, s, r, g, t, decoupled=True)
+
+
+def _adagrad(h, w, s, r, g, t):
+    f = w.dtype.type
+    g = _l2(h, w, _signed(h, g))
+    clr = (h["lr"] / (1.0 + (t - 1).astype(np.float64) * h["lr_decay"])).astype(w.dtype)
+    total = s["sum"]
+    total += g * g
+    w -= clr * (g / (np.sqrt(total) + f(h["eps"])))
+
+
+def _rowwise_adagrad(h, w, s, r, g, t):
+    f = w.dtype.type
+    g = _l2(h, w, _signed(h, g))
+    total = r["sum"]
+    total += np.mean(g * g, axis=1)
+    w -= (f(h["lr"]) / (np.sqrt(total) + f(h["eps"])))[:, None] * g
+
+
+def _adamax(h, w, s, r, g, t):
+    f = w.dtype.type
+    b1, b2 = h["betas"]
+    g = _l2(h, w, _signed(h, g))
+    m, u = s["exp_avg"], s["exp_inf"]
+    m += f(1.0 - b1) * (g - m)
+    np.maximum(u * f(b2), np.abs(g) + f(h["eps"]), out=u)
+    w -= (h["lr"] / (1.0 - b1 ** t.astype(np.float64))).astype(w.dtype) * (m / u)
+
+
+def _rmsprop(h, w, s, r, g, t):
+    f = w.dtype.type
+    alpha = h["alpha"]
+    g = _l2(h, w, _signed(h, g))
+    sq = s["square_avg"]
+    sq *= f(alpha)
+    sq += f(1.0 - alpha) * g * g
+    if h["centered"]:
+        ga = s["grad_avg"]
+        ga += f(1.0 - alpha) * (g - ga)
+        avg = np.sqrt(sq - ga * ga) + f(h["eps"])
+    else:
+        avg = np.sqrt(sq) + f(h["eps"])
+    if h["momentum"] > 0:
+        buf = s["momentum_buffer"]
+        buf *= f(h["momentum"])
+        buf += g / avg
+        w -= f(h["lr"]) * buf
+    else:
+        w -= f(h["lr"]) * (g / avg)
+
+
+def _adadelta(h, w, s, r, g, t):
+    f = w.dtype.type
+    rho, eps = f(h["rho"]), f(h["eps"])
+    g = _l2(h, w, _signed(h, g))
+    sq, acc = s["square_avg"], s["acc_delta"]
+    sq *= rho
+    sq += f(1.0 - h["rho"]) * g * g
+    delta = np.sqrt(acc + eps) / np.sqrt(sq + eps) * g
+    acc *= rho
+    acc += f(1.0 - h["rho"]) * delta * delta
+    w -= f(h["lr"]) * delta
+
+
+def _check_sgd(h):
+    _check_common(h)
+    for key in ("momentum", "dampening"):
+        if h[key] < 0:
+            raise ValueError(f"Invalid {key} value: {h[key]}")
+    if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
+def _check_range(*keys, upper=None):
+    def check(h):
+        _check_common(h)
+        for key in keys:
+            if h[key] < 0 or (upper is not None and h[key] > upper):
+                raise ValueError(f"Invalid {key} value: {h[key]}")
+    return check
+
+
+@dataclasses.dataclass(frozen=True)
+class _SparseRule:
+    kind: int  # the kernel's RULE
+    defaults: dict
+    slots: Callable  # hyper -> names of full-width state slots, in storage order
+    row_scalars: tuple  # names of per-row scalar state
+    initial: Callable  # hyper -> initial value of the state
+    kernel_hyper: Callable  # hyper -> the doubles the kernel reads
+    update: Callable
+    check: Callable
+
+
+def _zero(h):
+    return 0.0
+
+
+def _adam_rule(weight_decay: float, decoupled: bool, update) -> "_SparseRule":
+    """Adam and AdamW share the kernel rule; AdamW decays the weight apart from the gradient
+    (the kernel reads the flag) and defaults to weight_decay=1e-2, as torch's."""
+    return _SparseRule(
+        1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay,
+                amsgrad=False, maximize=False),
+        lambda h: ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h["amsgrad"] else []),
+        (), _zero,
+        lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], float(decoupled),
+                   h["amsgrad"], h["maximize"]],
+        update, _check_common)
+
+
+_RULES = {
+    "sgd": _SparseRule(
+        0, dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                maximize=False),
+        lambda h: ["momentum_buffer"] if h["momentum"] else [], (), _zero,
+        lambda h: [h["lr"], h["momentum"], h["dampening"], h["weight_decay"], h["nesterov"],
+                   h["maximize"]],
+        _sgd, _check_sgd),
+    "adam": _adam_rule(weight_decay=0.0, decoupled=False, update=_adam),
+    "adamw": _adam_rule(weight_decay=1e-2, decoupled=True, update=_adamw),
+    "adagrad": _SparseRule(
+        2, dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
+                eps=1e-10, maximize=False),
+        lambda h: ["sum"], (), lambda h: h["initial_accumulator_value"],
+        lambda h: [h["lr"], h["lr_decay"], h["weight_decay"], h["eps"], h["maximize"]],
+        _adagrad, _check_range("lr_decay", "initial_accumulator_value")),
+    # FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, fed the mean squared gradient.
+    "rowwise_adagrad": _SparseRule(
+        3, dict(lr=1e-2, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-8,
+                maximize=False),
+        lambda h: [], ("sum",), lambda h: h["initial_accumulator_value"],
+        lambda h: [h["lr"], h["weight_decay"], h["eps"], h["maximize"]],
+        _rowwise_adagrad, _check_range("initial_accumulator_value")),
+    "adamax": _SparseRule(
+        4, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False),
+        lambda h: ["exp_avg", "exp_inf"], (), _zero,
+        lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], h["maximize"]],
+        _adamax, _check_common),
+    "rmsprop": _SparseRule(
+        5, dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
+                maximize=False),
+        lambda h: (["square_avg"] + (["momentum_buffer"] if h["momentum"] > 0 else [])
+                   + (["grad_avg"] if h["centered"] else [])), (), _zero,
+        lambda h: [h["lr"], h["alpha"], h["eps"], h["weight_decay"], h["momentum"],
+                   h["centered"], h["maximize"]],
+        _rmsprop, _check_range("momentum", "alpha")),
+    "adadelta": _SparseRule(
+        6, dict(lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, maximize=False),
+        lambda h: ["square_avg", "acc_delta"], (), _zero,
+        lambda h: [h["lr"], h["rho"], h["eps"], h["weight_decay"], h["maximize"]],
+        _adadelta, _check_range("rho", upper=1.0)),
+}
+
+SPARSE_OPTIMIZERS = tuple(_RULES)
+
+
+def optimizer_defaults(name: str) -> dict:
+    """The hyperparameters and defaults of sparse optimizer ``name`` (torch.optim's)."""
+    return dict(_rule(name).defaults)
+
+
+def _rule(name: str) -> _SparseRule:
+    try:
+        return _RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {name!r}; one of {SPARSE_OPTIMIZERS} "
+                         f"(or None for lookups only)") from None
+
+
+def _resolve_hyper(name: str, overrides) -> dict:
+    rule = _rule(name)
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(rule.defaults))
+    if unknown:
+        raise ValueError(f"unknown hyperparameter(s) {unknown} for {name!r}; "
+                         f"known: {sorted(rule.defaults)}")
+    h = {**rule.defaults, **overrides}
+    if "betas" in h:
+        h["betas"] = tuple(float(b) for b in h["betas"])
+        if len(h["betas"]) != 2:
+            raise ValueError(f"betas must be a pair, got {h['betas']}")
+    rule.check(h)
+    return h
+
+
+def _sum_duplicates(idx: np.ndarray, grads: np.ndarray):
+    """Sorted unique rows and their summed gradients, accumulated in float64 in batch order
+    (one ``bincount`` over (row, column) pairs: deterministic, and faster than a reduceat)."""
+    rows, inverse = np.unique(idx, return_inverse=True)
+    dim = grads.shape[1]
+    cells = (inverse.reshape(-1, 1) * dim + np.arange(dim)).ravel()
+    summed = np.bincount(cells, weights=np.asarray(grads, dtype=np.float64).ravel(),
+                         minlength=rows.size * dim)
+    return rows, summed.reshape(rows.size, dim).astype(grads.dtype, copy=False)
+
+
+def sparse_update_reference(name: str, weights, state: dict, steps, idx, grads,
+                            hyper: dict | None = None):
+    """The sparse optimizer ``name`` in float64 on copies: the oracle for HostTable.
+
+    ``weights`` (num_rows x dim), ``state`` (slot name -> num_rows x dim, row-scalar name ->
+    num_rows), ``steps`` (num_rows,) ints; ``idx`` (n,) and ``grads`` (n x dim). Duplicate
+    indices' gradients are summed; only the rows present are updated (lazy semantics).
+    Returns ``(weights, state, steps)``.
+    """
+    rule = _rule(name)
+    h = _resolve_hyper(name, hyper)
+    weights = np.array(weights, dtype=np.float64)
+    state = {k: np.array(v, dtype=np.float64) for k, v in state.items()}
+    steps = np.array(steps, dtype=np.int64)
+    idx = np.asarray(idx).astype(np.int64)
+    if idx.size == 0:
+        return weights, state, steps
+    rows, g = _sum_duplicates(idx, np.asarray(grads, dtype=np.float64))
+    w = weights[rows]
+    slots = {k: state[k][rows] for k in rule.slots(h)}
+    scalars = {k: state[k][rows] for k in rule.row_scalars}
+    t = (steps[rows] + 1)[:, None]
+    rule.update(h, w, slots, scalars, g, t)
+    weights[rows] = w
+    for k, v in {**slots, **scalars}.items():
+        state[k][rows] = v
+    steps[rows] = t[:, 0]
+    return weights, state, steps
+
+
