@@ -6,7 +6,9 @@ The core imports NumPy only; CuPy, torch and JAX are imported lazily, where they
 from xferlib import optim, tt
 from xferlib._backend import cupy_available
 from xferlib.handoff import array_kind, data_pointer, to_cupy, to_jax, to_numpy, to_torch
-from xferlib.memory import PinnedArray, is_pinned, pin, pinned_empty, pinned_zeros
+from xferlib.memory import (PinnedArray, check_host_memory, is_pinned, pin, pinned_empty,
+                            pinned_zeros, unpin)
+from xferlib.perf import XferlibPerformanceWarning
 from xferlib.table import (SPARSE_OPTIMIZERS, HostTable, optimizer_defaults,
                            sparse_update_reference)
 from xferlib.rows import (
@@ -51,4 +53,7 @@ __all__ = [
     "to_torch",
     "tt",
     "unique_indices",
+    "unpin",
+    "check_host_memory",
+    "XferlibPerformanceWarning",
 ]

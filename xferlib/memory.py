@@ -7,36 +7,63 @@ an array the user already holds (a trained table, a memory map) be pinned withou
 copy. With unified addressing a registered page has the same address on the GPU, so a kernel
 reads rows straight from host RAM.
 
+Pinning follows the memory, not a Python object: after ``xferlib.pin(a)``, ``a`` itself (and
+every view of its memory) stays pinned until the array that owns the memory is freed or
+``xferlib.unpin(a)`` / ``close()`` is called. The pages are unregistered just before their
+owner frees them (a ``weakref.finalize`` on the owning array).
+
+Pinned pages cannot be swapped out, so :func:`pinned_empty`, :func:`pinned_zeros` and
+:func:`pin` check the size against the host RAM this process can still get (``MemAvailable``,
+and the cgroup's limit in a container) and raise ``MemoryError`` with both sizes BEFORE
+allocating, rather than letting the OS kill the process half-way through. Set
+``XFERLIB_HOST_MEMORY_CHECK=0`` to skip the check.
+
 On a machine without a GPU every function here still works: arrays are ordinary memory and
 :func:`is_pinned` answers False.
 """
 
 from __future__ import annotations
 
+import bisect
+import numbers
+import os
+import threading
 import weakref
 
 import numpy as np
 
 from xferlib._backend import cupy_available
 
-__all__ = ["PinnedArray", "pinned_empty", "pinned_zeros", "pin", "is_pinned", "device_pointer"]
+__all__ = ["PinnedArray", "pinned_empty", "pinned_zeros", "pin", "unpin", "is_pinned",
+           "device_pointer", "available_host_memory", "check_host_memory"]
 
 # cudaHostRegisterPortable: pinned for every CUDA context, not just the current device's.
 _REGISTER_PORTABLE = 1
 # cudaErrorHostMemoryAlreadyRegistered
 _ALREADY_REGISTERED = 712
+# cudaErrorMemoryAllocation
+_OUT_OF_MEMORY = 2
+
+# Every range xferlib registered, by start address: {start: _Registration}, plus the sorted
+# starts for containment lookups (is_pinned answers from here without a driver call).
+_REGISTRY: dict[int, "_Registration"] = {}
+_STARTS: list[int] = []
+_LOCK = threading.RLock()
 
 
 class _Registration:
-    """Keeps one registered range pinned; unregisters exactly once (close or finalizer).
-
-    The finalizer holds the array that owns the memory, so the pages are unregistered
-    before they can be freed."""
+    """One registered range. Unregistered exactly once: by ``close()`` or just before the
+    array that owns the memory is freed (the finalizer does not keep the owner alive)."""
 
     def __init__(self, owner: np.ndarray, ptr: int, nbytes: int):
         self.ptr = ptr
         self.nbytes = nbytes
-        self._finalizer = weakref.finalize(self, _unregister, ptr, owner)
+        with _LOCK:
+            _REGISTRY[ptr] = self
+            bisect.insort(_STARTS, ptr)
+        # NumPy clears an array's weak references before it frees the data, so the pages are
+        # unregistered while they are still mapped.
+        self._finalizer = weakref.finalize(owner, _unregister, ptr)
 
     @property
     def alive(self) -> bool:
@@ -46,7 +73,12 @@ class _Registration:
         self._finalizer()
 
 
-def _unregister(ptr: int, owner) -> None:
+def _unregister(ptr: int) -> None:
+    with _LOCK:
+        _REGISTRY.pop(ptr, None)
+        i = bisect.bisect_left(_STARTS, ptr)
+        if i < len(_STARTS) and _STARTS[i] == ptr:
+            del _STARTS[i]
     import cupy
 
     try:
@@ -55,19 +87,47 @@ def _unregister(ptr: int, owner) -> None:
         pass  # the CUDA context is already gone at interpreter exit: nothing left to release
 
 
+def _registration_of(start: int, nbytes: int) -> "_Registration | None":
+    """The registration holding all of ``[start, start + nbytes)``, or None."""
+    with _LOCK:
+        i = bisect.bisect_right(_STARTS, start) - 1
+        if i < 0:
+            return None
+        reg = _REGISTRY[_STARTS[i]]
+    return reg if start + nbytes <= reg.ptr + reg.nbytes else None
+
+
+def _overlapping(start: int, nbytes: int) -> "_Registration | None":
+    with _LOCK:
+        i = bisect.bisect_right(_STARTS, start + nbytes - 1) - 1
+        if i < 0:
+            return None
+        reg = _REGISTRY[_STARTS[i]]
+    return reg if reg.ptr + reg.nbytes > start else None
+
+
+def _owner(array: np.ndarray) -> np.ndarray:
+    """The array at the root of ``array``'s views: it keeps the memory alive, so the memory
+    is freed only after it goes."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
 class PinnedArray(np.ndarray):
     """A NumPy array whose memory is page-locked (when a GPU is present).
 
     Use it like any ``numpy.ndarray``. ``close()`` (or leaving a ``with`` block) unpins the
-    memory at once; otherwise it is unpinned when the last view of it is garbage-collected.
-    After ``close()`` the data stay valid as ordinary pageable memory.
+    memory at once, for every array that shares it; otherwise it stays pinned until the array
+    that owns the memory is freed. After ``close()`` the data stay valid as ordinary pageable
+    memory.
     """
 
     _registration: _Registration | None = None
 
     def __array_finalize__(self, obj):
-        # Views and slices keep the registration (and so the pinning) alive; a new array
-        # made from this one (a copy, np.take) lies elsewhere and gets none.
+        # Views and slices know the registration (for close()); a new array made from this
+        # one (a copy, np.take) lies elsewhere and gets none.
         registration = getattr(obj, "_registration", None)
         if registration is not None and self.size:
             start = self.ctypes.data
@@ -77,10 +137,10 @@ class PinnedArray(np.ndarray):
 
     @property
     def pinned(self) -> bool:
-        return self._registration is not None and self._registration.alive
+        return is_pinned(self)
 
     def close(self) -> None:
-        """Unpin now. Idempotent. Views taken earlier become unpinned too."""
+        """Unpin now. Idempotent. Every array sharing this memory becomes pageable."""
         if self._registration is not None:
             self._registration.close()
 
@@ -92,8 +152,119 @@ class PinnedArray(np.ndarray):
         return False
 
 
+# ----------------------------------------------------------------------------- host RAM
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _meminfo() -> dict:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields = rest.split()
+                if fields and fields[0].isdigit():
+                    out[key] = int(fields[0]) * 1024  # kB
+    except OSError:
+        pass
+    return out
+
+
+def _cgroup_available() -> int | None:
+    """What the cgroup (a container's memory limit) still allows, or None without a limit."""
+    limit = _read_int("/sys/fs/cgroup/memory.max")  # v2; "max" (no limit) reads as None
+    usage = _read_int("/sys/fs/cgroup/memory.current")
+    stat_path = "/sys/fs/cgroup/memory.stat"
+    if limit is None or usage is None:
+        limit = _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v1
+        usage = _read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes")
+        stat_path = "/sys/fs/cgroup/memory/memory.stat"
+        if limit is None or usage is None or limit >= 1 << 60:
+            return None
+    reclaimable = 0  # page cache the kernel drops before it kills anyone
+    try:
+        with open(stat_path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in ("inactive_file", "total_inactive_file"):
+                    reclaimable = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, limit - usage + reclaimable)
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host RAM this process can still allocate without swapping or being killed:
+    ``MemAvailable`` from /proc/meminfo (``os.sysconf`` elsewhere), capped by the cgroup's
+    limit. None when the system does not say."""
+    info = _meminfo()
+    available = info.get("MemAvailable")
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            available = None
+    cgroup = _cgroup_available()
+    if cgroup is not None:
+        available = cgroup if available is None else min(available, cgroup)
+    return available
+
+
+def _format_bytes(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def check_host_memory(nbytes: int, what: str, *, resident: int = 0) -> None:
+    """Raise ``MemoryError`` naming ``what`` and both sizes when ``nbytes`` of host RAM cannot
+    be had (more than is available, plus ``resident`` bytes already in RAM). Called before
+    allocating, so a table too large fails at once instead of being killed by the OS.
+
+    >>> import xferlib
+    >>> xferlib.check_host_memory(1 << 20, "a 1 MB table")   # fits: returns None
+    >>> xferlib.check_host_memory(1 << 60, "a 1 EB table")   # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    MemoryError: a 1 EB table needs 1152921.50 TB of host RAM, but only ... is available...
+    """
+    if os.environ.get("XFERLIB_HOST_MEMORY_CHECK", "1") == "0":
+        return
+    available = available_host_memory()
+    if available is None or nbytes <= available + resident:
+        return
+    total = _meminfo().get("MemTotal")
+    total_text = f" of {_format_bytes(total)} installed" if total else ""
+    raise MemoryError(
+        f"{what} needs {_format_bytes(nbytes)} of host RAM, but only "
+        f"{_format_bytes(available + resident)} is available{total_text} (MemAvailable / the "
+        f"container's limit); pinned pages cannot be swapped out. Use fewer rows or a smaller "
+        f"dtype (float16/bfloat16), a TT-compressed table (xferlib.tt), or free memory; "
+        f"XFERLIB_HOST_MEMORY_CHECK=0 skips this check.")
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# ----------------------------------------------------------------------------- pinning
+
+
 def _register(array: np.ndarray) -> _Registration | None:
-    """Pin ``array``'s bytes in place; None when there is no GPU or nothing to pin."""
+    """Pin ``array``'s bytes in place; None when there is no GPU, nothing to pin, or the
+    range was pinned by someone else (cudaHostAlloc, torch's pin_memory)."""
     if not cupy_available() or array.nbytes == 0:
         return None
     import cupy
@@ -102,11 +273,16 @@ def _register(array: np.ndarray) -> _Registration | None:
     try:
         cupy.cuda.runtime.hostRegister(ptr, array.nbytes, _REGISTER_PORTABLE)
     except cupy.cuda.runtime.CUDARuntimeError as err:
-        if getattr(err, "status", None) == _ALREADY_REGISTERED:
+        status = getattr(err, "status", None)
+        if status == _ALREADY_REGISTERED:
             return None  # pinned already by its owner; that owner keeps it pinned
+        if status == _OUT_OF_MEMORY:
+            raise MemoryError(
+                f"the CUDA driver could not pin {_format_bytes(array.nbytes)} of host memory "
+                f"({err}); the locked-memory limit (ulimit -l) or host RAM is too small for "
+                f"this table") from err
         raise
-    owner = array if array.base is None else array.base
-    return _Registration(owner, ptr, array.nbytes)
+    return _Registration(_owner(array), ptr, array.nbytes)
 
 
 def _as_pinned(array: np.ndarray) -> PinnedArray:
@@ -116,46 +292,117 @@ def _as_pinned(array: np.ndarray) -> PinnedArray:
     return view
 
 
+def _checked_shape(shape, fn: str) -> tuple:
+    dims = (shape,) if isinstance(shape, numbers.Integral) else shape
+    try:
+        dims = tuple(dims)
+    except TypeError:
+        raise TypeError(f"{fn}: shape must be an int or a tuple of ints, got "
+                        f"{type(shape).__name__} {shape!r}") from None
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+            raise TypeError(f"{fn}: shape must hold ints, got {shape!r} "
+                            f"({type(d).__name__} {d!r})")
+        if d < 0:
+            raise ValueError(f"{fn}: shape {shape!r} has a negative size {int(d)}; every "
+                             "size must be >= 0")
+    return tuple(int(d) for d in dims)
+
+
+def _allocate(shape, dtype, fn: str, fill_zero: bool) -> PinnedArray:
+    dims = _checked_shape(shape, fn)
+    dtype = _numpy_dtype(dtype, fn)
+    nbytes = dtype.itemsize
+    for d in dims:
+        nbytes *= d  # Python ints: no overflow
+    check_host_memory(nbytes, f"{fn}(shape={dims}, dtype={dtype.name})")
+    array = np.zeros(dims, dtype=dtype) if fill_zero else np.empty(dims, dtype=dtype)
+    return _as_pinned(array)
+
+
 def pinned_empty(shape, dtype=np.float32) -> PinnedArray:
     """A new uninitialized array in pinned host memory.
+
+    Raises ``MemoryError`` (with the requested and the available sizes) before allocating
+    when the host cannot hold it.
 
     >>> import xferlib
     >>> with xferlib.pinned_empty((1024, 128), "float32") as table:
     ...     table[:] = 0.0
     """
-    return _as_pinned(np.empty(shape, dtype=_numpy_dtype(dtype)))
+    return _allocate(shape, dtype, "pinned_empty", fill_zero=False)
 
 
 def pinned_zeros(shape, dtype=np.float32) -> PinnedArray:
-    """A new zero-filled array in pinned host memory."""
-    array = np.zeros(shape, dtype=_numpy_dtype(dtype))
-    return _as_pinned(array)
+    """A new zero-filled array in pinned host memory (checked as :func:`pinned_empty`)."""
+    return _allocate(shape, dtype, "pinned_zeros", fill_zero=True)
 
 
 def pin(array: np.ndarray) -> PinnedArray:
-    """Pin an existing C-contiguous NumPy array in place (no copy) and return a view of it.
+    """Pin an existing C-contiguous NumPy array in place (no copy); returns a view of it.
 
-    The returned view shares memory with ``array``; the pages stay pinned while the view
-    (or any view of it) is alive, or until ``close()``. An array that is pinned already is
-    returned as a view without a second registration.
+    ``array`` itself is pinned: it stays pinned until the array owning its memory is freed or
+    :func:`unpin` (or the view's ``close()``) is called, whether or not the returned view is
+    kept. Pinning an array that is pinned already does nothing more.
+
+    >>> import numpy as np, xferlib
+    >>> table = np.zeros((1000, 16), np.float32)
+    >>> _ = xferlib.pin(table)                    # the result need not be kept
+    >>> xferlib.is_pinned(table) == xferlib.cupy_available()
+    True
+    >>> xferlib.unpin(table)
     """
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"pin() takes a numpy.ndarray, got {type(array).__name__}")
+        hint = (" (for a torch tensor: xferlib.pin(tensor.numpy()) pins it in place)"
+                if type(array).__module__.startswith("torch") else "")
+        raise TypeError(f"pin() takes a numpy.ndarray, got {type(array).__name__}{hint}")
     if not array.flags.c_contiguous:
-        raise ValueError("pin() needs a C-contiguous array; pin np.ascontiguousarray(array)")
-    if isinstance(array, PinnedArray) and array.pinned:
+        raise ValueError(f"pin() needs a C-contiguous array, got one with strides "
+                         f"{array.strides} for shape {array.shape}; pin "
+                         "np.ascontiguousarray(array) (a copy) instead")
+    if array.nbytes == 0 or not cupy_available():
         return array.view(PinnedArray)
+    start = array.ctypes.data
+    registration = _registration_of(start, array.nbytes)
+    if registration is not None:  # pinned already (maybe through another view)
+        view = array.view(PinnedArray)
+        view._registration = registration
+        return view
+    overlap = _overlapping(start, array.nbytes)
+    if overlap is not None:
+        raise ValueError(
+            f"pin(): the array's memory [{start:#x}, {start + array.nbytes:#x}) overlaps a "
+            f"range pinned earlier [{overlap.ptr:#x}, {overlap.ptr + overlap.nbytes:#x}); "
+            "pin the whole array once, or xferlib.unpin the earlier one first")
+    check_host_memory(array.nbytes, f"pin() of a {array.shape} {array.dtype} array",
+                      resident=_rss_bytes())
     return _as_pinned(array)
+
+
+def unpin(array) -> None:
+    """Unpin the memory that :func:`pin` / :func:`pinned_empty` pinned for ``array`` (all
+    arrays sharing that memory become pageable; the data stay valid). Does nothing for
+    memory xferlib did not pin."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"unpin() takes a numpy.ndarray, got {type(array).__name__}")
+    registration = getattr(array, "_registration", None)
+    if registration is None and array.nbytes:
+        registration = _registration_of(array.ctypes.data, array.nbytes)
+    if registration is not None:
+        registration.close()
 
 
 def is_pinned(array) -> bool:
     """True when ``array``'s memory is page-locked host memory the GPU can reach."""
-    if not isinstance(array, np.ndarray) or not cupy_available() or array.nbytes == 0:
+    if not isinstance(array, np.ndarray) or array.nbytes == 0 or not cupy_available():
         return False
+    start = array.ctypes.data
+    if _registration_of(start, array.nbytes) is not None:
+        return True
     import cupy
 
     try:
-        attrs = cupy.cuda.runtime.pointerGetAttributes(array.ctypes.data)
+        attrs = cupy.cuda.runtime.pointerGetAttributes(start)
     except cupy.cuda.runtime.CUDARuntimeError:
         return False
     return attrs.type == cupy.cuda.runtime.memoryTypeHost
@@ -175,9 +422,17 @@ def device_pointer(array: np.ndarray, name: str = "array") -> int:
     return int(attrs.devicePointer)
 
 
-def _numpy_dtype(dtype) -> np.dtype:
+def _numpy_dtype(dtype, fn: str = "pinned_empty") -> np.dtype:
     if isinstance(dtype, str) and dtype == "bfloat16":
         import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
+    try:
+        out = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{fn}: dtype {dtype!r} is not a NumPy dtype (e.g. 'float32', "
+                        "np.float16, 'bfloat16')") from None
+    if out.hasobject:
+        raise TypeError(f"{fn}: dtype {out} holds Python objects, which cannot live in "
+                        "pinned memory the GPU reads; use a numeric dtype")
+    return out

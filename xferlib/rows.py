@@ -31,6 +31,7 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_cupy_array, namespace_name
 from xferlib.memory import device_pointer, is_pinned
+from xferlib.perf import warn_slow_rows_path
 
 __all__ = [
     "unique_indices",
@@ -347,6 +348,7 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
     on_gpu = is_cupy_array(idx) or is_cupy_array(table) or (out is not None and is_cupy_array(out))
     if out is not None:
         _check_rows_arg(out, "out", table, n)
+    warn_slow_rows_path("gather_rows", table, idx, out)  # pageable table etc.: warn once
     if not on_gpu:
         _check_host_indices(idx, num_rows)
         if sorted_indices:
@@ -407,6 +409,7 @@ def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
     num_rows = table.shape[0]
     n = idx.shape[0]
     _check_rows_arg(src, "src", table, n)
+    warn_slow_rows_path("scatter_add_rows" if accumulate else "scatter_rows", table, idx, src)
     if accumulate and _dtype_name(table.dtype) not in _ADD_DTYPE_NAMES:
         raise TypeError(f"scatter_add_rows needs a float32, float64, float16 or bfloat16 "
                         f"table, got {table.dtype}")
