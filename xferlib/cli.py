@@ -1,4 +1,4 @@
-"""The ``xferlib`` command: ``xferlib info`` and ``xferlib bench [SUITE ...]``."""
+"""The ``xferlib`` command: ``xferlib doctor``, ``xferlib info`` and ``xferlib bench [SUITE ...]``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def _info() -> int:
         print(f"  {key}: {value}")
     backends = ["numpy"] + (["cupy (CUDA kernels)"] if cupy_available() else [])
     print(f"  backends: {', '.join(backends)}")
+    print("  (`xferlib doctor` checks builds and settings and says what to fix)")
     if not cupy_available():
         print("  pinned memory: unavailable (no CUDA GPU); host arrays are ordinary memory")
         return 0
@@ -37,6 +38,8 @@ def _info() -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="xferlib", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="what this machine can use (GPU, CUDA, CuPy/torch/JAX builds, "
+                   "pinned memory, memory settings) and what to install or set")
     sub.add_parser("info", help="versions, GPU, CUDA runtime, backends, pinned-memory check")
     bench = sub.add_parser("bench", help="run benchmark suites (all when none is named)")
     bench.add_argument("suites", nargs="*", help="suites to run: transfer, optim, table, tt")
@@ -46,6 +49,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
+    if args.command == "doctor":
+        from xferlib.doctor import run_doctor
+
+        return run_doctor()
     from xferlib.bench import run_suites
 
     try:
