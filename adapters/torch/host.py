@@ -94,9 +94,43 @@ class _HostModule(torch.nn.Module):
         out = torch.empty((idx.shape[0], self.embedding_dim), dtype=torch.float32,
                           device=self.device)
         stream = {"stream": current_stream(self.device)} if self.device.type == "cuda" else {}
-        _, batch = self.table.lookup(self._core_indices(idx), out=as_core_array(out),
+        core_idx, self._prefetched = self._prefetched_for(idx), None
+        _, batch = self.table.lookup(core_idx if core_idx is not None
+                                     else self._core_indices(idx), out=as_core_array(out),
                                      return_batch=True, **stream)
         return (out, batch) if return_batch else out
+
+    def _prefetched_for(self, idx: torch.Tensor):
+        """The core indices given to the table's prefetch when ``idx`` is that batch."""
+        prefetched = getattr(self, "_prefetched", None)
+        if prefetched is None:
+            return None
+        tensor, core_idx = prefetched
+        if (idx.device == tensor.device and idx.dtype == tensor.dtype
+                and idx.shape == tensor.shape and idx.data_ptr() == tensor.data_ptr()):
+            return core_idx
+        return None
+
+    def prefetch(self, input, offsets=None) -> None:
+        """Start moving the rows of the next batch (the ``input`` the next forward will get,
+        the same tensor) to the GPU on a side stream, while the current step computes; the
+        next forward of that batch reads them from HBM. Updates queued in between (this
+        step's backward) are seen by it. ``offsets`` is accepted for symmetry with
+        :meth:`forward` and not needed. GPU modules with a fused optimizer only."""
+        if self.device.type != "cuda" or self._any_optimizer:
+            return  # nothing to overlap on the CPU; optimizer=None looks rows up per step
+        if input.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indices must be int32 or int64, got {input.dtype}")
+        flat = input.to(self.device).reshape(-1)
+        if self.padding_idx is not None:
+            return  # the padding row is filtered per batch: no stable index object to reuse
+        core_idx = self._core_indices(flat)
+        self.table.prefetch(core_idx, stream=current_stream(self.device))
+        self._prefetched = (flat, core_idx)
+
+    def check(self) -> None:
+        """Raise for a bad batch whose check is still pending (see ``HostTable.check``)."""
+        self.table.check()
 
     def _apply_gradients(self, idx: torch.Tensor, grad_rows: torch.Tensor, batch=None) -> None:
         grad_rows = grad_rows.to(device=self.device, dtype=torch.float32).contiguous()

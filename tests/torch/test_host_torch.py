@@ -184,6 +184,7 @@ def test_bad_input(device):
     before = np.array(bag.table.numpy())
     with pytest.raises(IndexError, match=f"index {ROWS} at position 1"):
         bag(torch.tensor([0, ROWS]).to(device), torch.tensor([0]).to(device))
+        bag.check()  # on the GPU the input check is deferred (no host sync)
     with pytest.raises(ValueError, match="offsets"):
         bag(torch.tensor([0, 1]).to(device))
     with pytest.raises(ValueError, match="2-D, offsets must be None"):
@@ -252,3 +253,24 @@ def test_per_sample_weights_follow_torch_modes():
         for module in (ours, theirs):
             with pytest.raises(NotImplementedError, match="mode='sum'"):
                 module(*args)
+
+
+@pytest.mark.gpu
+def test_prefetch_then_forward_matches_plain(rng=None):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU for torch")
+    gen = np.random.default_rng(5)
+    kw = dict(optimizer="adam", optimizer_kwargs={"lr": 0.1}, device="cuda", seed=3,
+              cache_rows=16)
+    a, b = HostEmbeddingBag(ROWS, DIM, **kw), HostEmbeddingBag(ROWS, DIM, **kw)
+    batches = [torch.from_numpy(gen.integers(0, ROWS, size=24)).cuda() for _ in range(5)]
+    offsets = torch.arange(0, 24, 4).cuda()
+    for step, idx in enumerate(batches):
+        out_a = a(idx, offsets)
+        if step + 1 < len(batches):
+            a.prefetch(batches[step + 1], offsets)
+        out_a.sum().backward()
+        out_b = b(idx, offsets)
+        out_b.sum().backward()
+        torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+    np.testing.assert_array_equal(a.table.numpy(), b.table.numpy())

@@ -1,0 +1,244 @@
+"""The host table's GPU cache: its policy (CacheModel, on every machine) and the device cache
+against the model and the NumPy reference (GPU)."""
+
+import numpy as np
+import pytest
+
+import xferlib
+from xferlib.table import CacheModel
+from xferlib.table.cache import WAYS, set_of
+
+from tests.core.test_table import NUM_ROWS, VARIANTS, _batches, _state_of
+
+# ----------------------------------------------------------------------------- the policy
+
+
+def test_lru_evicts_the_least_recently_used():
+    model = CacheModel(4, num_rows=100, policy="lru", admission="always")
+    for row in (1, 2, 3, 4):
+        assert model.access([row])[0] >= 0
+    model.access([1])  # 2 is now the least recently used
+    model.access([5])
+    assert model.cached_rows().tolist() == [1, 3, 4, 5]
+    assert model.stats == dict(lookups=6, hits=1, misses=5, admitted=5, evicted=1)
+
+
+def test_lfu_evicts_the_least_often_used():
+    model = CacheModel(3, num_rows=100, policy="lfu", admission="always")
+    model.access([1, 2, 3])
+    model.access([1, 3])
+    model.access([1, 2])
+    model.access([7])  # uses: 1 -> 3, 2 -> 2, 3 -> 2: 2 and 3 tie, the lower way (2's) goes
+    assert model.cached_rows().tolist() == [1, 3, 7]
+
+
+def test_second_sight_admits_on_the_second_miss():
+    model = CacheModel(64, num_rows=1000, admission="second-sight")
+    assert (model.access([10, 20, 30]) == -1).all()
+    assert (model.access([10, 30, 40]) >= 0).tolist() == [True, True, False]
+    assert model.access([40])[0] >= 0
+    assert model.stats["admitted"] == 3 and model.stats["hits"] == 0
+
+
+def test_a_batch_never_evicts_its_own_rows():
+    model = CacheModel(2, num_rows=100, admission="always")
+    slots = model.access([5, 6, 7])
+    assert (slots >= 0).sum() == 2 and len(set(slots[slots >= 0])) == 2
+    assert model.stats["evicted"] == 0
+
+
+def test_prefetch_protects_the_previous_batch():
+    model = CacheModel(2, num_rows=100, admission="always")
+    model.access([1, 2])
+    assert model.access([3], protect_prev=True)[0] == -1  # 1 and 2 may be being updated
+    assert model.access([3])[0] >= 0
+
+
+def test_sets_spread_neighbouring_rows():
+    sets = set_of(np.arange(64 * WAYS), 64)
+    counts = np.bincount(sets, minlength=64)
+    assert counts.min() > WAYS // 4 and counts.max() < 4 * WAYS
+
+
+def test_cache_of_fewer_rows_than_a_set():
+    model = CacheModel(3, num_rows=100, admission="always")
+    assert (model.access(np.arange(10)) >= 0).sum() == 3
+
+
+def test_cpu_table_with_cache_trains_like_reference(rng):
+    """Without a GPU the cache is not used; the configuration still trains exactly."""
+    table = xferlib.HostTable(NUM_ROWS, 4, optimizer="adam", cache_rows=8, init="zeros")
+    ref = xferlib.HostTable(NUM_ROWS, 4, optimizer="adam", init="zeros")
+    for idx, grads in _batches(rng, 4, "int64"):
+        table.apply_gradients(idx, grads[:, :4])
+        ref.apply_gradients(idx, grads[:, :4])
+    np.testing.assert_array_equal(table.numpy(), ref.numpy())
+    table.check()  # nothing pending on the CPU
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _gpu():
+    return pytest.importorskip("cupy")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("admission", ["second-sight", "always"])
+def test_device_cache_follows_the_model(rng, policy, admission):
+    cupy = _gpu()
+    rows = 5000
+    table = xferlib.HostTable(rows, 8, optimizer="sgd", cache_rows=100, cache_policy=policy,
+                              cache_admission=admission, seed=0)
+    model = CacheModel(100, rows, policy, admission)
+    for _ in range(12):
+        idx = (rng.zipf(1.2, size=700) % rows).astype(np.int64)
+        table.lookup(cupy.asarray(idx))
+        model.access(idx)
+        np.testing.assert_array_equal(table._gpu.cache.cached_rows(), model.cached_rows())
+    assert table.cache_stats() | {"hit_rate": 0} == model.stats | {"hit_rate": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, hyper, torch_name", VARIANTS)
+@pytest.mark.parametrize("dim", [5, 16])
+def test_cached_training_matches_reference(rng, name, hyper, torch_name, dim):
+    """A cache far smaller than the rows touched: rows are admitted, updated in HBM, evicted
+    (written back) and admitted again; weights, state and steps follow the reference."""
+    cupy = _gpu()
+    init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
+    table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
+                              init=init.copy(), cache_rows=6, cache_admission="always")
+    weights, state, steps = init.astype(np.float64), _state_of(table), np.zeros(NUM_ROWS)
+    for i, (idx, grads) in enumerate(_batches(rng, dim, "int64")):
+        rows, batch = table.lookup(cupy.asarray(idx), return_batch=True)
+        np.testing.assert_allclose(rows.get(), weights[idx], rtol=2e-5, atol=2e-6)
+        if i % 2:
+            table.apply_gradients(batch, cupy.asarray(grads))
+        else:  # raw indices: located in the cache again
+            table.apply_gradients(cupy.asarray(idx), cupy.asarray(grads))
+        weights, state, steps = xferlib.sparse_update_reference(name, weights, state, steps,
+                                                                idx, grads, hyper)
+    assert table.cache_stats()["evicted"] > 0
+    np.testing.assert_allclose(table.numpy(), weights, rtol=2e-5, atol=2e-6)
+    for key, value in _state_of(table).items():
+        np.testing.assert_allclose(value, state[key], rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(table.state("step"), steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_prefetch_while_updating(rng, cache_rows, index_dtype):
+    cupy = _gpu()
+    dim, rows_n = 8, 300
+    kw = dict(optimizer="adam", optimizer_kwargs={"lr": 0.1}, seed=4)
+    table = xferlib.HostTable(rows_n, dim, cache_rows=cache_rows, cache_admission="always", **kw)
+    reference = xferlib.HostTable(rows_n, dim, **kw)
+    batches = [cupy.asarray((rng.zipf(1.3, size=257) % rows_n).astype(index_dtype))
+               for _ in range(9)]
+    rows, batch = table.lookup(batches[0], return_batch=True)
+    for step in range(8):
+        table.prefetch(batches[step + 1])  # overlaps the rows being trained
+        grads = cupy.asarray(rng.standard_normal((257, dim)).astype(np.float32))
+        table.apply_gradients(batch, grads)
+        reference.apply_gradients(batches[step], grads)
+        rows, batch = table.lookup(batches[step + 1], return_batch=True)
+        np.testing.assert_array_equal(rows.get(), reference.lookup(batches[step + 1]).get())
+    np.testing.assert_array_equal(table.numpy(), reference.numpy())
+    np.testing.assert_array_equal(table.state("exp_avg"), reference.state("exp_avg"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_rows", [0, 64])
+def test_graph_captured_step_matches_eager(rng, cache_rows):
+    """lookup + apply_gradients at a fixed batch size, captured once in a CUDA graph and
+    replayed on new indices and gradients, trains exactly like the eager step."""
+    cupy = _gpu()
+    n, dim, rows_n = 512, 16, 2000
+    kw = dict(optimizer="adam", optimizer_kwargs={"lr": 0.05}, seed=1, cache_rows=cache_rows,
+              cache_admission="always")
+    eager, graphed = xferlib.HostTable(rows_n, dim, **kw), xferlib.HostTable(rows_n, dim, **kw)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    pool = cupy.cuda.MemoryPool()  # the graph's buffers: never handed to anyone else
+    idx_buf = cupy.zeros(n, dtype=np.int64)
+    grad_buf = cupy.zeros((n, dim), dtype=np.float32)
+    out = cupy.zeros((n, dim), dtype=np.float32)
+
+    def step(table):
+        rows, batch = table.lookup(idx_buf, out=out, stream=stream, return_batch=True)
+        table.apply_gradients(batch, grad_buf, stream=stream)
+
+    data = [((rng.zipf(1.2, size=n) % rows_n).astype(np.int64),
+             rng.standard_normal((n, dim)).astype(np.float32)) for _ in range(6)]
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        idx_buf.set(data[0][0], stream=stream)
+        grad_buf.set(data[0][1], stream=stream)
+        step(graphed)  # compiles and sizes every buffer outside the capture
+        graphed.check()
+        stream.begin_capture()
+        step(graphed)
+        graph = stream.end_capture()
+        for i, (idx, grads) in enumerate(data):
+            if i == 0:
+                eager.lookup(cupy.asarray(idx))
+                eager.apply_gradients(cupy.asarray(idx), cupy.asarray(grads))
+                continue
+            idx_buf.set(idx, stream=stream)
+            grad_buf.set(grads, stream=stream)
+            graph.launch(stream)
+            rows = eager.lookup(cupy.asarray(idx))
+            eager.apply_gradients(cupy.asarray(idx), cupy.asarray(grads))
+            stream.synchronize()
+            np.testing.assert_array_equal(out.get(), rows.get())
+    graphed.check()
+    np.testing.assert_array_equal(graphed.numpy(), eager.numpy())
+    np.testing.assert_array_equal(graphed.state("exp_avg_sq"), eager.state("exp_avg_sq"))
+    np.testing.assert_array_equal(graphed.state("step"), eager.state("step"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [-1, 300])
+def test_bad_batch_changes_no_row_state_or_cache_entry(rng, bad):
+    cupy = _gpu()
+    table = xferlib.HostTable(300, 8, optimizer="adam", cache_rows=40, seed=2)
+    for _ in range(3):  # a warm cache, some of it dirty
+        idx = cupy.asarray(rng.integers(0, 60, size=100))
+        rows, batch = table.lookup(idx, return_batch=True)
+        table.apply_gradients(batch, cupy.ones((100, 8), np.float32))
+    table.check()
+    cache = table._gpu.cache
+    before = {k: getattr(cache, k).get() for k in ("data", "tags", "score", "last", "dirty",
+                                                     "door", "stats")}
+    host_w = np.array(table._weights)
+    host_s = np.array(table._state)
+    idx = cupy.asarray(np.array([5, bad, 7, 100]))
+    grads = cupy.ones((4, 8), np.float32)
+    for call in (lambda: table.lookup(idx), lambda: table.apply_gradients(idx, grads),
+                 lambda: table.prefetch(idx)):
+        with pytest.raises(IndexError, match=f"index {bad} at position 1"):
+            call()
+            table.check()
+    cupy.cuda.Device().synchronize()
+    for key, value in before.items():
+        np.testing.assert_array_equal(getattr(cache, key).get(), value, err_msg=key)
+    np.testing.assert_array_equal(np.array(table._weights), host_w)
+    np.testing.assert_array_equal(np.array(table._state), host_s)
+
+
+@pytest.mark.gpu
+def test_dirty_rows_written_back_by_numpy_state_and_save(tmp_path):
+    cupy = _gpu()
+    table = xferlib.HostTable(64, 4, optimizer="sgd", optimizer_kwargs={"lr": 1.0},
+                              init="zeros", cache_rows=32, cache_admission="always")
+    idx = cupy.arange(16)
+    rows, batch = table.lookup(idx, return_batch=True)
+    table.apply_gradients(batch, cupy.ones((16, 4), np.float32))
+    np.testing.assert_array_equal(table.numpy()[:16], -1.0)
+    np.testing.assert_array_equal(table.state("step")[:16], 1)
+    rows, batch = table.lookup(idx, return_batch=True)
+    table.apply_gradients(batch, cupy.ones((16, 4), np.float32))
+    table.save(tmp_path / "t.npz")
+    np.testing.assert_array_equal(xferlib.HostTable.load(tmp_path / "t.npz").numpy()[:16], -2.0)
+    assert table.cache_stats()["hits"] == 16
