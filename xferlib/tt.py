@@ -408,7 +408,8 @@ def tt_bag_residuals(shape: TTShape, indices, offsets, *, mode="sum", per_sample
 
 def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
                          per_sample_weights=None, include_last_offset=True, check=True,
-                         num_embeddings=None, out=None, cache=None):
+                         num_embeddings=None, out=None, cache=None, cache_count=False,
+                         report=None):
     """``(bags, residuals)``: pooled rows ``(B, D)`` (float32) and what backward needs.
 
     GPU (CuPy) arrays run the CUDA kernels (see :class:`TTBagPlan`); ``check=False`` there
@@ -417,17 +418,23 @@ def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
     zeros and nothing is ever written outside them). NumPy arrays are checked at once.
     ``num_embeddings``: indices must be below it (default: every row of the factorization).
     ``out``: a ``(B, D)`` float32 array (of the cores' namespace) to write the bags into.
-    ``cache``: a :class:`TTRowCache`; lookups of its rows read its dense rows instead.
+    ``cache``: a :class:`TTRowCache`; while it is active, lookups of its rows read its dense
+    rows instead; ``cache_count`` also counts the lookups in its frequency table (on the GPU
+    in the same launch as the cache lookups). ``report``: GPU indices to name in an index
+    error instead of ``indices`` (same length; for callers that map their indices).
     """
     shape.check_cores(cores)
     if _uses_kernels(shape, indices, cores):
         return _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights,
-                         include_last_offset, check, num_embeddings, out, cache)
+                         include_last_offset, check, num_embeddings, out, cache, cache_count,
+                         report)
     indices, bag, w, num_bags = tt_bag_residuals(
         shape, indices, offsets, mode=mode, per_sample_weights=per_sample_weights,
         include_last_offset=include_last_offset, num_embeddings=num_embeddings)
     rows = tt_rows(cores, shape, indices)
-    if cache is not None:
+    if cache is not None and cache_count:
+        cache.count(indices)
+    if cache is not None and cache.active:
         slot = cache.slots(indices)
         xp = array_module(rows)
         rows = xp.where((slot >= 0)[:, None], cache.weight[xp.maximum(slot, 0)], rows)
@@ -487,7 +494,11 @@ def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np
 
 # ----------------------------------------------------------------------------- fused updates
 
-SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "rowwise_adam")
+SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "rowwise_adam", "lamb", "lars_sgd",
+                     "partial_rowwise_adam", "partial_rowwise_lamb")
+# Optimizers that update only the rows a batch touched (a zero gradient still moves their
+# state or weights): the others update whole cores at once.
+_LAZY = ("rowwise_adam", "lamb", "lars_sgd", "partial_rowwise_adam", "partial_rowwise_lamb")
 
 
 def tt_sparse_state(shape: TTShape, optimizer: str, xp=np) -> list[dict]:
@@ -497,27 +508,37 @@ def tt_sparse_state(shape: TTShape, optimizer: str, xp=np) -> list[dict]:
 
 
 def _row_state(rows: int, width: int, optimizer: str, xp=np) -> dict:
-    """Zeroed state of ``optimizer`` for ``rows`` parameter rows of ``width``."""
+    """Zeroed state of ``optimizer`` for ``rows`` parameter rows of ``width``; the first entry
+    is the primary one (FBTT's ``optimizer_state``)."""
     if optimizer not in SPARSE_OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
-    if optimizer == "sgd":
-        return {}
-    if optimizer == "adagrad":
-        return {"sum": xp.zeros((rows, width), np.float32)}
-    if optimizer == "rowwise_adagrad":
-        return {"sum": xp.zeros(rows, np.float32)}
-    return {"exp_avg": xp.zeros((rows, width), np.float32),
-            "exp_avg_sq": xp.zeros(rows, np.float32), "step": xp.zeros(rows, np.int64)}
+    elem = lambda: xp.zeros((rows, width), np.float32)  # noqa: E731
+    row = lambda: xp.zeros(rows, np.float32)  # noqa: E731
+    return {
+        "sgd": lambda: {},
+        "adagrad": lambda: {"sum": elem()},
+        "rowwise_adagrad": lambda: {"sum": row()},
+        "rowwise_adam": lambda: {"exp_avg": elem(), "exp_avg_sq": row(),
+                                 "step": xp.zeros(rows, np.int64)},
+        "lamb": lambda: {"exp_avg": elem(), "exp_avg_sq": elem()},
+        "lars_sgd": lambda: {"momentum": elem()},
+        "partial_rowwise_adam": lambda: {"exp_avg": elem(), "exp_avg_sq": row()},
+        "partial_rowwise_lamb": lambda: {"exp_avg": elem(), "exp_avg_sq": row()},
+    }[optimizer]()
 
 
 def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer: str, *,
-                     lr: float, eps: float = 1e-10, betas=(0.9, 0.999)) -> None:
+                     lr: float, eps: float = 1e-10, betas=(0.9, 0.999), **hyper) -> None:
     """Apply ``optimizer`` in place to every core row the batch touched (all of them: no row
     of any core is skipped), from the core gradients of :func:`tt_embedding_bag_bwd`.
 
     ``sgd``: ``G -= lr g``. ``adagrad``: elementwise ``s += g^2; G -= lr g / (sqrt(s) + eps)``.
     ``rowwise_adagrad``: one accumulator per core row, ``s += mean(g^2)``. ``rowwise_adam``:
     elementwise first moment, one second moment and step count per row, bias-corrected.
+    ``lamb``, ``lars_sgd``, ``partial_rowwise_adam``, ``partial_rowwise_lamb``: FBGEMM's rules
+    of these names, per row (see :func:`_update_rows`), with ``hyper``: ``weight_decay``
+    (0), ``eta`` (0.001, LARS), ``momentum`` (0.9, LARS) and ``step`` (the global iteration,
+    from 1, for the bias corrections).
     Rows the batch did not touch keep their values and state (lazy semantics).
     """
     _check_sparse_args(optimizer, lr)
@@ -530,7 +551,7 @@ def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer:
     whole = optimizer == "sgd" or (optimizer in ("adagrad", "rowwise_adagrad") and eps > 0)
     for k, (core, grad, state) in enumerate(zip(cores, grads, states)):
         rows = slice(None) if whole else xp.unique(digits[:, k])
-        _update_rows(core, grad, state, rows, optimizer, lr, eps, betas)
+        _update_rows(core, grad, state, rows, optimizer, lr, eps, betas, **hyper)
 
 
 def _check_sparse_args(optimizer: str, lr: float) -> None:
@@ -540,85 +561,162 @@ def _check_sparse_args(optimizer: str, lr: float) -> None:
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
-def _update_rows(param, grad, state, rows, optimizer: str, lr: float, eps: float, betas) -> None:
+def _update_rows(param, grad, state, rows, optimizer: str, lr: float, eps: float, betas, *,
+                 weight_decay: float = 0.0, eta: float = 0.001, momentum: float = 0.9,
+                 step: int = 1) -> None:
     """``optimizer`` on rows ``rows`` of a 2-D ``param`` (a core, or a cache of dense rows) from
-    their gradient rows, in place, with ``state`` shaped as :func:`tt_sparse_state` makes it."""
+    their gradient rows, in place, with ``state`` shaped as :func:`tt_sparse_state` makes it.
+
+    FBGEMM's rules, per row ``w`` with gradient ``g`` (``t = step``, the global iteration):
+    ``lamb``: ``m, v`` elementwise Adam moments, ``r = m / (1 - b1^t) / (sqrt(v / (1 - b2^t))
+    + eps) + weight_decay w``, ``w -= lr |w| / |r| r``. ``partial_rowwise_lamb``: the same with
+    one ``v`` per row from ``mean(g^2)``. ``partial_rowwise_adam``: ``w -= lr (m / (1 - b1^t) /
+    (sqrt(v / (1 - b2^t)) + eps) + weight_decay w)``, ``v`` per row. ``lars_sgd``: ``lr' = lr eta
+    |w| / (|g| + weight_decay |w|)``, ``m = momentum m + lr' (g + weight_decay w)``, ``w -= m``.
+    Where FBGEMM would divide 0 by 0 (a zero update or zero norms) the row is left unchanged.
+    """
     xp = array_module(param)
     b1, b2 = betas
+    f32 = np.float32
     g = grad[rows]
     if optimizer == "sgd":
-        param[rows] -= np.float32(lr) * g
+        param[rows] -= f32(lr) * g
     elif optimizer == "adagrad":
         s = state["sum"]
         s[rows] += g * g
-        param[rows] -= np.float32(lr) * g / (xp.sqrt(s[rows]) + np.float32(eps))
+        param[rows] -= f32(lr) * g / (xp.sqrt(s[rows]) + f32(eps))
     elif optimizer == "rowwise_adagrad":
         s = state["sum"]
         s[rows] += (g * g).mean(axis=1)
-        param[rows] -= np.float32(lr) * g / (xp.sqrt(s[rows])[:, None] + np.float32(eps))
-    else:
-        m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
-        step[rows] += 1
-        m[rows] = np.float32(b1) * m[rows] + np.float32(1 - b1) * g
-        v[rows] = np.float32(b2) * v[rows] + np.float32(1 - b2) * (g * g).mean(axis=1)
-        t = step[rows].astype(np.float64)
-        m_hat = m[rows] / (1 - b1 ** t)[:, None].astype(np.float32)
-        v_hat = (v[rows] / (1 - b2 ** t)).astype(np.float32)
-        param[rows] -= np.float32(lr) * m_hat / (xp.sqrt(v_hat)[:, None] + np.float32(eps))
+        param[rows] -= f32(lr) * g / (xp.sqrt(s[rows])[:, None] + f32(eps))
+    elif optimizer == "rowwise_adam":
+        m, v, steps = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        steps[rows] += 1
+        m[rows] = f32(b1) * m[rows] + f32(1 - b1) * g
+        v[rows] = f32(b2) * v[rows] + f32(1 - b2) * (g * g).mean(axis=1)
+        t = steps[rows].astype(np.float64)
+        m_hat = m[rows] / (1 - b1 ** t)[:, None].astype(f32)
+        v_hat = (v[rows] / (1 - b2 ** t)).astype(f32)
+        param[rows] -= f32(lr) * m_hat / (xp.sqrt(v_hat)[:, None] + f32(eps))
+    elif optimizer == "lars_sgd":
+        w = param[rows]
+        w_norm = xp.sqrt((w * w).sum(axis=1))
+        denom = xp.sqrt((g * g).sum(axis=1)) + f32(weight_decay) * w_norm
+        scale = xp.where(denom > 0, f32(lr * eta) * w_norm / xp.where(denom > 0, denom, 1), 0)
+        mom = state["momentum"]
+        mom[rows] = f32(momentum) * mom[rows] + scale[:, None].astype(f32) * (
+            g + f32(weight_decay) * w)
+        param[rows] = w - mom[rows]
+    else:  # the Adam family with a global step
+        w = param[rows]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        c1, c2 = f32(1 - b1 ** step), f32(1 - b2 ** step)
+        m[rows] = f32(b1) * m[rows] + f32(1 - b1) * g
+        if optimizer == "lamb":
+            v[rows] = f32(b2) * v[rows] + f32(1 - b2) * g * g
+            denom = xp.sqrt(v[rows] / c2) + f32(eps)
+        else:
+            v[rows] = f32(b2) * v[rows] + f32(1 - b2) * (g * g).mean(axis=1)
+            denom = (xp.sqrt(v[rows] / c2) + f32(eps))[:, None]
+        update = m[rows] / c1 / denom + f32(weight_decay) * w
+        if optimizer == "partial_rowwise_adam":
+            param[rows] = w - f32(lr) * update
+            return
+        w_norm = xp.sqrt((w * w).sum(axis=1))
+        u_norm = xp.sqrt((update * update).sum(axis=1))
+        ratio = xp.where(u_norm > 0, w_norm / xp.where(u_norm > 0, u_norm, 1), 0).astype(f32)
+        param[rows] = w - f32(lr) * ratio[:, None] * update
 
 
 def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimizer: str, *,
                     lr: float, eps: float = 1e-10, betas=(0.9, 0.999), cache=None,
-                    defer_check: bool = False):
+                    defer_check: bool = False, **hyper):
     """Backward and :func:`tt_sparse_update` in one: the cores change in place from the bag
     gradients. On the GPU kernel path no dense core gradient exists: each touched core row's
     gradient is summed (in sorted order, deterministic) and the optimizer runs on those rows
     only. A forward's deferred input check is read once the update is queued: the kernels of a
     rejected batch change nothing, and the error is raised before this function returns.
-    With a ``cache`` its hit rows take the same optimizer step on their dense values, and the
-    cores still learn from every lookup (write-through, see :class:`TTRowCache`).
+    With an active ``cache`` its hit rows take the same optimizer step on their dense values
+    (on the kernel path in one more kernel, no host sync), and the cores still learn from
+    every lookup (write-through, see :class:`TTRowCache`). ``hyper``: see
+    :func:`tt_sparse_update`.
 
-    ``defer_check`` (kernel path, no cache): do not wait for the input check at all; return a
+    ``defer_check`` (kernel path): do not wait for the input check at all; return a
     :class:`TTPendingCheck` whose ``resolve()`` raises for a rejected batch later (the batch
     changed nothing). The step then takes no host synchronization. Otherwise returns None.
     """
     _check_sparse_args(optimizer, lr)
-    if cache is not None:
-        if isinstance(residuals, TTBagPlan):
-            tt_check_plan(residuals, shape)
+    kernel_path = isinstance(residuals, TTBagPlan)
+    if cache is not None and cache.active and not kernel_path:
         grad, touched = tt_cache_grad(cache, shape, residuals, grad_bags)
-        rows = (slice(None) if optimizer != "rowwise_adam" else
-                array_module(touched).flatnonzero(touched))
-        _update_rows(cache.weight, grad, cache.state, rows, optimizer, lr, eps, betas)
-    if not isinstance(residuals, TTBagPlan):
+        rows = (array_module(touched).flatnonzero(touched) if optimizer in _LAZY
+                else slice(None))
+        _update_rows(cache.weight, grad, cache.state, rows, optimizer, lr, eps, betas, **hyper)
+    if not kernel_path:
         grads = tt_embedding_bag_bwd(cores, shape, residuals, grad_bags)
         tt_sparse_update(cores, shape, residuals, grads, states, optimizer, lr=lr, eps=eps,
-                         betas=betas)
+                         betas=betas, **hyper)
         return
     grad, touched = _gpu_core_grads(cores, shape, residuals, grad_bags, dense=False)
     if grad is None:  # an empty batch touches nothing
         return
-    pointers = lambda arrays: [a if a is not None else np.uint64(0) for a in arrays]  # noqa: E731
-    pad = [None] * (4 - shape.d)
-    elem = [st.get("sum" if optimizer == "adagrad" else "exp_avg") for st in states]
-    row = [st.get("sum" if optimizer == "rowwise_adagrad" else "exp_avg_sq") for st in states]
-    if optimizer not in ("adagrad", "rowwise_adam"):
-        elem = [None] * shape.d
-    if optimizer not in ("rowwise_adagrad", "rowwise_adam"):
-        row = [None] * shape.d
-    steps = [st.get("step") for st in states]
-    code = SPARSE_OPTIMIZERS.index(optimizer)
+    args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
+    if cache is not None and cache.active and residuals.slot is not None:
+        _launch_cache_update(cache, shape, residuals, grad_bags, optimizer, args)
+    pad = [np.uint64(0)] * (4 - shape.d)
+    pointers = [_state_pointers(st, optimizer) for st in states]
     _launch(shape, "tt_update", (_total_core_rows(shape),), (256,),
-            pointers(list(cores) + pad) + pointers(elem + pad) + pointers(row + pad)
-            + pointers(steps + pad)
-            + [grad, touched, np.int32(code), np.float32(lr), np.float32(eps),
-               np.float64(betas[0]), np.float64(betas[1])])
+            list(cores) + pad + [x for j in range(4) for x in
+                                 ([p[j] for p in pointers] + pad)]
+            + [grad, touched] + args)
     # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
     # flagged as touched), and the host waited for nothing while the step was being queued.
     if defer_check and not residuals.checked:
         return TTPendingCheck(residuals, shape)
     tt_check_plan(residuals, shape)
     return None
+
+
+def _state_pointers(state: dict, optimizer: str) -> list:
+    """``[elementwise, second elementwise, per row, per-row steps]`` state of one parameter
+    (NULL where the optimizer has none), as the kernels' ``update_row`` takes them."""
+    null = np.uint64(0)
+    if optimizer in ("adagrad", "rowwise_adagrad"):
+        primary = state["sum"]
+        return [primary, null, null, null] if optimizer == "adagrad" else [null, null, primary,
+                                                                           null]
+    if optimizer == "lars_sgd":
+        return [state["momentum"], null, null, null]
+    if optimizer == "lamb":
+        return [state["exp_avg"], state["exp_avg_sq"], null, null]
+    if optimizer in ("rowwise_adam", "partial_rowwise_adam", "partial_rowwise_lamb"):
+        return [state["exp_avg"], null, state["exp_avg_sq"], state.get("step", null)]
+    return [null] * 4
+
+
+def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, momentum=0.9,
+                    step=1) -> list:
+    """The kernels' optimizer arguments (after the state pointers)."""
+    return [np.int32(SPARSE_OPTIMIZERS.index(optimizer)), np.float32(lr), np.float32(eps),
+            np.float64(betas[0]), np.float64(betas[1]), np.float32(weight_decay),
+            np.float32(eta), np.float32(momentum), np.int64(step)]
+
+
+def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, optimizer, args):
+    """The cached rows' optimizer step on the GPU: one block per run of one row in the sorted
+    batch that hits the cache sums the run's gradients (in sorted order) and updates the row."""
+    import cupy
+
+    grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))
+    weights = plan.per_sample_weights
+    n = plan.n
+    _launch(shape, f"tt_cache_update<{_key_name(plan.rows)}>",
+            (max(1, min(n, 8192)),), (64,),
+            [plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
+             np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
+             weights if weights is not None else np.uint64(0), np.int32(plan.mean),
+             grad_bags, plan.slot, np.int64(cache.capacity), cache.weight]
+            + _state_pointers(cache.state, optimizer) + args + [plan.verdict])
 
 
 # ----------------------------------------------------------------------------- row cache
@@ -637,6 +735,10 @@ class TTRowCache:
     frequency table ``freq_keys`` / ``freq_counts`` (``hashtbl_size`` slots, key -1 = empty;
     a row is counted in one of the 32 slots after its hash, or not at all when they are full,
     as FBTT's 32-way table does).
+
+    ``key_slots`` (``hashtbl_size``, int32) is FBTT's ``cache_state``: the cache slot of each
+    frequency-table entry's row, -1 where it is not cached. ``active`` (host flag): whether
+    lookups read the cache at all; False until the first :meth:`populate` (FBTT's warmup).
 
     * :meth:`count` adds a batch's lookups to the frequencies (the module does it in training);
     * :meth:`populate` (explicit, as in FBTT) fills the cache with the most frequent rows:
@@ -661,21 +763,24 @@ class TTRowCache:
         self.state = _row_state(self.capacity, shape.dim, optimizer, xp)
         self.freq_keys = xp.full(int(hashtbl_size), -1, dtype=np.int64)
         self.freq_counts = xp.zeros(int(hashtbl_size), dtype=np.int64)
+        self.key_slots = xp.full(int(hashtbl_size), -1, dtype=np.int32)
+        self.active = False
 
     @classmethod
     def from_arrays(cls, shape: TTShape, optimizer: str, *, rows, weight, state, freq_keys,
-                    freq_counts) -> "TTRowCache":
+                    freq_counts, key_slots, active: bool) -> "TTRowCache":
         """A cache over existing arrays (a framework's tensors seen as NumPy/CuPy arrays)."""
         cache = cls.__new__(cls)
         cache.shape, cache.optimizer, cache.capacity = shape, optimizer, int(rows.shape[0])
         cache.rows, cache.weight, cache.state = rows, weight, dict(state)
         cache.freq_keys, cache.freq_counts = freq_keys, freq_counts
+        cache.key_slots, cache.active = key_slots, bool(active)
         return cache
 
     def arrays(self) -> dict:
         """Every array of the cache by name (``state.<name>`` for the optimizer's)."""
         out = {"rows": self.rows, "weight": self.weight, "freq_keys": self.freq_keys,
-               "freq_counts": self.freq_counts}
+               "freq_counts": self.freq_counts, "key_slots": self.key_slots}
         out.update({f"state.{k}": v for k, v in self.state.items()})
         return out
 
@@ -694,16 +799,7 @@ class TTRowCache:
                     (256,), (indices, np.int64(indices.size), self.freq_keys,
                              self.freq_counts, np.int64(self.freq_keys.size)))
             return
-        size = self.freq_keys.size
-        rows, counts = np.unique(indices, return_counts=True)
-        for row, count in zip(rows.tolist(), counts.tolist()):
-            home = ((row * _HASH) % 2 ** 64) % size
-            for probe in range(min(size, _PROBES)):
-                slot = (home + probe) % size
-                if self.freq_keys[slot] in (-1, row):
-                    self.freq_keys[slot] = row
-                    self.freq_counts[slot] += count
-                    break
+        _count_host(self.freq_keys, self.freq_counts, indices)
 
     def populate(self, cores) -> None:
         """Cache the ``capacity`` most frequent rows (ties: the smaller id), keeping the dense
@@ -729,6 +825,8 @@ class TTRowCache:
         rows = np.full(self.capacity, NO_ROW, dtype=np.int64)
         rows[:len(chosen)] = chosen
         self.rows[...] = xp.asarray(rows)
+        self.key_slots[...] = xp.asarray(_key_slots(_to_host(self.freq_keys), chosen))
+        self.active = True
         self.weight[...] = xp.asarray(weight)
         for k, v in self.state.items():
             v[...] = xp.asarray(state[k])
@@ -742,6 +840,8 @@ class TTRowCache:
             v[...] = 0
         self.freq_keys[...] = -1
         self.freq_counts[...] = 0
+        self.key_slots[...] = -1
+        self.active = False
 
     def overlay(self, table) -> None:
         """Write the cached rows over a dense ``table`` (what the forward returns)."""
@@ -749,6 +849,43 @@ class TTRowCache:
         used = rows != NO_ROW
         table[array_module(table).asarray(rows[used])] = self.weight[
             array_module(self.weight).asarray(np.flatnonzero(used))]
+
+
+def _count_host(keys, counts, indices) -> None:
+    """:meth:`TTRowCache.count` on NumPy arrays (see :func:`_insert_counts`)."""
+    rows, n = np.unique(np.asarray(indices, dtype=np.int64), return_counts=True)
+    _insert_counts(keys, counts, rows, n)
+
+
+def _insert_counts(keys, counts, rows, n) -> None:
+    """Add ``n[i]`` accesses of distinct rows ``rows[i]`` to a frequency table, vectorized: in
+    probe round ``j`` every row not yet placed tries slot ``home + j``; of rows that want one
+    empty slot the smallest takes it (the GPU's atomics pick any)."""
+    size = keys.size
+    rows, n = np.asarray(rows, dtype=np.int64), np.asarray(n, dtype=np.int64)
+    keep = rows >= 0
+    rows, n = rows[keep], n[keep]
+    home = ((rows.astype(np.uint64) * np.uint64(_HASH)) % np.uint64(size)).astype(np.int64)
+    for probe in range(min(size, _PROBES)):
+        if not rows.size:
+            return
+        slot = (home + probe) % size
+        empty = keys[slot] == -1
+        _, first = np.unique(slot[empty], return_index=True)
+        claim = np.flatnonzero(empty)[first]
+        keys[slot[claim]] = rows[claim]
+        placed = keys[slot] == rows
+        np.add.at(counts, slot[placed], n[placed])
+        rows, n, home = rows[~placed], n[~placed], home[~placed]
+
+
+def _key_slots(freq_keys: np.ndarray, cached_rows: np.ndarray) -> np.ndarray:
+    """FBTT's ``cache_state``: each frequency-table entry's cache slot, -1 if not cached."""
+    out = np.full(freq_keys.size, -1, dtype=np.int32)
+    if cached_rows.size:
+        found, pos = _find_sorted(cached_rows, freq_keys)
+        out[found & (freq_keys >= 0)] = pos[found & (freq_keys >= 0)]
+    return out
 
 
 def _find_sorted(sorted_rows, values):
@@ -806,7 +943,8 @@ class TTBagPlan:
     (read once, by :func:`tt_check_plan`)."""
 
     __slots__ = ("indices", "offsets", "include_last_offset", "per_sample_weights", "mean",
-                 "rows", "perm", "bag_of", "verdict", "num_bags", "checked", "bound")
+                 "rows", "perm", "bag_of", "verdict", "num_bags", "checked", "bound", "slot",
+                 "report")
 
     def __init__(self, **fields):
         for name in self.__slots__:
@@ -889,7 +1027,8 @@ def _core_pointers(cores) -> list:
 
 
 def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
-              include_last_offset, check, num_embeddings=None, out=None, cache=None):
+              include_last_offset, check, num_embeddings=None, out=None, cache=None,
+              cache_count=False, report=None):
     """Sort and check the batch and (with ``cores``) pool its rows: ``(bags or None, plan)``."""
     import cupy
 
@@ -942,7 +1081,9 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
         out = None
     bag_of = cupy.empty(n, dtype=np.int64)
     total = num_bags * shape.dim
-    slot = cache.slots(indices) if cache is not None and y is not None else None
+    slot = None
+    if cache is not None and y is not None and (cache.active or cache_count):
+        slot = _cache_slots(cache, shape, indices, bound, cache_count)
     _launch(shape, "tt_pool", (max(1, min(65535, -(-total // 256))),), (256,),
             (y if y is not None else np.uint64(0), offsets, np.int64(n_off),
              np.int32(include_last_offset), np.int64(n),
@@ -954,7 +1095,7 @@ def _gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
     plan = TTBagPlan(indices=indices, offsets=offsets, include_last_offset=include_last_offset,
                      per_sample_weights=weights, mean=mode == "mean", rows=rows, perm=perm,
                      bag_of=bag_of, verdict=verdict, num_bags=num_bags, checked=False,
-                     bound=bound)
+                     bound=bound, slot=slot, report=report)
     if check:
         tt_check_plan(plan, shape)
     return out, plan
@@ -996,7 +1137,8 @@ def tt_check_plan(plan: TTBagPlan, shape: TTShape) -> None:
         return
     bad_index, bad_offset = (int(v) for v in plan.verdict.get())
     if bad_index != _NO_BAD:
-        value = int(plan.indices[bad_index:bad_index + 1].get()[0])
+        shown = plan.indices if plan.report is None else plan.report
+        value = int(shown[bad_index:bad_index + 1].get()[0])
         raise IndexError(f"index {value} at position {bad_index} is out of range for a TT "
                          f"table of {plan.bound} rows")
     if bad_offset != _NO_BAD:
@@ -1004,6 +1146,21 @@ def tt_check_plan(plan: TTBagPlan, shape: TTShape) -> None:
                          f"(include_last_offset={plan.include_last_offset}); got "
                          f"{plan.offsets.get().tolist()}")
     plan.checked = True
+
+
+def _cache_slots(cache, shape: TTShape, indices, bound: int, count: bool):
+    """One launch: each lookup's cache slot (-1: not cached; None while the cache is not
+    active) and, with ``count``, the lookups added to the frequency table."""
+    import cupy
+
+    n = int(indices.size)
+    slot = cupy.empty(n, dtype=np.int64) if cache.active else None
+    _launch(shape, f"tt_cache_slots<{_key_name(indices)}>", (max(1, min(4096, -(-n // 256))),),
+            (256,), (indices, np.int64(n), np.int64(bound),
+                     cache.rows, np.int64(cache.capacity if cache.active else 0),
+                     cache.freq_keys if count else np.uint64(0), cache.freq_counts,
+                     np.int64(cache.freq_keys.size), slot if slot is not None else np.uint64(0)))
+    return slot
 
 
 def _gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bool):

@@ -14,8 +14,9 @@ from xferlib.adapters.torch.optim import (
 )
 from xferlib.adapters.torch.host import HostEmbedding, HostEmbeddingBag
 from xferlib.adapters.torch.rows import gather_rows
-from xferlib.adapters.torch.tt import OptimType, TTEmbeddingBag, tt_matrix_to_full
+from xferlib.adapters.torch.tt import (OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag,
+                                       suggested_tt_shapes, tt_matrix_to_full)
 
 __all__ = ["ContiguousParams", "FlatAdagrad", "FlatAdam", "FlatAdamax", "FlatAdamW", "FlatLion", "FlatNAdam",
-           "FlatRAdam", "FlatRMSprop", "FlatSGD", "HostEmbedding", "HostEmbeddingBag", "OptimType", "TTEmbeddingBag", "gather_rows",
-           "tt_matrix_to_full"]
+           "FlatRAdam", "FlatRMSprop", "FlatSGD", "HostEmbedding", "HostEmbeddingBag", "OptimType", "TTEmbeddingBag", "TableBatchedTTEmbeddingBag", "gather_rows",
+           "suggested_tt_shapes", "tt_matrix_to_full"]

@@ -148,7 +148,7 @@ def test_bad_input(rng):
         tt.tt_embedding_bag(cores, shape, np.array([0, 1]), np.array([0, 2]), mode="max")
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "rowwise_adam"])
+@pytest.mark.parametrize("optimizer", tt.SPARSE_OPTIMIZERS)
 def test_sparse_updates_reach_every_touched_row(optimizer, rng):
     # More rows in the first core than R*q*R: FBTT's launch skips such rows; none is skipped
     # here, and rows no lookup touched stay as they were.
@@ -182,4 +182,51 @@ def test_sparse_updates_reach_every_touched_row(optimizer, rng):
 def test_sparse_update_rejects_unknown_optimizer(rng):
     shape = SHAPES[0]
     with pytest.raises(ValueError, match="optimizer must be one of"):
-        tt.tt_sparse_state(shape, "lamb")
+        tt.tt_sparse_state(shape, "lion")
+
+
+# FBGEMM's rules in float64, one row at a time (t: the global step).
+def fbgemm_row_update(optimizer, w, g, state, t, lr, eps=1e-8, b1=0.9, b2=0.999, wd=0.01,
+                      eta=0.001, momentum=0.9):
+    w, g = w.astype(np.float64), g.astype(np.float64)
+    if optimizer == "lars_sgd":
+        w_norm, g_norm = np.linalg.norm(w), np.linalg.norm(g)
+        adjusted = lr * eta * w_norm / (g_norm + wd * w_norm)
+        state["momentum"] = momentum * state["momentum"] + adjusted * (g + wd * w)
+        return w - state["momentum"]
+    state["exp_avg"] = b1 * state["exp_avg"] + (1 - b1) * g
+    if optimizer == "lamb":
+        state["exp_avg_sq"] = b2 * state["exp_avg_sq"] + (1 - b2) * g * g
+    else:
+        state["exp_avg_sq"] = b2 * state["exp_avg_sq"] + (1 - b2) * np.mean(g * g)
+    update = (state["exp_avg"] / (1 - b1 ** t) / (np.sqrt(state["exp_avg_sq"] / (1 - b2 ** t))
+                                                  + eps) + wd * w)
+    if optimizer == "partial_rowwise_adam":
+        return w - lr * update
+    return w - lr * np.linalg.norm(w) / np.linalg.norm(update) * update
+
+
+FBGEMM_RULES = ["lamb", "lars_sgd", "partial_rowwise_adam", "partial_rowwise_lamb"]
+
+
+@pytest.mark.parametrize("optimizer", FBGEMM_RULES)
+def test_fbgemm_rules_match_a_float64_reference(optimizer, rng):
+    rows, width = 6, 12
+    param = rng.standard_normal((rows, width)).astype(np.float32)
+    state = tt._row_state(rows, width, optimizer)
+    ref_w = param.astype(np.float64)
+    ref_state = [{k: v.astype(np.float64).copy() for k, v in state.items()} for _ in range(rows)]
+    ref_state = [{k: v[r].copy() for k, v in st.items()} for r, st in enumerate(ref_state)]
+    hyper = dict(weight_decay=0.01, eta=0.001, momentum=0.9)
+    for step in range(1, 5):
+        grad = rng.standard_normal((rows, width)).astype(np.float32)
+        touched = np.array([0, 2, 5]) if step % 2 else np.array([1, 2])
+        tt._update_rows(param, grad, state, touched, optimizer, 0.05, 1e-8, (0.9, 0.999),
+                        step=step, **hyper)
+        for r in touched:
+            ref_w[r] = fbgemm_row_update(optimizer, ref_w[r], grad[r], ref_state[r], step, 0.05,
+                                         wd=0.01)
+        np.testing.assert_allclose(param, ref_w, rtol=2e-5, atol=2e-6)
+        for name, value in state.items():
+            ref = np.stack([st[name] for st in ref_state])
+            np.testing.assert_allclose(value, ref, rtol=2e-5, atol=1e-7)

@@ -95,18 +95,21 @@ def test_trains_a_bag_toward_targets():
 
 
 def test_shapes_defaults_and_bad_input():
-    bag = TTEmbeddingBag(11_000_000, 64, [32, 32], sparse=False, weight_dist="uniform", seed=0)
+    bag = TTEmbeddingBag(11_000_000, 64, [32, 32], sparse=False, weight_dist="uniform", seed=0,
+                         use_cache=False)
     assert np.prod(bag.tt_p_shapes) >= 11_000_000 and bag.tt_q_shapes == [4, 4, 4]
     assert [tuple(c.shape) for c in bag.tt_cores][1][0] == 1
     assert bag.tt_ranks == [1, 32, 32, 1]
     with pytest.raises(ValueError, match="OptimType"):
         TTEmbeddingBag(100, 8, [2, 2], optimizer="lamb")
-    with pytest.raises(ValueError, match="cache_size must be positive"):
-        TTEmbeddingBag(100, 8, [2, 2], use_cache=True)
+    # FBTT's cache defaults: use_cache=True, 10% of the rows, one frequency slot per row
+    default = TTEmbeddingBag(1000, 8, [2, 2])
+    assert default.use_cache and default.warmup and default.cache_weight.shape == (100, 8)
+    assert default.hashtbl.shape == (1000,) and default.cache_state.shape == (1000,)
     with pytest.raises(ValueError, match="hashtbl_size"):
         TTEmbeddingBag(100, 8, [2, 2], use_cache=True, cache_size=10, hashtbl_size=5)
     with pytest.raises(RuntimeError, match="use_cache=False"):
-        TTEmbeddingBag(100, 8, [2, 2]).cache_populate()
+        TTEmbeddingBag(100, 8, [2, 2], use_cache=False).cache_populate()
     with pytest.raises(ValueError, match="num_embeddings"):
         TTEmbeddingBag(1000, 8, [2, 2], tt_p_shapes=[2, 2, 2], tt_q_shapes=[2, 2, 2])
     small = TTEmbeddingBag(100, 8, [2, 2], sparse=False)
@@ -171,9 +174,12 @@ def test_state_dict_carries_the_fused_optimizer_state(optimizer):
         module(*_bag(seed=7)).sum().backward()
     for x, y in zip(a.tt_cores, b.tt_cores):
         np.testing.assert_array_equal(x.detach().numpy(), y.detach().numpy())
-    # A checkpoint without optimizer state (as FBTT writes) still loads strictly.
-    cores_only = {k: v for k, v in checkpoint.items() if k.startswith("tt_cores.")}
-    TTEmbeddingBag(600, 16, [3, 4], **kw).load_state_dict(cores_only)
+    # FBTT's keys only (no step, no extra state): loads strictly (tests/torch/test_fbtt_compat.py
+    # builds FBTT's checkpoints in full)
+    fbtt_keys = {k: v for k, v in checkpoint.items() if k != "optimizer_step"
+                 and (k.startswith(("tt_cores.", "L", "hashtbl", "cache_", "optimizer_state."
+                                    "optimizer_state")))}
+    TTEmbeddingBag(600, 16, [3, 4], **kw).load_state_dict(fbtt_keys)
 
 
 # ----------------------------------------------------------------------------- row cache
@@ -215,7 +221,7 @@ def test_cache_counts_populates_and_serves_cached_rows():
                                                       include_last_offset=True)
     torch.testing.assert_close(bag(indices, offsets), reference(indices, offsets))
     assert not torch.allclose(bag(indices, offsets), out)
-    counts = dict(zip(bag.cache_freq_keys.tolist(), bag.cache_freq_counts.tolist()))
+    counts = dict(zip(bag.hashtbl.tolist(), bag.cache_freq.tolist()))
     assert counts[5] == 12 and counts[17] == 6 and counts[400] == 6  # 3 training forwards
 
 
@@ -276,7 +282,7 @@ def test_repopulate_keeps_trained_rows_and_reset_returns_to_the_cores():
     torch.testing.assert_close(bag.cache_weight.detach()[rows.index(250)], cores_only[250])
     bag.reset_cache()
     torch.testing.assert_close(bag.full_weight(), cores_only)
-    assert (bag.cache_freq_keys == -1).all() and (bag.cache_freq_counts == 0).all()
+    assert (bag.hashtbl == -1).all() and (bag.cache_freq == 0).all()
     with pytest.raises(IndexError, match="index 600 at position 0"):
         bag.update_cache(torch.tensor([600]))
 
@@ -325,7 +331,7 @@ def test_cache_on_cuda(optimizer):
             cpu.cache_populate()
             gpu.cache_populate()
     assert gpu.cache_rows.tolist() == cpu.cache_rows.tolist()
-    assert gpu.cache_freq_counts.sum().item() == cpu.cache_freq_counts.sum().item()
+    assert gpu.cache_freq.sum().item() == cpu.cache_freq.sum().item()
     torch.testing.assert_close(gpu.full_weight().cpu(), cpu.full_weight(), rtol=1e-4, atol=1e-5)
 
 

@@ -19,6 +19,8 @@ The pipeline over a batch sorted by row (rows sharing a prefix sit side by side)
 * ``tt_reduce``: one block per core row sums its contributions in sorted order (no atomics)
   into a gradient row; prefix cores are differentiated through the prefix chain per piece.
 * ``tt_update``: the fused optimizer on every touched core row.
+* row cache: ``tt_cache_slots`` (each lookup's cache slot, and its access count, one launch)
+  and ``tt_cache_update`` (the cached rows' optimizer step from the sorted batch's runs).
 
 Every kernel bounds every index by the compiled shape, so no input reaches outside an array.
 """
@@ -659,34 +661,189 @@ __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, con
 
 // Row access frequencies in an open-addressing table (key -1 = empty): a row is counted in
 // one of the 32 slots after its hash, or not at all when those are taken by other rows.
-extern "C" __global__ void tt_count(const i64* idx, i64 n, i64* keys, long long* counts,
-                                    i64 size) {
-    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < n;
-         t += (i64)gridDim.x * blockDim.x) {
-        const i64 row = idx[t];
-        if (row < 0) continue;
-        const u64 home = ((u64)row * 0x9E3779B97F4A7C15ull) % (u64)size;
-        const int probes = size < 32 ? (int)size : 32;
-        for (int probe = 0; probe < probes; ++probe) {
-            const i64 s = (i64)((home + probe) % (u64)size);
-            const u64 prev = atomicCAS(reinterpret_cast<u64*>(keys + s), ~0ull, (u64)row);
-            if (prev == ~0ull || prev == (u64)row) {
-                atomicAdd(reinterpret_cast<u64*>(counts + s), 1ull);
-                break;
-            }
+__device__ __forceinline__ void count_row(i64 row, i64* keys, long long* counts, i64 size) {
+    const u64 home = ((u64)row * 0x9E3779B97F4A7C15ull) % (u64)size;
+    const int probes = size < 32 ? (int)size : 32;
+    for (int probe = 0; probe < probes; ++probe) {
+        const i64 s = (i64)((home + probe) % (u64)size);
+        const u64 prev = atomicCAS(reinterpret_cast<u64*>(keys + s), ~0ull, (u64)row);
+        if (prev == ~0ull || prev == (u64)row) {
+            atomicAdd(reinterpret_cast<u64*>(counts + s), 1ull);
+            return;
         }
     }
 }
 
-// The fused optimizer on every touched core row. opt: 0 sgd, 1 adagrad, 2 row-wise adagrad,
-// 3 row-wise adam (elementwise first moment, one second moment and step per row).
+extern "C" __global__ void tt_count(const i64* idx, i64 n, i64* keys, long long* counts,
+                                    i64 size) {
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < n;
+         t += (i64)gridDim.x * blockDim.x) {
+        if (idx[t] >= 0) count_row(idx[t], keys, counts, size);
+    }
+}
+
+// Per lookup: its slot in the sorted cached rows crow[0..capacity) (-1 if absent; slot may be
+// NULL) and, with keys != NULL, its count in the frequency table. Indices outside [0, bound)
+// are neither counted nor cached (the sort's verdict rejects their batch).
+template <typename I>
+__global__ void tt_cache_slots(const I* idx, i64 n, i64 bound, const i64* crow, i64 capacity,
+                               i64* keys, long long* counts, i64 size, i64* slot) {
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < n;
+         t += (i64)gridDim.x * blockDim.x) {
+        const i64 row = (i64)idx[t];
+        const bool valid = row >= 0 && row < bound;
+        if (slot != nullptr) {
+            i64 lo = 0, hi = capacity;  // first position with crow[pos] >= row
+            while (lo < hi) {
+                const i64 mid = (lo + hi) >> 1;
+                if (crow[mid] < row) lo = mid + 1; else hi = mid;
+            }
+            slot[t] = (valid && lo < capacity && crow[lo] == row) ? lo : -1;
+        }
+        if (valid && keys != nullptr) count_row(row, keys, counts, size);
+    }
+}
+
+// A block-wide sum, returned to every thread (blockDim a multiple of 32; red: 33 floats).
+__device__ float block_sum(float v, float* red) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+    __syncthreads();  // red may still be read from the previous call
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+        for (int t = 0; t < (int)((blockDim.x + 31) >> 5); ++t) total += red[t];
+        red[32] = total;
+    }
+    __syncthreads();
+    return red[32];
+}
+
+struct Hyper {
+    int opt;
+    float lr, eps;
+    double beta1, beta2;
+    float wd, eta, mom;
+    i64 iter;
+};
+
+// The fused optimizer on one parameter row w (width floats) from its gradient g, by the whole
+// block (block-uniform call). opt: 0 sgd, 1 adagrad, 2 row-wise adagrad, 3 row-wise adam
+// (elementwise first moment, one second moment and step per row), 4 lamb, 5 lars_sgd,
+// 6 partial row-wise adam, 7 partial row-wise lamb (FBGEMM's rules; global step h.iter).
+// e1/e2: elementwise state, rs: the row's state, st: its step count (NULL where unused).
+// g is overwritten by the LAMB rules (their update direction). Each thread reads and writes
+// the same elements of g and w throughout.
+__device__ void update_row(float* w, float* g, int width, float* e1, float* e2, float* rs,
+                           i64* st, const Hyper& h, float* red) {
+    const int opt = h.opt;
+    const float lr = h.lr, eps = h.eps;
+    if (opt == 0) {
+        for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * g[o];
+        return;
+    }
+    if (opt == 1) {
+        for (int o = threadIdx.x; o < width; o += blockDim.x) {
+            const float gg = g[o], sum = e1[o] + gg * gg;
+            e1[o] = sum;
+            w[o] -= lr * gg / (sqrtf(sum) + eps);
+        }
+        return;
+    }
+    if (opt == 5) {
+        float ww = 0.f, gg = 0.f;
+        for (int o = threadIdx.x; o < width; o += blockDim.x) {
+            ww += w[o] * w[o];
+            gg += g[o] * g[o];
+        }
+        const float w_norm = sqrtf(block_sum(ww, red)), g_norm = sqrtf(block_sum(gg, red));
+        const float den = g_norm + h.wd * w_norm;
+        const float scale = den > 0.f ? lr * h.eta * w_norm / den : 0.f;
+        for (int o = threadIdx.x; o < width; o += blockDim.x) {
+            const float m = h.mom * e1[o] + scale * (g[o] + h.wd * w[o]);
+            e1[o] = m;
+            w[o] -= m;
+        }
+        return;
+    }
+    float part = 0.f;
+    if (opt != 4)
+        for (int o = threadIdx.x; o < width; o += blockDim.x) part += g[o] * g[o];
+    const float mean_sq = opt != 4 ? block_sum(part, red) / (float)width : 0.f;
+    const float b1 = (float)h.beta1, b2 = (float)h.beta2;
+    const float nb1 = (float)(1.0 - h.beta1), nb2 = (float)(1.0 - h.beta2);
+    if (opt == 2) {
+        const float sum = rs[0] + mean_sq;
+        __syncthreads();  // every thread has read rs[0]
+        if (threadIdx.x == 0) rs[0] = sum;
+        const float scale = sqrtf(sum) + eps;
+        for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * g[o] / scale;
+        return;
+    }
+    if (opt == 3) {
+        const i64 t = st[0] + 1;
+        const float vv = b2 * rs[0] + nb2 * mean_sq;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            st[0] = t;
+            rs[0] = vv;
+        }
+        const float scale = sqrtf((float)(vv / (1.0 - pow(h.beta2, (double)t)))) + eps;
+        const float c1 = (float)(1.0 - pow(h.beta1, (double)t));
+        for (int o = threadIdx.x; o < width; o += blockDim.x) {
+            const float mm = b1 * e1[o] + nb1 * g[o];
+            e1[o] = mm;
+            w[o] -= lr * (mm / c1) / scale;
+        }
+        return;
+    }
+    // 4, 6, 7: bias corrections from the global step
+    const float c1 = (float)(1.0 - pow(h.beta1, (double)h.iter));
+    const float c2 = (float)(1.0 - pow(h.beta2, (double)h.iter));
+    float row_den = 0.f;
+    if (opt != 4) {
+        const float vv = b2 * rs[0] + nb2 * mean_sq;
+        __syncthreads();
+        if (threadIdx.x == 0) rs[0] = vv;
+        row_den = sqrtf(vv / c2) + eps;
+    }
+    float ww = 0.f, uu = 0.f;
+    for (int o = threadIdx.x; o < width; o += blockDim.x) {
+        const float gg = g[o];
+        const float m = b1 * e1[o] + nb1 * gg;
+        e1[o] = m;
+        float den = row_den;
+        if (opt == 4) {
+            const float v = b2 * e2[o] + nb2 * gg * gg;
+            e2[o] = v;
+            den = sqrtf(v / c2) + eps;
+        }
+        const float u = m / c1 / den + h.wd * w[o];
+        if (opt == 6) {
+            w[o] -= lr * u;
+        } else {
+            g[o] = u;
+            ww += w[o] * w[o];
+            uu += u * u;
+        }
+    }
+    if (opt == 6) return;
+    const float w_norm = sqrtf(block_sum(ww, red)), u_norm = sqrtf(block_sum(uu, red));
+    const float ratio = u_norm > 0.f ? w_norm / u_norm : 0.f;
+    for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * ratio * g[o];
+}
+
 #define STATE_ARGS(name) float* name##0, float* name##1, float* name##2, float* name##3
+#define HYPER_ARGS int opt, float lr, float eps, double beta1, double beta2, float wd, \
+    float eta, float mom, i64 iter
+#define HYPER {opt, lr, eps, beta1, beta2, wd, eta, mom, iter}
+
+// The fused optimizer on every touched core row (one block per core row).
 extern "C" __global__ void tt_update(float* c0, float* c1, float* c2, float* c3,
-                                     STATE_ARGS(e), STATE_ARGS(r), i64* s0, i64* s1, i64* s2,
-                                     i64* s3, const float* grad, const int* touched, int opt,
-                                     float lr, float eps, double beta1, double beta2) {
-    __shared__ float red[32];
-    __shared__ float row_scale[2];
+                                     STATE_ARGS(e), STATE_ARGS(f), STATE_ARGS(r), i64* s0,
+                                     i64* s1, i64* s2, i64* s3, float* grad, const int* touched,
+                                     HYPER_ARGS) {
+    __shared__ float red[33];
     const i64 b = blockIdx.x;
     int k = 0;
     while (k < D - 1 && b >= ROFF(k + 1)) ++k;
@@ -695,56 +852,55 @@ extern "C" __global__ void tt_update(float* c0, float* c1, float* c2, float* c3,
     const int width = W(k);
     float* cores[4] = {c0, c1, c2, c3};
     float* elem[4] = {e0, e1, e2, e3};
+    float* elem2[4] = {f0, f1, f2, f3};
     float* rowst[4] = {r0, r1, r2, r3};
     i64* steps[4] = {s0, s1, s2, s3};
-    float* w = cores[k] + i * width;
-    const float* g = grad + GOFF(k) + i * width;
-    if (opt == 0) {
-        for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * g[o];
-        return;
-    }
-    if (opt == 1) {
-        float* s = elem[k] + i * width;
-        for (int o = threadIdx.x; o < width; o += blockDim.x) {
-            const float gg = g[o], sum = s[o] + gg * gg;
-            s[o] = sum;
-            w[o] -= lr * gg / (sqrtf(sum) + eps);
+    const Hyper h = HYPER;
+    update_row(cores[k] + i * width, grad + GOFF(k) + i * width, width,
+               elem[k] ? elem[k] + i * width : nullptr, elem2[k] ? elem2[k] + i * width : nullptr,
+               rowst[k] ? rowst[k] + i : nullptr, steps[k] ? steps[k] + i : nullptr, h, red);
+}
+
+// The row cache's optimizer step: per run of one row in the sorted batch (rows / perm, as
+// tt_rows reads them) whose lookups hit cache slot c = slot[m], the run's gradients summed in
+// sorted order, then update_row on cached row c. A rejected batch changes nothing.
+template <typename K>
+__global__ void tt_cache_update(const K* rows, const i64* perm, i64 n, const i64* bag_of,
+                                const i64* offsets, i64 n_off, int include_last,
+                                const float* psw, int mean, const float* grad_bags,
+                                const i64* slot, i64 capacity, float* cw, float* e1, float* e2,
+                                float* rs, i64* st, HYPER_ARGS, const u64* verdict) {
+    if (rejected(verdict)) return;
+    __shared__ float gs[DIM];
+    __shared__ float red[33];
+    const Hyper h = HYPER;
+    const i64 bags = (include_last ? n_off : n_off + 1) - 1;
+    for (i64 j = blockIdx.x; j < n; j += gridDim.x) {
+        if (j > 0 && rows[j] == rows[j - 1]) continue;  // not the start of a run
+        const i64 m0 = perm[j];
+        const i64 c = (m0 >= 0 && m0 < n) ? slot[m0] : -1;
+        if (c < 0 || c >= capacity) continue;
+        for (int e = threadIdx.x; e < DIM; e += blockDim.x) {
+            float s = 0.f;
+            for (i64 jj = j; jj < n && rows[jj] == rows[j]; ++jj) {
+                const i64 m = perm[jj];
+                if (m < 0 || m >= n) continue;
+                const i64 b = bag_of[m];
+                if (b < 0 || b >= bags) continue;
+                float wgt = psw != nullptr ? psw[m] : 1.f;
+                if (mean) {
+                    const i64 cnt = bound_at(offsets, n_off, n, b + 1) - bound_at(offsets, n_off, n, b);
+                    wgt /= (float)(cnt > 0 ? cnt : 1);
+                }
+                s += wgt * grad_bags[b * DIM + e];
+            }
+            gs[e] = s;
         }
-        return;
-    }
-    // row-wise: mean of g^2 over the row (block reduction)
-    float part = 0.f;
-    for (int o = threadIdx.x; o < width; o += blockDim.x) part += g[o] * g[o];
-    for (int off = 16; off > 0; off >>= 1) part += __shfl_down_sync(0xffffffffu, part, off);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = part;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float total = 0.f;
-        for (int t = 0; t < (int)((blockDim.x + 31) >> 5); ++t) total += red[t];
-        const float mean_sq = total / (float)width;
-        if (opt == 2) {
-            const float sum = rowst[k][i] + mean_sq;
-            rowst[k][i] = sum;
-            row_scale[0] = sqrtf(sum) + eps;
-        } else {
-            const i64 t = steps[k][i] + 1;
-            steps[k][i] = t;
-            const float vv = (float)beta2 * rowst[k][i] + (float)(1.0 - beta2) * mean_sq;
-            rowst[k][i] = vv;
-            row_scale[0] = sqrtf((float)(vv / (1.0 - pow(beta2, (double)t)))) + eps;
-            row_scale[1] = (float)(1.0 - pow(beta1, (double)t));
-        }
-    }
-    __syncthreads();
-    if (opt == 2) {
-        for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * g[o] / row_scale[0];
-        return;
-    }
-    float* m = elem[k] + i * width;
-    for (int o = threadIdx.x; o < width; o += blockDim.x) {
-        const float mm = (float)beta1 * m[o] + (float)(1.0 - beta1) * g[o];
-        m[o] = mm;
-        w[o] -= lr * (mm / row_scale[1]) / row_scale[0];
+        __syncthreads();
+        update_row(cw + c * DIM, gs, DIM, e1 ? e1 + c * DIM : nullptr,
+                   e2 ? e2 + c * DIM : nullptr, rs ? rs + c : nullptr, st ? st + c : nullptr,
+                   h, red);
+        __syncthreads();  // gs is refilled by the next run
     }
 }
 """
@@ -753,6 +909,8 @@ KEY_TYPES = ("int", "long long")
 ROWS_NAMES = {key: f"tt_rows<{key}>" for key in KEY_TYPES}
 BWD_NAMES = {key: f"tt_bwd_pieces<{key}>" for key in KEY_TYPES}
 REDUCE_NAMES = {key: f"tt_reduce<{key}>" for key in KEY_TYPES}
+CACHE_NAMES = [f"tt_cache_update<{key}>" for key in KEY_TYPES] + [
+    f"tt_cache_slots<{key}>" for key in KEY_TYPES]
 PLAIN_NAMES = ("tt_check_bags", "tt_pool", "tt_update", "tt_count", "tt_keys")
 
 
@@ -807,7 +965,7 @@ def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
                 f"#define TT_MAXW {maxw}", f"#define TT_MAXV {maxv}", f"#define TT_MAXS {maxs}",
                 f"#define TT_REDUCE_THREADS {REDUCE_THREADS}", f"#define TT_THREADS {THREADS}"]
     names = (list(ROWS_NAMES.values()) + list(BWD_NAMES.values())
-             + list(REDUCE_NAMES.values()) + list(PLAIN_NAMES))
+             + list(REDUCE_NAMES.values()) + CACHE_NAMES + list(PLAIN_NAMES))
     label = "x".join(map(str, p)) + "_" + "x".join(map(str, q)) + "_r" + "x".join(map(str, ranks))
     return KernelModule(f"tt_{label}", "\n".join(defines) + "\n" + TT_KERNEL, names)
 

@@ -1,0 +1,386 @@
+"""``TableBatchedTTEmbeddingBag``: several TT tables of one shape in one module (FBTT's API).
+
+The ``T`` tables' cores are stored as FBTT stores them, ``tt_cores[k]`` of shape
+``[T, p_k, R_k q_k R_{k+1}]``. Seen as ``[T p_k, ...]`` they are the cores of one larger TT
+whose row with digits ``(t p_k + i_k)_k`` is row ``i`` of table ``t``: lookups of every table
+run as one batch through one set of kernel launches (and one NumPy pass on the CPU).
+``TTEmbeddingBag`` (``xferlib.adapters.torch.tt``) is the one-table case.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+import torch
+
+from xferlib import tt as core
+from xferlib.adapters.torch import tt_fbtt_compat as compat
+from xferlib.adapters.torch._convert import as_core_array
+from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
+
+__all__ = ["TableBatchedTTEmbeddingBag"]
+
+
+def _array(t: torch.Tensor):
+    """A zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor."""
+    if t.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"TT embedding bags run on CPU or CUDA tensors, got {t.device}")
+    return as_core_array(t)
+
+
+def _torch(array) -> torch.Tensor:
+    from xferlib.handoff import to_torch
+
+    return to_torch(array)
+
+
+def _on_stream(t: torch.Tensor):
+    """torch's current stream as a context for CuPy work (nothing on the CPU)."""
+    from xferlib._backend import stream_scope
+
+    gpu = t.device.type == "cuda"
+    return stream_scope(torch.cuda.current_stream(t.device) if gpu else None, gpu)
+
+
+class _BufferList(torch.nn.Module):
+    """Buffers named ``<name><i>`` (FBTT's ``BufferList``, so checkpoints keep its keys)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self._name, self._length = name, 0
+
+    def append(self, value: torch.Tensor) -> None:
+        self.register_buffer(f"{self._name}{self._length}", value)
+        self._length += 1
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self):
+        return (self[i] for i in range(self._length))
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not -self._length <= i < self._length:
+            raise IndexError(f"index {i} out of range for {self._length} buffers")
+        return getattr(self, f"{self._name}{i % self._length}")
+
+
+class _TTBagFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module, training, indices, offsets, per_sample_weights, report,
+                cache_weight, *cores):
+        # training: the step will be differentiated; it reads the GPU input check in backward,
+        # before any core changes, so the forward never waits on the device.
+        device = cores[0]
+        module._resolve_pending_check(wait=False)
+        num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
+        out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
+        with _on_stream(device):
+            arrays = module._core_arrays()
+            cache = module._core_cache()
+            _, residuals = core.tt_embedding_bag_fwd(
+                arrays, module._cshape, _array(indices), _array(offsets), mode=module.mode,
+                per_sample_weights=None if per_sample_weights is None
+                else _array(per_sample_weights), include_last_offset=module.include_last_offset,
+                check=not training, num_embeddings=module._bound, out=_array(out), cache=cache,
+                # FBTT counts accesses in training forwards
+                cache_count=cache is not None and training and module.training,
+                report=None if report is None or not report.is_cuda else _array(report))
+        if isinstance(residuals, core.TTBagPlan):
+            residuals.bound = module.num_embeddings
+        ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
+        ctx.cache = cache
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        module, cache = ctx.module, ctx.cache
+        none = (None,) * 6
+        with _on_stream(ctx.device):
+            grad_bags = _array(grad_out.contiguous())
+            if module.sparse:  # fused: update the cores in place, hand no gradient back
+                module.iter += 1
+                with torch.no_grad():
+                    # ctx.arrays view the cores' memory: the update writes through them
+                    pending = core.tt_fused_update(
+                        ctx.arrays, module._cshape, ctx.residuals, grad_bags,
+                        module._state_arrays(), module._core_optimizer, lr=module.learning_rate,
+                        eps=module.eps, cache=cache, defer_check=module.defer_input_check,
+                        **module._hyper())
+                if pending is not None:
+                    module._pending_checks.append(pending)
+                return none + (None,) * (1 + len(ctx.arrays))
+            grads = core.tt_embedding_bag_bwd(ctx.arrays, module._cshape, ctx.residuals,
+                                              grad_bags)
+            cache_grad = None
+            if cache is not None and cache.active:
+                cache_grad = _torch(core.tt_cache_grad(cache, module._cshape, ctx.residuals,
+                                                       grad_bags)[0])
+        return none + (cache_grad,) + tuple(
+            _torch(g).view(c.shape) for g, c in zip(grads, module.tt_cores))
+
+
+class TableBatchedTTEmbeddingBag(torch.nn.Module):
+    """``num_tables`` TT embedding bags of one shape, looked up in one pass (FBTT's API).
+
+    ``forward(indices, offsets, warmup=True, *, per_sample_weights=None)``: offsets hold
+    ``T * B + 1`` bag bounds, table ``t``'s bags being ``t * B .. (t + 1) * B - 1`` (indices of
+    every table in one array, each below ``num_embeddings``); returns ``(T, B, dim)``.
+    ``warmup`` is accepted for FBTT's call form and, as in FBTT, ignored: the module's own
+    ``warmup`` (True until :meth:`cache_populate`) decides whether the cache serves lookups.
+
+    Arguments and defaults are FBTT's; keyword-only extras: ``mode`` ("sum"/"mean"),
+    ``include_last_offset``, ``seed`` (initialization), ``betas``, ``weight_decay``, ``eta``
+    and ``momentum`` (FBGEMM's hyper-parameters of the Adam / LAMB / LARS rules) and
+    ``device``. The module is built on ``device`` (default: the CPU; FBTT builds on the
+    current GPU) and moves with ``.to()``; inputs on another device raise a RuntimeError.
+
+    ``optimizer`` (``sparse=True``: fused into backward, every touched core row): SGD /
+    EXACT_SGD; ADAGRAD / EXACT_ADAGRAD; EXACT_ROWWISE_ADAGRAD; ADAM (xferlib's row-wise Adam:
+    elementwise first moment, one second moment and step count per row); LAMB, LARS_SGD,
+    PARTIAL_ROWWISE_ADAM, PARTIAL_ROWWISE_LAMB as FBGEMM defines them (per core row, one global
+    step ``iter``). FBTT itself runs Adagrad for every optimizer but SGD.
+
+    ``use_cache`` (one table only, as in FBTT): ``cache_size`` rows (default 10% of
+    ``num_embeddings``) served from dense rows once :meth:`cache_populate` chose them by the
+    access counts of training forwards (``hashtbl_size`` slots, default ``num_embeddings``).
+
+    >>> tables = TableBatchedTTEmbeddingBag(2, 100, 8, [3], [10, 10], [2, 4], use_cache=False)
+    >>> tables(torch.tensor([1, 2, 99, 5]), torch.tensor([0, 1, 3, 3, 4])).shape
+    torch.Size([2, 2, 8])
+    """
+
+    def __init__(self, num_tables: int, num_embeddings: int, embedding_dim: int, tt_ranks,
+                 tt_p_shapes=None, tt_q_shapes=None, optimizer: OptimType = OptimType.SGD,
+                 learning_rate: float = 0.1, eps: float = 1.0e-10, sparse: bool = True,
+                 use_cache: bool = False, cache_size: int = 0, hashtbl_size: int = 0,
+                 weight_dist: str = "approx-normal", enforce_embedding_dim: bool = False, *,
+                 mode: str = "sum", include_last_offset: bool = True, seed=None,
+                 betas=(0.9, 0.999), weight_decay: float = 0.0, eta: float = 0.001,
+                 momentum: float = 0.9, device=None):
+        super().__init__()
+        if num_tables <= 0 or num_embeddings <= 0 or embedding_dim <= 0:
+            raise ValueError(f"num_tables, num_embeddings and embedding_dim must be positive, "
+                             f"got {num_tables}, {num_embeddings}, {embedding_dim}")
+        if use_cache and num_tables != 1:
+            raise ValueError(f"use_cache=True needs num_tables == 1 (as in FBTT), got "
+                             f"{num_tables}")
+        tt_ranks = [int(r) for r in tt_ranks]
+        d = len(tt_ranks) + 1
+        p = compat.suggested_tt_shapes(num_embeddings, d) if tt_p_shapes is None else tt_p_shapes
+        q = (compat.suggested_tt_shapes(embedding_dim, d, not enforce_embedding_dim)
+             if tt_q_shapes is None else tt_q_shapes)
+        self.shape = core.TTShape(p, q, tt_ranks)
+        if self.shape.num_rows < num_embeddings:
+            raise ValueError(f"prod(tt_p_shapes) = {self.shape.num_rows} < num_embeddings "
+                             f"{num_embeddings}")
+        if self.shape.dim != embedding_dim and tt_q_shapes is not None:
+            raise ValueError(f"prod(tt_q_shapes) = {self.shape.dim} != embedding_dim "
+                             f"{embedding_dim}")
+        if not isinstance(optimizer, OptimType):
+            raise ValueError(f"optimizer must be an OptimType ({[o.name for o in OptimType]}), "
+                             f"got {optimizer!r}")
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        self.num_tables, self.tt_ndim = int(num_tables), d
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), self.shape.dim
+        self.tt_p_shapes, self.tt_q_shapes = list(self.shape.p_shapes), list(self.shape.q_shapes)
+        self.tt_ranks = list(self.shape.padded_ranks)
+        self.optimizer, self.learning_rate, self.eps = optimizer, float(learning_rate), eps
+        self.betas, self.weight_decay = tuple(float(b) for b in betas), float(weight_decay)
+        self.eta, self.momentum, self.iter = float(eta), float(momentum), 0
+        self.sparse, self.mode, self.include_last_offset = sparse, mode, include_last_offset
+        # All tables as one TT of T p_k rows per core (see the module docstring).
+        self._cshape = core.TTShape([self.num_tables * v for v in p], q, tt_ranks)
+        self._bound = self.num_embeddings if self.num_tables == 1 else self._cshape.num_rows
+        strides = [math.prod(self.tt_p_shapes[k + 1:]) for k in range(d)]
+        self.register_buffer("L", torch.tensor(strides, dtype=torch.int64, device=device))
+        self.tt_cores = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.empty(self.num_tables, *self.shape.core_shape(k),
+                                            device=device)) for k in range(d)])
+        self._seed = seed
+        self.reset_parameters(weight_dist)
+        # Fused optimizer state: FBTT's optimizer_state<k> holds each core's first state
+        # (empty for SGD); further states sit beside it as <name><k>.
+        self.optimizer_state = _BufferList("optimizer_state")
+        self._state_names = list(core._row_state(1, 1, self._core_optimizer))
+        for k in range(d):
+            rows, width = self.shape.core_shape(k)
+            state = core._row_state(self.num_tables * rows, width, self._core_optimizer)
+            if not state:
+                self.optimizer_state.append(torch.zeros(0, device=device))
+            for j, (name, value) in enumerate(state.items()):
+                t = torch.from_numpy(value).reshape(self.num_tables, rows, *value.shape[1:])
+                if j == 0:
+                    self.optimizer_state.append(t.to(device))
+                else:
+                    self.optimizer_state.register_buffer(f"{name}{k}", t.to(device))
+        # On the GPU a fused training step never waits for its input check: a batch with an
+        # index out of range or bad offsets changes nothing (the kernels skip it) and the
+        # IndexError / ValueError is raised by the first call of the module after the GPU
+        # finished that step (at the latest the third call after it), or by check_inputs().
+        # False: every step waits for its check and raises at once.
+        self.defer_input_check = True
+        self._pending_checks = collections.deque()
+        self._init_cache(use_cache, cache_size, hashtbl_size, device)
+        self.warmup = True
+
+    @property
+    def _core_optimizer(self) -> str:
+        return CORE_OPTIMIZER[self.optimizer]
+
+    def _hyper(self) -> dict:
+        return dict(betas=self.betas, weight_decay=self.weight_decay, eta=self.eta,
+                    momentum=self.momentum, step=max(self.iter, 1))
+
+    def _init_cache(self, use_cache, cache_size, hashtbl_size, device):
+        self.use_cache = bool(use_cache)
+        if not self.use_cache:
+            self.cache_size = self.hashtbl_size = 0
+            self.register_buffer("hashtbl", torch.empty(0, dtype=torch.int64, device=device))
+            self.register_buffer("cache_state", torch.empty(0, dtype=torch.int32, device=device))
+            self.cache_weight = self.cache_optimizer_state = None
+            return
+        # FBTT's defaults: 10% of the rows, a frequency table of one slot per row.
+        self.cache_size = int(cache_size) if cache_size > 0 else max(
+            1, int(0.1 * self.num_embeddings))
+        self.hashtbl_size = int(hashtbl_size) if hashtbl_size > 0 else self.num_embeddings
+        cache = core.TTRowCache(self.shape, self.cache_size, self.hashtbl_size,
+                                self._core_optimizer)
+        on = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+        self.register_buffer("hashtbl", on(cache.freq_keys))
+        self.register_buffer("cache_freq", on(cache.freq_counts))
+        self.register_buffer("cache_state", on(cache.key_slots))
+        self.register_buffer("cache_rows", on(cache.rows))
+        # A Parameter trained by an outside optimizer when sparse=False (as FBTT's).
+        self.cache_weight = torch.nn.Parameter(on(cache.weight), requires_grad=not self.sparse)
+        if not self.sparse or not cache.state:
+            self.cache_optimizer_state = None
+        if self.sparse:
+            for j, (name, value) in enumerate(cache.state.items()):
+                self.register_buffer("cache_optimizer_state" if j == 0 else
+                                     f"cache_optimizer_state_{name}", on(value))
+
+    # ------------------------------------------------------------------ parameters
+
+    def reset_parameters(self, weight_dist: str = "approx-normal") -> None:
+        """Draw the cores again (FBTT's distributions; see ``xferlib.tt.init_tt_cores``), each
+        table on its own. The fused optimizer's state and the cache are left as they are."""
+        if weight_dist == "approx-uniform" and self.num_tables != 1:
+            raise ValueError("approx-uniform initialization needs num_tables == 1 (as in FBTT)")
+        rng = np.random.default_rng(self._seed)
+        tables = [core.init_tt_cores(self.shape, weight_dist, self.num_embeddings, rng=rng)
+                  for _ in range(self.num_tables)]
+        with torch.no_grad():
+            for k, c in enumerate(self.tt_cores):
+                c.copy_(torch.from_numpy(np.stack([t[k] for t in tables])))
+
+    def get_params(self) -> list:
+        """The cores, and the cache's dense rows with a cache (FBTT's list; FBTT appended the
+        cache to its ``tt_cores`` on every call, this returns a new list)."""
+        return list(self.tt_cores) + ([self.cache_weight] if self.use_cache else [])
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.learning_rate = float(lr)
+
+    def _core_arrays(self) -> list:
+        """The cores as arrays of the joint TT (``[T p_k, width]`` views of the Parameters)."""
+        return [_array(c.detach().view(-1, c.shape[-1])) for c in self.tt_cores]
+
+    def _state_arrays(self) -> list[dict]:
+        """The fused optimizer's state per core as arrays of the joint TT."""
+        out = []
+        for k in range(self.tt_ndim):
+            state = {}
+            for j, name in enumerate(self._state_names):
+                buf = (self.optimizer_state[k] if j == 0 else
+                       getattr(self.optimizer_state, f"{name}{k}"))
+                state[name] = _array(buf.view(-1, *buf.shape[2:]))
+            out.append(state)
+        return out
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, indices, offsets, warmup=True, *, per_sample_weights=None):
+        if isinstance(warmup, torch.Tensor):  # xferlib's earlier third argument
+            per_sample_weights, warmup = warmup, True
+        device = self.tt_cores[0].device
+        for name, t in (("indices", indices), ("offsets", offsets),
+                        ("per_sample_weights", per_sample_weights)):
+            if t is not None and t.device != device:
+                raise RuntimeError(
+                    f"Expected all tensors to be on the same device, but found at least two "
+                    f"devices, {device} and {t.device}! ({name} is on {t.device}, the TT "
+                    f"cores on {device}: move the module or the inputs with .to())")
+        indices, offsets = indices.long(), offsets.long()
+        report = None
+        if self.num_tables > 1:
+            indices, report = self._joint_rows(indices, offsets), indices
+        training = torch.is_grad_enabled() and (
+            any(c.requires_grad for c in self.tt_cores) or self.cache_weight is not None
+            and self.cache_weight.requires_grad)
+        out = _TTBagFunction.apply(self, training, indices, offsets, per_sample_weights,
+                                   report, self.cache_weight, *self.tt_cores)
+        return out.view(self.num_tables, -1, self.embedding_dim)
+
+    def _joint_rows(self, indices, offsets):
+        """Each lookup's row in the joint TT: digits ``t p_k + i_k`` (torch ops, no host sync);
+        an index outside its table maps to -1, which the joint TT rejects."""
+        bags = offsets.numel() - (1 if self.include_last_offset else 0)
+        if bags % self.num_tables:
+            raise ValueError(f"offsets must hold num_tables * B bags (+1), got {bags} bags for "
+                             f"{self.num_tables} tables")
+        if indices.device.type == "cpu":  # checked at once on the CPU, with the real value
+            bad = torch.nonzero((indices < 0) | (indices >= self.num_embeddings))
+            if bad.numel():
+                position = int(bad[0, 0])
+                raise IndexError(f"index {int(indices[position])} at position {position} is "
+                                 f"out of range for a TT table of {self.num_embeddings} rows")
+        per_table = max(bags // self.num_tables, 1)
+        bounds = offsets[1:] if self.include_last_offset else offsets
+        positions = torch.arange(indices.numel(), device=indices.device)
+        bag = torch.searchsorted(bounds.contiguous(), positions, right=True)
+        table = torch.clamp(bag // per_table, max=self.num_tables - 1)
+        joint = torch.zeros_like(indices)
+        for k in range(self.tt_ndim):
+            digit = (indices // self.L[k]) % self.tt_p_shapes[k]
+            stride = math.prod(self._cshape.p_shapes[k + 1:])
+            joint += (table * self.tt_p_shapes[k] + digit) * stride
+        valid = (indices >= 0) & (indices < self.num_embeddings)
+        return torch.where(valid, joint, torch.full_like(joint, -1))
+
+    # Steps whose input check is still on its way: the host may run this many steps ahead of
+    # the device before it waits for the oldest.
+    _MAX_PENDING_CHECKS = 2
+
+    def _resolve_pending_check(self, wait: bool = True) -> None:
+        """Raise for a bad batch among the finished GPU steps (all of them with ``wait``)."""
+        pending = self._pending_checks
+        while pending and (wait or pending[0].ready
+                           or len(pending) > self._MAX_PENDING_CHECKS):
+            pending.popleft().resolve()
+
+    def check_inputs(self) -> None:
+        """Raise now for a bad batch of the GPU training steps so far, if there was one (that
+        step changed nothing); a later call of the module would raise it anyway."""
+        self._resolve_pending_check()
+
+    def full_weight(self) -> torch.Tensor:
+        """The dense ``(prod(p), embedding_dim)`` table the forward reads (one table only, as
+        in FBTT): differentiable in the cores, with the cached rows' dense values where the
+        cache serves lookups."""
+        if self.num_tables != 1:
+            raise ValueError("full_weight() needs num_tables == 1 (as in FBTT)")
+        self._resolve_pending_check()
+        full = compat.tt_matrix_to_full(self.tt_p_shapes, self.tt_q_shapes, self.tt_ranks,
+                                        list(self.tt_cores), [1, 0, 2, 3])
+        if self.use_cache and not self.warmup:
+            used = self.cache_rows != core.NO_ROW
+            full = full.index_copy(0, self.cache_rows[used], self.cache_weight[used])
+        return full
+
+    from xferlib.adapters.torch.tt_cache import (  # noqa: E402  (the cache's methods)
+        _core_cache, _require_cache, cache_populate, reset_cache, update_cache,
+        _save_to_state_dict, _load_from_state_dict)
