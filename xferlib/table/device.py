@@ -77,9 +77,12 @@ def _capturing(stream) -> bool:
     import cupy
 
     try:
-        return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
-    except AttributeError:  # a CuPy without the query cannot capture either
-        return False
+        return bool(stream.is_capturing())
+    except AttributeError:
+        try:
+            return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
+        except AttributeError:  # a CuPy without the query cannot capture either
+            return False
 
 
 class _DeviceSide:
