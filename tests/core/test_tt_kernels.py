@@ -24,6 +24,10 @@ CASES = [  # mode, weighted, few distinct rows (duplicates), optimizer, index dt
     ("mean", True, True, "adagrad", np.int32, True),
     ("sum", True, False, "rowwise_adagrad", np.int64, False),
     ("mean", False, True, "rowwise_adam", np.int32, True),
+    ("sum", True, True, "lamb", np.int64, True),
+    ("mean", False, False, "lars_sgd", np.int64, True),
+    ("sum", False, True, "partial_rowwise_adam", np.int32, False),
+    ("sum", True, False, "partial_rowwise_lamb", np.int64, True),
 ]
 
 
@@ -78,17 +82,20 @@ def test_kernels_match_the_reference(cupy, shape, case):
     states = tt.tt_sparse_state(shape, optimizer)
     gpu_states = [{k: cupy.asarray(v) for k, v in st.items()} for st in states]
     host_cores = [c.copy() for c in cores]
-    for _ in range(2):
+    for step in (1, 2):
+        hyper = dict(lr=0.05, step=step, weight_decay=0.01)
         _, res = tt.tt_embedding_bag_fwd(host_cores, shape, idx, offsets, per_sample_weights=psw,
                                          **kw)
-        tt.tt_fused_update(host_cores, shape, res, g, states, optimizer, lr=0.05)
+        tt.tt_fused_update(host_cores, shape, res, g, states, optimizer, **hyper)
         _, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, cupy.asarray(idx),
                                           cupy.asarray(offsets), check=False, **gpu)
         tt.tt_fused_update(gpu_cores, shape, plan, cupy.asarray(g), gpu_states, optimizer,
-                           lr=0.05)
+                           **hyper)
     # Adagrad's first steps move an entry by about lr * sign(g) even where g is a rounding-level
-    # sum of opposite terms, so those entries may differ by a fraction of lr between orders.
-    atol = 0.01 * 0.05 if optimizer in ("adagrad", "rowwise_adagrad") else 0.0
+    # sum of opposite terms, so those entries may differ by a fraction of lr between orders
+    # (LAMB's elementwise second moment likewise, scaled by its trust ratio).
+    atol = {"adagrad": 0.01 * 0.05, "rowwise_adagrad": 0.01 * 0.05, "lamb": 0.05}.get(
+        optimizer, 0.0)
     for got, want in zip(gpu_cores, host_cores):
         _close(got.get(), want, 1e-4, atol=atol)
     for got, want in zip(gpu_states, states):  # sums of squares of those gradients

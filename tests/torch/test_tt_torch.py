@@ -129,9 +129,13 @@ def test_tt_matrix_to_full_accepts_fbtt_layouts():
     torch.testing.assert_close(again, full)
 
 
+ALL_OPTIMIZERS = [OptimType.SGD, OptimType.EXACT_ADAGRAD, OptimType.EXACT_ROWWISE_ADAGRAD,
+                  OptimType.ADAM, OptimType.LAMB, OptimType.LARS_SGD,
+                  OptimType.PARTIAL_ROWWISE_ADAM, OptimType.PARTIAL_ROWWISE_LAMB]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer", [OptimType.SGD, OptimType.EXACT_ADAGRAD,
-                                       OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])
+@pytest.mark.parametrize("optimizer", ALL_OPTIMIZERS, ids=str)
 def test_cuda_matches_cpu(optimizer):
     """The module on a GPU (CuPy views of the tensors, torch's stream) trains as on the CPU."""
     import xferlib
@@ -310,7 +314,7 @@ def test_cache_with_dense_gradients_and_state_dict():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer", [OptimType.SGD, OptimType.ADAM])
+@pytest.mark.parametrize("optimizer", ALL_OPTIMIZERS, ids=str)
 def test_cache_on_cuda(optimizer):
     import xferlib
 
@@ -330,8 +334,14 @@ def test_cache_on_cuda(optimizer):
         if step == 1:
             cpu.cache_populate()
             gpu.cache_populate()
+    gpu.check_inputs()
     assert gpu.cache_rows.tolist() == cpu.cache_rows.tolist()
     assert gpu.cache_freq.sum().item() == cpu.cache_freq.sum().item()
+    torch.testing.assert_close(gpu.cache_weight.detach().cpu(), cpu.cache_weight.detach(),
+                               rtol=1e-4, atol=1e-5)
+    for name, value in cpu.named_buffers():
+        if name.startswith("cache_optimizer_state"):
+            torch.testing.assert_close(gpu.get_buffer(name).cpu(), value, rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(gpu.full_weight().cpu(), cpu.full_weight(), rtol=1e-4, atol=1e-5)
 
 
