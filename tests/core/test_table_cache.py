@@ -180,6 +180,8 @@ def test_graph_captured_step_matches_eager(rng, cache_rows):
         stream.begin_capture()
         step(graphed)
         graph = stream.end_capture()
+    # Everything else allocates from the default pool: the graph's buffers stay its own.
+    with stream:
         for i, (idx, grads) in enumerate(data):
             if i == 0:
                 eager.lookup(cupy.asarray(idx))

@@ -119,13 +119,10 @@ __global__ void cache_insert(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i
                 ++misses;
                 bool admit = row >= 0 && row < n_rows;
                 if (admit && doorkeeper) {
-                    unsigned seen = 0;
-                    if (lane == 0) {
-                        const u64 h = mix64((u64)row ^ 0x9e3779b97f4a7c15ull) % (u64)door_bits;
-                        const unsigned bit = 1u << (h & 31);
-                        seen = atomicOr(door + (h >> 5), bit) & bit;
-                    }
-                    admit = __shfl_sync(FULL, seen, 0) != 0;
+                    // Bits of earlier batches only (cache_mark sets this batch's afterwards),
+                    // so the decision does not depend on the order the warps run in.
+                    const u64 h = mix64((u64)row ^ 0x9e3779b97f4a7c15ull) % (u64)door_bits;
+                    admit = (door[h >> 5] >> (h & 31)) & 1u;
                 }
                 if (admit) {
                     // Candidates: empty ways first, then the lowest score; never a way this
@@ -179,6 +176,21 @@ __global__ void cache_insert(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i
             atomicAdd(stats + 3, admitted);
             atomicAdd(stats + 4, evicted);
         }
+    }
+}
+
+// The doorkeeper's first sight: set the bit of every distinct row this batch served from the
+// host (after cache_insert, which only reads the bits).
+__global__ void cache_mark(unsigned* __restrict__ door, i64 door_bits,
+                           const int* __restrict__ set_key, const i64* __restrict__ run_row,
+                           const int* __restrict__ slots, i64 n, i64 n_sets,
+                           const u64* __restrict__ verdict) {
+    if (rejected(verdict)) return;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += stride) {
+        if (set_key[r] >= n_sets || slots[r] >= 0) continue;
+        const u64 h = mix64((u64)run_row[r] ^ 0x9e3779b97f4a7c15ull) % (u64)door_bits;
+        atomicOr(door + (h >> 5), 1u << (h & 31));
     }
 }
 
@@ -305,7 +317,11 @@ def _vector_widths(dtype_name: str) -> tuple:
     return (1, 4) if dtype_name == "float32" else (1, 2)
 
 
+CACHE_MARK_NAME = "cache_mark"
+
+
 def _all_names():
+    yield CACHE_MARK_NAME
     for key_bytes in _KEYS:
         yield cache_sets_name(key_bytes)
         yield cache_probe_name(key_bytes)

@@ -10,7 +10,8 @@ Design (the kernels are in ``xferlib/_kernels/cache.py``):
   admission, picks victims, writes dirty victims back to host RAM and fills the new rows.
   Five launches, no host synchronization, no data-dependent allocation.
 * Admission on the device: ``"second-sight"`` admits a missed row the second time it misses
-  (a bit per hashed row id, TinyLFU's doorkeeper: under a Zipf law most misses are tail rows
+  (a bit per hashed row id, set after a batch for its rows served from the host; TinyLFU's
+  doorkeeper: under a Zipf law most misses are tail rows
   seen once, and admitting each would move its row in and a victim out for nothing);
   ``"always"`` admits every miss while a way is free to take.
 * Replacement: empty ways first, then the least recently (``"lru"``: the tick of the last
@@ -95,7 +96,7 @@ class CacheModel:
         slots = np.full(rows.size, -1, np.int64)
         sets = set_of(rows, self.n_sets)
         order = np.lexsort((rows, sets))  # by set, then row (the device sort is stable)
-        used = {}
+        used, first_sight = {}, []
         for k in order:
             row, base = rows[k], sets[k] * WAYS
             ways = slice(base, base + WAYS)
@@ -113,13 +114,15 @@ class CacheModel:
             if way >= 0:
                 mask[way] = True
                 slots[k] = base + way
+            else:
+                first_sight.append(row)
+        if self.doorkeeper and first_sight:  # set after the batch, as the kernels do
+            self.door[_door_bit(np.array(first_sight), self.door_bits)] = True
         return slots
 
     def _admit(self, row, base, mask, now, protect_prev) -> int:
         if self.doorkeeper:
-            bit = _door_bit(row, self.door_bits)
-            seen, self.door[bit] = bool(self.door[bit]), True
-            if not seen:
+            if not self.door[_door_bit(row, self.door_bits)]:
                 return -1
         tags, last = self.tags[base:base + WAYS], self.last[base:base + WAYS]
         key = np.where(self.lfu, self.score[base:base + WAYS], last).astype(np.float64)
@@ -178,7 +181,8 @@ class DeviceCache:
         (int32, -1 for rows served from the host)."""
         import cupy
 
-        from xferlib._kernels.cache import CACHE_MODULE, cache_insert_name, cache_sets_name
+        from xferlib._kernels.cache import (CACHE_MARK_NAME, CACHE_MODULE, cache_insert_name,
+                                           cache_sets_name)
         from xferlib.rows import _sorted_positions
 
         n = plan.n
@@ -197,6 +201,11 @@ class DeviceCache:
                           np.int64(self.door_bits), sets, order, run_row, np.int64(n),
                           np.int64(self.n_sets), slots, self.tick, self.lfu, self.doorkeeper,
                           np.int32(protect_prev), self.stats, plan.verdict), stream=stream)
+        if self.doorkeeper:
+            CACHE_MODULE.get_function(CACHE_MARK_NAME)(
+                (blocks,), (256,), (self.door, np.int64(self.door_bits), set_key, run_row,
+                                    slots, np.int64(n), np.int64(self.n_sets), plan.verdict),
+                stream=stream)
         return slots
 
     def probe(self, plan, stream):
