@@ -1,0 +1,203 @@
+"""A DLRM-style click model trained with xferlib, in PyTorch or inside one ``jax.jit`` step.
+
+Synthetic click log with a known oracle (26 categorical features, Zipf popularity, 13 dense
+features), embedding tables placed by size in HBM, pinned host RAM (with a GPU cache of hot
+rows) or TT cores under a GPU memory budget, MLPs trained by xferlib's flat Adam. Both
+frameworks start from the same initial values (handed over by ``xferlib.handoff``), and
+``--compare`` trains the plain-torch setup beside them. See docs/dlrm.md.
+
+    python examples/dlrm.py                                   # tiny preset, CPU, torch
+    python examples/dlrm.py --framework jax
+    python examples/dlrm.py --preset medium --framework both --compare --plot medium.png
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch/CuPy share the GPU
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dlrm_parts import checkpoint, config, loop, metrics  # noqa: E402
+from dlrm_parts.data import ClickLog  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", help=f"one of {sorted(config.PRESETS)}")
+    p.add_argument("--framework", default="torch", choices=("torch", "jax", "both"))
+    p.add_argument("--placement", default="auto", choices=config.PLACEMENTS)
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+                   help="GPU memory budget for tables, caches and TT cores (default: preset's)")
+    p.add_argument("--compare", action="store_true",
+                   help="also train the plain-torch baseline (all tables in HBM) if it fits")
+    p.add_argument("--steps", type=int, default=None, help="steps this invocation runs")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--pooling", type=int, default=None, help="rows per bag (multi-hot)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--evals", type=int, default=None, help="evaluation points along the run")
+    p.add_argument("--eval-samples", type=int, default=None)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH", help="PNG: AUC and loss vs samples, throughput")
+    p.add_argument("--save", metavar="PATH", help="checkpoint directory written at the end")
+    p.add_argument("--load", metavar="PATH", help="checkpoint directory to continue from")
+    p.add_argument("--no-graph", action="store_true", help="no CUDA graph for the Adam step")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def _device(choice):
+    if choice == "cpu":
+        return "cpu"
+    import torch
+
+    from xferlib import cupy_available
+
+    gpu = torch.cuda.is_available() and cupy_available()
+    if choice == "cuda" and not gpu:
+        raise ValueError("--device cuda: no CUDA GPU with CuPy here")
+    return "cuda" if gpu else "cpu"
+
+
+def _run_config(args, preset, plan, framework, batch_size, pooling):
+    return {"preset": preset.name, "framework": framework, "placement": args.placement,
+            "tables": [t.where for t in plan.tables], "cardinalities": list(preset.cardinalities),
+            "dim": preset.dim, "batch_size": batch_size, "pooling": pooling, "seed": args.seed}
+
+
+def _free():
+    gc.collect()
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        sys.modules["torch"].cuda.empty_cache()
+    if "cupy" in sys.modules:
+        try:
+            sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
+        except Exception:
+            pass
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return _main(args)
+    except (ValueError, MemoryError) as err:
+        print(f"dlrm.py: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
+    preset = config.get_preset(args.preset)
+    batch_size = args.batch_size or preset.batch_size
+    steps = preset.steps if args.steps is None else args.steps
+    pooling = args.pooling or preset.pooling
+    if batch_size < 1 or steps < 0 or pooling < 1:
+        raise ValueError(f"--batch-size and --pooling must be >= 1 and --steps >= 0, got "
+                         f"{batch_size}, {pooling}, {steps}")
+    frameworks = ["torch", "jax"] if args.framework == "both" else [args.framework]
+    if (args.save or args.load) and len(frameworks) > 1:
+        raise ValueError("--save/--load hold one run: pick --framework torch or jax")
+    if args.load and args.compare:
+        raise ValueError("--compare trains fresh runs; it cannot continue from --load")
+    plan = config.plan_tables(preset, args.placement, args.gpu_memory)
+    config.check_host_ram(plan)  # before any table is allocated
+    run_config = {fw: _run_config(args, preset, plan, fw, batch_size, pooling)
+                  for fw in frameworks}
+    meta = checkpoint.read_meta(args.load, run_config[frameworks[0]]) if args.load else None
+
+    device = _device(args.device)
+    if device == "cuda":
+        import cupy as xp
+    else:
+        import numpy as xp
+    log = ClickLog(preset.cardinalities, seed=args.seed, pooling=pooling)
+    eval_set = loop.EvalSet(log, args.eval_samples or preset.eval_samples, batch_size, xp)
+    budget = plan.budget_bytes / 2**30
+    print(f"preset {preset.name}: {preset.description}\n  {len(plan.tables)} tables, "
+          f"{sum(preset.cardinalities):,} rows x {preset.dim}, batch {batch_size}, pooling "
+          f"{pooling}, device {device}, placement {args.placement} "
+          f"(budget {budget:g} GB): {plan.summary()['placement'].count('hbm')} in HBM, "
+          f"{plan.summary()['placement'].count('host')} in host RAM, "
+          f"{plan.summary()['placement'].count('tt')} TT; oracle AUC {eval_set.oracle_auc:.4f}",
+          flush=True)
+
+    results = []
+    jobs = [(fw, False) for fw in frameworks] + ([("torch", True)] if args.compare else [])
+    for fw, baseline in jobs:
+        name = "torch baseline (all HBM)" if baseline else f"{fw} xferlib ({args.placement})"
+        table_bytes = {"host": plan.bytes_host, "hbm": plan.bytes_hbm, "tt": plan.bytes_tt,
+                       "cache": plan.bytes_cache}
+        if baseline:
+            table_bytes = {"host": 0, "tt": 0, "cache": 0,
+                           "hbm": sum(config.table_bytes(n, preset.dim)
+                                      for n in preset.cardinalities)}
+            if device == "cuda":
+                import torch
+
+                free = torch.cuda.mem_get_info()[0]
+                if table_bytes["hbm"] * 1.3 > free:
+                    print(f"{name}: skipped, its tables need {table_bytes['hbm'] / 2**30:.1f} "
+                          f"GB and the GPU has {free / 2**30:.1f} GB free")
+                    continue
+        if fw == "torch":
+            from dlrm_parts.torch_run import TorchRun
+
+            run = TorchRun(preset, plan, args.seed, device, baseline=baseline,
+                           graph=not args.no_graph, xp=xp)
+        else:
+            from dlrm_parts.jax_run import JaxRun
+
+            run = JaxRun(preset, plan, args.seed, device, xp=xp)
+        history, start = [], 0
+        if meta is not None:
+            checkpoint.load(args.load, run, fw)
+            history, start = list(meta["history"]), int(meta["step"])
+        seconds = loop.train(run, log, eval_set, name=name, start_step=start, steps=steps,
+                             batch_size=batch_size, xp=xp, evals=args.evals or preset.evals,
+                             history=history, progress=not args.quiet)
+        if not history or history[-1]["step"] != start + steps:  # steps == 0: evaluate once
+            a, ll = eval_set.evaluate(run, name)
+            history.append({"step": start + steps, "samples": (start + steps) * batch_size,
+                            "auc": a, "logloss": ll, "train_loss": None})
+        final = history[-1]
+        results.append({
+            "name": name, "framework": "torch-baseline" if baseline else fw,
+            "preset": preset.name, "placement": "hbm" if baseline else args.placement,
+            "device": device, "steps": steps, "total_steps": start + steps,
+            "batch_size": batch_size, "samples_per_s": steps * batch_size / seconds
+            if seconds > 0 else 0.0, "auc": final["auc"], "logloss": final["logloss"],
+            "oracle_auc": eval_set.oracle_auc, "oracle_logloss": eval_set.oracle_logloss,
+            "peak_gpu_bytes": run.peak_gpu_bytes(), "table_bytes": table_bytes,
+            "cache_hit_rate": run.cache_hit_rate(), "notes": getattr(run, "graph_note", ""),
+            "history": history})
+        if args.save and not baseline:
+            checkpoint.save(args.save, run, fw, run_config[fw], start + steps, history)
+            print(f"saved {args.save} at step {start + steps}")
+        del run
+        _free()
+
+    print()
+    print(metrics.table(results))
+    main_run = results[0]
+    print(metrics.target_line(main_run["auc"], main_run["oracle_auc"]))
+    base = [r for r in results if r["framework"] == "torch-baseline"]
+    for r in results:
+        if base and r is not base[0] and base[0]["samples_per_s"]:
+            print(f"{r['name']}: {r['samples_per_s'] / base[0]['samples_per_s']:.2f}x the "
+                  f"baseline's samples/s, AUC {r['auc'] - base[0]['auc']:+.4f}")
+    if args.json:
+        metrics.write_json(args.json, results, {"plan": plan.summary()})
+    if args.plot:
+        metrics.plot(args.plot, results, f"DLRM, {preset.name} preset, {device}, batch "
+                     f"{batch_size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

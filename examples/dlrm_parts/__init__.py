@@ -1,0 +1,1 @@
+"""Parts of examples/dlrm.py: data, placement, models, loop, metrics, checkpoints."""

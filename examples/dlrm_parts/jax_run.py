@@ -1,0 +1,207 @@
+"""The DLRM in JAX: one ``jax.jit`` training step.
+
+Inside the step, host tables are read with ``host_lookup`` and trained with ``host_update``
+(xferlib's fused Adagrad, on XLA's stream), TT tables go through ``tt_embedding_bag`` (a
+``custom_vjp``), HBM tables are plain arrays, and the MLPs live in one flat buffer trained by
+``flat_step(flat_adam)``. Adagrad on the HBM tables and TT cores is written in ``jax.numpy``
+(XLA fuses it into one pass); a row with a zero gradient is left unchanged, as in the sparse
+update, so every placement learns the same model as the torch run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
+
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import xferlib  # noqa: E402
+from xferlib.adapters.jax import flat_adam, flat_step, host_lookup, host_update  # noqa: E402
+from xferlib.adapters.jax import ravel, tt_embedding_bag  # noqa: E402
+
+from . import init as initial  # noqa: E402
+
+EPS = 1e-10  # torch.optim.Adagrad's default, as the host tables and TT cores use
+
+
+def _bce(logit, label):
+    return jnp.mean(jnp.maximum(logit, 0) - logit * label + jnp.log1p(jnp.exp(-jnp.abs(logit))))
+
+
+def _adagrad(w, acc, g, lr):
+    acc = acc + g * g
+    return w - lr * g / (jnp.sqrt(acc) + EPS), acc
+
+
+class JaxRun:
+    def __init__(self, preset, plan, seed, device, xp=np):
+        self.xp, self.gpu = xp, device != "cpu"
+        self.preset, self.plan = preset, plan
+        self.kinds = [t.where for t in plan.tables]
+        num_tables = len(plan.tables)
+        dense = initial.dense_params(preset, num_tables, seed)
+        to = xferlib.to_jax
+        params = {name: [(to(dense[f"{name}.{i}.weight"]), to(dense[f"{name}.{i}.bias"]))
+                         for i in range(len(sizes) - 1)]
+                  for name, sizes in zip(("bottom", "top"), initial.mlp_sizes(preset, num_tables))}
+        self.flat, self.unravel = ravel(params)
+        self.tx = flat_adam(preset.lr_dense)
+        self.opt_state = self.tx.init(self.flat)
+        lr = preset.lr_embedding
+        self.hbm, self.hbm_acc, self.tt, self.tt_acc, self.host = [], [], [], [], []
+        self.tt_shapes = []
+        for t in plan.tables:
+            if t.where == "hbm":
+                w = to(initial.table_init(seed, t.index, t.rows, preset.dim, preset.init_scale, xp))
+                self.hbm.append(w)
+                self.hbm_acc.append(jnp.zeros_like(w))
+            elif t.where == "host":
+                table = xferlib.HostTable(t.rows, preset.dim, "float32", "adagrad", {"lr": lr},
+                                          t.cache_rows if self.gpu else 0, init="zeros")
+                initial.fill_host_table(table, seed, t.index, preset.init_scale, xp)
+                self.host.append(table)
+            else:
+                cores = tuple(to(c) for c in initial.tt_cores(t, seed))
+                self.tt.append(cores)
+                self.tt_acc.append(tuple(jnp.zeros_like(c) for c in cores))
+                self.tt_shapes.append((t.tt_p, t.tt_q, t.tt_ranks))
+        n = num_tables + 1
+        self.li, self.lj = np.triu_indices(n, 1)
+        self.steps_done = 0
+        self._build()
+
+    # ------------------------------------------------------------------ the model
+    def _forward(self, flat, hbm, tt, host_rows, dense, cat):
+        p = self.unravel(flat)
+        _, B, L = cat.shape
+        x = dense
+        for w, b in p["bottom"]:
+            x = jax.nn.relu(x @ w.T + b)
+        offsets = jnp.arange(0, B * L + 1, L, dtype=jnp.int32)
+        vectors, it = [x], {"hbm": iter(hbm), "tt": iter(tt), "host": iter(host_rows)}
+        shapes = iter(self.tt_shapes)
+        for f, kind in enumerate(self.kinds):
+            idx = cat[f].reshape(-1)
+            if kind == "hbm":
+                e = jnp.take(next(it["hbm"]), idx, axis=0).reshape(B, L, -1).sum(1)
+            elif kind == "host":
+                e = next(it["host"]).reshape(B, L, -1).sum(1)
+            else:
+                pq, qq, rr = next(shapes)
+                e = tt_embedding_bag(next(it["tt"]), idx, offsets, p_shapes=pq, q_shapes=qq,
+                                     ranks=rr, mode="sum", include_last_offset=True)
+            vectors.append(e)
+        T = jnp.stack(vectors, axis=1)
+        dots = jnp.einsum("bid,bjd->bij", T, T)[:, self.li, self.lj]
+        h = jnp.concatenate([x, dots], axis=1)
+        top = p["top"]
+        for i, (w, b) in enumerate(top):
+            h = h @ w.T + b
+            if i + 1 < len(top):
+                h = jax.nn.relu(h)
+        return h[:, 0]
+
+    def _host_indices(self, cat):
+        return [cat[f].reshape(-1) for f, k in enumerate(self.kinds) if k == "host"]
+
+    def _build(self):
+        lr, tx, host = self.preset.lr_embedding, self.tx, self.host
+
+        def loss_fn(flat, hbm, tt, host_rows, dense, cat, label):
+            return _bce(self._forward(flat, hbm, tt, host_rows, dense, cat), label)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4, 5))
+        def train_step(flat, opt_state, hbm, hbm_acc, tt, tt_acc, dense, cat, label):
+            idx = self._host_indices(cat)
+            rows = [host_lookup(table, i) for table, i in zip(host, idx)]
+            loss, (g_flat, g_hbm, g_tt, g_rows) = jax.value_and_grad(
+                loss_fn, argnums=(0, 1, 2, 3))(flat, hbm, tt, rows, dense, cat, label)
+            tokens = [host_update(table, i, g) for table, i, g in zip(host, idx, g_rows)]
+            flat, opt_state = flat_step(tx, g_flat, opt_state, flat)
+            new = [_adagrad(w, a, g, lr) for w, a, g in zip(hbm, hbm_acc, g_hbm)]
+            hbm, hbm_acc = [w for w, _ in new], [a for _, a in new]
+            new_tt = [[_adagrad(w, a, g, lr) for w, a, g in zip(*c)]
+                      for c in zip(tt, tt_acc, g_tt)]
+            tt = [tuple(w for w, _ in c) for c in new_tt]
+            tt_acc = [tuple(a for _, a in c) for c in new_tt]
+            return flat, opt_state, hbm, hbm_acc, tt, tt_acc, loss, tokens
+
+        @jax.jit
+        def predict(flat, hbm, tt, dense, cat):
+            rows = [host_lookup(table, i) for table, i in zip(host, self._host_indices(cat))]
+            return self._forward(flat, hbm, tt, rows, dense, cat)
+
+        self._train_step, self._predict = train_step, predict
+
+    # ------------------------------------------------------------------ runner interface
+    def to_framework(self, batch):
+        # int32 rows: JAX runs without x64, and every preset's tables have < 2^31 rows
+        to = xferlib.to_jax
+        return to(batch.dense), to(batch.cat.astype(self.xp.int32)), to(batch.label)
+
+    def step(self, data):
+        dense, cat, label = data
+        (self.flat, self.opt_state, self.hbm, self.hbm_acc, self.tt, self.tt_acc, loss,
+         self._tokens) = self._train_step(self.flat, self.opt_state, self.hbm, self.hbm_acc,
+                                          self.tt, self.tt_acc, dense, cat, label)
+        self.steps_done += 1
+        return loss
+
+    def predict(self, data):
+        dense, cat, _ = data
+        return self._predict(self.flat, self.hbm, self.tt, dense, cat)
+
+    def sync(self):
+        jax.block_until_ready((self.flat, self.hbm, self.tt, getattr(self, "_tokens", None)))
+        for table in self.host:
+            table.flush()
+
+    def peak_gpu_bytes(self) -> int:
+        if not self.gpu:
+            return 0
+        import cupy
+
+        stats = jax.devices()[0].memory_stats() or {}
+        return int(stats.get("peak_bytes_in_use", 0)
+                   + cupy.get_default_memory_pool().total_bytes())
+
+    def cache_hit_rate(self):
+        rates = [t.cache_stats()["hit_rate"] for t in self.host if t.cache_rows]
+        return float(np.mean(rates)) if rates else None
+
+    # ------------------------------------------------------------------ checkpoint
+    def host_tables(self):
+        host = iter(self.host)
+        return {f: next(host) for f, k in enumerate(self.kinds) if k == "host"}
+
+    def save_state(self, path):
+        self.sync()
+        arrays = {"flat": self.flat, "count": self.opt_state.count,
+                  "steps_done": np.array(self.steps_done)}
+        arrays.update({f"opt.{i}": b for i, b in enumerate(self.opt_state.buffers)})
+        for i, (w, a) in enumerate(zip(self.hbm, self.hbm_acc)):
+            arrays[f"hbm.{i}"], arrays[f"hbm_acc.{i}"] = w, a
+        for i, (cores, accs) in enumerate(zip(self.tt, self.tt_acc)):
+            for k, (c, a) in enumerate(zip(cores, accs)):
+                arrays[f"tt.{i}.{k}"], arrays[f"tt_acc.{i}.{k}"] = c, a
+        np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
+
+    def load_state(self, path):
+        with np.load(path) as z:
+            a = {k: z[k] for k in z.files}
+        to = jnp.asarray
+        self.flat = to(a["flat"])
+        self.opt_state = type(self.opt_state)(
+            to(a["count"]), tuple(to(a[f"opt.{i}"]) for i in range(len(self.opt_state.buffers))))
+        self.hbm = [to(a[f"hbm.{i}"]) for i in range(len(self.hbm))]
+        self.hbm_acc = [to(a[f"hbm_acc.{i}"]) for i in range(len(self.hbm))]
+        self.tt = [tuple(to(a[f"tt.{i}.{k}"]) for k in range(len(c)))
+                   for i, c in enumerate(self.tt)]
+        self.tt_acc = [tuple(to(a[f"tt_acc.{i}.{k}"]) for k in range(len(c)))
+                       for i, c in enumerate(self.tt)]
+        self.steps_done = int(a["steps_done"])

@@ -1,0 +1,82 @@
+"""The training loop every run shares: batches from the click log on the model's device, a
+tqdm bar (samples/s, running loss), evaluation points (AUC and logloss on the held-out set),
+and the figures of the final table. Evaluation time is not counted in samples/s."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .metrics import auc, logloss
+
+
+class EvalSet:
+    """The held-out batches, generated once on the device and kept in each framework's
+    format; labels and the hidden model's logits on the host for the metrics."""
+
+    def __init__(self, log, samples, batch_size, xp):
+        self.batches = [log.eval_batch(i, batch_size, xp)
+                        for i in range(max(1, samples // batch_size))]
+        host = (lambda a: a.get()) if xp is not np else np.asarray
+        self.labels = np.concatenate([host(b.label) for b in self.batches]).astype(np.float64)
+        self.oracle_logits = np.concatenate([host(b.logit) for b in self.batches])
+        self.oracle_auc = auc(self.labels, self.oracle_logits)
+        self.oracle_logloss = logloss(self.labels, self.oracle_logits)
+        self._converted = {}
+
+    def evaluate(self, run, key):
+        if key not in self._converted:
+            self._converted[key] = [run.to_framework(b) for b in self.batches]
+        from xferlib import to_numpy
+
+        logits = [run.predict(data) for data in self._converted[key]]
+        run.sync()
+        scores = np.concatenate([np.asarray(to_numpy(_host(s))) for s in logits])
+        return auc(self.labels, scores), logloss(self.labels, scores)
+
+
+def _host(x):
+    kind = type(x).__module__
+    if kind.startswith("torch"):
+        return x.detach().cpu()
+    if kind.startswith("jax"):
+        return np.asarray(x)
+    return x
+
+
+def train(run, log, eval_set, *, name, start_step, steps, batch_size, xp, evals, history,
+          progress=True):
+    """Run ``steps`` steps from ``start_step``; evaluate at the end and at ``evals`` points
+    spread over the run; append to ``history``. Returns seconds spent training."""
+    from tqdm import tqdm
+
+    stop = start_step + steps
+    points = set(int(round(start_step + steps * (k + 1) / max(evals, 1)))
+                 for k in range(max(evals, 1)))
+    bar = tqdm(total=steps, desc=name, unit="step", disable=not progress, leave=True,
+               dynamic_ncols=True, mininterval=0.5)
+    train_time, running, t0, losses = 0.0, None, time.perf_counter(), []
+    for step in range(start_step, stop):
+        data = run.to_framework(log.batch(step, batch_size, xp))
+        losses.append(run.step(data))
+        bar.update(1)
+        done = step + 1
+        if done in points or len(losses) >= 50:
+            value = float(np.mean([float(_host(v)) for v in losses]))  # one sync per 50 steps
+            running = value if running is None else 0.8 * running + 0.2 * value
+            losses = []
+            elapsed = train_time + time.perf_counter() - t0
+            bar.set_postfix(loss=f"{running:.4f}",
+                            samples_s=f"{(done - start_step) * batch_size / elapsed:,.0f}")
+        if done in points:
+            run.sync()
+            train_time += time.perf_counter() - t0
+            a, ll = eval_set.evaluate(run, name)
+            history.append({"step": done, "samples": done * batch_size, "auc": a,
+                            "logloss": ll, "train_loss": running})
+            bar.set_postfix(loss=f"{running:.4f}", auc=f"{a:.4f}",
+                            samples_s=f"{(done - start_step) * batch_size / train_time:,.0f}")
+            t0 = time.perf_counter()
+    bar.close()
+    return train_time

@@ -1,0 +1,104 @@
+"""AUC (scikit-learn's ``roc_auc_score``), logloss, the final table, ``--json`` and
+``--plot``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+
+def auc(labels, scores) -> float:
+    """ROC AUC by scikit-learn; the rank formula (Mann-Whitney U, ties averaged) where
+    scikit-learn is not installed."""
+    labels, scores = np.asarray(labels), np.asarray(scores, np.float64)
+    try:
+        from sklearn.metrics import roc_auc_score
+    except ImportError:
+        from scipy.stats import rankdata  # pragma: no cover
+
+        ranks = rankdata(scores)
+        pos = labels > 0.5
+        n_pos, n_neg = pos.sum(), (~pos).sum()
+        return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+    return float(roc_auc_score(labels, scores))
+
+
+def logloss(labels, logits) -> float:
+    """Mean binary cross-entropy of logits, in float64."""
+    x, y = np.asarray(logits, np.float64), np.asarray(labels, np.float64)
+    return float(np.mean(np.maximum(x, 0) - x * y + np.log1p(np.exp(-np.abs(x)))))
+
+
+def _gb(b):
+    return f"{b / 2**30:.3f}"
+
+
+def table(results) -> str:
+    head = ("run", "AUC", "oracle AUC", "logloss", "samples/s", "peak GPU GB", "host GB",
+            "HBM GB", "TT MB")
+    rows = [head]
+    for r in results:
+        tb = r["table_bytes"]
+        rows.append((r["name"], f"{r['auc']:.4f}", f"{r['oracle_auc']:.4f}",
+                     f"{r['logloss']:.4f}", f"{r['samples_per_s']:,.0f}",
+                     _gb(r["peak_gpu_bytes"]) if r["peak_gpu_bytes"] else "-",
+                     _gb(tb["host"]), _gb(tb["hbm"] + tb["cache"]),
+                     f"{tb['tt'] / 2**20:.2f}"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def write_json(path, results, extra) -> None:
+    main = results[0]
+    doc = {k: main[k] for k in ("framework", "preset", "steps", "samples_per_s", "auc",
+                                "oracle_auc", "logloss")}
+    doc.update(extra)
+    doc["runs"] = results
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+    os.replace(tmp, path)
+
+
+def plot(path, results, title) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_auc, ax_loss, ax_bar) = plt.subplots(1, 3, figsize=(13, 3.8))
+    for r in results:
+        h = r["history"]
+        x = [p["samples"] / 1e6 for p in h]
+        ax_auc.plot(x, [p["auc"] for p in h], marker="o", ms=3, label=r["name"])
+        ax_loss.plot(x, [p["logloss"] for p in h], marker="o", ms=3, label=r["name"])
+    oracle = results[0]["oracle_auc"]
+    ax_auc.axhline(oracle, ls="--", c="k", lw=0.8, label=f"oracle {oracle:.4f}")
+    ax_auc.set(xlabel="samples (M)", ylabel="eval AUC", title="AUC")
+    ax_loss.set(xlabel="samples (M)", ylabel="eval logloss", title="logloss")
+    ax_auc.legend(fontsize=7)
+    ax_loss.legend(fontsize=7)
+    names = [r["name"] for r in results]
+    speeds = [r["samples_per_s"] / 1e3 for r in results]
+    bars = ax_bar.bar(range(len(names)), speeds, color=[f"C{i}" for i in range(len(names))])
+    ax_bar.set_xticks(range(len(names)), names, rotation=15, fontsize=7)
+    ax_bar.set(ylabel="thousand samples/s", title="training throughput")
+    for b, s in zip(bars, speeds):
+        ax_bar.annotate(f"{s:,.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def target_line(auc_value, oracle_auc) -> str:
+    need = 0.5 + 0.8 * (oracle_auc - 0.5)
+    ok = auc_value >= need and math.isfinite(auc_value)
+    return f"learned: AUC {auc_value:.4f} {'>=' if ok else '<'} {need:.4f} = 0.5 + 0.8 (oracle - 0.5)"
