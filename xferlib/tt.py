@@ -795,7 +795,9 @@ class TTRowCache:
         xp = array_module(self.freq_keys)
         indices = xp.asarray(indices, dtype=np.int64)
         if xp is not np:
-            _launch(self.shape, "tt_count", (max(1, min(4096, -(-indices.size // 256))),),
+            # the counting kernel does not depend on the shape: a small module's copy serves
+            # shapes too large for the TT kernels as well
+            _launch(_COUNT_SHAPE, "tt_count", (max(1, min(4096, -(-indices.size // 256))),),
                     (256,), (indices, np.int64(indices.size), self.freq_keys,
                              self.freq_counts, np.int64(self.freq_keys.size)))
             return
@@ -933,6 +935,7 @@ def _plan_weights(plan):
 # The kernel path (xferlib/_kernels/tt.py): a batch sorted by row, rows sharing a prefix
 # computed from one prefix product, backward grouped by core row without a dense gradient.
 
+_COUNT_SHAPE = TTShape((2, 2), (1, 1), (1,))
 _KERNEL_SHARED_LIMIT = 48 * 1024  # static shared memory a kernel may use without opting in
 _NO_BAD = np.iinfo(np.uint64).max
 

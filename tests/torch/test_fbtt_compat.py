@@ -176,9 +176,14 @@ def test_table_batched_fused_sgd_and_bad_index(device):
                                    atol=1e-5)
     bad = indices.clone()
     bad[3] = num  # inside the joint TT's range, outside its table
-    with pytest.raises(IndexError, match=f"index {num} at position 3"):
+    with pytest.raises(IndexError, match=f"index {num} at position 3"), torch.no_grad():
         dense(bad, offsets)
-        dense.check_inputs()
+    before = [c.detach().clone() for c in batched.tt_cores]
+    with pytest.raises(IndexError, match=f"index {num} at position 3"):
+        batched(bad, offsets).backward(d_out)  # a training step: raised by now or ...
+        batched.check_inputs()  # ... here, the step having changed nothing
+    for a, b in zip(batched.tt_cores, before):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
     with pytest.raises(ValueError, match="num_tables"):
         dense(indices, offsets[:-1])
 
