@@ -25,6 +25,7 @@ launch over the whole buffer (``xferlib/_kernels/optim.py``) with a per-segment 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Callable, NamedTuple, Sequence
@@ -55,6 +56,9 @@ __all__ = [
     "apply_adam_device_scalars",
     "adam_device_hyper",
     "resolve_hyper",
+    "fill_step_table",
+    "CudaStep",
+    "TableRing",
 ]
 
 ALIGN_BYTES = 16  # every segment starts on a 16-byte boundary: whole-vector kernel accesses
@@ -553,8 +557,32 @@ def step_scalars(rule: _Rule, layout: FlatLayout, state: FlatState, hypers, acti
 
     Scalars are computed once per group and distinct step (segments of a group usually share
     their step), so the host cost does not grow with the number of tensors."""
-    if active.all() and len(state.steps) and (state.steps == state.steps[0]).all():
-        return _uniform_step_scalars(rule, layout, state, hypers)
+    if _is_uniform(state, active):
+        return _uniform_rows(rule, layout, state, hypers)[layout.group_ids]
+    return _mixed_step_scalars(rule, layout, state, hypers, active)
+
+
+def fill_step_table(rule: _Rule, layout: FlatLayout, state: FlatState, hypers, active,
+                    out) -> None:
+    """:func:`step_scalars` written into ``out`` (a ``(segments, COMMON + SCALARS)`` float32
+    array, e.g. pinned staging memory). The common case (every segment steps, all at the same
+    count) computes one row per group and allocates nothing per step."""
+    if _is_uniform(state, active):
+        rows = _uniform_rows(rule, layout, state, hypers)
+        if len(rows) == 1:
+            out[...] = rows[0]  # broadcast: one group
+        else:
+            out[...] = rows[layout.group_ids]
+        return
+    out[...] = _mixed_step_scalars(rule, layout, state, hypers, active)
+
+
+def _is_uniform(state, active) -> bool:
+    steps = state.steps
+    return bool(active.all()) and (len(steps) == 0 or steps.min() == steps.max())
+
+
+def _mixed_step_scalars(rule, layout, state, hypers, active):
     table = np.zeros((len(layout.segments), COMMON + SCALARS))
     state.steps[active] += 1
     groups = layout.group_ids
@@ -580,9 +608,10 @@ def step_scalars(rule: _Rule, layout: FlatLayout, state: FlatState, hypers, acti
     return table
 
 
-def _uniform_step_scalars(rule, layout, state, hypers):
-    """The common case: every segment steps, all at the same count. One row per group."""
-    step = int(state.steps[0]) + 1
+def _uniform_rows(rule, layout, state, hypers):
+    """The common case: every segment steps, all at the same count. One row per group
+    (``rows[layout.group_ids]`` is the per-segment table)."""
+    step = int(state.steps[0]) + 1 if len(state.steps) else 1
     state.steps[...] += 1
     groups = layout.group_ids
     rows = np.zeros((max(1, layout.num_groups), COMMON + SCALARS))
@@ -600,7 +629,7 @@ def _uniform_step_scalars(rule, layout, state, hypers):
         rows[group, COMMON:] = rule.scalars(h, step, extra)
         for k, v in extra.items():
             state.scalars[k][members] = v
-    return rows[groups]
+    return rows
 
 
 def _update_numpy(rule, layout, params, grads, buffers, table):
@@ -732,44 +761,166 @@ def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, p
         pointers.append(np.uint64(0) if buffer is None else buffer)
     pointers += [np.uint64(0)] * (3 - len(pointers))
     with stream:
-        if is_cupy_array(table):
-            device_table = table
-        else:
-            device_table = _upload_table(layout, table, stream)
         grad_dtype = np.dtype(grads.dtype).name
         if params_lowp is not None and np.dtype(params_lowp.dtype).name != grad_dtype:
             raise TypeError(f"params_lowp dtype {params_lowp.dtype} must match the gradients' "
                             f"{grads.dtype}")
         kernel = OPTIM_MODULE.get_function(update_name(rule.kind, grad_dtype))
+        slot = None
+        if is_cupy_array(table):
+            device_table = table
+        else:
+            ring = _table_ring(layout, table.shape)
+            slot = ring.acquire()
+            slot.host[...] = table
+            ring.upload(slot, stream)
+            device_table = slot.device
         kernel((len(chunks[0]),), (256,),
                (params, grads, *pointers, device_table, *chunks, np.int32(table.shape[1]),
                 np.uint64(0) if updates is None else updates,
                 np.uint64(0) if params_lowp is None else params_lowp), stream=stream)
+        if slot is not None:
+            ring.release(slot, stream)
 
 
-def _upload_table(layout, table, stream):
-    """Copy the scalar table to the GPU asynchronously, through two pinned staging buffers
-    used in turn (an event says when a buffer's previous copy is done)."""
+def _table_ring(layout, shape):
     import cupy
 
-    from xferlib.memory import pinned_empty
-
     cache = layout.__dict__.setdefault("_tables", {})
-    device = cupy.cuda.runtime.getDevice()
-    ring = cache.get(device)
-    if ring is None or ring["pinned"][0].shape != table.shape:
-        ring = cache[device] = {
-            "pinned": [pinned_empty(table.shape, np.float32) for _ in range(2)],
-            "device": [cupy.empty(table.shape, dtype=np.float32) for _ in range(2)],
-            "events": [None, None], "turn": 0}
-    turn = ring["turn"]
-    ring["turn"] = 1 - turn
-    if ring["events"][turn] is not None:
-        ring["events"][turn].synchronize()
-    ring["pinned"][turn][...] = table
-    ring["device"][turn].set(ring["pinned"][turn], stream=stream)
-    ring["events"][turn] = stream.record()
-    return ring["device"][turn]
+    key = (cupy.cuda.runtime.getDevice(), tuple(shape))
+    ring = cache.get(key)
+    if ring is None:
+        ring = cache[key] = TableRing(shape)
+    return ring
+
+
+_RING_MAX = 256  # staging slots per table shape before the host waits for the GPU
+
+
+class _Slot:
+    __slots__ = ("pinned", "host", "device", "host_ptr", "device_ptr", "event", "args")
+
+    def __init__(self, shape):
+        import cupy
+
+        from xferlib.memory import pinned_empty
+
+        self.pinned = pinned_empty(shape, np.float32)
+        self.host = np.asarray(self.pinned)  # a plain ndarray view: cheaper to write into
+        self.device = cupy.empty(shape, dtype=np.float32)
+        self.host_ptr = self.host.ctypes.data
+        self.device_ptr = self.device.data.ptr
+        self.event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
+        self.args = None  # a prepared launch's arguments with this slot's table (CudaStep)
+
+
+class TableRing:
+    """Pinned staging slots for a per-step scalar table, each with its device copy.
+
+    A slot is reused only once the event recorded behind its last use has completed, so the
+    host never overwrites a table the GPU has yet to copy or read. When every slot is still in
+    flight (the host is running ahead of the GPU) a slot is added rather than waited for, up
+    to 256: a step's host path never waits for the GPU in practice, where two slots used in
+    turn made every step wait for the one before last (the eager step then ran at the GPU's
+    pace, not the host's)."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+        self.nbytes = int(np.prod(self.shape)) * 4
+        self.free = []
+        self.busy = collections.deque()
+        self.count = 0
+
+    def acquire(self) -> _Slot:
+        busy = self.busy
+        while busy and busy[0].event.done:
+            self.free.append(busy.popleft())
+        if self.free:
+            return self.free.pop()
+        if self.count < _RING_MAX:
+            self.count += 1
+            return _Slot(self.shape)
+        slot = busy.popleft()
+        slot.event.synchronize()
+        return slot
+
+    def upload(self, slot: _Slot, stream) -> None:
+        """Queue the copy of ``slot.host`` to ``slot.device`` on ``stream`` (a CuPy stream)."""
+        import cupy
+
+        cupy.cuda.runtime.memcpyAsync(slot.device_ptr, slot.host_ptr, self.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+
+    def release(self, slot: _Slot, stream) -> None:
+        """After the launch that reads ``slot``: it is free again once ``stream`` gets here."""
+        slot.event.record(stream)
+        self.busy.append(slot)
+
+
+class CudaStep:
+    """One rule's flat update on the GPU over fixed buffers, prepared once for repeated steps.
+
+    Everything a launch needs is resolved here (the kernel, the chunk table, the buffers' raw
+    pointers, the argument tuple for each staging slot), so a step is: the scalar table
+    written into pinned staging memory (:func:`fill_step_table`, one row per group in the
+    common case), one small asynchronous host-to-device copy, one launch. No allocation, no
+    DLPack exchange and no synchronization per step. The buffers must stay alive and in place
+    (the torch adapter holds them).
+
+    >>> # step = CudaStep("adam", layout, params, grads, state.buffers)   # CuPy arrays
+    >>> # step(state, hypers, active, stream)                             # each step
+    """
+
+    def __init__(self, name: str, layout: FlatLayout, params, grads, buffers: dict,
+                 params_lowp=None):
+        import cupy
+
+        from xferlib._kernels.optim import OPTIM_MODULE, slot_names, update_name
+
+        rule = _RULES[name]
+        layout.check(params, "params")
+        _check_grads(layout, grads, "grads")
+        grad_dtype = np.dtype(grads.dtype).name
+        if params_lowp is not None:
+            _check_grads(layout, params_lowp, "params_lowp")
+            if np.dtype(params_lowp.dtype).name != grad_dtype:
+                raise TypeError(f"params_lowp dtype {params_lowp.dtype} must match the "
+                                f"gradients' {grads.dtype}")
+        slots = []
+        for slot in slot_names(rule.kind):
+            buffer = buffers.get(slot)
+            if buffer is not None:
+                layout.check(buffer, slot)
+            slots.append(buffer)
+        slots += [None] * (3 - len(slots))
+        self.rule, self.layout = rule, layout
+        self.device = params.device.id
+        with cupy.cuda.Device(self.device):
+            chunks = _chunk_table(layout)
+            self.kernel = OPTIM_MODULE.get_function(update_name(rule.kind, grad_dtype))
+        self.grid, self.block = (len(chunks[0]),), (256,)
+        self._keep = (params, grads, dict(buffers), params_lowp, chunks)  # pointers below
+        self._head = tuple(_pointer(a) for a in (params, grads, *slots))
+        self._tail = (*(_pointer(c) for c in chunks), np.int32(COMMON + SCALARS), np.uint64(0),
+                      _pointer(params_lowp))
+        self.ring = TableRing((len(layout.segments), COMMON + SCALARS))
+
+    def __call__(self, state: FlatState, hypers, active, stream) -> None:
+        """One step: ``hypers`` one dict per group, ``active`` bool per segment, ``stream`` a
+        CuPy stream (``as_cupy_stream`` wraps torch's)."""
+        ring = self.ring
+        slot = ring.acquire()
+        fill_step_table(self.rule, self.layout, state, hypers, active, slot.host)
+        ring.upload(slot, stream)
+        args = slot.args
+        if args is None:
+            args = slot.args = (*self._head, np.uint64(slot.device_ptr), *self._tail)
+        self.kernel(self.grid, self.block, args, stream=stream)
+        ring.release(slot, stream)
+
+
+def _pointer(array):
+    return np.uint64(0) if array is None else np.uint64(array.data.ptr)
 
 
 _CHUNK = 8192  # elements per block

@@ -1,6 +1,8 @@
-"""Flat JAX optimizers against optax under jax.jit."""
+"""Flat JAX optimizers against optax under jax.jit, both implementations (jax.numpy fused by
+XLA, and the flat kernel through buffer_callback)."""
 
 import functools
+import inspect
 
 import numpy as np
 import pytest
@@ -21,6 +23,19 @@ CASES = [
     (flat_sgd, optax.sgd, dict(learning_rate=0.05, momentum=0.9, nesterov=True)),
     (flat_lion, optax.lion, dict(learning_rate=1e-3, weight_decay=0.1)),
 ]
+# Options only the jax.numpy path has.
+XLA_CASES = [
+    (flat_adam, optax.adam, dict(learning_rate=1e-2, eps_root=1e-8)),
+    (flat_adamw, optax.adamw, dict(learning_rate=optax.linear_schedule(1e-2, 1e-3, 20),
+                                   weight_decay=0.05)),
+    (flat_sgd, optax.sgd, dict(learning_rate=0.05, momentum=0.0)),
+    (flat_lion, optax.lion, dict(learning_rate=optax.linear_schedule(1e-3, 1e-4, 20), b1=0.8,
+                                 weight_decay=0.0)),
+]
+if "nesterov" in inspect.signature(optax.adam).parameters:
+    XLA_CASES.append((flat_adam, optax.adam, dict(learning_rate=1e-2, nesterov=True)))
+ALL = [(*c, "xla") for c in CASES + XLA_CASES] + [(*c, "kernel") for c in CASES]
+ALL_IDS = [f"{c[0].__name__}-{c[3]}-{i}" for i, c in enumerate(ALL)]
 
 
 def _params(key):
@@ -34,13 +49,13 @@ def _loss(params, x):
     return jnp.mean(h ** 2) + jnp.mean(params["emb"]["table"] ** 2)
 
 
-@pytest.mark.parametrize("ours,theirs,kw", CASES, ids=[f"{c[0].__name__}-{i}"
-                                                        for i, c in enumerate(CASES)])
-def test_jit_training_matches_optax(device, ours, theirs, kw):
+@pytest.mark.parametrize("ours,theirs,kw,impl", ALL, ids=ALL_IDS)
+def test_jit_training_matches_optax(device, ours, theirs, kw, impl):
     params = jax.device_put(_params(jax.random.key(0)), device)
-    xs = jax.device_put(jax.random.normal(jax.random.key(1), (60, 4, 7)), device)
+    xs = jax.device_put(jax.random.normal(jax.random.key(1), (30, 4, 7)), device)
     flat, unravel = ravel(params)
-    tx, ref_tx = ours(**kw), theirs(**kw)
+    tx, ref_tx = ours(**kw, impl=impl), theirs(**kw)
+    assert tx.update.impl == impl
 
     @jax.jit
     def train(flat, params, xs):
@@ -63,14 +78,13 @@ def test_jit_training_matches_optax(device, ours, theirs, kw):
                                    atol=2e-6)
 
 
-@pytest.mark.parametrize("ours,theirs,kw", CASES, ids=[f"{c[0].__name__}-{i}"
-                                                        for i, c in enumerate(CASES)])
-def test_flat_step_in_place_matches_optax(device, ours, theirs, kw):
+@pytest.mark.parametrize("ours,theirs,kw,impl", ALL, ids=ALL_IDS)
+def test_flat_step_in_place_matches_optax(device, ours, theirs, kw, impl):
     """flat_step: parameters updated in one pass, donated to the jitted step."""
     params = jax.device_put(_params(jax.random.key(0)), device)
-    xs = jax.device_put(jax.random.normal(jax.random.key(1), (20, 4, 7)), device)
+    xs = jax.device_put(jax.random.normal(jax.random.key(1), (12, 4, 7)), device)
     flat, unravel = ravel(params)
-    tx, ref_tx = ours(**kw), theirs(**kw)
+    tx, ref_tx = ours(**kw, impl=impl), theirs(**kw)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(flat, state, x):
@@ -104,13 +118,56 @@ def test_ravel_roundtrip_and_alignment():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_state_moves_between_implementations():
+    """Both implementations keep FlatState(count, buffers) in the same order."""
+    flat = jnp.linspace(-1.0, 1.0, 16)
+    grads = jnp.cos(jnp.arange(16.0))
+    xla, kernel = flat_adam(1e-2, impl="xla"), flat_adam(1e-2, impl="kernel")
+    state = xla.init(flat)
+    for _ in range(3):
+        updates, state = xla.update(grads, state, flat)
+        flat = optax.apply_updates(flat, updates)
+    ref_flat, ref_state = flat, state
+    for _ in range(2):
+        updates, state = kernel.update(grads, state, flat)
+        flat = optax.apply_updates(flat, updates)
+        ref_updates, ref_state = xla.update(grads, ref_state, ref_flat)
+        ref_flat = optax.apply_updates(ref_flat, ref_updates)
+    assert int(state.count) == 5
+    np.testing.assert_allclose(np.asarray(flat), np.asarray(ref_flat), rtol=1e-6, atol=1e-7)
+    for a, b in zip(state.buffers, ref_state.buffers):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-9)
+
+
+def test_updates_without_params_where_optax_allows_it():
+    grads = jnp.cos(jnp.arange(8.0))
+    for ours, theirs, kw in ((flat_adam, optax.adam, {}),
+                             (flat_sgd, optax.sgd, dict(momentum=0.9))):
+        tx, ref = ours(1e-2, **kw), theirs(1e-2, **kw)
+        updates, _ = tx.update(grads, tx.init(grads))
+        ref_updates, _ = ref.update(grads, ref.init(grads))
+        np.testing.assert_allclose(np.asarray(updates), np.asarray(ref_updates), rtol=1e-6)
+    for tx in (flat_adamw(1e-2), flat_lion(1e-2), flat_adam(1e-2, impl="kernel")):
+        with pytest.raises(ValueError, match="needs params"):
+            tx.update(grads, tx.init(grads))
+
+
 def test_bad_input():
     tx = flat_adam(1e-3)
     with pytest.raises(TypeError, match="ravel"):
         tx.init({"w": jnp.ones(4)})
+    with pytest.raises(TypeError, match="float32"):
+        tx.init(jnp.ones(8, jnp.int32))
+    with pytest.raises(ValueError, match="differ"):
+        tx.update(jnp.ones(8), tx.init(jnp.ones(8)), jnp.ones(12))
     with pytest.raises(ValueError, match="multiple of 4"):
-        tx.init(jnp.ones(6))
+        flat_adam(1e-3, impl="kernel").init(jnp.ones(6))
+    tx.init(jnp.ones(6))  # the jax.numpy path takes any length
     with pytest.raises(ValueError, match="eps_root"):
-        flat_adam(1e-3, eps_root=1e-8)
+        flat_adam(1e-3, eps_root=1e-8, impl="kernel")
+    with pytest.raises(ValueError, match="impl"):
+        flat_sgd(1e-3, impl="triton")
     with pytest.raises(ValueError, match="beta"):
         flat_adam(1e-3, b1=1.5)
+    with pytest.raises(ValueError, match="weight_decay"):
+        flat_adamw(1e-3, weight_decay=-1.0)
