@@ -372,3 +372,37 @@ def test_fused_clipping_matches_torch_clip_grad_norm():
     _assert_same(ref, ours, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="capturable"):
         xt.FlatAdam(_model().parameters()).clip_grad_norm_(1.0, fused=True)
+
+
+@pytest.mark.gpu
+def test_eager_steps_running_ahead_of_the_gpu_match_torch():
+    """Eager steps queued far ahead of the GPU (no synchronization between them): each step's
+    scalar table has its own staging slot, so a slot the GPU has yet to read is never
+    overwritten, however far ahead the host runs (past the ring's 256 slots too); a learning
+    rate changed between steps reaches exactly the steps after it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none here")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    shapes = [(1024, 1024), (1000,), (3, 5)] * 4  # large enough that the GPU lags the host
+    grads = [[torch.randn(s, device="cuda", generator=g) for s in shapes] for _ in range(3)]
+    init = [torch.randn(s, device="cuda", generator=g) for s in shapes]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    for p in ref + ours:
+        p.grad = torch.zeros_like(p)  # gradients exist before the optimizers are built
+    ref_opt = torch.optim.Adam(ref, lr=1e-2, weight_decay=0.01)
+    opt = xt.FlatAdam(ours, lr=1e-2, weight_decay=0.01)
+    for params, optimizer in ((ref, ref_opt), (ours, opt)):
+        torch.cuda.synchronize()
+        for step in range(300):
+            for p, grad in zip(params, grads[step % 3]):
+                p.grad.copy_(grad)  # in place: the flat optimizer's fast path
+            if step == 150:
+                optimizer.param_groups[0]["lr"] = 3e-3
+            optimizer.step()
+    torch.cuda.synchronize()
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    (bucket,) = opt._buckets
+    assert 1 <= bucket.cuda_step.ring.count <= 256
+    assert list(bucket.steps()) == [300] * len(shapes)
