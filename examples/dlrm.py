@@ -158,7 +158,7 @@ def _main(args) -> int:
         if meta is not None:
             checkpoint.load(args.load, run, fw)
             history, start = list(meta["history"]), int(meta["step"])
-        seconds = loop.train(run, log, eval_set, name=name, start_step=start, steps=steps,
+        seconds, timed_steps = loop.train(run, log, eval_set, name=name, start_step=start, steps=steps,
                              batch_size=batch_size, xp=xp, evals=args.evals or preset.evals,
                              history=history, progress=not args.quiet)
         if not history or history[-1]["step"] != start + steps:  # steps == 0: evaluate once
@@ -170,7 +170,7 @@ def _main(args) -> int:
             "name": name, "framework": "torch-baseline" if baseline else fw,
             "preset": preset.name, "placement": "hbm" if baseline else args.placement,
             "device": device, "steps": steps, "total_steps": start + steps,
-            "batch_size": batch_size, "samples_per_s": steps * batch_size / seconds
+            "batch_size": batch_size, "samples_per_s": timed_steps * batch_size / seconds
             if seconds > 0 else 0.0, "auc": final["auc"], "logloss": final["logloss"],
             "oracle_auc": eval_set.oracle_auc, "oracle_logloss": eval_set.oracle_logloss,
             "peak_gpu_bytes": run.peak_gpu_bytes(), "table_bytes": table_bytes,

@@ -48,12 +48,16 @@ def _host(x):
 def train(run, log, eval_set, *, name, start_step, steps, batch_size, xp, evals, history,
           progress=True):
     """Run ``steps`` steps from ``start_step``; evaluate at the end and at ``evals`` points
-    spread over the run; append to ``history``. Returns seconds spent training."""
+    spread over the run; append to ``history``. Returns ``(seconds, timed steps)``: training
+    time without evaluations and without the first step (compilation, warm-up)."""
     from tqdm import tqdm
 
     stop = start_step + steps
     points = set(int(round(start_step + steps * (k + 1) / max(evals, 1)))
                  for k in range(max(evals, 1)))
+    def timed(done):  # steps inside the timed window
+        return max(done - start_step - (1 if steps > 1 else 0), 1)
+
     bar = tqdm(total=steps, desc=name, unit="step", disable=not progress, leave=True,
                dynamic_ncols=True, mininterval=0.5)
     train_time, running, t0, losses = 0.0, None, time.perf_counter(), []
@@ -62,13 +66,16 @@ def train(run, log, eval_set, *, name, start_step, steps, batch_size, xp, evals,
         losses.append(run.step(data))
         bar.update(1)
         done = step + 1
+        if step == start_step and steps > 1:  # the first step compiles and warms up: untimed
+            run.sync()
+            t0 = time.perf_counter()
         if done in points or len(losses) >= 50:
             value = float(np.mean([float(_host(v)) for v in losses]))  # one sync per 50 steps
             running = value if running is None else 0.8 * running + 0.2 * value
             losses = []
             elapsed = train_time + time.perf_counter() - t0
             bar.set_postfix(loss=f"{running:.4f}",
-                            samples_s=f"{(done - start_step) * batch_size / elapsed:,.0f}")
+                            samples_s=f"{timed(done) * batch_size / elapsed:,.0f}")
         if done in points:
             run.sync()
             train_time += time.perf_counter() - t0
@@ -76,7 +83,7 @@ def train(run, log, eval_set, *, name, start_step, steps, batch_size, xp, evals,
             history.append({"step": done, "samples": done * batch_size, "auc": a,
                             "logloss": ll, "train_loss": running})
             bar.set_postfix(loss=f"{running:.4f}", auc=f"{a:.4f}",
-                            samples_s=f"{(done - start_step) * batch_size / train_time:,.0f}")
+                            samples_s=f"{timed(done) * batch_size / train_time:,.0f}")
             t0 = time.perf_counter()
     bar.close()
-    return train_time
+    return train_time, timed(stop)

@@ -90,7 +90,7 @@ def plot(path, results, title) -> None:
     ax_bar.set_xticks(range(len(names)), names, rotation=15, fontsize=7)
     ax_bar.set(ylabel="thousand samples/s", title="training throughput")
     for b, s in zip(bars, speeds):
-        ax_bar.annotate(f"{s:,.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+        ax_bar.annotate(f"{s:,.1f}", (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

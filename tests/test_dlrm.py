@@ -1,0 +1,188 @@
+"""examples/dlrm.py: the tiny preset learns (torch and JAX), a resumed run equals an
+uninterrupted one, bad input is refused before anything is allocated or overwritten, the
+click log is a pure function of (seed, step) with the planted structure."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+SCRIPT = EXAMPLES / "dlrm.py"
+REQUIRED_KEYS = {"framework", "preset", "steps", "samples_per_s", "auc", "oracle_auc", "logloss"}
+
+
+def _run(*args, timeout=240):
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    return subprocess.run([sys.executable, str(SCRIPT), "--quiet", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _ok(result):
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def parts():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import dlrm_parts.config
+        import dlrm_parts.data
+
+        yield dlrm_parts
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_tiny_preset_learns(framework, tmp_path):
+    pytest.importorskip("torch")
+    if framework == "jax":
+        pytest.importorskip("optax")
+    out = tmp_path / "run.json"
+    _ok(_run("--framework", framework, "--device", "cpu", "--json", out))
+    doc = json.loads(out.read_text())
+    assert REQUIRED_KEYS <= set(doc)
+    assert doc["framework"] == framework and doc["preset"] == "tiny" and doc["steps"] == 800
+    assert doc["samples_per_s"] > 0
+    assert 0.8 < doc["oracle_auc"] < 0.95  # the planted model is informative, not trivial
+    assert doc["auc"] >= 0.5 + 0.8 * (doc["oracle_auc"] - 0.5), doc["runs"][0]["history"]
+    assert doc["runs"][0]["history"][-1]["step"] == 800
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_resume_equals_uninterrupted(framework, tmp_path):
+    pytest.importorskip("torch")
+    if framework == "jax":
+        pytest.importorskip("optax")
+    common = ("--framework", framework, "--device", "cpu", "--eval-samples", 2048,
+              "--evals", 1)
+    _ok(_run(*common, "--steps", 24, "--json", tmp_path / "full.json"))
+    _ok(_run(*common, "--steps", 12, "--save", tmp_path / "ckpt"))
+    _ok(_run(*common, "--steps", 12, "--load", tmp_path / "ckpt", "--json",
+             tmp_path / "resumed.json"))
+    full = json.loads((tmp_path / "full.json").read_text())
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["runs"][0]["total_steps"] == 24
+    assert resumed["logloss"] == pytest.approx(full["logloss"], rel=1e-6)
+    assert resumed["auc"] == pytest.approx(full["auc"], abs=1e-6)
+    # the resumed run's curve carries the first invocation's points
+    assert [h["step"] for h in resumed["runs"][0]["history"]] == [12, 24]
+
+
+def test_unknown_preset_is_refused():
+    r = _run("--preset", "huge")
+    assert r.returncode == 2 and "unknown preset 'huge'" in r.stderr
+
+
+def test_budget_smaller_than_hbm_tables_is_refused(tmp_path):
+    out = tmp_path / "x.json"
+    r = _run("--placement", "hbm", "--gpu-memory", "0.0001", "--json", out)
+    assert r.returncode == 2 and "smaller than the tables placed in HBM" in r.stderr
+    assert not out.exists()
+
+
+def test_load_of_another_configuration_is_refused(tmp_path, parts):
+    from dlrm_parts import checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    plan = parts.config.plan_tables(parts.config.get_preset("tiny"), "auto", None)
+    config = {"preset": "tiny", "framework": "torch", "placement": "auto",
+              "tables": [t.where for t in plan.tables], "seed": 0}
+    meta = {"format": checkpoint.FORMAT, "config": config, "step": 5, "history": []}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    out = tmp_path / "x.json"
+    r = _run("--placement", "host", "--load", ckpt, "--save", ckpt, "--json", out)
+    assert r.returncode == 2 and "another configuration" in r.stderr
+    assert "placement: checkpoint 'auto', this run 'host'" in r.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json"]  # nothing overwritten
+    assert json.loads((ckpt / "meta.json").read_text()) == meta and not out.exists()
+    r = _run("--load", tmp_path / "missing")
+    assert r.returncode == 2 and "not a checkpoint" in r.stderr
+
+
+def test_host_ram_is_checked_before_allocating(parts):
+    cfg = parts.config
+    plan = cfg.plan_tables(cfg.get_preset("large"), "auto", 3.0)
+    assert plan.bytes_host >= 4 * plan.budget_bytes  # the large preset's promise
+    with pytest.raises(MemoryError, match="host tables need .* GB of pinned host RAM"):
+        cfg.check_host_ram(plan, available=plan.bytes_host // 2)
+    cfg.check_host_ram(plan, available=plan.bytes_host * 2)
+
+
+def test_placement_respects_the_budget(parts):
+    cfg = parts.config
+    preset = cfg.get_preset("medium")
+    plan = cfg.plan_tables(preset, "auto", 2.0)
+    assert plan.bytes_hbm <= plan.budget_bytes // 2
+    assert plan.bytes_hbm + plan.bytes_cache <= plan.budget_bytes
+    hbm = [t.rows for t in plan.tables if t.where == "hbm"]
+    host = [t.rows for t in plan.tables if t.where == "host"]
+    assert host and max(hbm) <= min(host)  # the smallest tables stay in HBM
+    assert all(0 < t.cache_rows <= t.rows for t in plan.tables if t.where == "host")
+    tt = cfg.plan_tables(preset, "tt", None)
+    assert all((t.where == "tt") == (t.rows >= preset.tt_min_rows) for t in tt.tables)
+    with pytest.raises(ValueError, match="unknown placement"):
+        cfg.plan_tables(preset, "disk", None)
+    with pytest.raises(ValueError, match="positive number of GB"):
+        cfg.plan_tables(preset, "auto", -1)
+
+
+def test_click_log_is_a_pure_function_of_seed_and_step(parts):
+    data = parts.data
+    cards = [7, 1, 100, 1000] + [50] * 22
+    log = data.ClickLog(cards, seed=3, pooling=2)
+    a, b = log.batch(11, 64), log.batch(11, 64)
+    for name in ("dense", "cat", "label", "logit"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert not np.array_equal(log.batch(12, 64).cat, a.cat)
+    assert not np.array_equal(data.ClickLog(cards, seed=4, pooling=2).batch(11, 64).cat, a.cat)
+    assert a.cat.shape == (26, 64, 2) and a.dense.shape == (64, 13)
+    assert ((a.cat >= 0) & (a.cat < np.array(cards)[:, None, None])).all()
+    assert (a.cat[1] == 0).all()  # a one-row table
+    # Zipf popularity scattered by a permutation: the hottest row is common and not row 0
+    rows = log.batch(0, 20000).cat[3].ravel()
+    counts = np.bincount(rows, minlength=1000)
+    assert counts.max() > 20 * counts.mean() and counts.argmax() != 0
+    assert (counts > 0).sum() > 500
+
+
+def test_initial_rows_do_not_depend_on_chunking(parts):
+    init_rows = parts.data.init_rows
+    whole = init_rows(0, 5, 0, 100, 8, 0.05)
+    np.testing.assert_array_equal(np.concatenate([init_rows(0, 5, 0, 37, 8, 0.05),
+                                                  init_rows(0, 5, 37, 100, 8, 0.05)]), whole)
+    assert np.abs(whole).max() <= 0.05 and whole.std() > 0.02
+
+
+@pytest.mark.gpu
+def test_click_log_is_the_same_on_gpu_and_cpu(parts):
+    import cupy
+
+    log = parts.data.ClickLog(parts.config.get_preset("tiny").cardinalities, seed=1, pooling=3)
+    cpu, gpu = log.batch(5, 512, np), log.batch(5, 512, cupy)
+    np.testing.assert_array_equal(cpu.cat, gpu.cat.get())
+    np.testing.assert_allclose(cpu.dense, gpu.dense.get(), rtol=1e-5, atol=1e-5)
+    assert (cpu.label != gpu.label.get()).mean() < 0.01  # float rounding at the threshold
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_short_gpu_run(framework, tmp_path):
+    out = tmp_path / "run.json"
+    _ok(_run("--framework", framework, "--device", "cuda", "--steps", 60, "--evals", 1,
+             "--compare", "--json", out))
+    doc = json.loads(out.read_text())
+    runs = {r["framework"]: r for r in doc["runs"]}
+    assert runs[framework]["peak_gpu_bytes"] > 0 and runs[framework]["device"] == "cuda"
+    assert runs[framework]["auc"] > 0.6 and "torch-baseline" in runs
+    # same initial values and data: the curves agree closely after 60 steps
+    assert abs(runs[framework]["auc"] - runs["torch-baseline"]["auc"]) < 0.02
