@@ -703,15 +703,18 @@ def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, m
 
 
 def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, optimizer, args):
-    """The cached rows' optimizer step on the GPU: one block per run of one row in the sorted
-    batch that hits the cache sums the run's gradients (in sorted order) and updates the row."""
+    """The cached rows' optimizer step on the GPU, one launch: each run of one row in the sorted
+    batch that hits the cache has its gradients summed (in a fixed order) and its row updated
+    by one block (see ``tt_cache_update`` in xferlib/_kernels/tt.py)."""
     import cupy
+
+    from xferlib._kernels.tt import CACHE_THREADS
 
     grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))
     weights = plan.per_sample_weights
     n = plan.n
     _launch(shape, f"tt_cache_update<{_key_name(plan.rows)}>",
-            (max(1, min(n, 8192)),), (64,),
+            (max(1, min(-(-n // CACHE_THREADS), 2048)),), (CACHE_THREADS,),
             [plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
              np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
              weights if weights is not None else np.uint64(0), np.int32(plan.mean),

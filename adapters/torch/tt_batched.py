@@ -285,21 +285,34 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
     def set_learning_rate(self, lr: float) -> None:
         self.learning_rate = float(lr)
 
+    def _memo(self, name: str, tensors, build, *extra):
+        """``build()``'s array views, rebuilt only when a tensor moved (``.to()``, a new
+        ``.data``) or ``extra`` changed: a step then spends no host time on views."""
+        key = tuple((t.device, t.data_ptr(), tuple(t.shape)) for t in tensors) + extra
+        memo = self.__dict__.setdefault("_views", {})
+        hit = memo.get(name)
+        if hit is None or hit[0] != key:
+            hit = memo[name] = (key, build())
+        return hit[1]
+
     def _core_arrays(self) -> list:
         """The cores as arrays of the joint TT (``[T p_k, width]`` views of the Parameters)."""
-        return [_array(c.detach().view(-1, c.shape[-1])) for c in self.tt_cores]
+        return self._memo("cores", list(self.tt_cores), lambda: [
+            _array(c.detach().view(-1, c.shape[-1])) for c in self.tt_cores])
+
+    def _state_buffers(self) -> list:
+        return [self.optimizer_state[k] if j == 0 else
+                getattr(self.optimizer_state, f"{name}{k}")
+                for k in range(self.tt_ndim) for j, name in enumerate(self._state_names)]
 
     def _state_arrays(self) -> list[dict]:
         """The fused optimizer's state per core as arrays of the joint TT."""
-        out = []
-        for k in range(self.tt_ndim):
-            state = {}
-            for j, name in enumerate(self._state_names):
-                buf = (self.optimizer_state[k] if j == 0 else
-                       getattr(self.optimizer_state, f"{name}{k}"))
-                state[name] = _array(buf.view(-1, *buf.shape[2:]))
-            out.append(state)
-        return out
+        def build():
+            buffers, names = iter(self._state_buffers()), self._state_names
+            return [{name: _array((buf := next(buffers)).view(-1, *buf.shape[2:]))
+                     for name in names} for _ in range(self.tt_ndim)]
+
+        return self._memo("state", self._state_buffers(), build)
 
     # ------------------------------------------------------------------ forward
 

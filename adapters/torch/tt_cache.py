@@ -32,16 +32,22 @@ def _core_cache(self):
     """The cache as xferlib's TTRowCache over this module's tensors (None without)."""
     if not self.use_cache:
         return None
-    state = {}
-    if self.sparse:
-        for j, name in enumerate(self._state_names):
-            state[name] = _array(getattr(self, "cache_optimizer_state" if j == 0 else
-                                         f"cache_optimizer_state_{name}"))
-    return core.TTRowCache.from_arrays(
-        self.shape, self._core_optimizer, rows=_array(self.cache_rows),
-        weight=_array(self.cache_weight.data), state=state, freq_keys=_array(self.hashtbl),
-        freq_counts=_array(self.cache_freq), key_slots=_array(self.cache_state),
-        active=not self.warmup)
+    names = [("cache_optimizer_state" if j == 0 else f"cache_optimizer_state_{name}", name)
+             for j, name in enumerate(self._state_names)] if self.sparse else []
+    tensors = [self.cache_rows, self.cache_weight, self.hashtbl, self.cache_freq,
+               self.cache_state] + [getattr(self, attr) for attr, _ in names]
+
+    def build():
+        return core.TTRowCache.from_arrays(
+            self.shape, self._core_optimizer, rows=_array(self.cache_rows),
+            weight=_array(self.cache_weight.data),
+            state={name: _array(getattr(self, attr)) for attr, name in names},
+            freq_keys=_array(self.hashtbl), freq_counts=_array(self.cache_freq),
+            key_slots=_array(self.cache_state), active=not self.warmup)
+
+    cache = self._memo("cache", tensors, build)
+    cache.active = not self.warmup
+    return cache
 
 
 def _require_cache(self):

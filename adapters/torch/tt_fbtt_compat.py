@@ -73,7 +73,7 @@ def tt_matrix_to_full(tt_p_shapes, tt_q_shapes, tt_ranks, tt_cores, tt_permute=N
     right only for permutations that are their own inverse, such as its ``[1, 0, 2, 3]``).
     ``None``: cores already in the natural order, or FBTT's stored ``[1, p_k, R q R]`` layout.
 
-    >>> cores = [torch.ones(1, 2, 3), torch.ones(1, 3, 3)]  # p = [2, 3], q = [3, 1], rank 1
+    >>> cores = [torch.ones(1, 2, 3), torch.ones(1, 3, 1)]  # p = [2, 3], q = [3, 1], rank 1
     >>> tt_matrix_to_full([2, 3], [3, 1], [1], cores, [1, 0, 2, 3]).shape
     torch.Size([6, 3])
     """

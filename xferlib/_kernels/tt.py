@@ -36,6 +36,7 @@ CHUNK = 16  # sorted positions per block in tt_rows / tt_bwd_pieces
 THREADS = 128
 REDUCE_THREADS = 256
 PIECE_BATCH = 8  # PB in the kernel source
+CACHE_THREADS = 256  # tt_cache_update's block size (CACHE_THREADS in the source)
 
 TT_KERNEL = r"""
 typedef long long i64;
@@ -861,46 +862,88 @@ extern "C" __global__ void tt_update(float* c0, float* c1, float* c2, float* c3,
                rowst[k] ? rowst[k] + i : nullptr, steps[k] ? steps[k] + i : nullptr, h, red);
 }
 
-// The row cache's optimizer step: per run of one row in the sorted batch (rows / perm, as
-// tt_rows reads them) whose lookups hit cache slot c = slot[m], the run's gradients summed in
-// sorted order, then update_row on cached row c. A rejected batch changes nothing.
+// The row cache's optimizer step. The sorted batch (rows / perm, as tt_rows reads them) is cut
+// into tiles of CACHE_THREADS positions; a block first collects the tile's runs (of one row)
+// that hit the cache (slot[m] >= 0), then for each: finds where the run ends (it may pass the
+// tile), sums the run's gradients (groups of threads take every G-th lookup, their partials
+// added in a fixed order: deterministic) and applies update_row to cached row c. A hot row's
+// long run is summed by the whole block. A rejected batch changes nothing.
+constexpr int CACHE_THREADS = 256;
+constexpr int CACHE_EW = DIM < CACHE_THREADS ? DIM : CACHE_THREADS;  // elements per pass
+constexpr int CACHE_G = CACHE_THREADS / CACHE_EW;                    // groups along a run
+
 template <typename K>
-__global__ void tt_cache_update(const K* rows, const i64* perm, i64 n, const i64* bag_of,
-                                const i64* offsets, i64 n_off, int include_last,
-                                const float* psw, int mean, const float* grad_bags,
-                                const i64* slot, i64 capacity, float* cw, float* e1, float* e2,
-                                float* rs, i64* st, HYPER_ARGS, const u64* verdict) {
+__global__ void __launch_bounds__(CACHE_THREADS)
+tt_cache_update(const K* rows, const i64* perm, i64 n, const i64* bag_of, const i64* offsets,
+                i64 n_off, int include_last, const float* psw, int mean,
+                const float* grad_bags, const i64* slot, i64 capacity, float* cw, float* e1,
+                float* e2, float* rs, i64* st, HYPER_ARGS, const u64* verdict) {
     if (rejected(verdict)) return;
+    __shared__ float part[CACHE_G * DIM];
     __shared__ float gs[DIM];
     __shared__ float red[33];
+    __shared__ i64 starts[CACHE_THREADS], cslots[CACHE_THREADS];
+    __shared__ int found;
     const Hyper h = HYPER;
     const i64 bags = (include_last ? n_off : n_off + 1) - 1;
-    for (i64 j = blockIdx.x; j < n; j += gridDim.x) {
-        if (j > 0 && rows[j] == rows[j - 1]) continue;  // not the start of a run
-        const i64 m0 = perm[j];
-        const i64 c = (m0 >= 0 && m0 < n) ? slot[m0] : -1;
-        if (c < 0 || c >= capacity) continue;
-        for (int e = threadIdx.x; e < DIM; e += blockDim.x) {
-            float s = 0.f;
-            for (i64 jj = j; jj < n && rows[jj] == rows[j]; ++jj) {
-                const i64 m = perm[jj];
-                if (m < 0 || m >= n) continue;
-                const i64 b = bag_of[m];
-                if (b < 0 || b >= bags) continue;
-                float wgt = psw != nullptr ? psw[m] : 1.f;
-                if (mean) {
-                    const i64 cnt = bound_at(offsets, n_off, n, b + 1) - bound_at(offsets, n_off, n, b);
-                    wgt /= (float)(cnt > 0 ? cnt : 1);
-                }
-                s += wgt * grad_bags[b * DIM + e];
+    const int e0 = threadIdx.x % CACHE_EW, g = threadIdx.x / CACHE_EW;
+    for (i64 tile = (i64)blockIdx.x * CACHE_THREADS; tile < n;
+         tile += (i64)gridDim.x * CACHE_THREADS) {
+        __syncthreads();  // the previous tile's lists are no longer read
+        if (threadIdx.x == 0) found = 0;
+        __syncthreads();
+        const i64 j = tile + threadIdx.x;
+        if (j < n && (j == 0 || rows[j] != rows[j - 1])) {
+            const i64 m0 = perm[j];
+            const i64 c = (m0 >= 0 && m0 < n) ? slot[m0] : -1;
+            if (c >= 0 && c < capacity) {
+                const int at = atomicAdd(&found, 1);
+                starts[at] = j;
+                cslots[at] = c;
             }
-            gs[e] = s;
         }
         __syncthreads();
-        update_row(cw + c * DIM, gs, DIM, e1 ? e1 + c * DIM : nullptr,
-                   e2 ? e2 + c * DIM : nullptr, rs ? rs + c : nullptr, st ? st + c : nullptr,
-                   h, red);
-        __syncthreads();  // gs is refilled by the next run
+        const int runs = found;
+        for (int r = 0; r < runs; ++r) {
+            const i64 j0 = starts[r], c = cslots[r];
+            const K row = rows[j0];
+            i64 end = j0;  // sorted: the positions holding the row are a prefix from j0
+            while (true) {
+                const i64 q = end + threadIdx.x;
+                const int same = __syncthreads_count(q < n && rows[q] == row);
+                end += same;
+                if (same < CACHE_THREADS) break;
+            }
+            for (int e = e0; e < DIM; e += CACHE_EW) {
+                float s = 0.f;
+#pragma unroll 8
+                for (i64 jj = j0 + g; jj < end; jj += CACHE_G) {
+                    const i64 m = perm[jj];
+                    if (m < 0 || m >= n) continue;
+                    const i64 b = bag_of[m];
+                    if (b < 0 || b >= bags) continue;
+                    float wgt = psw != nullptr ? psw[m] : 1.f;
+                    if (mean) {
+                        const i64 cnt = bound_at(offsets, n_off, n, b + 1) -
+                                        bound_at(offsets, n_off, n, b);
+                        wgt /= (float)(cnt > 0 ? cnt : 1);
+                    }
+                    s += wgt * grad_bags[b * DIM + e];
+                }
+                part[g * DIM + e] = s;
+            }
+            __syncthreads();
+            for (int e = threadIdx.x; e < DIM; e += CACHE_THREADS) {
+                float s = 0.f;
+                for (int gg = 0; gg < CACHE_G; ++gg) s += part[gg * DIM + e];
+                gs[e] = s;
+            }
+            __syncthreads();
+            update_row(cw + c * DIM, gs, DIM, e1 ? e1 + c * DIM : nullptr,
+                       e2 ? e2 + c * DIM : nullptr, rs ? rs + c : nullptr,
+                       st ? st + c : nullptr, h, red);
+            __syncthreads();  // gs and part are refilled by the next run
+        }
     }
 }
 """
