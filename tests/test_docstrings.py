@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["xferlib.rows", "xferlib.memory", "xferlib.adapters.torch.rows",
+MODULES = ["xferlib.rows", "xferlib.memory", "xferlib.perf", "xferlib.adapters.torch.rows",
            "xferlib.adapters.jax.rows", "xferlib.adapters.torch.contiguous",
            "xferlib.adapters.torch.tt"]
 
