@@ -6,6 +6,7 @@ is one kernel launch per step; without one everything runs on the CPU (NumPy pat
     python examples/flat_optimizer.py
 """
 
+import functools
 import time
 
 import numpy as np
@@ -53,7 +54,7 @@ def jax_demo(steps=200):
     import jax.numpy as jnp
     import optax
 
-    from xferlib.adapters.jax import flat_adamw, ravel
+    from xferlib.adapters.jax import flat_adamw, flat_step, ravel
 
     x, y = (jnp.asarray(a) for a in _mlp_data())
     keys = jax.random.split(jax.random.key(0), 7)
@@ -79,14 +80,15 @@ def jax_demo(steps=200):
     flat, unravel = ravel(params)
     tx = flat_adamw(1e-3, weight_decay=0.01)
 
-    @jax.jit
-    def flat_step(f, s):
+    # Parameters and state donated: flat_step updates them in place, in one fused pass.
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_flat(f, s):
         loss, g = jax.value_and_grad(lambda f: loss_fn(unravel(f)))(f)
-        u, s = tx.update(g, s, f)  # gradients w.r.t. the flat buffer are flat already
-        return optax.apply_updates(f, u), s, loss
+        f, s = flat_step(tx, g, s, f)  # gradients w.r.t. the flat buffer are flat already
+        return f, s, loss
 
     for name, step, p, s in (("optax.adamw", ref_step, params, ref_tx.init(params)),
-                             ("xferlib flat_adamw", flat_step, flat, tx.init(flat))):
+                             ("xferlib flat_adamw", train_flat, flat, tx.init(flat))):
         p, s, loss = step(p, s)  # compile
         jax.block_until_ready(p)
         t0 = time.perf_counter()
