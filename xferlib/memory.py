@@ -401,11 +401,16 @@ def is_pinned(array) -> bool:
         return True
     import cupy
 
-    try:
-        attrs = cupy.cuda.runtime.pointerGetAttributes(start)
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return False
-    return attrs.type == cupy.cuda.runtime.memoryTypeHost
+    # The driver answers per address: ask for the first and the last byte, so an array only
+    # partly inside a pinned range (a kernel would fault past its end) is not called pinned.
+    for address in {start, start + array.nbytes - 1}:
+        try:
+            attrs = cupy.cuda.runtime.pointerGetAttributes(address)
+        except cupy.cuda.runtime.CUDARuntimeError:
+            return False
+        if attrs.type != cupy.cuda.runtime.memoryTypeHost:
+            return False
+    return True
 
 
 def device_pointer(array: np.ndarray, name: str = "array") -> int:

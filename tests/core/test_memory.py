@@ -218,13 +218,15 @@ def test_gather_from_pageable_table_warns_once_per_table():
     reset_warnings()
     table = np.arange(4000, dtype=np.float32).reshape(1000, 4)
     idx = cupy.asarray(np.array([5, 1, 5, 999]))
+    expected = table[[5, 1, 5, 999]]
     with pytest.warns(xferlib.XferlibPerformanceWarning, match="pageable.*xferlib.pin") as rec:
         for _ in range(3):
             rows = xferlib.gather_rows(table, idx)
         xferlib.scatter_add_rows(table[:500], cupy.asarray(np.array([1])),
                                  cupy.ones((1, 4), cupy.float32))
     assert len([r for r in rec if r.category is xferlib.XferlibPerformanceWarning]) == 2
-    np.testing.assert_array_equal(rows.get(), table[[5, 1, 5, 999]])
+    np.testing.assert_array_equal(rows.get(), expected)
+    assert table[1, 0] == expected[1, 0] + 1  # the scatter-add reached the pageable table
     xferlib.pin(table)  # fixed: no more warnings, same answer
     with warnings.catch_warnings():
         warnings.simplefilter("error", xferlib.XferlibPerformanceWarning)
