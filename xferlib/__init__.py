@@ -12,6 +12,7 @@ from xferlib.perf import XferlibPerformanceWarning
 from xferlib.table import (SPARSE_OPTIMIZERS, HostTable, optimizer_defaults,
                            sparse_update_reference)
 from xferlib.rows import (
+    check_rows,
     gather_rows,
     gather_rows_bwd,
     gather_rows_fwd,
@@ -30,6 +31,7 @@ __all__ = [
     "PinnedArray",
     "SPARSE_OPTIMIZERS",
     "array_kind",
+    "check_rows",
     "cupy_available",
     "data_pointer",
     "gather_rows",

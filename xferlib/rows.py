@@ -18,19 +18,26 @@ pageable NumPy         CuPy              NumPy, with the rows moved through the 
 or the table is, else as NumPy. GPU work is queued on ``stream`` (default: CuPy's current
 stream); synchronize that stream before reading a pinned table from NumPy after a scatter.
 
-Every function checks its input before it touches anything: an index outside
-``[0, num_rows)`` raises IndexError naming the first bad position, its value and the table
-size; wrong dtypes raise TypeError; wrong shapes ValueError. On the GPU the check runs in a
-kernel queued before the row kernel, which does nothing at all when an index is bad; the
-host reads the verdict (8 bytes: a stream sync) once everything is queued, and raises.
+Every function checks its input before it touches anything: wrong dtypes raise TypeError,
+wrong shapes ValueError, at once. An index outside ``[0, num_rows)`` raises IndexError naming
+the first bad position, its value and the table size: on the CPU path before anything is
+written; on the GPU path the check runs in the sort kernel queued before the row kernel,
+which then does nothing at all, and the verdict (16 bytes) travels to pinned host memory
+without a host sync. It is read by a later GPU call of this module (which raises before it
+queues anything; at the latest once four calls are pending) or by :func:`check_rows`, which
+waits for every pending verdict. So a GPU call costs no round trip: the host queues the next
+one while the device works, and a bad batch writes nothing and raises soon after.
 """
 
 from __future__ import annotations
 
+import collections
+import weakref
+
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_cupy_array, namespace_name
-from xferlib.memory import device_pointer, is_pinned
+from xferlib.memory import _registration_of, device_pointer, is_pinned
 from xferlib.perf import warn_slow_rows_path
 
 __all__ = [
@@ -41,6 +48,7 @@ __all__ = [
     "gather_rows_fwd",
     "gather_rows_bwd",
     "gather_rows_reference",
+    "check_rows",
     "scatter_rows_reference",
     "scatter_add_rows_reference",
 ]
@@ -158,10 +166,32 @@ def unique_indices(idx):
 # ----------------------------------------------------------------------------- GPU helpers
 
 
+# Device address of each registered pinned range's start (no driver call per launch).
+_REGISTERED_BASES = weakref.WeakKeyDictionary()
+
+
 def _device_address(array, name: str) -> int:
     """Where a kernel finds ``array``: a CuPy array's pointer, or a pinned host array's
-    device address (ValueError for pageable memory)."""
-    return int(array.data.ptr) if is_cupy_array(array) else device_pointer(array, name)
+    device address (ValueError for pageable memory). Arrays inside a range xferlib
+    registered are answered from a cache, without a driver call."""
+    if is_cupy_array(array):
+        return int(array.data.ptr)
+    start = array.ctypes.data
+    reg = _registration_of(start, array.nbytes) if array.nbytes else None
+    if reg is None:
+        return device_pointer(array, name)
+    base = _REGISTERED_BASES.get(reg)
+    if base is None:
+        import cupy
+
+        base = _REGISTERED_BASES[reg] = int(
+            cupy.cuda.runtime.pointerGetAttributes(reg.ptr).devicePointer)
+    return base + (start - reg.ptr)
+
+
+def _is_gpu_reachable(array) -> bool:
+    return is_cupy_array(array) or (array.nbytes > 0 and _registration_of(
+        array.ctypes.data, array.nbytes) is not None) or is_pinned(array)
 
 
 def _word_bytes(*values: int) -> int:
@@ -223,6 +253,9 @@ def _identity_permutation(n: int):
     return cached[:n]
 
 
+_SHARED_SET = {}
+
+
 def _sorted_positions_small(idx, num_rows: int, stream):
     """:func:`_sorted_positions` without a device-wide sort or a host sync: tiles of up to
     16,384 positions are checked, narrowed and sorted by one block each (one launch), then
@@ -243,8 +276,10 @@ def _sorted_positions_small(idx, num_rows: int, stream):
     verdict.data.memset_async(0xFF, 16, stream)
     kernel = ROWS_MODULE.get_function(small_sort_name(idx.dtype.name, items))
     shared = small_sort_shared_bytes(items)
-    if kernel.max_dynamic_shared_size_bytes < shared:
-        kernel.max_dynamic_shared_size_bytes = shared
+    if _SHARED_SET.get(id(kernel)) is not kernel:  # an attribute query is a driver call
+        if kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+        _SHARED_SET[id(kernel)] = kernel
     bits = max(1, int(num_rows - 1).bit_length())
     tiles = max(1, -(-n // tile))
     kernel((tiles,), (SMALL_SORT_THREADS,), (idx, np.int64(n), np.int64(num_rows),
@@ -273,6 +308,79 @@ def _raise_if_bad(verdict, idx, num_rows: int, stream) -> None:
         before, value = (int(v) for v in idx[unsorted - 1:unsorted + 1].get(stream=stream))
         raise ValueError(f"sorted_indices=True, but index {value} at position {unsorted} comes "
                          f"after {before}; nothing was written")
+
+
+# ----------------------------------------------------------------------------- deferred checks
+
+_MAX_PENDING = 4  # GPU calls whose verdict may be unread; a fifth waits for the oldest
+_RING = 64  # pinned verdict slots, reused round-robin (more than _MAX_PENDING + 1)
+
+
+class _Pending:
+    """Verdicts of GPU calls on their way to pinned host memory, oldest first."""
+
+    def __init__(self):
+        self.host = None
+        self.events = [None] * _RING
+        self.entries = collections.deque()  # (slot, fn name, idx, num_rows)
+        self.next = 0
+
+    def push(self, fn: str, verdict, idx, num_rows: int, stream) -> None:
+        import cupy
+        import cupyx
+
+        if self.host is None:
+            self.host = cupyx.empty_pinned((_RING, 2), dtype=np.uint64)
+        slot, self.next = self.next, (self.next + 1) % _RING
+        event = self.events[slot]
+        if event is None:
+            event = self.events[slot] = cupy.cuda.Event(block=False, disable_timing=True)
+        cupy.cuda.runtime.memcpyAsync(self.host[slot].ctypes.data, verdict.data.ptr, 16,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        event.record(stream)
+        self.entries.append((slot, fn, idx, num_rows))
+
+    def poll(self, wait: bool = False) -> None:
+        """Raise for the oldest bad call whose verdict is in; wait for verdicts when ``wait``
+        or while ``_MAX_PENDING`` calls are unread (so a slot is free for the next push)."""
+        entries = self.entries
+        while entries and (wait or len(entries) >= _MAX_PENDING
+                           or self.events[entries[0][0]].done):
+            self._resolve(entries.popleft())
+
+    def _resolve(self, entry) -> None:
+        slot, fn, idx, num_rows = entry
+        self.events[slot].synchronize()
+        bad, unsorted = (int(v) for v in self.host[slot])
+        if bad == _NO_BAD_INDEX and unsorted == _NO_BAD_INDEX:
+            return
+        note = f"{fn} (an earlier call on the GPU; nothing was written): "
+        if bad != _NO_BAD_INDEX:
+            value = int(idx[bad:bad + 1].get()[0])
+            try:
+                _raise_bad_index(bad, value, num_rows)
+            except IndexError as err:
+                raise IndexError(note + str(err)) from None
+        before, value = (int(v) for v in idx[unsorted - 1:unsorted + 1].get())
+        raise ValueError(f"{note}sorted_indices=True, but index {value} at position {unsorted} "
+                         f"comes after {before}; nothing was written")
+
+
+_PENDING = _Pending()
+
+
+def check_rows() -> None:
+    """Wait for the index checks of every GPU gather/scatter queued so far and raise the
+    first failure (IndexError for an index outside the table, ValueError for a broken
+    ``sorted_indices`` promise). A rejected call wrote nothing.
+
+    GPU calls do not wait for their own check (see the module docstring); call this where
+    the error must surface at a known point, e.g. before reading results on the host.
+
+    >>> import numpy as np, xferlib
+    >>> xferlib.rows.check_rows()  # nothing pending on the CPU path
+    """
+    _PENDING.poll(wait=True)
 
 
 def _launch_sorted_kernel(kind: str, table, keys, perm, first_bad, rows, stream) -> None:
@@ -357,8 +465,9 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
 
     cupy = _cupy_for_gpu_path()
     stream = as_cupy_stream(stream)
+    _PENDING.poll()  # an earlier call's bad batch raises here, before anything is queued
     with stream:
-        if not is_cupy_array(table) and not is_pinned(table):
+        if not _is_gpu_reachable(table):
             # Pageable memory is out of the GPU's reach: gather on the host, then upload.
             host_idx = cupy.asnumpy(idx) if is_cupy_array(idx) else idx
             rows = gather_rows(table, host_idx, sorted_indices=sorted_indices)
@@ -376,7 +485,7 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
             return out
         keys, perm, first_bad = _sorted_positions(idx, num_rows, stream, sorted_indices)
         _launch_sorted_kernel("gather", table, keys, perm, first_bad, out, stream)
-        _raise_if_bad(first_bad, idx, num_rows, stream)
+        _PENDING.push("gather_rows", first_bad, idx, num_rows, stream)
     return out
 
 
@@ -423,22 +532,24 @@ def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
 
     cupy = _cupy_for_gpu_path()
     stream = as_cupy_stream(stream)
+    _PENDING.poll()
     with stream:
-        if not is_cupy_array(table) and not is_pinned(table):
+        if not _is_gpu_reachable(table):
             host_idx = cupy.asnumpy(idx, stream=stream) if is_cupy_array(idx) else idx
             host_src = cupy.asnumpy(src, stream=stream) if is_cupy_array(src) else src
             stream.synchronize()
             return _scatter(table, host_idx, host_src, None, sorted_indices,
                             accumulate=accumulate)
         idx = _to_gpu_indices(idx, num_rows)
-        if not is_cupy_array(src) and not is_pinned(src):
+        if not _is_gpu_reachable(src):
             src = cupy.asarray(src)
         if n == 0 or table.shape[1] == 0:
             return table
         keys, perm, first_bad = _sorted_positions(idx, num_rows, stream, sorted_indices)
         _launch_sorted_kernel("add" if accumulate else "scatter", table, keys, perm, first_bad,
                               src, stream)
-        _raise_if_bad(first_bad, idx, num_rows, stream)
+        _PENDING.push("scatter_add_rows" if accumulate else "scatter_rows", first_bad, idx,
+                      num_rows, stream)
     return table
 
 

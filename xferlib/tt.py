@@ -643,10 +643,15 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
 
     ``defer_check`` (kernel path): do not wait for the input check at all; return a
     :class:`TTPendingCheck` whose ``resolve()`` raises for a rejected batch later (the batch
-    changed nothing). The step then takes no host synchronization. Otherwise returns None.
+    changed nothing). The step then takes no host synchronization. ``"silent"``: no check and
+    no copy at all (a step captured in a CUDA graph; the caller reads the plan's verdict with
+    :func:`tt_check_plan` after replays). Otherwise returns None.
     """
     _check_sparse_args(optimizer, lr)
     kernel_path = isinstance(residuals, TTBagPlan)
+    step = hyper.get("step", 1)
+    if not kernel_path and not isinstance(step, (int, np.integer)):  # a device counter
+        hyper["step"] = int(_to_host(step).reshape(-1)[0])
     if cache is not None and cache.active and not kernel_path:
         grad, touched = tt_cache_grad(cache, shape, residuals, grad_bags)
         rows = (array_module(touched).flatnonzero(touched) if optimizer in _LAZY
@@ -671,6 +676,8 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
             + [grad, touched] + args)
     # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
     # flagged as touched), and the host waited for nothing while the step was being queued.
+    if defer_check == "silent":  # the caller reads residuals.verdict itself (CUDA graphs)
+        return None
     if defer_check and not residuals.checked:
         return TTPendingCheck(residuals, shape)
     tt_check_plan(residuals, shape)
@@ -696,10 +703,15 @@ def _state_pointers(state: dict, optimizer: str) -> list:
 
 def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, momentum=0.9,
                     step=1) -> list:
-    """The kernels' optimizer arguments (after the state pointers)."""
+    """The kernels' optimizer arguments (after the state pointers); ``step``: an int or a
+    one-element int64 device array (read by the kernels when they run)."""
+    import cupy
+
+    if isinstance(step, (int, np.integer)):
+        step = cupy.full(1, int(step), dtype=np.int64)
     return [np.int32(SPARSE_OPTIMIZERS.index(optimizer)), np.float32(lr), np.float32(eps),
             np.float64(betas[0]), np.float64(betas[1]), np.float32(weight_decay),
-            np.float32(eta), np.float32(momentum), np.int64(step)]
+            np.float32(eta), np.float32(momentum), step]
 
 
 def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, optimizer, args):

@@ -16,6 +16,7 @@ class _GatherRows(torch.autograd.Function):
         stream = current_stream(out_device)
         _, residuals = core_rows.gather_rows_fwd(
             as_core_array(table), as_core_array(idx), out=as_core_array(out), stream=stream)
+        core_rows.check_rows()  # autograd users get the IndexError from this call
         ctx.save_for_backward(idx)
         ctx.table_meta = (table.shape, table.dtype, table.device)
         ctx.num_rows = residuals[1]
@@ -31,6 +32,7 @@ class _GatherRows(torch.autograd.Function):
             idx = idx.cpu()
         core_rows.gather_rows_bwd((as_core_array(idx), ctx.num_rows), as_core_array(grad_out),
                                   out=as_core_array(grad_table), stream=current_stream(device))
+        core_rows.check_rows()
         return grad_table, None
 
 

@@ -36,12 +36,47 @@ def _torch(array) -> torch.Tensor:
     return to_torch(array)
 
 
-def _on_stream(t: torch.Tensor):
-    """torch's current stream as a context for CuPy work (nothing on the CPU)."""
+def _on_stream(t: torch.Tensor, capturing=None):
+    """torch's current stream as a context for CuPy work (nothing on the CPU). While torch
+    captures a CUDA graph, CuPy also allocates from torch's caching allocator, so the step's
+    scratch memory comes from the graph's pool and stays reserved for its replays."""
+    import contextlib
+
     from xferlib._backend import stream_scope
 
     gpu = t.device.type == "cuda"
-    return stream_scope(torch.cuda.current_stream(t.device) if gpu else None, gpu)
+    scope = stream_scope(torch.cuda.current_stream(t.device) if gpu else None, gpu)
+    if not (gpu and (_capturing() if capturing is None else capturing)):
+        return scope
+    import cupy
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(scope)
+    stack.enter_context(cupy.cuda.using_allocator(_torch_allocator().malloc))
+    return stack
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_ALLOCATOR = []
+
+
+def _torch_allocator():
+    """A CuPy allocator over torch's caching allocator (on torch's current stream)."""
+    if not _ALLOCATOR:
+        import cupy
+
+        def malloc(size, device):
+            return torch.cuda.caching_allocator_alloc(
+                max(int(size), 1), device, torch.cuda.current_stream(device))
+
+        def free(pointer, device):
+            torch.cuda.caching_allocator_delete(pointer)
+
+        _ALLOCATOR.append(cupy.cuda.memory.PythonFunctionAllocator(malloc, free))
+    return _ALLOCATOR[0]
 
 
 class _BufferList(torch.nn.Module):
@@ -74,7 +109,9 @@ class _TTBagFunction(torch.autograd.Function):
         # training: the step will be differentiated; it reads the GPU input check in backward,
         # before any core changes, so the forward never waits on the device.
         device = cores[0]
-        module._resolve_pending_check(wait=False)
+        capturing = device.is_cuda and _capturing()
+        if not capturing:
+            module._resolve_pending_check(wait=False)
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
         out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
         with _on_stream(device):
@@ -91,25 +128,28 @@ class _TTBagFunction(torch.autograd.Function):
         if isinstance(residuals, core.TTBagPlan):
             residuals.bound = module.num_embeddings
         ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
-        ctx.cache = cache
+        ctx.cache, ctx.capturing = cache, capturing
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         module, cache = ctx.module, ctx.cache
         none = (None,) * 6
-        with _on_stream(ctx.device):
+        with _on_stream(ctx.device, ctx.capturing):
             grad_bags = _array(grad_out.contiguous())
             if module.sparse:  # fused: update the cores in place, hand no gradient back
-                module.iter += 1
                 with torch.no_grad():
+                    module._step_counter.add_(1)  # on the device: replays count too
                     # ctx.arrays view the cores' memory: the update writes through them
                     pending = core.tt_fused_update(
                         ctx.arrays, module._cshape, ctx.residuals, grad_bags,
                         module._state_arrays(), module._core_optimizer, lr=module.learning_rate,
-                        eps=module.eps, cache=cache, defer_check=module.defer_input_check,
+                        eps=module.eps, cache=cache,
+                        defer_check="silent" if ctx.capturing else module.defer_input_check,
                         **module._hyper())
-                if pending is not None:
+                if ctx.capturing:  # its verdict is rewritten by every replay
+                    module._captured_plans.append(ctx.residuals)
+                elif pending is not None:
                     module._pending_checks.append(pending)
                 return none + (None,) * (1 + len(ctx.arrays))
             grads = core.tt_embedding_bag_bwd(ctx.arrays, module._cshape, ctx.residuals,
@@ -190,7 +230,9 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         self.tt_ranks = list(self.shape.padded_ranks)
         self.optimizer, self.learning_rate, self.eps = optimizer, float(learning_rate), eps
         self.betas, self.weight_decay = tuple(float(b) for b in betas), float(weight_decay)
-        self.eta, self.momentum, self.iter = float(eta), float(momentum), 0
+        self.eta, self.momentum = float(eta), float(momentum)
+        self.register_buffer("_step_counter", torch.zeros(1, dtype=torch.int64, device=device),
+                             persistent=False)
         self.sparse, self.mode, self.include_last_offset = sparse, mode, include_last_offset
         # All tables as one TT of T p_k rows per core (see the module docstring).
         self._cshape = core.TTShape([self.num_tables * v for v in p], q, tt_ranks)
@@ -224,6 +266,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         # False: every step waits for its check and raises at once.
         self.defer_input_check = True
         self._pending_checks = collections.deque()
+        self._captured_plans = []  # training steps captured in CUDA graphs (see check_inputs)
         self._init_cache(use_cache, cache_size, hashtbl_size, device)
         self.warmup = True
 
@@ -232,8 +275,20 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         return CORE_OPTIMIZER[self.optimizer]
 
     def _hyper(self) -> dict:
+        counter = self._step_counter
+        step = _array(counter) if counter.is_cuda else max(int(counter[0]), 1)
         return dict(betas=self.betas, weight_decay=self.weight_decay, eta=self.eta,
-                    momentum=self.momentum, step=max(self.iter, 1))
+                    momentum=self.momentum, step=step)
+
+    @property
+    def iter(self) -> int:
+        """Fused steps taken (the FBGEMM rules' global step; counted on the device, so
+        replays of a captured step count as well; reading it waits for the device)."""
+        return int(self._step_counter[0])
+
+    @iter.setter
+    def iter(self, value: int) -> None:
+        self._step_counter.fill_(int(value))
 
     def _init_cache(self, use_cache, cache_size, hashtbl_size, device):
         self.use_cache = bool(use_cache)
@@ -377,8 +432,14 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
 
     def check_inputs(self) -> None:
         """Raise now for a bad batch of the GPU training steps so far, if there was one (that
-        step changed nothing); a later call of the module would raise it anyway."""
+        step changed nothing); a later call of the module would raise it anyway. A step
+        captured in a CUDA graph checks its input at every replay the same way (a bad batch
+        changes nothing) but reports it only here: call it after replays to read the last
+        replay's verdict."""
         self._resolve_pending_check()
+        for plan in self._captured_plans:
+            plan.checked = False
+            core.tt_check_plan(plan, self._cshape)
 
     def full_weight(self) -> torch.Tensor:
         """The dense ``(prod(p), embedding_dim)`` table the forward reads (one table only, as

@@ -379,3 +379,62 @@ def test_cuda_training_step_defers_its_input_check():
             ).backward()
     for a, b in zip(bag.tt_cores, before):
         torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_cache", [False, True], ids=["plain", "cache"])
+@pytest.mark.parametrize("optimizer", ALL_OPTIMIZERS, ids=str)
+def test_captured_training_step_equals_eager_steps(optimizer, use_cache):
+    """A fused training step at a fixed batch size captured in a torch.cuda.CUDAGraph and
+    replayed on new data trains exactly as eager steps on the same data."""
+    import xferlib
+
+    if not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip("needs a CUDA GPU with CuPy; none here")
+    kw = dict(tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4], optimizer=optimizer,
+              learning_rate=0.05, weight_dist="normal", seed=3, use_cache=use_cache,
+              cache_size=3, hashtbl_size=64)
+    eager = TTEmbeddingBag(600, 16, [3, 4], **kw).cuda()
+    graphed = TTEmbeddingBag(600, 16, [3, 4], **kw).cuda()
+    batches = [[t.cuda() for t in _hot_bag(step)] for step in range(8)]
+    grads = [torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).cuda()
+             for step in range(8)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up steps (kernels compiled), then the cache filled
+        for module in (eager, graphed):
+            for step in range(2):
+                module(*batches[step]).backward(grads[step])
+            if use_cache:
+                module.cache_populate()
+    torch.cuda.current_stream().wait_stream(side)
+    static = [t.clone() for t in batches[2]] + [grads[2].clone()]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed(static[0], static[1]).backward(static[2])
+    for step in range(2, 8):
+        for target, value in zip(static, batches[step] + [grads[step]]):
+            target.copy_(value)
+        graph.replay()
+        eager(*batches[step]).backward(grads[step])
+    torch.cuda.synchronize()
+    graphed.check_inputs()
+    assert graphed.iter == eager.iter == 8
+    for a, b in zip(graphed.tt_cores, eager.tt_cores):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+    theirs = dict(eager.named_buffers())
+    for name, value in graphed.named_buffers():
+        torch.testing.assert_close(value, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+    if use_cache:
+        assert (graphed.cache_rows != np.iinfo(np.int64).max).any()
+        torch.testing.assert_close(graphed.cache_weight, eager.cache_weight, rtol=1e-5,
+                                   atol=1e-6)
+    bad = batches[3][0].clone()
+    bad[1] = 600
+    static[0].copy_(bad)
+    before = [c.detach().clone() for c in graphed.tt_cores]
+    graph.replay()
+    with pytest.raises(IndexError, match="index 600 at position 1"):
+        graphed.check_inputs()
+    for a, b in zip(graphed.tt_cores, before):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)

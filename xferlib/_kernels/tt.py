@@ -835,9 +835,11 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
 }
 
 #define STATE_ARGS(name) float* name##0, float* name##1, float* name##2, float* name##3
+// iter: the global step on the device (read when the kernel runs, so a captured CUDA graph's
+// replays see the current step), NULL for 1.
 #define HYPER_ARGS int opt, float lr, float eps, double beta1, double beta2, float wd, \
-    float eta, float mom, i64 iter
-#define HYPER {opt, lr, eps, beta1, beta2, wd, eta, mom, iter}
+    float eta, float mom, const i64* iter
+#define HYPER {opt, lr, eps, beta1, beta2, wd, eta, mom, iter != nullptr ? *iter : 1}
 
 // The fused optimizer on every touched core row (one block per core row).
 extern "C" __global__ void tt_update(float* c0, float* c1, float* c2, float* c3,
