@@ -423,8 +423,14 @@ def test_captured_training_step_equals_eager_steps(optimizer, use_cache):
     for a, b in zip(graphed.tt_cores, eager.tt_cores):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
     theirs = dict(eager.named_buffers())
+    # the frequency table's layout depends on the order of the atomic inserts: compare counts
+    table = ("hashtbl", "cache_freq", "cache_state")
     for name, value in graphed.named_buffers():
-        torch.testing.assert_close(value, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+        if name not in table:
+            torch.testing.assert_close(value, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+    if use_cache:
+        counts = [dict(zip(m.hashtbl.tolist(), m.cache_freq.tolist())) for m in (graphed, eager)]
+        assert counts[0] == counts[1]
     if use_cache:
         assert (graphed.cache_rows != np.iinfo(np.int64).max).any()
         torch.testing.assert_close(graphed.cache_weight, eager.cache_weight, rtol=1e-5,
