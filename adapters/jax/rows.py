@@ -15,6 +15,7 @@ def _gather_callback(ctx, out, table, idx):
     gpu = is_gpu_buffer(out)
     core_rows.gather_rows_fwd(as_core_array(table, gpu), as_core_array(idx, gpu),
                               out=as_core_array(out, gpu), stream=xla_stream(ctx, gpu))
+    core_rows.check_rows()  # a bad index fails this XLA call, not a later one
 
 
 def _scatter_add_callback(ctx, out, idx, grad_rows):
@@ -22,6 +23,7 @@ def _scatter_add_callback(ctx, out, idx, grad_rows):
     num_rows = out.shape[0]
     core_rows.gather_rows_bwd((as_core_array(idx, gpu), num_rows), as_core_array(grad_rows, gpu),
                               out=as_core_array(out, gpu), stream=xla_stream(ctx, gpu))
+    core_rows.check_rows()
 
 
 # vmap: "sequential" runs the op once per batch element (a correct loop, not a fused batch).

@@ -110,6 +110,7 @@ def test_bad_index_raises_before_any_write(backend, rng, op, bad):
             xferlib.scatter_rows(table, backend.array(host_idx), backend.array(host_src))
         else:
             xferlib.scatter_add_rows(table, backend.array(host_idx), backend.array(host_src))
+        xferlib.check_rows()  # a GPU call's verdict is read later, without a host sync
     np.testing.assert_array_equal(backend.to_host(table), host_table)
 
 
@@ -190,6 +191,7 @@ def test_large_batches(backend, rng, index_dtype, sort, monkeypatch):
     bad[30000] = num_rows
     with pytest.raises(IndexError, match=f"index {num_rows} at position 30000"):
         xferlib.scatter_add_rows(table, backend.array(bad), backend.array(host_src))
+        xferlib.check_rows()
 
 
 @pytest.mark.parametrize("n", [7, 3000, 40000])
@@ -223,4 +225,32 @@ def test_sorted_indices_promise_is_kept_and_checked(backend, rng, op, n):
     table = backend.table(host_table)
     with pytest.raises(ValueError, match=f"index 0 at position 1 comes after {num_rows - 1}"):
         run(table, unsorted)
+        xferlib.check_rows()
     np.testing.assert_array_equal(backend.to_host(table), host_table)
+
+
+@pytest.mark.gpu
+def test_bad_gpu_batch_raises_at_the_next_call_and_writes_nothing(rng):
+    # The GPU path does not wait for its index check: the bad call returns and writes nothing;
+    # a later call that finds its verdict in (or check_rows) raises before it queues anything.
+    import cupy
+
+    from xferlib.testing import get_backend
+
+    gpu = get_backend("cupy")
+    host_table = random_rows(rng, (10, 4), "float32")
+    table = gpu.table(host_table)
+    src = gpu.array(random_rows(rng, (3, 4), "float32"))
+    xferlib.scatter_rows(table, gpu.array(np.array([1, 10, 2])), src)
+    cupy.cuda.get_current_stream().synchronize()  # the verdict is in
+    with pytest.raises(IndexError, match="scatter_rows .*index 10 at position 1 .* 10 rows"):
+        xferlib.scatter_rows(table, gpu.array(np.array([4, 5, 6])), src)
+    np.testing.assert_array_equal(gpu.to_host(table), host_table)  # neither call wrote
+    xferlib.gather_rows(table, gpu.array(np.array([0, 3], dtype=np.int32)))
+    xferlib.check_rows()  # nothing pending is bad
+    for _ in range(9):  # more calls than verdicts may wait: the oldest are read on the way
+        xferlib.scatter_add_rows(table, gpu.array(np.array([0, 0, 9])), src)
+    xferlib.check_rows()
+    expected = host_table.astype(np.float64)
+    np.add.at(expected, np.array([0, 0, 9] * 9), np.tile(gpu.to_host(src), (9, 1)))
+    assert_matches_reference(gpu.to_host(table), expected, "float32", scale=30)

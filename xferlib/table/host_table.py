@@ -288,7 +288,7 @@ class HostTable:
     def scatter(self, idx, rows, *, stream=None) -> None:
         """Overwrite the weights of rows ``idx`` (last write wins for repeats); the optimizer
         state is left as it is. CuPy ``idx`` and ``rows`` write straight to pinned memory."""
-        from xferlib.rows import scatter_rows
+        from xferlib.rows import check_rows, scatter_rows
 
         _check_index_dtype(idx)
         if rows.shape != (idx.shape[0], self.dim):
@@ -305,6 +305,7 @@ class HostTable:
                 scatter_rows(self._weights, idx, rows.astype(self.dtype, copy=False),
                              stream=stream)
                 gpu._record(stream)
+            check_rows()  # a bad index raises from this call, as before
             return
         if is_cupy_array(idx) or is_cupy_array(rows):
             idx = idx.get() if is_cupy_array(idx) else idx
