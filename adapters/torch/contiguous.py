@@ -58,8 +58,12 @@ class _FlatBuffer(torch.Tensor):
     @property
     def grad(self):
         owner = self._owner
-        if owner is not None:
-            owner._check_first_and_last()
+        # model.zero_grad() sets every parameter's .grad to None at once, so the first and
+        # last parameters tell whether a repair is needed: an O(1) check per read instead of
+        # a hook on every parameter (inlined: the optimizer reads this a few times a step).
+        if owner is not None and (owner._first.grad is not owner._first_grad
+                                  or owner._last.grad is not owner._last_grad):
+            owner._reattach_grads()
         return _grad_get(self)
 
     @grad.setter
@@ -68,15 +72,14 @@ class _FlatBuffer(torch.Tensor):
         if owner is None:
             _grad_set(self, value)
             return
-        buffer = owner._grad_buffer
-        with torch.no_grad():
-            if value is None:
-                buffer.zero_()
-            elif value is not buffer:
-                if value.shape != buffer.shape:
-                    raise ValueError(f"grad: expected a gradient of shape {tuple(buffer.shape)}, "
-                                     f"got {tuple(value.shape)}")
-                buffer.copy_(value)
+        buffer = owner._grad_buffer  # never requires grad: in-place ops record nothing
+        if value is None:
+            buffer.zero_()
+        elif value is not buffer:
+            if value.shape != buffer.shape:
+                raise ValueError(f"grad: expected a gradient of shape {tuple(buffer.shape)}, "
+                                 f"got {tuple(value.shape)}")
+            buffer.copy_(value.detach())
         if _grad_get(self) is not buffer:
             _grad_set(self, buffer)
 
@@ -180,14 +183,9 @@ class ContiguousParams:
                              f"replaced after ContiguousParams was built, so its updates no "
                              f"longer reach the flat buffer. Update parameters in place only.")
 
-    # Gradient re-attachment. model.zero_grad() sets every parameter's .grad to None at once,
-    # so the first and last parameters tell whether a full repair is needed: an O(1) check on
-    # each read of the flat gradient instead of a hook on every parameter.
-    def _check_first_and_last(self) -> None:
-        if self._first.grad is not self._first_grad or self._last.grad is not self._last_grad:
-            self._reattach_grads()
-
     def _reattach_grads(self) -> None:
+        """Copy parameter gradients that were replaced (or zero those set to None) into the
+        buffer and make every parameter's ``.grad`` its view again."""
         with torch.no_grad():
             for p, view in zip(self._parameters, self._grad_views):
                 grad = p.grad

@@ -31,6 +31,8 @@ What behaves differently, and why:
 * ``DataGadget.getData(indexes)`` keeps the index shape (``indexes.shape + row_shape``), as
   CuPy indexing does; negative indexes count from the end; a bad index raises IndexError
   naming its position before anything moves.
+* Switched-in rows land on the model variable's device (SpeedTorch moved them to the GPU,
+  which only worked with a model on the GPU, where this is the same).
 * Initializers are reproducible after seeding: CuPy families draw from CuPy's global
   generator on a GPU (``cupy.random.seed``; the same numbers SpeedTorch draws for
   ``CPUPinn=False``), NumPy's global generator without a GPU (``numpy.random.seed``); torch

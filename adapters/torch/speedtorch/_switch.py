@@ -69,9 +69,9 @@ class ModelSwitch:
 
     @property
     def _device(self) -> torch.device:
-        """Where switched-in rows land: the family's choice (``_rows_device``), else the
-        model variable's device."""
-        return getattr(self, "_rows_device", None) or self.model_variable.weight.device
+        """Where switched-in rows land: the model variable's device (SpeedTorch put them on
+        the GPU, which only works with a model on the GPU, where this is the same)."""
+        return self.model_variable.weight.device
 
     def _retrieval(self, pos, neg):
         idx = reshaped_retrieval(pos, neg)

@@ -121,7 +121,6 @@ class ModelFactory(ModelSwitch, _Common):
         self.CPUPinn = CPUPinn
         self._dtype = np.dtype(datatype)
         self._store = Store("cupy", where(CPUPinn))
-        self._rows_device = self._store.device
         self._setup_model(model_variable, total_classes, embed_dimension)
 
 

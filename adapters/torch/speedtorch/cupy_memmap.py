@@ -104,7 +104,6 @@ class ModelFactoryMM(ModelSwitch, _CommonMM):
         self.CPUPinn = CPUPinn
         self._dtype = np.dtype(datatype)
         self._store = Store("cupy", where(CPUPinn))
-        self._rows_device = self._store.device
         self._setup_model(model_variable, total_classes, embed_dimension)
 
     def _init_values(self, kind, a=0.0, b=0.0, dtype=None) -> None:

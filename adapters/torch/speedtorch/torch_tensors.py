@@ -1,7 +1,7 @@
 """SpeedTorch's torch-tensor classes: ``PytorchModelFactory``, ``PytorchOptimizerFactory``,
 ``PytorchCOM`` (its ``GenTorch``: collection on ``deviceType``, pinned if ``pinType``),
 ``GPUPytorch*`` (collection on the GPU) and ``CPUPytorch*`` (collection in pinned CPU memory,
-rows switched into the GPU), with their bases ``_PytorchCommon``, ``_GPUPytorchCommon`` and
+rows switched into a model on the GPU), with their bases ``_PytorchCommon``, ``_GPUPytorchCommon`` and
 ``_CPUPytorchCommon``.
 
 The collection is a torch tensor (``pytorchGPUVar``, or ``pytorchCPUVar`` for the CPU
@@ -67,11 +67,10 @@ class _PytorchCommon:
 
 
 class _ModelBase(ModelSwitch, _PytorchCommon):
-    def _start(self, model_variable, total_classes, embed_dimension, datatype, place, rows):
+    def _start(self, model_variable, total_classes, embed_dimension, datatype, place):
         self.dtype = as_torch_dtype(datatype)
         self._dtype = self.dtype
         self._store = Store("torch", place)
-        self._rows_device = rows
         self._setup_model(model_variable, total_classes, embed_dimension)
 
     def customInit(self, initFunction, *args) -> None:
@@ -141,7 +140,7 @@ class PytorchModelFactory(_ModelBase):
     """``PytorchModelFactory(model_variable, total_classes, embed_dimension,
     datatype=torch.float, deviceType='cuda', pinType=False)``: a model switcher whose
     collection is a torch tensor on ``deviceType`` (pinned when ``pinType`` and on the CPU);
-    rows land on ``deviceType``."""
+    rows land on the model variable's device."""
 
     pytorchGPUVar = _collection_attribute("pytorchGPUVar")
 
@@ -149,8 +148,7 @@ class PytorchModelFactory(_ModelBase):
                  deviceType="cuda", pinType=False):
         self.deviceType, self.pinType = deviceType, pinType
         place = _place(deviceType, pinType)
-        self._start(model_variable, total_classes, embed_dimension, datatype, place,
-                    torch.device(deviceType))
+        self._start(model_variable, total_classes, embed_dimension, datatype, place)
 
 
 class PytorchOptimizerFactory(_OptimizerBase):
@@ -194,7 +192,7 @@ class GPUPytorchModelFactory(_ModelBase, _GPUPytorchCommon):
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype=torch.float):
         self._start(model_variable, total_classes, embed_dimension, datatype,
-                    _place("cuda", False), torch.device("cuda"))
+                    _place("cuda", False))
 
 
 class GPUPytorchOptimizerFactory(_OptimizerBase, _GPUPytorchCommon):
@@ -228,20 +226,16 @@ class _CPUPytorchCommon(_PytorchCommon):
     _var_name = "pytorchCPUVar"
 
 
-def _cpu_rows() -> torch.device:
-    return torch.device("cuda") if gpu_available() else torch.device("cpu")
-
-
 class CPUPytorchModelFactory(_ModelBase, _CPUPytorchCommon):
     """``CPUPytorchModelFactory(model_variable, total_classes, embed_dimension,
-    datatype=torch.float)``: rows switched from pinned CPU memory into the GPU (the CPU
-    without one)."""
+    datatype=torch.float)``: rows switched from pinned CPU memory into the model variable (zero-copy when it is on the
+    GPU)."""
 
     pytorchCPUVar = _collection_attribute("pytorchCPUVar")
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype=torch.float):
         self._start(model_variable, total_classes, embed_dimension, datatype,
-                    _place("cpu", True), _cpu_rows())
+                    _place("cpu", True))
 
 
 class CPUPytorchOptimizerFactory(_OptimizerBase, _CPUPytorchCommon):
