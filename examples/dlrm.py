@@ -117,7 +117,7 @@ def _main(args) -> int:
     else:
         import numpy as xp
     log = ClickLog(preset.cardinalities, seed=args.seed, pooling=pooling)
-    eval_set = loop.EvalSet(log, args.eval_samples or preset.eval_samples, batch_size, xp)
+    eval_set = loop.EvalSet(log, args.eval_samples or preset.eval_samples, xp)
     budget = plan.budget_bytes / 2**30
     print(f"preset {preset.name}: {preset.description}\n  {len(plan.tables)} tables, "
           f"{sum(preset.cardinalities):,} rows x {preset.dim}, batch {batch_size}, pooling "

@@ -49,11 +49,11 @@ def test_tiny_preset_learns(framework, tmp_path):
     _ok(_run("--framework", framework, "--device", "cpu", "--json", out))
     doc = json.loads(out.read_text())
     assert REQUIRED_KEYS <= set(doc)
-    assert doc["framework"] == framework and doc["preset"] == "tiny" and doc["steps"] == 800
+    assert doc["framework"] == framework and doc["preset"] == "tiny" and doc["steps"] == 400
     assert doc["samples_per_s"] > 0
     assert 0.8 < doc["oracle_auc"] < 0.95  # the planted model is informative, not trivial
     assert doc["auc"] >= 0.5 + 0.8 * (doc["oracle_auc"] - 0.5), doc["runs"][0]["history"]
-    assert doc["runs"][0]["history"][-1]["step"] == 800
+    assert doc["runs"][0]["history"][-1]["step"] == 400
 
 
 @pytest.mark.slow

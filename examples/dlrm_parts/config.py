@@ -57,7 +57,7 @@ PRESETS = {
     "tiny": Preset(
         "tiny", (1000, 300, 3000, 50, 800, 4, 120, 60, 10, 2000, 500, 200, 6, 90, 150, 30, 3,
                  70, 8, 1500, 400, 1200, 40, 20, 5, 12),
-        dim=16, batch_size=256, steps=800, eval_samples=16384, evals=4,
+        dim=16, batch_size=512, steps=400, eval_samples=16384, evals=4,
         gpu_memory_gb=0.0004, bottom=(32,), top=(64, 32), lr_dense=3e-3, lr_embedding=0.2,
         tt_min_rows=1000, tt_rank=8,
         description="CPU-sized: 13k rows, dim 16; a minute or less per framework on 2 cores"),

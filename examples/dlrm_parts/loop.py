@@ -15,9 +15,11 @@ class EvalSet:
     """The held-out batches, generated once on the device and kept in each framework's
     format; labels and the hidden model's logits on the host for the metrics."""
 
-    def __init__(self, log, samples, batch_size, xp):
-        self.batches = [log.eval_batch(i, batch_size, xp)
-                        for i in range(max(1, samples // batch_size))]
+    CHUNK = 8192  # evaluation batch: the set does not depend on the training batch size
+
+    def __init__(self, log, samples, xp):
+        chunk = min(self.CHUNK, max(int(samples), 1))
+        self.batches = [log.eval_batch(i, chunk, xp) for i in range(max(1, samples // chunk))]
         host = (lambda a: a.get()) if xp is not np else np.asarray
         self.labels = np.concatenate([host(b.label) for b in self.batches]).astype(np.float64)
         self.oracle_logits = np.concatenate([host(b.logit) for b in self.batches])
