@@ -152,6 +152,60 @@ def test_every_optimizer_equals_dense_when_batches_cover_the_table(family, devic
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("family", ["cupy", "torch"])
+def test_sparse_adam_on_a_sparse_embedding_equals_dense_sparse_adam(family, device, rng,
+                                                                   tmp_path):
+    """SparseAdam (SpeedTorch's first supported optimizer) with sparse=True embeddings and
+    repeated indexes: rows not in a batch are untouched, so the switched training equals
+    SparseAdam on the full table even when batches cover few rows."""
+    _family_ok(family, device)
+    inits = [rng.standard_normal((CLASSES, DIM)).astype(np.float32) for _ in range(2)]
+    batches = [(rng.integers(0, 9, size=(BATCH, POS)), rng.integers(0, 9, size=(BATCH, POS)))
+               for _ in range(4)]
+
+    def sparse_model(rows, dev):
+        model = SkipGram(rows, dev)
+        for name in ("u_embeddings", "v_embeddings"):
+            getattr(model, name).sparse = True
+        return model
+
+    model = sparse_model(BATCH * POS, device)
+    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.05)
+    pairs = []
+    for name, init in zip(("u_embeddings", "v_embeddings"), inits):
+        ms, os_ = _switchers(family, model, opt, name, False, device, tmp_path)
+        if family == "cupy":
+            ms.zerosInit()
+            ms.CUPYcorpus = init
+        else:
+            ms.customInit(lambda t, v: t.copy_(torch.from_numpy(v)), init)
+        os_.optInit()
+        assert os_.optVarList == ["exp_avg", "exp_avg_sq"]
+        pairs.append((ms, os_))
+    dummy = torch.from_numpy(pairs[0][0].variableTransformer(BATCH, POS)).to(device)
+    ref = sparse_model(CLASSES, "cpu")
+    with torch.no_grad():
+        ref.u_embeddings.weight.copy_(torch.from_numpy(inits[0]))
+        ref.v_embeddings.weight.copy_(torch.from_numpy(inits[1]))
+    ref_opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.05)
+    for idx_pair in batches:
+        for (ms, os_), idx in zip(pairs, idx_pair):
+            ms.beforeForwardPass(idx)
+            os_.beforeForwardPass(idx)
+        opt.zero_grad()
+        (-model(dummy, dummy)).backward()
+        opt.step()
+        for (ms, os_), idx in zip(pairs, idx_pair):
+            ms.afterOptimizerStep(idx)
+            os_.afterOptimizerStep(idx)
+        ref_opt.zero_grad()
+        (-ref(torch.from_numpy(idx_pair[0]), torch.from_numpy(idx_pair[1]))).backward()
+        ref_opt.step()
+    for (ms, _), w in zip(pairs, (ref.u_embeddings.weight, ref.v_embeddings.weight)):
+        np.testing.assert_allclose(ms.getNumpyVersion(), w.detach().numpy(), rtol=2e-5,
+                                   atol=2e-6)
+
+
 def test_readme_documentation_examples(device, tmp_path):
     """The calls SpeedTorch's README documents, with only the import changed."""
     skip_gram_modelSparse = SkipGram(12, device)
@@ -389,6 +443,9 @@ def test_errors(tmp_path):
         switcher.beforeForwardPass(np.array([1]))
     with pytest.raises(TypeError, match="weight"):
         SpeedTorch.ModelFactory(torch.nn.ReLU(), 20, DIM)
+    with pytest.raises(ValueError, match="LBFGS"):
+        SpeedTorch.OptimizerFactory(torch.optim.LBFGS(model.parameters()), 10, DIM, model,
+                                    "u_embeddings")
     switcher.zerosInit()
     with pytest.raises(IndexError, match="20"):
         switcher.beforeForwardPass(np.array([0, 20]))

@@ -153,7 +153,18 @@ def _probe_state(optimizer: torch.optim.Optimizer, param, width: int):
     hyper = {k: v for k, v in group.items()
              if k != "params" and (k in accepted or (takes_any and k != "initial_lr"))}
     fresh = type(optimizer)([probe], **hyper)
-    fresh.step()
+    try:
+        fresh.step()
+    except RuntimeError:  # SparseAdam takes sparse gradients only
+        probe.grad = torch.zeros_like(probe).to_sparse()
+        try:
+            fresh.step()
+        except Exception as err:
+            raise ValueError(f"given_optimizer: {type(optimizer).__name__} cannot be switched "
+                             f"row by row ({err})") from err
+    except TypeError as err:  # LBFGS and others that need a closure
+        raise ValueError(f"given_optimizer: {type(optimizer).__name__} cannot be switched row "
+                         f"by row ({err})") from err
     return {name: value.detach().reshape(-1).numpy()
             for name, value in fresh.state[probe].items()
             if isinstance(value, torch.Tensor) and value.shape == probe.shape}
