@@ -346,6 +346,40 @@ def test_cache_on_cuda(optimizer):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", [OptimType.SGD, OptimType.EXACT_ROWWISE_ADAGRAD,
+                                       OptimType.LAMB], ids=str)
+def test_cache_hot_rows_spanning_many_tiles_on_cuda(optimizer):
+    """Cached rows looked up hundreds of times in one batch (runs over several tiles of the
+    cache kernels' sorted batch) train as on the CPU."""
+    import xferlib
+
+    if not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip("needs a CUDA GPU with CuPy; none here")
+    kw = dict(optimizer=optimizer, use_cache=True, cache_size=3, hashtbl_size=64, **CACHE_KW)
+    cpu = TTEmbeddingBag(600, 16, [3, 4], **kw)
+    gpu = TTEmbeddingBag(600, 16, [3, 4], **kw).cuda()
+    g = torch.Generator().manual_seed(0)
+    indices = torch.randint(0, 600, (3000,), generator=g)
+    indices[torch.randperm(3000, generator=g)[:1500]] = 5
+    indices[torch.randperm(3000, generator=g)[:700]] = 17
+    offsets = torch.arange(0, 3001, 30)
+    for module, device in ((cpu, "cpu"), (gpu, "cuda")):
+        module.update_cache(indices.to(device))
+        module.cache_populate()
+    assert {5, 17} <= set(cpu.cache_rows.tolist())
+    assert gpu.cache_rows.tolist() == cpu.cache_rows.tolist()
+    for step in range(2):
+        grad = torch.randn(100, 16, generator=torch.Generator().manual_seed(step))
+        cpu(indices, offsets).backward(grad)
+        gpu(indices.cuda(), offsets.cuda()).backward(grad.cuda())
+    gpu.check_inputs()
+    torch.testing.assert_close(gpu.cache_weight.detach().cpu(), cpu.cache_weight.detach(),
+                               rtol=1e-4, atol=1e-5)
+    for a, b in zip(gpu.tt_cores, cpu.tt_cores):
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
 def test_cuda_training_step_defers_its_input_check():
     """A GPU training step never waits for its input check: a bad batch changes nothing and
     the error comes with a later call of the module (or check_inputs())."""

@@ -62,6 +62,33 @@ __global__ void run_starts(const K* __restrict__ keys, i64 n, i64* __restrict__ 
         flags[j] = (j == 0 || keys[j] != keys[j - 1]) ? 1 : 0;
 }
 
+// run[j] = the id of position j's run of equal keys (starts at 1..j counted), in ONE block
+// of 1024 threads: each thread counts the run starts of a contiguous span, a block scan
+// joins the spans, each thread writes its span. One launch instead of flags + cumsum.
+template <typename K>
+__global__ void __launch_bounds__(1024)
+run_ids(const K* __restrict__ keys, i64 n, i64* __restrict__ run) {
+    __shared__ i64 sums[1024];
+    const int t = threadIdx.x;
+    const i64 span = (n + 1023) / 1024;
+    const i64 lo = (i64)t * span, hi = lo + span < n ? lo + span : n;
+    i64 count = 0;
+    for (i64 j = lo; j < hi; ++j) count += (j > 0 && keys[j] != keys[j - 1]) ? 1 : 0;
+    sums[t] = count;
+    __syncthreads();
+    for (int d = 1; d < 1024; d <<= 1) {  // inclusive scan of the span counts
+        const i64 v = t >= d ? sums[t - d] : 0;
+        __syncthreads();
+        sums[t] += v;
+        __syncthreads();
+    }
+    i64 r = sums[t] - count;
+    for (i64 j = lo; j < hi; ++j) {
+        r += (j > 0 && keys[j] != keys[j - 1]) ? 1 : 0;
+        run[j] = r;
+    }
+}
+
 template <typename T, int V> struct alignas(sizeof(T) * V) words { T v[V]; };
 
 // Copy `len` elements (a multiple of V) with V-element words: 16-byte accesses for V = 4.
@@ -386,6 +413,14 @@ def run_starts_name(key_bytes: int) -> str:
     return f"run_starts<{_KEYS[key_bytes]}>"
 
 
+def run_ids_name(key_bytes: int) -> str:
+    return f"run_ids<{_KEYS[key_bytes]}>"
+
+
+# Up to this many positions one block numbers the runs (run_ids); above, flags + cumsum.
+RUN_IDS_MAX = 1 << 18
+
+
 def gather_unique_name(vec: int, dtype_name: str, key_bytes: int) -> str:
     return f"gather_unique<{vec}, {_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
 
@@ -417,6 +452,7 @@ def vector_widths(dtype_name: str) -> tuple:
 def _all_names():
     for key_bytes in _KEYS:
         yield run_starts_name(key_bytes)
+        yield run_ids_name(key_bytes)
     for dtype_name in _TYPES:
         yield expand_rows_name(dtype_name)
         for key_bytes in _KEYS:

@@ -36,27 +36,54 @@ class _Plan:
     run: object
     verdict: object
     slots: object = None
+    epoch: int = -1  # the cache's insert count right after this batch's insert
 
     @property
     def n(self) -> int:
         return int(self.keys.size)
 
 
+_RING = 16  # pinned verdict slots of uncaptured batches (more than _MAX_PENDING_CHECKS + 1)
+
+
+class _VerdictRing:
+    """Pinned 16-byte slots and their events, allocated once and reused round-robin: a
+    step allocates no host memory. A slot is reused only after its check was resolved
+    (at most ``_MAX_PENDING_CHECKS + 1`` are pending)."""
+
+    def __init__(self):
+        import cupyx
+
+        self.host = cupyx.empty_pinned((_RING, 2), dtype=np.uint64)
+        self.events = [None] * _RING
+        self.next = 0
+
+    def take(self):
+        import cupy
+
+        slot, self.next = self.next, (self.next + 1) % _RING
+        if self.events[slot] is None:
+            self.events[slot] = cupy.cuda.Event(block=False, disable_timing=True)
+        return self.host[slot], self.events[slot]
+
+
 class _PendingCheck:
     """A batch's verdict on its way to the host (pinned memory, an event on the stream)."""
 
-    def __init__(self, plan: _Plan, num_rows: int, stream, capturing: bool):
+    def __init__(self, plan: _Plan, num_rows: int, stream, capturing: bool, ring=None):
         import cupy
         import cupyx
 
         self.plan, self.num_rows = plan, num_rows
-        self.host = cupyx.empty_pinned(2, dtype=np.uint64)
+        self.event = None
+        if capturing or ring is None:  # a graph's copy node keeps its own buffer
+            self.host = cupyx.empty_pinned(2, dtype=np.uint64)
+        else:
+            self.host, self.event = ring.take()
         self.host[...] = _NO_BAD
         cupy.cuda.runtime.memcpyAsync(self.host.ctypes.data, plan.verdict.data.ptr, 16,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        self.event = None
         if not capturing:  # in a graph the copy is a node; read it after a replay (check())
-            self.event = cupy.cuda.Event(block=False, disable_timing=True)
             self.event.record(stream)
 
     @property
@@ -111,6 +138,7 @@ class _DeviceSide:
         self.latest_plan = None  # the last lookup's batch: a prefetch never evicts its rows
         self.checks = collections.deque()
         self.graph_checks = []
+        self.ring = None  # _VerdictRing, on the first uncaptured batch
         self.cache = (DeviceCache(self, table.cache_rows, table.cache_policy,
                                   table.cache_admission) if table.cache_rows else None)
 
@@ -153,16 +181,22 @@ class _DeviceSide:
     def plan(self, idx, stream) -> _Plan:
         import cupy
 
-        from xferlib._kernels.table import TABLE_MODULE, run_starts_name
+        from xferlib._kernels.table import (RUN_IDS_MAX, TABLE_MODULE, run_ids_name,
+                                            run_starts_name)
 
         idx = _to_gpu_indices(idx, self.table.num_rows)
         keys, perm, verdict = _sorted_positions(idx, self.table.num_rows, stream)
         n = keys.size
+        if n <= RUN_IDS_MAX:
+            run = cupy.empty(n, dtype=np.int64)
+            if n:
+                TABLE_MODULE.get_function(run_ids_name(keys.dtype.itemsize))(
+                    (1,), (1024,), (keys, np.int64(n), run), stream=stream)
+            return _Plan(idx, keys, perm, run, verdict)
         flags = cupy.empty(n, dtype=np.int64)
-        if n:
-            blocks = max(1, min(4096, -(-n // 256)))
-            TABLE_MODULE.get_function(run_starts_name(keys.dtype.itemsize))(
-                (blocks,), (256,), (keys, np.int64(n), flags), stream=stream)
+        blocks = max(1, min(4096, -(-n // 256)))
+        TABLE_MODULE.get_function(run_starts_name(keys.dtype.itemsize))(
+            (blocks,), (256,), (keys, np.int64(n), flags), stream=stream)
         run = cupy.cumsum(flags)
         run -= 1
         return _Plan(idx, keys, perm, run, verdict)
@@ -172,14 +206,17 @@ class _DeviceSide:
 
         if _capturing(stream):
             return
-        self.last_event = cupy.cuda.Event(disable_timing=True)
+        if self.last_event is None:  # re-recorded: a wait takes the latest record
+            self.last_event = cupy.cuda.Event(disable_timing=True)
         self.last_event.record(stream)
 
     # -------------------------------------------------------------- input checks
 
     def defer_check(self, plan: _Plan, stream) -> None:
         capturing = _capturing(stream)
-        check = _PendingCheck(plan, self.table.num_rows, stream, capturing)
+        if not capturing and self.ring is None:
+            self.ring = _VerdictRing()
+        check = _PendingCheck(plan, self.table.num_rows, stream, capturing, self.ring)
         (self.graph_checks if capturing else self.checks).append(check)
 
     def resolve_checks(self, wait: bool = False) -> None:
@@ -191,6 +228,9 @@ class _DeviceSide:
             try:
                 check.resolve()
             except Exception:
+                for later in checks:  # their slots are reused: let the copies land first
+                    if later.event is not None:
+                        later.event.synchronize()
                 checks.clear()  # later batches' kernels ran: only this one is reported
                 raise
         if wait:
@@ -302,8 +342,14 @@ class _DeviceSide:
                 # finish before this batch's rows are located.
                 stream.wait_event(pending.done)
             slots = None
-            if self.cache is not None:  # located again: a later lookup may have evicted some
-                slots = self.cache.probe(plan, stream)
+            if self.cache is not None:
+                if (plan is self.latest_plan and plan.slots is not None
+                        and self.cache.inserts - plan.epoch <= 1):
+                    # The last lookup's batch, with at most one prefetch since: a prefetch
+                    # never evicts the rows of the batch looked up last, so its slots hold.
+                    slots = plan.slots
+                else:  # located again: a later lookup may have evicted some
+                    slots = self.cache.probe(plan, stream)
             n, dim = plan.n, table.dim
             summed = self._sum_gradients(plan, grads, stream)
             grid, block = self._grid(n)
