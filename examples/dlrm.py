@@ -85,14 +85,15 @@ def _free():
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return _main(args)
+    try:  # bad input is refused here, before any table is allocated or file written
+        setup = _prepare(args)
     except (ValueError, MemoryError) as err:
         print(f"dlrm.py: error: {err}", file=sys.stderr)
         return 2
+    return _train(args, *setup)
 
 
-def _main(args) -> int:
+def _prepare(args):
     preset = config.get_preset(args.preset)
     batch_size = args.batch_size or preset.batch_size
     steps = preset.steps if args.steps is None else args.steps
@@ -110,8 +111,12 @@ def _main(args) -> int:
     run_config = {fw: _run_config(args, preset, plan, fw, batch_size, pooling)
                   for fw in frameworks}
     meta = checkpoint.read_meta(args.load, run_config[frameworks[0]]) if args.load else None
-
     device = _device(args.device)
+    return preset, plan, frameworks, run_config, meta, device, batch_size, steps, pooling
+
+
+def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size, steps,
+           pooling) -> int:
     if device == "cuda":
         import cupy as xp
     else:

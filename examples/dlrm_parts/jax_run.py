@@ -45,7 +45,9 @@ class JaxRun:
         self.kinds = [t.where for t in plan.tables]
         num_tables = len(plan.tables)
         dense = initial.dense_params(preset, num_tables, seed)
-        to = xferlib.to_jax
+        def to(a):  # NumPy initial values go to the device first (CuPy), then to JAX
+            return xferlib.to_jax(xp.asarray(a), copy=True)  # JAX-owned: donatable
+
         params = {name: [(to(dense[f"{name}.{i}.weight"]), to(dense[f"{name}.{i}.bias"]))
                          for i in range(len(sizes) - 1)]
                   for name, sizes in zip(("bottom", "top"), initial.mlp_sizes(preset, num_tables))}
@@ -57,7 +59,8 @@ class JaxRun:
         self.tt_shapes = []
         for t in plan.tables:
             if t.where == "hbm":
-                w = to(initial.table_init(seed, t.index, t.rows, preset.dim, preset.init_scale, xp))
+                w = to(initial.table_init(seed, t.index, t.rows, preset.dim, preset.init_scale,
+                                          xp))
                 self.hbm.append(w)
                 self.hbm_acc.append(jnp.zeros_like(w))
             elif t.where == "host":
