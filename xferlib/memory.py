@@ -353,8 +353,9 @@ def pin(array: np.ndarray) -> PinnedArray:
     >>> xferlib.unpin(table)
     """
     if not isinstance(array, np.ndarray):
-        hint = (" (for a torch tensor: xferlib.pin(tensor.numpy()) pins it in place)"
-                if type(array).__module__.startswith("torch") else "")
+        hint = ("; for a CPU tensor use tensor.pin_memory() (a pinned copy), or pin a NumPy "
+                "view you keep: view = tensor.numpy(); xferlib.pin(view) (pinned while the "
+                "view lives)" if type(array).__module__.startswith("torch") else "")
         raise TypeError(f"pin() takes a numpy.ndarray, got {type(array).__name__}{hint}")
     if not array.flags.c_contiguous:
         raise ValueError(f"pin() needs a C-contiguous array, got one with strides "
