@@ -116,7 +116,14 @@ def test_row_transfer(backend, name):
     cases, snap = _rows_cases(backend)
     assert [c[0] for c in cases] == ROW_CASE_NAMES
     _name, call, exc, needles = next(c for c in cases if c[0] == name)
-    _check(call, snap, exc, needles)
+
+    def call_and_check():
+        call()
+        # The GPU path reads its index verdict later, without a host sync: check_rows()
+        # waits for it (the bad call wrote nothing).
+        xferlib.check_rows()
+
+    _check(call_and_check, snap, exc, needles)
 
 
 ROW_CASES_ON_THE_HOST = [
