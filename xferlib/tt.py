@@ -715,10 +715,9 @@ def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, m
 
 
 def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, optimizer, args):
-    """The cached rows' optimizer step on the GPU, two launches: the pieces of runs (of one
-    row) that continue into a later tile of the sorted batch are summed per tile, then each
-    run that hits the cache is summed (in a fixed order) and its row updated by one block
-    (see ``tt_cache_update`` in xferlib/_kernels/tt.py)."""
+    """The cached rows' optimizer step on the GPU, one launch: each run of one row in the sorted
+    batch that hits the cache has its gradients summed (in a fixed order) and its row updated
+    by one block (see ``tt_cache_update`` in xferlib/_kernels/tt.py)."""
     import cupy
 
     from xferlib._kernels.tt import CACHE_THREADS
@@ -726,18 +725,12 @@ def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, opti
     grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))
     weights = plan.per_sample_weights
     n = plan.n
-    tiles = -(-n // CACHE_THREADS)
-    cont = cupy.empty(max(tiles, 1) * shape.dim, dtype=np.float32)
-    batch = [plan.perm, np.int64(n), plan.bag_of, plan.offsets, np.int64(plan.offsets.size),
-             np.int32(plan.include_last_offset),
-             weights if weights is not None else np.uint64(0), np.int32(plan.mean), grad_bags,
-             plan.slot, np.int64(cache.capacity)]
-    key = _key_name(plan.rows)
-    grid = (max(1, min(tiles, 2048)),)
-    _launch(shape, f"tt_cache_partials<{key}>", grid, (CACHE_THREADS,),
-            [plan.rows] + batch + [cont, plan.verdict])
-    _launch(shape, f"tt_cache_update<{key}>", grid, (CACHE_THREADS,),
-            [plan.rows] + batch + [cont, cache.weight]
+    _launch(shape, f"tt_cache_update<{_key_name(plan.rows)}>",
+            (max(1, min(-(-n // CACHE_THREADS), 2048)),), (CACHE_THREADS,),
+            [plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
+             np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
+             weights if weights is not None else np.uint64(0), np.int32(plan.mean),
+             grad_bags, plan.slot, np.int64(cache.capacity), cache.weight]
             + _state_pointers(cache.state, optimizer) + args + [plan.verdict])
 
 

@@ -20,8 +20,7 @@ The pipeline over a batch sorted by row (rows sharing a prefix sit side by side)
   into a gradient row; prefix cores are differentiated through the prefix chain per piece.
 * ``tt_update``: the fused optimizer on every touched core row.
 * row cache: ``tt_cache_slots`` (each lookup's cache slot, and its access count, one launch)
-  and ``tt_cache_partials`` + ``tt_cache_update`` (the cached rows' optimizer step from the
-  sorted batch's runs, long runs summed by several blocks).
+  and ``tt_cache_update`` (the cached rows' optimizer step from the sorted batch's runs).
 
 Every kernel bounds every index by the compiled shape, so no input reaches outside an array.
 """
@@ -865,81 +864,22 @@ extern "C" __global__ void tt_update(float* c0, float* c1, float* c2, float* c3,
                rowst[k] ? rowst[k] + i : nullptr, steps[k] ? steps[k] + i : nullptr, h, red);
 }
 
-// The row cache's optimizer step, in two kernels over the sorted batch (rows / perm, as
-// tt_rows reads them) cut into tiles of CACHE_THREADS positions. A run (the lookups of one
-// row) that hits the cache (slot[m] >= 0) may span tiles: tt_cache_partials sums, for every
-// tile that continues a run from the tile before, the run's piece in that tile into
-// cont[tile]; tt_cache_update then collects in each tile the runs that start there, sums each
-// one's first piece, adds its continuation partials in tile order (deterministic) and applies
-// update_row to cached row c. Within a piece, groups of threads take every CACHE_G-th lookup
-// and their partials are added in a fixed order. A rejected batch changes nothing.
+// The row cache's optimizer step. The sorted batch (rows / perm, as tt_rows reads them) is cut
+// into tiles of CACHE_THREADS positions; a block first collects the tile's runs (of one row)
+// that hit the cache (slot[m] >= 0), then for each: finds where the run ends (it may pass the
+// tile), sums the run's gradients (groups of threads take every G-th lookup, their partials
+// added in a fixed order: deterministic) and applies update_row to cached row c. A hot row's
+// long run is summed by the whole block. A rejected batch changes nothing.
 constexpr int CACHE_THREADS = 256;
 constexpr int CACHE_EW = DIM < CACHE_THREADS ? DIM : CACHE_THREADS;  // elements per pass
-constexpr int CACHE_G = CACHE_THREADS / CACHE_EW;                    // groups along a piece
-
-#define CACHE_BATCH_ARGS const i64* perm, i64 n, const i64* bag_of, const i64* offsets, \
-    i64 n_off, int include_last, const float* psw, int mean, const float* grad_bags
-#define CACHE_BATCH perm, n, bag_of, offsets, n_off, include_last, psw, mean, grad_bags
-
-// out[e] = the summed gradient of sorted positions [lo, hi) (every thread of the block).
-__device__ void piece_sum(CACHE_BATCH_ARGS, i64 lo, i64 hi, float* part, float* out) {
-    const i64 bags = (include_last ? n_off : n_off + 1) - 1;
-    const int e0 = threadIdx.x % CACHE_EW, g = threadIdx.x / CACHE_EW;
-    for (int e = e0; e < DIM; e += CACHE_EW) {
-        float s = 0.f;
-#pragma unroll 8
-        for (i64 jj = lo + g; jj < hi; jj += CACHE_G) {
-            const i64 m = perm[jj];
-            if (m < 0 || m >= n) continue;
-            const i64 b = bag_of[m];
-            if (b < 0 || b >= bags) continue;
-            float wgt = psw != nullptr ? psw[m] : 1.f;
-            if (mean) {
-                const i64 cnt = bound_at(offsets, n_off, n, b + 1) - bound_at(offsets, n_off, n, b);
-                wgt /= (float)(cnt > 0 ? cnt : 1);
-            }
-            s += wgt * grad_bags[b * DIM + e];
-        }
-        part[g * DIM + e] = s;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < DIM; e += CACHE_THREADS) {
-        float s = 0.f;
-        for (int gg = 0; gg < CACHE_G; ++gg) s += part[gg * DIM + e];
-        out[e] = s;
-    }
-    __syncthreads();
-}
-
-// The cache slot of the row at sorted position j (-1: not cached).
-__device__ __forceinline__ i64 slot_at(const i64* perm, i64 n, const i64* slot, i64 capacity,
-                                       i64 j) {
-    const i64 m = perm[j];
-    const i64 c = (m >= 0 && m < n) ? slot[m] : -1;
-    return (c >= 0 && c < capacity) ? c : -1;
-}
+constexpr int CACHE_G = CACHE_THREADS / CACHE_EW;                    // groups along a run
 
 template <typename K>
 __global__ void __launch_bounds__(CACHE_THREADS)
-tt_cache_partials(const K* rows, CACHE_BATCH_ARGS, const i64* slot, i64 capacity, float* cont,
-                  const u64* verdict) {
-    if (rejected(verdict)) return;
-    __shared__ float part[CACHE_G * DIM];
-    for (i64 t = blockIdx.x; t * CACHE_THREADS < n; t += gridDim.x) {
-        const i64 ts = t * CACHE_THREADS;
-        if (ts == 0 || rows[ts] != rows[ts - 1]) continue;  // not a continuation
-        if (slot_at(perm, n, slot, capacity, ts) < 0) continue;
-        const i64 q = ts + threadIdx.x;
-        const int len = __syncthreads_count(q < n && rows[q] == rows[ts]);
-        piece_sum(CACHE_BATCH, ts, ts + len, part, cont + t * DIM);
-    }
-}
-
-template <typename K>
-__global__ void __launch_bounds__(CACHE_THREADS)
-tt_cache_update(const K* rows, CACHE_BATCH_ARGS, const i64* slot, i64 capacity,
-                const float* cont, float* cw, float* e1, float* e2, float* rs, i64* st,
-                HYPER_ARGS, const u64* verdict) {
+tt_cache_update(const K* rows, const i64* perm, i64 n, const i64* bag_of, const i64* offsets,
+                i64 n_off, int include_last, const float* psw, int mean,
+                const float* grad_bags, const i64* slot, i64 capacity, float* cw, float* e1,
+                float* e2, float* rs, i64* st, HYPER_ARGS, const u64* verdict) {
     if (rejected(verdict)) return;
     __shared__ float part[CACHE_G * DIM];
     __shared__ float gs[DIM];
@@ -947,15 +887,18 @@ tt_cache_update(const K* rows, CACHE_BATCH_ARGS, const i64* slot, i64 capacity,
     __shared__ i64 starts[CACHE_THREADS], cslots[CACHE_THREADS];
     __shared__ int found;
     const Hyper h = HYPER;
-    for (i64 t = blockIdx.x; t * CACHE_THREADS < n; t += gridDim.x) {
-        const i64 tile = t * CACHE_THREADS, tile_end = min(n, tile + CACHE_THREADS);
+    const i64 bags = (include_last ? n_off : n_off + 1) - 1;
+    const int e0 = threadIdx.x % CACHE_EW, g = threadIdx.x / CACHE_EW;
+    for (i64 tile = (i64)blockIdx.x * CACHE_THREADS; tile < n;
+         tile += (i64)gridDim.x * CACHE_THREADS) {
         __syncthreads();  // the previous tile's lists are no longer read
         if (threadIdx.x == 0) found = 0;
         __syncthreads();
         const i64 j = tile + threadIdx.x;
         if (j < n && (j == 0 || rows[j] != rows[j - 1])) {
-            const i64 c = slot_at(perm, n, slot, capacity, j);
-            if (c >= 0) {
+            const i64 m0 = perm[j];
+            const i64 c = (m0 >= 0 && m0 < n) ? slot[m0] : -1;
+            if (c >= 0 && c < capacity) {
                 const int at = atomicAdd(&found, 1);
                 starts[at] = j;
                 cslots[at] = c;
@@ -973,16 +916,31 @@ tt_cache_update(const K* rows, CACHE_BATCH_ARGS, const i64* slot, i64 capacity,
                 end += same;
                 if (same < CACHE_THREADS) break;
             }
-            piece_sum(CACHE_BATCH, j0, min(end, tile_end), part, gs);
-            const i64 last = (end - 1) / CACHE_THREADS;
-            if (last > t) {  // the run's pieces in later tiles, in order
-                for (int e = threadIdx.x; e < DIM; e += CACHE_THREADS) {
-                    float s = gs[e];
-                    for (i64 u = t + 1; u <= last; ++u) s += cont[u * DIM + e];
-                    gs[e] = s;
+            for (int e = e0; e < DIM; e += CACHE_EW) {
+                float s = 0.f;
+#pragma unroll 8
+                for (i64 jj = j0 + g; jj < end; jj += CACHE_G) {
+                    const i64 m = perm[jj];
+                    if (m < 0 || m >= n) continue;
+                    const i64 b = bag_of[m];
+                    if (b < 0 || b >= bags) continue;
+                    float wgt = psw != nullptr ? psw[m] : 1.f;
+                    if (mean) {
+                        const i64 cnt = bound_at(offsets, n_off, n, b + 1) -
+                                        bound_at(offsets, n_off, n, b);
+                        wgt /= (float)(cnt > 0 ? cnt : 1);
+                    }
+                    s += wgt * grad_bags[b * DIM + e];
                 }
-                __syncthreads();
+                part[g * DIM + e] = s;
             }
+            __syncthreads();
+            for (int e = threadIdx.x; e < DIM; e += CACHE_THREADS) {
+                float s = 0.f;
+                for (int gg = 0; gg < CACHE_G; ++gg) s += part[gg * DIM + e];
+                gs[e] = s;
+            }
+            __syncthreads();
             update_row(cw + c * DIM, gs, DIM, e1 ? e1 + c * DIM : nullptr,
                        e2 ? e2 + c * DIM : nullptr, rs ? rs + c : nullptr,
                        st ? st + c : nullptr, h, red);
@@ -996,8 +954,8 @@ KEY_TYPES = ("int", "long long")
 ROWS_NAMES = {key: f"tt_rows<{key}>" for key in KEY_TYPES}
 BWD_NAMES = {key: f"tt_bwd_pieces<{key}>" for key in KEY_TYPES}
 REDUCE_NAMES = {key: f"tt_reduce<{key}>" for key in KEY_TYPES}
-CACHE_NAMES = [f"{name}<{key}>" for name in ("tt_cache_update", "tt_cache_partials",
-                                              "tt_cache_slots") for key in KEY_TYPES]
+CACHE_NAMES = [f"tt_cache_update<{key}>" for key in KEY_TYPES] + [
+    f"tt_cache_slots<{key}>" for key in KEY_TYPES]
 PLAIN_NAMES = ("tt_check_bags", "tt_pool", "tt_update", "tt_count", "tt_keys")
 
 
