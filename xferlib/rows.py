@@ -32,6 +32,7 @@ one while the device works, and a bad batch writes nothing and raises soon after
 from __future__ import annotations
 
 import collections
+import threading
 import weakref
 
 import numpy as np
@@ -317,7 +318,8 @@ _RING = 64  # pinned verdict slots, reused round-robin (more than _MAX_PENDING +
 
 
 class _Pending:
-    """Verdicts of GPU calls on their way to pinned host memory, oldest first."""
+    """Verdicts of one device's GPU calls on their way to pinned host memory, oldest first
+    (events belong to a device, so each device has its own)."""
 
     def __init__(self):
         self.host = None
@@ -363,10 +365,36 @@ class _Pending:
                 raise IndexError(note + str(err)) from None
         before, value = (int(v) for v in idx[unsorted - 1:unsorted + 1].get())
         raise ValueError(f"{note}sorted_indices=True, but index {value} at position {unsorted} "
-                         f"comes after {before}; nothing was written")
+                         f"comes after {before}")
 
 
-_PENDING = _Pending()
+class _AllDevices:
+    """The pending verdicts of every device, behind one lock (calls may come from several
+    threads, e.g. XLA callbacks)."""
+
+    def __init__(self):
+        self.by_device = {}
+        self.lock = threading.Lock()
+
+    def push(self, fn: str, verdict, idx, num_rows: int, stream) -> None:
+        import cupy
+
+        device = cupy.cuda.runtime.getDevice()
+        with self.lock:
+            pending = self.by_device.get(device)
+            if pending is None:
+                pending = self.by_device[device] = _Pending()
+            pending.push(fn, verdict, idx, num_rows, stream)
+
+    def poll(self, wait: bool = False) -> None:
+        if not self.by_device:
+            return
+        with self.lock:
+            for pending in self.by_device.values():
+                pending.poll(wait)
+
+
+_PENDING = _AllDevices()
 
 
 def check_rows() -> None:

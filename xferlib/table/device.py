@@ -84,6 +84,8 @@ class _PendingCheck:
         cupy.cuda.runtime.memcpyAsync(self.host.ctypes.data, plan.verdict.data.ptr, 16,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
         if not capturing:  # in a graph the copy is a node; read it after a replay (check())
+            if self.event is None:
+                self.event = cupy.cuda.Event(block=False, disable_timing=True)
             self.event.record(stream)
 
     @property
