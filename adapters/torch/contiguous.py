@@ -90,6 +90,21 @@ class _FlatBuffer(torch.Tensor):
     def __repr__(self, *, tensor_contents=None):
         return repr(self.as_subclass(torch.Tensor))
 
+    # Saved and copied as the plain tensor it stands for (the owner is not part of its value,
+    # and torch.load's weights_only mode only rebuilds plain tensors).
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        new = self.as_subclass(torch.Tensor).detach().clone()
+        grad = _grad_get(self)
+        if grad is not None:
+            new.grad = grad.clone()
+        memo[id(self)] = new
+        return new
+
 
 class ContiguousParams:
     """Parameters of one device and dtype backed by one flat buffer and one flat gradient.

@@ -149,6 +149,23 @@ def test_zero_grad_keeps_the_buffer_attached_and_zeroed():
         flat.grad = torch.ones(3)
 
 
+def test_the_flat_buffer_saves_and_copies_as_a_plain_tensor(tmp_path):
+    model = _model()
+    params = ContiguousParams(model.parameters())
+    model(torch.randn(3, 5)).sum().backward()
+    (flat,) = params.contiguous()
+    torch.save(flat, tmp_path / "flat.pt")
+    loaded = torch.load(tmp_path / "flat.pt")  # weights_only: plain tensors only
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, flat)
+    twin = copy.deepcopy(flat)
+    assert type(twin) is torch.Tensor and torch.equal(twin, flat)
+    assert torch.equal(twin.grad, flat.grad) and twin.data_ptr() != flat.data_ptr()
+    opt = torch.optim.Adam(params.contiguous())
+    opt.step()
+    opt_copy = copy.deepcopy(opt)
+    assert type(opt_copy.param_groups[0]["params"][0]) is torch.Tensor
+
+
 def test_replaced_parameter_grads_are_copied_back():
     model = _model()
     params = ContiguousParams(model.parameters())
