@@ -798,18 +798,16 @@ _RING_MAX = 256  # staging slots per table shape before the host waits for the G
 
 
 class _Slot:
-    __slots__ = ("pinned", "host", "device", "host_ptr", "device_ptr", "event", "args")
+    __slots__ = ("block", "host", "device", "host_ptr", "device_ptr", "event", "args")
 
-    def __init__(self, shape):
+    def __init__(self, block, host, device):
         import cupy
 
-        from xferlib.memory import pinned_empty
-
-        self.pinned = pinned_empty(shape, np.float32)
-        self.host = np.asarray(self.pinned)  # a plain ndarray view: cheaper to write into
-        self.device = cupy.empty(shape, dtype=np.float32)
-        self.host_ptr = self.host.ctypes.data
-        self.device_ptr = self.device.data.ptr
+        self.block = block  # the pinned allocation this slot's host view lives in
+        self.host = host
+        self.device = device
+        self.host_ptr = host.ctypes.data
+        self.device_ptr = device.data.ptr
         self.event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
         self.args = None  # a prepared launch's arguments with this slot's table (CudaStep)
 
@@ -819,10 +817,11 @@ class TableRing:
 
     A slot is reused only once the event recorded behind its last use has completed, so the
     host never overwrites a table the GPU has yet to copy or read. When every slot is still in
-    flight (the host is running ahead of the GPU) a slot is added rather than waited for, up
-    to 256: a step's host path never waits for the GPU in practice, where two slots used in
-    turn made every step wait for the one before last (the eager step then ran at the GPU's
-    pace, not the host's)."""
+    flight (the host is running ahead of the GPU) slots are added rather than waited for,
+    as many again as there are, in one pinned and one device allocation (pinning memory costs
+    far more than a step), up to 256: a step's host path does not wait for the GPU in
+    practice, where two slots used in turn made every step wait for the one before last (the
+    eager step then ran at the GPU's pace, not the host's)."""
 
     def __init__(self, shape):
         self.shape = tuple(shape)
@@ -831,15 +830,26 @@ class TableRing:
         self.busy = collections.deque()
         self.count = 0
 
+    def _grow(self) -> None:
+        import cupy
+
+        from xferlib.memory import pinned_empty
+
+        k = min(max(4, self.count), _RING_MAX - self.count)
+        block = pinned_empty((k, *self.shape), np.float32)
+        host = np.asarray(block)  # plain ndarray views: cheaper to write into
+        device = cupy.empty((k, *self.shape), dtype=np.float32)
+        self.free += [_Slot(block, host[j], device[j]) for j in range(k)]
+        self.count += k
+
     def acquire(self) -> _Slot:
         busy = self.busy
         while busy and busy[0].event.done:
             self.free.append(busy.popleft())
+        if not self.free and self.count < _RING_MAX:
+            self._grow()
         if self.free:
             return self.free.pop()
-        if self.count < _RING_MAX:
-            self.count += 1
-            return _Slot(self.shape)
         slot = busy.popleft()
         slot.event.synchronize()
         return slot

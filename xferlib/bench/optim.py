@@ -1,14 +1,21 @@
-"""``xferlib bench optim``: one Adam step over well-known parameter sets.
+"""``xferlib bench optim``: one optimizer step over well-known parameter sets.
 
 For ResNet-50, BERT-base, 100 x Linear(128, 128) and 2000 tensors of 4096 (float32, and
-bf16 parameters with float32 master weights), beside
-each other in the same run: torch.optim.Adam as a for-loop, with ``foreach``, with
-``fused=True``, fused inside a CUDA graph; contiguous_params 1.0.0 with Adam when it is
-installed; optax.adam under ``jax.jit`` on the pytree and on one flat array; and xferlib's
-``FlatAdam.step()`` (whole step, host work included), its kernel alone, and
-``FlatAdam(capturable=True)`` eager and replayed from a CUDA graph. Milliseconds of
-device time, % of the HBM-copy floor (28 bytes per parameter at this GPU's measured copy rate),
-and host time per ``step()``.
+bf16 parameters with float32 master weights), beside each other in the same run:
+torch.optim.Adam as a for-loop, with ``foreach``, with ``fused=True``, fused inside a CUDA
+graph; contiguous_params 1.0.0 with Adam when it is installed, and xferlib's
+``ContiguousParams`` with Adam; xferlib's ``FlatAdam.step()`` (whole step, host work
+included), its kernel alone, and ``FlatAdam(capturable=True)`` eager and replayed from a CUDA
+graph. For 100 x Linear(128, 128), also contiguous_params' own benchmark loop
+(``clip_grad_norm_`` + ``step()`` + ``zero_grad()``). In JAX, under ``jax.jit`` with donated
+buffers: optax's Adam on the pytree, and optax's adam, adamw, sgd (momentum) and lion on ONE
+raveled array beside xferlib's ``flat_*`` transformations (+ ``optax.apply_updates``) and
+``flat_step``, and ``flat_step`` through the ``buffer_callback`` kernel.
+
+Milliseconds of device time (host gaps included for eager steps), % of the HBM-copy floor (28
+bytes per parameter for Adam, 20 for SGD with momentum and Lion, at this GPU's measured copy
+rate), and host time: the time ``step()`` takes to return, 50 steps back to back, the GPU not
+waited for. ``targets`` checks the figures BENCHMARKS.md holds the suite to.
 """
 
 from __future__ import annotations
