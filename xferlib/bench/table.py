@@ -1,26 +1,32 @@
 """``xferlib bench table``: training embedding rows that live in pinned host RAM.
 
-An 8M x 128 float32 table, batches of 65,536 lookups, Zipf(1.05) (hot rows scattered over
-the table by a fixed random permutation) and uniform. In one run, with the same batches:
+An 8M x 128 float32 table (shrunk to fit the host's free memory, saying so), batches of
+65,536 lookups, Zipf(1.05) (hot rows scattered over the table by a fixed random permutation)
+and, without ``--quick``, uniform. In one run, with the same batches, every row naming its
+optimizer so that like is compared with like:
 
-* xferlib ``HostTable`` training step: ``lookup`` + ``apply_gradients`` with Adam on the host
-  rows (dedupe, gradient sum and the fused update included): no cache, no cache with the
-  next batch prefetched during the update, and a GPU cache of 5% of the rows (on batches it
-  has not seen, after a warm-up);
-* SpeedTorch 0.1.6 itself (``ModelFactory(CPUPinn=True)`` switchers around a torch SGD step,
-  the optimizer it still runs on torch 2.x), when installed;
-* torch's CPU-staged path: ``index_select`` of the unique rows on the host, copy, SGD delta
-  on the GPU, copy back, host ``index_add_``;
+* xferlib ``HostTable`` training step, ``lookup`` + ``apply_gradients`` (dedupe, gradient
+  sum and the fused update included), with SGD and with Adam: no cache; a GPU cache of 5% of
+  the rows on batches it has not seen (after a warm-up on other batches, so hits are earned);
+  and the whole table in HBM (``cache_rows = num_rows``), the fused all-GPU anchor (skipped,
+  saying so, when the GPU's free memory cannot hold it). Each row gives the bytes the step
+  must move (every touched row read and written once with its state) and that rate as a
+  fraction of the measured pinned host-to-GPU copy rate, and the cache's hit rate;
+* SpeedTorch 0.1.6 itself (``ModelFactory(CPUPinn=True)`` switchers around a torch SGD step),
+  when it is importable;
+* torch's CPU-staged path, SGD and Adam: ``unique``, host ``index_select`` of the rows (and
+  Adam's state) into pinned staging, copy, update on the GPU, copy back, ``index_copy_``;
 * all-GPU ``nn.Embedding(sparse=True)`` + ``SparseAdam`` (the whole table in HBM);
-* lookups per second of ``HostTable.lookup`` with and without the 5% cache;
-* prefetching: a lookup's transfer hidden behind compute (a matmul loop on the main stream).
+* prefetch: a lookup's transfer hidden behind compute of about the same length (a matmul
+  loop), from the lookup alone, the compute alone, both in series and the pipelined loop.
 
-The gradients are random rows (no model), so each figure is the embedding work alone.
+The gradients are random rows (no model), so each figure is the embedding work alone. The
+report's ``targets`` compare these rows with the host-table goals (``TARGETS``).
 
 Timing: every step figure (xferlib and baselines alike) is the median over repeats of
 ``STEPS`` steps queued back to back, divided by ``STEPS``: what a training loop sees once the
-host queues ahead of the device (a HostTable step takes no host sync, so it can). The
-xferlib rows also give ``ms_one_call``, one step timed alone, host queueing included.
+host queues ahead of the device (a HostTable step takes no host sync, so it can). xferlib's
+rows also give ``ms_one_call``, one step timed alone, host queueing included.
 
 Run it as ``xferlib bench table [--quick] [--json PATH]``; from Python::
 
@@ -267,7 +273,12 @@ def _speedtorch(torch, host_sets, grads_t, repeats, rows_n) -> list:
     try:
         import SpeedTorch
     except ImportError as err:
-        print(f"  SpeedTorch is not installed ({err}): no SpeedTorch baseline")
+        import os
+
+        # The wheel's package is "SpeedTorch"; installed with pip --target DIR it is found
+        # only when DIR is on PYTHONPATH in the shell that runs the bench.
+        print(f"  SpeedTorch is not importable ({err}; PYTHONPATH="
+              f"{os.environ.get('PYTHONPATH', '(unset)')}): no SpeedTorch baseline")
         return []
     import cupy
 
