@@ -253,8 +253,10 @@ def _prefix_products(cores, shape: TTShape, digits, upto: int, dtype):
     acc = xp.ones((n, 1, 1), dtype=dtype)
     for k in range(upto):
         g = shape.core_slices(cores[k], k)[digits[:, k]].astype(dtype, copy=False)
-        # (n, A, R) x (n, R, q S) as one batched matmul, then split q from S
-        acc = xp.matmul(acc, g.reshape(n, g.shape[1], -1)).reshape(n, -1, g.shape[3])
+        # (n, A, R) x (n, R, q S) as one batched matmul, then split q from S (sizes spelled
+        # out: an empty batch cannot infer a -1)
+        _, r, q, s = g.shape
+        acc = xp.matmul(acc, g.reshape(n, r, q * s)).reshape(n, acc.shape[1] * q, s)
     return acc
 
 
@@ -266,7 +268,8 @@ def _suffix_products(cores, shape: TTShape, digits, start: int, dtype):
     for k in range(shape.d - 1, start - 1, -1):
         g = shape.core_slices(cores[k], k)[digits[:, k]].astype(dtype, copy=False)
         # (n, R q, S) x (n, S, B) as one batched matmul
-        acc = xp.matmul(g.reshape(n, -1, g.shape[3]), acc).reshape(n, g.shape[1], -1)
+        _, r, q, s = g.shape
+        acc = xp.matmul(g.reshape(n, r * q, s), acc).reshape(n, r, q * acc.shape[2])
     return acc
 
 
@@ -347,7 +350,7 @@ def _checked_indices(idx, shape: TTShape, num_embeddings=None):
     if bad.size:
         position = int(bad[0])
         raise IndexError(f"index {int(idx[position])} at position {position} is out of range "
-                         f"for a TT table of {bound} rows")
+                         f"for a TT table of {bound} rows (valid: 0 <= index < {bound})")
     return idx.astype(xp.int64)
 
 
@@ -1158,7 +1161,7 @@ def tt_check_plan(plan: TTBagPlan, shape: TTShape) -> None:
         shown = plan.indices if plan.report is None else plan.report
         value = int(shown[bad_index:bad_index + 1].get()[0])
         raise IndexError(f"index {value} at position {bad_index} is out of range for a TT "
-                         f"table of {plan.bound} rows")
+                         f"table of {plan.bound} rows (valid: 0 <= index < {plan.bound})")
     if bad_offset != _NO_BAD:
         raise ValueError(f"offsets must start at 0, not decrease, and end at {plan.n} "
                          f"(include_last_offset={plan.include_last_offset}); got "

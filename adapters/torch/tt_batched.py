@@ -224,6 +224,10 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
                              f"got {optimizer!r}")
         if mode not in ("sum", "mean"):
             raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        if not math.isfinite(learning_rate) or learning_rate < 0:
+            raise ValueError(f"learning_rate must be a finite number >= 0, got {learning_rate!r}")
+        if not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         self.num_tables, self.tt_ndim = int(num_tables), d
         self.num_embeddings, self.embedding_dim = int(num_embeddings), self.shape.dim
         self.tt_p_shapes, self.tt_q_shapes = list(self.shape.p_shapes), list(self.shape.q_shapes)
@@ -338,6 +342,8 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         return list(self.tt_cores) + ([self.cache_weight] if self.use_cache else [])
 
     def set_learning_rate(self, lr: float) -> None:
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"learning rate must be a finite number >= 0, got {lr!r}")
         self.learning_rate = float(lr)
 
     def _memo(self, name: str, tensors, build, *extra):
@@ -382,6 +388,10 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
                     f"Expected all tensors to be on the same device, but found at least two "
                     f"devices, {device} and {t.device}! ({name} is on {t.device}, the TT "
                     f"cores on {device}: move the module or the inputs with .to())")
+        for name, t in (("indices", indices), ("offsets", offsets)):
+            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                raise TypeError(f"{name} must be an integer tensor (int32 or int64), got "
+                                f"{t.dtype}")
         indices, offsets = indices.long(), offsets.long()
         report = None
         if self.num_tables > 1:
@@ -405,7 +415,8 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             if bad.numel():
                 position = int(bad[0, 0])
                 raise IndexError(f"index {int(indices[position])} at position {position} is "
-                                 f"out of range for a TT table of {self.num_embeddings} rows")
+                                 f"out of range for a TT table of {self.num_embeddings} rows (valid: "
+                                 f"0 <= index < {self.num_embeddings})")
         per_table = max(bags // self.num_tables, 1)
         bounds = offsets[1:] if self.include_last_offset else offsets
         positions = torch.arange(indices.numel(), device=indices.device)
