@@ -198,3 +198,27 @@ def test_mixed_precision_master_weights(xp_name, low):
     for view, p in zip(layout.views(host_master), tparams):
         np.testing.assert_allclose(view, p.detach().numpy(), rtol=2e-5, atol=2e-6)
     np.testing.assert_array_equal(host_lowp, host_master.astype(low_dtype))
+
+
+@pytest.mark.parametrize("name", ["adam", "nadam", "sgd"])
+@pytest.mark.parametrize("groups", [None, GROUPS])
+def test_fill_step_table_equals_step_scalars(name, groups):
+    """The table the eager GPU step writes into pinned staging memory (float32, no per-step
+    allocation in the common case) is step_scalars' table, and advances the same state, on
+    uniform steps and on steps where some segments have no gradient."""
+    layout = optim.FlatLayout.from_shapes(SHAPES, groups)
+    opt = getattr(optim, name)(lr=1e-2, **({"momentum": 0.9} if name == "sgd" else {}))
+    hypers = [dict(opt.defaults), dict(opt.defaults, lr=3e-3)]
+    rule = optim._RULES[name]
+    ours, ref = opt.init(layout), opt.init(layout)
+    out = np.full((len(SHAPES), optim.COMMON + optim.SCALARS), np.nan, dtype=np.float32)
+    actives = [np.ones(len(SHAPES), bool)] * 2 + [np.array([1, 0, 1, 1, 0], bool)] + \
+        [np.ones(len(SHAPES), bool)] * 2
+    for active in actives:
+        optim.fill_step_table(rule, layout, ours, hypers, active, out)
+        table = optim.step_scalars(rule, layout, ref, hypers, active)
+        np.testing.assert_array_equal(out, table.astype(np.float32))
+        np.testing.assert_array_equal(ours.steps, ref.steps)
+        for key in ref.scalars:
+            np.testing.assert_array_equal(ours.scalars[key], ref.scalars[key])
+    assert list(ours.steps) == [5, 4, 5, 5, 4]
