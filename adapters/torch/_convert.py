@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -66,18 +68,43 @@ def scatter_from_torch(table, idx, rows: torch.Tensor, device: torch.device) -> 
                  stream=current_stream(device))
 
 
-def fresh_row_state(optimizer: torch.optim.Optimizer, param, state: dict, width: int) -> dict:
-    """For each tensor of ``state`` (``optimizer``'s state of ``param``) shaped like
-    ``param``, the values a row that never took a step starts from: the state of the same
-    optimizer class and hyperparameters after one zero-gradient step of one zero row, which
-    is its initial state for every torch.optim optimizer but SGD with dampening (whose first
-    step copies the gradient). Returns name -> ``(width,)`` NumPy array."""
+def probe_row_state(optimizer: torch.optim.Optimizer, param, width: int) -> dict:
+    """The per-element state ``optimizer`` keeps for one ``(1, width)`` row of ``param`` and
+    the values a row that never took a step starts from: the state of the same optimizer class
+    and hyperparameters after one zero-gradient step of one zero row, which is its initial
+    state for every torch.optim optimizer but SGD with dampening (whose first step copies the
+    gradient). Returns name -> ``(width,)`` NumPy array; raises ValueError for optimizers that
+    cannot be stepped row by row (LBFGS needs a closure)."""
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
     probe = torch.nn.Parameter(torch.zeros(1, width, dtype=param.dtype))
     probe.grad = torch.zeros_like(probe)
-    hyper = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    # Group keys the constructor does not take (AdamW's decoupled_weight_decay on torch >= 2.8,
+    # a scheduler's initial_lr) are left out.
+    hyper = {k: v for k, v in group.items()
+             if k != "params" and (k in accepted or (takes_any and k != "initial_lr"))}
     fresh = type(optimizer)([probe], **hyper)
-    fresh.step()
-    return {name: fresh.state[probe][name].detach().reshape(-1).numpy()
-            for name, value in state.items()
-            if isinstance(value, torch.Tensor) and value.shape == param.shape}
+    try:
+        fresh.step()
+    except RuntimeError:  # SparseAdam takes sparse gradients only
+        probe.grad = torch.zeros_like(probe).to_sparse()
+        try:
+            fresh.step()
+        except Exception as err:
+            raise ValueError(f"{type(optimizer).__name__} cannot be stepped row by row "
+                             f"({err})") from err
+    except TypeError as err:  # LBFGS and others that need a closure
+        raise ValueError(f"{type(optimizer).__name__} cannot be stepped row by row "
+                         f"({err})") from err
+    return {name: value.detach().reshape(-1).numpy()
+            for name, value in fresh.state[probe].items()
+            if isinstance(value, torch.Tensor) and value.shape == probe.shape}
+
+
+def fresh_row_state(optimizer: torch.optim.Optimizer, param, state: dict, width: int) -> dict:
+    """``probe_row_state`` for the tensors of ``state`` (``optimizer``'s state of ``param``)
+    shaped like ``param``."""
+    fresh = probe_row_state(optimizer, param, width)
+    return {name: fresh[name] for name, value in state.items()
+            if isinstance(value, torch.Tensor) and value.shape == param.shape and name in fresh}

@@ -122,6 +122,7 @@ def test_embedding_fused(device, rng):
 @pytest.mark.parametrize("optimizer_cls, kwargs", [
     ("NAdam", {"lr": 0.05}), ("Rprop", {"lr": 0.01}), ("RAdam", {"lr": 0.05}),
     ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True}), ("ASGD", {"lr": 0.05}),
+    ("AdamW", {"lr": 0.05, "weight_decay": 0.1}),  # a group key its constructor does not take
 ])
 def test_any_torch_optimizer_matches_dense_when_every_row_is_touched(device, rng,
                                                                      optimizer_cls, kwargs):

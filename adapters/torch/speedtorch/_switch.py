@@ -3,11 +3,10 @@ optimizer state in and out of a collection, and the dummy inputs."""
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import torch
 
+from xferlib.adapters.torch._convert import probe_row_state
 from xferlib.adapters.torch.speedtorch._store import Store, as_index, gpu_available
 
 
@@ -139,35 +138,11 @@ class ModelSwitch:
 
 
 def _probe_state(optimizer: torch.optim.Optimizer, param, width: int):
-    """The names of ``optimizer``'s per-element state for ``param`` and the values a row
-    that never took a step starts from: the state of the same optimizer class and
-    hyperparameters after one zero-gradient step of one zero row (its initial state for every
-    torch.optim optimizer but SGD with dampening, whose first step copies the gradient)."""
-    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-    probe = torch.nn.Parameter(torch.zeros(1, width, dtype=param.dtype))
-    probe.grad = torch.zeros_like(probe)
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-    # Group keys the constructor does not take (AdamW's decoupled_weight_decay, a
-    # scheduler's initial_lr) are left out.
-    hyper = {k: v for k, v in group.items()
-             if k != "params" and (k in accepted or (takes_any and k != "initial_lr"))}
-    fresh = type(optimizer)([probe], **hyper)
+    """``probe_row_state``, its error naming SpeedTorch's argument."""
     try:
-        fresh.step()
-    except RuntimeError:  # SparseAdam takes sparse gradients only
-        probe.grad = torch.zeros_like(probe).to_sparse()
-        try:
-            fresh.step()
-        except Exception as err:
-            raise ValueError(f"given_optimizer: {type(optimizer).__name__} cannot be switched "
-                             f"row by row ({err})") from err
-    except TypeError as err:  # LBFGS and others that need a closure
-        raise ValueError(f"given_optimizer: {type(optimizer).__name__} cannot be switched row "
-                         f"by row ({err})") from err
-    return {name: value.detach().reshape(-1).numpy()
-            for name, value in fresh.state[probe].items()
-            if isinstance(value, torch.Tensor) and value.shape == probe.shape}
+        return probe_row_state(optimizer, param, width)
+    except ValueError as err:
+        raise ValueError(f"given_optimizer: {err}") from err
 
 
 class OptimizerSwitch:
