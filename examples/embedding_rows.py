@@ -23,6 +23,9 @@ def core_demo(num_rows=100_000, dim=64, batch=8192):
         idx = cupy.asarray(idx)  # indices on the GPU: rows come straight from host RAM
     rows = xferlib.gather_rows(table, idx)
     xferlib.scatter_add_rows(table, idx, -0.01 * rows)
+    # GPU calls take no host sync; their index checks are read later. check_rows() waits for
+    # them (and so for the calls) and raises for a bad index before the host reads the table.
+    xferlib.check_rows()
     print(f"core: gathered {rows.shape[0]} rows of {dim} ({type(rows).__module__}); "
           f"table pinned: {xferlib.is_pinned(table)}")
 
