@@ -151,6 +151,47 @@ def test_prefetch_while_updating(rng, cache_rows, index_dtype):
 
 
 @pytest.mark.gpu
+def test_update_finds_its_rows_after_other_cache_passes(rng):
+    """An update reuses its lookup's cache slots only while nothing could have evicted them:
+    after a second lookup, two prefetches or a scatter (which empties the cache) its rows are
+    located again. Every order trains like the uncached reference."""
+    cupy = _gpu()
+    dim, rows_n, n = 8, 200, 300
+    kw = dict(optimizer="adam", optimizer_kwargs={"lr": 0.1}, seed=2)
+    table = xferlib.HostTable(rows_n, dim, cache_rows=32, cache_admission="always", **kw)
+    reference = xferlib.HostTable(rows_n, dim, **kw)
+
+    def batch():
+        return cupy.asarray((rng.zipf(1.2, size=n) % rows_n).astype(np.int64))
+
+    def update(plan, idx):
+        grads = cupy.asarray(rng.standard_normal((n, dim)).astype(np.float32))
+        table.apply_gradients(plan, grads)
+        reference.apply_gradients(idx, grads)
+
+    for _ in range(3):
+        a, b, c, d = batch(), batch(), batch(), batch()
+        _, plan_a = table.lookup(a, return_batch=True)
+        _, plan_b = table.lookup(b, return_batch=True)  # may evict a's rows
+        update(plan_a, a)
+        update(plan_b, b)
+        _, plan_a = table.lookup(a, return_batch=True)
+        table.prefetch(c)
+        table.prefetch(d)  # a second cache pass since a's lookup
+        update(plan_a, a)
+        _, plan_d = table.lookup(d, return_batch=True)
+        update(plan_d, d)
+        _, plan_c = table.lookup(c, return_batch=True)
+        rows = cupy.asarray(rng.standard_normal((5, dim)).astype(np.float32))
+        table.scatter(c[:5], rows)  # empties the cache
+        reference.scatter(c[:5], rows)
+        update(plan_c, c)
+    np.testing.assert_array_equal(table.numpy(), reference.numpy())
+    for name in ("exp_avg", "exp_avg_sq", "step"):
+        np.testing.assert_array_equal(table.state(name), reference.state(name))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cache_rows", [0, 64])
 def test_graph_captured_step_matches_eager(rng, cache_rows):
     """lookup + apply_gradients at a fixed batch size, captured once in a CUDA graph and
