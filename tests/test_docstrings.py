@@ -8,7 +8,8 @@ import pytest
 MODULES = ["xferlib.rows", "xferlib.memory", "xferlib.perf", "xferlib.adapters.torch.rows",
            "xferlib.adapters.jax.rows", "xferlib.adapters.torch.contiguous",
            "xferlib.adapters.torch.tt", "xferlib.adapters.torch.speedtorch",
-           "xferlib.adapters.torch.speedtorch.cupy_live"]
+           "xferlib.adapters.torch.speedtorch.cupy_live", "xferlib.adapters.torch.tt_batched",
+           "xferlib.adapters.jax.optim"]
 
 
 @pytest.mark.parametrize("name", MODULES)
