@@ -345,6 +345,8 @@ def test_flat_optimizer_load_of_a_foreign_state_dict():
 def test_core_flat_optimizer_hyperparameters():
     _check(lambda: xferlib.optim.adam(lr=-1), _nothing, ValueError, ["learning rate", "-1"])
     _check(lambda: xferlib.optim.adam(lrr=1), _nothing, ValueError, ["'lrr'", "'lr'"])
+    _check(lambda: xferlib.optim.resolve_hyper("adamz"), _nothing, ValueError,
+           ["'adamz'", "'adam'"])
 
 
 def _tt(torch):
@@ -369,6 +371,9 @@ def test_tt_embedding_bag():
          ["indices", "1-D", "(2, 2)"]),
         (lambda m: m(t([1, 2]), t([0, 2]), per_sample_weights=torch.ones(3)), ValueError,
          ["per_sample_weights", "(2,)", "(3,)"]),
+        (lambda m: m(t([1.0, 2.0]), t([0, 2])), TypeError, ["indices", "integer", "float32"]),
+        (lambda m: m(t([5, 1000]), t([0, 2])), IndexError, ["0 <= index < 1000"]),
+        (lambda m: m.set_learning_rate(float("nan")), ValueError, ["learning rate", "nan"]),
     ]
     for call, exc, needles in calls:
         module, snap = _tt(torch)
@@ -380,9 +385,19 @@ def test_tt_embedding_bag():
          ["tt_q_shapes", "8", "16"]),
         (lambda: TTEmbeddingBag(1000, 16, tt_ranks=[4, 4], mode="max"), ValueError,
          ["mode", "'max'"]),
+        (lambda: TTEmbeddingBag(1000, 16, tt_ranks=[4, 4], learning_rate=-1), ValueError,
+         ["learning_rate", "-1"]),
     ]
     for call, exc, needles in builds:
         _check(call, _nothing, exc, needles)
+
+
+def test_tt_embedding_bag_empty_batch():
+    torch = pytest.importorskip("torch")
+    module, _ = _tt(torch)
+    out = module(torch.tensor([], dtype=torch.int64), torch.tensor([0, 0, 0]))
+    assert out.shape == (2, 16) and not out.any()
+    out.sum().backward()
 
 
 def test_host_embedding_bag():

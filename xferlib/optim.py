@@ -470,6 +470,8 @@ def _preamble_numpy(common, p, g):
 
 def resolve_hyper(name: str, overrides: dict | None = None) -> dict:
     """``name``'s defaults updated by ``overrides``, checked (ValueError as torch raises)."""
+    if name not in _RULES:
+        raise ValueError(f"unknown flat optimizer {name!r}; known: {sorted(_RULES)}")
     rule = _RULES[name]
     unknown = set(overrides or ()) - set(rule.defaults)
     if unknown:
