@@ -53,7 +53,10 @@ class JaxRun:
                   for name, sizes in zip(("bottom", "top"), initial.mlp_sizes(preset, num_tables))}
         self.flat, self.unravel = ravel(params)
         self.tx = flat_adam(preset.lr_dense)
-        self.opt_state = self.tx.init(self.flat)
+        # Every array committed to the device up front: an uncommitted one (the step count
+        # from tx.init) would make the second call of the step compile again.
+        self.device = jax.devices()[0]
+        self.opt_state = jax.device_put(self.tx.init(self.flat), self.device)
         lr = preset.lr_embedding
         self.hbm, self.hbm_acc, self.tt, self.tt_acc, self.host = [], [], [], [], []
         self.tt_shapes = []
@@ -62,7 +65,7 @@ class JaxRun:
                 w = to(initial.table_init(seed, t.index, t.rows, preset.dim, preset.init_scale,
                                           xp))
                 self.hbm.append(w)
-                self.hbm_acc.append(jnp.zeros_like(w))
+                self.hbm_acc.append(self._zeros(w.shape))
             elif t.where == "host":
                 table = xferlib.HostTable(t.rows, preset.dim, "float32", "adagrad", {"lr": lr},
                                           t.cache_rows if self.gpu else 0, init="zeros")
@@ -71,12 +74,15 @@ class JaxRun:
             else:
                 cores = tuple(to(c) for c in initial.tt_cores(t, seed))
                 self.tt.append(cores)
-                self.tt_acc.append(tuple(jnp.zeros_like(c) for c in cores))
+                self.tt_acc.append(tuple(self._zeros(c.shape) for c in cores))
                 self.tt_shapes.append((t.tt_p, t.tt_q, t.tt_ranks))
         n = num_tables + 1
         self.li, self.lj = np.triu_indices(n, 1)
         self.steps_done = 0
         self._build()
+
+    def _zeros(self, shape):  # device_put compiles nothing (zeros_like would, per shape)
+        return jax.device_put(np.zeros(shape, np.float32), self.device)
 
     # ------------------------------------------------------------------ the model
     def _forward(self, flat, hbm, tt, host_rows, dense, cat):
@@ -196,7 +202,9 @@ class JaxRun:
     def load_state(self, path):
         with np.load(path) as z:
             a = {k: z[k] for k in z.files}
-        to = jnp.asarray
+        def to(a):
+            return jax.device_put(a, self.device)
+
         self.flat = to(a["flat"])
         self.opt_state = type(self.opt_state)(
             to(a["count"]), tuple(to(a[f"opt.{i}"]) for i in range(len(self.opt_state.buffers))))
