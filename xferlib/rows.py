@@ -26,7 +26,10 @@ which then does nothing at all, and the verdict (16 bytes) travels to pinned hos
 without a host sync. It is read by a later GPU call of this module (which raises before it
 queues anything; at the latest once four calls are pending) or by :func:`check_rows`, which
 waits for every pending verdict. So a GPU call costs no round trip: the host queues the next
-one while the device works, and a bad batch writes nothing and raises soon after.
+one while the device works, and a bad batch writes nothing and raises soon after. GPU calls
+can also be captured in a CUDA graph (all buffers depend on the batch size only; capture
+after one eager call): after replays, synchronize and call :func:`check_rows`, which reads
+the verdicts the replays wrote.
 """
 
 from __future__ import annotations
@@ -325,12 +328,22 @@ class _Pending:
         self.host = None
         self.events = [None] * _RING
         self.entries = collections.deque()  # (slot, fn name, idx, num_rows)
+        self.graph = []  # (own pinned buffer, fn name, idx, num_rows) of captured calls
         self.next = 0
 
     def push(self, fn: str, verdict, idx, num_rows: int, stream) -> None:
         import cupy
         import cupyx
 
+        if _capturing(stream):
+            # A graph's copy node writes its own buffer at every replay; check_rows() reads
+            # it (synchronize the replay's stream first). No event: none can be queried.
+            host = cupyx.empty_pinned(2, dtype=np.uint64)
+            host[...] = _NO_BAD_INDEX
+            cupy.cuda.runtime.memcpyAsync(host.ctypes.data, verdict.data.ptr, 16,
+                                          cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+            self.graph.append((host, fn, idx, num_rows))
+            return
         if self.host is None:
             self.host = cupyx.empty_pinned((_RING, 2), dtype=np.uint64)
         slot, self.next = self.next, (self.next + 1) % _RING
@@ -348,24 +361,46 @@ class _Pending:
         entries = self.entries
         while entries and (wait or len(entries) >= _MAX_PENDING
                            or self.events[entries[0][0]].done):
-            self._resolve(entries.popleft())
+            slot, fn, idx, num_rows = entries.popleft()
+            self.events[slot].synchronize()
+            _raise_verdict(self.host[slot], fn, idx, num_rows)
+        if wait and self.graph:  # verdicts written by graph replays, each reported once
+            read = [(host.copy(), fn, idx, num_rows) for host, fn, idx, num_rows in self.graph]
+            for host, *_ in self.graph:
+                host[...] = _NO_BAD_INDEX  # the next replay writes it again
+            for verdict, fn, idx, num_rows in read:
+                _raise_verdict(verdict, fn, idx, num_rows)
 
-    def _resolve(self, entry) -> None:
-        slot, fn, idx, num_rows = entry
-        self.events[slot].synchronize()
-        bad, unsorted = (int(v) for v in self.host[slot])
-        if bad == _NO_BAD_INDEX and unsorted == _NO_BAD_INDEX:
-            return
-        note = f"{fn} (an earlier call on the GPU; nothing was written): "
-        if bad != _NO_BAD_INDEX:
-            value = int(idx[bad:bad + 1].get()[0])
-            try:
-                _raise_bad_index(bad, value, num_rows)
-            except IndexError as err:
-                raise IndexError(note + str(err)) from None
-        before, value = (int(v) for v in idx[unsorted - 1:unsorted + 1].get())
-        raise ValueError(f"{note}sorted_indices=True, but index {value} at position {unsorted} "
-                         f"comes after {before}")
+
+def _capturing(stream) -> bool:
+    """Whether ``stream`` is capturing a CUDA graph (then no host sync and no event query)."""
+    try:
+        return bool(stream.is_capturing())
+    except AttributeError:
+        import cupy
+
+        try:
+            return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
+        except AttributeError:  # a CuPy without the query cannot capture either
+            return False
+
+
+def _raise_verdict(verdict, fn: str, idx, num_rows: int) -> None:
+    """Raise for a verdict read on the host (IndexError, or ValueError for a broken
+    ``sorted_indices`` promise); return when it is clean."""
+    bad, unsorted = (int(v) for v in verdict)
+    if bad == _NO_BAD_INDEX and unsorted == _NO_BAD_INDEX:
+        return
+    note = f"{fn} (an earlier call on the GPU; nothing was written): "
+    if bad != _NO_BAD_INDEX:
+        value = int(idx[bad:bad + 1].get()[0])
+        try:
+            _raise_bad_index(bad, value, num_rows)
+        except IndexError as err:
+            raise IndexError(note + str(err)) from None
+    before, value = (int(v) for v in idx[unsorted - 1:unsorted + 1].get())
+    raise ValueError(f"{note}sorted_indices=True, but index {value} at position {unsorted} "
+                     f"comes after {before}")
 
 
 class _AllDevices:
