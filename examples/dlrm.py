@@ -163,9 +163,9 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
         if meta is not None:
             checkpoint.load(args.load, run, fw)
             history, start = list(meta["history"]), int(meta["step"])
-        seconds, timed_steps = loop.train(run, log, eval_set, name=name, start_step=start, steps=steps,
-                             batch_size=batch_size, xp=xp, evals=args.evals or preset.evals,
-                             history=history, progress=not args.quiet)
+        seconds, timed_steps = loop.train(
+            run, log, eval_set, name=name, start_step=start, steps=steps, batch_size=batch_size,
+            xp=xp, evals=args.evals or preset.evals, history=history, progress=not args.quiet)
         if not history or history[-1]["step"] != start + steps:  # steps == 0: evaluate once
             a, ll = eval_set.evaluate(run, name)
             history.append({"step": start + steps, "samples": (start + steps) * batch_size,

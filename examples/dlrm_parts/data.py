@@ -111,7 +111,8 @@ class ClickLog:
                            np.uint64)
         self._b = np.array([(0x2545F491 * (f + 1)) % c for f, c in enumerate(self.cardinalities)],
                            np.uint64)
-        self._span = (n + 1.0) ** (1.0 - self.alpha) - 1.0  # inverse CDF of the power law on [1, n+1)
+        # the power law's inverse CDF on [1, n + 1): ranks 0 .. n-1
+        self._span = (n + 1.0) ** (1.0 - self.alpha) - 1.0
         rng = np.random.default_rng([self.seed, 12])
         self._w = (rng.standard_normal(NUM_DENSE) * 0.8 / math.sqrt(NUM_DENSE)).astype(np.float32)
         pairs = len(self.latent_features) * (len(self.latent_features) - 1) / 2

@@ -101,4 +101,5 @@ def plot(path, results, title) -> None:
 def target_line(auc_value, oracle_auc) -> str:
     need = 0.5 + 0.8 * (oracle_auc - 0.5)
     ok = auc_value >= need and math.isfinite(auc_value)
-    return f"learned: AUC {auc_value:.4f} {'>=' if ok else '<'} {need:.4f} = 0.5 + 0.8 (oracle - 0.5)"
+    return (f"learned: AUC {auc_value:.4f} {'>=' if ok else '<'} {need:.4f} "
+            f"= 0.5 + 0.8 (oracle - 0.5)")
