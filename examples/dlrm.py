@@ -20,6 +20,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch/CuPy sh
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import sys  # noqa: E402
+import traceback  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,59 +135,71 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
 
     results = []
     jobs = [(fw, False) for fw in frameworks] + ([("torch", True)] if args.compare else [])
+    failed, run = [], None
     for fw, baseline in jobs:
         name = "torch baseline (all HBM)" if baseline else f"{fw} xferlib ({args.placement})"
-        table_bytes = {"host": plan.bytes_host, "hbm": plan.bytes_hbm, "tt": plan.bytes_tt,
-                       "cache": plan.bytes_cache}
-        if baseline:
-            table_bytes = {"host": 0, "tt": 0, "cache": 0,
-                           "hbm": sum(config.table_bytes(n, preset.dim)
-                                      for n in preset.cardinalities)}
-            if device == "cuda":
-                import torch
+        try:  # one failing run (say, out of memory) must not lose the others' figures
+            table_bytes = {"host": plan.bytes_host, "hbm": plan.bytes_hbm, "tt": plan.bytes_tt,
+                           "cache": plan.bytes_cache}
+            if baseline:
+                table_bytes = {"host": 0, "tt": 0, "cache": 0,
+                               "hbm": sum(config.table_bytes(n, preset.dim)
+                                          for n in preset.cardinalities)}
+                if device == "cuda":
+                    import torch
 
-                free = torch.cuda.mem_get_info()[0]
-                if table_bytes["hbm"] * 1.3 > free:
-                    print(f"{name}: skipped, its tables need {table_bytes['hbm'] / 2**30:.1f} "
-                          f"GB and the GPU has {free / 2**30:.1f} GB free")
-                    continue
-        if fw == "torch":
-            from dlrm_parts.torch_run import TorchRun
+                    free = torch.cuda.mem_get_info()[0]
+                    if table_bytes["hbm"] * 1.3 > free:
+                        print(f"{name}: skipped, its tables need "
+                              f"{table_bytes['hbm'] / 2**30:.1f} GB and the GPU has "
+                              f"{free / 2**30:.1f} GB free")
+                        continue
+            if fw == "torch":
+                from dlrm_parts.torch_run import TorchRun
 
-            run = TorchRun(preset, plan, args.seed, device, baseline=baseline,
-                           graph=not args.no_graph, xp=xp)
-        else:
-            from dlrm_parts.jax_run import JaxRun
+                run = TorchRun(preset, plan, args.seed, device, baseline=baseline,
+                               graph=not args.no_graph, xp=xp)
+            else:
+                from dlrm_parts.jax_run import JaxRun
 
-            run = JaxRun(preset, plan, args.seed, device, xp=xp)
-        history, start = [], 0
-        if meta is not None:
-            checkpoint.load(args.load, run, fw)
-            history, start = list(meta["history"]), int(meta["step"])
-        seconds, timed_steps = loop.train(
-            run, log, eval_set, name=name, start_step=start, steps=steps, batch_size=batch_size,
-            xp=xp, evals=args.evals or preset.evals, history=history, progress=not args.quiet)
-        if not history or history[-1]["step"] != start + steps:  # steps == 0: evaluate once
-            a, ll = eval_set.evaluate(run, name)
-            history.append({"step": start + steps, "samples": (start + steps) * batch_size,
-                            "auc": a, "logloss": ll, "train_loss": None})
-        final = history[-1]
-        results.append({
-            "name": name, "framework": "torch-baseline" if baseline else fw,
-            "preset": preset.name, "placement": "hbm" if baseline else args.placement,
-            "device": device, "steps": steps, "total_steps": start + steps,
-            "batch_size": batch_size, "samples_per_s": timed_steps * batch_size / seconds
-            if seconds > 0 else 0.0, "auc": final["auc"], "logloss": final["logloss"],
-            "oracle_auc": eval_set.oracle_auc, "oracle_logloss": eval_set.oracle_logloss,
-            "peak_gpu_bytes": run.peak_gpu_bytes(), "table_bytes": table_bytes,
-            "cache_hit_rate": run.cache_hit_rate(), "notes": getattr(run, "graph_note", ""),
-            "history": history})
-        if args.save and not baseline:
-            checkpoint.save(args.save, run, fw, run_config[fw], start + steps, history)
-            print(f"saved {args.save} at step {start + steps}")
-        del run
-        _free()
+                run = JaxRun(preset, plan, args.seed, device, xp=xp)
+            history, start = [], 0
+            if meta is not None:
+                checkpoint.load(args.load, run, fw)
+                history, start = list(meta["history"]), int(meta["step"])
+            seconds, timed_steps = loop.train(
+                run, log, eval_set, name=name, start_step=start, steps=steps,
+                batch_size=batch_size, xp=xp, evals=args.evals or preset.evals,
+                history=history, progress=not args.quiet)
+            if not history or history[-1]["step"] != start + steps:  # steps == 0: evaluate once
+                a, ll = eval_set.evaluate(run, name)
+                history.append({"step": start + steps, "samples": (start + steps) * batch_size,
+                                "auc": a, "logloss": ll, "train_loss": None})
+            final = history[-1]
+            results.append({
+                "name": name, "framework": "torch-baseline" if baseline else fw,
+                "preset": preset.name, "placement": "hbm" if baseline else args.placement,
+                "device": device, "steps": steps, "total_steps": start + steps,
+                "batch_size": batch_size, "samples_per_s": timed_steps * batch_size / seconds
+                if seconds > 0 else 0.0, "auc": final["auc"], "logloss": final["logloss"],
+                "oracle_auc": eval_set.oracle_auc, "oracle_logloss": eval_set.oracle_logloss,
+                "peak_gpu_bytes": run.peak_gpu_bytes(), "table_bytes": table_bytes,
+                "cache_hit_rate": run.cache_hit_rate(), "notes": getattr(run, "graph_note", ""),
+                "history": history})
+            if args.save and not baseline:
+                checkpoint.save(args.save, run, fw, run_config[fw], start + steps, history)
+                print(f"saved {args.save} at step {start + steps}")
+            del run
+            _free()
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+            run = None
+            _free()
 
+    if not results:
+        print(f"dlrm.py: every run failed: {failed}", file=sys.stderr)
+        return 1
     print()
     print(metrics.table(results))
     main_run = results[0]
@@ -201,6 +214,9 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
     if args.plot:
         metrics.plot(args.plot, results, f"DLRM, {preset.name} preset, {device}, batch "
                      f"{batch_size}")
+    if failed:
+        print(f"dlrm.py: failed runs: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
