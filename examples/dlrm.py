@@ -19,6 +19,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch/CuPy sh
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
+import importlib.util  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 
@@ -103,6 +104,11 @@ def _prepare(args):
         raise ValueError(f"--batch-size and --pooling must be >= 1 and --steps >= 0, got "
                          f"{batch_size}, {pooling}, {steps}")
     frameworks = ["torch", "jax"] if args.framework == "both" else [args.framework]
+    needed = ["torch", "tqdm"] + (["jax", "optax"] if "jax" in frameworks else [])
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"--framework {args.framework} needs {missing} installed "
+                         f"(pip install -e \".[bench,jax]\" torch)")
     if (args.save or args.load) and len(frameworks) > 1:
         raise ValueError("--save/--load hold one run: pick --framework torch or jax")
     if args.load and args.compare:

@@ -163,6 +163,16 @@ def test_initial_rows_do_not_depend_on_chunking(parts):
     assert np.abs(whole).max() <= 0.05 and whole.std() > 0.02
 
 
+def test_rank_auc_matches_scikit_learn(parts, rng):
+    from dlrm_parts.metrics import rank_auc
+
+    sklearn_metrics = pytest.importorskip("sklearn.metrics")
+    labels = rng.random(5000) < 0.3
+    scores = np.round(rng.standard_normal(5000) + labels, 1)  # many ties
+    assert rank_auc(labels, scores) == pytest.approx(
+        sklearn_metrics.roc_auc_score(labels, scores), abs=1e-12)
+
+
 @pytest.mark.gpu
 def test_click_log_is_the_same_on_gpu_and_cpu(parts):
     import cupy
