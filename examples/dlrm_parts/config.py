@@ -60,17 +60,17 @@ PRESETS = {
         dim=16, batch_size=512, steps=400, eval_samples=16384, evals=4,
         gpu_memory_gb=0.0004, bottom=(32,), top=(64, 32), lr_dense=3e-3, lr_embedding=0.2,
         tt_min_rows=1000, tt_rank=8,
-        description="CPU-sized: 13k rows, dim 16; a minute or less per framework on 2 cores"),
+        description="CPU-sized: 11.6k rows, dim 16; under 20 s per framework on 2 cores"),
     "medium": Preset(
         "medium", _scaled(CRITEO_TB, 2_000_000), dim=64, batch_size=8192, steps=1000,
         eval_samples=262144, evals=5, gpu_memory_gb=2.0, bottom=(256, 64), top=(256, 128),
         lr_dense=1e-3, lr_embedding=0.05, tt_min_rows=100_000, tt_rank=32,
-        description="Criteo-TB-like capped at 2M rows: 6.7 GB of tables + state, fits in HBM"),
+        description="Criteo-TB-like capped at 2M rows: 6.3 GB of tables + state, fits in HBM"),
     "large": Preset(
         "large", _scaled(CRITEO_TB, 10_000_000), dim=64, batch_size=8192, steps=1000,
         eval_samples=262144, evals=5, gpu_memory_gb=3.0, bottom=(256, 64), top=(256, 128),
         lr_dense=1e-3, lr_embedding=0.05, tt_min_rows=100_000, tt_rank=32,
-        description="Criteo-TB-like capped at 10M rows: 28 GB of tables + state, 9x the budget"),
+        description="Criteo-TB-like capped at 10M rows: 25.8 GB of tables + state"),
 }
 
 PLACEMENTS = ("auto", "hbm", "host", "tt")
