@@ -82,6 +82,12 @@ def _unregister(ptr: int) -> None:
     import cupy
 
     try:
+        # GPU calls return before the GPU is done with the memory (gathers and scatters check
+        # their indices later), so work queued on these pages must finish before they go back
+        # to the allocator and are reused.
+        for device in range(cupy.cuda.runtime.getDeviceCount()):
+            with cupy.cuda.Device(device):
+                cupy.cuda.runtime.deviceSynchronize()
         cupy.cuda.runtime.hostUnregister(ptr)
     except cupy.cuda.runtime.CUDARuntimeError:
         pass  # the CUDA context is already gone at interpreter exit: nothing left to release

@@ -152,9 +152,9 @@ def test_prefetch_while_updating(rng, cache_rows, index_dtype):
 
 @pytest.mark.gpu
 def test_update_finds_its_rows_after_other_cache_passes(rng):
-    """An update reuses its lookup's cache slots only while nothing could have evicted them:
-    after a second lookup, two prefetches or a scatter (which empties the cache) its rows are
-    located again. Every order trains like the uncached reference."""
+    """An update finds its rows wherever they are now: after a second lookup, two prefetches
+    or a scatter (which empties the cache) since its lookup. Every order trains like the
+    uncached reference."""
     cupy = _gpu()
     dim, rows_n, n = 8, 200, 300
     kw = dict(optimizer="adam", optimizer_kwargs={"lr": 0.1}, seed=2)

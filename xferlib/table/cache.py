@@ -168,7 +168,6 @@ class DeviceCache:
         self.door = cupy.zeros(self.door_bits // 32, np.uint32)
         self.tick = cupy.zeros(1, np.int64)
         self.stats = cupy.zeros(5, np.uint64)
-        self.inserts = 0  # insert passes queued (the device tick advances once per pass)
         self.lfu = np.int32(policy == "lfu")
         self.doorkeeper = np.int32(admission == "second-sight")
 
@@ -202,8 +201,6 @@ class DeviceCache:
                           np.int64(self.door_bits), sets, order, run_row, np.int64(n),
                           np.int64(self.n_sets), slots, self.tick, self.lfu, self.doorkeeper,
                           np.int32(protect_prev), self.stats, plan.verdict), stream=stream)
-        self.inserts += 1
-        plan.epoch = self.inserts
         if self.doorkeeper:
             CACHE_MODULE.get_function(CACHE_MARK_NAME)(
                 (blocks,), (256,), (self.door, np.int64(self.door_bits), set_key, run_row,
@@ -230,8 +227,6 @@ class DeviceCache:
         from xferlib._kernels.cache import CACHE_MODULE, cache_flush_name
 
         n_slots = self.tags.size
-        if drop:
-            self.inserts += 2  # every batch's slots are gone: updates locate their rows again
         grid, block = self.side._grid(n_slots)
         CACHE_MODULE.get_function(cache_flush_name(self.side.vec, self.side.dtype_name))(
             grid, block, (*self.side._host_args(), *self._layout_args(), self.tags, self.score,

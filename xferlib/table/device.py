@@ -36,7 +36,6 @@ class _Plan:
     run: object
     verdict: object
     slots: object = None
-    epoch: int = -1  # the cache's insert count right after this batch's insert
 
     @property
     def n(self) -> int:
@@ -345,13 +344,9 @@ class _DeviceSide:
                 stream.wait_event(pending.done)
             slots = None
             if self.cache is not None:
-                if (plan is self.latest_plan and plan.slots is not None
-                        and self.cache.inserts - plan.epoch <= 1):
-                    # The last lookup's batch, with at most one prefetch since: a prefetch
-                    # never evicts the rows of the batch looked up last, so its slots hold.
-                    slots = plan.slots
-                else:  # located again: a later lookup may have evicted some
-                    slots = self.cache.probe(plan, stream)
+                # Located again (one probe pass): a later lookup or prefetch may have evicted
+                # some of the lookup's rows.
+                slots = self.cache.probe(plan, stream)
             n, dim = plan.n, table.dim
             summed = self._sum_gradients(plan, grads, stream)
             grid, block = self._grid(n)
