@@ -89,6 +89,12 @@ def as_index(indexes, num_rows: int, *, gpu: bool):
                 flat = np.where(flat < 0, flat + num_rows, flat)
         else:  # CuPy wraps negatives; a value below -num_rows stays negative and is refused
             flat = xp.where(flat < 0, flat + num_rows, flat)
+    if not on_gpu:  # host indices are checked here, at the call (GPU ones by the kernels)
+        high = flat >= num_rows
+        if high.any():
+            pos = int(np.argmax(high))
+            raise IndexError(f"indexes: position {pos} holds {int(flat[pos])}, outside "
+                             f"[-{num_rows}, {num_rows})")
     if gpu and not on_gpu:
         flat = _cupy().asarray(flat)
     elif on_gpu and not gpu:
