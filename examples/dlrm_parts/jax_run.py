@@ -45,8 +45,12 @@ class JaxRun:
         self.kinds = [t.where for t in plan.tables]
         num_tables = len(plan.tables)
         dense = initial.dense_params(preset, num_tables, seed)
+        # --device cpu on a GPU machine: JAX's default device is the GPU, so name the CPU.
+        self.device = jax.devices("cpu" if device == "cpu" else None)[0]
+
         def to(a):  # NumPy initial values go to the device first (CuPy), then to JAX
-            return xferlib.to_jax(xp.asarray(a), copy=True)  # JAX-owned: donatable
+            # JAX-owned (donatable), on the run's device
+            return jax.device_put(xferlib.to_jax(xp.asarray(a), copy=True), self.device)
 
         params = {name: [(to(dense[f"{name}.{i}.weight"]), to(dense[f"{name}.{i}.bias"]))
                          for i in range(len(sizes) - 1)]
@@ -55,7 +59,6 @@ class JaxRun:
         self.tx = flat_adam(preset.lr_dense)
         # Every array committed to the device up front: an uncommitted one (the step count
         # from tx.init) would make the second call of the step compile again.
-        self.device = jax.devices()[0]
         self.opt_state = jax.device_put(self.tx.init(self.flat), self.device)
         lr = preset.lr_embedding
         self.hbm, self.hbm_acc, self.tt, self.tt_acc, self.host = [], [], [], [], []
@@ -174,7 +177,7 @@ class JaxRun:
             return 0
         import cupy
 
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = self.device.memory_stats() or {}
         return int(stats.get("peak_bytes_in_use", 0)
                    + cupy.get_default_memory_pool().total_bytes())
 
