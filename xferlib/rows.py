@@ -327,11 +327,11 @@ class _Pending:
     def __init__(self):
         self.host = None
         self.events = [None] * _RING
-        self.entries = collections.deque()  # (slot, fn name, idx, num_rows)
-        self.graph = []  # (own pinned buffer, fn name, idx, num_rows) of captured calls
+        self.entries = collections.deque()  # (slot, fn name, idx, num_rows, arrays kept alive)
+        self.graph = []  # (own pinned buffer, fn name, idx, num_rows, kept) of captured calls
         self.next = 0
 
-    def push(self, fn: str, verdict, idx, num_rows: int, stream) -> None:
+    def push(self, fn: str, verdict, idx, num_rows: int, stream, keep=()) -> None:
         import cupy
         import cupyx
 
@@ -342,7 +342,7 @@ class _Pending:
             host[...] = _NO_BAD_INDEX
             cupy.cuda.runtime.memcpyAsync(host.ctypes.data, verdict.data.ptr, 16,
                                           cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-            self.graph.append((host, fn, idx, num_rows))
+            self.graph.append((host, fn, idx, num_rows, keep))
             return
         if self.host is None:
             self.host = cupyx.empty_pinned((_RING, 2), dtype=np.uint64)
@@ -353,7 +353,10 @@ class _Pending:
         cupy.cuda.runtime.memcpyAsync(self.host[slot].ctypes.data, verdict.data.ptr, 16,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
         event.record(stream)
-        self.entries.append((slot, fn, idx, num_rows))
+        # ``keep``: the host arrays the call's kernels read or write stay alive until its
+        # verdict is read, which is after the kernels ran (a temporary pinned table freed
+        # while a kernel still reads it would be reused under it).
+        self.entries.append((slot, fn, idx, num_rows, keep))
 
     def poll(self, wait: bool = False) -> None:
         """Raise for the oldest bad call whose verdict is in; wait for verdicts when ``wait``
@@ -361,11 +364,11 @@ class _Pending:
         entries = self.entries
         while entries and (wait or len(entries) >= _MAX_PENDING
                            or self.events[entries[0][0]].done):
-            slot, fn, idx, num_rows = entries.popleft()
+            slot, fn, idx, num_rows, _ = entries.popleft()
             self.events[slot].synchronize()
             _raise_verdict(self.host[slot], fn, idx, num_rows)
         if wait and self.graph:  # verdicts written by graph replays, each reported once
-            read = [(host.copy(), fn, idx, num_rows) for host, fn, idx, num_rows in self.graph]
+            read = [(host.copy(), fn, idx, num_rows) for host, fn, idx, num_rows, _ in self.graph]
             for host, *_ in self.graph:
                 host[...] = _NO_BAD_INDEX  # the next replay writes it again
             for verdict, fn, idx, num_rows in read:
@@ -411,7 +414,7 @@ class _AllDevices:
         self.by_device = {}
         self.lock = threading.Lock()
 
-    def push(self, fn: str, verdict, idx, num_rows: int, stream) -> None:
+    def push(self, fn: str, verdict, idx, num_rows: int, stream, keep=()) -> None:
         import cupy
 
         device = cupy.cuda.runtime.getDevice()
@@ -419,7 +422,7 @@ class _AllDevices:
             pending = self.by_device.get(device)
             if pending is None:
                 pending = self.by_device[device] = _Pending()
-            pending.push(fn, verdict, idx, num_rows, stream)
+            pending.push(fn, verdict, idx, num_rows, stream, keep)
 
     def poll(self, wait: bool = False) -> None:
         if not self.by_device:
@@ -548,7 +551,7 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
             return out
         keys, perm, first_bad = _sorted_positions(idx, num_rows, stream, sorted_indices)
         _launch_sorted_kernel("gather", table, keys, perm, first_bad, out, stream)
-        _PENDING.push("gather_rows", first_bad, idx, num_rows, stream)
+        _PENDING.push("gather_rows", first_bad, idx, num_rows, stream, keep=(table, out))
     return out
 
 
@@ -612,7 +615,7 @@ def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
         _launch_sorted_kernel("add" if accumulate else "scatter", table, keys, perm, first_bad,
                               src, stream)
         _PENDING.push("scatter_add_rows" if accumulate else "scatter_rows", first_bad, idx,
-                      num_rows, stream)
+                      num_rows, stream, keep=(table, src))
     return table
 
 
