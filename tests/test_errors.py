@@ -243,6 +243,8 @@ HOST_TABLE_BUILD_CASES = [
     ("init array of the wrong shape",
      dict(num_rows=5, dim=4, init=np.zeros((4, 4), np.float32)), ValueError,
      ["init", "(5, 4)", "(4, 4)"]),
+    ("larger than host RAM", dict(num_rows=10**13, dim=128, optimizer="adam"), MemoryError,
+     ["HostTable(num_rows=10000000000000", "TB of host RAM", "available"]),
 ]
 
 
@@ -296,6 +298,21 @@ def test_host_table_load_of_truncated_and_foreign_files(tmp_path):
            [str(foreign), "not an xferlib HostTable file", "'a'"])
     _check(lambda: xferlib.HostTable.load(tmp_path / "missing.npz"), _nothing,
            FileNotFoundError, ["missing.npz"])
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"not a table" * 10)
+    _check(lambda: xferlib.HostTable.load(garbage), _nothing, ValueError,
+           [str(garbage), "truncated or not an xferlib HostTable file"])
+    single = tmp_path / "single.npy"
+    np.save(single, np.zeros(3))
+    _check(lambda: xferlib.HostTable.load(single), _nothing, ValueError,
+           [str(single), "not an xferlib HostTable file"])
+
+
+def test_host_table_save_to_a_missing_directory(tmp_path):
+    table, snap = _host_table()
+    target = tmp_path / "no-such-dir" / "table.npz"
+    _check(lambda: table.save(target), snap, FileNotFoundError,
+           [str(target), str(target.parent)])
 
 
 # ----------------------------------------------------------------------------- torch modules and optimizers

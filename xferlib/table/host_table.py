@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, cupy_available, is_cupy_array
-from xferlib.memory import is_pinned, pin, pinned_empty
+from xferlib.memory import check_host_memory, is_pinned, pin, pinned_empty
 from xferlib.rows import _check_host_indices, _check_index_dtype, _take_rows
 from xferlib.table.device import _DeviceSide, _Plan
 from xferlib.table.io import load_table, save_table
@@ -105,6 +105,12 @@ class HostTable:
     def _allocate(self, init, rng) -> None:
         layout, shape = self._layout, (self.num_rows,)
         alloc = pinned_empty if cupy_available() else np.empty
+        # Before anything is allocated: a table larger than the host's RAM fails here, with
+        # both sizes, instead of being killed by the OS part-way through its initialization.
+        width = layout.state_width if isinstance(init, np.ndarray) else layout.row_width
+        check_host_memory(self.num_rows * width * self.dtype.itemsize,
+                          f"HostTable(num_rows={self.num_rows}, dim={self.dim}, "
+                          f"optimizer={self.optimizer!r}) with its optimizer state")
         if isinstance(init, np.ndarray):
             if init.shape != (self.num_rows, self.dim) or init.dtype != self.dtype:
                 raise ValueError(f"init array must have shape {(self.num_rows, self.dim)} and "

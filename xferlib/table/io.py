@@ -26,7 +26,11 @@ def save_table(table, path) -> None:
                 slots=list(layout.slots), row_scalars=list(layout.row_scalars))
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".xferlib-", suffix=".npz.tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".xferlib-", suffix=".npz.tmp")
+    except OSError as err:  # name the path asked for, not the temporary file
+        raise type(err)(err.errno, f"cannot save the table to {path} ({err.strerror}: "
+                        f"the directory {directory} must exist and be writable)") from None
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
@@ -47,7 +51,17 @@ def load_table(cls, path, cache_rows=None):
 
     path = os.fspath(path)
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:  # not an .npz at all
+        raise ValueError(f"{path} is truncated or not an xferlib HostTable file: "
+                         f"{err}") from err
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path} is not an xferlib HostTable file (a single array, not the "
+                         f"archive save() writes)")
+    try:
+        with data:
             if set(data.files) != {"meta", "weights", "state"}:
                 raise ValueError(f"{path} is not an xferlib HostTable file "
                                  f"(arrays {sorted(data.files)})")
