@@ -84,6 +84,7 @@ class _HostModule(torch.nn.Module):
             self._host_state = {}
             self._fresh_state = None
             _ANY_OPTIMIZER_MODULES.add(self)
+            _install_step_hooks()
 
     # ------------------------------------------------------------------ transfers
 
@@ -351,6 +352,8 @@ _ANY_OPTIMIZER_MODULES: "weakref.WeakSet[_HostModule]" = weakref.WeakSet()
 
 
 def _modules_of(optimizer):
+    if not _ANY_OPTIMIZER_MODULES:  # every other optimizer's step pays nothing more
+        return []
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     return [m for m in list(_ANY_OPTIMIZER_MODULES) if id(m.weight) in params]
 
@@ -365,8 +368,16 @@ def _post_step(optimizer, args, kwargs):
         module._after_step(optimizer)
 
 
-from torch.optim.optimizer import (register_optimizer_step_post_hook,  # noqa: E402
-                                   register_optimizer_step_pre_hook)
+_HOOKS = []
 
-register_optimizer_step_pre_hook(_pre_step)
-register_optimizer_step_post_hook(_post_step)
+
+def _install_step_hooks() -> None:
+    """torch's global optimizer-step hooks, installed when the first module trained by a
+    torch.optim optimizer is built (importing the adapter changes nothing process-wide)."""
+    if _HOOKS:
+        return
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+
+    _HOOKS.append(register_optimizer_step_pre_hook(_pre_step))
+    _HOOKS.append(register_optimizer_step_post_hook(_post_step))
