@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from xferlib._backend import array_module, is_cupy_array
+from xferlib.perf import warn_tt_fallback
 
 __all__ = [
     "TTShape",
@@ -983,8 +984,13 @@ def _uses_kernels(shape: TTShape, indices, cores=None) -> bool:
         return False
     from xferlib._kernels.tt import shared_bytes
 
-    return max(shared_bytes(shape.p_shapes, shape.q_shapes, shape.ranks).values()) \
-        <= _KERNEL_SHARED_LIMIT
+    need = max(shared_bytes(shape.p_shapes, shape.q_shapes, shape.ranks).values())
+    if need <= _KERNEL_SHARED_LIMIT:
+        return True
+    warn_tt_fallback((tuple(shape.p_shapes), tuple(shape.q_shapes), tuple(shape.ranks)),
+                     f"its slice products need {need} bytes of shared memory, more than the "
+                     f"kernels' {_KERNEL_SHARED_LIMIT}")
+    return False
 
 
 def _kernel(shape: TTShape, name: str):

@@ -247,3 +247,22 @@ def test_host_indices_for_a_gpu_table_warn():
     with pytest.warns(xferlib.XferlibPerformanceWarning, match="NumPy array.*cupy.asarray"):
         rows = xferlib.gather_rows(table, np.array([3, 4]))
     np.testing.assert_array_equal(rows.get(), table.get()[[3, 4]])
+
+
+def test_cache_thrashing_warning_names_the_numbers_and_the_fix():
+    import warnings
+
+    from xferlib.perf import reset_warnings, warn_cache_thrashing
+
+    reset_warnings()
+    owner = object()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not warn_cache_thrashing(owner, 0.6, 5000, 10000, 100)  # hits enough
+        assert not warn_cache_thrashing(owner, 0.05, 50, 10000, 100)  # evicts little
+    with pytest.warns(xferlib.XferlibPerformanceWarning) as record:
+        assert warn_cache_thrashing(owner, 0.05, 5000, 10000, 100)
+    message = str(record[0].message)
+    assert "thrashing" in message and "5%" in message and "cache_rows" in message
+    assert not warn_cache_thrashing(owner, 0.05, 5000, 10000, 100)  # once per owner
+    reset_warnings()

@@ -186,8 +186,13 @@ def test_deterministic(cupy):
 
 
 def test_large_shapes_fall_back_to_the_array_path(cupy):
+    import xferlib
+    from xferlib.perf import reset_warnings
+
     shape = tt.TTShape([10, 10, 10], [8, 8, 8], [128, 128])
-    assert not tt._uses_kernels(shape, cupy.zeros(1, np.int64))
+    reset_warnings()
+    with pytest.warns(xferlib.XferlibPerformanceWarning, match="cuBLAS"):
+        assert not tt._uses_kernels(shape, cupy.zeros(1, np.int64))
     rng = np.random.default_rng(0)
     cores = tt.init_tt_cores(shape, "normal", rng=rng)
     idx, offsets = np.array([1, 999, 5]), np.array([0, 2, 3])

@@ -23,6 +23,7 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream, cupy_available, is_cupy_array
 from xferlib.memory import check_host_memory, is_pinned, pin, pinned_empty
+from xferlib.perf import warn_cache_thrashing
 from xferlib.rows import _check_host_indices, _check_index_dtype, _take_rows
 from xferlib.table.device import _DeviceSide, _Plan
 from xferlib.table.io import load_table, save_table
@@ -334,11 +335,16 @@ class HostTable:
 
     def cache_stats(self) -> dict:
         """Hit-rate statistics of the GPU cache since construction or the last reset:
-        unique rows looked up, hits, misses, admitted and evicted rows, hit rate."""
+        unique rows looked up, hits, misses, admitted and evicted rows, hit rate. Warns
+        (``XferlibPerformanceWarning``, once per table) when the cache thrashes: more
+        evictions than cache rows while fewer than one lookup in five hits."""
         stats = dict(lookups=0, hits=0, misses=0, admitted=0, evicted=0)
         if self._gpu is not None and self._gpu.cache is not None:
             stats.update(self._gpu.cache.read_stats())
         stats["hit_rate"] = stats["hits"] / stats["lookups"] if stats["lookups"] else 0.0
+        if self.cache_rows:  # a cache that evicts about as much as it serves: say so, once
+            warn_cache_thrashing(self, stats["hit_rate"], stats["evicted"], stats["lookups"],
+                                 self.cache_rows)
         return stats
 
     def reset_cache_stats(self) -> None:
