@@ -20,6 +20,7 @@ __all__ = [
     "require_cupy",
     "ExternalStream",
     "as_cupy_stream",
+    "is_capturing",
 ]
 
 
@@ -128,3 +129,17 @@ def stream_scope(stream, gpu: bool):
 
         return contextlib.nullcontext()
     return as_cupy_stream(stream)
+
+
+def is_capturing(stream) -> bool:
+    """Whether ``stream`` (a CuPy stream) is capturing a CUDA graph: then no host sync, no
+    event query and no host allocation may happen on it."""
+    try:
+        return bool(stream.is_capturing())
+    except AttributeError:
+        import cupy
+
+        try:
+            return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
+        except AttributeError:  # a CuPy without the query cannot capture either
+            return False

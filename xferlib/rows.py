@@ -40,7 +40,7 @@ import weakref
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, is_cupy_array, namespace_name
+from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array, namespace_name
 from xferlib.memory import _registration_of, device_pointer, is_pinned
 from xferlib.perf import warn_slow_rows_path
 
@@ -335,7 +335,7 @@ class _Pending:
         import cupy
         import cupyx
 
-        if _capturing(stream):
+        if is_capturing(stream):
             # A graph's copy node writes its own buffer at every replay; check_rows() reads
             # it (synchronize the replay's stream first). No event: none can be queried.
             host = cupyx.empty_pinned(2, dtype=np.uint64)
@@ -373,19 +373,6 @@ class _Pending:
                 host[...] = _NO_BAD_INDEX  # the next replay writes it again
             for verdict, fn, idx, num_rows in read:
                 _raise_verdict(verdict, fn, idx, num_rows)
-
-
-def _capturing(stream) -> bool:
-    """Whether ``stream`` is capturing a CUDA graph (then no host sync and no event query)."""
-    try:
-        return bool(stream.is_capturing())
-    except AttributeError:
-        import cupy
-
-        try:
-            return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
-        except AttributeError:  # a CuPy without the query cannot capture either
-            return False
 
 
 def _raise_verdict(verdict, fn: str, idx, num_rows: int) -> None:

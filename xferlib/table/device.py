@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, is_cupy_array
+from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array
 from xferlib.memory import device_pointer
 from xferlib.rows import _raise_if_bad, _sorted_positions, _to_gpu_indices
 from xferlib.table.cache import DeviceCache
@@ -99,18 +99,6 @@ class _PendingCheck:
 
             _raise_if_bad(self.plan.verdict, self.plan.idx, self.num_rows,
                           cupy.cuda.get_current_stream())
-
-
-def _capturing(stream) -> bool:
-    import cupy
-
-    try:
-        return bool(stream.is_capturing())
-    except AttributeError:
-        try:
-            return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
-        except AttributeError:  # a CuPy without the query cannot capture either
-            return False
 
 
 class _DeviceSide:
@@ -205,7 +193,7 @@ class _DeviceSide:
     def _record(self, stream) -> None:
         import cupy
 
-        if _capturing(stream):
+        if is_capturing(stream):
             return
         if self.last_event is None:  # re-recorded: a wait takes the latest record
             self.last_event = cupy.cuda.Event(disable_timing=True)
@@ -214,7 +202,7 @@ class _DeviceSide:
     # -------------------------------------------------------------- input checks
 
     def defer_check(self, plan: _Plan, stream) -> None:
-        capturing = _capturing(stream)
+        capturing = is_capturing(stream)
         if not capturing and self.ring is None:
             self.ring = _VerdictRing()
         check = _PendingCheck(plan, self.table.num_rows, stream, capturing, self.ring)
