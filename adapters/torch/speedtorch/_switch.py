@@ -177,7 +177,9 @@ class OptimizerSwitch:
         self._stores = None
 
     def _new_store(self) -> Store:
-        raise NotImplementedError
+        """The empty collection of one state tensor, placed as the subclass's family places
+        its collections (pinned CPU, GPU, CuPy memory)."""
+        raise NotImplementedError(f"{type(self).__name__} must say where its state lives")
 
     def optInit(self) -> None:
         """Create the full state collections, each row holding the optimizer's initial state."""
