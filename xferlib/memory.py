@@ -88,6 +88,9 @@ def _unregister(ptr: int) -> None:
         for device in range(cupy.cuda.runtime.getDeviceCount()):
             with cupy.cuda.Device(device):
                 cupy.cuda.runtime.deviceSynchronize()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pass  # no context left at interpreter exit, or a graph capture in progress
+    try:
         cupy.cuda.runtime.hostUnregister(ptr)
     except cupy.cuda.runtime.CUDARuntimeError:
         pass  # the CUDA context is already gone at interpreter exit: nothing left to release
