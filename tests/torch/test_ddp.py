@@ -40,6 +40,9 @@ def _worker(rank, world, port, out_dir):
         opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     np.save(os.path.join(out_dir, f"rank{rank}.npy"), flat.numpy())
+    # Both ranks done before either tears gloo down (a rank destroying its group while the
+    # other still talks to it can abort the process).
+    dist.barrier()
     dist.destroy_process_group()
 
 
