@@ -31,6 +31,6 @@ def xla_stream(ctx, gpu: bool):
     """XLA's compute stream for this call (None on CPU), as the core takes streams."""
     if not gpu:
         return None
-    from xferlib._backend import ExternalStream
+    from xferlib.backend import ExternalStream
 
     return ExternalStream(ctx.stream)

@@ -79,7 +79,7 @@ def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.A
         table.apply_gradients(as_core_array(idx_buffer, gpu), as_core_array(grad_buffer, gpu),
                               **kwargs)
         if gpu:
-            from xferlib._backend import as_cupy_stream
+            from xferlib.backend import as_cupy_stream
 
             with as_cupy_stream(kwargs["stream"]):
                 as_core_array(token, gpu).fill(0)

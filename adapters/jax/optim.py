@@ -115,7 +115,7 @@ def _callback(name, layout, num_buffers, in_place=False):
 
 def _copy(out, src, gpu, stream):
     if gpu:
-        from xferlib._backend import as_cupy_stream
+        from xferlib.backend import as_cupy_stream
 
         with as_cupy_stream(stream):
             out[...] = src

@@ -24,7 +24,7 @@ __all__ = ["tt_embedding_bag"]
 
 def _arrays(ctx, buffers):
     """Core arrays for XLA's buffers and the stream context to run them in."""
-    from xferlib._backend import stream_scope
+    from xferlib.backend import stream_scope
 
     gpu = any(is_gpu_buffer(b) for b in buffers)
     return ([as_core_array(b, gpu) for b in buffers], stream_scope(xla_stream(ctx, gpu), gpu),

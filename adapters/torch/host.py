@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from xferlib.adapters.torch._convert import (as_core_array, current_stream, fresh_row_state,
                                              gather_to_torch, scatter_from_torch)
 from xferlib.memory import pinned_empty
-from xferlib._backend import cupy_available
+from xferlib.backend import cupy_available
 from xferlib.table import HostTable
 
 __all__ = ["HostEmbeddingBag", "HostEmbedding"]

@@ -208,7 +208,7 @@ _grad = operator.attrgetter("grad")
 def _current_stream(device):
     """torch's current stream on ``device`` as a (cached) CuPy stream, without building a
     torch Stream object per call."""
-    from xferlib._backend import as_cupy_stream
+    from xferlib.backend import as_cupy_stream
 
     try:
         handle = torch._C._cuda_getCurrentRawStream(device.index)

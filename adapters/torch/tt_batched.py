@@ -42,7 +42,7 @@ def _on_stream(t: torch.Tensor, capturing=None):
     scratch memory comes from the graph's pool and stays reserved for its replays."""
     import contextlib
 
-    from xferlib._backend import stream_scope
+    from xferlib.backend import stream_scope
 
     gpu = t.device.type == "cuda"
     scope = stream_scope(torch.cuda.current_stream(t.device) if gpu else None, gpu)

@@ -20,7 +20,7 @@ import numbers
 import numpy as np
 import torch
 
-from xferlib._backend import cupy_available
+from xferlib.backend import cupy_available
 from xferlib.adapters.torch._convert import (as_core_array, cuda_view, gather_to_torch,
                                              scatter_from_torch, torch_dtype)
 from xferlib.handoff import to_cupy
