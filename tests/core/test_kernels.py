@@ -16,6 +16,13 @@ def test_modules_are_registered_and_not_compiled_at_import():
     assert int(count) >= 1 and named == "True" and compiled == "False"
 
 
+def test_every_kernel_family_is_registered():
+    names = {m.name for m in all_modules()}
+    for family in ("rows", "table", "table_cache", "optim"):
+        assert family in names, names
+    assert any(name.startswith("tt_") for name in names), names
+
+
 @pytest.mark.gpu
 def test_every_module_compiles():
     for module in all_modules():
