@@ -176,10 +176,12 @@ class OptimizerSwitch:
         self.optVarList = list(self._fresh)
         self._stores = None
 
-    def _new_store(self) -> Store:
-        """The empty collection of one state tensor, placed as the subclass's family places
-        its collections (pinned CPU, GPU, CuPy memory)."""
-        raise NotImplementedError(f"{type(self).__name__} must say where its state lives")
+    # Each family's subclass defines ``_new_store()``: the empty collection of one state
+    # tensor, placed where that family keeps its collections (pinned CPU, GPU, CuPy memory).
+
+    @property
+    def _store(self) -> Store:
+        return self._require_stores()[0]
 
     def optInit(self) -> None:
         """Create the full state collections, each row holding the optimizer's initial state."""

@@ -143,10 +143,6 @@ class OptimizerFactory(OptimizerSwitch, _Common):
         return Store("cupy", where(self.CPUPinn))
 
     @property
-    def _store(self) -> Store:
-        return self._require_stores()[0]
-
-    @property
     def CUPYcorpi(self):
         """One CuPy array per ``optVarList`` entry (NumPy without a GPU)."""
         return [s.exposed() for s in self._require_stores()]

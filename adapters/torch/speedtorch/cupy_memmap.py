@@ -142,10 +142,6 @@ class OptimizerFactoryMM(OptimizerSwitch, _CommonMM):
         super().optInit()
 
     @property
-    def _store(self) -> Store:
-        return self._require_stores()[0]
-
-    @property
     def CUPYmemmap(self):
         """One array per ``optVarList`` entry, as SpeedTorch's list."""
         return [s.exposed() for s in self._require_stores()]

@@ -98,10 +98,6 @@ class _OptimizerBase(OptimizerSwitch, _PytorchCommon):
     def _new_store(self) -> Store:
         return Store("torch", self._place)
 
-    @property
-    def _store(self) -> Store:
-        return self._require_stores()[0]
-
     def _tensor(self):
         return [s.array for s in self._require_stores()]
 
