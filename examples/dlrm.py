@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--save", metavar="PATH", help="checkpoint directory written at the end")
     p.add_argument("--load", metavar="PATH", help="checkpoint directory to continue from")
     p.add_argument("--no-graph", action="store_true", help="no CUDA graph for the Adam step")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="torch: no prefetch of the next batch's host-table rows")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -164,7 +166,8 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
                 from dlrm_parts.torch_run import TorchRun
 
                 run = TorchRun(preset, plan, args.seed, device, baseline=baseline,
-                               graph=not args.no_graph, xp=xp)
+                               graph=not args.no_graph, xp=xp,
+                               prefetch=not args.no_prefetch)
             else:
                 from dlrm_parts.jax_run import JaxRun
 

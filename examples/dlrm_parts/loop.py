@@ -62,10 +62,20 @@ def train(run, log, eval_set, *, name, start_step, steps, batch_size, xp, evals,
 
     bar = tqdm(total=steps, desc=name, unit="step", disable=not progress, leave=True,
                dynamic_ncols=True, mininterval=0.5)
+    # A run that prefetches gets the next batch with this one, to start moving its host rows
+    # while this step computes; not across an evaluation point (evaluation looks rows up).
+    prefetches = getattr(run, "prefetches", False)
     train_time, running, t0, losses = 0.0, None, time.perf_counter(), []
+    data = run.to_framework(log.batch(start_step, batch_size, xp)) if steps > 0 else None
     for step in range(start_step, stop):
-        data = run.to_framework(log.batch(step, batch_size, xp))
-        losses.append(run.step(data))
+        next_data = None
+        if step + 1 < stop:
+            next_data = run.to_framework(log.batch(step + 1, batch_size, xp))
+        if prefetches and next_data is not None and step + 1 not in points:
+            losses.append(run.step(data, next_data=next_data))
+        else:
+            losses.append(run.step(data))
+        data = next_data
         bar.update(1)
         done = step + 1
         if step == start_step and steps > 1:  # the first step compiles and warms up: untimed

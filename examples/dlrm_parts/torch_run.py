@@ -80,6 +80,13 @@ class DLRM(torch.nn.Module):
     def hbm_parameters(self):
         return [m.weight for m, k in zip(self.tables, self.kinds) if k == "hbm"]
 
+    def prefetch(self, cat):
+        """Start moving the host-table rows of the next batch ``cat`` (the same tensor the
+        next forward gets) to the GPU while this step computes."""
+        for f, (table, kind) in enumerate(zip(self.tables, self.kinds)):
+            if kind == "host":
+                table.prefetch(cat[f].reshape(-1))
+
     def offsets(self, B, L):
         key = (B, L)
         if key not in self._offsets:
@@ -107,9 +114,13 @@ class DLRM(torch.nn.Module):
 class TorchRun:
     """One training run: model, optimizers, step, predict, checkpoint."""
 
-    def __init__(self, preset, plan, seed, device, baseline=False, graph=True, xp=np):
+    def __init__(self, preset, plan, seed, device, baseline=False, graph=True, xp=np,
+                 prefetch=True):
         self.device, self.baseline, self.xp = torch.device(device), baseline, xp
         cuda = self.device.type == "cuda"
+        # host tables on the GPU move the next batch's rows behind this step's compute
+        self.prefetches = prefetch and cuda and not baseline and "host" in [
+            t.where for t in plan.tables]
         # torch's sparse Adagrad builds COO gradients it knows to be valid: no invariant checks
         torch.sparse.check_sparse_tensor_invariants.disable()
         if not cuda:  # small CPU batches: one thread beats an OpenMP pool on shared cores
@@ -151,13 +162,15 @@ class TorchRun:
             except Exception as err:  # keep training eagerly; say why
                 self.use_graph, self.graph_note = False, f"no CUDA graph: {err}"[:200]
 
-    def step(self, data):
+    def step(self, data, next_data=None):
         dense, cat, label = data
         self.model.train()
         self.dense_opt.zero_grad()
         if self.sparse_opt is not None:
             self.sparse_opt.zero_grad()
         logits = self.model(dense, cat)
+        if next_data is not None:  # after this step's lookups, before its updates
+            self.model.prefetch(next_data[1])
         loss = F.binary_cross_entropy_with_logits(logits, label)
         loss.backward()  # host tables and TT cores take their Adagrad step here
         self._dense_step()
