@@ -9,6 +9,7 @@ frameworks start from the same initial values (handed over by ``xferlib.handoff`
     python examples/dlrm.py                                   # tiny preset, CPU, torch
     python examples/dlrm.py --framework jax
     python examples/dlrm.py --preset medium --framework both --compare --plot medium.png
+    torchrun --nproc_per_node=2 examples/dlrm.py --preset medium   # two GPUs (global batch)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import traceback  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dlrm_parts import checkpoint, config, loop, metrics  # noqa: E402
+from dlrm_parts import checkpoint, config, dist, loop, metrics  # noqa: E402
 from dlrm_parts.data import ClickLog  # noqa: E402
 
 
@@ -115,6 +116,17 @@ def _prepare(args):
         raise ValueError("--save/--load hold one run: pick --framework torch or jax")
     if args.load and args.compare:
         raise ValueError("--compare trains fresh runs; it cannot continue from --load")
+    if dist.launched():
+        world = int(os.environ["WORLD_SIZE"])
+        if frameworks != ["torch"]:
+            raise ValueError("torchrun runs the torch model; JAX uses one process and "
+                             "--devices N")
+        if args.compare or args.save or args.load:
+            raise ValueError("--compare, --save and --load run in one process (without "
+                             "torchrun)")
+        if batch_size % world:
+            raise ValueError(f"--batch-size {batch_size} (the global batch) must be a "
+                             f"multiple of the {world} ranks")
     plan = config.plan_tables(preset, args.placement, args.gpu_memory)
     config.check_host_ram(plan)  # before any table is allocated
     run_config = {fw: _run_config(args, preset, plan, fw, batch_size, pooling)
@@ -126,7 +138,19 @@ def _prepare(args):
 
 def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size, steps,
            pooling) -> int:
-    if device == "cuda":
+    ranks, device = dist.init(device)  # one process per GPU under torchrun
+    if not ranks.main:  # rank 0 speaks for all
+        sys.stdout = open(os.devnull, "w")
+    try:
+        return _train_ranks(args, preset, plan, frameworks, run_config, meta, device,
+                            batch_size, steps, pooling, ranks)
+    finally:
+        dist.finish(ranks)
+
+
+def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch_size, steps,
+                 pooling, ranks) -> int:
+    if device.startswith("cuda"):
         import cupy as xp
     else:
         import numpy as xp
@@ -135,7 +159,8 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
     budget = plan.budget_bytes / 2**30
     print(f"preset {preset.name}: {preset.description}\n  {len(plan.tables)} tables, "
           f"{sum(preset.cardinalities):,} rows x {preset.dim}, batch {batch_size}, pooling "
-          f"{pooling}, device {device}, placement {args.placement} "
+          f"{pooling}, device {device}"
+          f"{f' x {ranks.world} ranks' if ranks.world > 1 else ''}, placement {args.placement} "
           f"(budget {budget:g} GB): {plan.summary()['placement'].count('hbm')} in HBM, "
           f"{plan.summary()['placement'].count('host')} in host RAM, "
           f"{plan.summary()['placement'].count('tt')} TT; oracle AUC {eval_set.oracle_auc:.4f}",
@@ -146,6 +171,8 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
     failed, run = [], None
     for fw, baseline in jobs:
         name = "torch baseline (all HBM)" if baseline else f"{fw} xferlib ({args.placement})"
+        if ranks.world > 1:
+            name += f" x {ranks.world} ranks"
         try:  # one failing run (say, out of memory) must not lose the others' figures
             table_bytes = {"host": plan.bytes_host, "hbm": plan.bytes_hbm, "tt": plan.bytes_tt,
                            "cache": plan.bytes_cache}
@@ -153,7 +180,7 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
                 table_bytes = {"host": 0, "tt": 0, "cache": 0,
                                "hbm": sum(config.table_bytes(n, preset.dim)
                                           for n in preset.cardinalities)}
-                if device == "cuda":
+                if device.startswith("cuda"):
                     import torch
 
                     free = torch.cuda.mem_get_info()[0]
@@ -167,7 +194,7 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
 
                 run = TorchRun(preset, plan, args.seed, device, baseline=baseline,
                                graph=not args.no_graph, xp=xp,
-                               prefetch=not args.no_prefetch)
+                               prefetch=not args.no_prefetch, ranks=ranks)
             else:
                 from dlrm_parts.jax_run import JaxRun
 
@@ -179,7 +206,7 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
             seconds, timed_steps = loop.train(
                 run, log, eval_set, name=name, start_step=start, steps=steps,
                 batch_size=batch_size, xp=xp, evals=args.evals or preset.evals,
-                history=history, progress=not args.quiet)
+                history=history, progress=not args.quiet and ranks.main)
             if not history or history[-1]["step"] != start + steps:  # steps == 0: evaluate once
                 a, ll = eval_set.evaluate(run, name)
                 history.append({"step": start + steps, "samples": (start + steps) * batch_size,
@@ -188,7 +215,8 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
             results.append({
                 "name": name, "framework": "torch-baseline" if baseline else fw,
                 "preset": preset.name, "placement": "hbm" if baseline else args.placement,
-                "device": device, "steps": steps, "total_steps": start + steps,
+                "device": device, "ranks": ranks.world, "steps": steps,
+                "total_steps": start + steps,
                 "batch_size": batch_size, "samples_per_s": timed_steps * batch_size / seconds
                 if seconds > 0 else 0.0, "auc": final["auc"], "logloss": final["logloss"],
                 "oracle_auc": eval_set.oracle_auc, "oracle_logloss": eval_set.oracle_logloss,
@@ -218,9 +246,9 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
         if base and r is not base[0] and base[0]["samples_per_s"]:
             print(f"{r['name']}: {r['samples_per_s'] / base[0]['samples_per_s']:.2f}x the "
                   f"baseline's samples/s, AUC {r['auc'] - base[0]['auc']:+.4f}")
-    if args.json:
+    if args.json and ranks.main:
         metrics.write_json(args.json, results, {"plan": plan.summary()})
-    if args.plot:
+    if args.plot and ranks.main:
         metrics.plot(args.plot, results, f"DLRM, {preset.name} preset, {device}, batch "
                      f"{batch_size}")
     if failed:

@@ -126,9 +126,12 @@ class ClickLog:
                 n=self._n, a=self._a, b=self._b, span=self._span, w=self._w).items()}
         return self._consts[xp]
 
-    def _rows(self, step: int, B: int, xp, purpose: int):
+    def _rows(self, step: int, B: int, xp, purpose: int, lo: int = 0, hi: int | None = None):
         c, F, L = self._on(xp), len(self.cardinalities), self.pooling
-        counters = xp.arange(F * B * L, dtype=xp.uint64).reshape(F, B, L)
+        hi = B if hi is None else hi
+        # element (f, b, l) of the whole batch, for samples lo <= b < hi
+        counters = (xp.arange(F, dtype=xp.uint64)[:, None, None] * np.uint64(B * L)
+                    + xp.arange(lo * L, hi * L, dtype=xp.uint64).reshape(1, hi - lo, L))
         u = hash_uniform(_key(self.seed, purpose, _CAT, step), counters, xp).astype(xp.float64)
         span = c["span"][:, None, None]
         rank = xp.floor((span * u + 1.0) ** (1.0 / (1.0 - self.alpha))) - 1.0
@@ -144,11 +147,14 @@ class ClickLog:
         counters = rows.astype(xp.uint64)[..., None] * np.uint64(k) + xp.arange(k, dtype=xp.uint64)
         return hash_normal(_key(self.seed, _LATENT, f), counters, xp)
 
-    def _make(self, step: int, B: int, xp, purpose: int) -> Batch:
+    def _make(self, step: int, B: int, xp, purpose: int, lo: int = 0,
+              hi: int | None = None) -> Batch:
         c = self._on(xp)
-        counters = xp.arange(B * NUM_DENSE, dtype=xp.uint64).reshape(B, NUM_DENSE)
+        hi = B if hi is None else hi
+        counters = xp.arange(lo * NUM_DENSE, hi * NUM_DENSE,
+                             dtype=xp.uint64).reshape(hi - lo, NUM_DENSE)
         dense = hash_normal(_key(self.seed, purpose, _DENSE, step), counters, xp)
-        cat = self._rows(step, B, xp, purpose)
+        cat = self._rows(step, B, xp, purpose, lo, hi)
         logit = dense @ c["w"] + np.float32(0.5) * dense[:, 0] * dense[:, 1] - np.float32(1.0)
         for f in self.bias_features:
             logit = logit + self._bias_scale * self.row_bias(f, cat[f], xp).mean(axis=1)
@@ -158,14 +164,24 @@ class ClickLog:
             total = z.sum(axis=1)
             pairs = ((total * total).sum(-1) - (z * z).sum(axis=(1, 2))) * np.float32(0.5)
             logit = logit + self._pair_scale * pairs / np.float32(math.sqrt(self.latent_dim))
-        u = hash_uniform(_key(self.seed, purpose, _LABEL, step), xp.arange(B, dtype=xp.uint64),
-                         xp)
+        u = hash_uniform(_key(self.seed, purpose, _LABEL, step),
+                         xp.arange(lo, hi, dtype=xp.uint64), xp)
         label = (u < 1.0 / (1.0 + xp.exp(-logit))).astype(xp.float32)
         return Batch(dense.astype(xp.float32), cat, label, logit.astype(xp.float32))
 
-    def batch(self, step: int, batch_size: int, xp=np) -> Batch:
-        """Training batch ``step`` (any step, in any order: a pure function)."""
-        return self._make(int(step), int(batch_size), xp, 0)
+    def batch(self, step: int, batch_size: int, xp=np, part=None) -> Batch:
+        """Training batch ``step`` (any step, in any order: a pure function). ``part=(rank,
+        world)``: only that rank's contiguous share of the samples (``batch_size`` is the
+        global batch and a multiple of ``world``), equal to that slice of the whole batch."""
+        B = int(batch_size)
+        if part is None:
+            return self._make(int(step), B, xp, 0)
+        rank, world = (int(v) for v in part)
+        if world < 1 or not 0 <= rank < world or B % world:
+            raise ValueError(f"part=(rank, world) needs 0 <= rank < world and a batch size "
+                             f"divisible by world; got {part} for batch {B}")
+        share = B // world
+        return self._make(int(step), B, xp, 0, rank * share, (rank + 1) * share)
 
     def eval_batch(self, i: int, batch_size: int, xp=np) -> Batch:
         """The ``i``-th batch of the held-out evaluation set (a stream no training step

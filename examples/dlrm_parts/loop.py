@@ -65,12 +65,13 @@ def train(run, log, eval_set, *, name, start_step, steps, batch_size, xp, evals,
     # A run that prefetches gets the next batch with this one, to start moving its host rows
     # while this step computes; not across an evaluation point (evaluation looks rows up).
     prefetches = getattr(run, "prefetches", False)
+    part = getattr(run, "part", None)  # one rank's share of each global batch
     train_time, running, t0, losses = 0.0, None, time.perf_counter(), []
-    data = run.to_framework(log.batch(start_step, batch_size, xp)) if steps > 0 else None
+    data = run.to_framework(log.batch(start_step, batch_size, xp, part)) if steps > 0 else None
     for step in range(start_step, stop):
         next_data = None
         if step + 1 < stop:
-            next_data = run.to_framework(log.batch(step + 1, batch_size, xp))
+            next_data = run.to_framework(log.batch(step + 1, batch_size, xp, part))
         if prefetches and next_data is not None and step + 1 not in points:
             losses.append(run.step(data, next_data=next_data))
         else:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import xferlib
 from xferlib.adapters.torch import FlatAdam, HostEmbeddingBag, OptimType, TTEmbeddingBag
 
+from . import dist as ranks_
 from . import init as initial
 
 
@@ -34,8 +35,11 @@ class DLRM(torch.nn.Module):
     """Bottom MLP on the dense features, one pooled embedding per table, dot products of
     every pair among them (and the bottom output), top MLP to a logit."""
 
-    def __init__(self, preset, plan, seed, device, baseline=False, xp=np):
+    def __init__(self, preset, plan, seed, device, baseline=False, xp=np, ranks=None):
         super().__init__()
+        ranks = ranks or ranks_.Ranks()
+        # one table per host shared by the ranks (host, TT): the group sums their gradients
+        shared = {"process_group": ranks.group} if ranks.world > 1 else {}
         self.device, self.dim = device, preset.dim
         num_tables = len(plan.tables)
         dense = initial.dense_params(preset, num_tables, seed)
@@ -55,13 +59,15 @@ class DLRM(torch.nn.Module):
             elif where == "host":
                 module = HostEmbeddingBag(t.rows, preset.dim, mode="sum", optimizer="adagrad",
                                           optimizer_kwargs={"lr": lr}, cache_rows=t.cache_rows,
-                                          include_last_offset=True, device=device, init="zeros")
-                initial.fill_host_table(module.table, seed, t.index, preset.init_scale, xp)
+                                          include_last_offset=True, device=device, init="zeros",
+                                          **shared)
+                if ranks.local_rank == 0:  # the host's one copy, written once
+                    initial.fill_host_table(module.table, seed, t.index, preset.init_scale, xp)
             else:
                 module = TTEmbeddingBag(t.rows, preset.dim, list(t.tt_ranks), list(t.tt_p),
                                         list(t.tt_q), optimizer=OptimType.EXACT_ADAGRAD,
                                         learning_rate=lr, sparse=True, mode="sum",
-                                        include_last_offset=True)
+                                        include_last_offset=True, **shared)
                 with torch.no_grad():
                     for param, value in zip(module.tt_cores, initial.tt_cores(t, seed)):
                         param.copy_(xferlib.to_torch(value)[None])
@@ -115,8 +121,10 @@ class TorchRun:
     """One training run: model, optimizers, step, predict, checkpoint."""
 
     def __init__(self, preset, plan, seed, device, baseline=False, graph=True, xp=np,
-                 prefetch=True):
+                 prefetch=True, ranks=None):
         self.device, self.baseline, self.xp = torch.device(device), baseline, xp
+        self.ranks = ranks or ranks_.Ranks()
+        self.part = self.ranks.part  # this rank's share of each global batch
         cuda = self.device.type == "cuda"
         # host tables on the GPU move the next batch's rows behind this step's compute
         self.prefetches = prefetch and cuda and not baseline and "host" in [
@@ -127,7 +135,9 @@ class TorchRun:
             torch.set_num_threads(1)
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.model = DLRM(preset, plan, seed, self.device, baseline, xp)
+        self.model = DLRM(preset, plan, seed, self.device, baseline, xp, self.ranks)
+        if self.ranks.world > 1:
+            torch.distributed.barrier(group=self.ranks.group)  # shared tables filled
         if baseline:  # what one writes when the tables fit: torch's fused Adam
             self.dense_opt = torch.optim.Adam(self.model.dense_parameters(), lr=preset.lr_dense,
                                               **({"fused": True} if cuda else {}))
@@ -171,8 +181,17 @@ class TorchRun:
         logits = self.model(dense, cat)
         if next_data is not None:  # after this step's lookups, before its updates
             self.model.prefetch(next_data[1])
-        loss = F.binary_cross_entropy_with_logits(logits, label)
+        world = self.ranks.world
+        if world == 1:
+            loss = F.binary_cross_entropy_with_logits(logits, label)
+        else:  # this rank's part of the global batch's mean: the ranks' gradients add up
+            loss = F.binary_cross_entropy_with_logits(logits, label, reduction="sum") / (
+                label.numel() * world)
         loss.backward()  # host tables and TT cores take their Adagrad step here
+        if world > 1:
+            ranks_.sum_dense_grads(self.model.dense_parameters(), self.ranks)
+            ranks_.gather_sparse_grads(self.model.hbm_parameters(), self.ranks)
+            loss = loss * world  # the running loss shows this rank's samples' mean
         self._dense_step()
         if self.sparse_opt is not None:
             self.sparse_opt.step()
