@@ -296,6 +296,18 @@ def _speedtorch(torch, host_sets, grads_t, repeats, rows_n) -> list:
         return []
     import cupy
 
+    # SpeedTorch swaps CuPy's allocator around its pinned allocations and "restores" it with
+    # set_allocator(None): plain cudaMalloc/cudaFree, no memory pool, for the rest of the
+    # process. Everything measured after it (TT steps allocate scratch) would pay that, so
+    # the pool comes back when the baseline is done.
+    allocator = cupy.cuda.get_allocator()
+    try:
+        return _speedtorch_rows(SpeedTorch, cupy, torch, host_sets, grads_t, repeats, rows_n)
+    finally:
+        cupy.cuda.set_allocator(allocator)
+
+
+def _speedtorch_rows(SpeedTorch, cupy, torch, host_sets, grads_t, repeats, rows_n) -> list:
     embedding = torch.nn.Embedding(BATCH, DIM).cuda()
     optimizer = torch.optim.SGD(embedding.parameters(), lr=0.01)
     switcher = SpeedTorch.ModelFactory(embedding, total_classes=rows_n,
