@@ -155,6 +155,53 @@ def test_click_log_is_a_pure_function_of_seed_and_step(parts):
     assert (counts > 0).sum() > 500
 
 
+def test_a_ranks_part_is_its_slice_of_the_global_batch(parts):
+    log = parts.data.ClickLog([7, 1, 100, 1000] + [50] * 22, seed=3, pooling=2)
+    whole = log.batch(5, 12)
+    for rank in range(3):
+        part = log.batch(5, 12, part=(rank, 3))
+        share = slice(4 * rank, 4 * rank + 4)
+        np.testing.assert_array_equal(part.cat, whole.cat[:, share])
+        for name in ("dense", "label", "logit"):
+            np.testing.assert_array_equal(getattr(part, name), getattr(whole, name)[share])
+    with pytest.raises(ValueError, match="divisible"):
+        log.batch(5, 10, part=(0, 3))
+    with pytest.raises(ValueError, match="rank"):
+        log.batch(5, 12, part=(3, 3))
+
+
+def _torchrun(nproc, *args, timeout=300):
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={nproc}", str(SCRIPT), "--quiet",
+                           *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["auto", "hbm"])
+def test_two_ranks_equal_one_process_on_the_global_batch(placement, tmp_path):
+    """torchrun with 2 processes (gloo) trains the model one process trains on the same
+    global batch: host tables shared, TT and HBM tables replicated, gradients summed."""
+    pytest.importorskip("torch")
+    args = ("--device", "cpu", "--placement", placement, "--steps", 12, "--evals", 1,
+            "--batch-size", 256)
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    _ok(_run(*args, "--json", one))
+    _ok(_torchrun(2, *args, "--json", two))
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert b["runs"][0]["ranks"] == 2 and b["runs"][0]["batch_size"] == 256
+    assert b["logloss"] == pytest.approx(a["logloss"], rel=1e-5)
+    assert b["auc"] == pytest.approx(a["auc"], abs=1e-4)
+
+
+def test_torchrun_refuses_what_runs_in_one_process():
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+    result = subprocess.run([sys.executable, str(SCRIPT), "--quiet", "--compare"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and "one process" in result.stderr
+
+
 def test_initial_rows_do_not_depend_on_chunking(parts):
     init_rows = parts.data.init_rows
     whole = init_rows(0, 5, 0, 100, 8, 0.05)
