@@ -50,6 +50,7 @@ __all__ = [
     "radam",
     "lion",
     "global_norm",
+    "partial_norm",
     "clip_coefficient",
     "clip_by_global_norm",
     "apply_table",
@@ -995,6 +996,13 @@ def _total_norm(buffers, norm_type: float):
     if norm_type == float("inf"):
         return stacked.max()
     return stacked.sum() ** (1.0 / norm_type)
+
+
+def partial_norm(grads, norm_type: float = 2.0):
+    """One buffer's share of a global norm, a 0-d array where ``grads`` lives: ``sum |g|^p``
+    (``max |g|`` for the inf norm). Shares of several buffers or processes combine by sum
+    (max), then ``** (1 / p)``: how a sharded optimizer gets the norm of all gradients."""
+    return _partial_norm(grads, float(norm_type))
 
 
 def global_norm(grads, norm_type: float = 2.0) -> float:

@@ -13,10 +13,17 @@ from xferlib.adapters.torch.optim import (
     FlatSGD,
 )
 from xferlib.adapters.torch.host import HostEmbedding, HostEmbeddingBag
+from xferlib.adapters.torch.optim_sharded import (ShardedFlatAdagrad, ShardedFlatAdam,
+                                                  ShardedFlatAdamax, ShardedFlatAdamW,
+                                                  ShardedFlatLion, ShardedFlatNAdam,
+                                                  ShardedFlatRAdam, ShardedFlatRMSprop,
+                                                  ShardedFlatSGD)
 from xferlib.adapters.torch.rows import gather_rows
 from xferlib.adapters.torch.tt import (OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag,
                                        suggested_tt_shapes, tt_matrix_to_full)
 
 __all__ = ["ContiguousParams", "FlatAdagrad", "FlatAdam", "FlatAdamax", "FlatAdamW", "FlatLion", "FlatNAdam",
-           "FlatRAdam", "FlatRMSprop", "FlatSGD", "HostEmbedding", "HostEmbeddingBag", "OptimType", "TTEmbeddingBag", "TableBatchedTTEmbeddingBag", "gather_rows",
+           "FlatRAdam", "FlatRMSprop", "FlatSGD", "HostEmbedding", "HostEmbeddingBag", "OptimType", "ShardedFlatAdagrad", "ShardedFlatAdam", "ShardedFlatAdamax",
+           "ShardedFlatAdamW", "ShardedFlatLion", "ShardedFlatNAdam", "ShardedFlatRAdam",
+           "ShardedFlatRMSprop", "ShardedFlatSGD", "TTEmbeddingBag", "TableBatchedTTEmbeddingBag", "gather_rows",
            "suggested_tt_shapes", "tt_matrix_to_full"]

@@ -37,6 +37,13 @@ class _Bucket:
     """The parameters of one (device, dtype): their flat buffers, layout and state."""
 
     def __init__(self, entries, rule: core.FlatOptimizer, hypers, capturable: bool = False):
+        self._attach(entries)
+        self._init_state(rule, hypers, capturable, entries)
+        self.storage_uses = _uses(self.flat_params)  # last: every view above counts
+
+    def _attach(self, entries, multiple: int = 1):
+        """Move the parameters into one flat buffer (its length padded to a multiple of
+        ``multiple`` elements) and their gradients into another."""
         # entries: [(param, group index)] in param_groups order
         self.params = [p for p, _ in entries]
         p0 = self.params[0]
@@ -46,8 +53,14 @@ class _Bucket:
                             f"got {self.dtype}")
         # The layout is the float32 master's; 16-bit parameters and gradients share its
         # offsets (16-byte aligned for float32, so 8-byte aligned for them).
-        self.layout = core.FlatLayout.from_shapes([tuple(p.shape) for p in self.params],
-                                                  [g for _, g in entries], dtype=np.float32)
+        layout = core.FlatLayout.from_shapes([tuple(p.shape) for p in self.params],
+                                             [g for _, g in entries], dtype=np.float32)
+        if multiple > 1:  # a sharded buffer: also past the last tensor's offset (a
+            # zero-size last tensor then still lies inside some rank's slice)
+            need = max(layout.total, layout.segments[-1].offset + 1)
+            layout = core.FlatLayout(layout.segments, -(-need // multiple) * multiple,
+                                     layout.dtype)
+        self.layout = layout
         self.flat_params = torch.zeros(self.layout.total, dtype=self.dtype, device=self.device)
         self.flat_grads = torch.zeros_like(self.flat_params)
         self.param_views = self._views(self.flat_params)
@@ -66,6 +79,8 @@ class _Bucket:
         self.steps_since_full_check = 0
         self.hooks = [p.register_post_accumulate_grad_hook(self._marker(i))
                       for i, p in enumerate(self.params)]
+
+    def _init_state(self, rule, hypers, capturable, entries):
         xp = _xp(self.device)
         self.state = rule.init(self.layout, hypers, xp=xp)
         self.state_tensors = {}
@@ -89,7 +104,6 @@ class _Bucket:
             # table arithmetic, one small async copy and one launch.
             self.cuda_step = core.CudaStep(rule.name, self.layout, self.core_params,
                                            self.core_grads, self.state.buffers, self.core_lowp)
-        self.storage_uses = _uses(self.flat_params)  # last: every view above counts
 
     def _init_device_scalars(self, entries):
         """Capturable mode: step counts, the active mask and hyperparameters on the GPU."""
@@ -308,6 +322,17 @@ class _FlatOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True):
         for bucket in self._buckets:
             bucket.zero_grad(set_to_none)
+
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state this process holds: the flat state buffers, plus the
+        float32 master weights of 16-bit parameters (not the parameters or gradients)."""
+        total = 0
+        for bucket in self._buckets:
+            tensors = list(bucket.state_tensors.values())
+            if bucket.master is not None:
+                tensors.append(bucket.master)
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6,

@@ -1,0 +1,283 @@
+"""Flat optimizers on several processes equal one process on the global batch.
+
+For every flat optimizer, N ranks (gloo on the CPU with N = 2 and 3; NCCL on two GPUs) train
+the same model on their part of each global batch, with global-norm clipping and a
+save/restore in the middle, in four ways:
+
+- ``ddp``: DistributedDataParallel + ``FlatX`` (torch-format checkpoint restored mid-run);
+- ``ddp_view``: the same with ``gradient_as_bucket_view=True`` (DDP re-points ``.grad``);
+- ``zero``: ``ShardedFlatX`` without DDP (reduce-scatter of the gradients), restored from
+  each rank's own shard ``state_dict()``;
+- ``zero_ddp``: DDP + ``ShardedFlatX(reduce_grads=False)``, restored from the
+  ``consolidated_state_dict()`` broadcast to every rank;
+
+and each must equal ``FlatX`` in one process on the whole batch. The consolidated state
+must equal that reference's ``state_dict()``; a sharded rank holds 1/N of the state. One
+spawn per group size runs every check (spawning is the slow part).
+"""
+
+import datetime
+import os
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from xferlib.adapters.torch import optim as xo  # noqa: E402
+from xferlib.adapters.torch import optim_sharded as xs  # noqa: E402
+
+CASES = {
+    "sgd": dict(lr=0.05, momentum=0.9, weight_decay=0.01),
+    "adam": dict(lr=1e-2, amsgrad=True, weight_decay=0.1),
+    "adamw": dict(lr=1e-2, weight_decay=0.1),
+    "adagrad": dict(lr=0.1, lr_decay=0.01),
+    "rmsprop": dict(lr=1e-3, momentum=0.5, centered=True),
+    "adamax": dict(lr=1e-2),
+    "nadam": dict(lr=1e-2, weight_decay=0.01),
+    "radam": dict(lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
+    "lion": dict(lr=1e-3),
+}
+FLAT = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad",
+        "rmsprop": "RMSprop", "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam",
+        "lion": "Lion"}
+MODES = ["ddp", "ddp_view", "zero", "zero_ddp"]
+STEPS, RESTORE, BATCH, CLIP = 8, 4, 12, 0.3  # BATCH: split evenly over 2 and 3 ranks
+
+
+def _classes(name):
+    return getattr(xo, "Flat" + FLAT[name]), getattr(xs, "ShardedFlat" + FLAT[name])
+
+
+def _model(device, dtype=torch.float32):
+    # 91 + 13 + 65 + 5 elements: the slices of 2 and 3 ranks cut through tensors.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+    return model.to(device=device, dtype=dtype)
+
+
+def _groups(model, lr):
+    return [{"params": list(model[0].parameters())},
+            {"params": list(model[2].parameters()), "lr": lr * 0.3}]
+
+
+def _batches(device, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 7, generator=g).to(device, dtype),
+             torch.randn(BATCH, 5, generator=g).to(device, dtype)) for _ in range(STEPS)]
+
+
+def _flat_state(sd):
+    """A state dict as one vector and its keys, for comparison."""
+    parts, keys = [], []
+    for k in sorted(sd["state"]):
+        for n in sorted(sd["state"][k]):
+            parts.append(sd["state"][k][n].detach().float().reshape(-1).cpu())
+            keys.append(f"{k}.{n}")
+    return torch.cat(parts).numpy(), np.array(keys)
+
+
+def _params(model):
+    return torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()]).numpy()
+
+
+def _train(name, mode, rank, world, device, out, dtype=torch.float32):
+    flat_cls, sharded_cls = _classes(name)
+    kw = CASES[name]
+    model = _model(device, dtype)
+    ddp = mode in ("ddp", "ddp_view", "zero_ddp")
+    net = model
+    if ddp:
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=None if device.type == "cpu" else [device.index],
+            gradient_as_bucket_view=mode == "ddp_view")
+
+    def build():
+        if mode in ("ref", "ddp", "ddp_view"):
+            return flat_cls(_groups(model, kw["lr"]), **kw)
+        return sharded_cls(_groups(model, kw["lr"]), reduce_grads=mode == "zero", **kw)
+
+    opt = build()
+    per = BATCH // world
+    rows = slice(None) if mode == "ref" else slice(rank * per, (rank + 1) * per)
+    for step, (x, y) in enumerate(_batches(device, dtype)):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        if step % 2 == 0:  # clipped and unclipped steps: clipping alone hides a wrong scale
+            opt.clip_grad_norm_(CLIP)
+        opt.step()
+        if step + 1 != RESTORE:
+            continue
+        if mode == "ref":
+            out[f"{name}/refstate"], out[f"{name}/refstate_keys"] = _flat_state(opt.state_dict())
+            out[f"{name}/ref_bytes"] = np.array(opt.state_nbytes())
+        elif mode in ("ddp", "ddp_view"):
+            saved = opt.state_dict()
+            opt = build()
+            opt.load_state_dict(saved)
+        elif mode == "zero":
+            full = opt.consolidated_state_dict(to=0)
+            if rank == 0:
+                out[f"{name}/consolidated"], out[f"{name}/consolidated_keys"] = _flat_state(full)
+            else:
+                assert full is None
+            out[f"{name}/zero_bytes"] = np.array(opt.state_nbytes())
+            saved = opt.state_dict()
+            opt = build()
+            opt.load_state_dict(saved)
+        else:  # zero_ddp: everyone restores from the consolidated checkpoint
+            box = [opt.consolidated_state_dict(to=0)]
+            dist.broadcast_object_list(box, src=0)
+            opt = build()
+            opt.load_state_dict(box[0])
+    out[f"{name}/{mode}"] = _params(model)
+
+
+class _Tiny(torch.nn.Module):
+    """Three elements and an empty tensor: most ranks own only padding."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = torch.nn.Linear(2, 1)
+        self.empty = torch.nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return self.lin(x) + self.empty.sum()
+
+
+def _train_tiny(mode, rank, world, device, out):
+    model = _Tiny().to(device)
+    opt = (xo.FlatAdam if mode == "ref" else xs.ShardedFlatAdam)(model.parameters(), lr=0.1)
+    per = BATCH // world
+    rows = slice(None) if mode == "ref" else slice(rank * per, (rank + 1) * per)
+    g = torch.Generator().manual_seed(2)
+    for step in range(4):
+        x = torch.randn(BATCH, 2, generator=g).to(device)
+        opt.zero_grad()
+        (model(x[rows]) ** 2).mean().backward()
+        if step % 2:
+            opt.clip_grad_norm_(0.1)
+        opt.step()
+    out[f"tiny/{mode}"] = _params(model)
+
+
+def _worker(rank, world, backend, port, out_dir):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    out = {}
+    for name in CASES:
+        for mode in MODES:
+            _train(name, mode, rank, world, device, out)
+        if rank == 0:
+            _train(name, "ref", rank, world, device, out)
+    for mode in ("zero", "ref") if rank == 0 else ("zero",):
+        _train_tiny(mode, rank, world, device, out)
+    # 16-bit parameters: the float32 masters are sharded too.
+    _train("adamw", "zero", rank, world, device, low := {}, torch.bfloat16)
+    if rank == 0:
+        _train("adamw", "ref", rank, world, device, low, torch.bfloat16)
+    out.update({f"bf16/{k}": v for k, v in low.items()})
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
+    dist.barrier()  # every rank done before any tears the group down
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(tmp_path_factory, backend, world):
+    out_dir = tmp_path_factory.mktemp(f"{backend}{world}")
+    mp.spawn(_worker, args=(world, backend, _free_port(), str(out_dir)), nprocs=world,
+             join=True)
+    return [dict(np.load(out_dir / f"rank{r}.npz")) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["gloo2", "gloo3"])
+def gloo_runs(request, tmp_path_factory):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    return request.param, _spawn(tmp_path_factory, "gloo", request.param)
+
+
+@pytest.fixture(scope="module")
+def nccl_runs(tmp_path_factory):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip(f"NCCL tests need 2 CUDA GPUs; this machine has "
+                    f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    if not dist.is_nccl_available():
+        pytest.skip("torch.distributed was built without NCCL")
+    return 2, _spawn(tmp_path_factory, "nccl", 2)
+
+
+def _check_training(runs, name, mode, rtol=1e-5, atol=1e-6):
+    world, ranks = runs
+    expected = ranks[0][f"{name}/ref"]
+    for rank in range(world):
+        np.testing.assert_allclose(ranks[rank][f"{name}/{mode}"], expected, rtol=rtol,
+                                   atol=atol, err_msg=f"{name} {mode} rank {rank} of {world}")
+
+
+def _check_checkpoint(runs, name):
+    world, ranks = runs
+    first = ranks[0]
+    np.testing.assert_array_equal(first[f"{name}/consolidated_keys"],
+                                  first[f"{name}/refstate_keys"])
+    np.testing.assert_allclose(first[f"{name}/consolidated"], first[f"{name}/refstate"],
+                               rtol=1e-5, atol=1e-6)
+    # State memory: each rank 1/N of the whole, up to the padding of the last slice.
+    full = int(first[f"{name}/ref_bytes"])
+    shares = [int(ranks[r][f"{name}/zero_bytes"]) for r in range(world)]
+    assert len(set(shares)) == 1, shares
+    assert full <= shares[0] * world <= full + world * xs._QUANTUM * 4 * 3, (full, shares)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_gloo_ranks_match_one_process(gloo_runs, name, mode):
+    _check_training(gloo_runs, name, mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_gloo_consolidated_state_matches_and_state_is_sharded(gloo_runs, name):
+    _check_checkpoint(gloo_runs, name)
+
+
+@pytest.mark.slow
+def test_gloo_edge_and_bf16(gloo_runs):
+    _check_training(gloo_runs, "tiny", "zero")
+    _check_training(gloo_runs, "bf16/adamw", "zero", rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_nccl_ranks_match_one_process(nccl_runs, name, mode):
+    _check_training(nccl_runs, name, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_nccl_consolidated_state_matches_and_state_is_sharded(nccl_runs, name):
+    _check_checkpoint(nccl_runs, name)
+
+
+@pytest.mark.gpu
+def test_nccl_edge_and_bf16(nccl_runs):
+    _check_training(nccl_runs, "tiny", "zero")
+    _check_training(nccl_runs, "bf16/adamw", "zero", rtol=1e-2, atol=1e-2)
