@@ -57,6 +57,14 @@ class HostTable:
         NumPy array of the table's dtype, which is pinned in place and becomes the weights
         (no second copy).
       seed: for the random initializers.
+      shared: ``False`` (default: private memory), ``True`` (create the table in host memory
+        other processes of this host can open, ``xferlib/table/shared.py``; its name is
+        :attr:`shared_name`), or a name from another process's table (open that table: same
+        configuration, its contents as they are; ``init`` and ``seed`` are not used). Every
+        process pins its own mapping and its GPU reads the one copy. A shared table has no
+        GPU cache (another process's lookups would miss the cached updates). Processes that
+        update one shared table must not update the same row at once: the torch adapter's
+        ``process_group=`` gives each row one owner rank (:func:`xferlib.table.shared.owner_of`).
 
     >>> import numpy as np, xferlib
     >>> table = xferlib.HostTable(1000, 4, optimizer="sgd", optimizer_kwargs={"lr": 0.5},
@@ -69,7 +77,8 @@ class HostTable:
 
     def __init__(self, num_rows: int, dim: int, dtype="float32", optimizer=None,
                  optimizer_kwargs=None, cache_rows: int = 0, init=("normal", 0.0, 1.0), *,
-                 cache_policy: str = "lru", cache_admission: str = "second-sight", seed=None):
+                 cache_policy: str = "lru", cache_admission: str = "second-sight", seed=None,
+                 shared=False):
         num_rows, dim, cache_rows = int(num_rows), int(dim), int(cache_rows)
         if num_rows < 0 or dim < 1:
             raise ValueError(f"a table needs num_rows >= 0 and dim >= 1, got ({num_rows}, {dim})")
@@ -98,7 +107,14 @@ class HostTable:
         self._layout = _RowLayout(dim, dtype.itemsize,
                                   tuple(self._rule.slots(self._hyper)) if self._rule else (),
                                   self._rule.row_scalars if self._rule else ())
-        self._allocate(init, np.random.default_rng(seed))
+        self._shared = None
+        if shared is False:
+            self._allocate(init, np.random.default_rng(seed))
+        else:
+            if self.cache_rows:
+                raise ValueError(f"a shared table cannot have a GPU cache (cache_rows="
+                                 f"{cache_rows}): other processes would read stale rows")
+            self._allocate_shared(shared, init, np.random.default_rng(seed))
         self._gpu = None  # device-side state (cache, hyper table, streams), made on first use
 
     # ------------------------------------------------------------------ storage
@@ -138,6 +154,87 @@ class HostTable:
             for view in (*slots.values(), *scalars.values()):
                 view[...] = initial
             steps[...] = 0
+
+    def _shared_header(self) -> dict:
+        import json
+
+        return json.loads(json.dumps(dict(
+            kind="HostTable", num_rows=self.num_rows, dim=self.dim, dtype=self.dtype.name,
+            optimizer=self.optimizer, hyper=self._hyper, row_width=self._layout.row_width)))
+
+    def _allocate_shared(self, shared, init, rng) -> None:
+        from xferlib.table.shared import SharedMemory
+
+        shape = (self.num_rows, self._layout.row_width)
+        header = self._shared_header()
+        if shared is True:
+            fill_weights = None if isinstance(init, np.ndarray) else _initial_weights(init, rng)
+            if isinstance(init, np.ndarray) and (init.shape != (self.num_rows, self.dim)
+                                                 or init.dtype != self.dtype):
+                raise ValueError(f"init array must have shape {(self.num_rows, self.dim)} "
+                                 f"and dtype {self.dtype}, got {init.shape} {init.dtype}")
+            memory = SharedMemory.create(self.num_rows * self._layout.row_width
+                                         * self.dtype.itemsize, header)
+        elif isinstance(shared, str):
+            memory = SharedMemory.open(shared)
+            theirs = memory.header
+            if theirs != header:
+                memory.close()
+                diff = sorted(k for k in set(header) | set(theirs)
+                              if header.get(k) != theirs.get(k))
+                raise ValueError(
+                    "shared table " + repr(shared) + " was made with a different "
+                    "configuration: " + ", ".join(f"{k}={theirs.get(k)!r} there, "
+                                                  f"{header.get(k)!r} here" for k in diff))
+        else:
+            raise TypeError(f"shared must be False, True or a shared table's name, got "
+                            f"{shared!r}")
+        self._shared = memory
+        self._storage = memory.array(shape, self.dtype)
+        self._weights = self._storage[:, :self.dim]
+        self._state = self._storage[:, self._layout.state_offset:]
+        if shared is not True:
+            return  # the creator initialized it
+        initial = self._rule.initial(self._hyper) if self._rule else 0.0
+        for start in range(0, self.num_rows, _INIT_CHUNK_ROWS):
+            stop = min(start + _INIT_CHUNK_ROWS, self.num_rows)
+            if fill_weights is None:
+                self._weights[start:stop] = init[start:stop]
+            else:
+                fill_weights(self._weights[start:stop])
+            slots, scalars, steps = _split_state(self._layout, self._state[start:stop])
+            for view in (*slots.values(), *scalars.values()):  # the rest stays zero
+                view[...] = initial
+
+    @property
+    def shared_name(self):
+        """The name other processes of this host open this table by (``HostTable(...,
+        shared=name)``), or None for a private table."""
+        return None if self._shared is None else self._shared.name
+
+    def close(self) -> None:
+        """Finish queued GPU work, then release this process's hold on the table's memory:
+        unpinned, and for a shared table unmapped (its name unlinked if this process made
+        it; the memory returns to the OS when the last process closes it or exits). The
+        table cannot be used afterwards. Idempotent."""
+        if getattr(self, "_weights", None) is None:
+            return
+        self._flush()
+        self._gpu = None
+        storage = self._storage if self._storage is not None else self._state
+        weights = self._weights
+        self._weights = self._state = self._storage = None
+        if self._shared is not None:
+            self._shared.close()
+        else:
+            from xferlib.memory import unpin
+
+            unpin(storage)
+            unpin(weights)
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_weights", None) is None
 
     @property
     def hyper(self) -> dict:
@@ -371,11 +468,15 @@ class HostTable:
         self._flush()
 
     def _flush(self, drop_cache: bool = False) -> None:
+        if self.closed:
+            raise ValueError("this table is closed")
         if self._gpu is not None:
             self._gpu.flush(drop_cache)
 
     def _gpu_state(self) -> "_DeviceSide":
         if self._gpu is None:
+            if self.closed:
+                raise ValueError("this table is closed")
             if not is_pinned(self._state.view(np.ndarray)):
                 raise ValueError("this table's memory is not pinned (it was built without a "
                                  "GPU); the GPU path needs pinned memory")
