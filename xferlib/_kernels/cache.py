@@ -13,7 +13,8 @@ row served from host RAM.
 Admission: ``doorkeeper`` admits a missed row the second time it misses (a bit per hashed
 row id, set on the first miss; TinyLFU's doorkeeper); otherwise every miss is admitted. A
 victim is an empty way, else the way of lowest score not used by this batch, and (for a
-prefetch, ``protect_prev``) not used by the batch before, whose update may still be running.
+prefetch, ``protect_prev``) not used by the cache pass before, the batch whose update may run
+beside the prefetch (the host makes any other batch's update wait for the prefetch).
 When every way is taken the row is served from the host and not admitted.
 
 A cache of K rows has ceil(K / 32) sets; ways past the K-th are disabled (tag -2).
@@ -165,7 +166,10 @@ __global__ void cache_insert(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i
             if (way >= 0) used |= 1u << way;
             if (lane == 0) slots[r] = way >= 0 ? (int)(base + way) : -1;
         }
-        __threadfence();  // the rows filled above are visible before their tags
+        // Every lane's fill and dirty flag above are visible (device-wide) before any tag:
+        // a probe on another stream that sees a tag finds its row in place.
+        __syncwarp();
+        __threadfence();
         tags[base + lane] = tag;
         score[base + lane] = sc;
         last[base + lane] = ls;
@@ -196,7 +200,8 @@ __global__ void cache_mark(unsigned* __restrict__ door, i64 door_bits,
 
 // slots[run] = the cache slot holding each distinct row of a sorted batch, or -1: a lookup
 // that changes nothing (the update of a batch looks its rows up again, so an eviction
-// between its lookup and its update cannot send it to the wrong slot).
+// between its lookup and its update cannot send it to the wrong slot; the host orders it
+// after any prefetch pass that could evict its rows while it runs: prefetch.must_wait).
 template <typename K>
 __global__ void cache_probe(const i64* __restrict__ tags, i64 n_sets,
                             const K* __restrict__ keys, const i64* __restrict__ run, i64 n,

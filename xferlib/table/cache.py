@@ -16,7 +16,9 @@ Design (the kernels are in ``xferlib/_kernels/cache.py``):
   ``"always"`` admits every miss while a way is free to take.
 * Replacement: empty ways first, then the least recently (``"lru"``: the tick of the last
   use) or least often (``"lfu"``: the use count) used way; never a way the current batch
-  uses, and for a prefetch never one the batch before used (its update may still be running).
+  uses, and for a prefetch never one the cache pass before it used (that batch's update may
+  run beside the prefetch; an update of any other batch waits for the prefetch before it
+  locates its rows: ``prefetch.must_wait``).
 * Updates of cached rows happen in HBM and mark the slot dirty; dirty rows are written back
   when evicted and by :meth:`DeviceCache.flush` (``numpy()``, ``state()``, ``save()``).
 

@@ -124,7 +124,9 @@ class _DeviceSide:
         self.pending = None  # the prefetch in flight (xferlib/table/prefetch.py)
         self.side_stream = None
         self.last_event = None
-        self.latest_plan = None  # the last lookup's batch: a prefetch never evicts its rows
+        # The batch of the last cache pass (a lookup's or a prefetch's): the next prefetch's
+        # pass cannot evict its rows (prefetch.py, Pending.protects).
+        self.last_pass = None
         self.checks = collections.deque()
         self.graph_checks = []
         self.ring = None  # _VerdictRing, on the first uncaptured batch
@@ -294,10 +296,10 @@ class _DeviceSide:
                 plan = self.plan(idx, stream)
                 if self.cache is not None:
                     plan.slots = self.cache.insert(plan, stream)
+                    self.last_pass = plan
                 uniq = self.gather_unique(plan, stream)
             rows = self.expand(plan, uniq, out, stream)
             self.defer_check(plan, stream)
-            self.latest_plan = plan
             self._record(stream)
         return rows, plan
 
@@ -314,7 +316,7 @@ class _DeviceSide:
         import cupy
 
         from xferlib._kernels.table import TABLE_MODULE, sparse_update_name
-        from xferlib.table.prefetch import refresh_after_update
+        from xferlib.table.prefetch import must_wait, refresh_after_update
 
         table = self.table
         stream = as_cupy_stream(stream)
@@ -326,14 +328,14 @@ class _DeviceSide:
             fresh = not isinstance(idx, _Plan)
             plan = self.plan(idx, stream) if fresh else idx
             pending = self.pending
-            if pending is not None and plan is not self.latest_plan:
-                # The prefetch protects only the last lookup's rows from eviction: let it
-                # finish before this batch's rows are located.
-                stream.wait_event(pending.done)
             slots = None
             if self.cache is not None:
+                if must_wait(pending, plan):
+                    # The prefetch's cache pass protects only the batch of the pass before it
+                    # and may be evicting this batch's rows now: let it finish first.
+                    stream.wait_event(pending.done)
                 # Located again (one probe pass): a later lookup or prefetch may have evicted
-                # some of the lookup's rows.
+                # some of the lookup's rows, and the slots the lookup used may hold others.
                 slots = self.cache.probe(plan, stream)
             n, dim = plan.n, table.dim
             summed = self._sum_gradients(plan, grads, stream)

@@ -2,16 +2,26 @@
 
 ``HostTable.prefetch(idx)`` queues, on a high-priority side stream that first waits for
 everything already queued on the caller's stream: the sort and check of ``idx``, the cache's
-fused find/admit/fill pass (admitted rows come into HBM with their state; a prefetch never
-evicts a row of the batch looked up last, whose update may be running beside it), and a
-gather of the remaining rows' weights from host RAM into a staging buffer. The next
-``lookup`` of the same ``idx`` object reads the cached rows from HBM and expands the staged
-ones: only HBM work is left on the critical path.
+fused find/admit/fill pass (admitted rows come into HBM with their state), and a gather of
+the remaining rows' weights from host RAM into a staging buffer. The next ``lookup`` of the
+same ``idx`` object reads the cached rows from HBM and expands the staged ones: only HBM work
+is left on the critical path.
 
-Ordering: an update queued after the prefetch (the current step's ``apply_gradients``) may
-touch rows the prefetch already read. After such an update the caller's stream waits for the
-prefetch and re-reads exactly those rows (``refresh_prefetched``): the next lookup sees every
-update queued before it, and a prefetch writes nothing a later write would lose.
+Ordering (an update queued while a prefetch is in flight, e.g. the current step's
+``apply_gradients``):
+
+* Where its rows are. The prefetch's cache pass never evicts a row used by the cache pass
+  just before it (``protect_prev``: the rows whose tick is the previous one), and
+  ``Pending.protects`` names that pass's batch. In the ordinary loop (``lookup(a)``,
+  ``prefetch(b)``, update of ``a``) that is ``a``: the update locates its rows and trains them
+  beside the prefetch, with no wait. Any other batch (a lookup before the last one, raw
+  indices, a lookup followed by two prefetches, whose second protects only the first's rows)
+  may lose rows to the prefetch's evictions while it runs: its update first waits for the
+  prefetch (a stream wait, not a host sync), then locates its rows (:func:`must_wait`).
+* What the prefetch read. The update may touch rows the prefetch already read from host RAM.
+  After it the caller's stream waits for the prefetch and re-reads exactly those rows
+  (``refresh_prefetched``): the next lookup sees every update queued before it, and a
+  prefetch writes nothing a later write would lose.
 """
 
 from __future__ import annotations
@@ -23,10 +33,28 @@ from xferlib._backend import as_cupy_stream
 
 @dataclasses.dataclass(eq=False)
 class Pending:
+    """A prefetch in flight: its ``idx`` object, batch, staging buffer, completion event, and
+    the batch of the cache pass before it, whose rows its cache pass cannot evict."""
+
     idx: object
     plan: object
     staged: object
     done: object
+    protects: object = None
+
+
+def must_wait(pending, plan) -> bool:
+    """Whether an update of ``plan`` must wait for the prefetch in flight before it locates
+    its rows: unless the prefetch protects the batch, its cache pass may evict the batch's
+    rows (writing them back and filling their slots) while the update runs.
+
+    >>> a, b = object(), object()
+    >>> must_wait(None, a), must_wait(Pending(b, b, None, None, protects=a), a)
+    (False, False)
+    >>> must_wait(Pending(b, b, None, None, protects=a), b)
+    True
+    """
+    return pending is not None and plan is not pending.protects
 
 
 def _high_priority_stream():
@@ -54,15 +82,17 @@ def prefetch(side, idx, stream) -> None:
     ready = cupy.cuda.Event(disable_timing=True)
     ready.record(main)
     other.wait_event(ready)  # after every lookup and update queued so far
+    protects = side.last_pass  # protect_prev: the rows of the pass just before this one
     with other:
         plan = side.plan(idx, other)
         if side.cache is not None and plan.n:
             plan.slots = side.cache.insert(plan, other, protect_prev=True)
+            side.last_pass = plan
         staged = side.gather_unique(plan, other, which=1, prefetch=True)
         side.defer_check(plan, other)
         done = cupy.cuda.Event(disable_timing=True)
         done.record(other)
-    side.pending = Pending(idx, plan, staged, done)
+    side.pending = Pending(idx, plan, staged, done, protects)
 
 
 def take_prefetch(side, idx, stream):
