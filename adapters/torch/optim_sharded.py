@@ -317,7 +317,9 @@ class _ShardedFlatOptimizer(flat._FlatOptimizer):
     def load_state_dict(self, state_dict):
         """Restore this rank's shard (from ``state_dict()``, same rank and group size), or
         take this rank's slice of a whole per-parameter state dict (``FlatAdamW``'s,
-        ``torch.optim.AdamW``'s or ``consolidated_state_dict()``'s)."""
+        ``torch.optim.AdamW``'s or ``consolidated_state_dict()``'s). Everything is checked
+        before anything changes: a rejected checkpoint (``ValueError``) leaves the optimizer
+        as it was."""
         for bucket in self._buckets:
             bucket.check_params(shapes=True)
         shard = state_dict.get("shard")
@@ -328,43 +330,57 @@ class _ShardedFlatOptimizer(flat._FlatOptimizer):
                     f"state_dict: a shard of rank {shard['rank']} of {shard['world_size']} "
                     f"cannot be loaded by rank {bucket0.rank} of {bucket0.world}; load a "
                     "consolidated_state_dict() instead")
+        saved = state_dict["state"]
+        plan = self._load_plan(saved, shard)
         torch.optim.Optimizer.load_state_dict(self, {k: v for k, v in state_dict.items()
                                                      if k != "shard"})
+        for bucket, k, p, entry, piece, lo, hi in plan:
+            seg = bucket.local.segments[k]
+            where = slice(seg.offset, seg.offset + seg.size)
+            if bucket.master is not None:
+                master = entry.get("master_param")
+                source = p.detach().reshape(-1)[lo:hi] if master is None else \
+                    master.reshape(-1)[piece]
+                bucket.master[where].copy_(source.to(bucket.device, torch.float32))
+            for name, tensor in bucket.state_tensors.items():
+                if name in entry:
+                    tensor[where].copy_(entry[name].reshape(-1)[piece].to(
+                        tensor.device, tensor.dtype))
+            if "step" in entry:
+                bucket.set_step(k, int(float(entry["step"])))
+            elif self._rule_name == "sgd":
+                bucket.set_step(k, 1 if entry.get("momentum_buffer") is not None else 0)
+            else:
+                bucket.set_step(k, 0)
+            if "mu_product" in entry:
+                bucket.state.scalars["mu_product"][k] = float(entry["mu_product"])
         self.state.clear()
-        saved = state_dict["state"]
+
+    def _load_plan(self, saved, shard):
+        """Each piece of this rank's slice with its checkpoint entry and the part of that
+        entry's tensors it takes, every tensor's size checked."""
         index = self._param_index()
+        plan = []
         for bucket in self._buckets:
             for k, (i, (lo, hi)) in enumerate(zip(bucket.index, bucket.ranges)):
-                p, seg = bucket.params[i], bucket.local.segments[k]
+                p = bucket.params[i]
                 key = index[id(p)]
                 entry = saved.get(key, {})
-                if shard is not None:
-                    if key in saved and tuple(shard["ranges"][key]) != (lo, hi):
+                if shard is None:
+                    piece, want = slice(lo, hi), p.numel()
+                else:
+                    if key in saved and tuple(shard["ranges"].get(key, ())) != (lo, hi):
                         raise ValueError(f"state_dict: parameter {key}'s piece "
-                                         f"{tuple(shard['ranges'][key])} is not this rank's "
-                                         f"{(lo, hi)} (a different model or layout)")
-                    piece = slice(None)
-                else:
-                    piece = slice(lo, hi)
-                where = slice(seg.offset, seg.offset + seg.size)
-                if bucket.master is not None:
-                    master = entry.get("master_param")
-                    source = p.detach().reshape(-1)[lo:hi] if master is None else \
-                        master.reshape(-1)[piece]
-                    bucket.master[where].copy_(source.to(bucket.device, torch.float32))
-                for name, tensor in bucket.state_tensors.items():
-                    if name in entry:
-                        tensor[where].copy_(entry[name].reshape(-1)[piece].to(
-                            tensor.device, tensor.dtype))
-                if "step" in entry:
-                    bucket.set_step(k, int(float(entry["step"])))
-                elif self._rule_name == "sgd":
-                    bucket.set_step(k, 1 if entry.get("momentum_buffer") is not None else 0)
-                else:
-                    bucket.set_step(k, 0)
-                if "mu_product" in entry:
-                    bucket.state.scalars["mu_product"][k] = float(entry["mu_product"])
-        self.state.clear()
+                                         f"{tuple(shard['ranges'].get(key, ()))} is not this "
+                                         f"rank's {(lo, hi)} (a different model or layout)")
+                    piece, want = slice(None), hi - lo
+                for name, value in entry.items():
+                    if (name not in ("step", "mu_product") and isinstance(value, torch.Tensor)
+                            and value.numel() != want):
+                        raise ValueError(f"state_dict: parameter {key}'s {name!r} has "
+                                         f"{value.numel()} elements, expected {want}")
+                plan.append((bucket, k, p, entry, piece, lo, hi))
+        return plan
 
 
 def _to_cpu(value):

@@ -281,3 +281,104 @@ def test_nccl_consolidated_state_matches_and_state_is_sharded(nccl_runs, name):
 def test_nccl_edge_and_bf16(nccl_runs):
     _check_training(nccl_runs, "tiny", "zero")
     _check_training(nccl_runs, "bf16/adamw", "zero", rtol=1e-2, atol=1e-2)
+
+
+# -- one process: the slicing, the API and bad input (fast; no spawn) -------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_shard_layout_pieces_cover_every_element_once(world):
+    from xferlib.optim import FlatLayout
+
+    shapes = [(1,), (5,), (0,), (4097,), (3, 7), (2,), (0,)]
+    layout = FlatLayout.from_shapes(shapes, groups=[0, 1, 0, 1, 0, 1, 0])
+    need = max(layout.total, layout.segments[-1].offset + 1)
+    total = -(-need // (world * xs._QUANTUM)) * world * xs._QUANTUM
+    layout = FlatLayout(layout.segments, total, layout.dtype)
+    seen = [np.zeros(s.size, dtype=int) for s in layout.segments]
+    owners = [[] for _ in layout.segments]
+    size = total // world
+    for rank in range(world):
+        local, index, ranges = xs._shard_layout(layout, rank * size, (rank + 1) * size)
+        assert local.total == size
+        for seg, i, (lo, hi) in zip(local.segments, index, ranges):
+            assert seg.offset % 4 == 0 and seg.size == hi - lo and seg.group == \
+                layout.segments[i].group
+            # The piece sits where its elements sit in the whole buffer.
+            assert rank * size + seg.offset == layout.segments[i].offset + lo or seg.size == 0
+            seen[i][lo:hi] += 1
+            owners[i].append(rank)
+    for i, count in enumerate(seen):
+        assert (count == 1).all(), (i, count)
+        assert owners[i], f"segment {i} has no owner"
+
+
+@pytest.fixture
+def one_rank():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_sharded_needs_an_initialized_group():
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        xs.ShardedFlatAdam(_model(torch.device("cpu")).parameters())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_rank_equals_the_flat_optimizer(one_rank, name):
+    flat_cls, sharded_cls = _classes(name)
+    kw = CASES[name]
+    device = torch.device("cpu")
+    models = [_model(device), _model(device)]
+    opts = [flat_cls(_groups(models[0], kw["lr"]), **kw),
+            sharded_cls(_groups(models[1], kw["lr"]), **kw)]
+    for step, (x, y) in enumerate(_batches(device)):
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if step % 2:
+                opt.clip_grad_norm_(CLIP)
+            opt.step()
+    np.testing.assert_allclose(_params(models[1]), _params(models[0]), rtol=1e-5, atol=1e-6)
+    full = opts[1].consolidated_state_dict()
+    np.testing.assert_allclose(_flat_state(full)[0], _flat_state(opts[0].state_dict())[0],
+                               rtol=1e-5, atol=1e-6)
+    assert opts[1].state_nbytes() >= opts[0].state_nbytes()  # one rank: all of it, padded
+
+
+def test_bad_input_is_rejected_before_anything_changes(one_rank):
+    model = _model(torch.device("cpu"))
+    with pytest.raises(ValueError, match="capturable"):
+        xs.ShardedFlatAdamW(model.parameters(), capturable=True)
+    opt = xs.ShardedFlatAdamW(model.parameters(), lr=1e-2)
+    x, y = _batches(torch.device("cpu"))[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    with pytest.raises(ValueError, match="fused"):
+        opt.clip_grad_norm_(1.0, fused=True)
+    with pytest.raises(ValueError, match="to=1"):
+        opt.consolidated_state_dict(to=1)
+    good = opt.state_dict()
+    before = _flat_state(good)[0]
+    for bad, match in [
+        ({**good, "shard": {**good["shard"], "world_size": 2}}, "rank 0 of 2"),
+        ({**good, "shard": {**good["shard"], "ranges": {**good["shard"]["ranges"],
+                                                        0: (0, 3)}}}, "piece"),
+        ({**good, "param_groups": [{**good["param_groups"][0], "lr": 5.0}],
+          "state": {**good["state"], 1: {**good["state"][1],
+                                         "exp_avg": torch.zeros(2)}}}, "exp_avg"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(bad)
+        assert opt.param_groups[0]["lr"] == 1e-2
+        np.testing.assert_array_equal(_flat_state(opt.state_dict())[0], before)
+    full = opt.consolidated_state_dict()
+    full["state"][0]["exp_avg_sq"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        opt.load_state_dict(full)
+    np.testing.assert_array_equal(_flat_state(opt.state_dict())[0], before)
