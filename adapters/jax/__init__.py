@@ -16,7 +16,9 @@ from xferlib.adapters.jax.optim import (
 )
 from xferlib.adapters.jax.host import host_lookup, host_update
 from xferlib.adapters.jax.rows import gather_rows
+from xferlib.adapters.jax.mesh import mesh_barrier, sharded_host_update
 from xferlib.adapters.jax.tt import tt_embedding_bag
 
 __all__ = ["FlatState", "flat_adam", "flat_adamw", "flat_lion", "flat_sgd", "flat_step", "gather_rows",
-           "host_lookup", "host_update", "ravel", "ravel_like", "tt_embedding_bag"]
+           "host_lookup", "host_update", "mesh_barrier", "ravel", "ravel_like",
+           "sharded_host_update", "tt_embedding_bag"]

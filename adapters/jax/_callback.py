@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 
@@ -34,3 +35,55 @@ def xla_stream(ctx, gpu: bool):
     from xferlib.backend import ExternalStream
 
     return ExternalStream(ctx.stream)
+
+
+def buffer_device(*buffers) -> int:
+    """The CUDA device ordinal the GPU buffers live on (under ``shard_map`` each device's
+    callback gets its own device's buffers, and CuPy must launch there)."""
+    import cupy
+
+    for buffer in buffers:
+        pointer = buffer.__cuda_array_interface__["data"][0]
+        if pointer:  # an empty buffer may carry a null pointer
+            return int(cupy.cuda.runtime.pointerGetAttributes(pointer).device)
+    return int(cupy.cuda.runtime.getDevice())
+
+
+def device_scope(gpu: bool, *buffers):
+    """A ``with`` context making the buffers' GPU CuPy's current device (a no-op on CPU)."""
+    if not gpu:
+        import contextlib
+
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.Device(buffer_device(*buffers))
+
+
+def varying_axes(*values) -> frozenset:
+    """The mesh axes along which any of ``values`` varies inside ``jax.shard_map`` (empty
+    outside it, and with ``check_vma=False``). JAX types a ``buffer_callback``'s outputs as
+    the same on every device, which they are not when they depend on a sharded batch."""
+    axes = set()
+    for value in values:
+        if value is None:
+            continue
+        aval = jax.typeof(value)
+        vma = getattr(aval, "vma", None)
+        if vma is None:  # JAX >= 0.10 keeps it in the manual axis type
+            vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+        axes.update(vma)
+    return frozenset(axes)
+
+
+def vary_like(x, *deps):
+    """``x`` typed as varying wherever ``deps`` vary (its values unchanged): adds a zero that
+    depends on them, so JAX's own rules type the result (any JAX version, ``check_vma`` on or
+    off) and differentiating w.r.t. the result gives each device its own gradient."""
+    zero = None
+    for dep in deps:
+        if dep is None or dep.size == 0:
+            continue
+        term = (dep.reshape(-1)[0] * 0).astype(x.dtype)
+        zero = term if zero is None else zero + term
+    return x if zero is None else x + zero

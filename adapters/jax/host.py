@@ -26,10 +26,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from xferlib.adapters.jax._callback import as_core_array, is_gpu_buffer, xla_stream
+from xferlib.adapters.jax._callback import (as_core_array, buffer_device, device_scope,
+                                            is_gpu_buffer, vary_like, varying_axes,
+                                            xla_stream)
+from xferlib.adapters.jax._views import on_device
 from xferlib.table import HostTable
 
 __all__ = ["host_lookup", "host_update"]
+
+
+def fill_token(ctx, token, gpu: bool) -> None:
+    """Write the scalar token's 0 (on XLA's stream on a GPU)."""
+    if gpu:
+        from xferlib.backend import as_cupy_stream
+
+        with as_cupy_stream(xla_stream(ctx, gpu)):
+            as_core_array(token, gpu).fill(0)
+    else:
+        as_core_array(token, gpu).fill(0)
 
 
 def _check(table, idx):
@@ -43,22 +57,38 @@ def _check(table, idx):
     return idx
 
 
-def host_lookup(table: HostTable, idx: jax.Array) -> jax.Array:
+def _on(table, gpu, *buffers):
+    """The table as this callback's device sees it (see ``_views.py``)."""
+    return on_device(table, buffer_device(*buffers)) if gpu else table
+
+
+def host_lookup(table: HostTable, idx: jax.Array, *, after=None) -> jax.Array:
     """The rows ``idx`` of ``table``, ``(len(idx), dim)``, on the device JAX runs on.
 
     The rows are an ordinary JAX array: differentiate a loss with respect to them and hand
     the gradient to :func:`host_update`. An out-of-range index raises IndexError (an XLA
     runtime error under ``jit``); nothing is clamped.
+
+    ``after``: optional JAX values (e.g. the token of an earlier :func:`host_update` or
+    :func:`~xferlib.adapters.jax.sharded_host_update`) the lookup must wait for: a data
+    dependency XLA and the runtime cannot reorder. Inside ``jax.shard_map`` each device looks
+    up its own shard of the batch on its own stream (docs/jax-mesh.md).
     """
     idx = _check(table, idx)
+    deps = () if after is None else tuple(jax.tree_util.tree_leaves(after))
 
-    def callback(ctx, out, idx_buffer):
+    def callback(ctx, out, idx_buffer, *_):
         gpu = is_gpu_buffer(out)
-        table.lookup(as_core_array(idx_buffer, gpu), out=as_core_array(out, gpu),
-                     **({"stream": xla_stream(ctx, gpu)} if gpu else {}))
+        with device_scope(gpu, out, idx_buffer):
+            _on(table, gpu, out, idx_buffer).lookup(
+                as_core_array(idx_buffer, gpu), out=as_core_array(out, gpu),
+                **({"stream": xla_stream(ctx, gpu)} if gpu else {}))
 
     out_type = jax.ShapeDtypeStruct((idx.shape[0], table.dim), np.dtype(table.dtype))
-    return buffer_callback(callback, out_type, has_side_effect=True)(idx)
+    rows = buffer_callback(callback, out_type, has_side_effect=True)(idx, *deps)
+    # Inside shard_map the rows are this device's: typed so, a loss's gradient w.r.t. them
+    # stays this device's (no implicit sum over the mesh).
+    return vary_like(rows, idx) if varying_axes(idx) else rows
 
 
 def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.Array:
@@ -75,16 +105,11 @@ def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.A
 
     def callback(ctx, token, idx_buffer, grad_buffer):
         gpu = is_gpu_buffer(token)
-        kwargs = {"stream": xla_stream(ctx, gpu)} if gpu else {}
-        table.apply_gradients(as_core_array(idx_buffer, gpu), as_core_array(grad_buffer, gpu),
-                              **kwargs)
-        if gpu:
-            from xferlib.backend import as_cupy_stream
-
-            with as_cupy_stream(kwargs["stream"]):
-                as_core_array(token, gpu).fill(0)
-        else:
-            as_core_array(token, gpu).fill(0)
+        with device_scope(gpu, token, idx_buffer):
+            _on(table, gpu, token, idx_buffer).apply_gradients(
+                as_core_array(idx_buffer, gpu), as_core_array(grad_buffer, gpu),
+                **({"stream": xla_stream(ctx, gpu)} if gpu else {}))
+            fill_token(ctx, token, gpu)
 
     token_type = jax.ShapeDtypeStruct((), np.int32)
     return buffer_callback(callback, token_type, has_side_effect=True)(idx, grad_rows)

@@ -38,7 +38,8 @@ from jax.experimental.buffer_callback import buffer_callback
 from xferlib import optim as core
 from xferlib._kernels.optim import slot_names
 from xferlib.handoff import data_pointer
-from xferlib.adapters.jax._callback import as_core_array, is_gpu_buffer, xla_stream
+from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
+                                            xla_stream)
 
 __all__ = ["ravel", "ravel_like", "flat_sgd", "flat_adam", "flat_adamw", "flat_lion",
            "flat_step", "FlatState"]
@@ -95,6 +96,10 @@ def _callback(name, layout, num_buffers, in_place=False):
     def callback(ctx, outs, params, grads, *rest):
         *buffers_in, table = rest
         gpu = is_gpu_buffer(params)
+        with device_scope(gpu, params, *outs):  # under shard_map: this device's GPU
+            _run(ctx, outs, params, grads, buffers_in, table, gpu)
+
+    def _run(ctx, outs, params, grads, buffers_in, table, gpu):
         stream = xla_stream(ctx, gpu)
         first, *buffers_out = [as_core_array(o, gpu) for o in outs]
         sources = [as_core_array(x, gpu) for x in (params if in_place else grads, *buffers_in)]

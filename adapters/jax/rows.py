@@ -2,34 +2,42 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib import rows as core_rows
-from xferlib.adapters.jax._callback import as_core_array, is_gpu_buffer, xla_stream
+from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
+                                            vary_like, varying_axes, xla_stream)
 
 
 def _gather_callback(ctx, out, table, idx):
     gpu = is_gpu_buffer(out)
-    core_rows.gather_rows_fwd(as_core_array(table, gpu), as_core_array(idx, gpu),
-                              out=as_core_array(out, gpu), stream=xla_stream(ctx, gpu))
-    core_rows.check_rows()  # a bad index fails this XLA call, not a later one
+    with device_scope(gpu, out, idx):
+        core_rows.gather_rows_fwd(as_core_array(table, gpu), as_core_array(idx, gpu),
+                                  out=as_core_array(out, gpu), stream=xla_stream(ctx, gpu))
+        core_rows.check_rows()  # a bad index fails this XLA call, not a later one
 
 
 def _scatter_add_callback(ctx, out, idx, grad_rows):
     gpu = is_gpu_buffer(out)
     num_rows = out.shape[0]
-    core_rows.gather_rows_bwd((as_core_array(idx, gpu), num_rows), as_core_array(grad_rows, gpu),
-                              out=as_core_array(out, gpu), stream=xla_stream(ctx, gpu))
-    core_rows.check_rows()
+    with device_scope(gpu, out, idx):
+        core_rows.gather_rows_bwd((as_core_array(idx, gpu), num_rows),
+                                  as_core_array(grad_rows, gpu), out=as_core_array(out, gpu),
+                                  stream=xla_stream(ctx, gpu))
+        core_rows.check_rows()
 
 
 # vmap: "sequential" runs the op once per batch element (a correct loop, not a fused batch).
 def _gather(table, idx):
     out_type = jax.ShapeDtypeStruct((idx.shape[0], table.shape[1]), table.dtype)
-    return buffer_callback(_gather_callback, out_type, vmap_method="sequential")(table, idx)
+    out = buffer_callback(_gather_callback, out_type, vmap_method="sequential")(table, idx)
+    # Under shard_map with sharded indices the rows are this device's (see _callback.py).
+    return vary_like(out, table, idx) if varying_axes(table, idx) else out
 
 
 def _table_grad(idx, grad_rows, num_rows):
@@ -38,19 +46,22 @@ def _table_grad(idx, grad_rows, num_rows):
                            vmap_method="sequential")(idx, grad_rows)
 
 
-@jax.custom_vjp
-def _gather_rows(table, idx):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather_rows(sum_axes, table, idx):
     return _gather(table, idx)
 
 
-def _gather_rows_fwd(table, idx):
+def _gather_rows_fwd(sum_axes, table, idx):
     return _gather(table, idx), (idx, table.shape[0])
 
 
-def _gather_rows_bwd(residuals, g):
+def _gather_rows_bwd(sum_axes, residuals, g):
     idx, num_rows = residuals
     idx_cotangent = np.zeros(idx.shape, dtype=jax.dtypes.float0)
-    return _table_grad(idx, g, num_rows), idx_cotangent
+    grad = _table_grad(idx, g, num_rows)
+    if sum_axes:  # a replicated table read by sharded indices: the global batch's gradient
+        grad = jax.lax.psum(vary_like(grad, idx), sum_axes)
+    return grad, idx_cotangent
 
 
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
@@ -78,4 +89,5 @@ def gather_rows(table: jax.Array, idx: jax.Array) -> jax.Array:
         raise ValueError(f"idx must be 1-D, got shape {idx.shape}")
     if idx.dtype not in (jnp.int32, jnp.int64):
         raise TypeError(f"idx must be int32 or int64, got {idx.dtype}")
-    return _gather_rows(table, idx)
+    return _gather_rows(tuple(sorted(varying_axes(idx) - varying_axes(table), key=str)),
+                        table, idx)

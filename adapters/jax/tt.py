@@ -17,22 +17,42 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib import tt as core
-from xferlib.adapters.jax._callback import as_core_array, is_gpu_buffer, xla_stream
+from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
+                                            vary_like, varying_axes, xla_stream)
 
 __all__ = ["tt_embedding_bag"]
 
 
-def _arrays(ctx, buffers):
-    """Core arrays for XLA's buffers and the stream context to run them in."""
-    from xferlib.backend import stream_scope
+class _Scope:
+    """This callback's device (under shard_map, each device's own), then XLA's stream."""
 
+    def __init__(self, ctx, gpu, buffers):
+        self.ctx, self.gpu, self.buffers = ctx, gpu, buffers
+
+    def __enter__(self):
+        from xferlib.backend import stream_scope
+
+        self.device = device_scope(self.gpu, *self.buffers)
+        self.device.__enter__()
+        self.stream = stream_scope(xla_stream(self.ctx, self.gpu), self.gpu)
+        self.stream.__enter__()
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        return self.device.__exit__(*exc)
+
+
+def _arrays(ctx, buffers, outs=()):
+    """Core arrays for XLA's buffers and the device and stream context to run them in."""
     gpu = any(is_gpu_buffer(b) for b in buffers)
-    return ([as_core_array(b, gpu) for b in buffers], stream_scope(xla_stream(ctx, gpu), gpu),
-            gpu)
+    return ([as_core_array(b, gpu) for b in buffers], _Scope(ctx, gpu, (*outs, *buffers)), gpu)
 
 
 @functools.lru_cache(maxsize=None)
-def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: bool):
+def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: bool,
+          sum_axes: tuple = ()):
+    """``sum_axes``: mesh axes the batch is sharded over and the cores are not: the core
+    gradients are summed over them (the gradient of the global batch)."""
     d = shape.d
 
     def split(arrays):
@@ -41,7 +61,7 @@ def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: b
         return cores, rest[0], rest[1], weights
 
     def forward_callback(ctx, out, *args):
-        arrays, stream, gpu = _arrays(ctx, args)
+        arrays, stream, gpu = _arrays(ctx, args, (out,))
         with stream:
             cores, indices, offsets, weights = split(arrays)
             as_core_array(out, gpu)[...] = core.tt_embedding_bag(
@@ -49,7 +69,7 @@ def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: b
                 include_last_offset=include_last_offset)
 
     def backward_callback(ctx, outs, *args):
-        arrays, stream, gpu = _arrays(ctx, args)
+        arrays, stream, gpu = _arrays(ctx, args, outs)
         with stream:
             grad_bags = arrays[-1]
             cores, indices, offsets, weights = split(arrays[:-1])
@@ -68,7 +88,9 @@ def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: b
     def bags(cores, indices, offsets, weights):
         out_type = jax.ShapeDtypeStruct((num_bags(offsets), shape.dim), jnp.float32)
         extra = (weights,) if weighted else ()
-        return buffer_callback(forward_callback, out_type)(*cores, indices, offsets, *extra)
+        out = buffer_callback(forward_callback, out_type)(*cores, indices, offsets, *extra)
+        # Under shard_map the bags are this device's (they come from its shard of the batch).
+        return vary_like(out, indices, offsets) if varying_axes(indices, offsets) else out
 
     @jax.custom_vjp
     def function(cores, indices, offsets, weights):
@@ -83,19 +105,27 @@ def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: b
         extra = (weights,) if weighted else ()
         grads = buffer_callback(backward_callback, out_types)(*cores, indices, offsets, *extra,
                                                               g.astype(jnp.float32))
+        if sum_axes:  # one all-reduce of this device's core gradients: the global batch's
+            grads = jax.lax.psum(tuple(vary_like(x, indices, offsets) for x in grads),
+                                 sum_axes)
         zero_int = np.zeros(indices.shape, jax.dtypes.float0)
         zero_off = np.zeros(offsets.shape, jax.dtypes.float0)
-        return tuple(grads), zero_int, zero_off, None if weights is None else \
-            jnp.zeros_like(weights)
+        return tuple(grads), zero_int, zero_off, None if weights is None else weights * 0
 
     function.defvjp(fwd, bwd)
     return function
 
 
 def tt_embedding_bag(cores, indices, offsets, *, p_shapes, q_shapes, ranks, mode="sum",
-                     include_last_offset=True, per_sample_weights=None):
+                     include_last_offset=True, per_sample_weights=None, axis_name=None):
     """Pooled rows of a TT table: ``(B, prod(q_shapes))`` float32, differentiable w.r.t. the
-    cores (not w.r.t. ``per_sample_weights``)."""
+    cores (not w.r.t. ``per_sample_weights``).
+
+    On a device mesh (inside ``jax.shard_map``, the bags sharded, the cores replicated) the
+    core gradient is the global batch's: this device's gradient summed over the mesh axes the
+    batch is sharded on, in the backward pass (one ``psum``). With ``check_vma=True`` (the
+    default) those axes are read from the arguments' types; with ``check_vma=False`` name
+    them: ``axis_name="batch"`` (a name or a tuple). See docs/jax-mesh.md."""
     shape = core.TTShape(p_shapes, q_shapes, ranks)
     cores = tuple(jnp.asarray(c, jnp.float32) for c in cores)
     shape.check_cores([np.empty(c.shape, np.uint8) for c in cores])
@@ -108,5 +138,9 @@ def tt_embedding_bag(cores, indices, offsets, *, p_shapes, q_shapes, ranks, mode
         raise TypeError("indices and offsets must be integer arrays")
     weights = None if per_sample_weights is None else jnp.asarray(per_sample_weights,
                                                                   jnp.float32)
-    return _make(shape, mode, bool(include_last_offset), weights is not None)(
+    named = () if axis_name is None else (
+        tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,))
+    sharded = varying_axes(indices, offsets, weights) - varying_axes(*cores)
+    sum_axes = tuple(sorted(set(named) | sharded, key=str))
+    return _make(shape, mode, bool(include_last_offset), weights is not None, sum_axes)(
         cores, indices, offsets, weights)
