@@ -216,8 +216,12 @@ class _ShardedFlatOptimizer(flat._FlatOptimizer):
             bucket.reduce()
             stream = (flat._current_stream(bucket.device) if bucket.device.type == "cuda"
                       else None)
+            # 16-bit gradients: their float32 copy (1/N of the buffer), so the norm is
+            # summed in float32 whatever the array library does with 16-bit types.
+            grads = bucket.core_grads if bucket.dtype == torch.float32 else \
+                flat._core_view(bucket.shard_grads.float())
             with stream_scope(stream, bucket.device.type == "cuda"):
-                share = core.partial_norm(bucket.core_grads, norm_type)
+                share = core.partial_norm(grads, norm_type)
             shares.append(to_torch(flat._as_array(share)).to(self._buckets[0].device,
                                                               torch.float32).reshape(1))
         share = torch.stack(shares).max(0)[0] if inf else torch.stack(shares).sum(0)
