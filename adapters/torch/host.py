@@ -25,8 +25,11 @@ import torch.nn.functional as F
 
 from xferlib.adapters.torch._convert import (as_core_array, current_stream, fresh_row_state,
                                              gather_to_torch, scatter_from_torch)
-from xferlib.memory import pinned_empty
+from xferlib.adapters.torch.host_dist import (SharedTableGroup, build_shared_table,
+                                               resolve_group)
 from xferlib.backend import cupy_available
+from xferlib.memory import pinned_empty
+from xferlib.perf import warn_once
 from xferlib.table import HostTable
 
 __all__ = ["HostEmbeddingBag", "HostEmbedding"]
@@ -39,7 +42,10 @@ class _HostRows(torch.autograd.Function):
     def forward(ctx, anchor, module, idx):
         ctx.module = module
         ctx.save_for_backward(idx)
-        rows, ctx.batch = module._lookup(idx, return_batch=True)
+        # Under a process group a bad index must reach backward's collective, which raises
+        # it on every rank: raised here, on one rank, it would leave the others waiting.
+        defer = anchor.requires_grad and module._dist is not None
+        rows, ctx.batch = module._lookup(idx, return_batch=True, defer_index_errors=defer)
         return rows
 
     @staticmethod
@@ -58,7 +64,8 @@ def _default_device(device):
 
 class _HostModule(torch.nn.Module):
     def __init__(self, num_embeddings, embedding_dim, *, optimizer, optimizer_kwargs,
-                 cache_rows, padding_idx, device, init, cache_policy="lru", seed=None):
+                 cache_rows, padding_idx, device, init, cache_policy="lru", seed=None,
+                 process_group="default"):
         super().__init__()
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         if padding_idx is not None:
@@ -70,12 +77,24 @@ class _HostModule(torch.nn.Module):
         self.device = _default_device(device)
         if self.device.type == "cuda" and not cupy_available():
             raise ValueError("a CUDA device needs CuPy (pip install xferlib[cuda12] or [cuda13])")
-        self.table = HostTable(num_embeddings, embedding_dim, "float32", optimizer,
-                               optimizer_kwargs, cache_rows if self.device.type == "cuda" else 0,
-                               init=init, cache_policy=cache_policy, seed=seed)
-        if padding_idx is not None:  # as torch: the padding row starts at zero
-            self.table.scatter(np.array([padding_idx]), np.zeros((1, self.embedding_dim),
-                                                                  np.float32))
+        self._dist = None
+        group = resolve_group(process_group)
+        if group is not None:  # one table for the group's ranks (host_dist.py)
+            if cache_rows:
+                warn_once(("shared-table-cache", id(self)),
+                          f"cache_rows={cache_rows} is not used: a host table shared by a "
+                          f"process group has no GPU cache (every rank reads every row "
+                          f"from host RAM)")
+            self.table = build_shared_table(
+                group, num_embeddings, embedding_dim, "float32", optimizer, optimizer_kwargs,
+                init=init, seed=seed, padding_idx=padding_idx, prepare=self._zero_padding_row)
+            self._dist = SharedTableGroup(group, self.table, self.device)
+        else:
+            self.table = HostTable(num_embeddings, embedding_dim, "float32", optimizer,
+                                   optimizer_kwargs,
+                                   cache_rows if self.device.type == "cuda" else 0,
+                                   init=init, cache_policy=cache_policy, seed=seed)
+            self._zero_padding_row(self.table)
         self._any_optimizer = optimizer is None
         if self._any_optimizer:
             self.weight = torch.nn.Parameter(torch.empty(0, self.embedding_dim,
@@ -86,19 +105,36 @@ class _HostModule(torch.nn.Module):
             _ANY_OPTIMIZER_MODULES.add(self)
             _install_step_hooks()
 
+    def _zero_padding_row(self, table) -> None:
+        if self.padding_idx is not None:  # as torch: the padding row starts at zero
+            table.scatter(np.array([self.padding_idx]), np.zeros((1, self.embedding_dim),
+                                                                 np.float32))
+
+    @property
+    def process_group(self):
+        """The torch.distributed group sharing this module's table, or None."""
+        return None if self._dist is None else self._dist.group
+
     # ------------------------------------------------------------------ transfers
 
     def _core_indices(self, idx: torch.Tensor):
         return as_core_array(idx.to(self.device).contiguous())
 
-    def _lookup(self, idx: torch.Tensor, return_batch: bool = False):
+    def _lookup(self, idx: torch.Tensor, return_batch: bool = False,
+                defer_index_errors: bool = False):
         out = torch.empty((idx.shape[0], self.embedding_dim), dtype=torch.float32,
                           device=self.device)
         stream = {"stream": current_stream(self.device)} if self.device.type == "cuda" else {}
         core_idx, self._prefetched = self._prefetched_for(idx), None
-        _, batch = self.table.lookup(core_idx if core_idx is not None
-                                     else self._core_indices(idx), out=as_core_array(out),
-                                     return_batch=True, **stream)
+        try:
+            _, batch = self.table.lookup(core_idx if core_idx is not None
+                                         else self._core_indices(idx), out=as_core_array(out),
+                                         return_batch=True, **stream)
+        except IndexError:
+            if not defer_index_errors:
+                raise
+            out.zero_()  # backward raises it on every rank, before any update
+            batch = None
         return (out, batch) if return_batch else out
 
     def _prefetched_for(self, idx: torch.Tensor):
@@ -118,8 +154,10 @@ class _HostModule(torch.nn.Module):
         next forward of that batch reads them from HBM. Updates queued in between (this
         step's backward) are seen by it. ``offsets`` is accepted for symmetry with
         :meth:`forward` and not needed. GPU modules with a fused optimizer only."""
-        if self.device.type != "cuda" or self._any_optimizer:
-            return  # nothing to overlap on the CPU; optimizer=None looks rows up per step
+        if self.device.type != "cuda" or self._any_optimizer or self._dist is not None:
+            # nothing to overlap on the CPU; optimizer=None looks rows up per step; under a
+            # process group other ranks' updates would make prefetched rows stale
+            return
         if input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"indices must be int32 or int64, got {input.dtype}")
         flat = input.to(self.device).reshape(-1)
@@ -136,8 +174,11 @@ class _HostModule(torch.nn.Module):
     def _apply_gradients(self, idx: torch.Tensor, grad_rows: torch.Tensor, batch=None) -> None:
         grad_rows = grad_rows.to(device=self.device, dtype=torch.float32).contiguous()
         if self.padding_idx is not None:  # the padding row is never updated
-            keep = idx != self.padding_idx
-            idx, grad_rows, batch = idx[keep], grad_rows[keep], None
+            keep = idx.to(self.device) != self.padding_idx
+            idx, grad_rows, batch = idx.to(self.device)[keep], grad_rows[keep], None
+        if self._dist is not None:
+            self._dist.apply(idx, grad_rows)
+            return
         target = batch if batch is not None else self._core_indices(idx)
         self.table.apply_gradients(target, as_core_array(grad_rows),
                                    stream=current_stream(self.device))
@@ -244,9 +285,12 @@ class _HostModule(torch.nn.Module):
                               f"{tuple(weight.shape)}, the table has shape "
                               f"{(self.num_embeddings, self.embedding_dim)}")
             return
-        self.table.restore(weight.detach().cpu().numpy(),
-                           {name: state_dict[prefix + "table_state." + name].cpu().numpy()
-                            for name in self.table.state_names()})
+        if self._dist is None or self._dist.rank == 0:  # a shared table is written once
+            self.table.restore(weight.detach().cpu().numpy(),
+                               {name: state_dict[prefix + "table_state." + name].cpu().numpy()
+                                for name in self.table.state_names()})
+        if self._dist is not None:
+            self._dist.fence()
         for name in list(getattr(self, "_host_state", {})):
             key = prefix + "optimizer_state." + name
             if key in state_dict:
@@ -270,7 +314,16 @@ class HostEmbeddingBag(_HostModule):
     :data:`xferlib.SPARSE_OPTIMIZERS` name, fused into backward; None lets any torch.optim
     optimizer train ``weight``), ``optimizer_kwargs`` (torch.optim's names), ``cache_rows``
     (GPU hot-row cache), ``device`` (where outputs live; default CUDA when present),
-    ``init`` (as :class:`xferlib.HostTable`; default N(0, 1) like torch).
+    ``init`` (as :class:`xferlib.HostTable`; default N(0, 1) like torch), ``process_group``:
+
+    * ``"default"``: torch.distributed's default group when it is initialized with more than
+      one rank, else none (one process: a private table, as before);
+    * ``None``: a private table in this process, whatever torch.distributed does;
+    * a group (of ranks on ONE host): the ranks share one table and its optimizer state in
+      host shared memory; each rank looks up its own batch, and backward sums every rank's
+      gradients per row (rank order) and applies the optimizer once per row, so N ranks
+      train as one process on the concatenated batch (``host_dist.py``). No GPU cache and no
+      prefetch there; every rank must run each step's forward and backward.
 
     >>> import torch
     >>> from xferlib.adapters.torch import HostEmbeddingBag
@@ -284,13 +337,13 @@ class HostEmbeddingBag(_HostModule):
     def __init__(self, num_embeddings, embedding_dim, *, mode="sum", optimizer="adam",
                  optimizer_kwargs=None, cache_rows=0, include_last_offset=False,
                  padding_idx=None, device=None, init=("normal", 0.0, 1.0),
-                 cache_policy="lru", seed=None):
+                 cache_policy="lru", seed=None, process_group="default"):
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         super().__init__(num_embeddings, embedding_dim, optimizer=optimizer,
                          optimizer_kwargs=optimizer_kwargs, cache_rows=cache_rows,
                          padding_idx=padding_idx, device=device, init=init,
-                         cache_policy=cache_policy, seed=seed)
+                         cache_policy=cache_policy, seed=seed, process_group=process_group)
         self.mode = mode
         self.include_last_offset = include_last_offset
 
@@ -331,11 +384,12 @@ class HostEmbedding(_HostModule):
 
     def __init__(self, num_embeddings, embedding_dim, *, optimizer="adam",
                  optimizer_kwargs=None, cache_rows=0, padding_idx=None, device=None,
-                 init=("normal", 0.0, 1.0), cache_policy="lru", seed=None):
+                 init=("normal", 0.0, 1.0), cache_policy="lru", seed=None,
+                 process_group="default"):
         super().__init__(num_embeddings, embedding_dim, optimizer=optimizer,
                          optimizer_kwargs=optimizer_kwargs, cache_rows=cache_rows,
                          padding_idx=padding_idx, device=device, init=init,
-                         cache_policy=cache_policy, seed=seed)
+                         cache_policy=cache_policy, seed=seed, process_group=process_group)
 
     def forward(self, input):
         flat = input.reshape(-1)

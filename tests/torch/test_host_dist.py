@@ -1,0 +1,264 @@
+"""Host tables shared by the ranks of a process group: N ranks (gloo on the CPU; NCCL on two
+GPUs) train one table to the same weights and optimizer state as one process on the
+concatenated global batch, for every optimizer; bad input raises on every rank; the shared
+memory is gone afterwards.
+
+Spawning is slow on a small machine, so each spawned run does every check of its world size.
+"""
+
+import datetime
+import glob
+import os
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import xferlib  # noqa: E402
+from xferlib.adapters.torch import HostEmbedding, HostEmbeddingBag  # noqa: E402
+from xferlib.table.shared import shared_memory_directory  # noqa: E402
+from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
+
+ROWS, DIM, BAGS, BAG, STEPS = 23, 5, 12, 3, 3
+OPTIMIZERS = [("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+              ("adam", {"lr": 0.01, "amsgrad": True}),
+              ("adamw", {"lr": 0.01}),
+              ("adagrad", {"lr": 0.1, "lr_decay": 0.01}),
+              ("rowwise_adagrad", {"lr": 0.1}),
+              ("adamax", {"lr": 0.01}),
+              ("rmsprop", {"lr": 0.01, "centered": True, "momentum": 0.5}),
+              ("adadelta", {"lr": 1.0})]
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
+
+
+def _data(seed):
+    """The global batches: (BAGS, BAG) indices with duplicates within and across ranks, and
+    the gradient of the loss with respect to each bag's output."""
+    rng = np.random.default_rng(seed)
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    steps = [(rng.integers(0, ROWS, (BAGS, BAG)), rng.standard_normal((BAGS, DIM))
+              .astype(np.float32)) for _ in range(STEPS)]
+    steps[1][0][:, 0] = 4  # one row in every bag of every rank
+    return init, steps
+
+
+def _train(module, steps, part, device):
+    """Forward + backward of this rank's bags of each step; returns the outputs."""
+    outs = []
+    for idx, grad_out in steps:
+        idx, grad_out = torch.from_numpy(idx[part]), torch.from_numpy(grad_out[part])
+        out = module(idx.to(device))
+        out.backward(grad_out.to(device))
+        outs.append(out.detach().cpu().numpy())
+    return outs
+
+
+def _snapshot(table):
+    return {"weights": np.array(table.numpy()),
+            **{f"state.{n}": np.array(table.state(n)) for n in table.state_names()}}
+
+
+def _maps_named(name):
+    with open("/proc/self/maps") as f:
+        return [line for line in f if name in line]
+
+
+def _worker(rank, world, port, out_dir, backend, checks):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        import cupy
+
+        cupy.cuda.Device(rank).use()
+        device = torch.device("cuda", rank)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    init, steps = _data(7)
+    part = slice(rank * BAGS // world, (rank + 1) * BAGS // world)
+    result = {}
+    for name, hyper in OPTIMIZERS:
+        bag = HostEmbeddingBag(ROWS, DIM, mode="sum", optimizer=name, optimizer_kwargs=hyper,
+                               device=device, init=init.copy())
+        assert bag.process_group is not None
+        outs = _train(bag, steps, part, device)
+        for k, out in enumerate(outs):
+            result[f"{name}.out{k}"] = out
+        if rank == 0:
+            result.update({f"{name}.{k}": v for k, v in _snapshot(bag.table).items()})
+        bag.table.close()
+    if checks:
+        _extra_checks(rank, world, device, init, steps, part, result)
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _extra_checks(rank, world, device, init, steps, part, result):
+    # HostEmbedding with a padding row, and a rank with an empty batch in one step.
+    emb = HostEmbedding(ROWS, DIM, optimizer="adagrad", optimizer_kwargs={"lr": 0.5},
+                        padding_idx=2, device=device, init=init.copy())
+    for k, (idx, grad_out) in enumerate(steps):
+        mine, g = idx[part], np.repeat(grad_out[part][:, None], BAG, 1)
+        if k == 1 and rank == world - 1:
+            mine, g = mine[:0], g[:0]
+        out = emb(torch.from_numpy(mine).to(device))
+        out.backward(torch.from_numpy(g).to(device))
+    if rank == 0:
+        result.update({f"emb.{k}": v for k, v in _snapshot(emb.table).items()})
+
+    # A bad index on the last rank: IndexError on every rank, nothing changed.
+    before = _snapshot(emb.table)
+    bad = np.array([[1, 2, 3]]) if rank != world - 1 else np.array([[1, ROWS, 3]])
+    try:
+        emb(torch.from_numpy(bad).to(device)).sum().backward()
+        result["bad_index_error"] = np.array("")
+    except IndexError as err:
+        result["bad_index_error"] = np.array(str(err))
+    after = _snapshot(emb.table)
+    result["bad_index_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
+                                                 for k in before))
+
+    # The name is unlinked once every rank has the table; close() unmaps it here.
+    name = emb.table.shared_name
+    result["name_gone"] = np.array(not os.path.exists(
+        os.path.join(shared_memory_directory(), name)))
+    result["mapped_before_close"] = np.array(bool(_maps_named(name)))
+    emb.table.close()
+    result["mapped_after_close"] = np.array(bool(_maps_named(name)))
+
+    # Ranks that disagree on the table: ValueError on every rank, naming the field.
+    try:
+        HostEmbeddingBag(ROWS, DIM + (rank == 1), optimizer="sgd", device=device)
+        result["mismatch_error"] = np.array("")
+    except ValueError as err:
+        result["mismatch_error"] = np.array(str(err))
+    # A bad hyperparameter on one rank: every rank raises, none hangs.
+    try:
+        HostEmbeddingBag(ROWS, DIM, optimizer="sgd", device=device,
+                         optimizer_kwargs={"lr": -1.0 if rank == 0 else 0.1})
+        result["hyper_error"] = np.array("")
+    except (ValueError, RuntimeError) as err:
+        result["hyper_error"] = np.array(f"{type(err).__name__}: {err}")
+    # process_group=None: a private table, no collectives.
+    private = HostEmbeddingBag(ROWS, DIM, optimizer="sgd", device=device, process_group=None)
+    result["private_has_no_group"] = np.array(private.process_group is None
+                                              and private.table.shared_name is None)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process(device="cpu"):
+    """The same modules trained by one process on the global batches."""
+    init, steps = _data(7)
+    expected = {}
+    for name, hyper in OPTIMIZERS:
+        bag = HostEmbeddingBag(ROWS, DIM, mode="sum", optimizer=name, optimizer_kwargs=hyper,
+                               device=device, init=init.copy(), process_group=None)
+        outs = _train(bag, steps, slice(None), device)
+        expected.update({f"{name}.out{k}": out for k, out in enumerate(outs)})
+        expected.update({f"{name}.{k}": v for k, v in _snapshot(bag.table).items()})
+    emb = HostEmbedding(ROWS, DIM, optimizer="adagrad", optimizer_kwargs={"lr": 0.5},
+                        padding_idx=2, device=device, init=init.copy(), process_group=None)
+    return expected, emb, steps
+
+
+def _check_emb(world, emb, steps, got, device="cpu"):
+    for k, (idx, grad_out) in enumerate(steps):
+        g = np.repeat(grad_out[:, None], BAG, 1)
+        if k == 1:  # the last rank's bags sat this step out
+            keep = slice(0, (world - 1) * BAGS // world)
+            idx, g = idx[keep], g[keep]
+        emb(torch.from_numpy(idx).to(device)).backward(torch.from_numpy(g).to(device))
+    for key, value in _snapshot(emb.table).items():
+        np.testing.assert_allclose(got[f"emb.{key}"], value, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"HostEmbedding {key}")
+
+
+def _compare(world, out_dir, expected, emb=None, steps=None, device="cpu"):
+    results = [dict(np.load(os.path.join(out_dir, f"rank{r}.npz"))) for r in range(world)]
+    for name, _ in OPTIMIZERS:
+        for key in ["weights", *(k.split(".", 1)[1] for k in expected
+                                 if k.startswith(f"{name}.state."))]:
+            want, got = expected[f"{name}.{key}"], results[0][f"{name}.{key}"]
+            if key == "state.step":
+                np.testing.assert_array_equal(got, want, err_msg=f"{name} {key}")
+            else:
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name} {key}")
+        for k in range(STEPS):  # every rank's lookups saw every earlier update
+            got = np.concatenate([results[r][f"{name}.out{k}"] for r in range(world)])
+            np.testing.assert_allclose(got, expected[f"{name}.out{k}"], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} outputs of step {k}")
+    if emb is None:
+        return
+    _check_emb(world, emb, steps, results[0], device)
+    for r, res in enumerate(results):
+        assert "out of range" in str(res["bad_index_error"]), (r, res["bad_index_error"])
+        assert bool(res["bad_index_unchanged"]), r
+        assert bool(res["name_gone"]) and bool(res["mapped_before_close"]), r
+        assert not bool(res["mapped_after_close"]), r
+        assert "disagree" in str(res["mismatch_error"]) and "dim" in str(
+            res["mismatch_error"]), (r, res["mismatch_error"])
+        assert "learning rate" in str(res["hyper_error"]), (r, res["hyper_error"])
+        assert bool(res["private_has_no_group"]), r
+    assert "position 1" in str(results[-1]["bad_index_error"])  # the rank that had it
+
+
+def _leftovers():
+    return set(glob.glob(os.path.join(shared_memory_directory(), "xferlib-*")))
+
+
+def _run(world, backend, tmp_path, checks):
+    before = _leftovers()
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path), backend, checks),
+             nprocs=world, join=True)
+    assert _leftovers() <= before, "shared memory left behind"
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+def test_two_ranks_equal_one_process_every_optimizer(tmp_path):
+    _run(2, "gloo", tmp_path, checks=True)
+    expected, emb, steps = _single_process()
+    _compare(2, tmp_path, expected, emb, steps)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+def test_three_ranks_equal_one_process_every_optimizer(tmp_path):
+    _run(3, "gloo", tmp_path, checks=True)
+    expected, emb, steps = _single_process()
+    _compare(3, tmp_path, expected, emb, steps)
+
+
+@pytest.mark.gpu
+def test_two_gpus_nccl_equal_one_process_every_optimizer(tmp_path):
+    if not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip(GPU_SKIP_REASON)
+    if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
+        pytest.skip("needs two CUDA GPUs and NCCL")
+    _run(2, "nccl", tmp_path, checks=True)
+    expected, emb, steps = _single_process("cuda")
+    _compare(2, tmp_path, expected, emb, steps, "cuda")
+
+
+def test_default_group_rule_without_distributed():
+    """One process, torch.distributed not initialized: a private table, as before."""
+    assert not dist.is_initialized()
+    bag = HostEmbeddingBag(ROWS, DIM, optimizer="sgd", device="cpu")
+    assert bag.process_group is None and bag.table.shared_name is None
+    with pytest.raises(ValueError, match="process_group"):
+        HostEmbeddingBag(ROWS, DIM, optimizer="sgd", device="cpu", process_group="world")
+    with pytest.raises(ValueError, match="not initialized"):
+        HostEmbeddingBag(ROWS, DIM, optimizer="sgd", device="cpu", process_group=object())
