@@ -209,6 +209,11 @@ class SharedTableGroup:
 
     def _raise_bad(self, idx, bads) -> None:
         if bads[self.rank]:
+            if self.device.type == "cuda":
+                try:  # the forward lookup's deferred check reports the same batch: drop it
+                    self.table.check()
+                except IndexError:
+                    pass
             keys = idx.cpu()
             wrong = ((keys < 0) | (keys >= self.table.num_rows)).nonzero()[0, 0]
             raise IndexError(f"index {int(keys[wrong])} at position {int(wrong)} is out of "
