@@ -106,6 +106,11 @@ def _train(name, mode, rank, world, device, out, dtype=torch.float32):
     for step, (x, y) in enumerate(_batches(device, dtype)):
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        if mode == "ddp":  # DDP wrote the averaged gradients into the flat buffer's views
+            (bucket,) = opt._buckets
+            aliased = all(p.grad is v for p, v in zip(bucket.params, bucket.grad_views))
+            out[f"{name}/ddp_aliased"] = np.array(aliased and bool(out.get(
+                f"{name}/ddp_aliased", True)))
         if step % 2 == 0:  # clipped and unclipped steps: clipping alone hides a wrong scale
             opt.clip_grad_norm_(CLIP)
         opt.step()
@@ -225,6 +230,8 @@ def nccl_runs(tmp_path_factory):
 
 def _check_training(runs, name, mode, rtol=1e-5, atol=1e-6):
     world, ranks = runs
+    if mode == "ddp":
+        assert all(bool(r[f"{name}/ddp_aliased"]) for r in ranks), "DDP re-pointed .grad"
     expected = ranks[0][f"{name}/ref"]
     for rank in range(world):
         np.testing.assert_allclose(ranks[rank][f"{name}/{mode}"], expected, rtol=rtol,
