@@ -9,8 +9,9 @@ rows from the one table, on its own GPU (the single-process lookup path).
 The update (run in each module's backward, in the same order on every rank as autograd's):
 
 1. each rank sums the gradients of its repeated rows (a stable sort, then segment sums:
-   deterministic), and checks its indices;
-2. one ``all_gather`` of ``(unique rows, any bad index)`` sizes, one ``all_gather`` of the
+   deterministic), and checks its indices, without a host sync;
+2. one ``all_gather`` of ``(distinct rows, any bad index, rows per owner)`` (the one host
+   sync of the step: these sizes decide the shapes), one ``all_gather`` of the
    ``(row, summed gradient)`` pairs padded to the largest rank's count (both work on gloo and
    NCCL); a bad index on any rank raises on every rank before anything changes;
 3. each rank keeps the pairs of the rows it owns (``row % world_size``, ``owner_of``),
@@ -161,48 +162,65 @@ class SharedTableGroup:
     # ------------------------------------------------------------------ update
 
     def _local_sums(self, idx: torch.Tensor, grads: torch.Tensor):
-        """This rank's distinct rows (ascending) and their summed gradients, deterministic:
-        a stable sort by row, then one sum per run in batch order."""
+        """This rank's distinct rows (ascending, then -1 padding) and their summed gradients
+        (then zero rows), both of the batch's length: fixed shapes, no host sync. Sums are
+        deterministic: a stable sort by row, then one sequential sum per run. Also the
+        number of distinct rows, whether an index is out of range, and how many of the
+        distinct rows each rank owns (all on the device)."""
+        n, dev = idx.numel(), idx.device
         keys, perm = torch.sort(idx, stable=True)
-        rows, counts = torch.unique_consecutive(keys, return_counts=True)
-        sums = torch.segment_reduce(grads.index_select(0, perm), "sum", lengths=counts, axis=0)
-        bad = (keys[0] < 0) | (keys[-1] >= self.table.num_rows)
-        return rows, sums, bad
+        starts = torch.ones(n, dtype=torch.bool, device=dev)
+        starts[1:] = keys[1:] != keys[:-1]
+        run = torch.cumsum(starts, 0) - 1  # the run (distinct row) of each sorted position
+        counts = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(
+            0, run, torch.ones_like(run))
+        sums = torch.segment_reduce(grads.index_select(0, perm), "sum", lengths=counts,
+                                    axis=0)
+        rows = torch.full((n,), -1, dtype=torch.int64, device=dev).scatter_(0, run, keys)
+        distinct = run[-1:] + 1
+        bad = ((keys[:1] < 0) | (keys[-1:] >= self.table.num_rows)).to(torch.int64)
+        real = (torch.arange(n, device=dev) < distinct).to(torch.int64)
+        per_owner = torch.zeros(self.world, dtype=torch.int64, device=dev).index_add_(
+            0, torch.remainder(rows, self.world), real)  # owner_of
+        return rows, sums, torch.cat([distinct, bad, per_owner])
 
     def apply(self, idx: torch.Tensor, grads: torch.Tensor) -> None:
-        """Every rank's ``(idx, grads)`` summed per row, applied once by each row's owner."""
-        table, dim, comm = self.table, self.table.dim, self.comm_device
+        """Every rank's ``(idx, grads)`` summed per row, applied once by each row's owner.
+        One host sync (the sizes of the exchange)."""
+        table, dim, comm, world = self.table, self.table.dim, self.comm_device, self.world
         idx = idx.to(device=self.device, dtype=torch.int64).reshape(-1)
         grads = grads.to(device=self.device, dtype=torch.float32).reshape(-1, dim)
         if idx.numel():
-            rows, sums, bad = self._local_sums(idx, grads)
+            rows, sums, meta = self._local_sums(idx, grads)
         else:
-            rows = idx.new_empty(0)
-            sums = grads.new_empty((0, dim))
-            bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        meta = torch.stack([torch.tensor(rows.numel(), device=self.device),
-                            bad.to(torch.int64)]).to(comm)
-        metas = [torch.empty_like(meta) for _ in range(self.world)]
+            rows, sums = idx.new_empty(0), grads.new_empty((0, dim))
+            meta = torch.zeros(2 + world, dtype=torch.int64, device=self.device)
+        meta = meta.to(comm)
+        metas = [torch.empty_like(meta) for _ in range(world)]
         dist.all_gather(metas, meta, group=self.group)
-        sizes, bads = torch.stack(metas).cpu().T.tolist()  # a host sync: sizes decide shapes
-        if any(bads):
-            self._raise_bad(idx, bads)
-        largest = max(sizes)
+        metas = torch.stack(metas).cpu().tolist()  # the host sync: sizes decide shapes
+        sizes = [m[0] for m in metas]
+        if any(m[1] for m in metas):
+            self._raise_bad(idx, [m[1] for m in metas])
+        largest, owned = max(sizes), sum(m[2 + self.rank] for m in metas)
         if largest == 0:
             return  # no rank has a gradient: nothing changes, no fence needed
         # One message per rank: each row id's 8 bytes ride in the gradient's dtype.
-        words = 8 // sums.element_size()
+        words, mine = 8 // sums.element_size(), sizes[self.rank]
         packed = torch.zeros((largest, words + dim), dtype=sums.dtype, device=comm)
-        if rows.numel():
-            packed[:rows.numel(), :words] = rows.view(sums.dtype).view(-1, words).to(comm)
-            packed[:rows.numel(), words:] = sums.to(comm)
-        pieces = [torch.empty_like(packed) for _ in range(self.world)]
+        if mine:
+            packed[:mine, :words] = rows[:mine].view(sums.dtype).view(-1, words).to(comm)
+            packed[:mine, words:] = sums[:mine].to(comm)
+        pieces = [torch.empty_like(packed) for _ in range(world)]
         dist.all_gather(pieces, packed, group=self.group)
         every = torch.cat([p[:n] for p, n in zip(pieces, sizes)])  # rank order
         all_rows = every[:, :words].contiguous().view(torch.int64).reshape(-1)
-        mine = torch.remainder(all_rows, self.world) == self.rank  # owner_of
-        own_rows = all_rows[mine].to(self.device)
-        own_grads = every[mine][:, words:].contiguous().to(self.device)
+        # The pairs of the rows this rank owns, in rank order (a stable sort puts them first;
+        # their number is known from the sizes: no sync).
+        others = (torch.remainder(all_rows, world) != self.rank).to(torch.int32)
+        order = torch.sort(others, stable=True)[1][:owned]
+        own_rows = all_rows.index_select(0, order).to(self.device)
+        own_grads = every.index_select(0, order)[:, words:].contiguous().to(self.device)
         table.apply_gradients(as_core_array(own_rows), as_core_array(own_grads),
                               **self._stream())
         self.fence()
