@@ -39,6 +39,9 @@ __all__ = [
     "tt_sparse_state",
     "tt_sparse_update",
     "tt_fused_update",
+    "tt_core_grads",
+    "tt_apply_core_grads",
+    "tt_cache_apply",
     "tt_check_plan",
     "TTBagPlan",
     "TTPendingCheck",
@@ -688,6 +691,114 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     return None
 
 
+# The fused update in two halves, for callers that combine the gradients of several
+# processes (data parallelism) between them: the sum of every process's gradient applied
+# once equals one fused update on the concatenated batch.
+
+
+def tt_core_grads(cores, shape: TTShape, residuals, grad_bags):
+    """``(grad, touched)``: the first half of :func:`tt_fused_update`.
+
+    ``grad``: every core's gradient in one flat float32 array (core ``k`` at offset
+    ``sum(p_j * width_j for j < k)``, row-major), zeros in rows the batch did not touch;
+    ``touched``: int32, one flag per core row (core ``k``'s rows from ``sum(p[:k])``), 1 where
+    the batch touched it. Both are core-sized: no dense table gradient. Adding several batches'
+    ``grad`` and taking the union (or sum) of their ``touched`` and handing them to
+    :func:`tt_apply_core_grads` equals one :func:`tt_fused_update` on the concatenated batches
+    (up to float summation order). On the kernel path a rejected batch (see
+    :func:`tt_check_plan`) gives zeros and touches nothing; its verdict is not read here.
+
+    >>> shape = TTShape([4, 5], [2, 2], [3])
+    >>> cores = init_tt_cores(shape, "normal", rng=np.random.default_rng(0))
+    >>> _, res = tt_embedding_bag_fwd(cores, shape, np.array([1, 7, 7]), np.array([0, 1, 3]))
+    >>> grad, touched = tt_core_grads(cores, shape, res, np.ones((2, 4), np.float32))
+    >>> grad.shape, touched.tolist()
+    ((54,), [1, 1, 0, 0, 0, 1, 1, 0, 0])
+    """
+    total = _total_core_rows(shape)
+    if isinstance(residuals, TTBagPlan):
+        grad, touched = _gpu_core_grads(cores, shape, residuals, grad_bags, dense=True)
+        if touched is None:  # an empty batch
+            touched = array_module(grad).zeros(total, dtype=np.int32)
+        return grad, touched
+    grads = tt_embedding_bag_bwd(cores, shape, residuals, grad_bags)
+    xp = array_module(grads[0])
+    digits = shape.digits(residuals[0])
+    touched = xp.zeros(total, dtype=np.int32)
+    start = 0
+    for k in range(shape.d):
+        touched[start + digits[:, k]] = 1
+        start += shape.p_shapes[k]
+    return xp.concatenate([g.reshape(-1) for g in grads]), touched
+
+
+def tt_apply_core_grads(cores, shape: TTShape, grad, touched, states, optimizer: str, *,
+                        lr: float, eps: float = 1e-10, betas=(0.9, 0.999), **hyper) -> None:
+    """The second half of :func:`tt_fused_update`: apply ``optimizer`` in place to the core
+    rows flagged in ``touched`` (nonzero) from the flat ``grad`` (laid out as
+    :func:`tt_core_grads` makes them), with the same rules, state and ``hyper`` as
+    :func:`tt_sparse_update`. Unflagged rows keep their values and state. CuPy cores of a
+    shape the kernels take run the fused kernel (no host sync; ``step`` may be a device
+    counter); otherwise the array path.
+    """
+    _check_sparse_args(optimizer, lr)
+    total, size = _total_core_rows(shape), _grad_spans(shape)[-1][1]
+    if tuple(grad.shape) != (size,) or tuple(touched.shape) != (total,):
+        raise ValueError(f"grad must have shape ({size},) and touched ({total},), got "
+                         f"{tuple(grad.shape)} and {tuple(touched.shape)}")
+    shape.check_cores(cores)
+    if _uses_kernels(shape, touched, cores):
+        import cupy
+
+        grad = cupy.ascontiguousarray(grad, dtype=np.float32)
+        touched = cupy.ascontiguousarray(touched, dtype=np.int32)
+        args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
+        pad = [np.uint64(0)] * (4 - shape.d)
+        pointers = [_state_pointers(st, optimizer) for st in states]
+        _launch(shape, "tt_update", (total,), (256,),
+                list(cores) + pad + [x for j in range(4) for x in
+                                     ([p[j] for p in pointers] + pad)]
+                + [grad, touched] + args)
+        return
+    hyper = _host_step(hyper)
+    xp = array_module(grad)
+    # as tt_sparse_update: rules a zero gradient leaves unchanged update whole cores
+    whole = optimizer == "sgd" or (optimizer in ("adagrad", "rowwise_adagrad") and eps > 0)
+    start = 0
+    for k, ((lo, hi), core, state) in enumerate(zip(_grad_spans(shape), cores, states)):
+        p = shape.p_shapes[k]
+        rows = slice(None) if whole else xp.flatnonzero(touched[start:start + p])
+        _update_rows(core, grad[lo:hi].reshape(shape.core_shape(k)), state, rows, optimizer,
+                     lr, eps, betas, **hyper)
+        start += p
+
+
+def tt_cache_apply(cache: "TTRowCache", grad, touched, optimizer: str, *, lr: float,
+                   eps: float = 1e-10, betas=(0.9, 0.999), **hyper) -> None:
+    """The row cache's optimizer step from :func:`tt_cache_grad`'s ``(grad, touched)`` (or
+    their sums over several batches): what :func:`tt_fused_update` applies to an active cache,
+    on the array path (a host sync for the touched rows on the GPU)."""
+    _check_sparse_args(optimizer, lr)
+    if tuple(grad.shape) != tuple(cache.weight.shape) or tuple(touched.shape) != (
+            cache.capacity,):
+        raise ValueError(f"grad must have shape {tuple(cache.weight.shape)} and touched "
+                         f"({cache.capacity},), got {tuple(grad.shape)} and "
+                         f"{tuple(touched.shape)}")
+    xp = array_module(grad)
+    whole = optimizer == "sgd" or (optimizer in ("adagrad", "rowwise_adagrad") and eps > 0)
+    rows = slice(None) if whole else xp.flatnonzero(touched)
+    _update_rows(cache.weight, grad, cache.state, rows, optimizer, lr, eps, betas,
+                 **_host_step(hyper))
+
+
+def _host_step(hyper: dict) -> dict:
+    """``hyper`` with a device step counter read on the host (the array path needs it)."""
+    step = hyper.get("step", 1)
+    if isinstance(step, (int, np.integer)):
+        return hyper
+    return {**hyper, "step": int(_to_host(step).reshape(-1)[0])}
+
+
 def _state_pointers(state: dict, optimizer: str) -> list:
     """``[elementwise, second elementwise, per row, per-row steps]`` state of one parameter
     (NULL where the optimizer has none), as the kernels' ``update_row`` takes them."""
@@ -825,9 +936,15 @@ class TTRowCache:
     def populate(self, cores) -> None:
         """Cache the ``capacity`` most frequent rows (ties: the smaller id), keeping the dense
         values and state of rows already cached, from the cores' values for new ones."""
+        self.populate_from(cores, _to_host(self.freq_keys), _to_host(self.freq_counts))
+
+    def populate_from(self, cores, keys, counts) -> None:
+        """:meth:`populate` from given access counts (host arrays: row ids, -1 ignored, and
+        their counts; each id at most once), e.g. several processes' frequency tables summed.
+        The frequency table itself is left as it is."""
         xp = array_module(self.rows)
-        keys = _to_host(self.freq_keys)
-        counts = _to_host(self.freq_counts)
+        keys = np.asarray(keys, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
         seen = keys >= 0
         keys, counts = keys[seen], counts[seen]
         order = np.lexsort((keys, -counts))[:self.capacity]
