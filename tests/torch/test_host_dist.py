@@ -125,6 +125,15 @@ def _extra_checks(rank, world, device, init, steps, part, result):
     result["bad_index_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
                                                  for k in before))
 
+    # load_state_dict writes the shared table once (rank 0) and every rank sees it.
+    fresh = HostEmbedding(ROWS, DIM, optimizer="adagrad", optimizer_kwargs={"lr": 0.5},
+                          padding_idx=2, device=device)
+    fresh.load_state_dict(emb.state_dict())
+    loaded = _snapshot(fresh.table)
+    result["load_state_dict_ok"] = np.array(all(np.array_equal(after[k], loaded[k])
+                                                for k in after))
+    fresh.table.close()
+
     # The name is unlinked once every rank has the table; close() unmaps it here.
     name = emb.table.shared_name
     result["name_gone"] = np.array(not os.path.exists(
@@ -212,6 +221,7 @@ def _compare(world, out_dir, expected, emb=None, steps=None, device="cpu"):
             res["mismatch_error"]), (r, res["mismatch_error"])
         assert "learning rate" in str(res["hyper_error"]), (r, res["hyper_error"])
         assert bool(res["private_has_no_group"]), r
+        assert bool(res["load_state_dict_ok"]), r
     assert "position 1" in str(results[-1]["bad_index_error"])  # the rank that had it
 
 
@@ -228,6 +238,7 @@ def _run(world, backend, tmp_path, checks):
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                     reason="torch.distributed with gloo is not available")
+@pytest.mark.slow  # spawns its ranks: about 10 s on two cores
 def test_two_ranks_equal_one_process_every_optimizer(tmp_path):
     _run(2, "gloo", tmp_path, checks=True)
     expected, emb, steps = _single_process()
@@ -236,6 +247,7 @@ def test_two_ranks_equal_one_process_every_optimizer(tmp_path):
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                     reason="torch.distributed with gloo is not available")
+@pytest.mark.slow  # spawns its ranks: about 10 s on two cores
 def test_three_ranks_equal_one_process_every_optimizer(tmp_path):
     _run(3, "gloo", tmp_path, checks=True)
     expected, emb, steps = _single_process()
