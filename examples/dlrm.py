@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--no-prefetch", action="store_true",
                    help="torch: no prefetch of the next batch's host-table rows")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--devices", type=int, default=1,
+                   help="jax: train on N devices of this host (a mesh; the batch sharded)")
     return p.parse_args(argv)
 
 
@@ -90,6 +92,9 @@ def _free():
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.devices > 1 and "jax" not in sys.modules:  # N host devices, before jax starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.devices}")
     try:  # bad input is refused here, before any table is allocated or file written
         setup = _prepare(args)
     except (ValueError, MemoryError) as err:
@@ -116,6 +121,12 @@ def _prepare(args):
         raise ValueError("--save/--load hold one run: pick --framework torch or jax")
     if args.load and args.compare:
         raise ValueError("--compare trains fresh runs; it cannot continue from --load")
+    if args.devices < 1 or (args.devices > 1 and frameworks != ["jax"]):
+        raise ValueError(f"--devices {args.devices}: N devices in one process is for "
+                         f"--framework jax (torch: torchrun --nproc_per_node=N)")
+    if args.devices > 1 and (args.compare or batch_size % args.devices):
+        raise ValueError(f"--devices {args.devices} needs --batch-size (the global batch, "
+                         f"{batch_size}) a multiple of it, and no --compare")
     if dist.launched():
         world = int(os.environ["WORLD_SIZE"])
         if frameworks != ["torch"]:
@@ -173,6 +184,8 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
         name = "torch baseline (all HBM)" if baseline else f"{fw} xferlib ({args.placement})"
         if ranks.world > 1:
             name += f" x {ranks.world} ranks"
+        if fw == "jax" and args.devices > 1:
+            name += f" x {args.devices} devices"
         try:  # one failing run (say, out of memory) must not lose the others' figures
             table_bytes = {"host": plan.bytes_host, "hbm": plan.bytes_hbm, "tt": plan.bytes_tt,
                            "cache": plan.bytes_cache}
@@ -198,7 +211,7 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
             else:
                 from dlrm_parts.jax_run import JaxRun
 
-                run = JaxRun(preset, plan, args.seed, device, xp=xp)
+                run = JaxRun(preset, plan, args.seed, device, xp=xp, devices=args.devices)
             history, start = [], 0
             if meta is not None:
                 checkpoint.load(args.load, run, fw)
@@ -216,6 +229,7 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
                 "name": name, "framework": "torch-baseline" if baseline else fw,
                 "preset": preset.name, "placement": "hbm" if baseline else args.placement,
                 "device": device, "ranks": ranks.world, "steps": steps,
+                "devices": args.devices if fw == "jax" else 1,
                 "total_steps": start + steps,
                 "batch_size": batch_size, "samples_per_s": timed_steps * batch_size / seconds
                 if seconds > 0 else 0.0, "auc": final["auc"], "logloss": final["logloss"],

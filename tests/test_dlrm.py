@@ -243,3 +243,32 @@ def test_short_gpu_run(framework, tmp_path):
     assert runs[framework]["auc"] > 0.6 and "torch-baseline" in runs
     # same initial values and data: the curves agree closely after 60 steps
     assert abs(runs[framework]["auc"] - runs["torch-baseline"]["auc"]) < 0.02
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["auto", "tt"])
+def test_jax_on_two_devices_equals_one_device(placement, tmp_path):
+    """--devices 2 (two forced host devices, the global batch sharded) trains the model that
+    one device trains on the same global batch: host tables, HBM tables and TT cores."""
+    pytest.importorskip("torch")
+    pytest.importorskip("optax")
+    docs = []
+    for devices in (1, 2):
+        out = tmp_path / f"d{devices}.json"
+        _ok(_run("--framework", "jax", "--device", "cpu", "--placement", placement, "--steps",
+                 12, "--batch-size", 256, "--evals", 2, "--eval-samples", 4096, "--devices",
+                 devices, "--json", out))
+        docs.append(json.loads(out.read_text()))
+    one, two = (d["runs"][0] for d in docs)
+    assert two["devices"] == 2 and one["devices"] == 1 and two["batch_size"] == 256
+    for a, b in zip(one["history"], two["history"]):
+        assert a["step"] == b["step"]
+        assert abs(a["logloss"] - b["logloss"]) < 1e-4, (one["history"], two["history"])
+        assert abs(a["auc"] - b["auc"]) < 1e-3
+        assert abs(a["train_loss"] - b["train_loss"]) < 1e-4
+
+
+def test_devices_is_refused_for_torch_and_a_batch_it_does_not_divide():
+    assert _run("--framework", "torch", "--devices", 2).returncode == 2
+    result = _run("--framework", "jax", "--devices", 3, "--batch-size", 256)
+    assert result.returncode == 2 and "multiple" in result.stderr
