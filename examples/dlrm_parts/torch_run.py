@@ -58,7 +58,9 @@ class DLRM(torch.nn.Module):
                     w, freeze=False, mode="sum", sparse=True, include_last_offset=True)
             elif where == "host":
                 module = HostEmbeddingBag(t.rows, preset.dim, mode="sum", optimizer="adagrad",
-                                          optimizer_kwargs={"lr": lr}, cache_rows=t.cache_rows,
+                                          optimizer_kwargs={"lr": lr},
+                                          # a table shared by ranks has no GPU cache
+                                          cache_rows=t.cache_rows if ranks.world == 1 else 0,
                                           include_last_offset=True, device=device, init="zeros",
                                           **shared)
                 if ranks.local_rank == 0:  # the host's one copy, written once
