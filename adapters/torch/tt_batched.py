@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from xferlib import tt as core
+from xferlib.adapters.torch import tt_dist
 from xferlib.adapters.torch import tt_fbtt_compat as compat
 from xferlib.adapters.torch._convert import as_core_array
 from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
@@ -137,6 +138,14 @@ class _TTBagFunction(torch.autograd.Function):
         none = (None,) * 6
         with _on_stream(ctx.device, ctx.capturing):
             grad_bags = _array(grad_out.contiguous())
+            if module.sparse and module._group is not None:  # data parallel (tt_dist)
+                with torch.no_grad():
+                    module._step_counter.add_(1)
+                    pending = tt_dist.fused_step(module, ctx.residuals, ctx.arrays, grad_bags,
+                                                 cache, module._group, _torch, _array)
+                if pending is not None:
+                    module._pending_checks.append(pending)
+                return none + (None,) * (1 + len(ctx.arrays))
             if module.sparse:  # fused: update the cores in place, hand no gradient back
                 with torch.no_grad():
                     module._step_counter.add_(1)  # on the device: replays count too
@@ -199,8 +208,9 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
                  weight_dist: str = "approx-normal", enforce_embedding_dim: bool = False, *,
                  mode: str = "sum", include_last_offset: bool = True, seed=None,
                  betas=(0.9, 0.999), weight_decay: float = 0.0, eta: float = 0.001,
-                 momentum: float = 0.9, device=None):
+                 momentum: float = 0.9, device=None, process_group="default"):
         super().__init__()
+        group = tt_dist.resolve_group(process_group)
         if num_tables <= 0 or num_embeddings <= 0 or embedding_dim <= 0:
             raise ValueError(f"num_tables, num_embeddings and embedding_dim must be positive, "
                              f"got {num_tables}, {num_embeddings}, {embedding_dim}")
@@ -246,7 +256,9 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         self.tt_cores = torch.nn.ParameterList(
             [torch.nn.Parameter(torch.empty(self.num_tables, *self.shape.core_shape(k),
                                             device=device)) for k in range(d)])
-        self._seed = seed
+        self._group = group
+        # replicas draw the same cores: the ranks agree on the seed
+        self._seed = seed if group is None else tt_dist.agree_seed(group, seed)
         self.reset_parameters(weight_dist)
         # Fused optimizer state: FBTT's optimizer_state<k> holds each core's first state
         # (empty for SGD); further states sit beside it as <name><k>.
@@ -378,6 +390,49 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, indices, offsets, warmup=True, *, per_sample_weights=None):
+        trains = self.sparse and torch.is_grad_enabled() and any(
+            c.requires_grad for c in self.tt_cores)
+        if self._group is None or not trains:
+            return self._forward(indices, offsets, warmup, per_sample_weights)
+        device = self.tt_cores[0].device
+        if device.type == "cuda" and _capturing():
+            raise RuntimeError("a fused TT step with a process group cannot be captured in a "
+                               "CUDA graph; capture it with process_group=None")
+        if self._device_checked():  # the backward's collective carries the device verdict
+            return self._forward(indices, offsets, warmup, per_sample_weights)
+        try:
+            out = self._forward(indices, offsets, warmup, per_sample_weights)
+        except (IndexError, ValueError, TypeError, RuntimeError) as err:
+            tt_dist.agree_forward(self._group, device, err)  # raises on every rank
+            raise
+        tt_dist.agree_forward(self._group, device, None)
+        return out
+
+    def _device_checked(self) -> bool:
+        """Whether training batches are checked on the device (the GPU kernel path)."""
+        device = self.tt_cores[0].device
+        if device.type != "cuda":
+            return False
+        memo = self.__dict__.setdefault("_views", {})
+        if ("kernels", device) not in memo:
+            probe = _array(torch.zeros(1, dtype=torch.int64, device=device))
+            memo[("kernels", device)] = core._uses_kernels(self._cshape, probe,
+                                                           self._core_arrays())
+        return memo[("kernels", device)]
+
+    @property
+    def process_group(self):
+        """The group whose ranks train replicas of this module together (None: one
+        process). See ``xferlib.adapters.torch.tt_dist``."""
+        return self._group
+
+    def broadcast_state(self, src: int = 0) -> None:
+        """Copy the cores, optimizer state, step count and cache of the group's rank ``src``
+        to every rank (e.g. after loading a checkpoint on one rank); nothing without a
+        group. Every rank of the group calls it."""
+        tt_dist.broadcast_state(self, src)
+
+    def _forward(self, indices, offsets, warmup, per_sample_weights):
         if isinstance(warmup, torch.Tensor):  # xferlib's earlier third argument
             per_sample_weights, warmup = warmup, True
         device = self.tt_cores[0].device
@@ -467,5 +522,20 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         return full
 
     from xferlib.adapters.torch.tt_cache import (  # noqa: E402  (the cache's methods)
-        _core_cache, _require_cache, cache_populate, reset_cache, update_cache,
+        _core_cache, _require_cache, reset_cache, update_cache,
         _save_to_state_dict, _load_from_state_dict)
+    from xferlib.adapters.torch.tt_cache import cache_populate as _cache_populate  # noqa: E402
+
+    @torch.no_grad()
+    def cache_populate(self) -> None:
+        """Fill the cache with the ``cache_size`` most frequently looked-up rows and end the
+        warmup (lookups of cached rows read them from now on). Rows that stay keep their
+        trained dense values and optimizer state; new rows start from the cores. The cores keep
+        learning every row (write-through, see ``xferlib.tt.TTRowCache``), so rows that leave
+        lose nothing the cores were taught. With a process group the counts of every rank are
+        summed and every rank caches the same rows (every rank calls it)."""
+        if self._group is None:
+            return self._cache_populate()
+        cache = self._require_cache()
+        self._resolve_pending_check()
+        tt_dist.populate_across(self, cache, _on_stream)

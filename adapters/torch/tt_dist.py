@@ -1,0 +1,215 @@
+"""TT embedding bags under data parallelism: replicated cores, all-reduced core-row gradients.
+
+``TableBatchedTTEmbeddingBag(..., process_group=group)`` (and ``TTEmbeddingBag``): every rank
+holds the same cores (the ranks agree on the initialization seed at construction) and trains
+on its own share of the global batch. In a fused (``sparse=True``) backward each rank
+
+1. computes the core gradients of ITS batch (``xferlib.tt.tt_core_grads``: one flat,
+   core-sized buffer, zeros in untouched rows, and one touched flag per core row; with an
+   active row cache also the cache rows' gradients and flags);
+2. adds one slot per rank for a rejected batch (on the GPU the kernels' device verdict, read
+   without a host sync) and sums the whole buffer over the group with ONE ``all_reduce``;
+3. applies the fused optimizer to the rows touched on any rank from the summed gradient
+   (``xferlib.tt.tt_apply_core_grads``), the same update on every rank, or, when some
+   rank's batch was rejected, to none (the step changes nothing anywhere).
+
+So N ranks equal one process on the concatenated global batch (each bag's gradient is its
+own: the gradients of the ranks are SUMMED, as one process sums them over its batch; a loss
+averaged over the global batch is each rank's summed loss divided by the global batch size).
+The cache's contents are chosen from the access counts of every rank (``populate_across``).
+Every rank must run each module's forward and backward every step, as DDP requires.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from xferlib import tt as core
+
+__all__ = ["resolve_group", "agree_seed", "agree_forward", "fused_step", "populate_across",
+           "broadcast_state"]
+
+DEFAULT = "default"
+# Error types a rejected batch raises, coded in the all-reduced buffer (0: accepted).
+_ERRORS = (None, IndexError, ValueError, TypeError, RuntimeError)
+
+
+def resolve_group(process_group):
+    """The group a TT module trains with, or None for one process (no collectives).
+
+    ``"default"`` (the modules' default): torch.distributed's default group when it is
+    initialized with more than one rank, else None (single-process behaviour). ``None``: one
+    process, whatever torch.distributed does. A group: that group (None if it has one rank)."""
+    if process_group is None:
+        return None
+    if isinstance(process_group, str):
+        if process_group != DEFAULT:
+            raise ValueError(f"process_group must be 'default', None or a torch.distributed "
+                             f"group, got {process_group!r}")
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        process_group = dist.group.WORLD
+    elif not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("process_group given but torch.distributed is not initialized "
+                         "(dist.init_process_group)")
+    return process_group if dist.get_world_size(process_group) > 1 else None
+
+
+def agree_seed(group, seed):
+    """``seed``, or (None) one drawn by the group's rank 0 and broadcast: every rank then
+    draws the same cores."""
+    if seed is not None:
+        return seed
+    box = [int(np.random.SeedSequence().entropy % (1 << 63))
+           if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def _code(error) -> float:
+    for code, kind in enumerate(_ERRORS[1:], 1):
+        if isinstance(error, kind):
+            return float(code)
+    return float(len(_ERRORS) - 1)
+
+
+def _raise_for_others(codes, rank: int) -> None:
+    """Raise for the first other rank whose batch was rejected (``codes``: one per rank)."""
+    codes = np.asarray(codes).reshape(-1)
+    for r, code in enumerate(codes):
+        if code and r != rank:
+            kind = _ERRORS[min(int(code), len(_ERRORS) - 1)]
+            raise kind(f"rank {r} of the process group had a bad batch ({kind.__name__}) for "
+                       f"a TT embedding bag: this step changed nothing on any rank")
+
+
+def agree_forward(group, device, error) -> None:
+    """A training forward whose batch is checked on the host: every rank learns whether some
+    rank's batch was rejected, and raises (its own error, or one naming the rank), so no
+    rank waits for the others in the backward's collective."""
+    codes = torch.zeros(dist.get_world_size(group), dtype=torch.float32, device=device)
+    rank = dist.get_rank(group)
+    if error is not None:
+        codes[rank] = _code(error)
+    dist.all_reduce(codes, group=group)
+    if error is not None:
+        raise error
+    if bool(codes.any()):
+        _raise_for_others(codes.cpu().numpy(), rank)
+
+
+class _GroupCheck:
+    """A GPU step's own input check (a TTPendingCheck, or None) and the group's verdicts,
+    copied to the host asynchronously: ``resolve()`` raises this rank's error first, then one
+    for another rank's rejected batch."""
+
+    def __init__(self, own, codes: torch.Tensor, rank: int):
+        self.own, self.rank = own, rank
+        self.host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
+        self.host.copy_(codes, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    # Never "ready" early: every rank must raise at the same call (the module resolves a
+    # pending check when too many are queued, the same call on every rank), or one rank
+    # would wait in a collective that another left by raising.
+    ready = False
+
+    def resolve(self) -> None:
+        if self.own is not None:
+            self.own.resolve()
+        self.event.synchronize()
+        _raise_for_others(self.host.numpy(), self.rank)
+
+
+def fused_step(module, residuals, arrays, grad_bags, cache, group, to_torch, to_array):
+    """One fused training step across the group (see the module docstring). Returns a pending
+    check (GPU, deferred) or None; raises at once for a rejected batch otherwise."""
+    shape, optimizer = module._cshape, module._core_optimizer
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    plan = isinstance(residuals, core.TTBagPlan)
+    cached = cache is not None and cache.active
+    own_error = None
+    if plan and cached:  # the cache's gradient reads the batch on the host anyway
+        try:
+            core.tt_check_plan(residuals, shape)
+        except (IndexError, ValueError) as err:
+            own_error = err
+    grad, touched = core.tt_core_grads(arrays, shape, residuals, grad_bags)
+    pieces = [to_torch(grad), to_torch(touched).float()]
+    if cached:
+        if own_error is None:
+            cgrad, ctouched = core.tt_cache_grad(cache, module.shape, residuals, grad_bags)
+            pieces += [to_torch(cgrad).reshape(-1), to_torch(ctouched).float()]
+        else:  # a rejected batch contributes nothing
+            pieces.append(torch.zeros(cache.capacity * (module.embedding_dim + 1),
+                                      device=pieces[0].device))
+    codes = torch.zeros(world, dtype=torch.float32, device=pieces[0].device)
+    if own_error is not None:
+        codes[rank] = _code(own_error)
+    elif plan:  # the device verdict: 1 for a bad index, 2 for bad offsets (no host sync)
+        v = to_torch(residuals.verdict.view(np.int64)) != -1
+        codes[rank] = torch.where(v[0], 1.0, torch.where(v[1], 2.0, 0.0))
+    buf = torch.cat(pieces + [codes])
+    dist.all_reduce(buf, group=group)
+    codes = buf[-world:].clone()
+    buf = buf * (codes.sum() == 0)  # a rejected batch anywhere: no row is touched anywhere
+    sizes = [p.numel() for p in pieces]
+    parts = torch.split(buf[:-world], sizes)
+    hyper = dict(lr=module.learning_rate, eps=module.eps, **module._hyper())
+    core.tt_apply_core_grads(arrays, shape, to_array(parts[0]),
+                             to_array((parts[1] > 0).to(torch.int32)), module._state_arrays(),
+                             optimizer, **hyper)
+    if cached:
+        flat = buf[sum(sizes[:2]):sum(sizes[:2]) + cache.capacity * (module.embedding_dim + 1)]
+        cgrad = flat[:cache.capacity * module.embedding_dim].view(cache.capacity, -1)
+        ctouched = flat[cache.capacity * module.embedding_dim:] > 0
+        core.tt_cache_apply(cache, to_array(cgrad), to_array(ctouched), optimizer, **hyper)
+    if own_error is not None:
+        raise own_error
+    if not plan:  # the host checked every batch in the forward (agree_forward)
+        return None
+    if module.defer_input_check and not residuals.checked:
+        return _GroupCheck(core.TTPendingCheck(residuals, shape), codes, rank)
+    core.tt_check_plan(residuals, shape)  # this rank's error first
+    _GroupCheck(None, codes, rank).resolve()
+    return None
+
+
+def _gather(t: torch.Tensor, group) -> np.ndarray:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts).cpu().numpy()
+
+
+def populate_across(module, cache, on_stream) -> None:
+    """``cache_populate()`` of a module with a group: the rows are chosen from the access
+    counts of every rank summed (the same rows on every rank, those one process on the global
+    batches would choose unless its 32-way table dropped some), new rows from the (same)
+    cores."""
+    group = module._group
+    keys, counts = _gather(module.hashtbl, group), _gather(module.cache_freq, group)
+    seen = keys >= 0
+    rows, inverse = np.unique(keys[seen], return_inverse=True)
+    summed = np.zeros(rows.size, dtype=np.int64)
+    np.add.at(summed, inverse, counts[seen])
+    with on_stream(module.cache_rows):
+        cache.populate_from(module._core_arrays(), rows, summed)
+    module.warmup = False
+
+
+@torch.no_grad()
+def broadcast_state(module, src: int = 0) -> None:
+    """Copy every parameter and buffer (cores, optimizer state, step count, cache) from the
+    group's rank ``src`` to the other ranks: e.g. after loading a checkpoint on one rank."""
+    group = module._group
+    if group is None:
+        return
+    module._resolve_pending_check()
+    root = dist.get_global_rank(group, src)
+    for t in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(t.data, src=root, group=group)
+    if module.use_cache:
+        module.warmup = not bool((module.cache_rows != core.NO_ROW).any())
