@@ -22,21 +22,22 @@ _VIEWS: "weakref.WeakKeyDictionary[HostTable, dict]" = weakref.WeakKeyDictionary
 _LOCK = threading.Lock()  # device threads may meet a table for the first time together
 
 
-def _home(table: HostTable, device: int) -> int:
-    """The device the table's own GPU side lives on (``device`` when it has none yet)."""
+def _home(table: HostTable, device: int):
+    """The device the table's own GPU side lives on: ``device`` when it has none yet (this
+    call makes it), the device of its cache or hyperparameter array, else None (a GPU side
+    made outside JAX, by a write or a flush, that says nothing of its device: every device
+    then gets a view, and the table's own side is left to the code that made it)."""
     side = table._gpu
     if side is None:
         return device
-    hyper = getattr(side, "hyper", None)
-    if hyper is not None and hasattr(hyper, "device"):
-        return int(hyper.device.id)
+    arrays = [getattr(side, "hyper", None)]
     cache = getattr(side, "cache", None)
-    for value in vars(cache).values() if cache is not None else ():
-        if hasattr(value, "device") and hasattr(value, "data"):
-            return int(value.device.id)
-    import cupy
-
-    return int(cupy.cuda.runtime.getDevice())
+    arrays += list(vars(cache).values()) if cache is not None else []
+    for value in arrays:
+        owner = getattr(value, "device", None)
+        if owner is not None and hasattr(owner, "id") and hasattr(value, "data"):
+            return int(owner.id)
+    return None
 
 
 def on_device(table: HostTable, device: int) -> HostTable:
@@ -65,8 +66,3 @@ def on_device(table: HostTable, device: int) -> HostTable:
             view._gpu.hyper = None
     return view
 
-
-def views_of(table: HostTable) -> list:
-    """The table's device views made so far (not the table itself)."""
-    views = _VIEWS.get(table) or {}
-    return [v for k, v in views.items() if k != "home"]

@@ -93,3 +93,22 @@ def test_sharded_update_refuses_a_cached_table_and_a_missing_axis():
         jax.shard_map(lambda i: sharded_host_update(table, i, jnp.zeros((3, 4)),
                                                     axis_name="batch"),
                       mesh=mesh, in_specs=P("batch"), out_specs=P())(jnp.arange(2))
+
+
+def test_device_views_share_the_table():
+    """Each other device's view of a host table is the same memory, without a cache, and
+    follows set_hyper (the GPU path takes these views; the layout is checked here)."""
+    import numpy as np
+
+    import xferlib
+    from xferlib.adapters.jax._views import on_device
+
+    table = xferlib.HostTable(6, 4, optimizer="adam", init="zeros", cache_rows=2)
+    assert on_device(table, 0) is table  # no GPU side yet: the first device is its home
+    view = on_device(table, 1)
+    assert view is not table and on_device(table, 1) is view
+    assert np.shares_memory(view._weights, table._weights)
+    assert np.shares_memory(view._state, table._state)
+    assert view.cache_rows == 0 and view._gpu is None
+    table.set_hyper(lr=0.5)
+    assert on_device(table, 1).hyper["lr"] == 0.5
