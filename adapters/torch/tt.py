@@ -5,7 +5,8 @@ Constructor, defaults (``use_cache=True`` included), core layout (``tt_cores[k]`
 and B+1 offsets are FBTT's, so its code and checkpoints run unchanged. With ``sparse=True``
 the optimizer update is fused into backward and reaches every core row the batch touched.
 CPU tensors run the NumPy path of ``xferlib.tt``; CUDA tensors run its CUDA kernels on views
-of the tensors, on torch's stream. The machinery is ``TableBatchedTTEmbeddingBag``'s
+of the tensors, on torch's stream. ``process_group=`` trains replicas on several ranks as one
+process on the global batch (``tt_dist``). The machinery is ``TableBatchedTTEmbeddingBag``'s
 (``tt_batched``); FBTT's free names live in ``tt_fbtt_compat``.
 """
 

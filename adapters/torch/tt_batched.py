@@ -182,8 +182,12 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
 
     Arguments and defaults are FBTT's; keyword-only extras: ``mode`` ("sum"/"mean"),
     ``include_last_offset``, ``seed`` (initialization), ``betas``, ``weight_decay``, ``eta``
-    and ``momentum`` (FBGEMM's hyper-parameters of the Adam / LAMB / LARS rules) and
-    ``device``. The module is built on ``device`` (default: the CPU; FBTT builds on the
+    and ``momentum`` (FBGEMM's hyper-parameters of the Adam / LAMB / LARS rules),
+    ``device`` and ``process_group`` (data parallelism, see ``tt_dist``: ``"default"``, the
+    default, is torch.distributed's default group when it is initialized with more than one
+    rank, else none; ``None``: this process alone; the ranks of a group hold equal cores, sum
+    their core-row gradients in the fused backward and equal one process on the global
+    batch). The module is built on ``device`` (default: the CPU; FBTT builds on the
     current GPU) and moves with ``.to()``; inputs on another device raise a RuntimeError.
 
     ``optimizer`` (``sparse=True``: fused into backward, every touched core row): SGD /

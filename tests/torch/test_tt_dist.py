@@ -145,6 +145,19 @@ def _extra_checks(rank, world, device, result):
         # (on the GPU the step count moves on, as in one process: counted on the device)
         result[f"{name}.bad_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
                                                        for k in before if k != "optimizer_step"))
+    if device.type == "cuda":  # deferred: the device verdicts ride the all_reduce
+        module = TTEmbeddingBag(**SINGLE, device=device)
+        before = _snapshot(module)
+        idx = torch.tensor([0, 200 if rank == world - 1 else 1], device=device)
+        module(idx, torch.tensor([0, 2], device=device)).sum().backward()  # no raise yet
+        try:
+            module.check_inputs()
+            result["deferred"] = np.array("")
+        except IndexError as err:
+            result["deferred"] = np.array(f"IndexError: {err}")
+        after = _snapshot(module)
+        result["deferred_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
+                                                    for k in before if k != "optimizer_step"))
     # broadcast_state: rank 0's values everywhere.
     module = TTEmbeddingBag(**SINGLE, device=device)
     with torch.no_grad():
@@ -194,6 +207,11 @@ def _compare(world, out_dir, expected, tol):
             assert ("out of range" if r == world - 1 else f"rank {world - 1}") in message, (
                 r, name, message)
             assert bool(res[f"{name}.bad_unchanged"]), (r, name)
+        if "deferred" in res:
+            message = str(res["deferred"])
+            assert ("out of range" if r == world - 1 else f"rank {world - 1}") in message, (
+                r, message)
+            assert bool(res["deferred_unchanged"]), r
     # the cache was in use: rows chosen from every rank's counts, some of them trained
     rows = expected["cache.ADAM.cache_rows"]
     assert 7 in rows and (rows != np.iinfo(np.int64).max).all()
