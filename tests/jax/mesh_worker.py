@@ -227,11 +227,11 @@ def main():
     cases["host-fewer-rows-than-devices"] = lambda: _host_case("adam", N - 1 if N > 2 else 1)
     cases["host-check_vma-off"] = lambda: _host_case("adagrad", 3 * N + 2, check_vma=False)
     cases["host-scan-ordering"] = _scan_case
-    cases["host-bad-index"] = _bad_index_case
     for name in TT_OPTIMIZERS:
         cases[f"tt-{name}"] = lambda n=name: _tt_case(n)
     cases["tt-weighted"] = lambda: _tt_case("adagrad", weighted=True)
     cases["tt-check_vma-off"] = lambda: _tt_case("adam", check_vma=False)
+    cases["host-bad-index"] = _bad_index_case  # last: a failed step ends nothing after it
     results = {}
     for name, case in cases.items():
         try:
