@@ -231,6 +231,66 @@ def test_ranks_equal_one_process_every_fused_optimizer(world, tmp_path):
     _compare(world, tmp_path, _single_process(), tol=1e-5)
 
 
+def _split_steps_match_fused(xp, optimizer):
+    """The two halves on two shares of each batch (gradients added, flags summed) equal the
+    fused update on the whole batch: cores, state and an active cache."""
+    from xferlib import tt as core
+
+    shape = core.TTShape([4, 5, 3], [2, 2, 2], [3, 2])
+    rng = np.random.default_rng(0)
+    cores = [xp.asarray(c) for c in core.init_tt_cores(shape, "normal",
+                                                        rng=np.random.default_rng(1))]
+    runs = []
+    for _ in range(2):
+        cache = core.TTRowCache(shape, 5, 60, optimizer, xp)
+        cache.count(xp.arange(20))
+        cache.populate(cores)
+        runs.append(([c.copy() for c in cores], core.tt_sparse_state(shape, optimizer, xp),
+                     cache))
+    (c1, s1, k1), (c2, s2, k2) = runs
+    for step in range(1, 4):
+        idx = rng.integers(0, 60, 12)
+        idx[:3] = idx[3]
+        idx[4] = 2  # a cached row
+        off = np.arange(0, 13, 3)
+        g = xp.asarray(rng.standard_normal((4, 8)).astype(np.float32))
+        hyper = dict(lr=0.05, step=step, weight_decay=0.01)
+        _, res = core.tt_embedding_bag_fwd(c1, shape, xp.asarray(idx), xp.asarray(off),
+                                           cache=k1, check=True)
+        core.tt_fused_update(c1, shape, res, g, s1, optimizer, cache=k1, **hyper)
+        total, flags, cgrad, cflags = 0, 0, 0, 0
+        for lo, hi in ((0, 1), (1, 4)):
+            _, r = core.tt_embedding_bag_fwd(
+                c2, shape, xp.asarray(idx[off[lo]:off[hi]]), xp.asarray(off[lo:hi + 1] - off[lo]),
+                cache=k2, check=True)
+            grad, touched = core.tt_core_grads(c2, shape, r, g[lo:hi])
+            cg, ct = core.tt_cache_grad(k2, shape, r, g[lo:hi])
+            total, flags, cgrad, cflags = total + grad, flags + touched, cgrad + cg, cflags + ct
+        core.tt_apply_core_grads(c2, shape, total, flags, s2, optimizer, **hyper)
+        core.tt_cache_apply(k2, cgrad, cflags, optimizer, **hyper)
+    get = (lambda a: a.get()) if xp is not np else np.asarray
+    states = lambda s, k: [v for st in s + [k.state] for v in st.values()]  # noqa: E731
+    for a, b in zip(c1 + [k1.weight] + states(s1, k1), c2 + [k2.weight] + states(s2, k2)):
+        np.testing.assert_allclose(get(b), get(a), rtol=1e-5, atol=1e-6, err_msg=optimizer)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "rowwise_adam",
+                                       "lamb", "lars_sgd", "partial_rowwise_adam",
+                                       "partial_rowwise_lamb"])
+def test_core_halves_on_split_batches_equal_the_fused_update(optimizer):
+    _split_steps_match_fused(np, optimizer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adam", "lamb", "lars_sgd"])
+def test_core_halves_on_split_batches_equal_the_fused_update_cuda(optimizer):
+    if not xferlib.cupy_available():
+        pytest.skip(GPU_SKIP_REASON)
+    import cupy
+
+    _split_steps_match_fused(cupy, optimizer)
+
+
 def test_single_process_defaults():
     """Without torch.distributed initialized the default group is none: one process."""
     bag = TTEmbeddingBag(**SINGLE)
