@@ -138,11 +138,11 @@ def fused_step(module, residuals, arrays, grad_bags, cache, group, to_torch, to_
         except (IndexError, ValueError) as err:
             own_error = err
     grad, touched = core.tt_core_grads(arrays, shape, residuals, grad_bags)
-    pieces = [to_torch(grad), to_torch(touched).float()]
+    pieces = [to_torch(grad), to_torch(touched.astype(np.float32))]
     if cached:
         if own_error is None:
             cgrad, ctouched = core.tt_cache_grad(cache, module.shape, residuals, grad_bags)
-            pieces += [to_torch(cgrad).reshape(-1), to_torch(ctouched).float()]
+            pieces += [to_torch(cgrad).reshape(-1), to_torch(ctouched.astype(np.float32))]
         else:  # a rejected batch contributes nothing
             pieces.append(torch.zeros(cache.capacity * (module.embedding_dim + 1),
                                       device=pieces[0].device))
@@ -150,8 +150,8 @@ def fused_step(module, residuals, arrays, grad_bags, cache, group, to_torch, to_
     if own_error is not None:
         codes[rank] = _code(own_error)
     elif plan:  # the device verdict: 1 for a bad index, 2 for bad offsets (no host sync)
-        v = to_torch(residuals.verdict.view(np.int64)) != -1
-        codes[rank] = torch.where(v[0], 1.0, torch.where(v[1], 2.0, 0.0))
+        v = (to_torch(residuals.verdict.view(np.int64)) != -1).float()
+        codes[rank] = v[0] + 2.0 * v[1] * (1.0 - v[0])
     buf = torch.cat(pieces + [codes])
     dist.all_reduce(buf, group=group)
     codes = buf[-world:].clone()
