@@ -413,7 +413,9 @@ def test_cache_orders_stress(order, admission, seed):
     for state in table.state_names():
         np.testing.assert_array_equal(table.state(state), reference.state(state),
                                       err_msg=state)
-    assert table.cache_stats()["hits"] > 0
+    stats = table.cache_stats()
+    # the cache took part (a scatter empties it every round, so that order may never hit)
+    assert stats["admitted"] > 0 and (stats["hits"] > 0 or order == "scatter_between")
 
 
 @pytest.mark.gpu
