@@ -9,7 +9,7 @@ MODULES = ["xferlib.rows", "xferlib.memory", "xferlib.perf", "xferlib.adapters.t
            "xferlib.adapters.jax.rows", "xferlib.adapters.torch.contiguous",
            "xferlib.adapters.torch.tt", "xferlib.adapters.torch.speedtorch",
            "xferlib.adapters.torch.speedtorch.cupy_live", "xferlib.adapters.torch.tt_batched",
-           "xferlib.adapters.jax.optim"]
+           "xferlib.adapters.jax.optim", "xferlib.adapters.jax.mesh"]
 
 
 @pytest.mark.parametrize("name", MODULES)
