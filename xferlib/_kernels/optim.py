@@ -2,16 +2,18 @@
 
 A block takes one chunk of one segment (``chunk_seg``, ``chunk_start``, ``chunk_end``) and
 reads that segment's scalars from the per-step table: sign (0: no gradient this step, skip),
-L2 coefficient, decoupled decay factor, then eight rule-specific scalars (``xferlib/optim.py``
-computes them exactly as torch does). For Adam/AdamW a second entry point computes those
+L2 coefficient, decoupled decay factor, then eight rule-specific scalars
+(``xferlib/optim/rules.py`` computes them exactly as torch does; the rule ids are its
+``#define XF_OPT_*`` lines). For Adam/AdamW a second entry point computes those
 scalars on the device from device-resident step counts, so a step can live in a CUDA graph. Threads move float4 vectors: segments start on 16-byte
 boundaries, so every access is a whole aligned vector. The elementwise code follows torch's
 operation order.
 """
 
 from xferlib._kernels._registry import KernelModule
+from xferlib.optim.rules import FLAT_RULES, cuda_defines
 
-OPTIM_KERNEL = r"""
+OPTIM_KERNEL = cuda_defines() + r"""
 typedef long long i64;
 
 // Low-precision gradients / parameter copies (mixed precision with float32 master weights),
@@ -57,7 +59,7 @@ __device__ __forceinline__ void store4(T* ptr, i64 i, const float* a) {
 #define STORE4(ptr, i, a) { *reinterpret_cast<float4*>((ptr) + (i)) = \
     make_float4(a[0], a[1], a[2], a[3]); }
 
-// KIND: 0 sgd, 1 adam/adamw, 2 adagrad, 3 rmsprop, 4 adamax, 5 nadam, 6 radam, 7 lion.
+// KIND: an XF_OPT_* id (xferlib.optim.rules.OptId); adamw runs XF_OPT_ADAM.
 // s0..s2: the rule's state buffers in the order slot_names() gives (null when unused).
 // G: the gradients' type; with `lowp` non-null the updated float32 master weights are also
 // written there, rounded to G (the model's low-precision parameters). With `updates`
@@ -81,7 +83,7 @@ __device__ void update_chunk(float* __restrict__ params, const G* __restrict__ g
             if (decay != 1.0f) p[e] *= decay;
             if (l2 != 0.0f) g[e] += l2 * p[e];
         }
-        if (KIND == 0) {  // sgd: lr, momentum, keep, take, use_momentum, nesterov
+        if (KIND == XF_OPT_SGD) {  // sgd: lr, momentum, keep, take, use_momentum, nesterov
             if (c[4] != 0.0f) {
                 LOAD4(s0, i, a);
                 #pragma unroll
@@ -93,7 +95,7 @@ __device__ void update_chunk(float* __restrict__ params, const G* __restrict__ g
             }
             #pragma unroll
             for (int e = 0; e < 4; ++e) p[e] -= c[0] * g[e];
-        } else if (KIND == 1) {  // adam: step_size, b1, b2, eps, sqrt(bc2), amsgrad
+        } else if (KIND == XF_OPT_ADAM) {  // adam: step_size, b1, b2, eps, sqrt(bc2), amsgrad
             LOAD4(s0, i, a);
             LOAD4(s1, i, b);
             if (c[5] != 0.0f) LOAD4(s2, i, m);
@@ -109,7 +111,7 @@ __device__ void update_chunk(float* __restrict__ params, const G* __restrict__ g
             STORE4(s0, i, a);
             STORE4(s1, i, b);
             if (c[5] != 0.0f) STORE4(s2, i, m);
-        } else if (KIND == 2) {  // adagrad: clr, eps
+        } else if (KIND == XF_OPT_ADAGRAD) {  // adagrad: clr, eps
             LOAD4(s0, i, a);
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -117,7 +119,7 @@ __device__ void update_chunk(float* __restrict__ params, const G* __restrict__ g
                 p[e] -= c[0] * (g[e] / (sqrtf(a[e]) + c[1]));
             }
             STORE4(s0, i, a);
-        } else if (KIND == 3) {  // rmsprop: lr, alpha, eps, momentum, centered
+        } else if (KIND == XF_OPT_RMSPROP) {  // rmsprop: lr, alpha, eps, momentum, centered
             LOAD4(s0, i, a);
             if (c[3] > 0.0f) LOAD4(s1, i, b);
             if (c[4] != 0.0f) LOAD4(s2, i, m);
@@ -141,7 +143,7 @@ __device__ void update_chunk(float* __restrict__ params, const G* __restrict__ g
             STORE4(s0, i, a);
             if (c[3] > 0.0f) STORE4(s1, i, b);
             if (c[4] != 0.0f) STORE4(s2, i, m);
-        } else if (KIND == 4) {  // adamax: clr, b1, b2, eps
+        } else if (KIND == XF_OPT_ADAMAX) {  // adamax: clr, b1, b2, eps
             LOAD4(s0, i, a);
             LOAD4(s1, i, b);
             #pragma unroll
@@ -152,7 +154,7 @@ __device__ void update_chunk(float* __restrict__ params, const G* __restrict__ g
             }
             STORE4(s0, i, a);
             STORE4(s1, i, b);
-        } else if (KIND == 5) {  // nadam: coef_grad, coef_avg, b1, b2, bc2, eps
+        } else if (KIND == XF_OPT_NADAM) {  // nadam: coef_grad, coef_avg, b1, b2, bc2, eps
             LOAD4(s0, i, a);
             LOAD4(s1, i, b);
             #pragma unroll
@@ -165,7 +167,7 @@ __device__ void update_chunk(float* __restrict__ params, const G* __restrict__ g
             }
             STORE4(s0, i, a);
             STORE4(s1, i, b);
-        } else if (KIND == 6) {  // radam: lr/bc1, b1, b2, eps, sqrt(bc2), rect, rectified
+        } else if (KIND == XF_OPT_RADAM) {  // radam: lr/bc1, b1, b2, eps, sqrt(bc2), rect, rectified
             LOAD4(s0, i, a);
             LOAD4(s1, i, b);
             #pragma unroll
@@ -181,7 +183,7 @@ __device__ void update_chunk(float* __restrict__ params, const G* __restrict__ g
             }
             STORE4(s0, i, a);
             STORE4(s1, i, b);
-        } else if (KIND == 7) {  // lion (optax): lr, b1, b2, weight decay
+        } else if (KIND == XF_OPT_LION) {  // lion (optax): lr, b1, b2, weight decay
             LOAD4(s0, i, a);
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -264,7 +266,7 @@ __global__ void flat_adam_device_scalars(float* __restrict__ params,
     c[5] = h[6];
     c[6] = 0.0f;
     c[7] = 0.0f;
-    update_chunk<1, G>(params, grads, s0, s1, s2, (h[7] != 0.0f ? -1.0f : 1.0f) * gmul,
+    update_chunk<XF_OPT_ADAM, G>(params, grads, s0, s1, s2, (h[7] != 0.0f ? -1.0f : 1.0f) * gmul,
                        decoupled ? 0.0f : wd, decoupled ? 1.0f - lr * wd : 1.0f, c,
                        chunk_start[blockIdx.x], chunk_end[blockIdx.x], nullptr, lowp);
 }
@@ -277,21 +279,13 @@ __global__ void advance_steps(float* __restrict__ steps, const unsigned char* __
 }
 """
 
-# State buffers of each rule, in the kernel's s0, s1, s2 order.
-_SLOTS = {
-    0: ("momentum_buffer",),
-    1: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-    2: ("sum",),
-    3: ("square_avg", "momentum_buffer", "grad_avg"),
-    4: ("exp_avg", "exp_inf"),
-    5: ("exp_avg", "exp_avg_sq"),
-    6: ("exp_avg", "exp_avg_sq"),
-    7: ("exp_avg",),
-}
+# State buffers of each flat rule, in the kernel's s0, s1, s2 order (the rules' slots).
+_SLOTS = {int(r.kind): r.slots for r in FLAT_RULES.values()}
+KINDS = tuple(sorted(_SLOTS))  # the ids flat_update is compiled for
 
 
 def slot_names(kind: int) -> tuple:
-    return _SLOTS[kind]
+    return _SLOTS[int(kind)]
 
 
 # Gradient / low-precision parameter types, by NumPy dtype name.
@@ -299,7 +293,7 @@ GRAD_TYPES = {"float32": "float", "bfloat16": "bf16", "float16": "f16"}
 
 
 def update_name(kind: int, grad_dtype: str = "float32") -> str:
-    return f"flat_update<{kind}, {GRAD_TYPES[grad_dtype]}>"
+    return f"flat_update<{int(kind)}, {GRAD_TYPES[grad_dtype]}>"
 
 
 def device_scalars_name(grad_dtype: str = "float32") -> str:
@@ -308,5 +302,5 @@ def device_scalars_name(grad_dtype: str = "float32") -> str:
 
 OPTIM_MODULE = KernelModule(
     "optim", OPTIM_KERNEL,
-    tuple(update_name(k, g) for k in _SLOTS for g in GRAD_TYPES)
+    tuple(update_name(k, g) for k in KINDS for g in GRAD_TYPES)
     + tuple(device_scalars_name(g) for g in GRAD_TYPES) + ("advance_steps",))

@@ -1,10 +1,10 @@
-"""Flat-buffer optimizers: every parameter in one buffer, one update over all of it.
+"""The flat optimizer step: every parameter in one buffer, one update over all of it.
 
 A :class:`FlatLayout` places many tensors (*segments*) in one flat array, each starting on a
 16-byte boundary, each tagged with its parameter group. An optimizer is a pair of functions,
 optax style::
 
-    layout = xferlib.optim.FlatLayout.from_shapes([(128, 64), (64,)])
+    layout = xferlib.optim.FlatLayout.from_shapes([(128, 64), (64,)])   # layout.py
     params, grads = layout.pack([w, b]), layout.zeros()
     opt = xferlib.optim.adam(lr=1e-3)
     state = opt.init(layout)                          # zeroed state buffers, step counters
@@ -21,142 +21,26 @@ the host per segment, from each segment's own step counter (a segment without a 
 step is skipped, as torch skips a parameter whose ``.grad`` is None); the elementwise work then
 runs in one pass: vectorized NumPy over runs of segments that share their scalars, or one CUDA
 launch over the whole buffer (``xferlib/_kernels/optim.py``) with a per-segment scalar table.
+The rules themselves (defaults, checks, scalars, NumPy update) are in ``rules.py``.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from xferlib._backend import array_module, is_cupy_array
+from xferlib._backend import is_cupy_array
+from xferlib.optim.layout import FlatLayout
+from xferlib.optim.rules import (COMMON, FLAT_RULES, SCALARS, Rule, common_scalars, get_rule,
+                                 preamble_numpy, resolve_hyper)
 
-__all__ = [
-    "Segment",
-    "FlatLayout",
-    "FlatState",
-    "FlatOptimizer",
-    "OPTIMIZERS",
-    "sgd",
-    "adam",
-    "adamw",
-    "adagrad",
-    "rmsprop",
-    "adamax",
-    "nadam",
-    "radam",
-    "lion",
-    "global_norm",
-    "partial_norm",
-    "clip_coefficient",
-    "clip_by_global_norm",
-    "apply_table",
-    "apply_adam_device_scalars",
-    "adam_device_hyper",
-    "resolve_hyper",
-    "fill_step_table",
-    "CudaStep",
-    "TableRing",
-]
-
-ALIGN_BYTES = 16  # every segment starts on a 16-byte boundary: whole-vector kernel accesses
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """One tensor inside the flat buffer."""
-
-    offset: int  # in elements
-    size: int
-    shape: tuple
-    group: int
-
-
-@dataclasses.dataclass(frozen=True)
-class FlatLayout:
-    """Where each tensor lives in one flat buffer of ``total`` elements of ``dtype``."""
-
-    segments: tuple
-    total: int
-    dtype: np.dtype
-
-    @classmethod
-    def from_shapes(cls, shapes, groups=None, dtype=np.float32) -> "FlatLayout":
-        """Lay out tensors of ``shapes`` (with ``groups`` ids, default all 0) in order, each
-        padded to a 16-byte boundary."""
-        dtype = np.dtype(dtype)
-        shapes = [tuple(int(d) for d in s) for s in shapes]
-        groups = [0] * len(shapes) if groups is None else [int(g) for g in groups]
-        if len(groups) != len(shapes):
-            raise ValueError(f"{len(shapes)} shapes but {len(groups)} group ids")
-        if any(g < 0 for g in groups):
-            raise ValueError(f"group ids must be >= 0, got {min(groups)}")
-        align = max(1, ALIGN_BYTES // dtype.itemsize)
-        segments, offset = [], 0
-        for shape, group in zip(shapes, groups):
-            if any(d < 0 for d in shape):
-                raise ValueError(f"negative dimension in shape {shape}")
-            size = math.prod(shape)
-            segments.append(Segment(offset, size, shape, group))
-            offset += -(-size // align) * align
-        return cls(tuple(segments), offset, dtype)
-
-    @property
-    def num_groups(self) -> int:
-        cached = self.__dict__.get("_num_groups")
-        if cached is None:
-            cached = 1 + max((s.group for s in self.segments), default=-1)
-            object.__setattr__(self, "_num_groups", cached)
-        return cached
-
-    @property
-    def group_ids(self) -> np.ndarray:
-        """The group of each segment, as an array (cached)."""
-        cached = self.__dict__.get("_group_ids")
-        if cached is None:
-            cached = np.array([s.group for s in self.segments], dtype=np.int64)
-            object.__setattr__(self, "_group_ids", cached)
-        return cached
-
-    def empty(self, xp=np):
-        return xp.empty(self.total, dtype=self.dtype)
-
-    def zeros(self, xp=np):
-        return xp.zeros(self.total, dtype=self.dtype)
-
-    def views(self, flat) -> list:
-        """One view per segment, shaped as the tensor, sharing memory with ``flat``."""
-        self.check(flat, "flat")
-        return [flat[s.offset:s.offset + s.size].reshape(s.shape) for s in self.segments]
-
-    def pack(self, arrays, out=None):
-        """Copy ``arrays`` (one per segment) into a flat buffer (padding zeroed)."""
-        arrays = list(arrays)
-        if len(arrays) != len(self.segments):
-            raise ValueError(f"{len(arrays)} arrays for {len(self.segments)} segments")
-        xp = array_module(arrays[0]) if arrays else np
-        flat = self.zeros(xp) if out is None else out
-        for seg, a in zip(self.segments, arrays):
-            if tuple(a.shape) != seg.shape:
-                raise ValueError(f"array of shape {tuple(a.shape)} for a segment of {seg.shape}")
-            flat[seg.offset:seg.offset + seg.size] = a.reshape(-1)
-        return flat
-
-    def check(self, flat, name: str) -> None:
-        if flat.ndim != 1 or flat.shape[0] != self.total:
-            raise ValueError(f"{name} must be a flat array of {self.total} elements, got shape "
-                             f"{tuple(flat.shape)}")
-        if flat.dtype != self.dtype:
-            raise TypeError(f"{name} dtype {flat.dtype} does not match the layout's {self.dtype}")
-
-
-# ----------------------------------------------------------------------------- state
+__all__ = ["FlatState", "FlatOptimizer", "sgd", "adam", "adamw", "adagrad", "rmsprop",
+           "adamax", "nadam", "radam", "lion", "step_scalars", "fill_step_table",
+           "apply_table", "apply_adam_device_scalars", "adam_device_hyper", "CudaStep",
+           "TableRing"]
 
 
 class FlatState(NamedTuple):
@@ -183,308 +67,8 @@ class FlatOptimizer:
     kind: int  # the kernel's optimizer id
 
 
-# ----------------------------------------------------------------------------- the rules
-#
-# Each rule has three parts: a hyperparameter check, per-segment scalars (host, float64, from
-# the segment's step count) and the elementwise update (NumPy here; CUDA in
-# xferlib/_kernels/optim.py). Before the rule runs, the gradient is negated for ``maximize`` and
-# weight decay is applied the way torch applies it for that optimizer: added to the gradient
-# (L2) or multiplied into the parameter (decoupled, AdamW-style). Elementwise code follows
-# torch's op order so the float32 results track torch's.
-
-SCALARS = 8  # rule-specific scalars per segment
-COMMON = 3  # sign, L2 coefficient, decoupled decay factor
-
-
-def _check_common(h: dict) -> None:
-    lr = h.get("lr", h.get("learning_rate"))
-    if not isinstance(lr, (int, float)) or not lr >= 0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if h.get("weight_decay", 0.0) < 0:
-        raise ValueError(f"Invalid weight_decay value: {h['weight_decay']}")
-    if h.get("eps", 0.0) < 0:
-        raise ValueError(f"Invalid epsilon value: {h['eps']}")
-    if "betas" in h:
-        b1, b2 = h["betas"]
-        if not 0.0 <= b1 < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {b1}")
-        if not 0.0 <= b2 < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {b2}")
-
-
-def _check_nonnegative(h: dict, *keys) -> None:
-    _check_common(h)
-    for key in keys:
-        if h[key] < 0:
-            raise ValueError(f"Invalid {key} value: {h[key]}")
-
-
-def _f32(x) -> np.float32:
-    return np.float32(x)
-
-
-def _sgd_check(h):
-    _check_nonnegative(h, "momentum", "dampening")
-    if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-
-
-def _sgd_scalars(h, step, extra):
-    first = step == 1  # torch's first step copies the gradient into the momentum buffer
-    keep = 0.0 if first else h["momentum"]
-    take = 1.0 if first else 1.0 - h["dampening"]
-    return [h["lr"], h["momentum"], keep, take, float(h["momentum"] != 0),
-            float(h["nesterov"]), 0.0, 0.0]
-
-
-def _sgd_numpy(c, p, g, b):
-    lr, mom, keep, take, use_momentum, nesterov = c[:6]
-    if use_momentum:
-        buf = b["momentum_buffer"]
-        buf *= _f32(keep)
-        buf += _f32(take) * g
-        g = g + _f32(mom) * buf if nesterov else buf
-    p -= _f32(lr) * g
-
-
-def _adam_scalars(h, step, extra):
-    b1, b2 = h["betas"]
-    bc1 = 1.0 - b1 ** step
-    return [h["lr"] / bc1, b1, b2, h["eps"], math.sqrt(1.0 - b2 ** step),
-            float(h["amsgrad"]), 0.0, 0.0]
-
-
-def _adam_numpy(c, p, g, b):
-    step_size, b1, b2, eps, bc2_sqrt, amsgrad = c[:6]
-    m, v = b["exp_avg"], b["exp_avg_sq"]
-    m += (g - m) * _f32(1.0 - b1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
-    v *= _f32(b2)
-    v += _f32(1.0 - b2) * g * g
-    if amsgrad:
-        np.maximum(b["max_exp_avg_sq"], v, out=b["max_exp_avg_sq"])
-        v = b["max_exp_avg_sq"]
-    denom = np.sqrt(v) / _f32(bc2_sqrt) + _f32(eps)
-    p -= _f32(step_size) * (m / denom)
-
-
-def _adagrad_check(h):
-    _check_nonnegative(h, "lr_decay", "initial_accumulator_value")
-
-
-def _adagrad_scalars(h, step, extra):
-    return [h["lr"] / (1.0 + (step - 1) * h["lr_decay"]), h["eps"], 0, 0, 0, 0, 0, 0]
-
-
-def _adagrad_numpy(c, p, g, b):
-    clr, eps = c[:2]
-    s = b["sum"]
-    s += g * g
-    p -= _f32(clr) * (g / (np.sqrt(s) + _f32(eps)))
-
-
-def _rmsprop_check(h):
-    _check_nonnegative(h, "momentum", "alpha")
-
-
-def _rmsprop_scalars(h, step, extra):
-    return [h["lr"], h["alpha"], h["eps"], h["momentum"], float(h["centered"]), 0, 0, 0]
-
-
-def _rmsprop_numpy(c, p, g, b):
-    lr, alpha, eps, mom, centered = c[:5]
-    sq = b["square_avg"]
-    sq *= _f32(alpha)
-    sq += _f32(1.0 - alpha) * g * g
-    if centered:
-        ga = b["grad_avg"]
-        ga += (g - ga) * _f32(1.0 - alpha)
-        avg = np.sqrt(sq - ga * ga) + _f32(eps)
-    else:
-        avg = np.sqrt(sq) + _f32(eps)
-    if mom > 0:
-        buf = b["momentum_buffer"]
-        buf *= _f32(mom)
-        buf += g / avg
-        p -= _f32(lr) * buf
-    else:
-        p -= _f32(lr) * (g / avg)
-
-
-def _adamax_scalars(h, step, extra):
-    b1, b2 = h["betas"]
-    return [h["lr"] / (1.0 - b1 ** step), b1, b2, h["eps"], 0, 0, 0, 0]
-
-
-def _adamax_numpy(c, p, g, b):
-    clr, b1, b2, eps = c[:4]
-    m, u = b["exp_avg"], b["exp_inf"]
-    m += (g - m) * _f32(1.0 - b1)
-    np.maximum(u * _f32(b2), np.abs(g) + _f32(eps), out=u)
-    p -= _f32(clr) * (m / u)
-
-
-def _nadam_check(h):
-    _check_nonnegative(h, "momentum_decay")
-
-
-def _nadam_scalars(h, step, extra):
-    b1, b2 = h["betas"]
-    mu = b1 * (1.0 - 0.5 * 0.96 ** (step * h["momentum_decay"]))
-    mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1) * h["momentum_decay"]))
-    mu_product = extra["mu_product"] * mu
-    extra["mu_product"] = mu_product  # stored back per segment by the caller
-    return [-h["lr"] * (1.0 - mu) / (1.0 - mu_product),
-            -h["lr"] * mu_next / (1.0 - mu_product * mu_next),
-            b1, b2, 1.0 - b2 ** step, h["eps"], 0, 0]
-
-
-def _nadam_numpy(c, p, g, b):
-    coef_grad, coef_avg, b1, b2, bc2, eps = c[:6]
-    m, v = b["exp_avg"], b["exp_avg_sq"]
-    m += (g - m) * _f32(1.0 - b1)
-    v *= _f32(b2)
-    v += _f32(1.0 - b2) * g * g
-    denom = np.sqrt(v / _f32(bc2)) + _f32(eps)
-    p += _f32(coef_grad) * (g / denom)
-    p += _f32(coef_avg) * (m / denom)
-
-
-def _radam_scalars(h, step, extra):
-    b1, b2 = h["betas"]
-    bc1 = 1.0 - b1 ** step
-    bc2 = 1.0 - b2 ** step
-    rho_inf = 2.0 / (1.0 - b2) - 1.0
-    rho_t = rho_inf - 2.0 * step * (b2 ** step) / bc2
-    if rho_t > 5.0:  # variance is tractable: rectified adaptive step
-        rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf
-                         / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-        return [h["lr"] / bc1, b1, b2, h["eps"], math.sqrt(bc2), rect, 1.0, 0.0]
-    return [h["lr"] / bc1, b1, b2, h["eps"], math.sqrt(bc2), 0.0, 0.0, 0.0]
-
-
-def _radam_numpy(c, p, g, b):
-    lr_bc1, b1, b2, eps, bc2_sqrt, rect, rectified = c[:7]
-    m, v = b["exp_avg"], b["exp_avg_sq"]
-    m += (g - m) * _f32(1.0 - b1)
-    v *= _f32(b2)
-    v += _f32(1.0 - b2) * g * g
-    if rectified:
-        adaptive = _f32(bc2_sqrt) / (np.sqrt(v) + _f32(eps))
-        p -= _f32(lr_bc1) * m * adaptive * _f32(rect)
-    else:
-        p -= _f32(lr_bc1) * m
-
-
-def _lion_scalars(h, step, extra):
-    return [h["learning_rate"], h["b1"], h["b2"], h["weight_decay"], 0, 0, 0, 0]
-
-
-def _lion_numpy(c, p, g, b):
-    # optax.lion: update = sign(b1 m + (1 - b1) g) + wd p;  m <- b2 m + (1 - b2) g
-    lr, b1, b2, wd = c[:4]
-    m = b["exp_avg"]
-    update = np.sign(_f32(b1) * m + _f32(1.0 - b1) * g)
-    m *= _f32(b2)
-    m += _f32(1.0 - b2) * g
-    if wd:
-        update += _f32(wd) * p
-    p -= _f32(lr) * update
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rule:
-    kind: int
-    defaults: dict
-    check: Callable
-    scalars: Callable
-    numpy: Callable
-    buffers: Callable  # hyper -> state buffer names
-    decay: str  # "l2", "decoupled", "flag" (decoupled_weight_decay), or "none"
-
-
-_RULES = {
-    "sgd": _Rule(0, dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                         nesterov=False, maximize=False),
-                 _sgd_check, _sgd_scalars, _sgd_numpy,
-                 lambda h: ["momentum_buffer"] if h["momentum"] else [], "l2"),
-    "adam": _Rule(1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                          amsgrad=False, maximize=False),
-                  _check_common, _adam_scalars, _adam_numpy,
-                  lambda h: ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h["amsgrad"]
-                                                         else []), "l2"),
-    "adamw": _Rule(1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                           amsgrad=False, maximize=False),
-                   _check_common, _adam_scalars, _adam_numpy,
-                   lambda h: ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h["amsgrad"]
-                                                          else []), "decoupled"),
-    "adagrad": _Rule(2, dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0,
-                             initial_accumulator_value=0.0, eps=1e-10, maximize=False),
-                     _adagrad_check, _adagrad_scalars, _adagrad_numpy, lambda h: ["sum"], "l2"),
-    "rmsprop": _Rule(3, dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
-                             centered=False, maximize=False),
-                     _rmsprop_check, _rmsprop_scalars, _rmsprop_numpy,
-                     lambda h: ["square_avg"] + (["momentum_buffer"] if h["momentum"] > 0
-                                                 else []) + (["grad_avg"] if h["centered"]
-                                                             else []), "l2"),
-    "adamax": _Rule(4, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                            maximize=False),
-                    _check_common, _adamax_scalars, _adamax_numpy,
-                    lambda h: ["exp_avg", "exp_inf"], "l2"),
-    "nadam": _Rule(5, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                           momentum_decay=4e-3, decoupled_weight_decay=False, maximize=False),
-                   _nadam_check, _nadam_scalars, _nadam_numpy,
-                   lambda h: ["exp_avg", "exp_avg_sq"], "flag"),
-    "radam": _Rule(6, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                           decoupled_weight_decay=False, maximize=False),
-                   _check_common, _radam_scalars, _radam_numpy,
-                   lambda h: ["exp_avg", "exp_avg_sq"], "flag"),
-    "lion": _Rule(7, dict(learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=1e-3),
-                  _check_common, _lion_scalars, _lion_numpy, lambda h: ["exp_avg"], "none"),
-}
-
-OPTIMIZERS = tuple(_RULES)
-
-
-def _common_scalars(rule: _Rule, h: dict) -> list:
-    sign = -1.0 if h.get("maximize", False) else 1.0
-    wd = h.get("weight_decay", 0.0)
-    decoupled = rule.decay == "decoupled" or (rule.decay == "flag"
-                                               and h["decoupled_weight_decay"])
-    if rule.decay == "none" or not wd:
-        return [sign, 0.0, 1.0]
-    if decoupled:
-        return [sign, 0.0, 1.0 - h["lr"] * wd]
-    return [sign, wd, 1.0]
-
-
-def _preamble_numpy(common, p, g):
-    """maximize and weight decay, as torch applies them before each rule."""
-    sign, l2, decay = common
-    if sign < 0:
-        g = -g
-    if decay != 1.0:
-        p *= _f32(decay)
-    if l2:
-        g = g + _f32(l2) * p
-    return g
-
-
-def resolve_hyper(name: str, overrides: dict | None = None) -> dict:
-    """``name``'s defaults updated by ``overrides``, checked (ValueError as torch raises)."""
-    if name not in _RULES:
-        raise ValueError(f"unknown flat optimizer {name!r}; known: {sorted(_RULES)}")
-    rule = _RULES[name]
-    unknown = set(overrides or ()) - set(rule.defaults)
-    if unknown:
-        raise ValueError(f"{name}: unknown hyperparameter(s) {sorted(unknown)}; "
-                         f"known: {sorted(rule.defaults)}")
-    h = {**rule.defaults, **(overrides or {})}
-    rule.check(h)
-    return h
-
-
 def _make(name: str):
-    rule = _RULES[name]
+    rule = FLAT_RULES[name]
 
     def factory(**hyper) -> FlatOptimizer:
         defaults = resolve_hyper(name, hyper)
@@ -538,9 +122,9 @@ def _make(name: str):
     factory.__name__ = name
     factory.__qualname__ = name
     factory.__doc__ = (f"Flat {name}: torch.optim's rule, names and defaults "
-                       f"{_RULES[name].defaults}." if name != "lion" else
+                       f"{FLAT_RULES[name].defaults}." if name != "lion" else
                        f"Flat lion: optax.lion's rule, names and defaults "
-                       f"{_RULES[name].defaults}.")
+                       f"{FLAT_RULES[name].defaults}.")
     return factory
 
 
@@ -554,7 +138,7 @@ def _group_hypers(layout, hypers, defaults, name):
     return hypers
 
 
-def step_scalars(rule: _Rule, layout: FlatLayout, state: FlatState, hypers, active):
+def step_scalars(rule: Rule, layout: FlatLayout, state: FlatState, hypers, active):
     """Advance the step counters of active segments and return the per-segment scalar table
     (float64, ``COMMON + SCALARS`` columns; rows of inactive segments are zero).
 
@@ -565,7 +149,7 @@ def step_scalars(rule: _Rule, layout: FlatLayout, state: FlatState, hypers, acti
     return _mixed_step_scalars(rule, layout, state, hypers, active)
 
 
-def fill_step_table(rule: _Rule, layout: FlatLayout, state: FlatState, hypers, active,
+def fill_step_table(rule: Rule, layout: FlatLayout, state: FlatState, hypers, active,
                     out) -> None:
     """:func:`step_scalars` written into ``out`` (a ``(segments, COMMON + SCALARS)`` float32
     array, e.g. pinned staging memory). The common case (every segment steps, all at the same
@@ -593,7 +177,7 @@ def _mixed_step_scalars(rule, layout, state, hypers, active):
         selected = np.flatnonzero(active & (groups == group))
         if selected.size == 0:
             continue
-        common = _common_scalars(rule, h)
+        common = common_scalars(rule, h)
         keys = [state.steps[selected]] + [state.scalars[k][selected] for k in state.scalars]
         unique, inverse = np.unique(np.stack(keys, axis=1), axis=0, return_inverse=True)
         rows = np.empty((len(unique), COMMON + SCALARS))
@@ -628,7 +212,7 @@ def _uniform_rows(rule, layout, state, hypers):
             first = int(first[0])
         h = hypers[group]
         extra = {k: v[first] for k, v in state.scalars.items()}
-        rows[group, :COMMON] = _common_scalars(rule, h)
+        rows[group, :COMMON] = common_scalars(rule, h)
         rows[group, COMMON:] = rule.scalars(h, step, extra)
         for k, v in extra.items():
             state.scalars[k][members] = v
@@ -650,7 +234,7 @@ def _update_numpy(rule, layout, params, grads, buffers, table):
         start = segments[i].offset
         end = segments[j].offset if j < len(segments) else layout.total
         p = params[start:end]
-        g = _preamble_numpy(table[i, :COMMON], p, grads[start:end])
+        g = preamble_numpy(table[i, :COMMON], p, grads[start:end])
         rule.numpy(table[i, COMMON:], p, g, {n: b[start:end] for n, b in buffers.items()})
         i = j
 
@@ -665,7 +249,7 @@ def apply_table(name: str, layout: FlatLayout, params, grads, buffers: dict, tab
     they are and ``updates`` receives the step (new - old), optax's convention; ``updates`` may
     be ``grads`` itself.
     """
-    rule = _RULES[name]
+    rule = get_rule(name, FLAT_RULES, "flat optimizer")
     if is_cupy_array(params):
         _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, params_lowp)
         return
@@ -752,12 +336,12 @@ def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, p
     """One launch over the whole buffer: a block per chunk of a segment, the segment's scalars
     from the table (inactive segments have a zero sign and exit)."""
     from xferlib._backend import as_cupy_stream
-    from xferlib._kernels.optim import OPTIM_MODULE, slot_names, update_name
+    from xferlib._kernels.optim import OPTIM_MODULE, update_name
 
     stream = as_cupy_stream(stream)
     chunks = _chunk_table(layout)
     pointers = []
-    for slot in slot_names(rule.kind):
+    for slot in rule.slots:
         buffer = buffers.get(slot)
         if buffer is not None:
             layout.check(buffer, slot)
@@ -888,9 +472,9 @@ class CudaStep:
                  params_lowp=None):
         import cupy
 
-        from xferlib._kernels.optim import OPTIM_MODULE, slot_names, update_name
+        from xferlib._kernels.optim import OPTIM_MODULE, update_name
 
-        rule = _RULES[name]
+        rule = get_rule(name, FLAT_RULES, "flat optimizer")
         layout.check(params, "params")
         _check_grads(layout, grads, "grads")
         grad_dtype = np.dtype(grads.dtype).name
@@ -900,7 +484,7 @@ class CudaStep:
                 raise TypeError(f"params_lowp dtype {params_lowp.dtype} must match the "
                                 f"gradients' {grads.dtype}")
         slots = []
-        for slot in slot_names(rule.kind):
+        for slot in rule.slots:
             buffer = buffers.get(slot)
             if buffer is not None:
                 layout.check(buffer, slot)
@@ -970,88 +554,3 @@ adamax = _make("adamax")
 nadam = _make("nadam")
 radam = _make("radam")
 lion = _make("lion")
-
-
-# ----------------------------------------------------------------------------- clipping
-
-
-def _partial_norm(grads, norm_type: float):
-    """Per-buffer part of a global norm: max |g| (inf norm) or sum |g|^p, as a 0-d array."""
-    xp = array_module(grads)
-    g = grads.astype(xp.float32, copy=False)
-    if norm_type == float("inf"):
-        return xp.abs(g).max() if g.size else xp.zeros((), xp.float32)
-    return xp.sum(xp.abs(g) ** norm_type)
-
-
-def _total_norm(buffers, norm_type: float):
-    """The norm over several flat buffers, as a 0-d array; no host sync unless the buffers
-    live in different namespaces (NumPy and CuPy)."""
-    partials = [_partial_norm(g, norm_type) for g in buffers]
-    namespaces = {array_module(g) for g in buffers}
-    xp = namespaces.pop() if len(namespaces) == 1 else np
-    if xp is np:
-        partials = [np.float32(float(v)) for v in partials]
-    stacked = xp.stack([xp.asarray(v, dtype=xp.float32) for v in partials])
-    if norm_type == float("inf"):
-        return stacked.max()
-    return stacked.sum() ** (1.0 / norm_type)
-
-
-def partial_norm(grads, norm_type: float = 2.0):
-    """One buffer's share of a global norm, a 0-d array where ``grads`` lives: ``sum |g|^p``
-    (``max |g|`` for the inf norm). Shares of several buffers or processes combine by sum
-    (max), then ``** (1 / p)``: how a sharded optimizer gets the norm of all gradients."""
-    return _partial_norm(grads, float(norm_type))
-
-
-def global_norm(grads, norm_type: float = 2.0) -> float:
-    """The norm of all gradients in a flat buffer (padding is zero, so it does not count)."""
-    return float(_total_norm([grads], norm_type))
-
-
-def _stream_context(buffers, stream):
-    from xferlib._backend import stream_scope
-
-    return stream_scope(stream, any(is_cupy_array(g) for g in buffers))
-
-
-def global_norm_clip_factor(buffers, max_norm: float, norm_type: float = 2.0,
-                            eps: float = 1e-6, *, stream=None):
-    """``(total_norm, factor)`` over flat gradient buffers, both computed where the buffers
-    live (no host sync on the GPU): ``factor = min(1, max_norm / (total_norm + eps))``, as
-    torch.nn.utils.clip_grad_norm_. The gradients are not touched: hand ``factor`` to a
-    fused update (``apply_adam_device_scalars(grad_mul=...)``) to clip without a pass of
-    its own, or use :func:`clip_by_global_norm`."""
-    buffers = list(buffers)
-    if not buffers:
-        raise ValueError("clipping needs at least one gradient buffer")
-    with _stream_context(buffers, stream):
-        total = _total_norm(buffers, float(norm_type))
-        xp = array_module(total)
-        factor = xp.minimum(xp.asarray(max_norm / (total + eps), dtype=xp.float32),
-                            xp.float32(1.0))
-    return total, factor
-
-
-def clip_by_global_norm(buffers, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6,
-                        *, stream=None):
-    """Scale flat gradient buffers in place so their joint norm is at most ``max_norm``,
-    with :func:`clip_coefficient`'s factor computed on the device (no host sync): one
-    reduction per buffer and one in-place scale. Returns the norm before clipping (0-d)."""
-    buffers = list(buffers)
-    total, factor = global_norm_clip_factor(buffers, max_norm, norm_type, eps, stream=stream)
-    with _stream_context(buffers, stream):
-        for g in buffers:
-            xp = array_module(g)
-            coef = xp.asarray(factor)
-            if g.dtype == np.float32:
-                g *= coef
-            else:  # 16-bit gradients: scale in float32, round once
-                g[...] = (g.astype(xp.float32) * coef).astype(g.dtype)
-    return total
-
-
-def clip_coefficient(total_norm: float, max_norm: float, eps: float = 1e-6) -> float:
-    """torch.nn.utils.clip_grad_norm_'s factor: ``min(1, max_norm / (total_norm + eps))``."""
-    return min(1.0, max_norm / (total_norm + eps))
