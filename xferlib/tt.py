@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from xferlib._backend import array_module, is_cupy_array
+from xferlib.optim.rules import OptId
 from xferlib.perf import warn_tt_fallback
 
 __all__ = [
@@ -501,6 +502,8 @@ def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np
 
 # ----------------------------------------------------------------------------- fused updates
 
+# FBGEMM's rules (not torch.optim's: no momentum, weight decay or maximize where FBGEMM has
+# none); the kernels dispatch on their xferlib.optim.rules.OptId ids.
 SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "rowwise_adam", "lamb", "lars_sgd",
                      "partial_rowwise_adam", "partial_rowwise_lamb")
 # Optimizers that update only the rows a batch touched (a zero gradient still moves their
@@ -824,7 +827,7 @@ def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, m
 
     if isinstance(step, (int, np.integer)):
         step = cupy.full(1, int(step), dtype=np.int64)
-    return [np.int32(SPARSE_OPTIMIZERS.index(optimizer)), np.float32(lr), np.float32(eps),
+    return [np.int32(OptId[optimizer.upper()]), np.float32(lr), np.float32(eps),
             np.float64(betas[0]), np.float64(betas[1]), np.float32(weight_decay),
             np.float32(eta), np.float32(momentum), step]
 

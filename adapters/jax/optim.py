@@ -36,7 +36,6 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib import optim as core
-from xferlib._kernels.optim import slot_names
 from xferlib.handoff import data_pointer
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
                                             xla_stream)
@@ -106,8 +105,7 @@ def _callback(name, layout, num_buffers, in_place=False):
         for out, src in zip([first, *buffers_out], sources):  # when XLA could not alias
             if data_pointer(out) != data_pointer(src):
                 _copy(out, src, gpu, stream)
-        kind = core._RULES[name].kind
-        buffers = dict(zip(slot_names(kind), buffers_out))
+        buffers = dict(zip(core.get_rule(name).slots, buffers_out))
         if in_place:
             core.apply_table(name, layout, first, as_core_array(grads, gpu), buffers,
                              as_core_array(table, gpu), stream=stream)
@@ -136,9 +134,9 @@ def _transformation(name, used_slots, xla_rule, row_fn, hyper, impl, needs_param
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    kind = core._RULES[name].kind
-    slots = [s for s in slot_names(kind) if s in used_slots]
-    if slots != list(slot_names(kind)[:len(slots)]):
+    rule_slots = core.get_rule(name).slots
+    slots = [s for s in rule_slots if s in used_slots]
+    if slots != list(rule_slots[:len(slots)]):
         raise AssertionError("state slots must be a prefix of the kernel's slot order")
     kernel = impl == "kernel"
 
@@ -247,6 +245,13 @@ def _row(common, scalars):
     return jnp.stack(values)
 
 
+def _rule_row(name, core_hyper, count):
+    """The kernel's scalar row from the core rule's own scalars, computed in jax.numpy at
+    ``count`` (traced: a schedule's learning rate and the step live on the device)."""
+    rule = core.get_rule(name)
+    return _row(core.common_scalars(rule, core_hyper), rule.scalars(core_hyper, count, {}, jnp))
+
+
 def _check_impl_args(impl, **unsupported):
     """Options the kernel path does not have."""
     if impl == "kernel":
@@ -274,10 +279,8 @@ def flat_sgd(learning_rate, momentum=None, nesterov=False, *, impl="xla"):
     mom = 0.0 if momentum is None else float(momentum)
 
     def row(h, count, count_before):
-        first = count == 1
-        keep = jnp.where(first, 0.0, mom)
-        return _row([1.0, 0.0, 1.0], [_lr(learning_rate, count_before), mom, keep, 1.0,
-                                      float(mom != 0.0), float(nesterov)])
+        return _rule_row("sgd", dict(lr=_lr(learning_rate, count_before), momentum=mom,
+                                     dampening=0.0, nesterov=nesterov), count)
 
     def xla_rule(g, buffers, p, count_before, count):
         if not mom:
@@ -292,15 +295,12 @@ def flat_sgd(learning_rate, momentum=None, nesterov=False, *, impl="xla"):
                            needs_params=False)
 
 
-def _adam_row(decoupled_wd):
+def _adam_row(name, decoupled_wd):
     def row(h, count, count_before):
         lr = _lr(h["learning_rate"], count_before)
-        b1, b2 = h["b1"], h["b2"]
-        t = count.astype(jnp.float32)
-        bc1 = 1.0 - jnp.power(jnp.float32(b1), t)
-        bc2 = 1.0 - jnp.power(jnp.float32(b2), t)
-        decay = 1.0 - lr * decoupled_wd if decoupled_wd else 1.0
-        return _row([1.0, 0.0, decay], [lr / bc1, b1, b2, h["eps"], jnp.sqrt(bc2), 0.0])
+        return _rule_row(name, dict(lr=lr, betas=(h["b1"], h["b2"]), eps=h["eps"],
+                                    weight_decay=decoupled_wd, amsgrad=False),
+                         count.astype(jnp.float32))
 
     return row
 
@@ -349,7 +349,7 @@ def flat_adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, *, nester
     hyper = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                  nesterov=nesterov)
     return _transformation("adam", ["exp_avg", "exp_avg_sq"], _adam_xla(hyper, 0.0),
-                           _adam_row(0.0), hyper, impl, needs_params=False)
+                           _adam_row("adam", 0.0), hyper, impl, needs_params=False)
 
 
 def flat_adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=1e-4,
@@ -376,7 +376,7 @@ def flat_adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_d
     hyper = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                  nesterov=nesterov)
     return _transformation("adamw", ["exp_avg", "exp_avg_sq"], _adam_xla(hyper, weight_decay),
-                           _adam_row(weight_decay), hyper, impl,
+                           _adam_row("adamw", weight_decay), hyper, impl,
                            needs_params=bool(weight_decay))
 
 
@@ -395,7 +395,8 @@ def flat_lion(learning_rate, b1=0.9, b2=0.99, weight_decay=1e-3, *, impl="xla"):
                                     else learning_rate, b1=b1, b2=b2, weight_decay=weight_decay))
 
     def row(h, count, count_before):
-        return _row([1.0, 0.0, 1.0], [_lr(learning_rate, count_before), b1, b2, weight_decay])
+        return _rule_row("lion", dict(learning_rate=_lr(learning_rate, count_before), b1=b1,
+                                      b2=b2, weight_decay=weight_decay), count)
 
     def xla_rule(g, buffers, p, count_before, count):
         (mu,) = buffers

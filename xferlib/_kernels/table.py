@@ -15,8 +15,9 @@ bias corrections computed per row from the row's own step count.
 
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.cache import CACHE_MODULE  # noqa: F401  (registered with the table's)
+from xferlib.optim.rules import OptId, cuda_defines
 
-TABLE_KERNEL = r"""
+TABLE_KERNEL = cuda_defines() + r"""
 typedef long long i64;
 
 __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
@@ -201,7 +202,8 @@ __global__ void sum_spans(const K* __restrict__ keys, const i64* __restrict__ ru
 }
 
 // ------------------------------------------------------------------------ update rules
-// RULE: 0 sgd, 1 adam/adamw, 2 adagrad, 3 rowwise_adagrad, 4 adamax, 5 rmsprop, 6 adadelta.
+// RULE: an XF_OPT_* id (xferlib.optim.rules.OptId): sgd, adam (adamw too), adagrad,
+// rowwise_adagrad, adamax, rmsprop, adadelta.
 // h: the rule's hyperparameters (xferlib/table/rules.py, kernel_hyper); a row's state slot k sits at
 // s + k * dim, row scalars after the slots; t: the row's step count after this step.
 // row_consts turns h and t into per-row constants c (bias corrections in double, as torch's
@@ -222,29 +224,29 @@ __device__ __forceinline__ T warp_sum(T x) {
 #define NC 12
 template <int RULE, typename T>
 __device__ __forceinline__ void row_consts(const double* h, i64 t, T* c) {
-    if (RULE == 0) {  // sgd: lr, momentum, dampening, weight_decay, nesterov, maximize
+    if (RULE == XF_OPT_SGD) {  // sgd: lr, momentum, dampening, weight_decay, nesterov, maximize
         c[0] = h[0]; c[1] = h[1]; c[2] = 1.0 - h[2]; c[3] = h[3]; c[4] = h[4]; c[5] = h[5];
-    } else if (RULE == 1) {  // adam(w): lr, b1, b2, eps, wd, decoupled, amsgrad, maximize
+    } else if (RULE == XF_OPT_ADAM) {  // adam(w): lr, b1, b2, eps, wd, decoupled, amsgrad, maximize
         const double bc1 = 1.0 - pow(h[1], (double)t), bc2 = 1.0 - pow(h[2], (double)t);
         c[0] = h[0] / bc1; c[1] = sqrt(bc2); c[2] = 1.0 - h[1]; c[3] = h[2]; c[4] = 1.0 - h[2];
         c[5] = h[3]; c[6] = h[4]; c[7] = 1.0 - h[0] * h[4]; c[8] = h[5]; c[9] = h[6];
         c[10] = h[7];
-    } else if (RULE == 2) {  // adagrad: lr, lr_decay, wd, eps, maximize
+    } else if (RULE == XF_OPT_ADAGRAD) {  // adagrad: lr, lr_decay, wd, eps, maximize
         c[0] = h[0] / (1.0 + (double)(t - 1) * h[1]); c[1] = h[2]; c[2] = h[3]; c[3] = h[4];
-    } else if (RULE == 4) {  // adamax: lr, b1, b2, eps, wd, maximize
+    } else if (RULE == XF_OPT_ADAMAX) {  // adamax: lr, b1, b2, eps, wd, maximize
         c[0] = h[0] / (1.0 - pow(h[1], (double)t)); c[1] = 1.0 - h[1]; c[2] = h[2];
         c[3] = h[3]; c[4] = h[4]; c[5] = h[5];
-    } else if (RULE == 5) {  // rmsprop: lr, alpha, eps, wd, momentum, centered, maximize
+    } else if (RULE == XF_OPT_RMSPROP) {  // rmsprop: lr, alpha, eps, wd, momentum, centered, maximize
         c[0] = h[0]; c[1] = h[1]; c[2] = 1.0 - h[1]; c[3] = h[2]; c[4] = h[3]; c[5] = h[4];
         c[6] = h[5]; c[7] = h[6];
-    } else if (RULE == 6) {  // adadelta: lr, rho, eps, wd, maximize
+    } else if (RULE == XF_OPT_ADADELTA) {  // adadelta: lr, rho, eps, wd, maximize
         c[0] = h[0]; c[1] = h[1]; c[2] = 1.0 - h[1]; c[3] = h[2]; c[4] = h[3]; c[5] = h[4];
     }
 }
 
 template <int RULE, typename T>
 __device__ __forceinline__ void elem(T& w, T* st, T g, const T* c, i64 t) {
-    if (RULE == 0) {
+    if (RULE == XF_OPT_SGD) {
         if (c[5] != (T)0) g = -g;
         if (c[3] != (T)0) g += c[3] * w;
         if (c[1] != (T)0) {
@@ -253,7 +255,7 @@ __device__ __forceinline__ void elem(T& w, T* st, T g, const T* c, i64 t) {
             g = c[4] != (T)0 ? g + c[1] * b : b;
         }
         w -= c[0] * g;
-    } else if (RULE == 1) {
+    } else if (RULE == XF_OPT_ADAM) {
         if (c[10] != (T)0) g = -g;
         T p = w;
         if (c[6] != (T)0) {
@@ -269,13 +271,13 @@ __device__ __forceinline__ void elem(T& w, T* st, T g, const T* c, i64 t) {
             st[2] = vmax;
         }
         w = p - c[0] * (m / (sqrt(vmax) / c[1] + c[5]));
-    } else if (RULE == 2) {
+    } else if (RULE == XF_OPT_ADAGRAD) {
         if (c[3] != (T)0) g = -g;
         if (c[1] != (T)0) g += c[1] * w;
         const T sum = st[0] + g * g;
         st[0] = sum;
         w -= c[0] * (g / (sqrt(sum) + c[2]));
-    } else if (RULE == 4) {
+    } else if (RULE == XF_OPT_ADAMAX) {
         if (c[5] != (T)0) g = -g;
         if (c[4] != (T)0) g += c[4] * w;
         const T m = lerp_low(st[0], g, c[1]);
@@ -284,7 +286,7 @@ __device__ __forceinline__ void elem(T& w, T* st, T g, const T* c, i64 t) {
         st[0] = m;
         st[1] = u;
         w -= c[0] * (m / u);
-    } else if (RULE == 5) {
+    } else if (RULE == XF_OPT_RMSPROP) {
         if (c[7] != (T)0) g = -g;
         if (c[4] != (T)0) g += c[4] * w;
         const T sq = st[0] * c[1] + c[2] * g * g;
@@ -305,7 +307,7 @@ __device__ __forceinline__ void elem(T& w, T* st, T g, const T* c, i64 t) {
         } else {
             w -= c[0] * (g / avg);
         }
-    } else if (RULE == 6) {
+    } else if (RULE == XF_OPT_ADADELTA) {
         if (c[5] != (T)0) g = -g;
         if (c[4] != (T)0) g += c[4] * w;
         const T sq = st[0] * c[1] + c[2] * g * g;
@@ -388,7 +390,7 @@ __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
         i64* step = reinterpret_cast<i64*>(p.s + step_off);
         const i64 t = *step + 1;
         const T* g = summed + run[j] * dim;
-        if (RULE == 3) {
+        if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
             rowwise_adagrad_row<T>(p.w, p.s, g, dim, n_slots, h, lane);
         } else {
             T c[NC];
@@ -404,7 +406,9 @@ __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
 }
 """
 
+# The rules this family compiles, and their ids (adamw runs adam's rule).
 RULES = ("sgd", "adam", "adagrad", "rowwise_adagrad", "adamax", "rmsprop", "adadelta")
+RULE_IDS = tuple(int(OptId[name.upper()]) for name in RULES)
 _TYPES = {"float32": "float", "float64": "double"}
 _KEYS = {4: "int", 8: "long long"}
 
@@ -441,7 +445,7 @@ def sum_spans_name(dtype_name: str, key_bytes: int) -> str:
 
 
 def sparse_update_name(rule: int, vec: int, dtype_name: str, key_bytes: int) -> str:
-    return f"sparse_update<{rule}, {vec}, {_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
+    return f"sparse_update<{int(rule)}, {vec}, {_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
 
 
 def vector_widths(dtype_name: str) -> tuple:
@@ -460,7 +464,7 @@ def _all_names():
             yield sum_spans_name(dtype_name, key_bytes)
             for vec in vector_widths(dtype_name):
                 yield gather_unique_name(vec, dtype_name, key_bytes)
-                for rule in range(len(RULES)):
+                for rule in RULE_IDS:
                     yield sparse_update_name(rule, vec, dtype_name, key_bytes)
 
 

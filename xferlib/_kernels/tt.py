@@ -31,6 +31,7 @@ import functools
 import math
 
 from xferlib._kernels._registry import KernelModule
+from xferlib.optim.rules import cuda_defines
 
 CHUNK = 16  # sorted positions per block in tt_rows / tt_bwd_pieces
 THREADS = 128
@@ -729,9 +730,10 @@ struct Hyper {
 };
 
 // The fused optimizer on one parameter row w (width floats) from its gradient g, by the whole
-// block (block-uniform call). opt: 0 sgd, 1 adagrad, 2 row-wise adagrad, 3 row-wise adam
-// (elementwise first moment, one second moment and step per row), 4 lamb, 5 lars_sgd,
-// 6 partial row-wise adam, 7 partial row-wise lamb (FBGEMM's rules; global step h.iter).
+// block (block-uniform call). opt: an XF_OPT_* id (xferlib.optim.rules.OptId): sgd,
+// adagrad, rowwise_adagrad, rowwise_adam (elementwise first moment, one second moment and
+// step per row), lamb, lars_sgd, partial_rowwise_adam, partial_rowwise_lamb (FBGEMM's rules;
+// global step h.iter).
 // e1/e2: elementwise state, rs: the row's state, st: its step count (NULL where unused).
 // g is overwritten by the LAMB rules (their update direction). Each thread reads and writes
 // the same elements of g and w throughout.
@@ -739,11 +741,11 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
                            i64* st, const Hyper& h, float* red) {
     const int opt = h.opt;
     const float lr = h.lr, eps = h.eps;
-    if (opt == 0) {
+    if (opt == XF_OPT_SGD) {
         for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * g[o];
         return;
     }
-    if (opt == 1) {
+    if (opt == XF_OPT_ADAGRAD) {
         for (int o = threadIdx.x; o < width; o += blockDim.x) {
             const float gg = g[o], sum = e1[o] + gg * gg;
             e1[o] = sum;
@@ -751,7 +753,7 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
         }
         return;
     }
-    if (opt == 5) {
+    if (opt == XF_OPT_LARS_SGD) {
         float ww = 0.f, gg = 0.f;
         for (int o = threadIdx.x; o < width; o += blockDim.x) {
             ww += w[o] * w[o];
@@ -768,12 +770,12 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
         return;
     }
     float part = 0.f;
-    if (opt != 4)
+    if (opt != XF_OPT_LAMB)
         for (int o = threadIdx.x; o < width; o += blockDim.x) part += g[o] * g[o];
-    const float mean_sq = opt != 4 ? block_sum(part, red) / (float)width : 0.f;
+    const float mean_sq = opt != XF_OPT_LAMB ? block_sum(part, red) / (float)width : 0.f;
     const float b1 = (float)h.beta1, b2 = (float)h.beta2;
     const float nb1 = (float)(1.0 - h.beta1), nb2 = (float)(1.0 - h.beta2);
-    if (opt == 2) {
+    if (opt == XF_OPT_ROWWISE_ADAGRAD) {
         const float sum = rs[0] + mean_sq;
         __syncthreads();  // every thread has read rs[0]
         if (threadIdx.x == 0) rs[0] = sum;
@@ -781,7 +783,7 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
         for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * g[o] / scale;
         return;
     }
-    if (opt == 3) {
+    if (opt == XF_OPT_ROWWISE_ADAM) {
         const i64 t = st[0] + 1;
         const float vv = b2 * rs[0] + nb2 * mean_sq;
         __syncthreads();
@@ -798,11 +800,11 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
         }
         return;
     }
-    // 4, 6, 7: bias corrections from the global step
+    // lamb, partial_rowwise_adam, partial_rowwise_lamb: bias corrections from the global step
     const float c1 = (float)(1.0 - pow(h.beta1, (double)h.iter));
     const float c2 = (float)(1.0 - pow(h.beta2, (double)h.iter));
     float row_den = 0.f;
-    if (opt != 4) {
+    if (opt != XF_OPT_LAMB) {
         const float vv = b2 * rs[0] + nb2 * mean_sq;
         __syncthreads();
         if (threadIdx.x == 0) rs[0] = vv;
@@ -814,13 +816,13 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
         const float m = b1 * e1[o] + nb1 * gg;
         e1[o] = m;
         float den = row_den;
-        if (opt == 4) {
+        if (opt == XF_OPT_LAMB) {
             const float v = b2 * e2[o] + nb2 * gg * gg;
             e2[o] = v;
             den = sqrtf(v / c2) + eps;
         }
         const float u = m / c1 / den + h.wd * w[o];
-        if (opt == 6) {
+        if (opt == XF_OPT_PARTIAL_ROWWISE_ADAM) {
             w[o] -= lr * u;
         } else {
             g[o] = u;
@@ -828,7 +830,7 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
             uu += u * u;
         }
     }
-    if (opt == 6) return;
+    if (opt == XF_OPT_PARTIAL_ROWWISE_ADAM) return;
     const float w_norm = sqrtf(block_sum(ww, red)), u_norm = sqrtf(block_sum(uu, red));
     const float ratio = u_norm > 0.f ? w_norm / u_norm : 0.f;
     for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * ratio * g[o];
@@ -1012,7 +1014,8 @@ def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
     names = (list(ROWS_NAMES.values()) + list(BWD_NAMES.values())
              + list(REDUCE_NAMES.values()) + CACHE_NAMES + list(PLAIN_NAMES))
     label = "x".join(map(str, p)) + "_" + "x".join(map(str, q)) + "_r" + "x".join(map(str, ranks))
-    return KernelModule(f"tt_{label}", "\n".join(defines) + "\n" + TT_KERNEL, names)
+    return KernelModule(f"tt_{label}", cuda_defines() + "\n".join(defines) + "\n" + TT_KERNEL,
+                        names)
 
 
 # FBTT-Embedding's benchmark shape, registered at import so the all-modules test compiles it.

@@ -9,7 +9,8 @@ from xferlib.optim.clip import (clip_by_global_norm, clip_coefficient, global_no
                                 global_norm_clip_factor, partial_norm)
 from xferlib.optim.layout import ALIGN_BYTES, FlatLayout, Segment
 from xferlib.optim.rules import (COMMON, FLAT_RULES, OPTIMIZERS, RULES, SCALARS, OptId, Rule,
-                                 check_common, cuda_defines, get_rule, resolve_hyper)
+                                 check_common, common_scalars, cuda_defines, get_rule,
+                                 resolve_hyper)
 from xferlib.optim.step import (CudaStep, FlatOptimizer, FlatState, TableRing, adagrad, adam,
                                 adam_device_hyper, adamax, adamw, apply_adam_device_scalars,
                                 apply_table, fill_step_table, lion, nadam, radam, rmsprop, sgd,

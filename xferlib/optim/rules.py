@@ -14,6 +14,13 @@ Kernels never copy an id by hand: :func:`cuda_defines` writes ``#define XF_OPT_<
 lines that ``xferlib/_kernels/optim.py``, ``table.py`` and ``tt.py`` put in front of their
 sources.
 
+Shared: ids, defaults, checks and state slots (flat and host tables), the flat per-step scalars
+(NumPy, CuPy, jnp). Not shared, on purpose: each family's elementwise CUDA math. The flat
+kernel reads float32 scalars the host computed per segment; the host-table kernel derives
+per-row constants in double on the device from each row's own step and runs on float or
+double tables; TT runs FBGEMM's row-wise rules (not torch's) a block per row. One snippet for
+all three would change the rounding of at least one of them.
+
 >>> from xferlib.optim.rules import RULES, OptId, resolve_hyper
 >>> RULES["adamw"].kind == OptId.ADAM  # AdamW runs Adam's kernel rule, decay decoupled
 True

@@ -4,7 +4,8 @@ Each rule updates the rows of a batch in place: ``w`` (rows x dim), the state sl
 shape), row scalars (rows,), ``g`` the summed gradients and ``t`` the rows' step counts after
 this step (rows x 1), all in the table's dtype. These NumPy functions are the NumPy path, and
 run in float64 they are the reference (:func:`sparse_update_reference`). The CUDA versions
-are in ``xferlib/_kernels/table.py``.
+are in ``xferlib/_kernels/table.py``. Each rule's id, defaults, argument check and state slots
+are the shared ones of ``xferlib.optim.rules``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from typing import Callable
 
 import numpy as np
 
-from xferlib.optim import _check_common
+from xferlib.optim.rules import RULES
 
 __all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
-
 
 
 def _signed(h, g):
@@ -125,27 +125,9 @@ def _adadelta(h, w, s, r, g, t):
     w -= f(h["lr"]) * delta
 
 
-def _check_sgd(h):
-    _check_common(h)
-    for key in ("momentum", "dampening"):
-        if h[key] < 0:
-            raise ValueError(f"Invalid {key} value: {h[key]}")
-    if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-
-
-def _check_range(*keys, upper=None):
-    def check(h):
-        _check_common(h)
-        for key in keys:
-            if h[key] < 0 or (upper is not None and h[key] > upper):
-                raise ValueError(f"Invalid {key} value: {h[key]}")
-    return check
-
-
 @dataclasses.dataclass(frozen=True)
 class _SparseRule:
-    kind: int  # the kernel's RULE
+    kind: int  # the kernel's RULE: the shared rule's id (xferlib.optim.rules.OptId)
     defaults: dict
     slots: Callable  # hyper -> names of full-width state slots, in storage order
     row_scalars: tuple  # names of per-row scalar state
@@ -159,60 +141,45 @@ def _zero(h):
     return 0.0
 
 
-def _adam_rule(weight_decay: float, decoupled: bool, update) -> "_SparseRule":
+def _sparse(name: str, kernel_hyper, update, row_scalars=(), initial=_zero) -> _SparseRule:
+    """The host-table form of the shared rule ``name``: its id, defaults, argument check and
+    state slots come from ``xferlib.optim.rules``; the row math is this family's."""
+    shared = RULES[name]
+    return _SparseRule(shared.kind, shared.defaults, shared.buffers, row_scalars, initial,
+                       kernel_hyper, update, shared.check)
+
+
+def _adam_hyper(decoupled: bool):
     """Adam and AdamW share the kernel rule; AdamW decays the weight apart from the gradient
-    (the kernel reads the flag) and defaults to weight_decay=1e-2, as torch's."""
-    return _SparseRule(
-        1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay,
-                amsgrad=False, maximize=False),
-        lambda h: ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h["amsgrad"] else []),
-        (), _zero,
-        lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], float(decoupled),
-                   h["amsgrad"], h["maximize"]],
-        update, _check_common)
+    (the kernel reads the flag)."""
+    return lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], float(decoupled),
+                      h["amsgrad"], h["maximize"]]
 
 
 _RULES = {
-    "sgd": _SparseRule(
-        0, dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-                maximize=False),
-        lambda h: ["momentum_buffer"] if h["momentum"] else [], (), _zero,
-        lambda h: [h["lr"], h["momentum"], h["dampening"], h["weight_decay"], h["nesterov"],
-                   h["maximize"]],
-        _sgd, _check_sgd),
-    "adam": _adam_rule(weight_decay=0.0, decoupled=False, update=_adam),
-    "adamw": _adam_rule(weight_decay=1e-2, decoupled=True, update=_adamw),
-    "adagrad": _SparseRule(
-        2, dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
-                eps=1e-10, maximize=False),
-        lambda h: ["sum"], (), lambda h: h["initial_accumulator_value"],
-        lambda h: [h["lr"], h["lr_decay"], h["weight_decay"], h["eps"], h["maximize"]],
-        _adagrad, _check_range("lr_decay", "initial_accumulator_value")),
+    "sgd": _sparse(
+        "sgd", lambda h: [h["lr"], h["momentum"], h["dampening"], h["weight_decay"],
+                          h["nesterov"], h["maximize"]], _sgd),
+    "adam": _sparse("adam", _adam_hyper(False), _adam),
+    "adamw": _sparse("adamw", _adam_hyper(True), _adamw),
+    "adagrad": _sparse(
+        "adagrad", lambda h: [h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
+                              h["maximize"]],
+        _adagrad, initial=lambda h: h["initial_accumulator_value"]),
     # FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, fed the mean squared gradient.
-    "rowwise_adagrad": _SparseRule(
-        3, dict(lr=1e-2, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-8,
-                maximize=False),
-        lambda h: [], ("sum",), lambda h: h["initial_accumulator_value"],
-        lambda h: [h["lr"], h["weight_decay"], h["eps"], h["maximize"]],
-        _rowwise_adagrad, _check_range("initial_accumulator_value")),
-    "adamax": _SparseRule(
-        4, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False),
-        lambda h: ["exp_avg", "exp_inf"], (), _zero,
-        lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], h["maximize"]],
-        _adamax, _check_common),
-    "rmsprop": _SparseRule(
-        5, dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
-                maximize=False),
-        lambda h: (["square_avg"] + (["momentum_buffer"] if h["momentum"] > 0 else [])
-                   + (["grad_avg"] if h["centered"] else [])), (), _zero,
-        lambda h: [h["lr"], h["alpha"], h["eps"], h["weight_decay"], h["momentum"],
-                   h["centered"], h["maximize"]],
-        _rmsprop, _check_range("momentum", "alpha")),
-    "adadelta": _SparseRule(
-        6, dict(lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, maximize=False),
-        lambda h: ["square_avg", "acc_delta"], (), _zero,
-        lambda h: [h["lr"], h["rho"], h["eps"], h["weight_decay"], h["maximize"]],
-        _adadelta, _check_range("rho", upper=1.0)),
+    "rowwise_adagrad": _sparse(
+        "rowwise_adagrad", lambda h: [h["lr"], h["weight_decay"], h["eps"], h["maximize"]],
+        _rowwise_adagrad, row_scalars=("sum",),
+        initial=lambda h: h["initial_accumulator_value"]),
+    "adamax": _sparse(
+        "adamax", lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], h["maximize"]],
+        _adamax),
+    "rmsprop": _sparse(
+        "rmsprop", lambda h: [h["lr"], h["alpha"], h["eps"], h["weight_decay"], h["momentum"],
+                              h["centered"], h["maximize"]], _rmsprop),
+    "adadelta": _sparse(
+        "adadelta", lambda h: [h["lr"], h["rho"], h["eps"], h["weight_decay"], h["maximize"]],
+        _adadelta),
 }
 
 SPARSE_OPTIMIZERS = tuple(_RULES)

@@ -1,0 +1,199 @@
+"""The optimizer rules written once: one id per rule for every kernel family, ids reach the
+CUDA sources only through the generated #define block, one error type for unknown names,
+and the shared per-step scalars agree across array namespaces. CPU only: the kernel sources
+are checked as text (the GPU run compiles them: tests/core/test_kernels*)."""
+
+import doctest
+import importlib
+import re
+
+import numpy as np
+import pytest
+
+from xferlib import optim
+from xferlib.optim.rules import FLAT_RULES, RULES, OptId, cuda_defines, get_rule
+
+DEFINE = re.compile(r"^#define XF_OPT_(\w+) (\d+)$", re.M)
+USED = re.compile(r"\bXF_OPT_(\w+)\b")
+# A hand-written id: a rule/opt/kind compared with, or a template instantiated on, a number.
+HAND_ID = re.compile(r"\b(?:KIND|RULE|opt)\s*[!=]=\s*\d|update_chunk<\s*\d")
+
+
+def _sources():
+    from xferlib._kernels.optim import OPTIM_KERNEL
+    from xferlib._kernels.table import TABLE_KERNEL
+    from xferlib._kernels.tt import TT_MODULE, tt_module
+
+    return {"optim": OPTIM_KERNEL, "table": TABLE_KERNEL, "tt": TT_MODULE.source,
+            "tt_other_shape": tt_module((5, 6), (2, 2), (3,)).source}
+
+
+def test_define_block_matches_the_enum():
+    text = cuda_defines()
+    found = {name: int(value) for name, value in DEFINE.findall(text)}
+    assert found == {o.name: int(o) for o in OptId}
+    assert len(set(found.values())) == len(found)  # one id per rule
+    assert len(text.strip().splitlines()) == len(OptId) + 1  # the header comment + defines
+
+
+@pytest.mark.parametrize("family", ["optim", "table", "tt", "tt_other_shape"])
+def test_kernel_sources_take_ids_from_the_define_block(family):
+    source = _sources()[family]
+    assert cuda_defines() in source
+    assert source.index(cuda_defines()) < source.index("__global__")
+    body = source.replace(cuda_defines(), "")
+    assert not DEFINE.search(body), "an optimizer id defined by hand"
+    assert not HAND_ID.findall(re.sub(r"//[^\n]*", "", body)), "an optimizer id copied by hand"
+    used = set(USED.findall(body))
+    assert used and used <= set(OptId.__members__)
+
+
+def test_entry_points_are_still_there():
+    from xferlib._kernels.optim import OPTIM_MODULE
+    from xferlib._kernels.table import TABLE_MODULE
+    from xferlib._kernels.tt import TT_MODULE
+
+    sources = _sources()
+    for family, names in [("optim", ["flat_update", "flat_adam_device_scalars",
+                                     "advance_steps", "update_chunk"]),
+                          ("table", ["sparse_update", "row_consts", "elem",
+                                     "rowwise_adagrad_row"]),
+                          ("tt", ["tt_update", "update_row", "tt_cache_update"])]:
+        for name in names:
+            assert re.search(rf"\b{name}\s*[<(]", sources[family]), (family, name)
+    for module in (OPTIM_MODULE, TABLE_MODULE, TT_MODULE):
+        for expr in module.name_expressions:
+            base = expr.split("<")[0]
+            assert re.search(rf"\b{base}\s*[<(]", module.source), expr
+
+
+def test_flat_family_ids_and_slots_come_from_the_rules():
+    from xferlib._kernels.optim import KINDS, OPTIM_MODULE, slot_names, update_name
+
+    assert set(KINDS) == {int(r.kind) for r in FLAT_RULES.values()}
+    assert KINDS == tuple(range(8))  # the flat ids did not move in the package split
+    for name, rule in FLAT_RULES.items():
+        assert slot_names(rule.kind) == rule.slots
+        assert set(rule.buffers(rule.defaults)) <= set(rule.slots)
+        assert getattr(optim, name)().kind == rule.kind == OptId[name.upper().replace(
+            "ADAMW", "ADAM")]
+        assert update_name(rule.kind) in OPTIM_MODULE.name_expressions
+        assert f"XF_OPT_{OptId(rule.kind).name}" in OPTIM_MODULE.source
+
+
+def test_table_family_ids_defaults_and_checks_are_the_shared_ones():
+    from xferlib._kernels.table import RULE_IDS, RULES as TABLE_RULES, TABLE_MODULE, \
+        sparse_update_name
+    from xferlib.table import SPARSE_OPTIMIZERS, optimizer_defaults
+    from xferlib.table.rules import _RULES
+
+    for name in SPARSE_OPTIMIZERS:
+        shared = RULES[name]
+        assert _RULES[name].kind == shared.kind
+        assert int(shared.kind) in RULE_IDS
+        assert optimizer_defaults(name) == shared.defaults
+        assert _RULES[name].check is shared.check
+        assert _RULES[name].slots(shared.defaults) == shared.buffers(shared.defaults)
+        assert sparse_update_name(shared.kind, 1, "float32", 8) in TABLE_MODULE.name_expressions
+    assert RULE_IDS == tuple(int(OptId[n.upper()]) for n in TABLE_RULES)
+    for rule_id in RULE_IDS:
+        assert f"XF_OPT_{OptId(rule_id).name}" in TABLE_MODULE.source
+
+
+def test_tt_family_ids():
+    from xferlib import tt
+    from xferlib._kernels.tt import TT_MODULE
+
+    used = set(USED.findall(TT_MODULE.source.replace(cuda_defines(), "")))
+    names = {n.upper() for n in tt.SPARSE_OPTIMIZERS}
+    assert used <= names
+    # partial_rowwise_lamb is the kernel's fall-through branch (no comparison names it)
+    assert names - used == {"PARTIAL_ROWWISE_LAMB"}
+
+
+def test_the_hand_id_check_can_fail():
+    for text in ("if (KIND == 0) {", "} else if (RULE == 3) {", "if (opt != 4)",
+                 "update_chunk<1, G>(p"):
+        assert HAND_ID.search(text), text
+    assert not HAND_ID.search("if (KIND == XF_OPT_SGD) {")
+
+
+@pytest.mark.parametrize("call", [
+    lambda: optim.resolve_hyper("adamz"),
+    lambda: get_rule("adamz"),
+    lambda: optim.apply_table("adamz", optim.FlatLayout.from_shapes([(4,)]), np.zeros(4, np.float32),
+                              np.zeros(4, np.float32), {}, np.zeros((1, 11))),
+    lambda: optim.resolve_hyper("rowwise_adagrad"),  # a host-table rule, not a flat one
+    lambda: __import__("xferlib.table", fromlist=["HostTable"]).HostTable(4, 2,
+                                                                          optimizer="adamz"),
+    lambda: __import__("xferlib.tt", fromlist=["tt"]).tt_sparse_state(
+        __import__("xferlib.tt", fromlist=["tt"]).TTShape((2, 2), (2, 2), (2,)), "adamz"),
+])
+def test_unknown_names_are_value_errors_naming_the_choices(call):
+    with pytest.raises(ValueError, match="adamz|rowwise_adagrad") as info:
+        call()
+    assert "sgd" in str(info.value)
+
+
+@pytest.mark.parametrize("name,hyper", [
+    ("adam", dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0, amsgrad=False)),
+    ("adamw", dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, amsgrad=False)),
+    ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.2, nesterov=False, weight_decay=0.0)),
+    ("adagrad", dict(lr=0.1, lr_decay=0.01, eps=1e-10)),
+    ("adamax", dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8)),
+    ("lion", dict(learning_rate=1e-3, b1=0.9, b2=0.99, weight_decay=1e-3)),
+])
+def test_step_scalars_agree_across_namespaces(name, hyper):
+    """The same scalar code on host floats (float64) and on traced jnp step counts (float32;
+    1 - b2^t cancels in float32, hence the tolerance)."""
+    jnp = pytest.importorskip("jax.numpy")
+    rule = RULES[name]
+    for step in (1, 2, 7, 1000):
+        host = np.array(rule.scalars(hyper, step, {}), dtype=np.float64)
+        traced = np.array([np.asarray(v) for v in rule.scalars(
+            hyper, jnp.asarray(step, jnp.float32), {}, jnp)], dtype=np.float64)
+        np.testing.assert_allclose(traced, host, rtol=1e-4, atol=0)
+
+
+def test_adam_scalars_in_jnp_are_optax_bias_corrections_bit_for_bit():
+    """What the JAX adapter's kernel row computed before it used the shared rule."""
+    jnp = pytest.importorskip("jax.numpy")
+    b1, b2, lr = 0.9, 0.999, 1e-3
+    for step in (1, 3, 50):
+        t = jnp.asarray(step, jnp.float32)
+        ours = RULES["adam"].scalars(dict(lr=lr, betas=(b1, b2), eps=1e-8, amsgrad=False), t,
+                                     {}, jnp)
+        bc1 = 1.0 - jnp.power(jnp.float32(b1), t)
+        bc2 = 1.0 - jnp.power(jnp.float32(b2), t)
+        assert np.float32(ours[0]) == np.float32(lr / bc1)
+        assert np.float32(ours[4]) == np.float32(jnp.sqrt(bc2))
+
+
+def test_host_scalars_stay_python_floats():
+    """The eager GPU step fills its table from these every step: no ufunc calls per scalar."""
+    row = RULES["sgd"].scalars(dict(RULES["sgd"].defaults, momentum=0.9), 2, {})
+    assert all(isinstance(v, float) for v in row)
+    row = RULES["adam"].scalars(RULES["adam"].defaults, 2, {})
+    assert all(isinstance(v, float) for v in row)
+
+
+def test_old_names_still_importable():
+    old = ["Segment", "FlatLayout", "FlatState", "FlatOptimizer", "OPTIMIZERS", "sgd", "adam",
+           "adamw", "adagrad", "rmsprop", "adamax", "nadam", "radam", "lion", "global_norm",
+           "partial_norm", "clip_coefficient", "clip_by_global_norm", "apply_table",
+           "apply_adam_device_scalars", "adam_device_hyper", "resolve_hyper",
+           "fill_step_table", "CudaStep", "TableRing", "global_norm_clip_factor",
+           "step_scalars", "COMMON", "SCALARS", "ALIGN_BYTES", "_RULES", "_chunk_table",
+           "_check_common"]
+    for name in old:
+        assert hasattr(optim, name), name
+    assert optim.OPTIMIZERS == tuple(optim._RULES)
+    assert set(optim.OPTIMIZERS) == {"sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax",
+                                     "nadam", "radam", "lion"}
+
+
+@pytest.mark.parametrize("module", ["xferlib.optim.rules", "xferlib.optim.layout",
+                                    "xferlib.optim.clip"])
+def test_docstring_examples(module):
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.failed == 0 and result.attempted > 0
