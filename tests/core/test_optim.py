@@ -209,7 +209,7 @@ def test_fill_step_table_equals_step_scalars(name, groups):
     layout = optim.FlatLayout.from_shapes(SHAPES, groups)
     opt = getattr(optim, name)(lr=1e-2, **({"momentum": 0.9} if name == "sgd" else {}))
     hypers = [dict(opt.defaults), dict(opt.defaults, lr=3e-3)]
-    rule = optim._RULES[name]
+    rule = optim.FLAT_RULES[name]
     ours, ref = opt.init(layout), opt.init(layout)
     out = np.full((len(SHAPES), optim.COMMON + optim.SCALARS), np.nan, dtype=np.float32)
     actives = [np.ones(len(SHAPES), bool)] * 2 + [np.array([1, 0, 1, 1, 0], bool)] + \

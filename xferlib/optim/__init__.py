@@ -49,5 +49,6 @@ __all__ = [
     "OptId",
     "Rule",
     "RULES",
+    "FLAT_RULES",
     "get_rule",
 ]

@@ -20,6 +20,11 @@ from xferlib.optim.rules import RULES
 __all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
 
 
+def _row_scalars(name, h, t):
+    """The shared rule's per-step scalars with each row's step count (float64 arrays)."""
+    return RULES[name].scalars(h, t.astype(np.float64), {}, np)
+
+
 def _signed(h, g):
     return -g if h["maximize"] else g
 
@@ -54,8 +59,8 @@ def _adam(h, w, s, r, g, t, decoupled=False):
     if h["amsgrad"]:
         np.maximum(s["max_exp_avg_sq"], v, out=s["max_exp_avg_sq"])
         v = s["max_exp_avg_sq"]
-    step_size = (h["lr"] / (1.0 - b1 ** t.astype(np.float64))).astype(w.dtype)
-    bc2_sqrt = np.sqrt(1.0 - b2 ** t.astype(np.float64)).astype(w.dtype)
+    c = _row_scalars("adam", h, t)  # the flat rule's: lr / bc1, ..., sqrt(bc2) per row
+    step_size, bc2_sqrt = c[0].astype(w.dtype), c[4].astype(w.dtype)
     w -= step_size * (m / (np.sqrt(v) / bc2_sqrt + f(h["eps"])))
 
 
@@ -66,7 +71,7 @@ def _adamw(h, w, s, r, g, t):
 def _adagrad(h, w, s, r, g, t):
     f = w.dtype.type
     g = _l2(h, w, _signed(h, g))
-    clr = (h["lr"] / (1.0 + (t - 1).astype(np.float64) * h["lr_decay"])).astype(w.dtype)
+    clr = _row_scalars("adagrad", h, t)[0].astype(w.dtype)
     total = s["sum"]
     total += g * g
     w -= clr * (g / (np.sqrt(total) + f(h["eps"])))
@@ -87,7 +92,7 @@ def _adamax(h, w, s, r, g, t):
     m, u = s["exp_avg"], s["exp_inf"]
     m += f(1.0 - b1) * (g - m)
     np.maximum(u * f(b2), np.abs(g) + f(h["eps"]), out=u)
-    w -= (h["lr"] / (1.0 - b1 ** t.astype(np.float64))).astype(w.dtype) * (m / u)
+    w -= _row_scalars("adamax", h, t)[0].astype(w.dtype) * (m / u)
 
 
 def _rmsprop(h, w, s, r, g, t):
