@@ -121,8 +121,9 @@ def test_the_hand_id_check_can_fail():
 @pytest.mark.parametrize("call", [
     lambda: optim.resolve_hyper("adamz"),
     lambda: get_rule("adamz"),
-    lambda: optim.apply_table("adamz", optim.FlatLayout.from_shapes([(4,)]), np.zeros(4, np.float32),
-                              np.zeros(4, np.float32), {}, np.zeros((1, 11))),
+    lambda: optim.apply_table("adamz", optim.FlatLayout.from_shapes([(4,)]),
+                              np.zeros(4, np.float32), np.zeros(4, np.float32), {},
+                              np.zeros((1, 11))),
     lambda: optim.resolve_hyper("rowwise_adagrad"),  # a host-table rule, not a flat one
     lambda: __import__("xferlib.table", fromlist=["HostTable"]).HostTable(4, 2,
                                                                           optimizer="adamz"),

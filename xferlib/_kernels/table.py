@@ -236,7 +236,8 @@ __device__ __forceinline__ void row_consts(const double* h, i64 t, T* c) {
     } else if (RULE == XF_OPT_ADAMAX) {  // adamax: lr, b1, b2, eps, wd, maximize
         c[0] = h[0] / (1.0 - pow(h[1], (double)t)); c[1] = 1.0 - h[1]; c[2] = h[2];
         c[3] = h[3]; c[4] = h[4]; c[5] = h[5];
-    } else if (RULE == XF_OPT_RMSPROP) {  // rmsprop: lr, alpha, eps, wd, momentum, centered, maximize
+    } else if (RULE == XF_OPT_RMSPROP) {  // rmsprop: lr, alpha, eps, wd, momentum, centered,
+                                          // maximize
         c[0] = h[0]; c[1] = h[1]; c[2] = 1.0 - h[1]; c[3] = h[2]; c[4] = h[3]; c[5] = h[4];
         c[6] = h[5]; c[7] = h[6];
     } else if (RULE == XF_OPT_ADADELTA) {  // adadelta: lr, rho, eps, wd, maximize

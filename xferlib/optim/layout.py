@@ -5,7 +5,8 @@
 >>> layout = FlatLayout.from_shapes([(3, 2), (5,)])
 >>> [s.offset for s in layout.segments], layout.total   # 6 floats padded to 8
 ([0, 8], 16)
->>> [v.shape for v in layout.views(layout.pack([np.ones((3, 2), np.float32), np.ones(5, np.float32)]))]
+>>> flat = layout.pack([np.ones((3, 2), np.float32), np.ones(5, np.float32)])
+>>> [v.shape for v in layout.views(flat)]
 [(3, 2), (5,)]
 """
 

@@ -37,8 +37,8 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["OptId", "Rule", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON", "SCALARS", "get_rule", "resolve_hyper",
-           "common_scalars", "preamble_numpy", "check_common", "cuda_defines"]
+__all__ = ["OptId", "Rule", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON", "SCALARS", "get_rule",
+           "resolve_hyper", "common_scalars", "preamble_numpy", "check_common", "cuda_defines"]
 
 
 class OptId(enum.IntEnum):
