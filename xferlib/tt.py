@@ -517,24 +517,29 @@ def tt_sparse_state(shape: TTShape, optimizer: str, xp=np) -> list[dict]:
     return [_row_state(*shape.core_shape(k), optimizer, xp) for k in range(shape.d)]
 
 
+# Each optimizer's state per parameter row, primary entry first (FBTT's ``optimizer_state``):
+# "elem" a float32 value per element, "row" one float32 per row, "step" an int64 count per row.
+# The kernels' update_row takes them as [elem, second elem, row, step] pointers.
+_STATE = {
+    "sgd": (),
+    "adagrad": (("sum", "elem"),),
+    "rowwise_adagrad": (("sum", "row"),),
+    "rowwise_adam": (("exp_avg", "elem"), ("exp_avg_sq", "row"), ("step", "step")),
+    "lamb": (("exp_avg", "elem"), ("exp_avg_sq", "elem")),
+    "lars_sgd": (("momentum", "elem"),),
+    "partial_rowwise_adam": (("exp_avg", "elem"), ("exp_avg_sq", "row")),
+    "partial_rowwise_lamb": (("exp_avg", "elem"), ("exp_avg_sq", "row")),
+}
+
+
 def _row_state(rows: int, width: int, optimizer: str, xp=np) -> dict:
     """Zeroed state of ``optimizer`` for ``rows`` parameter rows of ``width``; the first entry
     is the primary one (FBTT's ``optimizer_state``)."""
     if optimizer not in SPARSE_OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
-    elem = lambda: xp.zeros((rows, width), np.float32)  # noqa: E731
-    row = lambda: xp.zeros(rows, np.float32)  # noqa: E731
-    return {
-        "sgd": lambda: {},
-        "adagrad": lambda: {"sum": elem()},
-        "rowwise_adagrad": lambda: {"sum": row()},
-        "rowwise_adam": lambda: {"exp_avg": elem(), "exp_avg_sq": row(),
-                                 "step": xp.zeros(rows, np.int64)},
-        "lamb": lambda: {"exp_avg": elem(), "exp_avg_sq": elem()},
-        "lars_sgd": lambda: {"momentum": elem()},
-        "partial_rowwise_adam": lambda: {"exp_avg": elem(), "exp_avg_sq": row()},
-        "partial_rowwise_lamb": lambda: {"exp_avg": elem(), "exp_avg_sq": row()},
-    }[optimizer]()
+    shapes = {"elem": ((rows, width), np.float32), "row": (rows, np.float32),
+              "step": (rows, np.int64)}
+    return {name: xp.zeros(*shapes[where]) for name, where in _STATE[optimizer]}
 
 
 def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer: str, *,
@@ -805,18 +810,17 @@ def _host_step(hyper: dict) -> dict:
 def _state_pointers(state: dict, optimizer: str) -> list:
     """``[elementwise, second elementwise, per row, per-row steps]`` state of one parameter
     (NULL where the optimizer has none), as the kernels' ``update_row`` takes them."""
-    null = np.uint64(0)
-    if optimizer in ("adagrad", "rowwise_adagrad"):
-        primary = state["sum"]
-        return [primary, null, null, null] if optimizer == "adagrad" else [null, null, primary,
-                                                                           null]
-    if optimizer == "lars_sgd":
-        return [state["momentum"], null, null, null]
-    if optimizer == "lamb":
-        return [state["exp_avg"], state["exp_avg_sq"], null, null]
-    if optimizer in ("rowwise_adam", "partial_rowwise_adam", "partial_rowwise_lamb"):
-        return [state["exp_avg"], null, state["exp_avg_sq"], state.get("step", null)]
-    return [null] * 4
+    pointers = [np.uint64(0)] * 4
+    elem = 0
+    for name, where in _STATE[optimizer]:
+        if where == "elem":
+            position, elem = elem, elem + 1
+        else:
+            position = 2 if where == "row" else 3
+        # a step count may be absent (the kernel then reads none); other state may not
+        pointers[position] = state.get(name, pointers[position]) if where == "step" else \
+            state[name]
+    return pointers
 
 
 def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, momentum=0.9,

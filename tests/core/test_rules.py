@@ -198,3 +198,42 @@ def test_old_names_still_importable():
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0 and result.attempted > 0
+
+
+# update_row's [elementwise, second elementwise, per row, per-row step] pointers, by rule.
+TT_POINTERS = {
+    "sgd": [None, None, None, None],
+    "adagrad": ["sum", None, None, None],
+    "rowwise_adagrad": [None, None, "sum", None],
+    "rowwise_adam": ["exp_avg", None, "exp_avg_sq", "step"],
+    "lamb": ["exp_avg", "exp_avg_sq", None, None],
+    "lars_sgd": ["momentum", None, None, None],
+    "partial_rowwise_adam": ["exp_avg", None, "exp_avg_sq", None],
+    "partial_rowwise_lamb": ["exp_avg", None, "exp_avg_sq", None],
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(TT_POINTERS))
+def test_tt_state_and_kernel_pointers_from_one_table(optimizer):
+    from xferlib import tt
+
+    state = tt._row_state(3, 4, optimizer)
+    shapes = {"sum": None, "exp_avg": (3, 4), "momentum": (3, 4), "step": (3,)}
+    for name, array in state.items():
+        want = shapes.get(name)
+        assert want is None or array.shape == want, (name, array.shape)
+        assert array.dtype == (np.int64 if name == "step" else np.float32)
+        assert not array.any()
+    pointers = tt._state_pointers(state, optimizer)
+    for got, name in zip(pointers, TT_POINTERS[optimizer]):
+        if name is None:
+            assert isinstance(got, np.uint64) and got == 0
+        else:
+            assert got is state[name]
+    assert set(state) == {n for n in TT_POINTERS[optimizer] if n}
+    if "step" in state:  # a state without its step count: the kernel gets NULL there
+        del state["step"]
+        assert tt._state_pointers(state, optimizer)[3] == 0
+    elif state:
+        with pytest.raises(KeyError):
+            tt._state_pointers({}, optimizer)
