@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 
 __all__ = ["OptId", "Rule", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON", "SCALARS", "get_rule",
-           "resolve_hyper", "common_scalars", "preamble_numpy", "check_common", "cuda_defines"]
+           "resolve_hyper", "adam_hyper_row", "common_scalars", "preamble_numpy", "check_common", "cuda_defines"]
 
 
 class OptId(enum.IntEnum):
@@ -402,6 +402,17 @@ def get_rule(name: str, family: dict | None = None, what: str = "optimizer") -> 
         return family[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown {what} {name!r}; known: {sorted(family)}") from None
+
+
+def adam_hyper_row(rule: Rule, h: dict) -> list:
+    """Adam/AdamW's hyperparameters as the kernels that derive the step's scalars on the
+    device read them (the flat device-scalar step, the host-table rows): lr, beta1, beta2,
+    eps, weight_decay, decoupled, amsgrad, maximize."""
+    if rule.kind != OptId.ADAM:
+        raise ValueError(f"device-side step scalars exist for adam and adamw, not {rule.name}")
+    b1, b2 = h["betas"]
+    return [h["lr"], b1, b2, h["eps"], h["weight_decay"], float(rule.decay == "decoupled"),
+            float(h["amsgrad"]), float(h["maximize"])]
 
 
 def common_scalars(rule: Rule, h: dict) -> list:

@@ -34,8 +34,8 @@ import numpy as np
 
 from xferlib._backend import is_cupy_array
 from xferlib.optim.layout import FlatLayout
-from xferlib.optim.rules import (COMMON, FLAT_RULES, SCALARS, Rule, common_scalars, get_rule,
-                                 preamble_numpy, resolve_hyper)
+from xferlib.optim.rules import (COMMON, FLAT_RULES, SCALARS, Rule, adam_hyper_row,
+                                 common_scalars, get_rule, preamble_numpy, resolve_hyper)
 
 __all__ = ["FlatState", "FlatOptimizer", "sgd", "adam", "adamw", "adagrad", "rmsprop",
            "adamax", "nadam", "radam", "lion", "step_scalars", "fill_step_table",
@@ -270,9 +270,7 @@ def adam_device_hyper(name: str, h: dict) -> list:
     weight_decay, decoupled, amsgrad, maximize."""
     if name not in ("adam", "adamw"):
         raise ValueError(f"device-side step scalars exist for adam and adamw, not {name}")
-    b1, b2 = h["betas"]
-    return [h["lr"], b1, b2, h["eps"], h["weight_decay"], float(name == "adamw"),
-            float(h["amsgrad"]), float(h["maximize"])]
+    return adam_hyper_row(FLAT_RULES[name], h)
 
 
 def apply_adam_device_scalars(layout: FlatLayout, params, grads, buffers: dict, hyper,

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from xferlib.optim.rules import RULES
+from xferlib.optim.rules import RULES, adam_hyper_row
 
 __all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
 
@@ -154,19 +154,18 @@ def _sparse(name: str, kernel_hyper, update, row_scalars=(), initial=_zero) -> _
                        kernel_hyper, update, shared.check)
 
 
-def _adam_hyper(decoupled: bool):
+def _adam_hyper(name: str):
     """Adam and AdamW share the kernel rule; AdamW decays the weight apart from the gradient
-    (the kernel reads the flag)."""
-    return lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], float(decoupled),
-                      h["amsgrad"], h["maximize"]]
+    (the kernel reads the flag). The row is the flat device-scalar step's."""
+    return lambda h: adam_hyper_row(RULES[name], h)
 
 
 _RULES = {
     "sgd": _sparse(
         "sgd", lambda h: [h["lr"], h["momentum"], h["dampening"], h["weight_decay"],
                           h["nesterov"], h["maximize"]], _sgd),
-    "adam": _sparse("adam", _adam_hyper(False), _adam),
-    "adamw": _sparse("adamw", _adam_hyper(True), _adamw),
+    "adam": _sparse("adam", _adam_hyper("adam"), _adam),
+    "adamw": _sparse("adamw", _adam_hyper("adamw"), _adamw),
     "adagrad": _sparse(
         "adagrad", lambda h: [h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
                               h["maximize"]],
