@@ -38,7 +38,8 @@ from typing import Callable
 import numpy as np
 
 __all__ = ["OptId", "Rule", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON", "SCALARS", "get_rule",
-           "resolve_hyper", "adam_hyper_row", "common_scalars", "preamble_numpy", "check_common", "cuda_defines"]
+           "resolve_hyper", "adam_hyper_row", "common_scalars", "preamble_numpy",
+           "check_common", "cuda_defines"]
 
 
 class OptId(enum.IntEnum):
