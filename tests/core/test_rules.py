@@ -184,11 +184,10 @@ def test_old_names_still_importable():
            "partial_norm", "clip_coefficient", "clip_by_global_norm", "apply_table",
            "apply_adam_device_scalars", "adam_device_hyper", "resolve_hyper",
            "fill_step_table", "CudaStep", "TableRing", "global_norm_clip_factor",
-           "step_scalars", "COMMON", "SCALARS", "ALIGN_BYTES", "_RULES", "_chunk_table",
-           "_check_common"]
+           "step_scalars", "COMMON", "SCALARS", "ALIGN_BYTES", "chunk_table"]
     for name in old:
         assert hasattr(optim, name), name
-    assert optim.OPTIMIZERS == tuple(optim._RULES)
+    assert optim.OPTIMIZERS == tuple(optim.FLAT_RULES)
     assert set(optim.OPTIMIZERS) == {"sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax",
                                      "nadam", "radam", "lion"}
 

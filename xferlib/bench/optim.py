@@ -338,10 +338,10 @@ def _kernel_alone(bucket, flat, repeats):
     from xferlib._kernels.optim import OPTIM_MODULE, update_name
 
     rule = flat._rule
-    table = core.step_scalars(core._RULES["adam"], bucket.layout, bucket.state, flat._hypers(),
+    table = core.step_scalars(core.FLAT_RULES["adam"], bucket.layout, bucket.state, flat._hypers(),
                               np.ones(len(bucket.layout.segments), dtype=bool))
     device_table = cupy.asarray(table.astype(np.float32))
-    chunks = core._chunk_table(bucket.layout)
+    chunks = core.chunk_table(bucket.layout)
     kernel = OPTIM_MODULE.get_function(update_name(rule.kind))
     s = bucket.state.buffers
     args = (bucket.core_params, bucket.core_grads, s["exp_avg"], s["exp_avg_sq"], np.uint64(0),

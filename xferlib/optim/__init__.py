@@ -13,12 +13,8 @@ from xferlib.optim.rules import (COMMON, FLAT_RULES, OPTIMIZERS, RULES, SCALARS,
                                  resolve_hyper)
 from xferlib.optim.step import (CudaStep, FlatOptimizer, FlatState, TableRing, adagrad, adam,
                                 adam_device_hyper, adamax, adamw, apply_adam_device_scalars,
-                                apply_table, fill_step_table, lion, nadam, radam, rmsprop, sgd,
-                                step_scalars)
-# Private names of the single-module era, still read by xferlib.bench.optim.
-from xferlib.optim.rules import FLAT_RULES as _RULES
-from xferlib.optim.rules import check_common as _check_common
-from xferlib.optim.step import _chunk_table
+                                apply_table, chunk_table, fill_step_table, lion, nadam, radam,
+                                rmsprop, sgd, step_scalars)
 
 __all__ = [
     "Segment",
@@ -51,4 +47,13 @@ __all__ = [
     "RULES",
     "FLAT_RULES",
     "get_rule",
+    "global_norm_clip_factor",
+    "ALIGN_BYTES",
+    "COMMON",
+    "SCALARS",
+    "check_common",
+    "common_scalars",
+    "cuda_defines",
+    "chunk_table",
+    "step_scalars",
 ]

@@ -300,7 +300,7 @@ def apply_adam_device_scalars(layout: FlatLayout, params, grads, buffers: dict, 
     if steps.shape != (n,) or active.shape != (n,) or segment_groups.shape != (n,):
         raise ValueError(f"steps, active and segment_groups need one entry per segment ({n})")
     stream = as_cupy_stream(stream)
-    chunks = _chunk_table(layout)
+    chunks = chunk_table(layout)
     grad_dtype = np.dtype(grads.dtype).name
     vmax = buffers.get("max_exp_avg_sq")
     with stream:
@@ -337,7 +337,7 @@ def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, p
     from xferlib._kernels.optim import OPTIM_MODULE, update_name
 
     stream = as_cupy_stream(stream)
-    chunks = _chunk_table(layout)
+    chunks = chunk_table(layout)
     pointers = []
     for slot in rule.slots:
         buffer = buffers.get(slot)
@@ -491,7 +491,7 @@ class CudaStep:
         self.rule, self.layout = rule, layout
         self.device = params.device.id
         with cupy.cuda.Device(self.device):
-            chunks = _chunk_table(layout)
+            chunks = chunk_table(layout)
             self.kernel = OPTIM_MODULE.get_function(update_name(rule.kind, grad_dtype))
         self.grid, self.block = (len(chunks[0]),), (256,)
         self._keep = (params, grads, dict(buffers), params_lowp, chunks)  # pointers below
@@ -521,7 +521,7 @@ def _pointer(array):
 _CHUNK = 8192  # elements per block
 
 
-def _chunk_table(layout: FlatLayout):
+def chunk_table(layout: FlatLayout):
     """(segment id, start, end) per block, cached per layout and device."""
     import cupy
 
