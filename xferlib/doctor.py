@@ -72,9 +72,9 @@ def _nvidia_smi_driver() -> str | None:
 
 
 def _host(report: _Report) -> None:
-    from xferlib.memory import _meminfo, available_host_memory
+    from xferlib.memory import meminfo, available_host_memory
 
-    info = _meminfo()
+    info = meminfo()
     available = available_host_memory()
     if available is None:
         report.absent("host memory", "the system does not report its free memory")

@@ -36,6 +36,8 @@ from xferlib._backend import cupy_available
 
 __all__ = ["PinnedArray", "pinned_empty", "pinned_zeros", "pin", "unpin", "is_pinned",
            "device_pointer", "available_host_memory", "check_host_memory"]
+# Public for the rest of the core, outside __all__: registration_of, meminfo, format_bytes,
+# as_pinned, numpy_dtype.
 
 # cudaHostRegisterPortable: pinned for every CUDA context, not just the current device's.
 _REGISTER_PORTABLE = 1
@@ -96,7 +98,7 @@ def _unregister(ptr: int) -> None:
         pass  # the CUDA context is already gone at interpreter exit: nothing left to release
 
 
-def _registration_of(start: int, nbytes: int) -> "_Registration | None":
+def registration_of(start: int, nbytes: int) -> "_Registration | None":
     """The registration holding all of ``[start, start + nbytes)``, or None."""
     with _LOCK:
         i = bisect.bisect_right(_STARTS, start) - 1
@@ -173,7 +175,7 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _meminfo() -> dict:
+def meminfo() -> dict:
     out = {}
     try:
         with open("/proc/meminfo") as f:
@@ -214,7 +216,7 @@ def available_host_memory() -> int | None:
     """Bytes of host RAM this process can still allocate without swapping or being killed:
     ``MemAvailable`` from /proc/meminfo (``os.sysconf`` elsewhere), capped by the cgroup's
     limit. None when the system does not say."""
-    info = _meminfo()
+    info = meminfo()
     available = info.get("MemAvailable")
     if available is None:
         try:
@@ -227,7 +229,7 @@ def available_host_memory() -> int | None:
     return available
 
 
-def _format_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -250,11 +252,11 @@ def check_host_memory(nbytes: int, what: str, *, resident: int = 0) -> None:
     available = available_host_memory()
     if available is None or nbytes <= available + resident:
         return
-    total = _meminfo().get("MemTotal")
-    total_text = f" of {_format_bytes(total)} installed" if total else ""
+    total = meminfo().get("MemTotal")
+    total_text = f" of {format_bytes(total)} installed" if total else ""
     raise MemoryError(
-        f"{what} needs {_format_bytes(nbytes)} of host RAM, but only "
-        f"{_format_bytes(available + resident)} is available{total_text} (MemAvailable / the "
+        f"{what} needs {format_bytes(nbytes)} of host RAM, but only "
+        f"{format_bytes(available + resident)} is available{total_text} (MemAvailable / the "
         f"container's limit); pinned pages cannot be swapped out. Use fewer rows or a smaller "
         f"dtype (float16/bfloat16), a TT-compressed table (xferlib.tt), or free memory; "
         f"XFERLIB_HOST_MEMORY_CHECK=0 skips this check.")
@@ -287,14 +289,14 @@ def _register(array: np.ndarray) -> _Registration | None:
             return None  # pinned already by its owner; that owner keeps it pinned
         if status == _OUT_OF_MEMORY:
             raise MemoryError(
-                f"the CUDA driver could not pin {_format_bytes(array.nbytes)} of host memory "
+                f"the CUDA driver could not pin {format_bytes(array.nbytes)} of host memory "
                 f"({err}); the locked-memory limit (ulimit -l) or host RAM is too small for "
                 f"this table") from err
         raise
     return _Registration(_owner(array), ptr, array.nbytes)
 
 
-def _as_pinned(array: np.ndarray) -> PinnedArray:
+def as_pinned(array: np.ndarray) -> PinnedArray:
     registration = _register(array)
     view = array.view(PinnedArray)
     view._registration = registration
@@ -320,13 +322,13 @@ def _checked_shape(shape, fn: str) -> tuple:
 
 def _allocate(shape, dtype, fn: str, fill_zero: bool) -> PinnedArray:
     dims = _checked_shape(shape, fn)
-    dtype = _numpy_dtype(dtype, fn)
+    dtype = numpy_dtype(dtype, fn)
     nbytes = dtype.itemsize
     for d in dims:
         nbytes *= d  # Python ints: no overflow
     check_host_memory(nbytes, f"{fn}(shape={dims}, dtype={dtype.name})")
     array = np.zeros(dims, dtype=dtype) if fill_zero else np.empty(dims, dtype=dtype)
-    return _as_pinned(array)
+    return as_pinned(array)
 
 
 def pinned_empty(shape, dtype=np.float32) -> PinnedArray:
@@ -373,7 +375,7 @@ def pin(array: np.ndarray) -> PinnedArray:
     if array.nbytes == 0 or not cupy_available():
         return array.view(PinnedArray)
     start = array.ctypes.data
-    registration = _registration_of(start, array.nbytes)
+    registration = registration_of(start, array.nbytes)
     if registration is not None:  # pinned already (maybe through another view)
         view = array.view(PinnedArray)
         view._registration = registration
@@ -386,7 +388,7 @@ def pin(array: np.ndarray) -> PinnedArray:
             "pin the whole array once, or xferlib.unpin the earlier one first")
     check_host_memory(array.nbytes, f"pin() of a {array.shape} {array.dtype} array",
                       resident=_rss_bytes())
-    return _as_pinned(array)
+    return as_pinned(array)
 
 
 def unpin(array) -> None:
@@ -397,7 +399,7 @@ def unpin(array) -> None:
         raise TypeError(f"unpin() takes a numpy.ndarray, got {type(array).__name__}")
     registration = getattr(array, "_registration", None)
     if registration is None and array.nbytes:
-        registration = _registration_of(array.ctypes.data, array.nbytes)
+        registration = registration_of(array.ctypes.data, array.nbytes)
     if registration is not None:
         registration.close()
 
@@ -407,7 +409,7 @@ def is_pinned(array) -> bool:
     if not isinstance(array, np.ndarray) or array.nbytes == 0 or not cupy_available():
         return False
     start = array.ctypes.data
-    if _registration_of(start, array.nbytes) is not None:
+    if registration_of(start, array.nbytes) is not None:
         return True
     import cupy
 
@@ -437,7 +439,7 @@ def device_pointer(array: np.ndarray, name: str = "array") -> int:
     return int(attrs.devicePointer)
 
 
-def _numpy_dtype(dtype, fn: str = "pinned_empty") -> np.dtype:
+def numpy_dtype(dtype, fn: str = "pinned_empty") -> np.dtype:
     if isinstance(dtype, str) and dtype == "bfloat16":
         import ml_dtypes
 

@@ -41,7 +41,7 @@ import weakref
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array, namespace_name
-from xferlib.memory import _registration_of, device_pointer, is_pinned
+from xferlib.memory import registration_of, device_pointer, is_pinned
 from xferlib.perf import warn_slow_rows_path
 
 __all__ = [
@@ -181,7 +181,7 @@ def _device_address(array, name: str) -> int:
     if is_cupy_array(array):
         return int(array.data.ptr)
     start = array.ctypes.data
-    reg = _registration_of(start, array.nbytes) if array.nbytes else None
+    reg = registration_of(start, array.nbytes) if array.nbytes else None
     if reg is None:
         return device_pointer(array, name)
     base = _REGISTERED_BASES.get(reg)
@@ -194,7 +194,7 @@ def _device_address(array, name: str) -> int:
 
 
 def _is_gpu_reachable(array) -> bool:
-    return is_cupy_array(array) or (array.nbytes > 0 and _registration_of(
+    return is_cupy_array(array) or (array.nbytes > 0 and registration_of(
         array.ctypes.data, array.nbytes) is not None) or is_pinned(array)
 
 

@@ -96,6 +96,6 @@ def assert_matches_reference(actual, reference, dtype, *, scale: float = 1.0) ->
 
 def random_rows(rng: np.random.Generator, shape, dtype) -> np.ndarray:
     """Random normal data (never zeros) in ``dtype`` (``"bfloat16"`` via ml_dtypes)."""
-    from xferlib.memory import _numpy_dtype
+    from xferlib.memory import numpy_dtype
 
-    return rng.standard_normal(shape).astype(_numpy_dtype(dtype))
+    return rng.standard_normal(shape).astype(numpy_dtype(dtype))

@@ -103,21 +103,21 @@ class SharedMemory:
         """A new zero-filled block of ``nbytes`` of storage. Its pages are reserved at once
         (``posix_fallocate``): a block the RAM disk cannot hold raises MemoryError here, not
         a bus error on first touch."""
-        from xferlib.memory import _format_bytes, check_host_memory
+        from xferlib.memory import format_bytes, check_host_memory
 
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         directory = directory or shared_memory_directory()
         total = HEADER_BYTES + nbytes
-        check_host_memory(total, f"a shared host table of {_format_bytes(total)}")
+        check_host_memory(total, f"a shared host table of {format_bytes(total)}")
         try:
             free = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
         except OSError:
             free = None
         if free is not None and total > free:
-            raise MemoryError(f"a shared host table of {_format_bytes(total)} does not fit in "
-                              f"{directory} ({_format_bytes(free)} free); enlarge it (e.g. "
+            raise MemoryError(f"a shared host table of {format_bytes(total)} does not fit in "
+                              f"{directory} ({format_bytes(free)} free); enlarge it (e.g. "
                               f"docker --shm-size) or set XFERLIB_SHM_DIR to a larger tmpfs")
         text = json.dumps(header).encode()
         if len(_MAGIC) + 8 + len(text) > HEADER_BYTES:
@@ -129,7 +129,7 @@ class SharedMemory:
             try:
                 os.posix_fallocate(fd, 0, total)
             except OSError as err:
-                raise MemoryError(f"cannot reserve {_format_bytes(total)} in {directory} for a "
+                raise MemoryError(f"cannot reserve {format_bytes(total)} in {directory} for a "
                                   f"shared host table ({err.strerror}); enlarge it or set "
                                   f"XFERLIB_SHM_DIR") from None
             mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -187,12 +187,12 @@ class SharedMemory:
             base = np.frombuffer(self._mapping, np.uint8, self.nbytes, HEADER_BYTES)
             if self._pin and self.nbytes:
                 from xferlib._backend import cupy_available
-                from xferlib.memory import _as_pinned
+                from xferlib.memory import as_pinned
 
                 # No host-memory check: the pages exist already (the creator reserved them);
                 # pinning them takes no new RAM.
                 if cupy_available():
-                    base = _as_pinned(base)
+                    base = as_pinned(base)
             self._base = base
         return self._base.view(dtype).reshape(shape)
 
