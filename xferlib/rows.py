@@ -41,7 +41,7 @@ import weakref
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array, namespace_name
-from xferlib.memory import registration_of, device_pointer, is_pinned
+from xferlib.memory import device_pointer, is_pinned, registration_of
 from xferlib.perf import warn_slow_rows_path
 
 __all__ = [
@@ -107,7 +107,7 @@ def _check_table(table, name: str = "table") -> None:
                          f"its itemsize {itemsize}")
 
 
-def _check_index_dtype(idx) -> None:
+def check_index_dtype(idx) -> None:
     namespace_name(idx)
     if idx.dtype not in _INDEX_DTYPES:
         raise TypeError(f"indices must be int32 or int64, got {idx.dtype}")
@@ -122,7 +122,7 @@ def _raise_bad_index(position: int, value: int, num_rows: int):
     )
 
 
-def _check_host_indices(idx: np.ndarray, num_rows: int) -> None:
+def check_host_indices(idx: np.ndarray, num_rows: int) -> None:
     bad = (idx < 0) | (idx >= num_rows)
     if bad.any():
         position = int(np.argmax(bad))
@@ -157,7 +157,7 @@ def unique_indices(idx):
 
     ``unique[inverse] == idx``. Returns arrays of the same namespace as ``idx``.
     """
-    _check_index_dtype(idx)
+    check_index_dtype(idx)
     if is_cupy_array(idx):
         import cupy
 
@@ -207,14 +207,14 @@ def _word_bytes(*values: int) -> int:
     return 1
 
 
-def _sorted_positions(idx, num_rows: int, stream, presorted: bool = False,
-                      tiled_max: int = _TILED_SORT_MAX):
+def sorted_positions(idx, num_rows: int, stream, presorted: bool = False,
+                     tiled_max: int = _TILED_SORT_MAX):
     """Check GPU indices and sort positions by row, all queued without a host sync.
 
     Returns ``(rows, perm, verdict)``: the rows in ascending order, ``perm`` mapping each
     sorted position to its batch position (ties in batch order), and a 2-word device verdict
     (first bad position, first out-of-order position; all ones when clean). The row kernels
-    read it and leave every array untouched when it is set; :func:`_raise_if_bad` reads it
+    read it and leave every array untouched when it is set; :func:`raise_if_bad` reads it
     once the work is queued. ``presorted``: the caller promises ascending indices; they are
     checked, not sorted. ``tiled_max``: up to this many positions the tile sort + merges
     runs; above, CuPy's argsort, whose Thrust call waits for the device (a host sync).
@@ -243,6 +243,10 @@ def _sorted_positions(idx, num_rows: int, stream, presorted: bool = False,
     return keys.take(perm), perm, verdict
 
 
+# The old name, until xferlib/tt.py (being split into xferlib/tt/) imports sorted_positions.
+_sorted_positions = sorted_positions
+
+
 _IDENTITY = {}
 
 
@@ -261,7 +265,7 @@ _SHARED_SET = {}
 
 
 def _sorted_positions_small(idx, num_rows: int, stream):
-    """:func:`_sorted_positions` without a device-wide sort or a host sync: tiles of up to
+    """:func:`sorted_positions` without a device-wide sort or a host sync: tiles of up to
     16,384 positions are checked, narrowed and sorted by one block each (one launch), then
     merged pairwise (one launch per doubling). A single tile is one launch."""
     import cupy
@@ -302,7 +306,7 @@ def _sorted_positions_small(idx, num_rows: int, stream):
     return rows, perm, verdict
 
 
-def _raise_if_bad(verdict, idx, num_rows: int, stream) -> None:
+def raise_if_bad(verdict, idx, num_rows: int, stream) -> None:
     """Read the verdict (one 16-byte device-to-host copy: a stream sync) and raise."""
     bad, unsorted = (int(v) for v in verdict.get(stream=stream))
     if bad != _NO_BAD_INDEX:
@@ -469,12 +473,12 @@ def _launch_sorted_kernel(kind: str, table, keys, perm, first_bad, rows, stream)
         stream=stream)
 
 
-def _to_gpu_indices(idx, num_rows):
+def to_gpu_indices(idx, num_rows):
     import cupy
 
     if is_cupy_array(idx):
         return idx
-    _check_host_indices(idx, num_rows)
+    check_host_indices(idx, num_rows)
     return cupy.asarray(idx)
 
 
@@ -503,7 +507,7 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
     [[9.0, 10.0, 11.0], [0.0, 1.0, 2.0], [9.0, 10.0, 11.0]]
     """
     _check_table(table)
-    _check_index_dtype(idx)
+    check_index_dtype(idx)
     num_rows, dim = table.shape
     n = idx.shape[0]
     on_gpu = is_cupy_array(idx) or is_cupy_array(table) or (out is not None and is_cupy_array(out))
@@ -511,10 +515,10 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
         _check_rows_arg(out, "out", table, n)
     warn_slow_rows_path("gather_rows", table, idx, out)  # pageable table etc.: warn once
     if not on_gpu:
-        _check_host_indices(idx, num_rows)
+        check_host_indices(idx, num_rows)
         if sorted_indices:
             _check_host_order(idx)
-        return _take_rows(np.asarray(table), idx, out)
+        return take_rows(np.asarray(table), idx, out)
 
     cupy = _cupy_for_gpu_path()
     stream = as_cupy_stream(stream)
@@ -531,12 +535,12 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
             else:
                 np.copyto(out, rows)
             return out
-        idx = _to_gpu_indices(idx, num_rows)
+        idx = to_gpu_indices(idx, num_rows)
         if out is None:
             out = cupy.empty((n, dim), dtype=table.dtype)
         if n == 0 or dim == 0:
             return out
-        keys, perm, first_bad = _sorted_positions(idx, num_rows, stream, sorted_indices)
+        keys, perm, first_bad = sorted_positions(idx, num_rows, stream, sorted_indices)
         _launch_sorted_kernel("gather", table, keys, perm, first_bad, out, stream)
         _PENDING.push("gather_rows", first_bad, idx, num_rows, stream, keep=(table, out))
     return out
@@ -567,7 +571,7 @@ def scatter_add_rows(table, idx, src, *, stream=None, sorted_indices: bool = Fal
 
 def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
     _check_table(table)
-    _check_index_dtype(idx)
+    check_index_dtype(idx)
     num_rows = table.shape[0]
     n = idx.shape[0]
     _check_rows_arg(src, "src", table, n)
@@ -577,7 +581,7 @@ def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
                         f"table, got {table.dtype}")
     on_gpu = is_cupy_array(table) or is_cupy_array(idx) or is_cupy_array(src)
     if not on_gpu:
-        _check_host_indices(idx, num_rows)
+        check_host_indices(idx, num_rows)
         if sorted_indices:
             _check_host_order(idx)
         (_scatter_add_numpy if accumulate else _scatter_numpy)(table, idx, src)
@@ -593,12 +597,12 @@ def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
             stream.synchronize()
             return _scatter(table, host_idx, host_src, None, sorted_indices,
                             accumulate=accumulate)
-        idx = _to_gpu_indices(idx, num_rows)
+        idx = to_gpu_indices(idx, num_rows)
         if not _is_gpu_reachable(src):
             src = cupy.asarray(src)
         if n == 0 or table.shape[1] == 0:
             return table
-        keys, perm, first_bad = _sorted_positions(idx, num_rows, stream, sorted_indices)
+        keys, perm, first_bad = sorted_positions(idx, num_rows, stream, sorted_indices)
         _launch_sorted_kernel("add" if accumulate else "scatter", table, keys, perm, first_bad,
                               src, stream)
         _PENDING.push("scatter_add_rows" if accumulate else "scatter_rows", first_bad, idx,
@@ -606,7 +610,7 @@ def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
     return table
 
 
-def _take_rows(table: np.ndarray, idx, out=None) -> np.ndarray:
+def take_rows(table: np.ndarray, idx, out=None) -> np.ndarray:
     """``table[idx]`` into ``out``. np.take would first copy a table whose rows are strided
     (a column slice of a wider array) whole; indexing reads only the rows asked for."""
     if table.flags.c_contiguous:

@@ -185,7 +185,7 @@ class DeviceCache:
 
         from xferlib._kernels.cache import (CACHE_MARK_NAME, CACHE_MODULE, cache_insert_name,
                                            cache_sets_name)
-        from xferlib.rows import _sorted_positions
+        from xferlib.rows import sorted_positions
 
         n = plan.n
         set_key = cupy.empty(n, dtype=np.int32)
@@ -195,7 +195,7 @@ class DeviceCache:
         CACHE_MODULE.get_function(cache_sets_name(plan.keys.itemsize))(
             (blocks,), (256,), (plan.keys, plan.run, np.int64(n), np.int64(self.n_sets),
                                 set_key, run_row, self.tick, plan.verdict), stream=stream)
-        sets, order, _ = _sorted_positions(set_key, self.n_sets + 1, stream)
+        sets, order, _ = sorted_positions(set_key, self.n_sets + 1, stream)
         grid, block = self.side._grid(n)
         CACHE_MODULE.get_function(cache_insert_name(self.side.vec, self.side.dtype_name))(
             grid, block, (*self.side._host_args(), *self._layout_args(), self.tags,

@@ -18,7 +18,7 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array
 from xferlib.memory import device_pointer
-from xferlib.rows import _raise_if_bad, _sorted_positions, _to_gpu_indices
+from xferlib.rows import raise_if_bad, sorted_positions, to_gpu_indices
 from xferlib.table.cache import DeviceCache
 
 _NO_BAD = np.iinfo(np.uint64).max
@@ -97,7 +97,7 @@ class _PendingCheck:
         if (self.host != _NO_BAD).any():
             import cupy
 
-            _raise_if_bad(self.plan.verdict, self.plan.idx, self.num_rows,
+            raise_if_bad(self.plan.verdict, self.plan.idx, self.num_rows,
                           cupy.cuda.get_current_stream())
 
 
@@ -175,8 +175,8 @@ class _DeviceSide:
         from xferlib._kernels.table import (RUN_IDS_MAX, TABLE_MODULE, run_ids_name,
                                             run_starts_name)
 
-        idx = _to_gpu_indices(idx, self.table.num_rows)
-        keys, perm, verdict = _sorted_positions(idx, self.table.num_rows, stream)
+        idx = to_gpu_indices(idx, self.table.num_rows)
+        keys, perm, verdict = sorted_positions(idx, self.table.num_rows, stream)
         n = keys.size
         if n <= RUN_IDS_MAX:
             run = cupy.empty(n, dtype=np.int64)

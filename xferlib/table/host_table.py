@@ -24,7 +24,7 @@ import numpy as np
 from xferlib._backend import as_cupy_stream, cupy_available, is_cupy_array
 from xferlib.memory import check_host_memory, is_pinned, pin, pinned_empty
 from xferlib.perf import warn_cache_thrashing
-from xferlib.rows import _check_host_indices, _check_index_dtype, _take_rows
+from xferlib.rows import check_host_indices, check_index_dtype, take_rows
 from xferlib.table.device import _DeviceSide, _Plan
 from xferlib.table.io import load_table, save_table
 from xferlib.table.layout import _INIT_CHUNK_ROWS, _RowLayout, _initial_weights, _split_state
@@ -332,13 +332,13 @@ class HostTable:
         GPU indices are checked on the device without a host sync: an index outside the table
         makes the batch's kernels write nothing and raises IndexError from a later call (at
         the latest once the device is two batches behind) or from :meth:`check`."""
-        _check_index_dtype(idx)
+        check_index_dtype(idx)
         if is_cupy_array(idx):
             rows, batch = self._gpu_state().lookup(idx, out, stream)
             return (rows, batch) if return_batch else rows
         self._flush(drop_cache=True)
-        _check_host_indices(idx, self.num_rows)
-        rows = _take_rows(self._weights.view(np.ndarray), idx, out)
+        check_host_indices(idx, self.num_rows)
+        rows = take_rows(self._weights.view(np.ndarray), idx, out)
         return (rows, idx) if return_batch else rows
 
     def apply_gradients(self, idx, grad_rows, *, stream=None) -> None:
@@ -356,7 +356,7 @@ class HostTable:
                                  f"got {grad_rows.shape}")
             self._gpu_state().apply(idx, grad_rows, stream)
             return
-        _check_index_dtype(idx)
+        check_index_dtype(idx)
         self._check_grads(idx, grad_rows)
         if is_cupy_array(idx):
             if not is_cupy_array(grad_rows):
@@ -365,7 +365,7 @@ class HostTable:
             return
         if is_cupy_array(grad_rows):
             raise TypeError("grad_rows must be a NumPy array like idx")
-        _check_host_indices(idx, self.num_rows)
+        check_host_indices(idx, self.num_rows)
         self._flush(drop_cache=True)
         if idx.size:
             self._update_numpy(idx, grad_rows)
@@ -394,7 +394,7 @@ class HostTable:
         state is left as it is. CuPy ``idx`` and ``rows`` write straight to pinned memory."""
         from xferlib.rows import check_rows, scatter_rows
 
-        _check_index_dtype(idx)
+        check_index_dtype(idx)
         if rows.shape != (idx.shape[0], self.dim):
             raise ValueError(f"rows must have shape {(idx.shape[0], self.dim)}, got {rows.shape}")
         if is_cupy_array(idx) and is_cupy_array(rows):
@@ -414,7 +414,7 @@ class HostTable:
         if is_cupy_array(idx) or is_cupy_array(rows):
             idx = idx.get() if is_cupy_array(idx) else idx
             rows = rows.get() if is_cupy_array(rows) else rows
-        _check_host_indices(idx, self.num_rows)
+        check_host_indices(idx, self.num_rows)
         self._flush(drop_cache=True)
         self._weights.view(np.ndarray)[idx] = np.asarray(rows, dtype=self.dtype)
 
@@ -423,7 +423,7 @@ class HostTable:
         :meth:`lookup` of this same ``idx`` object uses them. Updates queued before the
         matching lookup are folded in (no stale rows), and nothing is written by a
         prefetch (no lost updates)."""
-        _check_index_dtype(idx)
+        check_index_dtype(idx)
         if not is_cupy_array(idx):
             raise TypeError("prefetch takes CuPy indices (the GPU path)")
         _prefetch(self._gpu_state(), idx, stream)
