@@ -92,7 +92,7 @@ def build_shared_table(group, num_rows, dim, dtype, optimizer, optimizer_kwargs,
     """A HostTable shared by the ranks of ``group`` (all on this host): rank 0 creates and
     initializes it (then calls ``prepare(table)``), the others open it. Ranks that disagree
     on the configuration, or sit on different hosts, get ValueError on every rank."""
-    from xferlib.table.rules import _resolve_hyper
+    from xferlib.table.rules import resolve_hyper
 
     rank = dist.get_rank(group)
 
@@ -101,7 +101,7 @@ def build_shared_table(group, num_rows, dim, dtype, optimizer, optimizer_kwargs,
             raise ValueError("a host table shared by a process group needs a fused optimizer "
                              "(optimizer=None trains rows with a torch.optim optimizer in "
                              "each process); pass process_group=None for a private table")
-        hyper = json.loads(json.dumps(_resolve_hyper(optimizer, optimizer_kwargs)))
+        hyper = json.loads(json.dumps(resolve_hyper(optimizer, optimizer_kwargs)))
         mine = dict(num_rows=int(num_rows), dim=int(dim), dtype=np.dtype(dtype).name,
                     optimizer=optimizer, hyper=hyper, padding_idx=padding_idx,
                     host=socket.gethostname())

@@ -71,7 +71,7 @@ def test_a_second_prefetch_may_evict_the_lookups_rows():
 
 
 class _Protocol:
-    """The host side's bookkeeping of cache passes (``_DeviceSide.last_pass``, prefetch.py's
+    """The host side's bookkeeping of cache passes (``DeviceSide.last_pass``, prefetch.py's
     ``Pending.protects``) over the policy model: lookups take a matching prefetch, prefetches
     protect the previous pass. ``update`` asserts the rule ``must_wait`` relies on: a batch
     whose update does not wait keeps every cached row in its slot through the pass of the

@@ -26,7 +26,7 @@ _MAX_PENDING_CHECKS = 2  # the host may run this many unchecked batches ahead of
 
 
 @dataclasses.dataclass(eq=False)
-class _Plan:
+class Plan:
     """A batch on the GPU: indices checked and sorted, runs of equal rows numbered, and (with
     a cache) the slot of each run's row when it was looked up."""
 
@@ -69,7 +69,7 @@ class _VerdictRing:
 class _PendingCheck:
     """A batch's verdict on its way to the host (pinned memory, an event on the stream)."""
 
-    def __init__(self, plan: _Plan, num_rows: int, stream, capturing: bool, ring=None):
+    def __init__(self, plan: Plan, num_rows: int, stream, capturing: bool, ring=None):
         import cupy
         import cupyx
 
@@ -101,7 +101,7 @@ class _PendingCheck:
                           cupy.cuda.get_current_stream())
 
 
-class _DeviceSide:
+class DeviceSide:
     """Kernels, the hot-row cache, the prefetch stream and the pending input checks."""
 
     def __init__(self, table):
@@ -169,7 +169,7 @@ class _DeviceSide:
             self.hyper = cupy.asarray(np.array(values + [0.0] * (16 - len(values))))
         return self.hyper
 
-    def plan(self, idx, stream) -> _Plan:
+    def plan(self, idx, stream) -> Plan:
         import cupy
 
         from xferlib._kernels.table import (RUN_IDS_MAX, TABLE_MODULE, run_ids_name,
@@ -183,14 +183,14 @@ class _DeviceSide:
             if n:
                 TABLE_MODULE.get_function(run_ids_name(keys.dtype.itemsize))(
                     (1,), (1024,), (keys, np.int64(n), run), stream=stream)
-            return _Plan(idx, keys, perm, run, verdict)
+            return Plan(idx, keys, perm, run, verdict)
         flags = cupy.empty(n, dtype=np.int64)
         blocks = max(1, min(4096, -(-n // 256)))
         TABLE_MODULE.get_function(run_starts_name(keys.dtype.itemsize))(
             (blocks,), (256,), (keys, np.int64(n), flags), stream=stream)
         run = cupy.cumsum(flags)
         run -= 1
-        return _Plan(idx, keys, perm, run, verdict)
+        return Plan(idx, keys, perm, run, verdict)
 
     def _record(self, stream) -> None:
         import cupy
@@ -203,7 +203,7 @@ class _DeviceSide:
 
     # -------------------------------------------------------------- input checks
 
-    def defer_check(self, plan: _Plan, stream) -> None:
+    def defer_check(self, plan: Plan, stream) -> None:
         capturing = is_capturing(stream)
         if not capturing and self.ring is None:
             self.ring = _VerdictRing()
@@ -230,7 +230,7 @@ class _DeviceSide:
 
     # -------------------------------------------------------------- gather and expand
 
-    def gather_unique(self, plan: _Plan, stream, which: int = 0, out=None,
+    def gather_unique(self, plan: Plan, stream, which: int = 0, out=None,
                       prefetch: bool = False):
         import cupy
 
@@ -249,7 +249,7 @@ class _DeviceSide:
                               plan.verdict), stream=stream)
         return out
 
-    def expand(self, plan: _Plan, uniq, out, stream):
+    def expand(self, plan: Plan, uniq, out, stream):
         import cupy
 
         from xferlib._kernels.table import TABLE_MODULE, expand_rows_name
@@ -303,12 +303,12 @@ class _DeviceSide:
             self._record(stream)
         return rows, plan
 
-    def _empty_plan(self, idx) -> _Plan:
+    def _empty_plan(self, idx) -> Plan:
         import cupy
 
         empty = cupy.empty(0, dtype=np.int64)
-        return _Plan(idx, empty, empty, empty,
-                     cupy.full(2, np.iinfo(np.uint64).max, dtype=np.uint64))
+        return Plan(idx, empty, empty, empty,
+                    cupy.full(2, np.iinfo(np.uint64).max, dtype=np.uint64))
 
     # -------------------------------------------------------------- update
 
@@ -321,11 +321,11 @@ class _DeviceSide:
         table = self.table
         stream = as_cupy_stream(stream)
         self.resolve_checks()
-        if (idx.n if isinstance(idx, _Plan) else idx.shape[0]) == 0:
+        if (idx.n if isinstance(idx, Plan) else idx.shape[0]) == 0:
             return
         with stream:
             grads = cupy.ascontiguousarray(grads, dtype=table.dtype)
-            fresh = not isinstance(idx, _Plan)
+            fresh = not isinstance(idx, Plan)
             plan = self.plan(idx, stream) if fresh else idx
             pending = self.pending
             slots = None
@@ -355,7 +355,7 @@ class _DeviceSide:
                 self.defer_check(plan, stream)
             self._record(stream)
 
-    def _sum_gradients(self, plan: _Plan, grads, stream):
+    def _sum_gradients(self, plan: Plan, grads, stream):
         """Each run's gradient sum, in sorted-position order: deterministic."""
         import cupy
 

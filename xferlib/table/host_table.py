@@ -25,11 +25,11 @@ from xferlib._backend import as_cupy_stream, cupy_available, is_cupy_array
 from xferlib.memory import check_host_memory, is_pinned, pin, pinned_empty
 from xferlib.perf import warn_cache_thrashing
 from xferlib.rows import check_host_indices, check_index_dtype, take_rows
-from xferlib.table.device import _DeviceSide, _Plan
+from xferlib.table.device import DeviceSide, Plan
 from xferlib.table.io import load_table, save_table
-from xferlib.table.layout import _INIT_CHUNK_ROWS, _RowLayout, _initial_weights, _split_state
+from xferlib.table.layout import INIT_CHUNK_ROWS, RowLayout, initial_weights, split_state
 from xferlib.table.prefetch import prefetch as _prefetch
-from xferlib.table.rules import _resolve_hyper, _rule, _sum_duplicates
+from xferlib.table.rules import resolve_hyper, sparse_rule, sum_duplicates
 
 __all__ = ["HostTable"]
 
@@ -97,16 +97,16 @@ class HostTable:
                 raise ValueError("optimizer_kwargs given without an optimizer")
             self._rule, self._hyper = None, {}
         else:
-            self._rule = _rule(optimizer)
-            self._hyper = _resolve_hyper(optimizer, optimizer_kwargs)
+            self._rule = sparse_rule(optimizer)
+            self._hyper = resolve_hyper(optimizer, optimizer_kwargs)
         self.num_rows, self.dim, self.dtype = num_rows, dim, dtype
         self.optimizer = optimizer
         self.cache_rows = min(cache_rows, num_rows)
         self.cache_policy = cache_policy
         self.cache_admission = cache_admission
-        self._layout = _RowLayout(dim, dtype.itemsize,
-                                  tuple(self._rule.slots(self._hyper)) if self._rule else (),
-                                  self._rule.row_scalars if self._rule else ())
+        self._layout = RowLayout(dim, dtype.itemsize,
+                                 tuple(self._rule.slots(self._hyper)) if self._rule else (),
+                                 self._rule.row_scalars if self._rule else ())
         self._shared = None
         if shared is False:
             self._allocate(init, np.random.default_rng(seed))
@@ -139,18 +139,18 @@ class HostTable:
             self._state = alloc(shape + (layout.state_width,), self.dtype)
             fill_weights = None
         else:
-            fill_weights = _initial_weights(init, rng)
+            fill_weights = initial_weights(init, rng)
             self._storage = alloc(shape + (layout.row_width,), self.dtype)
             self._weights = self._storage[:, :self.dim]
             self._state = self._storage[:, layout.state_offset:]
         initial = self._rule.initial(self._hyper) if self._rule else 0.0
-        for start in range(0, self.num_rows, _INIT_CHUNK_ROWS):
-            stop = min(start + _INIT_CHUNK_ROWS, self.num_rows)
+        for start in range(0, self.num_rows, INIT_CHUNK_ROWS):
+            stop = min(start + INIT_CHUNK_ROWS, self.num_rows)
             if fill_weights is not None:
                 fill_weights(self._weights[start:stop])
             state = self._state[start:stop]
             state[...] = 0
-            slots, scalars, steps = _split_state(layout, state)
+            slots, scalars, steps = split_state(layout, state)
             for view in (*slots.values(), *scalars.values()):
                 view[...] = initial
             steps[...] = 0
@@ -168,7 +168,7 @@ class HostTable:
         shape = (self.num_rows, self._layout.row_width)
         header = self._shared_header()
         if shared is True:
-            fill_weights = None if isinstance(init, np.ndarray) else _initial_weights(init, rng)
+            fill_weights = None if isinstance(init, np.ndarray) else initial_weights(init, rng)
             if isinstance(init, np.ndarray) and (init.shape != (self.num_rows, self.dim)
                                                  or init.dtype != self.dtype):
                 raise ValueError(f"init array must have shape {(self.num_rows, self.dim)} "
@@ -196,13 +196,13 @@ class HostTable:
         if shared is not True:
             return  # the creator initialized it
         initial = self._rule.initial(self._hyper) if self._rule else 0.0
-        for start in range(0, self.num_rows, _INIT_CHUNK_ROWS):
-            stop = min(start + _INIT_CHUNK_ROWS, self.num_rows)
+        for start in range(0, self.num_rows, INIT_CHUNK_ROWS):
+            stop = min(start + INIT_CHUNK_ROWS, self.num_rows)
             if fill_weights is None:
                 self._weights[start:stop] = init[start:stop]
             else:
                 fill_weights(self._weights[start:stop])
-            slots, scalars, steps = _split_state(self._layout, self._state[start:stop])
+            slots, scalars, steps = split_state(self._layout, self._state[start:stop])
             for view in (*slots.values(), *scalars.values()):  # the rest stays zero
                 view[...] = initial
 
@@ -247,7 +247,7 @@ class HostTable:
         cannot change."""
         if self._rule is None:
             raise ValueError("this table has no optimizer")
-        h = _resolve_hyper(self.optimizer, {**self._hyper, **changes})
+        h = resolve_hyper(self.optimizer, {**self._hyper, **changes})
         if tuple(self._rule.slots(h)) != self._layout.slots:
             raise ValueError(f"{sorted(changes)} would change the optimizer state layout "
                              f"{self._layout.slots}; build a new table")
@@ -269,7 +269,7 @@ class HostTable:
         """Optimizer state ``name`` as a read-only view: a slot (``num_rows x dim``), a row
         scalar (``num_rows``), or ``"step"`` (how often each row was updated)."""
         self._flush()
-        slots, scalars, steps = _split_state(self._layout, self._state.view(np.ndarray))
+        slots, scalars, steps = split_state(self._layout, self._state.view(np.ndarray))
         found = {**slots, **scalars, "step": steps}
         if name not in found:
             raise KeyError(f"no optimizer state {name!r}; this table has {sorted(found)}")
@@ -289,7 +289,7 @@ class HostTable:
         if weights.shape != (self.num_rows, self.dim):
             raise ValueError(f"weights must have shape {(self.num_rows, self.dim)}, got "
                              f"{weights.shape}")
-        slots, scalars, steps = _split_state(self._layout, self._state.view(np.ndarray))
+        slots, scalars, steps = split_state(self._layout, self._state.view(np.ndarray))
         views = {**slots, **scalars, "step": steps}
         missing = sorted(set(views) - set(state))
         if missing:
@@ -348,7 +348,7 @@ class HostTable:
         if self._rule is None:
             raise ValueError("this table has no optimizer; build it with optimizer=... or "
                              "write rows with scatter()")
-        if isinstance(idx, _Plan):  # a batch from lookup(..., return_batch=True)
+        if isinstance(idx, Plan):  # a batch from lookup(..., return_batch=True)
             if not is_cupy_array(grad_rows):
                 raise TypeError("grad_rows must be a CuPy array for a GPU batch")
             if grad_rows.shape != (idx.n, self.dim):
@@ -378,11 +378,11 @@ class HostTable:
             raise TypeError(f"grad_rows must be floating point, got {grads.dtype}")
 
     def _update_numpy(self, idx, grads) -> None:
-        rows, g = _sum_duplicates(np.asarray(idx), np.asarray(grads, dtype=self.dtype))
+        rows, g = sum_duplicates(np.asarray(idx), np.asarray(grads, dtype=self.dtype))
         weights = self._weights.view(np.ndarray)
         state = self._state.view(np.ndarray)
         w, s = weights[rows], state[rows]
-        slots, scalars, steps = _split_state(self._layout, s)
+        slots, scalars, steps = split_state(self._layout, s)
         t = steps + 1
         self._rule.update(self._hyper, w, slots, scalars, g, t[:, None])
         steps[...] = t
@@ -473,14 +473,14 @@ class HostTable:
         if self._gpu is not None:
             self._gpu.flush(drop_cache)
 
-    def _gpu_state(self) -> "_DeviceSide":
+    def _gpu_state(self) -> "DeviceSide":
         if self._gpu is None:
             if self.closed:
                 raise ValueError("this table is closed")
             if not is_pinned(self._state.view(np.ndarray)):
                 raise ValueError("this table's memory is not pinned (it was built without a "
                                  "GPU); the GPU path needs pinned memory")
-            self._gpu = _DeviceSide(self)
+            self._gpu = DeviceSide(self)
         return self._gpu
 
     def __repr__(self) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
-class _RowLayout:
+class RowLayout:
     """Where each part of a row sits, in units of the table's dtype."""
 
     dim: int
@@ -47,7 +47,7 @@ def _align(units: int, itemsize: int, boundary: int) -> int:
     return -(-units // per_word) * per_word
 
 
-def _split_state(layout: _RowLayout, state):
+def split_state(layout: RowLayout, state):
     """Views of a (rows x state_width) block: slots, row scalars and the int64 steps."""
     dim = layout.dim
     slots = {name: state[:, k * dim:(k + 1) * dim] for k, name in enumerate(layout.slots)}
@@ -59,7 +59,7 @@ def _split_state(layout: _RowLayout, state):
     return slots, scalars, steps
 
 
-def _initial_weights(init, rng):
+def initial_weights(init, rng):
     """Parse ``init``: ``"zeros"``, ``("uniform", low, high)``, ``("normal", mean, std)``."""
     if isinstance(init, str):
         init = (init,)
@@ -79,6 +79,6 @@ def _initial_weights(init, rng):
                      f"a (num_rows, dim) NumPy array, got {init!r}")
 
 
-_INIT_CHUNK_ROWS = 1 << 16
+INIT_CHUNK_ROWS = 1 << 16
 
 

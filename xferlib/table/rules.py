@@ -18,6 +18,8 @@ import numpy as np
 from xferlib.optim.rules import RULES, adam_hyper_row
 
 __all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
+# Public for the rest of the table package, outside __all__: sparse_rule, resolve_hyper,
+# sum_duplicates.
 
 
 def _row_scalars(name, h, t):
@@ -191,10 +193,10 @@ SPARSE_OPTIMIZERS = tuple(_RULES)
 
 def optimizer_defaults(name: str) -> dict:
     """The hyperparameters and defaults of sparse optimizer ``name`` (torch.optim's)."""
-    return dict(_rule(name).defaults)
+    return dict(sparse_rule(name).defaults)
 
 
-def _rule(name: str) -> _SparseRule:
+def sparse_rule(name: str) -> _SparseRule:
     try:
         return _RULES[name]
     except KeyError:
@@ -202,8 +204,8 @@ def _rule(name: str) -> _SparseRule:
                          f"(or None for lookups only)") from None
 
 
-def _resolve_hyper(name: str, overrides) -> dict:
-    rule = _rule(name)
+def resolve_hyper(name: str, overrides) -> dict:
+    rule = sparse_rule(name)
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(rule.defaults))
     if unknown:
@@ -218,7 +220,7 @@ def _resolve_hyper(name: str, overrides) -> dict:
     return h
 
 
-def _sum_duplicates(idx: np.ndarray, grads: np.ndarray):
+def sum_duplicates(idx: np.ndarray, grads: np.ndarray):
     """Sorted unique rows and their summed gradients, accumulated in float64 in batch order
     (one ``bincount`` over (row, column) pairs: deterministic, and faster than a reduceat)."""
     rows, inverse = np.unique(idx, return_inverse=True)
@@ -238,15 +240,15 @@ def sparse_update_reference(name: str, weights, state: dict, steps, idx, grads,
     indices' gradients are summed; only the rows present are updated (lazy semantics).
     Returns ``(weights, state, steps)``.
     """
-    rule = _rule(name)
-    h = _resolve_hyper(name, hyper)
+    rule = sparse_rule(name)
+    h = resolve_hyper(name, hyper)
     weights = np.array(weights, dtype=np.float64)
     state = {k: np.array(v, dtype=np.float64) for k, v in state.items()}
     steps = np.array(steps, dtype=np.int64)
     idx = np.asarray(idx).astype(np.int64)
     if idx.size == 0:
         return weights, state, steps
-    rows, g = _sum_duplicates(idx, np.asarray(grads, dtype=np.float64))
+    rows, g = sum_duplicates(idx, np.asarray(grads, dtype=np.float64))
     w = weights[rows]
     slots = {k: state[k][rows] for k in rule.slots(h)}
     scalars = {k: state[k][rows] for k in rule.row_scalars}
