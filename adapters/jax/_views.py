@@ -3,12 +3,10 @@
 A :class:`xferlib.HostTable` keeps its GPU side (kernels' launch sizes, the hyperparameter
 array, the pending input checks, events) for ONE device, the one current when it first ran
 on a GPU: its "home". Under ``shard_map`` every device of the mesh runs the lookup and update
-callbacks on its own stream, so each other device gets a view: a HostTable object whose
-weights and state ARE the table's (the same pinned arrays, no copy) and whose GPU side is its
-own. Pinned memory is registered portable (``xferlib.memory``), so every GPU reaches it.
-
-A view has no GPU cache: a cached row would go stale when another device updates it. The
-table's own cache (on its home device) is refused by :func:`sharded_host_update`.
+callbacks on its own stream, so each other device gets a view
+(:meth:`xferlib.HostTable.device_view`): the table's weights and state (the same pinned
+arrays, no copy), its own GPU side, no GPU cache, the table's hyperparameters. The table's
+own cache (on its home device) is refused by :func:`sharded_host_update`.
 """
 
 from __future__ import annotations
@@ -27,22 +25,13 @@ def _home(table: HostTable, device: int):
     call makes it), the device of its cache or hyperparameter array, else None (a GPU side
     made outside JAX, by a write or a flush, that says nothing of its device: every device
     then gets a view, and the table's own side is left to the code that made it)."""
-    side = table._gpu
-    if side is None:
-        return device
-    arrays = [getattr(side, "hyper", None)]
-    cache = getattr(side, "cache", None)
-    arrays += list(vars(cache).values()) if cache is not None else []
-    for value in arrays:
-        owner = getattr(value, "device", None)
-        if owner is not None and hasattr(owner, "id") and hasattr(value, "data"):
-            return int(owner.id)
-    return None
+    side = table.device_side
+    return device if side is None else side.device_id()
 
 
 def on_device(table: HostTable, device: int) -> HostTable:
-    """``table`` itself on its home device, else this device's view of it (made once).
-    Call with ``device`` current."""
+    """``table`` itself on its home device, else this device's view of it
+    (:meth:`HostTable.device_view`, made once). Call with ``device`` current."""
     views = _VIEWS.get(table)
     if views is None:
         with _LOCK:
@@ -56,13 +45,5 @@ def on_device(table: HostTable, device: int) -> HostTable:
         with _LOCK:
             view = views.get(device)
             if view is None:
-                view = object.__new__(HostTable)
-                view.__dict__.update(table.__dict__)  # the same arrays: one table in memory
-                view._gpu, view.cache_rows = None, 0
-                views[device] = view
-    if view._hyper is not table._hyper:  # set_hyper() on the table reaches every device
-        view._hyper = table._hyper
-        if view._gpu is not None:
-            view._gpu.hyper = None
+                view = views[device] = table.device_view()
     return view
-

@@ -142,7 +142,7 @@ def build_shared_table(group, num_rows, dim, dtype, optimizer, optimizer_kwargs,
         opened, _ = _agree(group, open_)
     finally:
         if table is not None:  # every rank has it mapped (or failed): the name can go
-            table._shared.unlink()
+            table.unlink_shared()
     return opened
 
 

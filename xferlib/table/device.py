@@ -133,6 +133,17 @@ class DeviceSide:
         self.cache = (DeviceCache(self, table.cache_rows, table.cache_policy,
                                   table.cache_admission) if table.cache_rows else None)
 
+    def device_id(self):
+        """The CUDA device this side's arrays live on (its hyperparameter array's or its
+        cache's), or None while it holds none (a side made by a write or a flush)."""
+        arrays = [self.hyper] + (list(vars(self.cache).values()) if self.cache is not None
+                                 else [])
+        for value in arrays:
+            owner = getattr(value, "device", None)
+            if owner is not None and hasattr(owner, "id") and hasattr(value, "data"):
+                return int(owner.id)
+        return None
+
     # -------------------------------------------------------------- helpers
 
     def _vector_width(self, layout) -> int:

@@ -19,6 +19,8 @@ follows ``torch.optim`` exactly.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, cupy_available, is_cupy_array
@@ -212,6 +214,13 @@ class HostTable:
         shared=name)``), or None for a private table."""
         return None if self._shared is None else self._shared.name
 
+    def unlink_shared(self) -> None:
+        """Remove a shared table's name: no further process can open it; processes that have
+        it open keep it, and its memory returns to the OS when the last one closes it. Nothing
+        for a private table. Idempotent."""
+        if self._shared is not None:
+            self._shared.unlink()
+
     def close(self) -> None:
         """Finish queued GPU work, then release this process's hold on the table's memory:
         unpinned, and for a shared table unmapped (its name unlinked if this process made
@@ -239,6 +248,7 @@ class HostTable:
     @property
     def hyper(self) -> dict:
         """The optimizer's hyperparameters (a copy; change them with :meth:`set_hyper`)."""
+        self._follow()
         return dict(self._hyper)
 
     def set_hyper(self, **changes) -> None:
@@ -378,6 +388,7 @@ class HostTable:
             raise TypeError(f"grad_rows must be floating point, got {grads.dtype}")
 
     def _update_numpy(self, idx, grads) -> None:
+        self._follow()
         rows, g = sum_duplicates(np.asarray(idx), np.asarray(grads, dtype=self.dtype))
         weights = self._weights.view(np.ndarray)
         state = self._state.view(np.ndarray)
@@ -473,7 +484,51 @@ class HostTable:
         if self._gpu is not None:
             self._gpu.flush(drop_cache)
 
+    # ------------------------------------------------------------------ device side
+
+    _view_of = None  # a device_view()'s weak reference to the table whose hyper it follows
+
+    def device_view(self) -> "HostTable":
+        """A handle on this table's memory with its own GPU side, for another device.
+
+        The view's weights and optimizer state ARE this table's (the same pinned arrays, no
+        copy; pinned memory is registered portable, so every GPU reaches it); its GPU side
+        (launch sizes, hyperparameter array, pending input checks, events) is its own, made
+        on the device current when it first runs on a GPU. It has no GPU cache (a cached row
+        would go stale when another device updates it). Its hyperparameters follow this
+        table's: after :meth:`set_hyper` here, the view's next GPU call uses the new values.
+        The JAX adapter gives each device of a mesh one (``xferlib.adapters.jax``).
+
+        >>> import numpy as np, xferlib
+        >>> table = xferlib.HostTable(8, 4, optimizer="sgd", init="zeros")
+        >>> view = table.device_view()
+        >>> view.scatter(np.array([2]), np.ones((1, 4), np.float32))
+        >>> table.lookup(np.array([2])).tolist()
+        [[1.0, 1.0, 1.0, 1.0]]
+        """
+        view = object.__new__(HostTable)
+        view.__dict__.update(self.__dict__)  # the same arrays: one table in memory
+        # A weak reference: a view (e.g. kept per device by the JAX adapter) never keeps the
+        # table alive.
+        view._gpu, view.cache_rows, view._view_of = None, 0, weakref.ref(self)
+        return view
+
+    @property
+    def device_side(self) -> "DeviceSide | None":
+        """This table's GPU side (``xferlib.table.device.DeviceSide``: kernels' launch sizes,
+        the cache, pending input checks), made on its first GPU call; None until then."""
+        return self._gpu
+
+    def _follow(self) -> None:
+        """A view takes its table's hyperparameters (set_hyper() on the table reaches it)."""
+        source = self._view_of() if self._view_of is not None else None
+        if source is not None and self._hyper is not source._hyper:
+            self._hyper = source._hyper
+            if self._gpu is not None:
+                self._gpu.hyper = None
+
     def _gpu_state(self) -> "DeviceSide":
+        self._follow()
         if self._gpu is None:
             if self.closed:
                 raise ValueError("this table is closed")
