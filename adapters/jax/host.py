@@ -46,7 +46,8 @@ def fill_token(ctx, token, gpu: bool) -> None:
         as_core_array(token, gpu).fill(0)
 
 
-def _check(table, idx):
+def checked_indices(table, idx):
+    """``idx`` as a 1-D int32/int64 JAX array; TypeError/ValueError for a bad table or idx."""
     if not isinstance(table, HostTable):
         raise TypeError(f"table must be an xferlib.HostTable, got {type(table).__name__}")
     idx = jnp.asarray(idx)
@@ -57,7 +58,7 @@ def _check(table, idx):
     return idx
 
 
-def _on(table, gpu, *buffers):
+def table_on(table, gpu, *buffers):
     """The table as this callback's device sees it (see ``_views.py``)."""
     return on_device(table, buffer_device(*buffers)) if gpu else table
 
@@ -74,13 +75,13 @@ def host_lookup(table: HostTable, idx: jax.Array, *, after=None) -> jax.Array:
     dependency XLA and the runtime cannot reorder. Inside ``jax.shard_map`` each device looks
     up its own shard of the batch on its own stream (docs/jax-mesh.md).
     """
-    idx = _check(table, idx)
+    idx = checked_indices(table, idx)
     deps = () if after is None else tuple(jax.tree_util.tree_leaves(after))
 
     def callback(ctx, out, idx_buffer, *_):
         gpu = is_gpu_buffer(out)
         with device_scope(gpu, out, idx_buffer):
-            _on(table, gpu, out, idx_buffer).lookup(
+            table_on(table, gpu, out, idx_buffer).lookup(
                 as_core_array(idx_buffer, gpu), out=as_core_array(out, gpu),
                 **({"stream": xla_stream(ctx, gpu)} if gpu else {}))
 
@@ -95,7 +96,7 @@ def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.A
     """Run ``table``'s optimizer on rows ``idx`` with ``grad_rows`` (repeated indices summed).
 
     Returns a scalar int32 token (0) that callers may ignore or thread into later work."""
-    idx = _check(table, idx)
+    idx = checked_indices(table, idx)
     grad_rows = jnp.asarray(grad_rows, dtype=np.dtype(table.dtype))
     if grad_rows.shape != (idx.shape[0], table.dim):
         raise ValueError(f"grad_rows must have shape {(idx.shape[0], table.dim)}, "
@@ -106,7 +107,7 @@ def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.A
     def callback(ctx, token, idx_buffer, grad_buffer):
         gpu = is_gpu_buffer(token)
         with device_scope(gpu, token, idx_buffer):
-            _on(table, gpu, token, idx_buffer).apply_gradients(
+            table_on(table, gpu, token, idx_buffer).apply_gradients(
                 as_core_array(idx_buffer, gpu), as_core_array(grad_buffer, gpu),
                 **({"stream": xla_stream(ctx, gpu)} if gpu else {}))
             fill_token(ctx, token, gpu)

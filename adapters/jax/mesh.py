@@ -29,7 +29,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
                                             vary_like, xla_stream)
-from xferlib.adapters.jax.host import _check, _on, fill_token, host_update
+from xferlib.adapters.jax.host import checked_indices, fill_token, host_update, table_on
 from xferlib.table import HostTable
 
 __all__ = ["sharded_host_update", "mesh_barrier"]
@@ -72,7 +72,7 @@ def sharded_host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array, 
     >>> table.numpy()[[3, 5], 0].tolist()
     [-2.0, -1.0]
     """
-    idx = _check(table, idx)
+    idx = checked_indices(table, idx)
     grad_rows = jnp.asarray(grad_rows, dtype=np.dtype(table.dtype))
     if grad_rows.shape != (idx.shape[0], table.dim):
         raise ValueError(f"grad_rows must have shape {(idx.shape[0], table.dim)}, "
@@ -94,7 +94,7 @@ def sharded_host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array, 
     def callback(ctx, token, idx_buffer, grad_buffer, owned_buffer):
         gpu = is_gpu_buffer(token)
         with device_scope(gpu, token, idx_buffer):
-            _apply_owned(_on(table, gpu, token, idx_buffer), as_core_array(idx_buffer, gpu),
+            _apply_owned(table_on(table, gpu, token, idx_buffer), as_core_array(idx_buffer, gpu),
                          as_core_array(grad_buffer, gpu), as_core_array(owned_buffer, gpu),
                          ctx, gpu)
             fill_token(ctx, token, gpu)
