@@ -20,6 +20,8 @@ from xferlib.adapters.torch import tt_dist
 from xferlib.adapters.torch import tt_fbtt_compat as compat
 from xferlib.adapters.torch._convert import as_core_array
 from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
+from xferlib.tt.plan import uses_kernels
+from xferlib.tt.rules import row_state
 
 __all__ = ["TableBatchedTTEmbeddingBag"]
 
@@ -267,10 +269,10 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         # Fused optimizer state: FBTT's optimizer_state<k> holds each core's first state
         # (empty for SGD); further states sit beside it as <name><k>.
         self.optimizer_state = _BufferList("optimizer_state")
-        self._state_names = list(core._row_state(1, 1, self._core_optimizer))
+        self._state_names = list(row_state(1, 1, self._core_optimizer))
         for k in range(d):
             rows, width = self.shape.core_shape(k)
-            state = core._row_state(self.num_tables * rows, width, self._core_optimizer)
+            state = row_state(self.num_tables * rows, width, self._core_optimizer)
             if not state:
                 self.optimizer_state.append(torch.zeros(0, device=device))
             for j, (name, value) in enumerate(state.items()):
@@ -420,8 +422,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         memo = self.__dict__.setdefault("_views", {})
         if ("kernels", device) not in memo:
             probe = _array(torch.zeros(1, dtype=torch.int64, device=device))
-            memo[("kernels", device)] = core._uses_kernels(self._cshape, probe,
-                                                           self._core_arrays())
+            memo[("kernels", device)] = uses_kernels(self._cshape, probe, self._core_arrays())
         return memo[("kernels", device)]
 
     @property

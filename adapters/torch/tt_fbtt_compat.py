@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from xferlib import tt as core
+from xferlib.tt.cache import insert_counts, key_slots
 
 __all__ = ["OptimType", "tt_matrix_to_full", "suggested_tt_shapes"]
 
@@ -136,7 +137,7 @@ def fbtt_cache(hashtbl, cache_freq, cache_state, cache_weight, cache_opt_state, 
     seen = hashtbl >= 0
     keys = np.full(size, -1, dtype=np.int64)
     counts = np.zeros(size, dtype=np.int64)
-    core._insert_counts(keys, counts, hashtbl[seen], cache_freq[seen])
+    insert_counts(keys, counts, hashtbl[seen], cache_freq[seen])
     cached = seen & (cache_state >= 0) & (cache_state < capacity)
     rows, slots = hashtbl[cached], cache_state[cached].astype(np.int64)
     order = np.argsort(rows, kind="stable")[:capacity]
@@ -151,4 +152,4 @@ def fbtt_cache(hashtbl, cache_freq, cache_state, cache_weight, cache_opt_state, 
         if cache_opt_state.ndim == wanted and cache_opt_state.shape[0] == capacity:
             state = np.zeros_like(cache_opt_state)
             state[:rows.size] = cache_opt_state[slots]
-    return keys, counts, core._key_slots(keys, rows), cache_rows, weight, state
+    return keys, counts, key_slots(keys, rows), cache_rows, weight, state

@@ -214,16 +214,17 @@ TT_POINTERS = {
 
 @pytest.mark.parametrize("optimizer", sorted(TT_POINTERS))
 def test_tt_state_and_kernel_pointers_from_one_table(optimizer):
-    from xferlib import tt
+    from xferlib.tt.rules import row_state
+    from xferlib.tt.update import state_pointers
 
-    state = tt._row_state(3, 4, optimizer)
+    state = row_state(3, 4, optimizer)
     shapes = {"sum": None, "exp_avg": (3, 4), "momentum": (3, 4), "step": (3,)}
     for name, array in state.items():
         want = shapes.get(name)
         assert want is None or array.shape == want, (name, array.shape)
         assert array.dtype == (np.int64 if name == "step" else np.float32)
         assert not array.any()
-    pointers = tt._state_pointers(state, optimizer)
+    pointers = state_pointers(state, optimizer)
     for got, name in zip(pointers, TT_POINTERS[optimizer]):
         if name is None:
             assert isinstance(got, np.uint64) and got == 0
@@ -232,7 +233,7 @@ def test_tt_state_and_kernel_pointers_from_one_table(optimizer):
     assert set(state) == {n for n in TT_POINTERS[optimizer] if n}
     if "step" in state:  # a state without its step count: the kernel gets NULL there
         del state["step"]
-        assert tt._state_pointers(state, optimizer)[3] == 0
+        assert state_pointers(state, optimizer)[3] == 0
     elif state:
         with pytest.raises(KeyError):
-            tt._state_pointers({}, optimizer)
+            state_pointers({}, optimizer)

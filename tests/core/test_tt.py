@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from xferlib import tt
+from xferlib.tt.rules import row_state, update_rows
 
 SHAPES = [
     tt.TTShape([3, 4], [2, 3], [5]),
@@ -213,7 +214,7 @@ FBGEMM_RULES = ["lamb", "lars_sgd", "partial_rowwise_adam", "partial_rowwise_lam
 def test_fbgemm_rules_match_a_float64_reference(optimizer, rng):
     rows, width = 6, 12
     param = rng.standard_normal((rows, width)).astype(np.float32)
-    state = tt._row_state(rows, width, optimizer)
+    state = row_state(rows, width, optimizer)
     ref_w = param.astype(np.float64)
     ref_state = [{k: v.astype(np.float64).copy() for k, v in state.items()} for _ in range(rows)]
     ref_state = [{k: v[r].copy() for k, v in st.items()} for r, st in enumerate(ref_state)]
@@ -221,8 +222,8 @@ def test_fbgemm_rules_match_a_float64_reference(optimizer, rng):
     for step in range(1, 5):
         grad = rng.standard_normal((rows, width)).astype(np.float32)
         touched = np.array([0, 2, 5]) if step % 2 else np.array([1, 2])
-        tt._update_rows(param, grad, state, touched, optimizer, 0.05, 1e-8, (0.9, 0.999),
-                        step=step, **hyper)
+        update_rows(param, grad, state, touched, optimizer, 0.05, 1e-8, (0.9, 0.999),
+                    step=step, **hyper)
         for r in touched:
             ref_w[r] = fbgemm_row_update(optimizer, ref_w[r], grad[r], ref_state[r], step, 0.05,
                                          wd=0.01)

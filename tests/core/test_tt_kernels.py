@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from xferlib import tt
+from xferlib.tt.plan import uses_kernels
 from xferlib._backend import cupy_available
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +59,7 @@ def _close(actual, expected, rtol, atol=0.0):
 def test_kernels_match_the_reference(cupy, shape, case):
     mode, weighted, duplicates, optimizer, dtype, include_last = case
     rng = np.random.default_rng(hash((shape.p_shapes, mode)) % 2**32)
-    assert tt._uses_kernels(shape, cupy.zeros(1, np.int64))
+    assert uses_kernels(shape, cupy.zeros(1, np.int64))
     cores = [3 * c for c in tt.init_tt_cores(shape, "normal", rng=rng)]
     idx, offsets = _batch(rng, shape, 37, 40, duplicates, dtype, include_last)
     psw = rng.standard_normal(len(idx)).astype(np.float32) if weighted else None
@@ -192,7 +193,7 @@ def test_large_shapes_fall_back_to_the_array_path(cupy):
     shape = tt.TTShape([10, 10, 10], [8, 8, 8], [128, 128])
     reset_warnings()
     with pytest.warns(xferlib.XferlibPerformanceWarning, match="cuBLAS"):
-        assert not tt._uses_kernels(shape, cupy.zeros(1, np.int64))
+        assert not uses_kernels(shape, cupy.zeros(1, np.int64))
     rng = np.random.default_rng(0)
     cores = tt.init_tt_cores(shape, "normal", rng=rng)
     idx, offsets = np.array([1, 999, 5]), np.array([0, 2, 3])

@@ -333,10 +333,11 @@ def test_fbgemm_rules_in_the_module_match_a_float64_reference(optimizer, device)
             OptimType.PARTIAL_ROWWISE_ADAM: "partial_rowwise_adam",
             OptimType.PARTIAL_ROWWISE_LAMB: "partial_rowwise_lamb"}[optimizer]
     from xferlib import tt as core
+    from xferlib.tt.rules import row_state
 
     ref_w = [c.detach().cpu().double().numpy()[0].copy() for c in dense.tt_cores]
     ref_state = [[{k: np.zeros(v.shape[1:]) for k, v in
-                   core._row_state(c.shape[0], c.shape[1], name).items()}
+                   row_state(c.shape[0], c.shape[1], name).items()}
                   for _ in range(c.shape[0])] for c in ref_w]
     for step in range(1, 4):
         _, indices, offsets = _feature(rng, 6, 120)

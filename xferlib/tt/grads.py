@@ -1,0 +1,132 @@
+"""Core gradients from bag gradients: the backward of the array path, the kernel path's
+gradients grouped by core row (no dense table gradient), and :func:`tt_core_grads`, the first
+half of a fused update for callers that sum gradients across processes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from xferlib._backend import array_module
+from xferlib.tt.lookup import prefix_products, scatter_add, suffix_products
+from xferlib.tt.plan import (TTBagPlan, core_pointers, key_type, launch, sort_positions,
+                             tt_check_plan)
+from xferlib.tt.shape import TTShape, grad_spans, lead_core, total_core_rows
+
+__all__ = ["tt_embedding_bag_bwd", "tt_core_grads"]
+
+
+def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np.ndarray]:
+    """Gradients of the cores (float32, the cores' shapes) from ``(B, D)`` bag gradients.
+
+    For lookup ``n`` with digits ``i``, the slice gradient of core ``k`` is
+    ``sum_{a,b} Left[n, a, r] * g[n, a, j, b] * Right[n, s, b]``, with ``Left`` the product of
+    the slices before ``k`` and ``Right`` of those after; rows of repeated digits add up.
+    """
+    if isinstance(residuals, TTBagPlan):
+        grad, _ = gpu_core_grads(cores, shape, residuals, grad_bags, dense=True)
+        tt_check_plan(residuals, shape)
+        return [grad[start:stop].reshape(shape.core_shape(k))
+                for k, (start, stop) in enumerate(grad_spans(shape))]
+    indices, bag, w = residuals
+    xp = array_module(indices)
+    digits = shape.digits(indices)
+    n = len(indices)
+    g = xp.asarray(grad_bags, dtype=np.float32)[bag] * w[:, None]  # (n, D)
+    grads = []
+    q = shape.q_shapes
+    for k in range(shape.d):
+        left = prefix_products(cores, shape, digits, k, np.float32)  # (n, A, R_k)
+        right = suffix_products(cores, shape, digits, k + 1, np.float32)  # (n, R_k+1, B)
+        a, r_k, r_k1, b = left.shape[1], left.shape[2], right.shape[1], right.shape[2]
+        # sum_a Left[n,a,r] g[n,a,(j,b)] -> (n, r, j, b); then sum_b (.)[n,r,j,b] Right[n,s,b]
+        t = xp.matmul(left.transpose(0, 2, 1), g.reshape(n, a, q[k] * b))
+        slice_grads = xp.matmul(t.reshape(n, r_k * q[k], b), right.transpose(0, 2, 1))
+        slice_grads = slice_grads.reshape(n, r_k, q[k], r_k1)
+        grad = xp.zeros((shape.p_shapes[k],) + slice_grads.shape[1:], dtype=np.float32)
+        scatter_add(grad, digits[:, k], slice_grads)
+        grads.append(grad.reshape(shape.core_shape(k)))
+    return grads
+
+
+# The fused update in two halves, for callers that combine the gradients of several
+# processes (data parallelism) between them: the sum of every process's gradient applied
+# once equals one fused update on the concatenated batch.
+
+
+def tt_core_grads(cores, shape: TTShape, residuals, grad_bags):
+    """``(grad, touched)``: the first half of :func:`tt_fused_update`.
+
+    ``grad``: every core's gradient in one flat float32 array (core ``k`` at offset
+    ``sum(p_j * width_j for j < k)``, row-major), zeros in rows the batch did not touch;
+    ``touched``: int32, one flag per core row (core ``k``'s rows from ``sum(p[:k])``), 1 where
+    the batch touched it. Both are core-sized: no dense table gradient. Adding several batches'
+    ``grad`` and taking the union (or sum) of their ``touched`` and handing them to
+    :func:`tt_apply_core_grads` equals one :func:`tt_fused_update` on the concatenated batches
+    (up to float summation order). On the kernel path a rejected batch (see
+    :func:`tt_check_plan`) gives zeros and touches nothing; its verdict is not read here.
+
+    >>> from xferlib.tt import TTShape, init_tt_cores, tt_embedding_bag_fwd
+    >>> shape = TTShape([4, 5], [2, 2], [3])
+    >>> cores = init_tt_cores(shape, "normal", rng=np.random.default_rng(0))
+    >>> _, res = tt_embedding_bag_fwd(cores, shape, np.array([1, 7, 7]), np.array([0, 1, 3]))
+    >>> grad, touched = tt_core_grads(cores, shape, res, np.ones((2, 4), np.float32))
+    >>> grad.shape, touched.tolist()
+    ((54,), [1, 1, 0, 0, 0, 1, 1, 0, 0])
+    """
+    total = total_core_rows(shape)
+    if isinstance(residuals, TTBagPlan):
+        grad, touched = gpu_core_grads(cores, shape, residuals, grad_bags, dense=True)
+        if touched is None:  # an empty batch
+            touched = array_module(grad).zeros(total, dtype=np.int32)
+        return grad, touched
+    grads = tt_embedding_bag_bwd(cores, shape, residuals, grad_bags)
+    xp = array_module(grads[0])
+    digits = shape.digits(residuals[0])
+    touched = xp.zeros(total, dtype=np.int32)
+    start = 0
+    for k in range(shape.d):
+        touched[start + digits[:, k]] = 1
+        start += shape.p_shapes[k]
+    return xp.concatenate([g.reshape(-1) for g in grads]), touched
+
+
+def gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bool):
+    """Each touched core row's gradient, in a flat buffer (zeros elsewhere when ``dense``,
+    else untouched rows are left unwritten) and the flags of the touched rows."""
+    import cupy
+
+    from xferlib._kernels.tt import CHUNK, REDUCE_THREADS, THREADS
+
+    n, d = plan.n, shape.d
+    grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))
+    if grad_bags.shape != (plan.num_bags, shape.dim):
+        raise ValueError(f"bag gradients must have shape {(plan.num_bags, shape.dim)}, got "
+                         f"{grad_bags.shape}")
+    size = grad_spans(shape)[-1][1]
+    if n == 0:
+        tt_check_plan(plan, shape)
+        return (cupy.zeros(size, dtype=np.float32) if dense else None), None
+    r = shape.padded_ranks
+    a_last = math.prod(shape.q_shapes[:-1])
+    ubuf = cupy.empty(n * a_last * r[d - 1], dtype=np.float32)
+    cbuf = cupy.empty(n * r[d - 1] * shape.q_shapes[-1], dtype=np.float32)
+    c0buf = cupy.empty(n * shape.core_shape(0)[1] if d > 2 else 1, dtype=np.float32)
+    keys = cupy.empty((d - 1) * n, dtype=np.int32)
+    key_name = key_type(plan.rows)
+    weights = plan.per_sample_weights
+    launch(shape, f"tt_bwd_pieces<{key_name}>", (max(1, -(-n // CHUNK)),), (THREADS,),
+           core_pointers(cores) + [
+                plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
+                np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
+                weights if weights is not None else np.uint64(0), np.int32(plan.mean),
+                grad_bags, ubuf, cbuf, c0buf, keys, plan.verdict])
+    keyed = sum(shape.p_shapes) - shape.p_shapes[lead_core(shape)]
+    skeys, items, _ = sort_positions(keys, keyed + 1)
+    grad = (cupy.zeros if dense else cupy.empty)(size, dtype=np.float32)
+    touched = cupy.zeros(total_core_rows(shape), dtype=np.int32)
+    launch(shape, f"tt_reduce<{key_name}>", (total_core_rows(shape),), (REDUCE_THREADS,),
+           core_pointers(cores) + [plan.rows, np.int64(n), skeys, items, np.int64(keys.size),
+                                   ubuf, cbuf, c0buf, grad, touched, plan.verdict])
+    return grad, touched

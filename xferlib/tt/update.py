@@ -1,0 +1,192 @@
+"""Fused updates: backward and the optimizer in one (:func:`tt_fused_update`), its second half
+for gradients summed across processes (:func:`tt_apply_core_grads`, :func:`tt_cache_apply`),
+and the arguments the update kernels take."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xferlib._backend import array_module
+from xferlib.optim.rules import OptId
+from xferlib.tt.cache import TTRowCache, tt_cache_grad
+from xferlib.tt.grads import gpu_core_grads, tt_embedding_bag_bwd
+from xferlib.tt.lookup import to_host
+from xferlib.tt.plan import (TTBagPlan, TTPendingCheck, key_type, launch, tt_check_plan,
+                             uses_kernels)
+from xferlib.tt.rules import (LAZY_OPTIMIZERS, STATE_SLOTS, check_sparse_args, tt_sparse_update,
+                              update_rows)
+from xferlib.tt.shape import TTShape, grad_spans, total_core_rows
+
+__all__ = ["tt_fused_update", "tt_apply_core_grads", "tt_cache_apply"]
+
+
+def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimizer: str, *,
+                    lr: float, eps: float = 1e-10, betas=(0.9, 0.999), cache=None,
+                    defer_check: bool = False, **hyper):
+    """Backward and :func:`tt_sparse_update` in one: the cores change in place from the bag
+    gradients. On the GPU kernel path no dense core gradient exists: each touched core row's
+    gradient is summed (in sorted order, deterministic) and the optimizer runs on those rows
+    only. A forward's deferred input check is read once the update is queued: the kernels of a
+    rejected batch change nothing, and the error is raised before this function returns.
+    With an active ``cache`` its hit rows take the same optimizer step on their dense values
+    (on the kernel path in one more kernel, no host sync), and the cores still learn from
+    every lookup (write-through, see :class:`TTRowCache`). ``hyper``: see
+    :func:`tt_sparse_update`.
+
+    ``defer_check`` (kernel path): do not wait for the input check at all; return a
+    :class:`TTPendingCheck` whose ``resolve()`` raises for a rejected batch later (the batch
+    changed nothing). The step then takes no host synchronization. ``"silent"``: no check and
+    no copy at all (a step captured in a CUDA graph; the caller reads the plan's verdict with
+    :func:`tt_check_plan` after replays). Otherwise returns None.
+    """
+    check_sparse_args(optimizer, lr)
+    kernel_path = isinstance(residuals, TTBagPlan)
+    step = hyper.get("step", 1)
+    if not kernel_path and not isinstance(step, (int, np.integer)):  # a device counter
+        hyper["step"] = int(to_host(step).reshape(-1)[0])
+    if cache is not None and cache.active and not kernel_path:
+        grad, touched = tt_cache_grad(cache, shape, residuals, grad_bags)
+        rows = (array_module(touched).flatnonzero(touched) if optimizer in LAZY_OPTIMIZERS
+                else slice(None))
+        update_rows(cache.weight, grad, cache.state, rows, optimizer, lr, eps, betas, **hyper)
+    if not kernel_path:
+        grads = tt_embedding_bag_bwd(cores, shape, residuals, grad_bags)
+        tt_sparse_update(cores, shape, residuals, grads, states, optimizer, lr=lr, eps=eps,
+                         betas=betas, **hyper)
+        return
+    grad, touched = gpu_core_grads(cores, shape, residuals, grad_bags, dense=False)
+    if grad is None:  # an empty batch touches nothing
+        return
+    args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
+    if cache is not None and cache.active and residuals.slot is not None:
+        _launch_cache_update(cache, shape, residuals, grad_bags, optimizer, args)
+    pad = [np.uint64(0)] * (4 - shape.d)
+    pointers = [state_pointers(st, optimizer) for st in states]
+    launch(shape, "tt_update", (total_core_rows(shape),), (256,),
+           list(cores) + pad + [x for j in range(4) for x in
+                                ([p[j] for p in pointers] + pad)]
+           + [grad, touched] + args)
+    # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
+    # flagged as touched), and the host waited for nothing while the step was being queued.
+    if defer_check == "silent":  # the caller reads residuals.verdict itself (CUDA graphs)
+        return None
+    if defer_check and not residuals.checked:
+        return TTPendingCheck(residuals, shape)
+    tt_check_plan(residuals, shape)
+    return None
+
+
+def tt_apply_core_grads(cores, shape: TTShape, grad, touched, states, optimizer: str, *,
+                        lr: float, eps: float = 1e-10, betas=(0.9, 0.999), **hyper) -> None:
+    """The second half of :func:`tt_fused_update`: apply ``optimizer`` in place to the core
+    rows flagged in ``touched`` (nonzero) from the flat ``grad`` (laid out as
+    :func:`tt_core_grads` makes them), with the same rules, state and ``hyper`` as
+    :func:`tt_sparse_update`. Unflagged rows keep their values and state. CuPy cores of a
+    shape the kernels take run the fused kernel (no host sync; ``step`` may be a device
+    counter); otherwise the array path.
+    """
+    check_sparse_args(optimizer, lr)
+    total, size = total_core_rows(shape), grad_spans(shape)[-1][1]
+    if tuple(grad.shape) != (size,) or tuple(touched.shape) != (total,):
+        raise ValueError(f"grad must have shape ({size},) and touched ({total},), got "
+                         f"{tuple(grad.shape)} and {tuple(touched.shape)}")
+    shape.check_cores(cores)
+    if uses_kernels(shape, touched, cores):
+        import cupy
+
+        grad = cupy.ascontiguousarray(grad, dtype=np.float32)
+        touched = cupy.ascontiguousarray(touched, dtype=np.int32)
+        args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
+        pad = [np.uint64(0)] * (4 - shape.d)
+        pointers = [state_pointers(st, optimizer) for st in states]
+        launch(shape, "tt_update", (total,), (256,),
+               list(cores) + pad + [x for j in range(4) for x in
+                                    ([p[j] for p in pointers] + pad)]
+               + [grad, touched] + args)
+        return
+    hyper = _host_step(hyper)
+    xp = array_module(grad)
+    # as tt_sparse_update: rules a zero gradient leaves unchanged update whole cores
+    whole = optimizer == "sgd" or (optimizer in ("adagrad", "rowwise_adagrad") and eps > 0)
+    start = 0
+    for k, ((lo, hi), core, state) in enumerate(zip(grad_spans(shape), cores, states)):
+        p = shape.p_shapes[k]
+        rows = slice(None) if whole else xp.flatnonzero(touched[start:start + p])
+        update_rows(core, grad[lo:hi].reshape(shape.core_shape(k)), state, rows, optimizer,
+                    lr, eps, betas, **hyper)
+        start += p
+
+
+def tt_cache_apply(cache: "TTRowCache", grad, touched, optimizer: str, *, lr: float,
+                   eps: float = 1e-10, betas=(0.9, 0.999), **hyper) -> None:
+    """The row cache's optimizer step from :func:`tt_cache_grad`'s ``(grad, touched)`` (or
+    their sums over several batches): what :func:`tt_fused_update` applies to an active cache,
+    on the array path (a host sync for the touched rows on the GPU)."""
+    check_sparse_args(optimizer, lr)
+    if tuple(grad.shape) != tuple(cache.weight.shape) or tuple(touched.shape) != (
+            cache.capacity,):
+        raise ValueError(f"grad must have shape {tuple(cache.weight.shape)} and touched "
+                         f"({cache.capacity},), got {tuple(grad.shape)} and "
+                         f"{tuple(touched.shape)}")
+    xp = array_module(grad)
+    whole = optimizer == "sgd" or (optimizer in ("adagrad", "rowwise_adagrad") and eps > 0)
+    rows = slice(None) if whole else xp.flatnonzero(touched)
+    update_rows(cache.weight, grad, cache.state, rows, optimizer, lr, eps, betas,
+                **_host_step(hyper))
+
+
+def _host_step(hyper: dict) -> dict:
+    """``hyper`` with a device step counter read on the host (the array path needs it)."""
+    step = hyper.get("step", 1)
+    if isinstance(step, (int, np.integer)):
+        return hyper
+    return {**hyper, "step": int(to_host(step).reshape(-1)[0])}
+
+
+def state_pointers(state: dict, optimizer: str) -> list:
+    """``[elementwise, second elementwise, per row, per-row steps]`` state of one parameter
+    (NULL where the optimizer has none), as the kernels' ``update_row`` takes them."""
+    pointers = [np.uint64(0)] * 4
+    elem = 0
+    for name, where in STATE_SLOTS[optimizer]:
+        if where == "elem":
+            position, elem = elem, elem + 1
+        else:
+            position = 2 if where == "row" else 3
+        # a step count may be absent (the kernel then reads none); other state may not
+        pointers[position] = state.get(name, pointers[position]) if where == "step" else \
+            state[name]
+    return pointers
+
+
+def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, momentum=0.9,
+                    step=1) -> list:
+    """The kernels' optimizer arguments (after the state pointers); ``step``: an int or a
+    one-element int64 device array (read by the kernels when they run)."""
+    import cupy
+
+    if isinstance(step, (int, np.integer)):
+        step = cupy.full(1, int(step), dtype=np.int64)
+    return [np.int32(OptId[optimizer.upper()]), np.float32(lr), np.float32(eps),
+            np.float64(betas[0]), np.float64(betas[1]), np.float32(weight_decay),
+            np.float32(eta), np.float32(momentum), step]
+
+
+def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, optimizer, args):
+    """The cached rows' optimizer step on the GPU, one launch: each run of one row in the sorted
+    batch that hits the cache has its gradients summed (in a fixed order) and its row updated
+    by one block (see ``tt_cache_update`` in xferlib/_kernels/tt.py)."""
+    import cupy
+
+    from xferlib._kernels.tt import CACHE_THREADS
+
+    grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))
+    weights = plan.per_sample_weights
+    n = plan.n
+    launch(shape, f"tt_cache_update<{key_type(plan.rows)}>",
+           (max(1, min(-(-n // CACHE_THREADS), 2048)),), (CACHE_THREADS,),
+           [plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
+            np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
+            weights if weights is not None else np.uint64(0), np.int32(plan.mean),
+            grad_bags, plan.slot, np.int64(cache.capacity), cache.weight]
+           + state_pointers(cache.state, optimizer) + args + [plan.verdict])
