@@ -26,7 +26,7 @@ from xferlib.tt.rules import row_state
 __all__ = ["TableBatchedTTEmbeddingBag"]
 
 
-def _array(t: torch.Tensor):
+def array_of(t: torch.Tensor):
     """A zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor."""
     if t.device.type not in ("cuda", "cpu"):
         raise ValueError(f"TT embedding bags run on CPU or CUDA tensors, got {t.device}")
@@ -39,7 +39,7 @@ def _torch(array) -> torch.Tensor:
     return to_torch(array)
 
 
-def _on_stream(t: torch.Tensor, capturing=None):
+def on_stream(t: torch.Tensor, capturing=None):
     """torch's current stream as a context for CuPy work (nothing on the CPU). While torch
     captures a CUDA graph, CuPy also allocates from torch's caching allocator, so the step's
     scratch memory comes from the graph's pool and stays reserved for its replays."""
@@ -117,17 +117,17 @@ class _TTBagFunction(torch.autograd.Function):
             module._resolve_pending_check(wait=False)
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
         out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
-        with _on_stream(device):
+        with on_stream(device):
             arrays = module._core_arrays()
             cache = module._core_cache()
             _, residuals = core.tt_embedding_bag_fwd(
-                arrays, module._cshape, _array(indices), _array(offsets), mode=module.mode,
+                arrays, module._cshape, array_of(indices), array_of(offsets), mode=module.mode,
                 per_sample_weights=None if per_sample_weights is None
-                else _array(per_sample_weights), include_last_offset=module.include_last_offset,
-                check=not training, num_embeddings=module._bound, out=_array(out), cache=cache,
+                else array_of(per_sample_weights), include_last_offset=module.include_last_offset,
+                check=not training, num_embeddings=module._bound, out=array_of(out), cache=cache,
                 # FBTT counts accesses in training forwards
                 cache_count=cache is not None and training and module.training,
-                report=None if report is None or not report.is_cuda else _array(report))
+                report=None if report is None or not report.is_cuda else array_of(report))
         if isinstance(residuals, core.TTBagPlan):
             residuals.bound = module.num_embeddings
         ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
@@ -138,13 +138,13 @@ class _TTBagFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         module, cache = ctx.module, ctx.cache
         none = (None,) * 6
-        with _on_stream(ctx.device, ctx.capturing):
-            grad_bags = _array(grad_out.contiguous())
+        with on_stream(ctx.device, ctx.capturing):
+            grad_bags = array_of(grad_out.contiguous())
             if module.sparse and module._group is not None:  # data parallel (tt_dist)
                 with torch.no_grad():
                     module._step_counter.add_(1)
                     pending = tt_dist.fused_step(module, ctx.residuals, ctx.arrays, grad_bags,
-                                                 cache, module._group, _torch, _array)
+                                                 cache, module._group, _torch, array_of)
                 if pending is not None:
                     module._pending_checks.append(pending)
                 return none + (None,) * (1 + len(ctx.arrays))
@@ -298,7 +298,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
 
     def _hyper(self) -> dict:
         counter = self._step_counter
-        step = _array(counter) if counter.is_cuda else max(int(counter[0]), 1)
+        step = array_of(counter) if counter.is_cuda else max(int(counter[0]), 1)
         return dict(betas=self.betas, weight_decay=self.weight_decay, eta=self.eta,
                     momentum=self.momentum, step=step)
 
@@ -377,7 +377,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
     def _core_arrays(self) -> list:
         """The cores as arrays of the joint TT (``[T p_k, width]`` views of the Parameters)."""
         return self._memo("cores", list(self.tt_cores), lambda: [
-            _array(c.detach().view(-1, c.shape[-1])) for c in self.tt_cores])
+            array_of(c.detach().view(-1, c.shape[-1])) for c in self.tt_cores])
 
     def _state_buffers(self) -> list:
         return [self.optimizer_state[k] if j == 0 else
@@ -388,7 +388,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         """The fused optimizer's state per core as arrays of the joint TT."""
         def build():
             buffers, names = iter(self._state_buffers()), self._state_names
-            return [{name: _array((buf := next(buffers)).view(-1, *buf.shape[2:]))
+            return [{name: array_of((buf := next(buffers)).view(-1, *buf.shape[2:]))
                      for name in names} for _ in range(self.tt_ndim)]
 
         return self._memo("state", self._state_buffers(), build)
@@ -421,7 +421,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             return False
         memo = self.__dict__.setdefault("_views", {})
         if ("kernels", device) not in memo:
-            probe = _array(torch.zeros(1, dtype=torch.int64, device=device))
+            probe = array_of(torch.zeros(1, dtype=torch.int64, device=device))
             memo[("kernels", device)] = uses_kernels(self._cshape, probe, self._core_arrays())
         return memo[("kernels", device)]
 
@@ -527,8 +527,9 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         return full
 
     from xferlib.adapters.torch.tt_cache import (  # noqa: E402  (the cache's methods)
-        _core_cache, _require_cache, reset_cache, update_cache,
-        _save_to_state_dict, _load_from_state_dict)
+        core_cache as _core_cache, require_cache as _require_cache, reset_cache, update_cache,
+        save_to_state_dict as _save_to_state_dict,
+        load_from_state_dict as _load_from_state_dict)
     from xferlib.adapters.torch.tt_cache import cache_populate as _cache_populate  # noqa: E402
 
     @torch.no_grad()
@@ -543,4 +544,4 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             return self._cache_populate()
         cache = self._require_cache()
         self._resolve_pending_check()
-        tt_dist.populate_across(self, cache, _on_stream)
+        tt_dist.populate_across(self, cache, on_stream)

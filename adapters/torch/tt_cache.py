@@ -17,18 +17,18 @@ from xferlib.adapters.torch import tt_fbtt_compat as compat
 
 
 def _array(t):
-    from xferlib.adapters.torch.tt_batched import _array as view
+    from xferlib.adapters.torch.tt_batched import array_of as view
 
     return view(t)
 
 
 def _on_stream(t):
-    from xferlib.adapters.torch.tt_batched import _on_stream as scope
+    from xferlib.adapters.torch.tt_batched import on_stream as scope
 
     return scope(t)
 
 
-def _core_cache(self):
+def core_cache(self):
     """The cache as xferlib's TTRowCache over this module's tensors (None without)."""
     if not self.use_cache:
         return None
@@ -50,7 +50,7 @@ def _core_cache(self):
     return cache
 
 
-def _require_cache(self):
+def require_cache(self):
     if not self.use_cache:
         raise RuntimeError("this module was built with use_cache=False")
     return self._core_cache()
@@ -100,14 +100,14 @@ def reset_cache(self) -> None:
 _STEP = "optimizer_step"
 
 
-def _save_to_state_dict(self, destination, prefix, keep_vars):
+def save_to_state_dict(self, destination, prefix, keep_vars):
     self._resolve_pending_check()
     torch.nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)
     destination[prefix + _STEP] = torch.tensor(self.iter, dtype=torch.int64)
 
 
-def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                          unexpected_keys, error_msgs):
+def load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                         unexpected_keys, error_msgs):
     """Our checkpoints load as saved. FBTT's load strictly too: its ``L``, ``tt_cores``,
     ``cache_weight`` and frequency counts as they are; its ``optimizer_state`` where the rule
     matches (Adagrad's sums; row-wise Adagrad from their row means), fresh state otherwise;
