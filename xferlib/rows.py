@@ -243,10 +243,6 @@ def sorted_positions(idx, num_rows: int, stream, presorted: bool = False,
     return keys.take(perm), perm, verdict
 
 
-# The old name, until xferlib/tt.py (being split into xferlib/tt/) imports sorted_positions.
-_sorted_positions = sorted_positions
-
-
 _IDENTITY = {}
 
 
