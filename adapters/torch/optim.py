@@ -289,15 +289,27 @@ class _FlatOptimizer(torch.optim.Optimizer):
     def _hyper(self, group):
         return {k: group[self._renamed.get(k, k)] for k in self._rule.defaults}
 
-    def _hypers(self):
+    def hypers(self) -> list:
+        """Each parameter group's hyperparameters, under the core rule's names."""
         return [self._hyper(g) for g in self.param_groups]
+
+    @property
+    def rule(self) -> core.FlatOptimizer:
+        """The core rule this optimizer steps with (``xferlib.optim``)."""
+        return self._rule
+
+    @property
+    def buckets(self) -> list:
+        """The flat buffers, one per (device, dtype) of the parameters: each with its
+        ``layout``, optimizer ``state`` and the core views ``core_params``/``core_grads``."""
+        return self._buckets
 
     def _build_buckets(self):
         by_key = {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 by_key.setdefault((p.device, p.dtype), []).append((p, gi))
-        hypers = self._hypers()
+        hypers = self.hypers()
         return [_Bucket(entries, self._rule, hypers, self._capturable)
                 for entries in by_key.values()]
 
@@ -307,7 +319,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        hypers = self._hypers()
+        hypers = self.hypers()
         if hypers != self._checked_hypers:  # schedulers change lr: check what changed
             for h in hypers:
                 core.resolve_hyper(self._rule_name, h)

@@ -187,7 +187,7 @@ class _ShardedFlatOptimizer(flat._FlatOptimizer):
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 by_key.setdefault((p.device, p.dtype), []).append((p, gi))
-        hypers = self._hypers()
+        hypers = self.hypers()
         # Every rank builds the same buckets in the same order: their collectives pair up.
         return [_ShardBucket(entries, self._rule, hypers, self._group, self._reduce_grads)
                 for entries in by_key.values()]

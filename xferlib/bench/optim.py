@@ -147,7 +147,7 @@ def _bf16_rows(torch, shapes, repeats):
     model = _params(torch, shapes, dtype=torch.bfloat16)
     grads = [p.grad.clone() for p in model]
     flat = FlatAdam(model, lr=1e-3, capturable=True)
-    (bucket,) = flat._buckets
+    (bucket,) = flat.buckets
     for p, g in zip(model, grads):
         p.grad.copy_(g)
     bucket.has_grad[:] = True
@@ -214,7 +214,7 @@ def _measure_set(torch, shapes, quick):
     params = _params(torch, shapes)
     grads = [p.grad.clone() for p in params]
     flat = FlatAdam(params, lr=1e-3)
-    (bucket,) = flat._buckets
+    (bucket,) = flat.buckets
     for p, g in zip(params, grads):
         p.grad.copy_(g)
     bucket.has_grad[:] = True  # every parameter has a gradient (copied, so no hook fired)
@@ -226,7 +226,7 @@ def _measure_set(torch, shapes, quick):
     # capturable=True: step scalars computed on the GPU; the step can be a CUDA graph.
     params = _params(torch, shapes)
     flat = FlatAdam(params, lr=1e-3, capturable=True)
-    (bucket,) = flat._buckets
+    (bucket,) = flat.buckets
     for p, g in zip(params, grads):
         p.grad.copy_(g)
     bucket.has_grad[:] = True
@@ -337,8 +337,8 @@ def _kernel_alone(bucket, flat, repeats):
     from xferlib import optim as core
     from xferlib._kernels.optim import OPTIM_MODULE, update_name
 
-    rule = flat._rule
-    table = core.step_scalars(core.FLAT_RULES["adam"], bucket.layout, bucket.state, flat._hypers(),
+    rule = flat.rule
+    table = core.step_scalars(core.FLAT_RULES["adam"], bucket.layout, bucket.state, flat.hypers(),
                               np.ones(len(bucket.layout.segments), dtype=bool))
     device_table = cupy.asarray(table.astype(np.float32))
     chunks = core.chunk_table(bucket.layout)
