@@ -26,9 +26,6 @@ FRAMEWORKS = ("torch", "jax", "jaxlib", "optax", "flax")
 # (importing file, module imported from, private name; None for the whole private module)
 # -> why it is allowed for now. Every entry must still occur: remove it with its import.
 ALLOWED_PRIVATE = {
-    # `xferlib info` prints the benchmark report's environment block.
-    ("xferlib/cli.py", "xferlib.bench._report", None):
-        "xferlib info reuses the bench report's environment()",
     # The sharded flat optimizers extend the flat optimizers' bucket and base class and share
     # their tensor helpers; to go once adapters/torch/optim.py makes them public.
     **{("adapters/torch/optim_sharded.py", "xferlib.adapters.torch.optim", name):

@@ -11,7 +11,7 @@ def _info() -> int:
 
     import xferlib
     from xferlib._backend import cupy_available
-    from xferlib.bench._report import environment
+    from xferlib.bench.report import environment
 
     env = environment()
     print(f"xferlib {xferlib.__version__}")

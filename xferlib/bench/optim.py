@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from xferlib.bench._timing import gpu_time_ms
+from xferlib.bench.timing import gpu_time_ms
 from xferlib.bench.shapes import (bert_base_shapes, linear_stack_shapes, many_small_shapes,
                                   resnet50_shapes)
 
@@ -47,7 +47,7 @@ TARGETS = {"resnet50": dict(max_ms=0.19, vs_fused=4.0), "bert_base": dict(max_ms
 
 def run(quick: bool = False) -> dict:
     from xferlib._backend import cupy_available
-    from xferlib.bench._report import environment
+    from xferlib.bench.report import environment
 
     if not cupy_available():
         print("no CUDA GPU found: the optimizer benchmark needs a GPU (skipped)")

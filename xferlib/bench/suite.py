@@ -9,7 +9,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from xferlib.bench import optim, table, transfer, tt
-from xferlib.bench._report import print_table, write_json, write_plot
+from xferlib.bench.report import print_table, write_json, write_plot
 
 SUITES = {"transfer": transfer.run, "optim": optim.run, "table": table.run, "tt": tt.run}
 

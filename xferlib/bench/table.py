@@ -45,7 +45,7 @@ import itertools
 
 import numpy as np
 
-from xferlib.bench._timing import cpu_time_ms, gpu_time_ms
+from xferlib.bench.timing import cpu_time_ms, gpu_time_ms
 
 TABLE_ROWS = 8 * 1024 * 1024
 DIM = 128
@@ -143,7 +143,7 @@ def _run_gpu(quick: bool) -> dict:
     import cupy
 
     import xferlib
-    from xferlib.bench._report import environment
+    from xferlib.bench.report import environment
 
     repeats = 10 if quick else 20
     rng = np.random.default_rng(0)
@@ -454,7 +454,7 @@ def _check_targets(results, quick: bool) -> list[dict]:
 
 def _run_numpy(quick: bool) -> dict:
     import xferlib
-    from xferlib.bench._report import environment
+    from xferlib.bench.report import environment
 
     print("no CUDA GPU found: timing the NumPy path of HostTable on a 1M x 64 table")
     rows, dim, n = 1 << 20, 64, 16 * 1024

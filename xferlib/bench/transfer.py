@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib.bench._timing import cpu_time_ms, gpu_time_ms
+from xferlib.bench.timing import cpu_time_ms, gpu_time_ms
 
 TABLE_ROWS = 8 * 1024 * 1024
 ROW_BYTES = (128, 256, 512)
@@ -93,7 +93,7 @@ def _run_gpu(quick: bool) -> dict:
     import cupy
 
     import xferlib
-    from xferlib.bench._report import environment
+    from xferlib.bench.report import environment
 
     try:
         import torch
@@ -261,7 +261,7 @@ def _check_targets(results) -> list[dict]:
 
 def _run_numpy(quick: bool) -> dict:
     import xferlib
-    from xferlib.bench._report import environment
+    from xferlib.bench.report import environment
 
     print("no CUDA GPU found: timing the NumPy path (the GPU benchmarks need a GPU and CuPy)")
     num_rows = 1 << 20

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from xferlib.bench._timing import gpu_pipelined_ms, gpu_time_ms
+from xferlib.bench.timing import gpu_pipelined_ms, gpu_time_ms
 
 P_SHAPES, Q_SHAPES, RANKS = (200, 220, 250), (4, 4, 4), (32, 32)
 BAG = 20
@@ -46,7 +46,7 @@ FBTT_CACHE = "xferlib TTEmbeddingBag + FBTT's default cache (10% of rows)"
 
 def run(quick: bool = False) -> dict:
     from xferlib._backend import cupy_available
-    from xferlib.bench._report import environment
+    from xferlib.bench.report import environment
 
     try:
         import torch
@@ -120,7 +120,7 @@ def _captured_steps(torch, module, sets, offsets, grad):
 
 def _run_gpu(torch, quick: bool) -> dict:
     from xferlib.adapters.torch import OptimType, TTEmbeddingBag
-    from xferlib.bench._report import environment
+    from xferlib.bench.report import environment
 
     repeats = 10 if quick else 20
     num_rows, dim = math.prod(P_SHAPES), math.prod(Q_SHAPES)
