@@ -26,12 +26,6 @@ FRAMEWORKS = ("torch", "jax", "jaxlib", "optax", "flax")
 # (importing file, module imported from, private name; None for the whole private module)
 # -> why it is allowed for now. Every entry must still occur: remove it with its import.
 ALLOWED_PRIVATE = {
-    # The sharded flat optimizers extend the flat optimizers' bucket and base class and share
-    # their tensor helpers; to go once adapters/torch/optim.py makes them public.
-    **{("adapters/torch/optim_sharded.py", "xferlib.adapters.torch.optim", name):
-       "sharded flat optimizers build on the flat optimizers' internals"
-       for name in ("_Bucket", "_FlatOptimizer", "_xp", "_core_view", "_uses",
-                    "_current_stream", "_as_array")},
     # The SpeedTorch drop-in's package imports its modules' underscore-named base classes
     # (not in its __all__); to go with those imports or with public names for the classes.
     **{("adapters/torch/speedtorch/__init__.py", module, name):
@@ -49,12 +43,6 @@ ALLOWED_PRIVATE = {
 FRAMEWORK_INSIDE_FUNCTIONS = {
     "xferlib/handoff.py": "DLPack handoff to and from torch and JAX arrays",
     "xferlib/doctor.py": "reports the installed torch and JAX and what they see",
-    # The benchmarks that compare against torch/JAX (and run the adapters) until they move
-    # beside the adapters, leaving xferlib/bench framework-free.
-    "xferlib/bench/optim.py": "framework comparisons, to move beside the adapters",
-    "xferlib/bench/table.py": "framework comparisons, to move beside the adapters",
-    "xferlib/bench/transfer.py": "framework comparisons, to move beside the adapters",
-    "xferlib/bench/tt.py": "framework comparisons, to move beside the adapters",
 }
 
 

@@ -29,17 +29,19 @@ __all__ = ["FlatSGD", "FlatAdam", "FlatAdamW", "FlatAdagrad", "FlatRMSprop", "Fl
 _TORCH_ONLY_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 
-def _core_view(t: torch.Tensor):
+def core_view(t: torch.Tensor):
+    """A zero-copy core array (NumPy on CPU, CuPy on CUDA) over ``t``'s memory."""
     return to_cupy(t) if t.is_cuda else to_numpy(t)
 
 
-class _Bucket:
-    """The parameters of one (device, dtype): their flat buffers, layout and state."""
+class Bucket:
+    """The parameters of one (device, dtype): their flat buffers, layout and state (the
+    sharded optimizers' buckets extend it)."""
 
     def __init__(self, entries, rule: core.FlatOptimizer, hypers, capturable: bool = False):
         self._attach(entries)
         self._init_state(rule, hypers, capturable, entries)
-        self.storage_uses = _uses(self.flat_params)  # last: every view above counts
+        self.storage_uses = storage_use_count(self.flat_params)  # last: every view above counts
 
     def _attach(self, entries, multiple: int = 1):
         """Move the parameters into one flat buffer (its length padded to a multiple of
@@ -81,7 +83,7 @@ class _Bucket:
                       for i, p in enumerate(self.params)]
 
     def _init_state(self, rule, hypers, capturable, entries):
-        xp = _xp(self.device)
+        xp = array_module(self.device)
         self.state = rule.init(self.layout, hypers, xp=xp)
         self.state_tensors = {}
         for name, buffer in self.state.buffers.items():
@@ -91,9 +93,9 @@ class _Bucket:
         # Mixed precision: float32 master weights updated by the kernel, which also writes
         # them back rounded into the model's 16-bit parameters.
         self.master = None if self.dtype == torch.float32 else self.flat_params.float()
-        self.core_params = _core_view(self.flat_params if self.master is None else self.master)
-        self.core_grads = _core_view(self.flat_grads)
-        self.core_lowp = None if self.master is None else _core_view(self.flat_params)
+        self.core_params = core_view(self.flat_params if self.master is None else self.master)
+        self.core_grads = core_view(self.flat_grads)
+        self.core_lowp = None if self.master is None else core_view(self.flat_params)
         self.capturable = capturable
         self.cuda_step = None
         if capturable:
@@ -115,7 +117,7 @@ class _Bucket:
         self.dev_groups = torch.tensor([g for _, g in entries], dtype=torch.int32,
                                        device=self.device)
         self.dev_hyper = torch.zeros((groups, 8), dtype=torch.float32, device=self.device)
-        self.core_device = [_core_view(t) for t in (self.dev_hyper, self.dev_groups,
+        self.core_device = [core_view(t) for t in (self.dev_hyper, self.dev_groups,
                                                     self.dev_steps, self.dev_active)]
         self.uploaded_active = None
         self.uploaded_hyper = None
@@ -146,7 +148,7 @@ class _Bucket:
         # (which still runs every 64 steps, and whenever the count moves). Shapes are
         # checked when checkpoints are written or read: a view reshaped in place still covers
         # the same bytes, so the update itself stays correct and in bounds.
-        uses = _uses(self.flat_params)
+        uses = storage_use_count(self.flat_params)
         self.steps_since_full_check += 1
         if (not shapes and uses == self.storage_uses and self.steps_since_full_check < 64):
             return
@@ -188,9 +190,9 @@ class _Bucket:
         self.check_params()
         active = self.collect_grads()
         if self.cuda_step is not None:
-            self.cuda_step(self.state, hypers, active, _current_stream(self.device))
+            self.cuda_step(self.state, hypers, active, current_cupy_stream(self.device))
             return
-        stream = _current_stream(self.device) if self.device.type == "cuda" else None
+        stream = current_cupy_stream(self.device) if self.device.type == "cuda" else None
         if self.capturable:
             scaling = {name: None if t is None else to_cupy(
                 t.to(self.device, torch.float32).reshape(1))
@@ -219,7 +221,7 @@ class _Bucket:
 _grad = operator.attrgetter("grad")
 
 
-def _current_stream(device):
+def current_cupy_stream(device):
     """torch's current stream on ``device`` as a (cached) CuPy stream, without building a
     torch Stream object per call."""
     from xferlib.backend import as_cupy_stream
@@ -231,18 +233,19 @@ def _current_stream(device):
     return as_cupy_stream(handle)
 
 
-def _as_array(value):
+def as_array(value):
     """NumPy reductions return scalars; the handoff takes arrays."""
     return np.asarray(value) if isinstance(value, np.generic) else value
 
 
-def _uses(tensor) -> int:
+def storage_use_count(tensor) -> int:
     """How many tensors share ``tensor``'s storage (an O(1) query)."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 _shape = operator.attrgetter("shape")
 
 
-def _xp(device):
+def array_module(device):
+    """The core's array module for a torch device: CuPy for CUDA, else NumPy."""
     if device.type == "cuda":
         import cupy
 
@@ -255,7 +258,10 @@ def _xp(device):
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class _FlatOptimizer(torch.optim.Optimizer):
+class FlatOptimizerBase(torch.optim.Optimizer):
+    """Base of the ``Flat*`` optimizers (and of the sharded ones): a torch.optim optimizer
+    stepping one core rule over a flat buffer per (device, dtype)."""
+
     _rule_name = ""
     _renamed = {}  # core name -> torch-side name (Lion's learning_rate is torch's lr)
 
@@ -310,7 +316,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 by_key.setdefault((p.device, p.dtype), []).append((p, gi))
         hypers = self.hypers()
-        return [_Bucket(entries, self._rule, hypers, self._capturable)
+        return [Bucket(entries, self._rule, hypers, self._capturable)
                 for entries in by_key.values()]
 
     @torch.no_grad()
@@ -368,9 +374,9 @@ class _FlatOptimizer(torch.optim.Optimizer):
             total, factor = core.global_norm_clip_factor(grads, max_norm, norm_type, eps,
                                                          stream=stream)
             self._grad_mul = to_torch(factor.reshape(1))
-            return to_torch(_as_array(total))
+            return to_torch(as_array(total))
         total = core.clip_by_global_norm(grads, max_norm, norm_type, eps, stream=stream)
-        return to_torch(_as_array(total))
+        return to_torch(as_array(total))
 
     # -- checkpoints in torch.optim's per-parameter format ---------------------------------
 
@@ -449,7 +455,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
 
 
 def _flat_class(name, torch_name, doc_rule):
-    cls = type(f"Flat{torch_name}", (_FlatOptimizer,), {"_rule_name": name})
+    cls = type(f"Flat{torch_name}", (FlatOptimizerBase,), {"_rule_name": name})
     cls.__doc__ = (f"``torch.optim.{torch_name}`` over a flat buffer: {doc_rule}\n\n"
                    f"Hyperparameters and defaults: {getattr(core, name)().defaults}.")
     return cls

@@ -86,7 +86,7 @@ def _collective(new_name, old_name):
     return getattr(dist, new_name, None) or getattr(dist, old_name)
 
 
-class _ShardBucket(flat._Bucket):
+class _ShardBucket(flat.Bucket):
     """One (device, dtype) of parameters: the whole flat buffers, the state of one slice."""
 
     def __init__(self, entries, rule, hypers, group, reduce_grads: bool):
@@ -104,15 +104,15 @@ class _ShardBucket(flat._Bucket):
         self.shard_grads = (torch.empty_like(self.shard_params) if reduce_grads
                             else self.flat_grads[self.start:self.end])
         self.reduced = False
-        xp = flat._xp(self.device)
+        xp = flat.array_module(self.device)
         self.state = rule.init(self.local, hypers, xp=xp)
         self.state_tensors = {name: torch.from_dlpack(b) if self.device.type == "cuda"
                               else torch.from_numpy(b) for name, b in self.state.buffers.items()}
         self.master = None if self.dtype == torch.float32 else self.shard_params.float()
-        self.core_params = flat._core_view(self.shard_params if self.master is None
-                                           else self.master)
-        self.core_grads = flat._core_view(self.shard_grads)
-        self.core_lowp = None if self.master is None else flat._core_view(self.shard_params)
+        self.core_params = flat.core_view(self.shard_params if self.master is None
+                                          else self.master)
+        self.core_grads = flat.core_view(self.shard_grads)
+        self.core_lowp = None if self.master is None else flat.core_view(self.shard_params)
         self.capturable = False
         self.cuda_step = None
         if self.device.type == "cuda":
@@ -120,7 +120,8 @@ class _ShardBucket(flat._Bucket):
                                            self.core_grads, self.state.buffers, self.core_lowp)
         nccl = dist.get_backend(group) == "nccl"
         self._gather_in_place = nccl  # NCCL reads its input from inside the output buffer
-        self.storage_uses = flat._uses(self.flat_params)  # last: every view above counts
+        # last: every view above counts
+        self.storage_uses = flat.storage_use_count(self.flat_params)
 
     def set_step(self, i: int, step: int) -> None:  # i: a piece of this shard
         self.state.steps[i] = step
@@ -145,7 +146,7 @@ class _ShardBucket(flat._Bucket):
         self.reduced = False
         if len(self.local.segments):
             if self.cuda_step is not None:
-                self.cuda_step(self.state, hypers, active, flat._current_stream(self.device))
+                self.cuda_step(self.state, hypers, active, flat.current_cupy_stream(self.device))
             else:
                 rule.update(self.local, self.core_params, self.core_grads, self.state, hypers,
                             active=active, params_lowp=self.core_lowp)
@@ -168,8 +169,8 @@ class _ShardBucket(flat._Bucket):
             dist.all_gather(list(self.flat_params.chunk(self.world)), mine, group=self.group)
 
 
-class _ShardedFlatOptimizer(flat._FlatOptimizer):
-    """Base of the ``ShardedFlat*`` classes: ``_FlatOptimizer`` with sharded buckets."""
+class _ShardedFlatOptimizer(flat.FlatOptimizerBase):
+    """Base of the ``ShardedFlat*`` classes: ``FlatOptimizerBase`` with sharded buckets."""
 
     def __init__(self, params, *, process_group=None, reduce_grads: bool = True, **hyper):
         if not dist.is_available() or not dist.is_initialized():
@@ -214,16 +215,16 @@ class _ShardedFlatOptimizer(flat._FlatOptimizer):
         for bucket in self._buckets:
             bucket.collect_grads()
             bucket.reduce()
-            stream = (flat._current_stream(bucket.device) if bucket.device.type == "cuda"
+            stream = (flat.current_cupy_stream(bucket.device) if bucket.device.type == "cuda"
                       else None)
             # 16-bit gradients: their float32 copy (1/N of the buffer), so the norm is
             # summed in float32 whatever the array library does with 16-bit types.
             grads = bucket.core_grads if bucket.dtype == torch.float32 else \
-                flat._core_view(bucket.shard_grads.float())
+                flat.core_view(bucket.shard_grads.float())
             with stream_scope(stream, bucket.device.type == "cuda"):
                 share = core.partial_norm(grads, norm_type)
-            shares.append(to_torch(flat._as_array(share)).to(self._buckets[0].device,
-                                                              torch.float32).reshape(1))
+            shares.append(to_torch(flat.as_array(share)).to(self._buckets[0].device,
+                                                             torch.float32).reshape(1))
         share = torch.stack(shares).max(0)[0] if inf else torch.stack(shares).sum(0)
         dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                         group=self._group)
