@@ -26,16 +26,6 @@ FRAMEWORKS = ("torch", "jax", "jaxlib", "optax", "flax")
 # (importing file, module imported from, private name; None for the whole private module)
 # -> why it is allowed for now. Every entry must still occur: remove it with its import.
 ALLOWED_PRIVATE = {
-    # The SpeedTorch drop-in's package imports its modules' underscore-named base classes
-    # (not in its __all__); to go with those imports or with public names for the classes.
-    **{("adapters/torch/speedtorch/__init__.py", module, name):
-       "SpeedTorch drop-in package re-imports its modules' base classes"
-       for module, name in (
-           ("xferlib.adapters.torch.speedtorch.cupy_live", "_Common"),
-           ("xferlib.adapters.torch.speedtorch.cupy_memmap", "_CommonMM"),
-           ("xferlib.adapters.torch.speedtorch.torch_tensors", "_CPUPytorchCommon"),
-           ("xferlib.adapters.torch.speedtorch.torch_tensors", "_GPUPytorchCommon"),
-           ("xferlib.adapters.torch.speedtorch.torch_tensors", "_PytorchCommon"))},
 }
 
 # Core files that may import a framework or the adapters inside a function (never at module

@@ -422,8 +422,7 @@ def test_every_exported_name_exists():
              "GPUPytorchOptimizerFactory", "GPUPytorchCOM", "CPUPytorchModelFactory",
              "CPUPytorchOptimizerFactory", "CPUPytorchCOM", "PytorchModelFactory",
              "PytorchOptimizerFactory", "PytorchCOM", "my_pinned_allocator",
-             "my_pinned_allocatorMM", "_Common", "_CommonMM", "_GPUPytorchCommon",
-             "_CPUPytorchCommon", "_PytorchCommon"]
+             "my_pinned_allocatorMM"]
     for name in names:
         assert callable(getattr(SpeedTorch, name)), name
     pytest.importorskip("cupy")
