@@ -35,14 +35,26 @@ def _info() -> int:
     return 0 if pinned and ok else 1
 
 
+def _suites_help(argv) -> str:
+    """``xferlib bench``'s list of suites, read from the registry (the entry points of
+    ``xferlib.bench``) only when the command line is about ``bench``: the other commands
+    load no suite."""
+    if "bench" not in argv:
+        return "suites to run"
+    from xferlib.bench import SUITES
+
+    return f"suites to run: {', '.join(SUITES) or 'none registered (reinstall xferlib)'}"
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="xferlib", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine can use (GPU, CUDA, CuPy/torch/JAX builds, "
                    "pinned memory, memory settings) and what to install or set")
     sub.add_parser("info", help="versions, GPU, CUDA runtime, backends, pinned-memory check")
     bench = sub.add_parser("bench", help="run benchmark suites (all when none is named)")
-    bench.add_argument("suites", nargs="*", help="suites to run: transfer, optim, table, tt")
+    bench.add_argument("suites", nargs="*", help=_suites_help(argv))
     bench.add_argument("--quick", action="store_true", help="a reduced set (under 2 minutes)")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG plot")

@@ -30,7 +30,7 @@ rows also give ``ms_one_call``, one step timed alone, host queueing included.
 
 Run it as ``xferlib bench table [--quick] [--json PATH]``; from Python::
 
-    from xferlib.bench import table
+    from xferlib.adapters.bench import table
     report = table.run(quick=True)   # a dict: results, pinned_GB_per_s, targets
     for check in report["targets"]:
         print(check["target"], check["value"], check["met"])
@@ -80,7 +80,7 @@ def _zipf_cdf(num_rows: int, s: float) -> np.ndarray:
 
 
 def run(quick: bool = False) -> dict:
-    from xferlib._backend import cupy_available
+    from xferlib.backend import cupy_available
 
     if not cupy_available():
         return _run_numpy(quick)

@@ -36,7 +36,7 @@ SMALL_BATCH_TARGET = 35.0
 
 
 def run(quick: bool = False) -> dict:
-    from xferlib._backend import cupy_available
+    from xferlib.backend import cupy_available
 
     if not cupy_available():
         return _run_numpy(quick)

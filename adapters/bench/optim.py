@@ -25,8 +25,6 @@ import math
 import statistics
 import time
 
-import numpy as np
-
 from xferlib.bench.timing import gpu_time_ms
 from xferlib.bench.shapes import (bert_base_shapes, linear_stack_shapes, many_small_shapes,
                                   resnet50_shapes)
@@ -46,7 +44,7 @@ TARGETS = {"resnet50": dict(max_ms=0.19, vs_fused=4.0), "bert_base": dict(max_ms
 
 
 def run(quick: bool = False) -> dict:
-    from xferlib._backend import cupy_available
+    from xferlib.backend import cupy_available
     from xferlib.bench.report import environment
 
     if not cupy_available():
@@ -332,26 +330,12 @@ def _clip_step_rows(torch, shapes, repeats):
 
 
 def _kernel_alone(bucket, flat, repeats):
-    import cupy
-
-    from xferlib import optim as core
-    from xferlib._kernels.optim import OPTIM_MODULE, update_name
-
-    rule = flat.rule
-    table = core.step_scalars(core.FLAT_RULES["adam"], bucket.layout, bucket.state, flat.hypers(),
-                              np.ones(len(bucket.layout.segments), dtype=bool))
-    device_table = cupy.asarray(table.astype(np.float32))
-    chunks = core.chunk_table(bucket.layout)
-    kernel = OPTIM_MODULE.get_function(update_name(rule.kind))
-    s = bucket.state.buffers
-    args = (bucket.core_params, bucket.core_grads, s["exp_avg"], s["exp_avg_sq"], np.uint64(0),
-            device_table, *chunks, np.int32(table.shape[1]), np.uint64(0), np.uint64(0))
-
-    def launch():
-        kernel((len(chunks[0]),), (256,), args)
-
     import torch
 
+    from xferlib.bench.kernels import flat_adam_kernel_launch
+
+    launch = flat_adam_kernel_launch(flat.rule, bucket.layout, bucket.state, flat.hypers(),
+                                     bucket.core_params, bucket.core_grads)
     return gpu_time_ms(lambda i: launch(), repeats), _host_us(torch, launch)
 
 

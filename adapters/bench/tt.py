@@ -45,7 +45,7 @@ FBTT_CACHE = "xferlib TTEmbeddingBag + FBTT's default cache (10% of rows)"
 
 
 def run(quick: bool = False) -> dict:
-    from xferlib._backend import cupy_available
+    from xferlib.backend import cupy_available
     from xferlib.bench.report import environment
 
     try:
@@ -69,7 +69,7 @@ def _forward_flops_per_lookup() -> int:
 
 
 def _batches(torch, rng, num_rows, batch, dist, permutation=None, sets=INDEX_SETS):
-    from xferlib.bench.table import zipf_indices
+    from xferlib.adapters.bench.table import zipf_indices
 
     out = []
     perm = permutation
