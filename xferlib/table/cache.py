@@ -158,7 +158,7 @@ class DeviceCache:
         self.side = side
         self.n_sets = max(1, -(-cache_rows // WAYS))
         n_slots = self.n_sets * WAYS
-        self.width = table._layout.row_width
+        self.width = table.layout.row_width
         self.data = cupy.zeros((n_slots, self.width), dtype=table.dtype)
         tags = np.full(n_slots, -1, np.int64)
         tags[cache_rows:] = -2  # ways past cache_rows do not exist
@@ -174,7 +174,7 @@ class DeviceCache:
         self.doorkeeper = np.int32(admission == "second-sight")
 
     def _layout_args(self):
-        layout = self.side.table._layout
+        layout = self.side.table.layout
         return (self.data, np.int64(self.width), np.int64(layout.dim),
                 np.int64(layout.state_offset))
 
@@ -196,9 +196,9 @@ class DeviceCache:
             (blocks,), (256,), (plan.keys, plan.run, np.int64(n), np.int64(self.n_sets),
                                 set_key, run_row, self.tick, plan.verdict), stream=stream)
         sets, order, _ = sorted_positions(set_key, self.n_sets + 1, stream)
-        grid, block = self.side._grid(n)
+        grid, block = self.side.launch_size(n)
         CACHE_MODULE.get_function(cache_insert_name(self.side.vec, self.side.dtype_name))(
-            grid, block, (*self.side._host_args(), *self._layout_args(), self.tags,
+            grid, block, (*self.side.host_args(), *self._layout_args(), self.tags,
                           self.score, self.last, self.dirty, self.door,
                           np.int64(self.door_bits), sets, order, run_row, np.int64(n),
                           np.int64(self.n_sets), slots, self.tick, self.lfu, self.doorkeeper,
@@ -217,7 +217,7 @@ class DeviceCache:
         from xferlib._kernels.cache import CACHE_MODULE, cache_probe_name
 
         slots = cupy.empty(plan.n, dtype=np.int32)
-        grid, block = self.side._grid(plan.n)
+        grid, block = self.side.launch_size(plan.n)
         CACHE_MODULE.get_function(cache_probe_name(plan.keys.itemsize))(
             grid, block, (self.tags, np.int64(self.n_sets), plan.keys, plan.run,
                           np.int64(plan.n), np.int64(self.side.table.num_rows), slots,
@@ -229,9 +229,9 @@ class DeviceCache:
         from xferlib._kernels.cache import CACHE_MODULE, cache_flush_name
 
         n_slots = self.tags.size
-        grid, block = self.side._grid(n_slots)
+        grid, block = self.side.launch_size(n_slots)
         CACHE_MODULE.get_function(cache_flush_name(self.side.vec, self.side.dtype_name))(
-            grid, block, (*self.side._host_args(), *self._layout_args(), self.tags, self.score,
+            grid, block, (*self.side.host_args(), *self._layout_args(), self.tags, self.score,
                           self.last, self.dirty, np.int64(n_slots), np.int32(drop)),
             stream=stream)
 

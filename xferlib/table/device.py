@@ -104,16 +104,18 @@ class _PendingCheck:
 class DeviceSide:
     """Kernels, the hot-row cache, the prefetch stream and the pending input checks."""
 
-    def __init__(self, table):
+    def __init__(self, table, weights, state):
+        """``weights`` and ``state``: the table's pinned host arrays (their addresses and
+        strides go into every launch)."""
         import cupy
 
         self.table = table
-        layout = table._layout
+        layout = table.layout
         self.dtype_name = table.dtype.name
-        self.w_ptr = device_pointer(table._weights.view(np.ndarray), "weights")
-        self.s_ptr = device_pointer(table._state.view(np.ndarray), "state")
-        self.w_stride = table._weights.strides[0] // table.dtype.itemsize
-        self.s_stride = table._state.strides[0] // table.dtype.itemsize
+        self.w_ptr = device_pointer(weights.view(np.ndarray), "weights")
+        self.s_ptr = device_pointer(state.view(np.ndarray), "state")
+        self.w_stride = weights.strides[0] // table.dtype.itemsize
+        self.s_stride = state.strides[0] // table.dtype.itemsize
         self.vec = self._vector_width(layout)
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Kernels that reach host RAM are latency-bound: a few blocks per SM keep enough
@@ -155,20 +157,24 @@ class DeviceSide:
             and self.s_ptr % 16 == 0
         return word if aligned else 1
 
-    def _grid(self, n_warps: int, prefetch: bool = False):
+    def launch_size(self, n_warps: int, prefetch: bool = False):
+        """``(grid, block)`` for ``n_warps`` warps, capped for this GPU (lower for a
+        prefetch, which leaves SMs to the compute it overlaps)."""
         from xferlib._kernels import launch_config
 
         cap = self.prefetch_blocks if prefetch else self.max_blocks
         return launch_config(max(1, n_warps), max_blocks=cap)
 
     def _cache_args(self, slots):
-        layout = self.table._layout
+        layout = self.table.layout
         if self.cache is None or slots is None:
             return (np.uint64(0), np.int64(0), np.int64(layout.state_offset), np.uint64(0))
         return (self.cache.data, np.int64(self.cache.width), np.int64(layout.state_offset),
                 slots)
 
-    def _host_args(self):
+    def host_args(self):
+        """The kernels' leading arguments: the host weights and state (addresses, strides)
+        and the row count."""
         return (np.uint64(self.w_ptr), np.int64(self.w_stride), np.uint64(self.s_ptr),
                 np.int64(self.s_stride), np.int64(self.table.num_rows))
 
@@ -176,7 +182,7 @@ class DeviceSide:
         import cupy
 
         if self.hyper is None:
-            values = [float(v) for v in self.table._rule.kernel_hyper(self.table._hyper)]
+            values = [float(v) for v in self.table.rule.kernel_hyper(self.table.hyper)]
             self.hyper = cupy.asarray(np.array(values + [0.0] * (16 - len(values))))
         return self.hyper
 
@@ -203,7 +209,9 @@ class DeviceSide:
         run -= 1
         return Plan(idx, keys, perm, run, verdict)
 
-    def _record(self, stream) -> None:
+    def record(self, stream) -> None:
+        """Record ``last_event`` on ``stream`` (the work a flush waits for); nothing while
+        ``stream`` is being captured."""
         import cupy
 
         if is_capturing(stream):
@@ -247,14 +255,14 @@ class DeviceSide:
 
         from xferlib._kernels.table import TABLE_MODULE, gather_unique_name
 
-        layout = self.table._layout
+        layout = self.table.layout
         if out is None:
             out = cupy.empty((plan.n, layout.dim), dtype=self.table.dtype)
         if plan.n:
-            grid, block = self._grid(plan.n, prefetch)
+            grid, block = self.launch_size(plan.n, prefetch)
             name = gather_unique_name(self.vec, self.dtype_name, plan.keys.itemsize)
             TABLE_MODULE.get_function(name)(
-                grid, block, (*self._host_args(), *self._cache_args(plan.slots), plan.keys,
+                grid, block, (*self.host_args(), *self._cache_args(plan.slots), plan.keys,
                               plan.run, np.int64(plan.n), np.int64(layout.dim),
                               np.int64(layout.state_width), np.int32(0), np.int32(which), out,
                               plan.verdict), stream=stream)
@@ -311,7 +319,7 @@ class DeviceSide:
                 uniq = self.gather_unique(plan, stream)
             rows = self.expand(plan, uniq, out, stream)
             self.defer_check(plan, stream)
-            self._record(stream)
+            self.record(stream)
         return rows, plan
 
     def _empty_plan(self, idx) -> Plan:
@@ -350,21 +358,21 @@ class DeviceSide:
                 slots = self.cache.probe(plan, stream)
             n, dim = plan.n, table.dim
             summed = self._sum_gradients(plan, grads, stream)
-            grid, block = self._grid(n)
-            kernel = sparse_update_name(table._rule.kind, self.vec, self.dtype_name,
+            grid, block = self.launch_size(n)
+            kernel = sparse_update_name(table.rule.kind, self.vec, self.dtype_name,
                                         plan.keys.itemsize)
             TABLE_MODULE.get_function(kernel)(
-                grid, block, (*self._host_args(), *self._cache_args(slots),
+                grid, block, (*self.host_args(), *self._cache_args(slots),
                               self.cache.dirty if slots is not None else np.uint64(0),
                               plan.keys, plan.run, np.int64(n), summed, np.int64(dim),
-                              np.int64(len(table._layout.slots)),
-                              np.int64(table._layout.step_offset), self._hyper_array(),
+                              np.int64(len(table.layout.slots)),
+                              np.int64(table.layout.step_offset), self._hyper_array(),
                               plan.verdict), stream=stream)
             if pending is not None:
                 refresh_after_update(self, plan, slots, stream)
             if fresh:
                 self.defer_check(plan, stream)
-            self._record(stream)
+            self.record(stream)
 
     def _sum_gradients(self, plan: Plan, grads, stream):
         """Each run's gradient sum, in sorted-position order: deterministic."""

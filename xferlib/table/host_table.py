@@ -19,6 +19,7 @@ follows ``torch.optim`` exactly.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
@@ -246,6 +247,17 @@ class HostTable:
         return getattr(self, "_weights", None) is None
 
     @property
+    def layout(self) -> RowLayout:
+        """How a row and its optimizer state lie in host memory (``xferlib.table.layout``)."""
+        return self._layout
+
+    @property
+    def rule(self):
+        """The sparse optimizer rule (``xferlib.table.rules``) :meth:`apply_gradients` runs;
+        None for a table without an optimizer."""
+        return self._rule
+
+    @property
     def hyper(self) -> dict:
         """The optimizer's hyperparameters (a copy; change them with :meth:`set_hyper`)."""
         self._follow()
@@ -320,12 +332,21 @@ class HostTable:
         crash leaves the old file or the new one, never a torn one. Cached rows are written
         back first."""
         self._flush()
-        save_table(self, path)
+        save_table(self, path, self._weights.view(np.ndarray), self._state.view(np.ndarray))
 
     @classmethod
     def load(cls, path, *, cache_rows=None) -> "HostTable":
         """A table saved by :meth:`save`. ValueError for a truncated or foreign file."""
-        return load_table(cls, path, cache_rows)
+        config, weights, state = load_table(path)
+        if cache_rows is not None:
+            config["cache_rows"] = cache_rows
+        table = cls(**config, init="zeros")
+        if weights.shape != table._weights.shape or state.shape != table._state.shape:
+            raise ValueError(f"{os.fspath(path)}: array shapes {weights.shape}, {state.shape} "
+                             f"do not match its configuration")
+        table._weights[...] = weights
+        table._state[...] = state
+        return table
 
     # ------------------------------------------------------------------ lookup / update
 
@@ -419,7 +440,7 @@ class HostTable:
                 gpu.pending = None
                 scatter_rows(self._weights, idx, rows.astype(self.dtype, copy=False),
                              stream=stream)
-                gpu._record(stream)
+                gpu.record(stream)
             check_rows()  # a bad index raises from this call, as before
             return
         if is_cupy_array(idx) or is_cupy_array(rows):
@@ -535,7 +556,7 @@ class HostTable:
             if not is_pinned(self._state.view(np.ndarray)):
                 raise ValueError("this table's memory is not pinned (it was built without a "
                                  "GPU); the GPU path needs pinned memory")
-            self._gpu = DeviceSide(self)
+            self._gpu = DeviceSide(self, self._weights, self._state)
         return self._gpu
 
     def __repr__(self) -> str:

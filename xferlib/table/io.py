@@ -16,11 +16,12 @@ import numpy as np
 FORMAT = "xferlib.HostTable/1"
 
 
-def save_table(table, path) -> None:
-    """Write ``table`` (already flushed) to ``path``."""
-    layout = table._layout
+def save_table(table, path, weights, state) -> None:
+    """Write ``table``'s configuration and its host arrays ``weights`` and ``state`` (the
+    table already flushed) to ``path``."""
+    layout = table.layout
     meta = dict(format=FORMAT, num_rows=table.num_rows, dim=table.dim,
-                dtype=table.dtype.name, optimizer=table.optimizer, hyper=table._hyper,
+                dtype=table.dtype.name, optimizer=table.optimizer, hyper=table.hyper,
                 cache_rows=table.cache_rows, cache_policy=table.cache_policy,
                 cache_admission=table.cache_admission,
                 slots=list(layout.slots), row_scalars=list(layout.row_scalars))
@@ -34,8 +35,7 @@ def save_table(table, path) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                     weights=table._weights.view(np.ndarray),
-                     state=table._state.view(np.ndarray))
+                     weights=weights, state=state)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -45,8 +45,10 @@ def save_table(table, path) -> None:
         raise
 
 
-def load_table(cls, path, cache_rows=None):
-    """A ``cls`` (HostTable) read from ``path``; ValueError for a truncated or foreign file."""
+def load_table(path):
+    """``(config, weights, state)`` read from ``path``: ``config`` the HostTable constructor's
+    arguments, ``weights`` and ``state`` the saved host arrays. ValueError for a truncated or
+    foreign file."""
     import zipfile
 
     path = os.fspath(path)
@@ -69,21 +71,15 @@ def load_table(cls, path, cache_rows=None):
             if meta.get("format") != FORMAT:
                 raise ValueError(f"{path} is not an xferlib HostTable file "
                                  f"(format {meta.get('format')!r})")
-            table = cls(meta["num_rows"], meta["dim"], meta["dtype"], meta["optimizer"],
-                        meta["hyper"] or None,
-                        meta["cache_rows"] if cache_rows is None else cache_rows,
-                        init="zeros", cache_policy=meta["cache_policy"],
-                        cache_admission=meta.get("cache_admission", "second-sight"))
+            config = dict(num_rows=meta["num_rows"], dim=meta["dim"], dtype=meta["dtype"],
+                          optimizer=meta["optimizer"], optimizer_kwargs=meta["hyper"] or None,
+                          cache_rows=meta["cache_rows"], cache_policy=meta["cache_policy"],
+                          cache_admission=meta.get("cache_admission", "second-sight"))
             weights, state = data["weights"], data["state"]
-            if weights.shape != table._weights.shape or state.shape != table._state.shape:
-                raise ValueError(f"{path}: array shapes {weights.shape}, {state.shape} do "
-                                 f"not match its configuration")
-            table._weights[...] = weights
-            table._state[...] = state
     except (zipfile.BadZipFile, EOFError, OSError, KeyError,
             json.JSONDecodeError, UnicodeDecodeError) as err:
         if isinstance(err, FileNotFoundError):
             raise
         raise ValueError(f"{path} is truncated or not an xferlib HostTable file: "
                          f"{err}") from err
-    return table
+    return config, weights, state

@@ -120,14 +120,14 @@ def refresh_after_update(side, plan, slots, stream) -> None:
     if not pplan.n or not plan.n:
         return
     cache = side.cache
-    layout = side.table._layout
-    grid, block = side._grid(plan.n)
+    layout = side.table.layout
+    grid, block = side.launch_size(plan.n)
     pkeys = pplan.keys
     if pkeys.dtype != plan.keys.dtype:  # int32 and int64 batches of a > 2**31-row table
         pkeys = pkeys.astype(plan.keys.dtype)
     CACHE_MODULE.get_function(refresh_prefetched_name(side.dtype_name, plan.keys.itemsize))(
         grid, block,
-        (*side._host_args(),
+        (*side.host_args(),
          cache.data if cache is not None else np.uint64(0),
          np.int64(cache.width if cache is not None else 0), np.int64(layout.dim),
          np.int64(layout.state_offset),
