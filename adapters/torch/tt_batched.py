@@ -157,7 +157,7 @@ class _TTBagFunction(torch.autograd.Function):
                         module._state_arrays(), module._core_optimizer, lr=module.learning_rate,
                         eps=module.eps, cache=cache,
                         defer_check="silent" if ctx.capturing else module.defer_input_check,
-                        **module._hyper())
+                        **module.step_hyper())
                 if ctx.capturing:  # its verdict is rewritten by every replay
                     module._captured_plans.append(ctx.residuals)
                 elif pending is not None:
@@ -296,7 +296,10 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
     def _core_optimizer(self) -> str:
         return CORE_OPTIMIZER[self.optimizer]
 
-    def _hyper(self) -> dict:
+    def step_hyper(self) -> dict:
+        """The fused update's hyperparameters besides ``lr`` and ``eps`` (``betas``,
+        ``weight_decay``, ``eta``, ``momentum``) and its ``step``: the device counter's
+        array on the GPU (read by the kernel, so captured replays count), else its value."""
         counter = self._step_counter
         step = array_of(counter) if counter.is_cuda else max(int(counter[0]), 1)
         return dict(betas=self.betas, weight_decay=self.weight_decay, eta=self.eta,

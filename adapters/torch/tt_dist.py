@@ -158,7 +158,7 @@ def fused_step(module, residuals, arrays, grad_bags, cache, group, to_torch, to_
     buf = buf * (codes.sum() == 0)  # a rejected batch anywhere: no row is touched anywhere
     sizes = [p.numel() for p in pieces]
     parts = torch.split(buf[:-world], sizes)
-    hyper = dict(lr=module.learning_rate, eps=module.eps, **module._hyper())
+    hyper = dict(lr=module.learning_rate, eps=module.eps, **module.step_hyper())
     core.tt_apply_core_grads(arrays, shape, to_array(parts[0]),
                              to_array((parts[1] > 0).to(torch.int32)), module._state_arrays(),
                              optimizer, **hyper)
