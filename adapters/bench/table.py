@@ -136,7 +136,7 @@ def _pinned_rate() -> float:
 
 
 def _row_bytes(table) -> int:
-    return table._layout.row_width * table.dtype.itemsize
+    return table.layout.row_width * table.dtype.itemsize
 
 
 def _run_gpu(quick: bool) -> dict:
