@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from xferlib.adapters.torch._convert import (as_core_array, current_stream, fresh_row_state,
                                              gather_to_torch, scatter_from_torch)
-from xferlib.adapters.torch.host_dist import (SharedTableGroup, build_shared_table,
-                                               resolve_group)
+from xferlib.adapters.torch.groups import resolve_group
+from xferlib.adapters.torch.host_dist import SharedTableGroup, build_shared_table
 from xferlib.backend import cupy_available
 from xferlib.memory import pinned_empty
 from xferlib.perf import warn_once

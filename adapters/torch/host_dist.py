@@ -37,30 +37,7 @@ import torch.distributed as dist
 from xferlib.adapters.torch._convert import as_core_array, current_stream
 from xferlib.table import HostTable
 
-__all__ = ["resolve_group", "build_shared_table", "SharedTableGroup"]
-
-DEFAULT = "default"
-
-
-def resolve_group(process_group):
-    """The group a host module shares its table with, or None for a private table.
-
-    ``"default"`` (the modules' default): torch.distributed's default group when it is
-    initialized with more than one rank, else None. ``None``: a private table in this
-    process (no collectives). A group: that group (None when it has one rank)."""
-    if process_group is None:
-        return None
-    if isinstance(process_group, str):
-        if process_group != DEFAULT:
-            raise ValueError(f"process_group must be 'default', None or a torch.distributed "
-                             f"group, got {process_group!r}")
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        process_group = dist.group.WORLD
-    elif not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("process_group given but torch.distributed is not initialized "
-                         "(dist.init_process_group)")
-    return process_group if dist.get_world_size(process_group) > 1 else None
+__all__ = ["build_shared_table", "SharedTableGroup"]
 
 
 def _agree(group, fn):

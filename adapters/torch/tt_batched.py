@@ -19,6 +19,7 @@ from xferlib import tt as core
 from xferlib.adapters.torch import tt_dist
 from xferlib.adapters.torch import tt_fbtt_compat as compat
 from xferlib.adapters.torch._convert import as_core_array
+from xferlib.adapters.torch.groups import resolve_group
 from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
 from xferlib.tt.plan import uses_kernels
 from xferlib.tt.rules import row_state
@@ -216,7 +217,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
                  betas=(0.9, 0.999), weight_decay: float = 0.0, eta: float = 0.001,
                  momentum: float = 0.9, device=None, process_group="default"):
         super().__init__()
-        group = tt_dist.resolve_group(process_group)
+        group = resolve_group(process_group)
         if num_tables <= 0 or num_embeddings <= 0 or embedding_dim <= 0:
             raise ValueError(f"num_tables, num_embeddings and embedding_dim must be positive, "
                              f"got {num_tables}, {num_embeddings}, {embedding_dim}")

@@ -28,33 +28,11 @@ import torch.distributed as dist
 
 from xferlib import tt as core
 
-__all__ = ["resolve_group", "agree_seed", "agree_forward", "fused_step", "populate_across",
+__all__ = ["agree_seed", "agree_forward", "fused_step", "populate_across",
            "broadcast_state"]
 
-DEFAULT = "default"
 # Error types a rejected batch raises, coded in the all-reduced buffer (0: accepted).
 _ERRORS = (None, IndexError, ValueError, TypeError, RuntimeError)
-
-
-def resolve_group(process_group):
-    """The group a TT module trains with, or None for one process (no collectives).
-
-    ``"default"`` (the modules' default): torch.distributed's default group when it is
-    initialized with more than one rank, else None (single-process behaviour). ``None``: one
-    process, whatever torch.distributed does. A group: that group (None if it has one rank)."""
-    if process_group is None:
-        return None
-    if isinstance(process_group, str):
-        if process_group != DEFAULT:
-            raise ValueError(f"process_group must be 'default', None or a torch.distributed "
-                             f"group, got {process_group!r}")
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        process_group = dist.group.WORLD
-    elif not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("process_group given but torch.distributed is not initialized "
-                         "(dist.init_process_group)")
-    return process_group if dist.get_world_size(process_group) > 1 else None
 
 
 def agree_seed(group, seed):
