@@ -92,10 +92,9 @@ def host_lookup(table: HostTable, idx: jax.Array, *, after=None) -> jax.Array:
     return vary_like(rows, idx) if varying_axes(idx) else rows
 
 
-def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.Array:
-    """Run ``table``'s optimizer on rows ``idx`` with ``grad_rows`` (repeated indices summed).
-
-    Returns a scalar int32 token (0) that callers may ignore or thread into later work."""
+def checked_update(table: HostTable, idx, grad_rows):
+    """``(idx, grad_rows)`` as the update callbacks take them, after the checks every update
+    makes (index dtype and range, gradient shape, an optimizer to run)."""
     idx = checked_indices(table, idx)
     grad_rows = jnp.asarray(grad_rows, dtype=np.dtype(table.dtype))
     if grad_rows.shape != (idx.shape[0], table.dim):
@@ -103,6 +102,14 @@ def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.A
                          f"got {grad_rows.shape}")
     if table.optimizer is None:
         raise ValueError("this table has no optimizer; build it with optimizer=...")
+    return idx, grad_rows
+
+
+def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.Array:
+    """Run ``table``'s optimizer on rows ``idx`` with ``grad_rows`` (repeated indices summed).
+
+    Returns a scalar int32 token (0) that callers may ignore or thread into later work."""
+    idx, grad_rows = checked_update(table, idx, grad_rows)
 
     def callback(ctx, token, idx_buffer, grad_buffer):
         gpu = is_gpu_buffer(token)

@@ -23,13 +23,12 @@ any replicated parameter. See docs/jax-mesh.md.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
                                             vary_like, xla_stream)
-from xferlib.adapters.jax.host import checked_indices, fill_token, host_update, table_on
+from xferlib.adapters.jax.host import checked_update, fill_token, host_update, table_on
 from xferlib.table import HostTable
 
 __all__ = ["sharded_host_update", "mesh_barrier"]
@@ -72,13 +71,7 @@ def sharded_host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array, 
     >>> table.numpy()[[3, 5], 0].tolist()
     [-2.0, -1.0]
     """
-    idx = checked_indices(table, idx)
-    grad_rows = jnp.asarray(grad_rows, dtype=np.dtype(table.dtype))
-    if grad_rows.shape != (idx.shape[0], table.dim):
-        raise ValueError(f"grad_rows must have shape {(idx.shape[0], table.dim)}, "
-                         f"got {grad_rows.shape}")
-    if table.optimizer is None:
-        raise ValueError("this table has no optimizer; build it with optimizer=...")
+    idx, grad_rows = checked_update(table, idx, grad_rows)
     n = _axis_size(axis_name)
     if table.cache_rows and n > 1:
         raise ValueError(f"table has cache_rows={table.cache_rows}: a GPU cache lives on one "
