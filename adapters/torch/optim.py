@@ -133,6 +133,19 @@ class Bucket:
         if self.capturable:
             self.dev_steps[i] = float(step)
 
+    def restore_counters(self, i: int, entry: dict, rule_name: str) -> None:
+        """Parameter ``i``'s step count (and NAdam's momentum product) from its torch-format
+        checkpoint entry; SGD keeps no step: one has been taken once a momentum buffer
+        exists."""
+        if "step" in entry:
+            self.set_step(i, int(float(entry["step"])))
+        elif rule_name == "sgd":
+            self.set_step(i, 1 if entry.get("momentum_buffer") is not None else 0)
+        else:
+            self.set_step(i, 0)
+        if "mu_product" in entry:
+            self.state.scalars["mu_product"][i] = float(entry["mu_product"])
+
     def _views(self, flat):
         return [flat[s.offset:s.offset + s.size].view(s.shape) for s in self.layout.segments]
 
@@ -443,14 +456,7 @@ class FlatOptimizerBase(torch.optim.Optimizer):
                     flat = bucket.state_tensors[name]
                     flat[seg.offset:seg.offset + seg.size].copy_(
                         entry[name].reshape(-1).to(flat.device, flat.dtype))
-                if "step" in entry:
-                    bucket.set_step(i, int(float(entry["step"])))
-                elif self._rule_name == "sgd":
-                    bucket.set_step(i, 1 if entry.get("momentum_buffer") is not None else 0)
-                else:
-                    bucket.set_step(i, 0)
-                if "mu_product" in entry:
-                    bucket.state.scalars["mu_product"][i] = float(entry["mu_product"])
+                bucket.restore_counters(i, entry, self._rule_name)
         self.state.clear()
 
 

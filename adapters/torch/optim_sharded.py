@@ -351,14 +351,7 @@ class _ShardedFlatOptimizer(flat.FlatOptimizerBase):
                 if name in entry:
                     tensor[where].copy_(entry[name].reshape(-1)[piece].to(
                         tensor.device, tensor.dtype))
-            if "step" in entry:
-                bucket.set_step(k, int(float(entry["step"])))
-            elif self._rule_name == "sgd":
-                bucket.set_step(k, 1 if entry.get("momentum_buffer") is not None else 0)
-            else:
-                bucket.set_step(k, 0)
-            if "mu_product" in entry:
-                bucket.state.scalars["mu_product"][k] = float(entry["mu_product"])
+            bucket.restore_counters(k, entry, self._rule_name)
         self.state.clear()
 
     def _load_plan(self, saved, shard):
