@@ -2,7 +2,6 @@
 training on the whole batch."""
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from xferlib.adapters.torch import FlatAdamW  # noqa: E402
+from tests.torch.dist_helpers import free_port, join  # noqa: E402
 
 STEPS = 15
 
@@ -28,9 +28,7 @@ def _batches():
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port, "gloo")
     model = torch.nn.parallel.DistributedDataParallel(_model())
     opt = FlatAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for x, y in _batches():
@@ -46,16 +44,10 @@ def _worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                     reason="torch.distributed with gloo is not available")
 def test_ddp_over_gloo_matches_single_process(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     model = _model()
     opt = FlatAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for x, y in _batches():

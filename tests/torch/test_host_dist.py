@@ -6,10 +6,8 @@ memory is gone afterwards.
 Spawning is slow on a small machine, so each spawned run does every check of its world size.
 """
 
-import datetime
 import glob
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ import xferlib  # noqa: E402
 from xferlib.adapters.torch import HostEmbedding, HostEmbeddingBag  # noqa: E402
 from xferlib.table.shared import shared_memory_directory  # noqa: E402
 from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
+from tests.torch.dist_helpers import free_port, join  # noqa: E402
 
 ROWS, DIM, BAGS, BAG, STEPS = 23, 5, 12, 3, 3
 OPTIMIZERS = [("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
@@ -69,17 +68,7 @@ def _maps_named(name):
 
 
 def _worker(rank, world, port, out_dir, backend, checks):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        import cupy
-
-        cupy.cuda.Device(rank).use()
-        device = torch.device("cuda", rank)
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    device = join(rank, world, port, backend)
     init, steps = _data(7)
     part = slice(rank * BAGS // world, (rank + 1) * BAGS // world)
     result = {}
@@ -161,12 +150,6 @@ def _extra_checks(rank, world, device, init, steps, part, result):
                                               and private.table.shared_name is None)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _single_process(device="cpu"):
     """The same modules trained by one process on the global batches."""
     init, steps = _data(7)
@@ -231,7 +214,7 @@ def _leftovers():
 
 def _run(world, backend, tmp_path, checks):
     before = _leftovers()
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path), backend, checks),
+    mp.spawn(_worker, args=(world, free_port(), str(tmp_path), backend, checks),
              nprocs=world, join=True)
     assert _leftovers() <= before, "shared memory left behind"
 

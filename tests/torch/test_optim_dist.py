@@ -16,9 +16,7 @@ must equal that reference's ``state_dict()``; a sharded rank holds 1/N of the st
 spawn per group size runs every check (spawning is the slow part).
 """
 
-import datetime
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -29,6 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from xferlib.adapters.torch import optim as xo  # noqa: E402
 from xferlib.adapters.torch import optim_sharded as xs  # noqa: E402
+from tests.torch.dist_helpers import free_port, join  # noqa: E402
 
 CASES = {
     "sgd": dict(lr=0.05, momentum=0.9, weight_decay=0.01),
@@ -171,15 +170,7 @@ def _train_tiny(mode, rank, world, device, out):
 
 
 def _worker(rank, world, backend, port, out_dir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    device = join(rank, world, port, backend)
     out = {}
     for name in CASES:
         for mode in MODES:
@@ -198,15 +189,9 @@ def _worker(rank, world, backend, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(tmp_path_factory, backend, world):
     out_dir = tmp_path_factory.mktemp(f"{backend}{world}")
-    mp.spawn(_worker, args=(world, backend, _free_port(), str(out_dir)), nprocs=world,
+    mp.spawn(_worker, args=(world, backend, free_port(), str(out_dir)), nprocs=world,
              join=True)
     return [dict(np.load(out_dir / f"rank{r}.npz")) for r in range(world)]
 

@@ -7,9 +7,7 @@ one rank raises on every rank and changes nothing.
 Spawning is slow on a small machine, so each spawned run does every check of its world size.
 """
 
-import datetime
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ import xferlib  # noqa: E402
 from xferlib.adapters.torch import (  # noqa: E402
     OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag)
 from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
+from tests.torch.dist_helpers import free_port, join  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
 
@@ -99,17 +98,7 @@ def _modules(device, **extra):
 
 
 def _worker(rank, world, port, out_dir, backend):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        import cupy
-
-        torch.cuda.set_device(rank)
-        cupy.cuda.Device(rank).use()
-        device = torch.device("cuda", rank)
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    device = join(rank, world, port, backend)
     part = slice(rank * BAGS // world, (rank + 1) * BAGS // world)
     result = {}
     for name, module, steps, weighted, populate in _modules(device):
@@ -178,12 +167,6 @@ def _single_process(device="cpu"):
     return expected
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _compare(world, out_dir, expected, tol):
     results = [dict(np.load(os.path.join(out_dir, f"rank{r}.npz"))) for r in range(world)]
     for key, want in expected.items():
@@ -218,7 +201,7 @@ def _compare(world, out_dir, expected, tol):
 
 
 def _run(world, backend, tmp_path):
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path), backend), nprocs=world,
+    mp.spawn(_worker, args=(world, free_port(), str(tmp_path), backend), nprocs=world,
              join=True)
 
 

@@ -1,0 +1,33 @@
+"""What every multi-process test of the torch adapters does: a free port for the rendezvous,
+and a worker joining its group on the CPU (gloo) or on its own GPU (NCCL, CuPy's current
+device made the same)."""
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join(rank: int, world: int, port: int, backend: str) -> torch.device:
+    """Join the ``backend`` group of ``world`` processes as ``rank``; returns this rank's
+    device (``cuda:<rank>`` on NCCL, the CPU on gloo)."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        import cupy
+
+        torch.cuda.set_device(rank)
+        cupy.cuda.Device(rank).use()
+        device = torch.device("cuda", rank)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    return device
