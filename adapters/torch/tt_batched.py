@@ -144,8 +144,10 @@ class _TTBagFunction(torch.autograd.Function):
             if module.sparse and module._group is not None:  # data parallel (tt_dist)
                 with torch.no_grad():
                     module._step_counter.add_(1)
-                    pending = tt_dist.fused_step(module, ctx.residuals, ctx.arrays, grad_bags,
-                                                 cache, module._group, _torch, array_of)
+                    pending = tt_dist.fused_step(
+                        module, module._cshape, module._core_optimizer, module._state_arrays(),
+                        ctx.residuals, ctx.arrays, grad_bags, cache, module._group, _torch,
+                        array_of)
                 if pending is not None:
                     module._pending_checks.append(pending)
                 return none + (None,) * (1 + len(ctx.arrays))
@@ -439,7 +441,10 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         """Copy the cores, optimizer state, step count and cache of the group's rank ``src``
         to every rank (e.g. after loading a checkpoint on one rank); nothing without a
         group. Every rank of the group calls it."""
-        tt_dist.broadcast_state(self, src)
+        if self._group is None:
+            return
+        self._resolve_pending_check()
+        tt_dist.broadcast_state(self, self._group, src)
 
     def _forward(self, indices, offsets, warmup, per_sample_weights):
         if isinstance(warmup, torch.Tensor):  # xferlib's earlier third argument
@@ -548,4 +553,4 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             return self._cache_populate()
         cache = self._require_cache()
         self._resolve_pending_check()
-        tt_dist.populate_across(self, cache, on_stream)
+        tt_dist.populate_across(self, self._group, self._core_arrays(), cache, on_stream)

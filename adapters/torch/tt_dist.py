@@ -102,10 +102,11 @@ class _GroupCheck:
         _raise_for_others(self.host.numpy(), self.rank)
 
 
-def fused_step(module, residuals, arrays, grad_bags, cache, group, to_torch, to_array):
-    """One fused training step across the group (see the module docstring). Returns a pending
-    check (GPU, deferred) or None; raises at once for a rejected batch otherwise."""
-    shape, optimizer = module._cshape, module._core_optimizer
+def fused_step(module, shape, optimizer, states, residuals, arrays, grad_bags, cache, group,
+               to_torch, to_array):
+    """One fused training step across the group (see the module docstring): ``shape`` the
+    cores' TT shape, ``optimizer`` their fused rule, ``states`` its state arrays. Returns a
+    pending check (GPU, deferred) or None; raises at once for a rejected batch otherwise."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     plan = isinstance(residuals, core.TTBagPlan)
     cached = cache is not None and cache.active
@@ -138,8 +139,8 @@ def fused_step(module, residuals, arrays, grad_bags, cache, group, to_torch, to_
     parts = torch.split(buf[:-world], sizes)
     hyper = dict(lr=module.learning_rate, eps=module.eps, **module.step_hyper())
     core.tt_apply_core_grads(arrays, shape, to_array(parts[0]),
-                             to_array((parts[1] > 0).to(torch.int32)), module._state_arrays(),
-                             optimizer, **hyper)
+                             to_array((parts[1] > 0).to(torch.int32)), states, optimizer,
+                             **hyper)
     if cached:
         flat = buf[sum(sizes[:2]):sum(sizes[:2]) + cache.capacity * (module.embedding_dim + 1)]
         cgrad = flat[:cache.capacity * module.embedding_dim].view(cache.capacity, -1)
@@ -162,30 +163,26 @@ def _gather(t: torch.Tensor, group) -> np.ndarray:
     return torch.cat(parts).cpu().numpy()
 
 
-def populate_across(module, cache, on_stream) -> None:
+def populate_across(module, group, cores, cache, on_stream) -> None:
     """``cache_populate()`` of a module with a group: the rows are chosen from the access
     counts of every rank summed (the same rows on every rank, those one process on the global
     batches would choose unless its 32-way table dropped some), new rows from the (same)
     cores."""
-    group = module._group
     keys, counts = _gather(module.hashtbl, group), _gather(module.cache_freq, group)
     seen = keys >= 0
     rows, inverse = np.unique(keys[seen], return_inverse=True)
     summed = np.zeros(rows.size, dtype=np.int64)
     np.add.at(summed, inverse, counts[seen])
     with on_stream(module.cache_rows):
-        cache.populate_from(module._core_arrays(), rows, summed)
+        cache.populate_from(cores, rows, summed)
     module.warmup = False
 
 
 @torch.no_grad()
-def broadcast_state(module, src: int = 0) -> None:
-    """Copy every parameter and buffer (cores, optimizer state, step count, cache) from the
-    group's rank ``src`` to the other ranks: e.g. after loading a checkpoint on one rank."""
-    group = module._group
-    if group is None:
-        return
-    module._resolve_pending_check()
+def broadcast_state(module, group, src: int = 0) -> None:
+    """Copy every parameter and buffer (cores, optimizer state, step count, cache) from
+    ``group``'s rank ``src`` to the other ranks: e.g. after loading a checkpoint on one rank
+    (pending input checks resolved first)."""
     root = dist.get_global_rank(group, src)
     for t in list(module.parameters()) + list(module.buffers()):
         dist.broadcast(t.data, src=root, group=group)
