@@ -323,14 +323,19 @@ class FlatOptimizerBase(torch.optim.Optimizer):
         ``layout``, optimizer ``state`` and the core views ``core_params``/``core_grads``."""
         return self._buckets
 
-    def _build_buckets(self):
+    def bucket_entries(self) -> list:
+        """``[(param, group index), ...]`` per (device, dtype), in parameter order: what each
+        bucket holds (every rank of a group lists them in the same order)."""
         by_key = {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 by_key.setdefault((p.device, p.dtype), []).append((p, gi))
+        return list(by_key.values())
+
+    def _build_buckets(self):
         hypers = self.hypers()
         return [Bucket(entries, self._rule, hypers, self._capturable)
-                for entries in by_key.values()]
+                for entries in self.bucket_entries()]
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -184,14 +184,10 @@ class _ShardedFlatOptimizer(flat.FlatOptimizerBase):
         super().__init__(params, **hyper)
 
     def _build_buckets(self):
-        by_key = {}
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                by_key.setdefault((p.device, p.dtype), []).append((p, gi))
         hypers = self.hypers()
         # Every rank builds the same buckets in the same order: their collectives pair up.
         return [_ShardBucket(entries, self._rule, hypers, self._group, self._reduce_grads)
-                for entries in by_key.values()]
+                for entries in self.bucket_entries()]
 
     @property
     def process_group(self):
