@@ -156,6 +156,19 @@ def _bf16_rows(torch, shapes, repeats):
     return rows
 
 
+def _contiguous_adam(torch, shapes, wrapper):
+    """A model's parameters in a ``wrapper`` (a ContiguousParams class), their gradients
+    carried into its buffer, and torch Adam over the contiguous parameters."""
+    params = _params(torch, shapes)
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    contiguous = wrapper(params)
+    for p, g in zip(contiguous.original(), grads):
+        p.grad.copy_(g)
+    return contiguous, torch.optim.Adam(contiguous.contiguous(), lr=1e-3)
+
+
 def _host_us(torch, fn, steps=50) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -196,17 +209,10 @@ def _measure_set(torch, shapes, quick):
     except ImportError:
         Reference = None
     if Reference is not None:
-        params = _params(torch, shapes)
-        grads = [p.grad.clone() for p in params]
-        for p in params:
-            p.grad = None
-        contiguous = Reference(params)
-        for p, g in zip(contiguous.original(), grads):
-            p.grad.copy_(g)
-        opt = torch.optim.Adam(contiguous.contiguous(), lr=1e-3)
+        contiguous, opt = _contiguous_adam(torch, shapes, Reference)
         rows["contiguous_params 1.0.0 + Adam"] = (gpu_time_ms(lambda i: opt.step(), repeats),
                                                   _host_us(torch, opt.step))
-        del opt, contiguous, params
+        del opt, contiguous
     rows.update(_contiguous_row(torch, shapes, repeats))
 
     params = _params(torch, shapes)
@@ -248,15 +254,10 @@ def _contiguous_row(torch, shapes, repeats):
         from xferlib.adapters.torch import ContiguousParams
     except ImportError:
         return {}
-    params = _params(torch, shapes)
-    grads = [p.grad.clone() for p in params]
-    contiguous = ContiguousParams(params)
-    for p, g in zip(contiguous.original(), grads):
-        p.grad.copy_(g)
-    opt = torch.optim.Adam(contiguous.contiguous(), lr=1e-3)
+    contiguous, opt = _contiguous_adam(torch, shapes, ContiguousParams)
     row = {"xferlib ContiguousParams + Adam": (gpu_time_ms(lambda i: opt.step(), repeats),
                                                _host_us(torch, opt.step))}
-    del opt, contiguous, params
+    del opt, contiguous
     return row
 
 
@@ -297,14 +298,7 @@ def _clip_step_rows(torch, shapes, repeats):
     except ImportError:
         pass
     for label, wrapper in wrappers:
-        params = _params(torch, shapes)
-        grads = [p.grad.clone() for p in params]
-        for p in params:
-            p.grad = None
-        contiguous = wrapper(params)
-        for p, g in zip(contiguous.original(), grads):
-            p.grad.copy_(g)
-        opt = torch.optim.Adam(contiguous.contiguous(), lr=1e-3)
+        contiguous, opt = _contiguous_adam(torch, shapes, wrapper)
 
         def loop(contiguous=contiguous, opt=opt):
             torch.nn.utils.clip_grad_norm_(contiguous.contiguous(), 1.0)
@@ -312,7 +306,7 @@ def _clip_step_rows(torch, shapes, repeats):
             opt.zero_grad(set_to_none=False)
 
         add(label, loop)
-        del opt, contiguous, params, loop
+        del opt, contiguous, loop
 
     from xferlib.adapters.torch import FlatAdam
 
