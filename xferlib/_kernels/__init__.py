@@ -4,13 +4,13 @@ Each kernel family lives in its own module as a ``*_KERNEL`` source string and a
 ``*_MODULE`` :class:`KernelModule`; nothing is compiled at import, only on first launch.
 """
 
-from xferlib._kernels._registry import KernelModule, all_modules, launch_config
+from xferlib._kernels._registry import KernelModule, all_modules, grid_1d, launch_config
 from xferlib._kernels.cache import CACHE_KERNEL, CACHE_MODULE
 from xferlib._kernels.optim import OPTIM_KERNEL, OPTIM_MODULE
 from xferlib._kernels.rows import ROWS_KERNEL, ROWS_MODULE
 from xferlib._kernels.table import TABLE_KERNEL, TABLE_MODULE
 from xferlib._kernels.tt import TT_KERNEL, TT_MODULE  # FBTT's shape: one module per TT shape
 
-__all__ = ["KernelModule", "all_modules", "launch_config", "CACHE_KERNEL", "CACHE_MODULE",
+__all__ = ["KernelModule", "all_modules", "grid_1d", "launch_config", "CACHE_KERNEL", "CACHE_MODULE",
            "OPTIM_KERNEL", "OPTIM_MODULE", "ROWS_KERNEL", "ROWS_MODULE", "TABLE_KERNEL",
            "TABLE_MODULE", "TT_KERNEL", "TT_MODULE"]

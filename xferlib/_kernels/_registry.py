@@ -62,9 +62,22 @@ def all_modules() -> tuple[KernelModule, ...]:
     return tuple(_MODULES)
 
 
+def grid_1d(num_items: int, threads_per_block: int = 256, max_blocks: int | None = None):
+    """Grid and block for a kernel that gives one thread to each of ``num_items`` items, at
+    least one block, at most ``max_blocks`` (the kernel then strides over the rest).
+
+    >>> grid_1d(1000)
+    ((4,), (256,))
+    >>> grid_1d(10**9, max_blocks=4096)
+    ((4096,), (256,))
+    """
+    blocks = max(1, -(-int(num_items) // threads_per_block))
+    if max_blocks is not None:
+        blocks = min(blocks, max_blocks)
+    return (blocks,), (threads_per_block,)
+
+
 def launch_config(num_warps: int, threads_per_block: int = 256, max_blocks: int = 65535 * 8):
     """Grid and block for a kernel that gives one warp to each of ``num_warps`` items and
     strides over the rest."""
-    warps_per_block = threads_per_block // 32
-    blocks = max(1, min(max_blocks, -(-num_warps // warps_per_block)))
-    return (blocks,), (threads_per_block,)
+    return grid_1d(num_warps * 32, threads_per_block, max_blocks)
