@@ -64,29 +64,53 @@ __global__ void run_starts(const K* __restrict__ keys, i64 n, i64* __restrict__ 
 }
 
 // run[j] = the id of position j's run of equal keys (starts at 1..j counted), in ONE block
-// of 1024 threads: each thread counts the run starts of a contiguous span, a block scan
-// joins the spans, each thread writes its span. One launch instead of flags + cumsum.
+// of exactly 1024 threads, one launch instead of flags + cumsum. The block walks tiles of
+// 4096 positions (4 adjacent per thread, so loads coalesce and four are in flight): warp
+// shuffles scan the per-thread counts, one shared array of 32 warp totals joins the warps,
+// and a running carry joins the tiles.
 template <typename K>
 __global__ void __launch_bounds__(1024)
 run_ids(const K* __restrict__ keys, i64 n, i64* __restrict__ run) {
-    __shared__ i64 sums[1024];
-    const int t = threadIdx.x;
-    const i64 span = (n + 1023) / 1024;
-    const i64 lo = (i64)t * span, hi = lo + span < n ? lo + span : n;
-    i64 count = 0;
-    for (i64 j = lo; j < hi; ++j) count += (j > 0 && keys[j] != keys[j - 1]) ? 1 : 0;
-    sums[t] = count;
-    __syncthreads();
-    for (int d = 1; d < 1024; d <<= 1) {  // inclusive scan of the span counts
-        const i64 v = t >= d ? sums[t - d] : 0;
+    __shared__ i64 warp_total[32];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    i64 carry = 0;
+    for (i64 base = 0; base < n; base += 4096) {
+        const i64 j0 = base + 4 * (i64)t;
+        int flag[4];
+        int count = 0;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const i64 j = j0 + u;
+            flag[u] = (j < n && j > 0 && keys[j] != keys[j - 1]) ? 1 : 0;
+            count += flag[u];
+        }
+        int x = count;  // inclusive scan within the warp
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, x, d);
+            if (lane >= d) x += y;
+        }
+        if (lane == 31) warp_total[warp] = x;
         __syncthreads();
-        sums[t] += v;
+        if (warp == 0) {  // inclusive scan of the 32 warp totals
+            i64 w = warp_total[lane];
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const i64 y = __shfl_up_sync(0xffffffffu, w, d);
+                if (lane >= d) w += y;
+            }
+            warp_total[lane] = w;
+        }
         __syncthreads();
-    }
-    i64 r = sums[t] - count;
-    for (i64 j = lo; j < hi; ++j) {
-        r += (j > 0 && keys[j] != keys[j - 1]) ? 1 : 0;
-        run[j] = r;
+        i64 r = carry + (warp > 0 ? warp_total[warp - 1] : 0) + (x - count);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const i64 j = j0 + u;
+            r += flag[u];
+            if (j < n) run[j] = r;
+        }
+        carry += warp_total[31];
+        __syncthreads();  // warp_total is rewritten by the next tile
     }
 }
 
