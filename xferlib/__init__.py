@@ -3,8 +3,9 @@
 The core imports NumPy only; CuPy, torch and JAX are imported lazily, where they are used.
 """
 
-from xferlib import optim, tt
+from xferlib import batch, optim, tt
 from xferlib._backend import cupy_available
+from xferlib.batch import BatchPlan, PendingChecks, Verdict, plan_batch
 from xferlib.handoff import array_kind, data_pointer, to_cupy, to_jax, to_numpy, to_torch
 from xferlib.memory import (PinnedArray, check_host_memory, is_pinned, pin, pinned_empty,
                             pinned_zeros, unpin)
@@ -27,7 +28,12 @@ from xferlib.rows import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchPlan",
     "HostTable",
+    "PendingChecks",
+    "Verdict",
+    "batch",
+    "plan_batch",
     "PinnedArray",
     "SPARSE_OPTIMIZERS",
     "array_kind",

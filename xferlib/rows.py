@@ -29,18 +29,19 @@ waits for every pending verdict. So a GPU call costs no round trip: the host que
 one while the device works, and a bad batch writes nothing and raises soon after. GPU calls
 can also be captured in a CUDA graph (all buffers depend on the batch size only; capture
 after one eager call): after replays, synchronize and call :func:`check_rows`, which reads
-the verdicts the replays wrote.
+the verdicts the replays wrote. This is the checking policy of :mod:`xferlib.batch`, with one
+queue of pending checks per device.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 import weakref
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array, namespace_name
+from xferlib._backend import as_cupy_stream, is_cupy_array, namespace_name
+from xferlib.batch import PendingChecks, index_error, plan_batch
 from xferlib.memory import device_pointer, is_pinned, registration_of
 from xferlib.perf import warn_slow_rows_path
 
@@ -59,11 +60,6 @@ __all__ = [
 
 _INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _ADD_DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
-_NO_BAD_INDEX = np.iinfo(np.uint64).max
-# Up to this many positions the tile sort + merges runs (no host sync, no device-wide sort);
-# above it, CuPy's radix argsort, faster there (measured on the H200: equal at 65k, the
-# merges cost 10-20% of a 262k-row transfer).
-_TILED_SORT_MAX = 1 << 16
 
 
 # ----------------------------------------------------------------------------- references
@@ -115,18 +111,11 @@ def check_index_dtype(idx) -> None:
         raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
 
 
-def _raise_bad_index(position: int, value: int, num_rows: int):
-    raise IndexError(
-        f"index {value} at position {position} is out of range for a table of {num_rows} rows "
-        f"(valid: 0 <= index < {num_rows})"
-    )
-
-
 def check_host_indices(idx: np.ndarray, num_rows: int) -> None:
     bad = (idx < 0) | (idx >= num_rows)
     if bad.any():
         position = int(np.argmax(bad))
-        _raise_bad_index(position, int(idx[position]), num_rows)
+        raise index_error(position, int(idx[position]), num_rows)
 
 
 def _check_host_order(idx: np.ndarray) -> None:
@@ -207,219 +196,26 @@ def _word_bytes(*values: int) -> int:
     return 1
 
 
-def sorted_positions(idx, num_rows: int, stream, presorted: bool = False,
-                     tiled_max: int = _TILED_SORT_MAX):
-    """Check GPU indices and sort positions by row, all queued without a host sync.
-
-    Returns ``(rows, perm, verdict)``: the rows in ascending order, ``perm`` mapping each
-    sorted position to its batch position (ties in batch order), and a 2-word device verdict
-    (first bad position, first out-of-order position; all ones when clean). The row kernels
-    read it and leave every array untouched when it is set; :func:`raise_if_bad` reads it
-    once the work is queued. ``presorted``: the caller promises ascending indices; they are
-    checked, not sorted. ``tiled_max``: up to this many positions the tile sort + merges
-    runs; above, CuPy's argsort, whose Thrust call waits for the device (a host sync).
-    """
-    import cupy
-
-    from xferlib._kernels.rows import ROWS_MODULE, check_name
-
-    n = idx.size
-    if not presorted and n <= tiled_max and num_rows <= np.iinfo(np.int32).max:
-        return _sorted_positions_small(idx, num_rows, stream)
-    narrow = idx.dtype == np.int64 and num_rows <= np.iinfo(np.int32).max
-    keys32 = cupy.empty(n, dtype=np.int32) if narrow else None
-    verdict = cupy.empty(2, dtype=np.uint64)
-    verdict.data.memset_async(0xFF, 16, stream)
-    kernel = ROWS_MODULE.get_function(check_name(idx.dtype.name))
-    blocks = max(1, min(4096, -(-n // 256)))
-    kernel((blocks,), (256,), (idx, np.int64(n), np.int64(num_rows), verdict,
-                               keys32 if keys32 is not None else np.uint64(0),
-                               np.int32(presorted)), stream=stream)
-    keys = keys32 if narrow else idx
-    if presorted:
-        return keys, _identity_permutation(n), verdict
-    perm = cupy.argsort(keys)  # stable radix sort on the current (= our) stream
-    # Sorted rows side by side: the kernels read them coalesced, one hop from the row.
-    return keys.take(perm), perm, verdict
+_CHECKS = {}  # the pending verdicts of each device's calls (events belong to a device)
+_CHECKS_LOCK = threading.Lock()
+_MAX_PENDING = 4  # GPU calls whose verdict may be unread; a fifth waits for the oldest
 
 
-_IDENTITY = {}
-
-
-def _identity_permutation(n: int):
-    """``arange(n)`` as int64, sliced from a cached array per device (no launch per call)."""
+def _checks():
+    """This device's :class:`PendingChecks` (made on its first call)."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
-    cached = _IDENTITY.get(device)
-    if cached is None or cached.size < n:
-        cached = _IDENTITY[device] = cupy.arange(max(n, 1 << 16), dtype=np.int64)
-    return cached[:n]
+    checks = _CHECKS.get(device)
+    if checks is None:
+        with _CHECKS_LOCK:
+            checks = _CHECKS.setdefault(device, PendingChecks(limit=_MAX_PENDING))
+    return checks
 
 
-_SHARED_SET = {}
-
-
-def _sorted_positions_small(idx, num_rows: int, stream):
-    """:func:`sorted_positions` without a device-wide sort or a host sync: tiles of up to
-    16,384 positions are checked, narrowed and sorted by one block each (one launch), then
-    merged pairwise (one launch per doubling). A single tile is one launch."""
-    import cupy
-
-    from xferlib._kernels.rows import (MERGE_NAME, ROWS_MODULE, SMALL_SORT_ITEMS,
-                                       SMALL_SORT_THREADS, small_sort_name,
-                                       small_sort_shared_bytes)
-
-    n = idx.size
-    items = next((i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n),
-                 SMALL_SORT_ITEMS[-1])
-    tile = items * SMALL_SORT_THREADS
-    rows = cupy.empty(n, dtype=np.int32)
-    perm = cupy.empty(n, dtype=np.int64)
-    verdict = cupy.empty(2, dtype=np.uint64)
-    verdict.data.memset_async(0xFF, 16, stream)
-    kernel = ROWS_MODULE.get_function(small_sort_name(idx.dtype.name, items))
-    shared = small_sort_shared_bytes(items)
-    if _SHARED_SET.get(id(kernel)) is not kernel:  # an attribute query is a driver call
-        if kernel.max_dynamic_shared_size_bytes < shared:
-            kernel.max_dynamic_shared_size_bytes = shared
-        _SHARED_SET[id(kernel)] = kernel
-    bits = max(1, int(num_rows - 1).bit_length())
-    tiles = max(1, -(-n // tile))
-    kernel((tiles,), (SMALL_SORT_THREADS,), (idx, np.int64(n), np.int64(num_rows),
-                                             np.int32(bits), rows, perm, verdict),
-           shared_mem=shared, stream=stream)
-    width = tile
-    if width < n:
-        merge = ROWS_MODULE.get_function(MERGE_NAME)
-        rows_b, perm_b = cupy.empty_like(rows), cupy.empty_like(perm)
-        blocks = max(1, min(65535, -(-n // 256)))
-        while width < n:
-            merge((blocks,), (256,), (rows, perm, np.int64(n), np.int64(width), rows_b, perm_b),
-                  stream=stream)
-            rows, rows_b, perm, perm_b = rows_b, rows, perm_b, perm
-            width *= 2
-    return rows, perm, verdict
-
-
-def raise_if_bad(verdict, idx, num_rows: int, stream) -> None:
-    """Read the verdict (one 16-byte device-to-host copy: a stream sync) and raise."""
-    bad, unsorted = (int(v) for v in verdict.get(stream=stream))
-    if bad != _NO_BAD_INDEX:
-        value = int(idx[bad:bad + 1].get(stream=stream)[0])
-        _raise_bad_index(bad, value, num_rows)
-    if unsorted != _NO_BAD_INDEX:
-        before, value = (int(v) for v in idx[unsorted - 1:unsorted + 1].get(stream=stream))
-        raise ValueError(f"sorted_indices=True, but index {value} at position {unsorted} comes "
-                         f"after {before}; nothing was written")
-
-
-# ----------------------------------------------------------------------------- deferred checks
-
-_MAX_PENDING = 4  # GPU calls whose verdict may be unread; a fifth waits for the oldest
-_RING = 64  # pinned verdict slots, reused round-robin (more than _MAX_PENDING + 1)
-
-
-class _Pending:
-    """Verdicts of one device's GPU calls on their way to pinned host memory, oldest first
-    (events belong to a device, so each device has its own)."""
-
-    def __init__(self):
-        self.host = None
-        self.events = [None] * _RING
-        self.entries = collections.deque()  # (slot, fn name, idx, num_rows, arrays kept alive)
-        self.graph = []  # (own pinned buffer, fn name, idx, num_rows, kept) of captured calls
-        self.next = 0
-
-    def push(self, fn: str, verdict, idx, num_rows: int, stream, keep=()) -> None:
-        import cupy
-        import cupyx
-
-        if is_capturing(stream):
-            # A graph's copy node writes its own buffer at every replay; check_rows() reads
-            # it (synchronize the replay's stream first). No event: none can be queried.
-            host = cupyx.empty_pinned(2, dtype=np.uint64)
-            host[...] = _NO_BAD_INDEX
-            cupy.cuda.runtime.memcpyAsync(host.ctypes.data, verdict.data.ptr, 16,
-                                          cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-            self.graph.append((host, fn, idx, num_rows, keep))
-            return
-        if self.host is None:
-            self.host = cupyx.empty_pinned((_RING, 2), dtype=np.uint64)
-        slot, self.next = self.next, (self.next + 1) % _RING
-        event = self.events[slot]
-        if event is None:
-            event = self.events[slot] = cupy.cuda.Event(block=False, disable_timing=True)
-        cupy.cuda.runtime.memcpyAsync(self.host[slot].ctypes.data, verdict.data.ptr, 16,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        event.record(stream)
-        # ``keep``: the host arrays the call's kernels read or write stay alive until its
-        # verdict is read, which is after the kernels ran (a temporary pinned table freed
-        # while a kernel still reads it would be reused under it).
-        self.entries.append((slot, fn, idx, num_rows, keep))
-
-    def poll(self, wait: bool = False) -> None:
-        """Raise for the oldest bad call whose verdict is in; wait for verdicts when ``wait``
-        or while ``_MAX_PENDING`` calls are unread (so a slot is free for the next push)."""
-        entries = self.entries
-        while entries and (wait or len(entries) >= _MAX_PENDING
-                           or self.events[entries[0][0]].done):
-            slot, fn, idx, num_rows, _ = entries.popleft()
-            self.events[slot].synchronize()
-            _raise_verdict(self.host[slot], fn, idx, num_rows)
-        if wait and self.graph:  # verdicts written by graph replays, each reported once
-            read = [(host.copy(), fn, idx, num_rows) for host, fn, idx, num_rows, _ in self.graph]
-            for host, *_ in self.graph:
-                host[...] = _NO_BAD_INDEX  # the next replay writes it again
-            for verdict, fn, idx, num_rows in read:
-                _raise_verdict(verdict, fn, idx, num_rows)
-
-
-def _raise_verdict(verdict, fn: str, idx, num_rows: int) -> None:
-    """Raise for a verdict read on the host (IndexError, or ValueError for a broken
-    ``sorted_indices`` promise); return when it is clean."""
-    bad, unsorted = (int(v) for v in verdict)
-    if bad == _NO_BAD_INDEX and unsorted == _NO_BAD_INDEX:
-        return
-    note = f"{fn} (an earlier call on the GPU; nothing was written): "
-    if bad != _NO_BAD_INDEX:
-        value = int(idx[bad:bad + 1].get()[0])
-        try:
-            _raise_bad_index(bad, value, num_rows)
-        except IndexError as err:
-            raise IndexError(note + str(err)) from None
-    before, value = (int(v) for v in idx[unsorted - 1:unsorted + 1].get())
-    raise ValueError(f"{note}sorted_indices=True, but index {value} at position {unsorted} "
-                     f"comes after {before}")
-
-
-class _AllDevices:
-    """The pending verdicts of every device, behind one lock (calls may come from several
-    threads, e.g. XLA callbacks)."""
-
-    def __init__(self):
-        self.by_device = {}
-        self.lock = threading.Lock()
-
-    def push(self, fn: str, verdict, idx, num_rows: int, stream, keep=()) -> None:
-        import cupy
-
-        device = cupy.cuda.runtime.getDevice()
-        with self.lock:
-            pending = self.by_device.get(device)
-            if pending is None:
-                pending = self.by_device[device] = _Pending()
-            pending.push(fn, verdict, idx, num_rows, stream, keep)
-
-    def poll(self, wait: bool = False) -> None:
-        if not self.by_device:
-            return
-        with self.lock:
-            for pending in self.by_device.values():
-                pending.poll(wait)
-
-
-_PENDING = _AllDevices()
+def _poll_checks(wait: bool = False) -> None:
+    for checks in list(_CHECKS.values()):
+        checks.poll(wait)
 
 
 def check_rows() -> None:
@@ -427,18 +223,20 @@ def check_rows() -> None:
     first failure (IndexError for an index outside the table, ValueError for a broken
     ``sorted_indices`` promise). A rejected call wrote nothing.
 
-    GPU calls do not wait for their own check (see the module docstring); call this where
-    the error must surface at a known point, e.g. before reading results on the host.
+    GPU calls do not wait for their own check (see the module docstring and
+    :mod:`xferlib.batch`); call this where the error must surface at a known point, e.g.
+    before reading results on the host.
 
     >>> import numpy as np, xferlib
     >>> xferlib.rows.check_rows()  # nothing pending on the CPU path
     """
-    _PENDING.poll(wait=True)
+    _poll_checks(wait=True)
 
 
-def _launch_sorted_kernel(kind: str, table, keys, perm, first_bad, rows, stream) -> None:
+def _launch_sorted_kernel(kind: str, table, plan, rows, stream) -> None:
     """Launch the gather ("gather"), scatter ("scatter") or scatter-add ("add") kernel over
-    sorted rows ``keys``. ``rows`` is ``out`` or ``src``: a CuPy or pinned NumPy array."""
+    the planned batch. ``rows`` is ``out`` or ``src``: a CuPy or pinned NumPy array."""
+    keys, perm, first_bad = plan.keys, plan.perm, plan.verdict.words
     from xferlib._kernels import launch_config
     from xferlib._kernels.rows import (ROWS_MODULE, ADD_TYPES, gather_name, scatter_add_name,
                                        scatter_name)
@@ -518,7 +316,7 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
 
     cupy = _cupy_for_gpu_path()
     stream = as_cupy_stream(stream)
-    _PENDING.poll()  # an earlier call's bad batch raises here, before anything is queued
+    _poll_checks()  # an earlier call's bad batch raises here, before anything is queued
     with stream:
         if not _is_gpu_reachable(table):
             # Pageable memory is out of the GPU's reach: gather on the host, then upload.
@@ -536,9 +334,10 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
             out = cupy.empty((n, dim), dtype=table.dtype)
         if n == 0 or dim == 0:
             return out
-        keys, perm, first_bad = sorted_positions(idx, num_rows, stream, sorted_indices)
-        _launch_sorted_kernel("gather", table, keys, perm, first_bad, out, stream)
-        _PENDING.push("gather_rows", first_bad, idx, num_rows, stream, keep=(table, out))
+        plan = plan_batch(idx, num_rows, stream=stream, presorted=sorted_indices,
+                          caller="gather_rows")
+        _launch_sorted_kernel("gather", table, plan, out, stream)
+        plan.verdict.defer(_checks(), stream, keep=(table, out))
     return out
 
 
@@ -585,7 +384,7 @@ def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
 
     cupy = _cupy_for_gpu_path()
     stream = as_cupy_stream(stream)
-    _PENDING.poll()
+    _poll_checks()
     with stream:
         if not _is_gpu_reachable(table):
             host_idx = cupy.asnumpy(idx, stream=stream) if is_cupy_array(idx) else idx
@@ -598,11 +397,10 @@ def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
             src = cupy.asarray(src)
         if n == 0 or table.shape[1] == 0:
             return table
-        keys, perm, first_bad = sorted_positions(idx, num_rows, stream, sorted_indices)
-        _launch_sorted_kernel("add" if accumulate else "scatter", table, keys, perm, first_bad,
-                              src, stream)
-        _PENDING.push("scatter_add_rows" if accumulate else "scatter_rows", first_bad, idx,
-                      num_rows, stream, keep=(table, src))
+        plan = plan_batch(idx, num_rows, stream=stream, presorted=sorted_indices,
+                          caller="scatter_add_rows" if accumulate else "scatter_rows")
+        _launch_sorted_kernel("add" if accumulate else "scatter", table, plan, src, stream)
+        plan.verdict.defer(_checks(), stream, keep=(table, src))
     return table
 
 

@@ -171,7 +171,7 @@ def test_large_batches(backend, rng, index_dtype, sort, monkeypatch):
     # Batches above one block's tile (16384 positions): sorted tiles merged pairwise (three
     # tiles: a tile without a partner in the first round), or CuPy's device-wide argsort.
     if sort == "device-wide":
-        monkeypatch.setattr(xferlib.rows, "_TILED_SORT_MAX", 1000)
+        monkeypatch.setattr(xferlib.batch, "TILED_SORT_MAX", 1000)
     num_rows, dim, n = 5000, 24, 40000
     host_table = random_rows(rng, (num_rows, dim), "float32")
     host_idx = rng.integers(0, num_rows, size=n).astype(index_dtype)

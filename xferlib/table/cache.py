@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from xferlib._kernels import grid_1d
+
 __all__ = ["CacheModel", "DeviceCache", "WAYS", "set_of"]
 
 WAYS = 32
@@ -185,29 +187,30 @@ class DeviceCache:
 
         from xferlib._kernels.cache import (CACHE_MARK_NAME, CACHE_MODULE, cache_insert_name,
                                            cache_sets_name)
-        from xferlib.rows import sorted_positions
+        from xferlib.batch import sort_positions
 
         n = plan.n
         set_key = cupy.empty(n, dtype=np.int32)
         run_row = cupy.empty(n, dtype=np.int64)
         slots = cupy.empty(n, dtype=np.int32)
-        blocks = max(1, min(4096, -(-n // 256)))
+        grid_n, block_n = grid_1d(n, 256, 4096)
         CACHE_MODULE.get_function(cache_sets_name(plan.keys.itemsize))(
-            (blocks,), (256,), (plan.keys, plan.run, np.int64(n), np.int64(self.n_sets),
-                                set_key, run_row, self.tick, plan.verdict), stream=stream)
-        sets, order, _ = sorted_positions(set_key, self.n_sets + 1, stream)
+            grid_n, block_n, (plan.keys, plan.run, np.int64(n), np.int64(self.n_sets),
+                              set_key, run_row, self.tick, plan.verdict.words), stream=stream)
+        sets, order, _ = sort_positions(set_key, self.n_sets + 1, stream=stream)
         grid, block = self.side.launch_size(n)
         CACHE_MODULE.get_function(cache_insert_name(self.side.vec, self.side.dtype_name))(
             grid, block, (*self.side.host_args(), *self._layout_args(), self.tags,
                           self.score, self.last, self.dirty, self.door,
                           np.int64(self.door_bits), sets, order, run_row, np.int64(n),
                           np.int64(self.n_sets), slots, self.tick, self.lfu, self.doorkeeper,
-                          np.int32(protect_prev), self.stats, plan.verdict), stream=stream)
+                          np.int32(protect_prev), self.stats, plan.verdict.words),
+            stream=stream)
         if self.doorkeeper:
             CACHE_MODULE.get_function(CACHE_MARK_NAME)(
-                (blocks,), (256,), (self.door, np.int64(self.door_bits), set_key, run_row,
-                                    slots, np.int64(n), np.int64(self.n_sets), plan.verdict),
-                stream=stream)
+                grid_n, block_n, (self.door, np.int64(self.door_bits), set_key, run_row,
+                                  slots, np.int64(n), np.int64(self.n_sets),
+                                  plan.verdict.words), stream=stream)
         return slots
 
     def probe(self, plan, stream):
@@ -221,7 +224,7 @@ class DeviceCache:
         CACHE_MODULE.get_function(cache_probe_name(plan.keys.itemsize))(
             grid, block, (self.tags, np.int64(self.n_sets), plan.keys, plan.run,
                           np.int64(plan.n), np.int64(self.side.table.num_rows), slots,
-                          plan.verdict), stream=stream)
+                          plan.verdict.words), stream=stream)
         return slots
 
     def flush(self, stream, drop: bool) -> None:

@@ -1,9 +1,10 @@
 """The GPU half of a HostTable: planning a batch, the lookup and update launches, deferred
 input checks.
 
-A step takes no host synchronization. Indices are checked by the sort kernel, which leaves a
-16-byte verdict on the device; every later kernel of the batch reads it and writes nothing
-when it is set. The verdict is copied to pinned host memory asynchronously and read by a
+A step takes no host synchronization. Batches are planned by :func:`xferlib.batch.plan_batch`,
+whose sort kernel checks the indices and leaves a 16-byte verdict on the device; every later
+kernel of the batch reads it and writes nothing when it is set. The verdict goes to the
+table's :class:`~xferlib.batch.PendingChecks` (the policy of :mod:`xferlib.batch`): read by a
 later call (at the latest once the device is two batches behind, or by ``check()``, or by
 anything that flushes), which raises IndexError then. Allocations depend on the batch size
 only, so a step at a fixed batch size can be captured in a CUDA graph.
@@ -11,94 +12,18 @@ only, so a step at a fixed batch size can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array
+from xferlib._kernels import grid_1d, launch_config
+from xferlib.batch import BatchPlan, PendingChecks, RowsReport, Verdict, plan_batch
 from xferlib.memory import device_pointer
-from xferlib.rows import raise_if_bad, sorted_positions, to_gpu_indices
+from xferlib.rows import to_gpu_indices
 from xferlib.table.cache import DeviceCache
 
-_NO_BAD = np.iinfo(np.uint64).max
-_MAX_PENDING_CHECKS = 2  # the host may run this many unchecked batches ahead of the device
-
-
-@dataclasses.dataclass(eq=False)
-class Plan:
-    """A batch on the GPU: indices checked and sorted, runs of equal rows numbered, and (with
-    a cache) the slot of each run's row when it was looked up."""
-
-    idx: object
-    keys: object
-    perm: object
-    run: object
-    verdict: object
-    slots: object = None
-
-    @property
-    def n(self) -> int:
-        return int(self.keys.size)
-
-
-_RING = 16  # pinned verdict slots of uncaptured batches (more than _MAX_PENDING_CHECKS + 1)
-
-
-class _VerdictRing:
-    """Pinned 16-byte slots and their events, allocated once and reused round-robin: a
-    step allocates no host memory. A slot is reused only after its check was resolved
-    (at most ``_MAX_PENDING_CHECKS + 1`` are pending)."""
-
-    def __init__(self):
-        import cupyx
-
-        self.host = cupyx.empty_pinned((_RING, 2), dtype=np.uint64)
-        self.events = [None] * _RING
-        self.next = 0
-
-    def take(self):
-        import cupy
-
-        slot, self.next = self.next, (self.next + 1) % _RING
-        if self.events[slot] is None:
-            self.events[slot] = cupy.cuda.Event(block=False, disable_timing=True)
-        return self.host[slot], self.events[slot]
-
-
-class _PendingCheck:
-    """A batch's verdict on its way to the host (pinned memory, an event on the stream)."""
-
-    def __init__(self, plan: Plan, num_rows: int, stream, capturing: bool, ring=None):
-        import cupy
-        import cupyx
-
-        self.plan, self.num_rows = plan, num_rows
-        self.event = None
-        if capturing or ring is None:  # a graph's copy node keeps its own buffer
-            self.host = cupyx.empty_pinned(2, dtype=np.uint64)
-        else:
-            self.host, self.event = ring.take()
-        self.host[...] = _NO_BAD
-        cupy.cuda.runtime.memcpyAsync(self.host.ctypes.data, plan.verdict.data.ptr, 16,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        if not capturing:  # in a graph the copy is a node; read it after a replay (check())
-            if self.event is None:
-                self.event = cupy.cuda.Event(block=False, disable_timing=True)
-            self.event.record(stream)
-
-    @property
-    def ready(self) -> bool:
-        return self.event is None or self.event.done
-
-    def resolve(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-        if (self.host != _NO_BAD).any():
-            import cupy
-
-            raise_if_bad(self.plan.verdict, self.plan.idx, self.num_rows,
-                          cupy.cuda.get_current_stream())
+# The host may run this many unchecked batches ahead of the device: a call waits for the
+# oldest verdict when it finds three unread.
+_MAX_PENDING_CHECKS = 2
 
 
 class DeviceSide:
@@ -129,9 +54,7 @@ class DeviceSide:
         # The batch of the last cache pass (a lookup's or a prefetch's): the next prefetch's
         # pass cannot evict its rows (prefetch.py, Pending.protects).
         self.last_pass = None
-        self.checks = collections.deque()
-        self.graph_checks = []
-        self.ring = None  # _VerdictRing, on the first uncaptured batch
+        self.checks = PendingChecks(limit=_MAX_PENDING_CHECKS + 1)
         self.cache = (DeviceCache(self, table.cache_rows, table.cache_policy,
                                   table.cache_admission) if table.cache_rows else None)
 
@@ -160,8 +83,6 @@ class DeviceSide:
     def launch_size(self, n_warps: int, prefetch: bool = False):
         """``(grid, block)`` for ``n_warps`` warps, capped for this GPU (lower for a
         prefetch, which leaves SMs to the compute it overlaps)."""
-        from xferlib._kernels import launch_config
-
         cap = self.prefetch_blocks if prefetch else self.max_blocks
         return launch_config(max(1, n_warps), max_blocks=cap)
 
@@ -186,28 +107,10 @@ class DeviceSide:
             self.hyper = cupy.asarray(np.array(values + [0.0] * (16 - len(values))))
         return self.hyper
 
-    def plan(self, idx, stream) -> Plan:
-        import cupy
-
-        from xferlib._kernels.table import (RUN_IDS_MAX, TABLE_MODULE, run_ids_name,
-                                            run_starts_name)
-
+    def plan(self, idx, stream) -> BatchPlan:
+        """``idx`` checked and sorted, its runs of equal rows numbered (no host sync)."""
         idx = to_gpu_indices(idx, self.table.num_rows)
-        keys, perm, verdict = sorted_positions(idx, self.table.num_rows, stream)
-        n = keys.size
-        if n <= RUN_IDS_MAX:
-            run = cupy.empty(n, dtype=np.int64)
-            if n:
-                TABLE_MODULE.get_function(run_ids_name(keys.dtype.itemsize))(
-                    (1,), (1024,), (keys, np.int64(n), run), stream=stream)
-            return Plan(idx, keys, perm, run, verdict)
-        flags = cupy.empty(n, dtype=np.int64)
-        blocks = max(1, min(4096, -(-n // 256)))
-        TABLE_MODULE.get_function(run_starts_name(keys.dtype.itemsize))(
-            (blocks,), (256,), (keys, np.int64(n), flags), stream=stream)
-        run = cupy.cumsum(flags)
-        run -= 1
-        return Plan(idx, keys, perm, run, verdict)
+        return plan_batch(idx, self.table.num_rows, stream=stream, runs=True)
 
     def record(self, stream) -> None:
         """Record ``last_event`` on ``stream`` (the work a flush waits for); nothing while
@@ -222,34 +125,17 @@ class DeviceSide:
 
     # -------------------------------------------------------------- input checks
 
-    def defer_check(self, plan: Plan, stream) -> None:
-        capturing = is_capturing(stream)
-        if not capturing and self.ring is None:
-            self.ring = _VerdictRing()
-        check = _PendingCheck(plan, self.table.num_rows, stream, capturing, self.ring)
-        (self.graph_checks if capturing else self.checks).append(check)
+    def defer_check(self, plan: BatchPlan, stream) -> None:
+        plan.verdict.defer(self.checks, stream)
 
     def resolve_checks(self, wait: bool = False) -> None:
         """Raise for the oldest bad batch whose verdict is in; wait for verdicts only when
         ``wait`` or when the host runs more than two batches ahead."""
-        checks = self.checks
-        while checks and (wait or checks[0].ready or len(checks) > _MAX_PENDING_CHECKS):
-            check = checks.popleft()
-            try:
-                check.resolve()
-            except Exception:
-                for later in checks:  # their slots are reused: let the copies land first
-                    if later.event is not None:
-                        later.event.synchronize()
-                checks.clear()  # later batches' kernels ran: only this one is reported
-                raise
-        if wait:
-            for check in self.graph_checks:  # verdicts written by graph replays
-                check.resolve()
+        self.checks.poll(wait)
 
     # -------------------------------------------------------------- gather and expand
 
-    def gather_unique(self, plan: Plan, stream, which: int = 0, out=None,
+    def gather_unique(self, plan: BatchPlan, stream, which: int = 0, out=None,
                       prefetch: bool = False):
         import cupy
 
@@ -265,10 +151,10 @@ class DeviceSide:
                 grid, block, (*self.host_args(), *self._cache_args(plan.slots), plan.keys,
                               plan.run, np.int64(plan.n), np.int64(layout.dim),
                               np.int64(layout.state_width), np.int32(0), np.int32(which), out,
-                              plan.verdict), stream=stream)
+                              plan.verdict.words), stream=stream)
         return out
 
-    def expand(self, plan: Plan, uniq, out, stream):
+    def expand(self, plan: BatchPlan, uniq, out, stream):
         import cupy
 
         from xferlib._kernels.table import TABLE_MODULE, expand_rows_name
@@ -278,10 +164,10 @@ class DeviceSide:
             out = cupy.empty((plan.n, dim), dtype=self.table.dtype)
         total = plan.n * dim
         if total:
-            blocks = max(1, min(65535, -(-total // 256)))
+            grid, block = grid_1d(total, 256, 65535)
             TABLE_MODULE.get_function(expand_rows_name(self.dtype_name))(
-                (blocks,), (256,), (uniq, plan.run, plan.perm, np.int64(plan.n), np.int64(dim),
-                                    out, plan.verdict), stream=stream)
+                grid, block, (uniq, plan.run, plan.perm, np.int64(plan.n), np.int64(dim),
+                                    out, plan.verdict.words), stream=stream)
         return out
 
     def check_out(self, out, n) -> None:
@@ -322,12 +208,13 @@ class DeviceSide:
             self.record(stream)
         return rows, plan
 
-    def _empty_plan(self, idx) -> Plan:
+    def _empty_plan(self, idx) -> BatchPlan:
         import cupy
 
         empty = cupy.empty(0, dtype=np.int64)
-        return Plan(idx, empty, empty, empty,
-                    cupy.full(2, np.iinfo(np.uint64).max, dtype=np.uint64))
+        words = cupy.full(2, np.iinfo(np.uint64).max, dtype=np.uint64)
+        return BatchPlan(idx, empty, empty, Verdict(words, RowsReport(idx, self.table.num_rows)),
+                         run=empty)
 
     # -------------------------------------------------------------- update
 
@@ -340,11 +227,11 @@ class DeviceSide:
         table = self.table
         stream = as_cupy_stream(stream)
         self.resolve_checks()
-        if (idx.n if isinstance(idx, Plan) else idx.shape[0]) == 0:
+        if (idx.n if isinstance(idx, BatchPlan) else idx.shape[0]) == 0:
             return
         with stream:
             grads = cupy.ascontiguousarray(grads, dtype=table.dtype)
-            fresh = not isinstance(idx, Plan)
+            fresh = not isinstance(idx, BatchPlan)
             plan = self.plan(idx, stream) if fresh else idx
             pending = self.pending
             slots = None
@@ -367,14 +254,14 @@ class DeviceSide:
                               plan.keys, plan.run, np.int64(n), summed, np.int64(dim),
                               np.int64(len(table.layout.slots)),
                               np.int64(table.layout.step_offset), self._hyper_array(),
-                              plan.verdict), stream=stream)
+                              plan.verdict.words), stream=stream)
             if pending is not None:
                 refresh_after_update(self, plan, slots, stream)
             if fresh:
                 self.defer_check(plan, stream)
             self.record(stream)
 
-    def _sum_gradients(self, plan: Plan, grads, stream):
+    def _sum_gradients(self, plan: BatchPlan, grads, stream):
         """Each run's gradient sum, in sorted-position order: deterministic."""
         import cupy
 
@@ -386,13 +273,13 @@ class DeviceSide:
         summed = cupy.empty((n, dim), dtype=self.table.dtype)  # rows past the last run unused
         head = cupy.empty((chunks, dim), dtype=self.table.dtype)
         tail = cupy.empty((chunks, dim), dtype=self.table.dtype)
-        blocks = max(1, min(65535, -(-chunks * dim // 256)))
+        grid, block = grid_1d(chunks * dim, 256, 65535)
         key_bytes = plan.keys.itemsize
         TABLE_MODULE.get_function(sum_chunks_name(self.dtype_name, key_bytes))(
-            (blocks,), (256,), (grads, plan.keys, plan.run, plan.perm, np.int64(n),
+            grid, block, (grads, plan.keys, plan.run, plan.perm, np.int64(n),
                                 np.int64(dim), summed, head, tail), stream=stream)
         TABLE_MODULE.get_function(sum_spans_name(self.dtype_name, key_bytes))(
-            (blocks,), (256,), (plan.keys, plan.run, np.int64(n), np.int64(dim), summed, head,
+            grid, block, (plan.keys, plan.run, np.int64(n), np.int64(dim), summed, head,
                                 tail), stream=stream)
         return summed
 

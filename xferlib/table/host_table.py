@@ -25,10 +25,11 @@ import weakref
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, cupy_available, is_cupy_array
+from xferlib.batch import BatchPlan
 from xferlib.memory import check_host_memory, is_pinned, pin, pinned_empty
 from xferlib.perf import warn_cache_thrashing
 from xferlib.rows import check_host_indices, check_index_dtype, take_rows
-from xferlib.table.device import DeviceSide, Plan
+from xferlib.table.device import DeviceSide
 from xferlib.table.io import load_table, save_table
 from xferlib.table.layout import INIT_CHUNK_ROWS, RowLayout, initial_weights, split_state
 from xferlib.table.prefetch import prefetch as _prefetch
@@ -379,7 +380,7 @@ class HostTable:
         if self._rule is None:
             raise ValueError("this table has no optimizer; build it with optimizer=... or "
                              "write rows with scatter()")
-        if isinstance(idx, Plan):  # a batch from lookup(..., return_batch=True)
+        if isinstance(idx, BatchPlan):  # a batch from lookup(..., return_batch=True)
             if not is_cupy_array(grad_rows):
                 raise TypeError("grad_rows must be a CuPy array for a GPU batch")
             if grad_rows.shape != (idx.n, self.dim):

@@ -137,4 +137,4 @@ def refresh_after_update(side, plan, slots, stream) -> None:
          slots if slots is not None else np.uint64(0),
          pkeys, pplan.run, np.int64(pplan.n),
          pplan.slots if pplan.slots is not None else np.uint64(0),
-         pending.staged, plan.verdict, pplan.verdict), stream=stream)
+         pending.staged, plan.verdict.words, pplan.verdict.words), stream=stream)
