@@ -9,15 +9,17 @@ per-row step counter (an int64 in the last 8 bytes of the row's state) needs no 
 Rows outside the table are skipped, and every kernel does nothing when the batch's verdict
 says an index was bad (the host raises after reading it).
 
-The update rules follow torch.optim's single-tensor code, operation by operation, with
-bias corrections computed per row from the row's own step count.
+The update rules are the shared ones of ``xferlib/_kernels/rules.py`` (torch.optim's
+single-tensor code, operation by operation), with the step's scalars computed per row in
+double from the row's own step count.
 """
 
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.cache import CACHE_MODULE  # noqa: F401  (registered with the table's)
-from xferlib.optim.rules import OptId, cuda_defines
+from xferlib._kernels.rules import RULES_KERNEL
+from xferlib.optim.rules import OptId
 
-TABLE_KERNEL = cuda_defines() + r"""
+TABLE_KERNEL = RULES_KERNEL + r"""
 typedef long long i64;
 
 __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
@@ -147,17 +149,23 @@ __global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
     }
 }
 
-// out[perm[j]] = uniq[run[j]]: every batch position gets its run's row.
+// out[perm[j]] = uniq[run[j]]: every batch position gets its run's row. One warp per
+// position (any grid: warps stride over the rest), 16-byte words where every row start is
+// 16-byte aligned: no index division per element, one run/perm read per row.
 template <typename T>
 __global__ void expand_rows(const T* __restrict__ uniq, const i64* __restrict__ run,
                             const i64* __restrict__ perm, i64 n, i64 dim, T* __restrict__ out,
                             const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
-    const i64 total = n * dim;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const i64 j = i / dim, e = i - j * dim;
-        out[perm[j] * dim + e] = uniq[run[j] * dim + e];
+    constexpr int V = 16 / sizeof(T);
+    const bool wide = dim % V == 0 && (size_t)uniq % 16 == 0 && (size_t)out % 16 == 0;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < n; j += warps) {
+        const T* src = uniq + run[j] * dim;
+        T* dst = out + perm[j] * dim;
+        if (wide) copy_words<V>(dst, src, dim, lane);
+        else copy_words<1>(dst, src, dim, lane);
     }
 }
 
@@ -230,13 +238,9 @@ __global__ void sum_spans(const K* __restrict__ keys, const i64* __restrict__ ru
 // rowwise_adagrad, adamax, rmsprop, adadelta.
 // h: the rule's hyperparameters (xferlib/table/rules.py, kernel_hyper); a row's state slot k sits at
 // s + k * dim, row scalars after the slots; t: the row's step count after this step.
-// row_consts turns h and t into per-row constants c (bias corrections in double, as torch's
-// Python scalars); elem applies the rule to one element w with its slot values st[].
-
-template <typename T>
-__device__ __forceinline__ T lerp_low(T a, T b, T w) {  // torch.lerp for weight < 0.5
-    return a + w * (b - a);
-}
+// row_consts turns h and t into the row's scalars (bias corrections and 1 - beta in double,
+// as torch's Python scalars, then rounded to T); elem applies the shared rule
+// (xferlib/_kernels/rules.py) to one element w with its slot values st[].
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T x) {
@@ -245,125 +249,78 @@ __device__ __forceinline__ T warp_sum(T x) {
     return x;
 }
 
-#define NC 12
 template <int RULE, typename T>
-__device__ __forceinline__ void row_consts(const double* h, i64 t, T* c) {
+__device__ __forceinline__ XfScalars<T> row_consts(const double* h, i64 t) {
+    XfScalars<T> s = xf_neutral<T>();
     if (RULE == XF_OPT_SGD) {  // sgd: lr, momentum, dampening, weight_decay, nesterov, maximize
-        c[0] = h[0]; c[1] = h[1]; c[2] = 1.0 - h[2]; c[3] = h[3]; c[4] = h[4]; c[5] = h[5];
+        s.lr = h[0]; s.mom = h[1]; s.l2 = h[3];
+        s.keep = t == 1 ? 0.0 : h[1];  // torch's first step copies the gradient
+        s.take = t == 1 ? 1.0 : 1.0 - h[2];
+        s.momentum = (T)h[1] != (T)0; s.nesterov = (T)h[4] != (T)0;
+        s.sign = (T)h[5] != (T)0 ? -1.0 : 1.0;
     } else if (RULE == XF_OPT_ADAM) {  // adam(w): lr, b1, b2, eps, wd, decoupled, amsgrad, maximize
         const double bc1 = 1.0 - pow(h[1], (double)t), bc2 = 1.0 - pow(h[2], (double)t);
-        c[0] = h[0] / bc1; c[1] = sqrt(bc2); c[2] = 1.0 - h[1]; c[3] = h[2]; c[4] = 1.0 - h[2];
-        c[5] = h[3]; c[6] = h[4]; c[7] = 1.0 - h[0] * h[4]; c[8] = h[5]; c[9] = h[6];
-        c[10] = h[7];
+        s.lr = h[0] / bc1; s.bc2 = sqrt(bc2); s.omb1 = 1.0 - h[1]; s.b2 = h[2];
+        s.omb2 = 1.0 - h[2]; s.eps = h[3];
+        if ((T)h[4] != (T)0) {
+            if ((T)h[5] != (T)0) s.decay = 1.0 - h[0] * h[4]; else s.l2 = h[4];
+        }
+        s.amsgrad = (T)h[6] != (T)0;
+        s.sign = (T)h[7] != (T)0 ? -1.0 : 1.0;
     } else if (RULE == XF_OPT_ADAGRAD) {  // adagrad: lr, lr_decay, wd, eps, maximize
-        c[0] = h[0] / (1.0 + (double)(t - 1) * h[1]); c[1] = h[2]; c[2] = h[3]; c[3] = h[4];
+        s.lr = h[0] / (1.0 + (double)(t - 1) * h[1]); s.l2 = h[2]; s.eps = h[3];
+        s.sign = (T)h[4] != (T)0 ? -1.0 : 1.0;
     } else if (RULE == XF_OPT_ADAMAX) {  // adamax: lr, b1, b2, eps, wd, maximize
-        c[0] = h[0] / (1.0 - pow(h[1], (double)t)); c[1] = 1.0 - h[1]; c[2] = h[2];
-        c[3] = h[3]; c[4] = h[4]; c[5] = h[5];
+        s.lr = h[0] / (1.0 - pow(h[1], (double)t)); s.omb1 = 1.0 - h[1]; s.b2 = h[2];
+        s.eps = h[3]; s.l2 = h[4];
+        s.sign = (T)h[5] != (T)0 ? -1.0 : 1.0;
     } else if (RULE == XF_OPT_RMSPROP) {  // rmsprop: lr, alpha, eps, wd, momentum, centered,
                                           // maximize
-        c[0] = h[0]; c[1] = h[1]; c[2] = 1.0 - h[1]; c[3] = h[2]; c[4] = h[3]; c[5] = h[4];
-        c[6] = h[5]; c[7] = h[6];
+        s.lr = h[0]; s.b2 = h[1]; s.omb2 = 1.0 - h[1]; s.eps = h[2]; s.l2 = h[3]; s.mom = h[4];
+        s.momentum = (T)h[4] > (T)0; s.centered = (T)h[5] != (T)0;
+        s.sign = (T)h[6] != (T)0 ? -1.0 : 1.0;
     } else if (RULE == XF_OPT_ADADELTA) {  // adadelta: lr, rho, eps, wd, maximize
-        c[0] = h[0]; c[1] = h[1]; c[2] = 1.0 - h[1]; c[3] = h[2]; c[4] = h[3]; c[5] = h[4];
+        s.lr = h[0]; s.b2 = h[1]; s.omb2 = 1.0 - h[1]; s.eps = h[2]; s.l2 = h[3];
+        s.sign = (T)h[4] != (T)0 ? -1.0 : 1.0;
+    } else if (RULE == XF_OPT_ROWWISE_ADAGRAD) {  // rowwise_adagrad: lr, wd, eps, maximize
+        s.lr = h[0]; s.l2 = h[1]; s.eps = h[2];
+        s.sign = h[3] != 0.0 ? -1.0 : 1.0;
     }
+    return s;
 }
 
+// The row's state slots in the rule's buffer order (xferlib/table/rules.py): rmsprop's
+// grad_avg follows momentum_buffer only when there is one.
 template <int RULE, typename T>
-__device__ __forceinline__ void elem(T& w, T* st, T g, const T* c, i64 t) {
-    if (RULE == XF_OPT_SGD) {
-        if (c[5] != (T)0) g = -g;
-        if (c[3] != (T)0) g += c[3] * w;
-        if (c[1] != (T)0) {
-            const T b = t == 1 ? g : c[1] * st[0] + c[2] * g;  // torch: the first step copies g
-            st[0] = b;
-            g = c[4] != (T)0 ? g + c[1] * b : b;
-        }
-        w -= c[0] * g;
-    } else if (RULE == XF_OPT_ADAM) {
-        if (c[10] != (T)0) g = -g;
-        T p = w;
-        if (c[6] != (T)0) {
-            if (c[8] != (T)0) p *= c[7]; else g += c[6] * p;
-        }
-        const T m = lerp_low(st[0], g, c[2]);
-        const T v = st[1] * c[3] + c[4] * g * g;
-        st[0] = m;
-        st[1] = v;
-        T vmax = v;
-        if (c[9] != (T)0) {
-            vmax = st[2] > v ? st[2] : v;
-            st[2] = vmax;
-        }
-        w = p - c[0] * (m / (sqrt(vmax) / c[1] + c[5]));
-    } else if (RULE == XF_OPT_ADAGRAD) {
-        if (c[3] != (T)0) g = -g;
-        if (c[1] != (T)0) g += c[1] * w;
-        const T sum = st[0] + g * g;
-        st[0] = sum;
-        w -= c[0] * (g / (sqrt(sum) + c[2]));
-    } else if (RULE == XF_OPT_ADAMAX) {
-        if (c[5] != (T)0) g = -g;
-        if (c[4] != (T)0) g += c[4] * w;
-        const T m = lerp_low(st[0], g, c[1]);
-        const T a = st[1] * c[2], b = fabs(g) + c[3];
-        const T u = a > b ? a : b;
-        st[0] = m;
-        st[1] = u;
-        w -= c[0] * (m / u);
-    } else if (RULE == XF_OPT_RMSPROP) {
-        if (c[7] != (T)0) g = -g;
-        if (c[4] != (T)0) g += c[4] * w;
-        const T sq = st[0] * c[1] + c[2] * g * g;
-        st[0] = sq;
-        const int ga = c[5] > (T)0 ? 2 : 1;  // grad_avg's slot
-        T avg;
-        if (c[6] != (T)0) {
-            const T a = lerp_low(st[ga], g, c[2]);
-            st[ga] = a;
-            avg = sqrt(sq - a * a) + c[3];
-        } else {
-            avg = sqrt(sq) + c[3];
-        }
-        if (c[5] > (T)0) {
-            const T b = st[1] * c[5] + g / avg;
-            st[1] = b;
-            w -= c[0] * b;
-        } else {
-            w -= c[0] * (g / avg);
-        }
-    } else if (RULE == XF_OPT_ADADELTA) {
-        if (c[5] != (T)0) g = -g;
-        if (c[4] != (T)0) g += c[4] * w;
-        const T sq = st[0] * c[1] + c[2] * g * g;
-        const T sd = sqrt(sq + c[3]);
-        const T delta = sqrt(st[1] + c[3]) / sd * g;
-        st[0] = sq;
-        st[1] = st[1] * c[1] + c[2] * delta * delta;
-        w -= c[0] * delta;
-    }
+__device__ __forceinline__ void elem(T& w, T* st, T g, const XfScalars<T>& s) {
+    xf_preamble(w, g, s);
+    if (RULE == XF_OPT_SGD) xf_sgd(w, g, st[0], s);
+    else if (RULE == XF_OPT_ADAM) xf_adam(w, g, st[0], st[1], st[2], s);
+    else if (RULE == XF_OPT_ADAGRAD) xf_adagrad(w, g, st[0], s);
+    else if (RULE == XF_OPT_ADAMAX) xf_adamax(w, g, st[0], st[1], s);
+    else if (RULE == XF_OPT_RMSPROP) xf_rmsprop(w, g, st[0], st[1], st[s.momentum ? 2 : 1], s);
+    else if (RULE == XF_OPT_ADADELTA) xf_adadelta(w, g, st[0], st[1], s);
 }
 
 // Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): one accumulator per row, fed the mean
-// squared gradient. h: lr, wd, eps, maximize.
+// squared gradient (the warp's reduction), then the shared per-element step.
 template <typename T>
 __device__ void rowwise_adagrad_row(T* w, T* s, const T* g, i64 dim, i64 n_slots,
-                                    const double* h, int lane) {
-    const T lr = h[0], wd = h[1], eps = h[2];
-    const bool maximize = h[3] != 0.0;
+                                    const XfScalars<T>& c, int lane) {
     T sq = 0;
     for (i64 e = lane; e < dim; e += 32) {
-        T gi = maximize ? -g[e] : g[e];
-        if (wd != (T)0) gi += wd * w[e];
+        T wi = w[e], gi = g[e];
+        xf_preamble(wi, gi, c);
         sq += gi * gi;
     }
     T* total = s + n_slots * dim;
     const T sum = *total + warp_sum(sq) / (T)dim;
-    const T scale = lr / (sqrt(sum) + eps);
+    const T scale = c.lr / (sqrt(sum) + c.eps);
     for (i64 e = lane; e < dim; e += 32) {
-        T gi = maximize ? -g[e] : g[e];
-        if (wd != (T)0) gi += wd * w[e];
-        w[e] -= scale * gi;
+        T wi = w[e], gi = g[e];
+        xf_preamble(wi, gi, c);
+        xf_descend(wi, gi, scale);
+        w[e] = wi;
     }
     __syncwarp();
     if (lane == 0) *total = sum;
@@ -376,24 +333,26 @@ template <typename T, int V> struct alignas(sizeof(T) * V) vec { T v[V]; };
 template <int RULE, int V, typename T>
 __device__ __forceinline__ void update_row(T* __restrict__ w, T* __restrict__ s,
                                            const T* __restrict__ g, i64 dim, i64 n_slots,
-                                           i64 t, const T* c, int lane) {
+                                           const XfScalars<T>& c, int lane) {
     for (i64 base = (i64)V * lane; base < dim; base += 32 * V) {
         vec<T, V> wv = *reinterpret_cast<const vec<T, V>*>(w + base);
         const vec<T, V> gv = *reinterpret_cast<const vec<T, V>*>(g + base);
-        vec<T, V> sv[3];
+        vec<T, V> sv[XF_MAX_SLOTS];
         #pragma unroll
-        for (int k = 0; k < 3; ++k)
+        for (int k = 0; k < XF_MAX_SLOTS; ++k)
             if (k < n_slots) sv[k] = *reinterpret_cast<const vec<T, V>*>(s + k * dim + base);
         #pragma unroll
         for (int q = 0; q < V; ++q) {
-            T st[3] = {sv[0].v[q], sv[1].v[q], sv[2].v[q]};
-            elem<RULE, T>(wv.v[q], st, gv.v[q], c, t);
+            T st[XF_MAX_SLOTS];
             #pragma unroll
-            for (int k = 0; k < 3; ++k) sv[k].v[q] = st[k];
+            for (int k = 0; k < XF_MAX_SLOTS; ++k) st[k] = sv[k].v[q];
+            elem<RULE, T>(wv.v[q], st, gv.v[q], c);
+            #pragma unroll
+            for (int k = 0; k < XF_MAX_SLOTS; ++k) sv[k].v[q] = st[k];
         }
         *reinterpret_cast<vec<T, V>*>(w + base) = wv;
         #pragma unroll
-        for (int k = 0; k < 3; ++k)
+        for (int k = 0; k < XF_MAX_SLOTS; ++k)
             if (k < n_slots) *reinterpret_cast<vec<T, V>*>(s + k * dim + base) = sv[k];
     }
 }
@@ -415,12 +374,11 @@ __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
         i64* step = reinterpret_cast<i64*>(p.s + step_off);
         const i64 t = *step + 1;
         const T* g = summed + run[j] * dim;
+        const XfScalars<T> c = row_consts<RULE, T>(h, t);
         if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
-            rowwise_adagrad_row<T>(p.w, p.s, g, dim, n_slots, h, lane);
+            rowwise_adagrad_row<T>(p.w, p.s, g, dim, n_slots, c, lane);
         } else {
-            T c[NC];
-            row_consts<RULE, T>(h, t, c);
-            update_row<RULE, V, T>(p.w, p.s, g, dim, n_slots, t, c, lane);
+            update_row<RULE, V, T>(p.w, p.s, g, dim, n_slots, c, lane);
         }
         __syncwarp();
         if (lane == 0) {
