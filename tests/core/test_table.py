@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import xferlib
-from xferlib.testing import GPU_SKIP_REASON
+from xferlib.testing import (assert_outputs_match, for_each_backend, reference_check,
+                             table_arrays)
 
 # (optimizer, hyperparameters, torch.optim class name): every variant the kernels branch on.
 VARIANTS = [
@@ -33,25 +34,9 @@ VARIANTS = [
      None),
 ]
 NUM_ROWS, STEPS = 50, 6
-
-
-@pytest.fixture(params=["numpy", pytest.param("gpu", marks=pytest.mark.gpu)])
-def where(request):
-    if request.param == "gpu" and not xferlib.cupy_available():
-        pytest.skip(GPU_SKIP_REASON)
-    return request.param
-
-
-def _put(where, array):
-    if where == "numpy":
-        return array
-    import cupy
-
-    return cupy.asarray(array)
-
-
-def _get(x):
-    return x if isinstance(x, np.ndarray) else x.get()
+# A host table lives in host RAM whatever the backend: the backend places its indices and
+# gradients (NumPy: the CPU path; CuPy: the GPU path, reading and writing the pinned table).
+each_backend = for_each_backend("numpy", "cupy")
 
 
 def _batches(rng, dim, index_dtype, n=40):
@@ -66,45 +51,70 @@ def _state_of(table):
             for name in table.state_names() if name != "step"}
 
 
-@pytest.mark.parametrize("name, hyper, torch_name", VARIANTS)
-@pytest.mark.parametrize("dim", [5, 16, 33])  # 16: the 16-byte-word path on the GPU
-def test_matches_reference(where, rng, name, hyper, torch_name, dim):
-    init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
-    table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
+def training_reference(name, hyper, init, batches, lookups=False):
+    """``sparse_update_reference`` over ``batches`` from a fresh table's state: the final
+    weights and every state array (``step`` too), keyed as :func:`table_arrays` keys them;
+    with ``lookups``, also the rows each batch looks up before its update."""
+    fresh = xferlib.HostTable(len(init), init.shape[1], optimizer=name, optimizer_kwargs=hyper,
                               init=init.copy())
-    weights, state, steps = init.astype(np.float64), _state_of(table), np.zeros(NUM_ROWS)
-    for idx, grads in _batches(rng, dim, "int64"):
-        table.apply_gradients(_put(where, idx), _put(where, grads))
+    weights, state, steps = init.astype(np.float64), _state_of(fresh), np.zeros(len(init))
+    seen = []
+    for idx, grads in batches:
+        seen.append(weights[idx])
         weights, state, steps = xferlib.sparse_update_reference(name, weights, state, steps,
                                                                 idx, grads, hyper)
-    np.testing.assert_allclose(table.numpy(), weights, rtol=2e-5, atol=2e-6)
-    for key, value in _state_of(table).items():
-        np.testing.assert_allclose(value, state[key], rtol=2e-5, atol=2e-6)
-    np.testing.assert_array_equal(table.state("step"), steps)
+    out = {"weights": weights, **state, "step": steps.astype(np.int64)}
+    return ({"lookups": seen} | out) if lookups else out
+
+
+@pytest.mark.parametrize("name, hyper, torch_name", VARIANTS)
+@pytest.mark.parametrize("dim", [5, 16, 33])  # 16: the 16-byte-word path on the GPU
+@each_backend
+def test_matches_reference(backend, rng, name, hyper, torch_name, dim):
+    init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
+
+    def train(batches):
+        table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
+                                  init=init.copy())
+        for idx, grads in batches:
+            table.apply_gradients(idx, grads)
+        return table_arrays(table)
+
+    reference_check(backend, train, lambda b: training_reference(name, hyper, init, b),
+                    list(_batches(rng, dim, "int64")), rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("name, hyper, torch_name",
                          [v for v in VARIANTS if v[2] is not None])
 @pytest.mark.parametrize("index_dtype", ["int32", "int64"])
-def test_matches_torch_optim_per_row(where, rng, name, hyper, torch_name, index_dtype):
+@each_backend
+def test_matches_torch_optim_per_row(backend, rng, name, hyper, torch_name, index_dtype):
     """Lazy semantics: each touched row steps exactly like a torch.optim parameter of its own
     that receives the row's summed gradient on the steps the row is in the batch."""
     torch = pytest.importorskip("torch")
     dim = 7
     init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
-    table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
-                              init=init.copy())
-    params = [torch.nn.Parameter(torch.tensor(row, dtype=torch.float64)) for row in init]
-    optimizers = [getattr(torch.optim, torch_name)([p], **hyper) for p in params]
-    for idx, grads in _batches(rng, dim, index_dtype):
-        table.apply_gradients(_put(where, idx), _put(where, grads))
-        summed = np.zeros((NUM_ROWS, dim))
-        np.add.at(summed, idx, grads.astype(np.float64))
-        for row in np.unique(idx):
-            params[row].grad = torch.tensor(summed[row])
-            optimizers[row].step()
-    expected = np.stack([p.detach().numpy() for p in params])
-    np.testing.assert_allclose(table.numpy(), expected, rtol=3e-5, atol=3e-6)
+
+    def train(batches):
+        table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
+                                  init=init.copy())
+        for idx, grads in batches:
+            table.apply_gradients(idx, grads)
+        return table.numpy()
+
+    def torch_reference(batches):
+        params = [torch.nn.Parameter(torch.tensor(row, dtype=torch.float64)) for row in init]
+        optimizers = [getattr(torch.optim, torch_name)([p], **hyper) for p in params]
+        for idx, grads in batches:
+            summed = np.zeros((NUM_ROWS, dim))
+            np.add.at(summed, idx, grads.astype(np.float64))
+            for row in np.unique(idx):
+                params[row].grad = torch.tensor(summed[row])
+                optimizers[row].step()
+        return np.stack([p.detach().numpy() for p in params])
+
+    reference_check(backend, train, torch_reference, list(_batches(rng, dim, index_dtype)),
+                    rtol=3e-5, atol=3e-6)
 
 
 def test_rowwise_adagrad_formula():
@@ -117,56 +127,69 @@ def test_rowwise_adagrad_formula():
     np.testing.assert_allclose(table.state("sum"), [0.0, total, 0.0], rtol=1e-6)
 
 
-def test_duplicates_sum_like_dense_sgd(where, rng):
+@each_backend
+def test_duplicates_sum_like_dense_sgd(backend, rng):
     """For SGD the result equals a dense step on the summed gradient."""
     init = rng.standard_normal((20, 6)).astype(np.float32)
-    table = xferlib.HostTable(20, 6, optimizer="sgd", optimizer_kwargs={"lr": 0.1},
-                              init=init.copy())
-    idx = np.array([3, 3, 3, 9, 3, 0], np.int32)
-    grads = rng.standard_normal((6, 6)).astype(np.float32)
-    table.apply_gradients(_put(where, idx), _put(where, grads))
-    dense = np.zeros((20, 6))
-    np.add.at(dense, idx, grads.astype(np.float64))
-    np.testing.assert_allclose(table.numpy(), init - 0.1 * dense, rtol=1e-5, atol=1e-6)
+
+    def step(idx, grads):
+        table = xferlib.HostTable(20, 6, optimizer="sgd", optimizer_kwargs={"lr": 0.1},
+                                  init=init.copy())
+        table.apply_gradients(idx, grads)
+        return table.numpy()
+
+    def dense_sgd(idx, grads):
+        dense = np.zeros((20, 6))
+        np.add.at(dense, idx, grads.astype(np.float64))
+        return init - 0.1 * dense
+
+    reference_check(backend, step, dense_sgd, np.array([3, 3, 3, 9, 3, 0], np.int32),
+                    rng.standard_normal((6, 6)).astype(np.float32), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 4097, 20000])
-def test_lookup_matches_weights(where, rng, n):
+@each_backend
+def test_lookup_matches_weights(backend, rng, n):
     table = xferlib.HostTable(3000, 9, init=("uniform", -1.0, 1.0), seed=1)
-    idx = rng.integers(0, 3000, size=n)
-    rows = _get(table.lookup(_put(where, idx)))
+    rows = reference_check(backend, table.lookup, lambda idx: np.asarray(table.numpy())[idx],
+                           rng.integers(0, 3000, size=n), rtol=0, atol=0)
     assert rows.shape == (n, 9) and rows.dtype == np.float32
-    np.testing.assert_array_equal(rows, np.asarray(table.numpy())[idx])
 
 
-def test_float64_table(where, rng):
-    table = xferlib.HostTable(10, 3, "float64", optimizer="adam",
-                              optimizer_kwargs={"lr": 0.1}, init="zeros")
-    idx, grads = np.array([1, 1, 4]), rng.standard_normal((3, 3))
-    table.apply_gradients(_put(where, idx), _put(where, grads))
-    w, _, _ = xferlib.sparse_update_reference("adam", np.zeros((10, 3)),
-                                              {"exp_avg": np.zeros((10, 3)),
-                                               "exp_avg_sq": np.zeros((10, 3))},
-                                              np.zeros(10), idx, grads, {"lr": 0.1})
-    np.testing.assert_allclose(table.numpy(), w, rtol=1e-12, atol=1e-14)
+@each_backend
+def test_float64_table(backend, rng):
+    def step(idx, grads):
+        table = xferlib.HostTable(10, 3, "float64", optimizer="adam",
+                                  optimizer_kwargs={"lr": 0.1}, init="zeros")
+        table.apply_gradients(idx, grads)
+        return table_arrays(table)
+
+    def reference(idx, grads):
+        w, state, steps = xferlib.sparse_update_reference(
+            "adam", np.zeros((10, 3)), {"exp_avg": np.zeros((10, 3)),
+                                        "exp_avg_sq": np.zeros((10, 3))},
+            np.zeros(10), idx, grads, {"lr": 0.1})
+        return {"weights": w, **state, "step": steps}
+
+    reference_check(backend, step, reference, np.array([1, 1, 4]),
+                    rng.standard_normal((3, 3)), rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("bad", [-1, 10])
-def test_bad_index_changes_nothing(where, rng, bad):
+@each_backend
+def test_bad_index_changes_nothing(backend, rng, bad):
     table = xferlib.HostTable(10, 4, optimizer="adam", seed=0)
-    before_w, before_s = np.array(table.numpy()), _state_of(table)
-    idx = np.array([1, bad, 2])
-    grads = np.ones((3, 4), np.float32)
+    before = table_arrays(table)
+    idx = backend.array(np.array([1, bad, 2]))
+    grads = backend.array(np.ones((3, 4), np.float32))
     # On the GPU the check is deferred (no host sync): raised by check() at the latest.
     with pytest.raises(IndexError, match=f"index {bad} at position 1"):
-        table.apply_gradients(_put(where, idx), _put(where, grads))
+        table.apply_gradients(idx, grads)
         table.check()
     with pytest.raises(IndexError, match=f"index {bad} at position 1"):
-        table.lookup(_put(where, idx))
+        table.lookup(idx)
         table.check()
-    np.testing.assert_array_equal(table.numpy(), before_w)
-    for key, value in _state_of(table).items():
-        np.testing.assert_array_equal(value, before_s[key])
+    assert_outputs_match(table_arrays(table), before, rtol=0, atol=0)
     assert not table.state("step").any()
 
 
@@ -290,7 +313,8 @@ def _resident_bytes() -> int:
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux")
-def test_tables_are_freed(where, rng):
+@each_backend
+def test_tables_are_freed(backend, rng):
     """Create, train and drop 128 MB tables (with Adam state) again and again: resident (and,
     with a GPU, pinned) memory comes back."""
     rows = (128 << 20) // (4 * 64 * 3)
@@ -298,7 +322,7 @@ def test_tables_are_freed(where, rng):
     baseline = None
     for i in range(6):
         table = xferlib.HostTable(rows, 64, optimizer="adam", init="zeros")
-        table.apply_gradients(_put(where, idx), _put(where, grads.astype(np.float32)))
+        table.apply_gradients(backend.array(idx), backend.array(grads.astype(np.float32)))
         table.numpy()
         del table
         import gc
@@ -312,77 +336,69 @@ def test_tables_are_freed(where, rng):
 # ----------------------------------------------------------------------------- GPU only
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("cache_rows", [1, 8, 50])
 @pytest.mark.parametrize("dim", [6, 8])
 @pytest.mark.parametrize("admission", ["second-sight", "always"])
-def test_cache_gives_the_same_training(rng, policy, cache_rows, dim, admission):
-    import cupy
-
+@for_each_backend("cupy")
+def test_cache_gives_the_same_training(backend, rng, policy, cache_rows, dim, admission):
     init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
     plain = xferlib.HostTable(NUM_ROWS, dim, optimizer="adam", init=init.copy())
     cached = xferlib.HostTable(NUM_ROWS, dim, optimizer="adam", init=init.copy(),
                                cache_rows=cache_rows, cache_policy=policy,
                                cache_admission=admission)
-    for idx, grads in _batches(rng, dim, "int64"):
-        a = plain.lookup(cupy.asarray(idx))
-        b = cached.lookup(cupy.asarray(idx))
-        np.testing.assert_array_equal(a.get(), b.get())
-        plain.apply_gradients(cupy.asarray(idx), cupy.asarray(grads))
-        cached.apply_gradients(cupy.asarray(idx), cupy.asarray(grads))
-    np.testing.assert_allclose(cached.numpy(), plain.numpy(), rtol=1e-6, atol=1e-7)
-    np.testing.assert_array_equal(cached.state("step"), plain.state("step"))
+    for i, (idx, grads) in enumerate(_batches(rng, dim, "int64")):
+        idx, grads = backend.put((idx, grads))
+        assert_outputs_match(backend.get(cached.lookup(idx)), backend.get(plain.lookup(idx)),
+                             rtol=0, atol=0, what=f"lookup {i}")
+        plain.apply_gradients(idx, grads)
+        cached.apply_gradients(idx, grads)
+    assert_outputs_match(table_arrays(cached), table_arrays(plain), rtol=1e-6, atol=1e-7)
     stats = cached.cache_stats()
     assert stats["hits"] + stats["misses"] == stats["lookups"] > 0
     assert stats["hits"] > 0 and stats["admitted"] <= stats["misses"]
     assert stats["evicted"] <= stats["admitted"]
 
 
-@pytest.mark.gpu
-def test_cache_rows_are_written_back_on_save(tmp_path, rng):
-    import cupy
-
+@for_each_backend("cupy")
+def test_cache_rows_are_written_back_on_save(backend, tmp_path, rng):
     table = xferlib.HostTable(40, 4, optimizer="sgd", optimizer_kwargs={"lr": 1.0},
                               init="zeros", cache_rows=10, cache_admission="always")
-    idx = cupy.asarray(np.arange(10))
+    idx = backend.array(np.arange(10))
     table.lookup(idx)
-    table.apply_gradients(idx, cupy.ones((10, 4), dtype=np.float32))
+    table.apply_gradients(idx, backend.array(np.ones((10, 4), dtype=np.float32)))
     table.save(tmp_path / "t.npz")
     loaded = xferlib.HostTable.load(tmp_path / "t.npz")
     np.testing.assert_array_equal(loaded.numpy()[:10], -1.0)
     # Evicting everything still keeps every update.
-    other = cupy.asarray(np.arange(10, 40))
+    other = backend.array(np.arange(10, 40))
     table.lookup(other)
     np.testing.assert_array_equal(table.numpy()[:10], -1.0)
 
 
-@pytest.mark.gpu
-def test_prefetch_sees_updates_queued_after_it(rng):
-    import cupy
-
+@for_each_backend("cupy")
+def test_prefetch_sees_updates_queued_after_it(backend, rng):
     dim = 8
     table = xferlib.HostTable(100, dim, optimizer="adam", optimizer_kwargs={"lr": 0.1},
                               seed=4)
     reference = xferlib.HostTable(100, dim, optimizer="adam", optimizer_kwargs={"lr": 0.1},
                                   seed=4)
-    batches = [cupy.asarray(rng.integers(0, 30, size=64)) for _ in range(5)]
+    batches = [backend.array(rng.integers(0, 30, size=64)) for _ in range(5)]
     rows = table.lookup(batches[0])
     for step in range(4):
         table.prefetch(batches[step + 1])  # overlaps the rows of the batch being trained
-        grads = cupy.asarray(rng.standard_normal((64, dim)).astype(np.float32))
+        grads = backend.array(rng.standard_normal((64, dim)).astype(np.float32))
         table.apply_gradients(batches[step], grads)
         reference.lookup(batches[step])
         reference.apply_gradients(batches[step], grads)
         rows = table.lookup(batches[step + 1])
-        np.testing.assert_array_equal(rows.get(), reference.lookup(batches[step + 1]).get())
-    np.testing.assert_array_equal(table.numpy(), reference.numpy())
+        assert_outputs_match(backend.get(rows), backend.get(reference.lookup(batches[step + 1])),
+                             rtol=0, atol=0, what=f"lookup {step + 1}")
+    assert_outputs_match(table_arrays(table), table_arrays(reference), rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-def test_gpu_bad_grads_namespace():
-    import cupy
-
+@for_each_backend("cupy")
+def test_gpu_bad_grads_namespace(backend):
     table = xferlib.HostTable(10, 2, optimizer="sgd")
     with pytest.raises(TypeError, match="CuPy"):
-        table.apply_gradients(cupy.arange(2), np.zeros((2, 2), np.float32))
+        table.apply_gradients(backend.array(np.arange(2)), np.zeros((2, 2), np.float32))

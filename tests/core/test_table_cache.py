@@ -8,8 +8,9 @@ import xferlib
 from xferlib.table import CacheModel
 from xferlib.table.cache import WAYS, set_of
 from xferlib.table.prefetch import Pending, must_wait
+from xferlib.testing import assert_outputs_match, for_each_backend, reference_check, table_arrays
 
-from tests.core.test_table import NUM_ROWS, VARIANTS, _batches, _state_of
+from tests.core.test_table import NUM_ROWS, VARIANTS, _batches, training_reference
 
 # ----------------------------------------------------------------------------- the policy
 
@@ -151,100 +152,95 @@ def test_cpu_table_with_cache_trains_like_reference(rng):
     for idx, grads in _batches(rng, 4, "int64"):
         table.apply_gradients(idx, grads[:, :4])
         ref.apply_gradients(idx, grads[:, :4])
-    np.testing.assert_array_equal(table.numpy(), ref.numpy())
+    assert_outputs_match(table_arrays(table), table_arrays(ref), rtol=0, atol=0)
     table.check()  # nothing pending on the CPU
 
 
 # ----------------------------------------------------------------------------- GPU
 
-
-def _gpu():
-    return pytest.importorskip("cupy")
+on_gpu = for_each_backend("cupy")  # GPU indices: the device side and its cache
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("admission", ["second-sight", "always"])
-def test_device_cache_follows_the_model(rng, policy, admission):
-    cupy = _gpu()
+@on_gpu
+def test_device_cache_follows_the_model(backend, rng, policy, admission):
     rows = 5000
     table = xferlib.HostTable(rows, 8, optimizer="sgd", cache_rows=100, cache_policy=policy,
                               cache_admission=admission, seed=0)
     model = CacheModel(100, rows, policy, admission)
     for _ in range(12):
         idx = (rng.zipf(1.2, size=700) % rows).astype(np.int64)
-        table.lookup(cupy.asarray(idx))
+        table.lookup(backend.array(idx))
         model.access(idx)
         np.testing.assert_array_equal(table._gpu.cache.cached_rows(), model.cached_rows())
     assert table.cache_stats() | {"hit_rate": 0} == model.stats | {"hit_rate": 0}
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("name, hyper, torch_name", VARIANTS)
 @pytest.mark.parametrize("dim", [5, 16])
-def test_cached_training_matches_reference(rng, name, hyper, torch_name, dim):
+@on_gpu
+def test_cached_training_matches_reference(backend, rng, name, hyper, torch_name, dim):
     """A cache far smaller than the rows touched: rows are admitted, updated in HBM, evicted
-    (written back) and admitted again; weights, state and steps follow the reference."""
-    cupy = _gpu()
+    (written back) and admitted again; every lookup, the weights, state and steps follow the
+    reference."""
     init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
-    table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
-                              init=init.copy(), cache_rows=6, cache_admission="always")
-    weights, state, steps = init.astype(np.float64), _state_of(table), np.zeros(NUM_ROWS)
-    for i, (idx, grads) in enumerate(_batches(rng, dim, "int64")):
-        rows, batch = table.lookup(cupy.asarray(idx), return_batch=True)
-        np.testing.assert_allclose(rows.get(), weights[idx], rtol=2e-5, atol=2e-6)
-        if i % 2:
-            table.apply_gradients(batch, cupy.asarray(grads))
-        else:  # raw indices: located in the cache again
-            table.apply_gradients(cupy.asarray(idx), cupy.asarray(grads))
-        weights, state, steps = xferlib.sparse_update_reference(name, weights, state, steps,
-                                                                idx, grads, hyper)
-    assert table.cache_stats()["evicted"] > 0
-    np.testing.assert_allclose(table.numpy(), weights, rtol=2e-5, atol=2e-6)
-    for key, value in _state_of(table).items():
-        np.testing.assert_allclose(value, state[key], rtol=2e-5, atol=2e-6)
-    np.testing.assert_array_equal(table.state("step"), steps)
+
+    def train(batches):
+        table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
+                                  init=init.copy(), cache_rows=6, cache_admission="always")
+        seen = []
+        for i, (idx, grads) in enumerate(batches):
+            rows, batch = table.lookup(idx, return_batch=True)
+            seen.append(rows)
+            # odd steps hand back the lookup's batch; even ones raw indices, located in the
+            # cache again
+            table.apply_gradients(batch if i % 2 else idx, grads)
+        assert table.cache_stats()["evicted"] > 0
+        return {"lookups": seen, **table_arrays(table)}
+
+    reference_check(backend, train,
+                    lambda b: training_reference(name, hyper, init, b, lookups=True),
+                    list(_batches(rng, dim, "int64")), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("cache_rows", [0, 40])
 @pytest.mark.parametrize("index_dtype", ["int32", "int64"])
-def test_prefetch_while_updating(rng, cache_rows, index_dtype):
-    cupy = _gpu()
+@on_gpu
+def test_prefetch_while_updating(backend, rng, cache_rows, index_dtype):
     dim, rows_n = 8, 300
     kw = dict(optimizer="adam", optimizer_kwargs={"lr": 0.1}, seed=4)
     table = xferlib.HostTable(rows_n, dim, cache_rows=cache_rows, cache_admission="always", **kw)
     reference = xferlib.HostTable(rows_n, dim, **kw)
-    batches = [cupy.asarray((rng.zipf(1.3, size=257) % rows_n).astype(index_dtype))
+    batches = [backend.array((rng.zipf(1.3, size=257) % rows_n).astype(index_dtype))
                for _ in range(9)]
     rows, batch = table.lookup(batches[0], return_batch=True)
     for step in range(8):
         table.prefetch(batches[step + 1])  # overlaps the rows being trained
-        grads = cupy.asarray(rng.standard_normal((257, dim)).astype(np.float32))
+        grads = backend.array(rng.standard_normal((257, dim)).astype(np.float32))
         table.apply_gradients(batch, grads)
         reference.apply_gradients(batches[step], grads)
         rows, batch = table.lookup(batches[step + 1], return_batch=True)
-        np.testing.assert_array_equal(rows.get(), reference.lookup(batches[step + 1]).get())
-    np.testing.assert_array_equal(table.numpy(), reference.numpy())
-    np.testing.assert_array_equal(table.state("exp_avg"), reference.state("exp_avg"))
+        assert_outputs_match(backend.get(rows), backend.get(reference.lookup(batches[step + 1])),
+                             rtol=0, atol=0, what=f"lookup {step + 1}")
+    assert_outputs_match(table_arrays(table), table_arrays(reference), rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-def test_update_finds_its_rows_after_other_cache_passes(rng):
+@on_gpu
+def test_update_finds_its_rows_after_other_cache_passes(backend, rng):
     """An update finds its rows wherever they are now: after a second lookup, two prefetches
     or a scatter (which empties the cache) since its lookup. Every order trains like the
     uncached reference."""
-    cupy = _gpu()
     dim, rows_n, n = 8, 200, 300
     kw = dict(optimizer="adam", optimizer_kwargs={"lr": 0.1}, seed=2)
     table = xferlib.HostTable(rows_n, dim, cache_rows=32, cache_admission="always", **kw)
     reference = xferlib.HostTable(rows_n, dim, **kw)
 
     def batch():
-        return cupy.asarray((rng.zipf(1.2, size=n) % rows_n).astype(np.int64))
+        return backend.array((rng.zipf(1.2, size=n) % rows_n).astype(np.int64))
 
     def update(plan, idx):
-        grads = cupy.asarray(rng.standard_normal((n, dim)).astype(np.float32))
+        grads = backend.array(rng.standard_normal((n, dim)).astype(np.float32))
         table.apply_gradients(plan, grads)
         reference.apply_gradients(idx, grads)
 
@@ -261,13 +257,11 @@ def test_update_finds_its_rows_after_other_cache_passes(rng):
         _, plan_d = table.lookup(d, return_batch=True)
         update(plan_d, d)
         _, plan_c = table.lookup(c, return_batch=True)
-        rows = cupy.asarray(rng.standard_normal((5, dim)).astype(np.float32))
+        rows = backend.array(rng.standard_normal((5, dim)).astype(np.float32))
         table.scatter(c[:5], rows)  # empties the cache
         reference.scatter(c[:5], rows)
         update(plan_c, c)
-    np.testing.assert_array_equal(table.numpy(), reference.numpy())
-    for name in ("exp_avg", "exp_avg_sq", "step"):
-        np.testing.assert_array_equal(table.state(name), reference.state(name))
+    assert_outputs_match(table_arrays(table), table_arrays(reference), rtol=0, atol=0)
 
 
 _STALL = r"""
@@ -385,15 +379,15 @@ _STRESS = [  # optimizer, hyperparameters, cache rows (32: one set; 48: ways dis
 ]
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("order", _ORDERS)
 @pytest.mark.parametrize("admission", ["always", None])  # None: the default (second-sight)
 @pytest.mark.parametrize("seed", range(len(_STRESS)))
-def test_cache_orders_stress(order, admission, seed):
+@on_gpu
+def test_cache_orders_stress(backend, order, admission, seed):
     """Each order 30 times on a small table whose cache churns, with the caller's stream
     stalled at random points so the prefetch's side stream and the caller's run together:
     rows looked up, weights and every state array equal the uncached table's exactly."""
-    cupy = _gpu()
+    cupy = backend.xp
     name, hyper, cache_rows = _STRESS[seed]
     rng = np.random.default_rng(1000 + seed)
     dim, rows_n, n = 8, 200, 300
@@ -407,23 +401,21 @@ def test_cache_orders_stress(order, admission, seed):
         stall((1,), (1,), (np.int64(rng.choice([0, 20_000, 300_000])),))  # ns
         getattr(orders, order)()
     table.check()
-    for i, (rows, expected) in enumerate(orders.seen):
-        np.testing.assert_array_equal(rows.get(), expected.get(), err_msg=f"lookup {i}")
-    np.testing.assert_array_equal(table.numpy(), reference.numpy())
-    for state in table.state_names():
-        np.testing.assert_array_equal(table.state(state), reference.state(state),
-                                      err_msg=state)
+    assert_outputs_match(backend.get([rows for rows, _ in orders.seen]),
+                         backend.get([expected for _, expected in orders.seen]),
+                         rtol=0, atol=0, what="lookups")
+    assert_outputs_match(table_arrays(table), table_arrays(reference), rtol=0, atol=0)
     stats = table.cache_stats()
     # the cache took part (a scatter empties it every round, so that order may never hit)
     assert stats["admitted"] > 0 and (stats["hits"] > 0 or order == "scatter_between")
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("cache_rows", [0, 64])
-def test_graph_captured_step_matches_eager(rng, cache_rows):
+@on_gpu
+def test_graph_captured_step_matches_eager(backend, rng, cache_rows):
     """lookup + apply_gradients at a fixed batch size, captured once in a CUDA graph and
     replayed on new indices and gradients, trains exactly like the eager step."""
-    cupy = _gpu()
+    cupy = backend.xp
     n, dim, rows_n = 512, 16, 2000
     kw = dict(optimizer="adam", optimizer_kwargs={"lr": 0.05}, seed=1, cache_rows=cache_rows,
               cache_admission="always")
@@ -463,15 +455,13 @@ def test_graph_captured_step_matches_eager(rng, cache_rows):
             stream.synchronize()
             np.testing.assert_array_equal(out.get(), rows.get())
     graphed.check()
-    np.testing.assert_array_equal(graphed.numpy(), eager.numpy())
-    np.testing.assert_array_equal(graphed.state("exp_avg_sq"), eager.state("exp_avg_sq"))
-    np.testing.assert_array_equal(graphed.state("step"), eager.state("step"))
+    assert_outputs_match(table_arrays(graphed), table_arrays(eager), rtol=0, atol=0)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("bad", [-1, 300])
-def test_bad_batch_changes_no_row_state_or_cache_entry(rng, bad):
-    cupy = _gpu()
+@on_gpu
+def test_bad_batch_changes_no_row_state_or_cache_entry(backend, rng, bad):
+    cupy = backend.xp
     table = xferlib.HostTable(300, 8, optimizer="adam", cache_rows=40, seed=2)
     for _ in range(3):  # a warm cache, some of it dirty
         idx = cupy.asarray(rng.integers(0, 60, size=100))
@@ -497,9 +487,9 @@ def test_bad_batch_changes_no_row_state_or_cache_entry(rng, bad):
     np.testing.assert_array_equal(np.array(table._state), host_s)
 
 
-@pytest.mark.gpu
-def test_dirty_rows_written_back_by_numpy_state_and_save(tmp_path):
-    cupy = _gpu()
+@on_gpu
+def test_dirty_rows_written_back_by_numpy_state_and_save(backend, tmp_path):
+    cupy = backend.xp
     table = xferlib.HostTable(64, 4, optimizer="sgd", optimizer_kwargs={"lr": 1.0},
                               init="zeros", cache_rows=32, cache_admission="always")
     idx = cupy.arange(16)
