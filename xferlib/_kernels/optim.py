@@ -3,17 +3,19 @@
 A block takes one chunk of one segment (``chunk_seg``, ``chunk_start``, ``chunk_end``) and
 reads that segment's scalars from the per-step table: sign (0: no gradient this step, skip),
 L2 coefficient, decoupled decay factor, then eight rule-specific scalars
-(``xferlib/optim/rules.py`` computes them exactly as torch does; the rule ids are its
-``#define XF_OPT_*`` lines). For Adam/AdamW a second entry point computes those
-scalars on the device from device-resident step counts, so a step can live in a CUDA graph. Threads move float4 vectors: segments start on 16-byte
-boundaries, so every access is a whole aligned vector. The elementwise code follows torch's
-operation order.
+(``xferlib/optim/rules.py`` computes them exactly as torch does, in float64 on the host,
+stored as float32). ``flat_scalars`` hands them to the shared per-element rules of
+``xferlib/_kernels/rules.py`` (the source starts with that snippet and its ``#define XF_OPT_*``
+ids). For Adam/AdamW a second entry point computes those scalars on the device from
+device-resident step counts, so a step can live in a CUDA graph. Threads move float4
+vectors: segments start on 16-byte boundaries, so every access is a whole aligned vector.
 """
 
 from xferlib._kernels._registry import KernelModule
-from xferlib.optim.rules import FLAT_RULES, cuda_defines
+from xferlib._kernels.rules import RULES_KERNEL
+from xferlib.optim.rules import FLAT_RULES
 
-OPTIM_KERNEL = cuda_defines() + r"""
+OPTIM_KERNEL = RULES_KERNEL + r"""
 typedef long long i64;
 
 // Low-precision gradients / parameter copies (mixed precision with float32 master weights),
@@ -59,8 +61,44 @@ __device__ __forceinline__ void store4(T* ptr, i64 i, const float* a) {
 #define STORE4(ptr, i, a) { *reinterpret_cast<float4*>((ptr) + (i)) = \
     make_float4(a[0], a[1], a[2], a[3]); }
 
+// The flat table's eight rule scalars c (xferlib/optim/rules.py, Rule.scalars) as the
+// shared rules read them; 1 - beta is rounded here, in float, as torch's float32 step does.
+template <int KIND>
+__device__ __forceinline__ XfScalars<float> flat_scalars(const float* c, float sign, float l2,
+                                                         float decay) {
+    XfScalars<float> s = xf_neutral<float>();
+    s.sign = sign;
+    s.l2 = l2;
+    s.decay = decay;
+    s.lr = c[0];
+    if (KIND == XF_OPT_SGD) {  // lr, momentum, keep, take, use_momentum, nesterov
+        s.mom = c[1]; s.keep = c[2]; s.take = c[3];
+        s.momentum = c[4] != 0.0f; s.nesterov = c[5] != 0.0f;
+    } else if (KIND == XF_OPT_ADAM) {  // step_size, b1, b2, eps, sqrt(bc2), amsgrad
+        s.b1 = c[1]; s.omb1 = 1.0f - c[1]; s.b2 = c[2]; s.omb2 = 1.0f - c[2];
+        s.eps = c[3]; s.bc2 = c[4]; s.amsgrad = c[5] != 0.0f;
+    } else if (KIND == XF_OPT_ADAGRAD) {  // clr, eps
+        s.eps = c[1];
+    } else if (KIND == XF_OPT_RMSPROP) {  // lr, alpha, eps, momentum, centered
+        s.b2 = c[1]; s.omb2 = 1.0f - c[1]; s.eps = c[2]; s.mom = c[3];
+        s.momentum = c[3] > 0.0f; s.centered = c[4] != 0.0f;
+    } else if (KIND == XF_OPT_ADAMAX) {  // clr, b1, b2, eps
+        s.b1 = c[1]; s.omb1 = 1.0f - c[1]; s.b2 = c[2]; s.eps = c[3];
+    } else if (KIND == XF_OPT_NADAM) {  // coef_grad, coef_avg, b1, b2, bc2, eps
+        s.lr2 = c[1]; s.b1 = c[2]; s.omb1 = 1.0f - c[2]; s.b2 = c[3]; s.omb2 = 1.0f - c[3];
+        s.bc2 = c[4]; s.eps = c[5];
+    } else if (KIND == XF_OPT_RADAM) {  // lr/bc1, b1, b2, eps, sqrt(bc2), rect, rectified
+        s.b1 = c[1]; s.omb1 = 1.0f - c[1]; s.b2 = c[2]; s.omb2 = 1.0f - c[2]; s.eps = c[3];
+        s.bc2 = c[4]; s.rect = c[5]; s.rectified = c[6] != 0.0f;
+    } else if (KIND == XF_OPT_LION) {  // lr, b1, b2, weight decay
+        s.b1 = c[1]; s.omb1 = 1.0f - c[1]; s.b2 = c[2]; s.omb2 = 1.0f - c[2]; s.wd = c[3];
+    }
+    return s;
+}
+
 // KIND: an XF_OPT_* id (xferlib.optim.rules.OptId); adamw runs XF_OPT_ADAM.
-// s0..s2: the rule's state buffers in the order slot_names() gives (null when unused).
+// s0..s2: the rule's state buffers in the order slot_names() gives (null when unused): a
+// rule's state is loaded and stored only where its configuration uses it.
 // G: the gradients' type; with `lowp` non-null the updated float32 master weights are also
 // written there, rounded to G (the model's low-precision parameters). With `updates`
 // non-null, params stay and the step (new - old) goes there instead, as an optax
@@ -68,133 +106,37 @@ __device__ __forceinline__ void store4(T* ptr, i64 i, const float* a) {
 template <int KIND, typename G>
 __device__ void update_chunk(float* __restrict__ params, const G* __restrict__ grads,
                              float* __restrict__ s0, float* __restrict__ s1,
-                             float* __restrict__ s2, const float sign, const float l2,
-                             const float decay, const float* c, const i64 start, const i64 end,
-                             float* __restrict__ updates, G* __restrict__ lowp) {
+                             float* __restrict__ s2, const XfScalars<float>& s,
+                             const i64 start, const i64 end, float* __restrict__ updates,
+                             G* __restrict__ lowp) {
+    // Which slots this configuration reads and writes.
+    const bool use0 = KIND != XF_OPT_SGD || s.momentum;
+    const bool use1 = KIND == XF_OPT_ADAM || KIND == XF_OPT_ADAMAX || KIND == XF_OPT_NADAM
+                      || KIND == XF_OPT_RADAM || (KIND == XF_OPT_RMSPROP && s.momentum);
+    const bool use2 = (KIND == XF_OPT_ADAM && s.amsgrad) || (KIND == XF_OPT_RMSPROP && s.centered);
     for (i64 i = start + 4 * (i64)threadIdx.x; i < end; i += 4 * (i64)blockDim.x) {
         float p[4], g[4], a[4], b[4], m[4], old[4];
         LOAD4(params, i, p);
         load4(grads, i, g);
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) old[e] = p[e];
+        if (use0) LOAD4(s0, i, a);
+        if (use1) LOAD4(s1, i, b);
+        if (use2) LOAD4(s2, i, m);
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            g[e] *= sign;
-            if (decay != 1.0f) p[e] *= decay;
-            if (l2 != 0.0f) g[e] += l2 * p[e];
+            old[e] = p[e];
+            xf_preamble(p[e], g[e], s);
+            if (KIND == XF_OPT_SGD) xf_sgd(p[e], g[e], a[e], s);
+            else if (KIND == XF_OPT_ADAM) xf_adam(p[e], g[e], a[e], b[e], m[e], s);
+            else if (KIND == XF_OPT_ADAGRAD) xf_adagrad(p[e], g[e], a[e], s);
+            else if (KIND == XF_OPT_RMSPROP) xf_rmsprop(p[e], g[e], a[e], b[e], m[e], s);
+            else if (KIND == XF_OPT_ADAMAX) xf_adamax(p[e], g[e], a[e], b[e], s);
+            else if (KIND == XF_OPT_NADAM) xf_nadam(p[e], g[e], a[e], b[e], s);
+            else if (KIND == XF_OPT_RADAM) xf_radam(p[e], g[e], a[e], b[e], s);
+            else if (KIND == XF_OPT_LION) xf_lion(p[e], g[e], a[e], s);
         }
-        if (KIND == XF_OPT_SGD) {  // sgd: lr, momentum, keep, take, use_momentum, nesterov
-            if (c[4] != 0.0f) {
-                LOAD4(s0, i, a);
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    a[e] = a[e] * c[2] + c[3] * g[e];
-                    g[e] = c[5] != 0.0f ? g[e] + c[1] * a[e] : a[e];
-                }
-                STORE4(s0, i, a);
-            }
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) p[e] -= c[0] * g[e];
-        } else if (KIND == XF_OPT_ADAM) {  // adam: step_size, b1, b2, eps, sqrt(bc2), amsgrad
-            LOAD4(s0, i, a);
-            LOAD4(s1, i, b);
-            if (c[5] != 0.0f) LOAD4(s2, i, m);
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                a[e] += (g[e] - a[e]) * (1.0f - c[1]);
-                b[e] = b[e] * c[2] + (1.0f - c[2]) * g[e] * g[e];
-                float v = b[e];
-                if (c[5] != 0.0f) { m[e] = fmaxf(m[e], b[e]); v = m[e]; }
-                const float denom = sqrtf(v) / c[4] + c[3];
-                p[e] -= c[0] * (a[e] / denom);
-            }
-            STORE4(s0, i, a);
-            STORE4(s1, i, b);
-            if (c[5] != 0.0f) STORE4(s2, i, m);
-        } else if (KIND == XF_OPT_ADAGRAD) {  // adagrad: clr, eps
-            LOAD4(s0, i, a);
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                a[e] += g[e] * g[e];
-                p[e] -= c[0] * (g[e] / (sqrtf(a[e]) + c[1]));
-            }
-            STORE4(s0, i, a);
-        } else if (KIND == XF_OPT_RMSPROP) {  // rmsprop: lr, alpha, eps, momentum, centered
-            LOAD4(s0, i, a);
-            if (c[3] > 0.0f) LOAD4(s1, i, b);
-            if (c[4] != 0.0f) LOAD4(s2, i, m);
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                a[e] = a[e] * c[1] + (1.0f - c[1]) * g[e] * g[e];
-                float avg;
-                if (c[4] != 0.0f) {
-                    m[e] += (g[e] - m[e]) * (1.0f - c[1]);
-                    avg = sqrtf(a[e] - m[e] * m[e]) + c[2];
-                } else {
-                    avg = sqrtf(a[e]) + c[2];
-                }
-                if (c[3] > 0.0f) {
-                    b[e] = b[e] * c[3] + g[e] / avg;
-                    p[e] -= c[0] * b[e];
-                } else {
-                    p[e] -= c[0] * (g[e] / avg);
-                }
-            }
-            STORE4(s0, i, a);
-            if (c[3] > 0.0f) STORE4(s1, i, b);
-            if (c[4] != 0.0f) STORE4(s2, i, m);
-        } else if (KIND == XF_OPT_ADAMAX) {  // adamax: clr, b1, b2, eps
-            LOAD4(s0, i, a);
-            LOAD4(s1, i, b);
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                a[e] += (g[e] - a[e]) * (1.0f - c[1]);
-                b[e] = fmaxf(b[e] * c[2], fabsf(g[e]) + c[3]);
-                p[e] -= c[0] * (a[e] / b[e]);
-            }
-            STORE4(s0, i, a);
-            STORE4(s1, i, b);
-        } else if (KIND == XF_OPT_NADAM) {  // nadam: coef_grad, coef_avg, b1, b2, bc2, eps
-            LOAD4(s0, i, a);
-            LOAD4(s1, i, b);
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                a[e] += (g[e] - a[e]) * (1.0f - c[2]);
-                b[e] = b[e] * c[3] + (1.0f - c[3]) * g[e] * g[e];
-                const float denom = sqrtf(b[e] / c[4]) + c[5];
-                p[e] += c[0] * (g[e] / denom);
-                p[e] += c[1] * (a[e] / denom);
-            }
-            STORE4(s0, i, a);
-            STORE4(s1, i, b);
-        } else if (KIND == XF_OPT_RADAM) {  // radam: lr/bc1, b1, b2, eps, sqrt(bc2), rect, rectified
-            LOAD4(s0, i, a);
-            LOAD4(s1, i, b);
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                a[e] += (g[e] - a[e]) * (1.0f - c[1]);
-                b[e] = b[e] * c[2] + (1.0f - c[2]) * g[e] * g[e];
-                if (c[6] != 0.0f) {
-                    const float adaptive = c[4] / (sqrtf(b[e]) + c[3]);
-                    p[e] -= c[0] * a[e] * adaptive * c[5];
-                } else {
-                    p[e] -= c[0] * a[e];
-                }
-            }
-            STORE4(s0, i, a);
-            STORE4(s1, i, b);
-        } else if (KIND == XF_OPT_LION) {  // lion (optax): lr, b1, b2, weight decay
-            LOAD4(s0, i, a);
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float mix = c[1] * a[e] + (1.0f - c[1]) * g[e];
-                float update = (mix > 0.0f) - (mix < 0.0f);
-                a[e] = a[e] * c[2] + (1.0f - c[2]) * g[e];
-                update += c[3] * p[e];
-                p[e] -= c[0] * update;
-            }
-            STORE4(s0, i, a);
-        }
+        if (use0) STORE4(s0, i, a);
+        if (use1) STORE4(s1, i, b);
+        if (use2) STORE4(s2, i, m);
         if (updates != nullptr) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) p[e] -= old[e];
@@ -219,11 +161,9 @@ __global__ void flat_update(float* __restrict__ params, const G* __restrict__ gr
                             float* __restrict__ updates, G* __restrict__ lowp) {
     const float* r = table + (i64)chunk_seg[blockIdx.x] * ncols;
     if (r[0] == 0.0f) return;  // no gradient for this segment this step
-    float c[8];
-    #pragma unroll
-    for (int k = 0; k < 8; ++k) c[k] = r[3 + k];
-    update_chunk<KIND, G>(params, grads, s0, s1, s2, r[0], r[1], r[2], c,
-                          chunk_start[blockIdx.x], chunk_end[blockIdx.x], updates, lowp);
+    const XfScalars<float> s = flat_scalars<KIND>(r + 3, r[0], r[1], r[2]);
+    update_chunk<KIND, G>(params, grads, s0, s1, s2, s, chunk_start[blockIdx.x],
+                          chunk_end[blockIdx.x], updates, lowp);
 }
 
 // Adam/AdamW with the step's scalars computed on the device from per-segment step counts
@@ -266,9 +206,11 @@ __global__ void flat_adam_device_scalars(float* __restrict__ params,
     c[5] = h[6];
     c[6] = 0.0f;
     c[7] = 0.0f;
-    update_chunk<XF_OPT_ADAM, G>(params, grads, s0, s1, s2, (h[7] != 0.0f ? -1.0f : 1.0f) * gmul,
-                       decoupled ? 0.0f : wd, decoupled ? 1.0f - lr * wd : 1.0f, c,
-                       chunk_start[blockIdx.x], chunk_end[blockIdx.x], nullptr, lowp);
+    const XfScalars<float> s = flat_scalars<XF_OPT_ADAM>(
+        c, (h[7] != 0.0f ? -1.0f : 1.0f) * gmul, decoupled ? 0.0f : wd,
+        decoupled ? 1.0f - lr * wd : 1.0f);
+    update_chunk<XF_OPT_ADAM, G>(params, grads, s0, s1, s2, s, chunk_start[blockIdx.x],
+                                 chunk_end[blockIdx.x], nullptr, lowp);
 }
 
 __global__ void advance_steps(float* __restrict__ steps, const unsigned char* __restrict__ active,

@@ -39,7 +39,7 @@ import numpy as np
 
 __all__ = ["OptId", "Rule", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON", "SCALARS", "get_rule",
            "resolve_hyper", "adam_hyper_row", "common_scalars", "preamble_numpy",
-           "check_common", "cuda_defines"]
+           "check_common", "cuda_defines", "cuda_constants"]
 
 
 class OptId(enum.IntEnum):
@@ -70,6 +70,17 @@ def cuda_defines() -> str:
     lines = ["// Optimizer ids, generated from xferlib.optim.rules.OptId (do not edit)."]
     lines += [f"#define XF_OPT_{o.name} {int(o)}" for o in OptId]
     return "\n".join(lines) + "\n"
+
+
+def cuda_constants() -> str:
+    """``#define`` lines for the numbers kernels take from the rules (generated, never
+    copied): ``XF_MAX_SLOTS``, the most elementwise state slots any rule has (the host-table
+    kernel stages that many per element).
+
+    >>> cuda_constants()
+    '#define XF_MAX_SLOTS 3\\n'
+    """
+    return f"#define XF_MAX_SLOTS {max(len(r.slots) for r in RULES.values())}\n"
 
 
 # ----------------------------------------------------------------------------- the rules
