@@ -9,7 +9,6 @@ run as one batch through one set of kernel launches (and one NumPy pass on the C
 
 from __future__ import annotations
 
-import collections
 import math
 
 import numpy as np
@@ -18,9 +17,10 @@ import torch
 from xferlib import tt as core
 from xferlib.adapters.torch import tt_dist
 from xferlib.adapters.torch import tt_fbtt_compat as compat
-from xferlib.adapters.torch._convert import as_core_array
+from xferlib.adapters.torch._convert import as_core_array, current_stream
 from xferlib.adapters.torch.groups import resolve_group
 from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
+from xferlib.batch import PendingChecks
 from xferlib.tt.plan import uses_kernels
 from xferlib.tt.rules import row_state
 
@@ -115,7 +115,7 @@ class _TTBagFunction(torch.autograd.Function):
         device = cores[0]
         capturing = device.is_cuda and _capturing()
         if not capturing:
-            module._resolve_pending_check(wait=False)
+            module._checks.poll()
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
         out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
         with on_stream(device):
@@ -128,7 +128,8 @@ class _TTBagFunction(torch.autograd.Function):
                 check=not training, num_embeddings=module._bound, out=array_of(out), cache=cache,
                 # FBTT counts accesses in training forwards
                 cache_count=cache is not None and training and module.training,
-                report=None if report is None or not report.is_cuda else array_of(report))
+                report=None if report is None or not report.is_cuda else array_of(report),
+                stream=current_stream(device.device))
         if isinstance(residuals, core.TTBagPlan):
             residuals.bound = module.num_embeddings
         ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
@@ -148,26 +149,25 @@ class _TTBagFunction(torch.autograd.Function):
                         module, module._cshape, module._core_optimizer, module._state_arrays(),
                         ctx.residuals, ctx.arrays, grad_bags, cache, module._group, _torch,
                         array_of)
-                if pending is not None:
-                    module._pending_checks.append(pending)
+                if pending is not None:  # read at the same call on every rank
+                    pending.defer(module._checks, current_stream(ctx.device.device),
+                                  early=False)
                 return none + (None,) * (1 + len(ctx.arrays))
             if module.sparse:  # fused: update the cores in place, hand no gradient back
                 with torch.no_grad():
                     module._step_counter.add_(1)  # on the device: replays count too
                     # ctx.arrays view the cores' memory: the update writes through them
-                    pending = core.tt_fused_update(
+                    # deferred: read by a later call or check_inputs(); a captured step's
+                    # verdict is written by every replay and read by check_inputs()
+                    defer = ctx.capturing or module.defer_input_check
+                    core.tt_fused_update(
                         ctx.arrays, module._cshape, ctx.residuals, grad_bags,
                         module._state_arrays(), module._core_optimizer, lr=module.learning_rate,
-                        eps=module.eps, cache=cache,
-                        defer_check="silent" if ctx.capturing else module.defer_input_check,
-                        **module.step_hyper())
-                if ctx.capturing:  # its verdict is rewritten by every replay
-                    module._captured_plans.append(ctx.residuals)
-                elif pending is not None:
-                    module._pending_checks.append(pending)
+                        eps=module.eps, cache=cache, checks=module._checks if defer else None,
+                        stream=current_stream(ctx.device.device), **module.step_hyper())
                 return none + (None,) * (1 + len(ctx.arrays))
             grads = core.tt_embedding_bag_bwd(ctx.arrays, module._cshape, ctx.residuals,
-                                              grad_bags)
+                                              grad_bags, stream=current_stream(ctx.device.device))
             cache_grad = None
             if cache is not None and cache.active:
                 cache_grad = _torch(core.tt_cache_grad(cache, module._cshape, ctx.residuals,
@@ -290,8 +290,9 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         # finished that step (at the latest the third call after it), or by check_inputs().
         # False: every step waits for its check and raises at once.
         self.defer_input_check = True
-        self._pending_checks = collections.deque()
-        self._captured_plans = []  # training steps captured in CUDA graphs (see check_inputs)
+        # Steps whose input check is still on its way (xferlib.batch's policy): the host may
+        # run two steps ahead of the device before it waits for the oldest.
+        self._checks = PendingChecks(limit=3)
         self._init_cache(use_cache, cache_size, hashtbl_size, device)
         self.warmup = True
 
@@ -499,16 +500,9 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         valid = (indices >= 0) & (indices < self.num_embeddings)
         return torch.where(valid, joint, torch.full_like(joint, -1))
 
-    # Steps whose input check is still on its way: the host may run this many steps ahead of
-    # the device before it waits for the oldest.
-    _MAX_PENDING_CHECKS = 2
-
     def _resolve_pending_check(self, wait: bool = True) -> None:
         """Raise for a bad batch among the finished GPU steps (all of them with ``wait``)."""
-        pending = self._pending_checks
-        while pending and (wait or pending[0].ready
-                           or len(pending) > self._MAX_PENDING_CHECKS):
-            pending.popleft().resolve()
+        self._checks.poll(wait)
 
     def check_inputs(self) -> None:
         """Raise now for a bad batch of the GPU training steps so far, if there was one (that
@@ -516,10 +510,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         captured in a CUDA graph checks its input at every replay the same way (a bad batch
         changes nothing) but reports it only here: call it after replays to read the last
         replay's verdict."""
-        self._resolve_pending_check()
-        for plan in self._captured_plans:
-            plan.checked = False
-            core.tt_check_plan(plan, self._cshape)
+        self._checks.poll(wait=True)
 
     def full_weight(self) -> torch.Tensor:
         """The dense ``(prod(p), embedding_dim)`` table the forward reads (one table only, as

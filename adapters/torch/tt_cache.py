@@ -14,6 +14,7 @@ import torch
 
 from xferlib import tt as core
 from xferlib.adapters.torch import tt_fbtt_compat as compat
+from xferlib.adapters.torch._convert import current_stream
 
 
 def _array(t):
@@ -67,7 +68,7 @@ def update_cache(self, indices) -> None:
         raise IndexError(f"index {int(indices[position])} at position {position} is out "
                          f"of range for {self.num_embeddings} embeddings")
     with _on_stream(self.cache_rows):
-        cache.count(_array(indices))
+        cache.count(_array(indices), stream=current_stream(self.cache_rows.device))
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from xferlib import tt as core
+from xferlib.batch import Verdict
 
 __all__ = ["agree_seed", "agree_forward", "fused_step", "populate_across",
            "broadcast_state"]
@@ -78,42 +79,47 @@ def agree_forward(group, device, error) -> None:
         _raise_for_others(codes.cpu().numpy(), rank)
 
 
-class _GroupCheck:
-    """A GPU step's own input check (a TTPendingCheck, or None) and the group's verdicts,
-    copied to the host asynchronously: ``resolve()`` raises this rank's error first, then one
-    for another rank's rejected batch."""
+class _GroupReport:
+    """Words the group verdict of a GPU step (word 0: the first rank whose batch was
+    rejected, word 1: its error code): this rank's own error first (read from its own
+    verdict), else one naming the other rank."""
 
-    def __init__(self, own, codes: torch.Tensor, rank: int):
-        self.own, self.rank = own, rank
-        self.host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
-        self.host.copy_(codes, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
+    __slots__ = ("rank", "own")
 
-    # Never "ready" early: every rank must raise at the same call (the module resolves a
-    # pending check when too many are queued, the same call on every rank), or one rank
-    # would wait in a collective that another left by raising.
-    ready = False
+    def __init__(self, rank: int, own: Verdict):
+        self.rank, self.own = rank, own
 
-    def resolve(self) -> None:
-        if self.own is not None:
-            self.own.resolve()
-        self.event.synchronize()
-        _raise_for_others(self.host.numpy(), self.rank)
+    def __call__(self, first: int, code: int) -> None:
+        self.own.raise_now()  # this rank's error first
+        codes = np.zeros(first + 1)
+        codes[first] = code
+        _raise_for_others(codes, self.rank)
+
+
+def _group_verdict(codes: torch.Tensor, rank: int, own: Verdict, to_array) -> Verdict:
+    """The group's verdict as two device words (no host sync): the first rank with a
+    nonzero code and that code, all ones when every batch was accepted."""
+    bad = codes != 0
+    none = torch.full((), -1, dtype=torch.int64, device=codes.device)
+    first = torch.where(bad.any(), bad.to(torch.int64).argmax(), none)
+    code = torch.where(bad.any(), codes[first.clamp(min=0)].to(torch.int64), none)
+    return Verdict(to_array(torch.stack([first, code])).view(np.uint64), _GroupReport(rank, own))
 
 
 def fused_step(module, shape, optimizer, states, residuals, arrays, grad_bags, cache, group,
                to_torch, to_array):
     """One fused training step across the group (see the module docstring): ``shape`` the
-    cores' TT shape, ``optimizer`` their fused rule, ``states`` its state arrays. Returns a
-    pending check (GPU, deferred) or None; raises at once for a rejected batch otherwise."""
+    cores' TT shape, ``optimizer`` their fused rule, ``states`` its state arrays. Returns the
+    group's :class:`xferlib.batch.Verdict` for the module to defer (GPU, ``defer_input_check``;
+    it must be read at the same call on every rank, so never early) or None; raises at once
+    for a rejected batch otherwise."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     plan = isinstance(residuals, core.TTBagPlan)
     cached = cache is not None and cache.active
     own_error = None
     if plan and cached:  # the cache's gradient reads the batch on the host anyway
         try:
-            core.tt_check_plan(residuals, shape)
+            residuals.verdict.raise_now()
         except (IndexError, ValueError) as err:
             own_error = err
     grad, touched = core.tt_core_grads(arrays, shape, residuals, grad_bags)
@@ -129,7 +135,7 @@ def fused_step(module, shape, optimizer, states, residuals, arrays, grad_bags, c
     if own_error is not None:
         codes[rank] = _code(own_error)
     elif plan:  # the device verdict: 1 for a bad index, 2 for bad offsets (no host sync)
-        v = (to_torch(residuals.verdict.view(np.int64)) != -1).float()
+        v = (to_torch(residuals.verdict.words.view(np.int64)) != -1).float()
         codes[rank] = v[0] + 2.0 * v[1] * (1.0 - v[0])
     buf = torch.cat(pieces + [codes])
     dist.all_reduce(buf, group=group)
@@ -150,10 +156,10 @@ def fused_step(module, shape, optimizer, states, residuals, arrays, grad_bags, c
         raise own_error
     if not plan:  # the host checked every batch in the forward (agree_forward)
         return None
+    verdict = _group_verdict(codes, rank, residuals.verdict, to_array)
     if module.defer_input_check and not residuals.checked:
-        return _GroupCheck(core.TTPendingCheck(residuals, shape), codes, rank)
-    core.tt_check_plan(residuals, shape)  # this rank's error first
-    _GroupCheck(None, codes, rank).resolve()
+        return verdict
+    verdict.raise_now()  # this rank's error first
     return None
 
 

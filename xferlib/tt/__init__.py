@@ -25,7 +25,7 @@ from xferlib.tt.initializers import init_tt_cores, tt_from_dense
 from xferlib.tt.lookup import (tt_bag_residuals, tt_embedding_bag, tt_embedding_bag_fwd,
                                tt_embedding_bag_reference, tt_rows, tt_rows_reference,
                                tt_to_dense)
-from xferlib.tt.plan import TTBagPlan, TTPendingCheck, tt_check_plan
+from xferlib.tt.plan import TTBagPlan, TTReport
 from xferlib.tt.rules import SPARSE_OPTIMIZERS, tt_sparse_state, tt_sparse_update
 from xferlib.tt.shape import TTShape, suggest_tt_shapes
 from xferlib.tt.update import tt_apply_core_grads, tt_cache_apply, tt_fused_update
@@ -49,9 +49,8 @@ __all__ = [
     "tt_core_grads",
     "tt_apply_core_grads",
     "tt_cache_apply",
-    "tt_check_plan",
     "TTBagPlan",
-    "TTPendingCheck",
+    "TTReport",
     "TTRowCache",
     "tt_cache_grad",
     "NO_ROW",

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib._backend import array_module
+from xferlib._backend import array_module, as_cupy_stream
+from xferlib._kernels import grid_1d
 from xferlib.tt.lookup import lookup_weights, scatter_add, to_host, tt_rows
 from xferlib.tt.plan import TTBagPlan, launch
 from xferlib.tt.rules import row_state
@@ -85,17 +86,21 @@ class TTRowCache:
         found, pos = _find_sorted(self.rows, xp.asarray(indices, dtype=np.int64))
         return xp.where(found, pos, -1)
 
-    def count(self, indices) -> None:
-        """Add the lookups of ``indices`` (checked already) to the frequency table."""
+    def count(self, indices, *, stream=None) -> None:
+        """Add the lookups of ``indices`` (checked already) to the frequency table (on the GPU
+        on ``stream``, default CuPy's current stream)."""
         xp = array_module(self.freq_keys)
-        indices = xp.asarray(indices, dtype=np.int64)
         if xp is not np:
-            # the counting kernel does not depend on the shape: a small module's copy serves
-            # shapes too large for the TT kernels as well
-            launch(_COUNT_SHAPE, "tt_count", (max(1, min(4096, -(-indices.size // 256))),),
-                   (256,), (indices, np.int64(indices.size), self.freq_keys,
-                            self.freq_counts, np.int64(self.freq_keys.size)))
+            stream = as_cupy_stream(stream)
+            with stream:
+                indices = xp.asarray(indices, dtype=np.int64)
+                # the counting kernel does not depend on the shape: a small module's copy
+                # serves shapes too large for the TT kernels as well
+                launch(_COUNT_SHAPE, "tt_count", *grid_1d(indices.size, 256, 4096),
+                       (indices, np.int64(indices.size), self.freq_keys, self.freq_counts,
+                        np.int64(self.freq_keys.size)), stream)
             return
+        indices = xp.asarray(indices, dtype=np.int64)
         _count_host(self.freq_keys, self.freq_counts, indices)
 
     def populate(self, cores) -> None:

@@ -8,25 +8,29 @@ import math
 
 import numpy as np
 
-from xferlib._backend import array_module
+from xferlib._backend import array_module, as_cupy_stream
+from xferlib._kernels import grid_1d
 from xferlib.tt.lookup import prefix_products, scatter_add, suffix_products
-from xferlib.tt.plan import (TTBagPlan, core_pointers, key_type, launch, sort_positions,
-                             tt_check_plan)
+from xferlib.tt.plan import TTBagPlan, core_pointers, key_type, launch, sort_keys
 from xferlib.tt.shape import TTShape, grad_spans, lead_core, total_core_rows
 
 __all__ = ["tt_embedding_bag_bwd", "tt_core_grads"]
 
 
-def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np.ndarray]:
+def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags, *,
+                         stream=None) -> list[np.ndarray]:
     """Gradients of the cores (float32, the cores' shapes) from ``(B, D)`` bag gradients.
 
     For lookup ``n`` with digits ``i``, the slice gradient of core ``k`` is
     ``sum_{a,b} Left[n, a, r] * g[n, a, j, b] * Right[n, s, b]``, with ``Left`` the product of
     the slices before ``k`` and ``Right`` of those after; rows of repeated digits add up.
+    On the kernel path the work runs on ``stream`` (default: CuPy's current stream) and the
+    batch's verdict is read (raised) once the gradients are queued.
     """
     if isinstance(residuals, TTBagPlan):
-        grad, _ = gpu_core_grads(cores, shape, residuals, grad_bags, dense=True)
-        tt_check_plan(residuals, shape)
+        stream = as_cupy_stream(stream)
+        grad, _ = gpu_core_grads(cores, shape, residuals, grad_bags, dense=True, stream=stream)
+        residuals.verdict.raise_now(stream)
         return [grad[start:stop].reshape(shape.core_shape(k))
                 for k, (start, stop) in enumerate(grad_spans(shape))]
     indices, bag, w = residuals
@@ -55,7 +59,7 @@ def tt_embedding_bag_bwd(cores, shape: TTShape, residuals, grad_bags) -> list[np
 # once equals one fused update on the concatenated batch.
 
 
-def tt_core_grads(cores, shape: TTShape, residuals, grad_bags):
+def tt_core_grads(cores, shape: TTShape, residuals, grad_bags, *, stream=None):
     """``(grad, touched)``: the first half of :func:`tt_fused_update`.
 
     ``grad``: every core's gradient in one flat float32 array (core ``k`` at offset
@@ -64,8 +68,9 @@ def tt_core_grads(cores, shape: TTShape, residuals, grad_bags):
     the batch touched it. Both are core-sized: no dense table gradient. Adding several batches'
     ``grad`` and taking the union (or sum) of their ``touched`` and handing them to
     :func:`tt_apply_core_grads` equals one :func:`tt_fused_update` on the concatenated batches
-    (up to float summation order). On the kernel path a rejected batch (see
-    :func:`tt_check_plan`) gives zeros and touches nothing; its verdict is not read here.
+    (up to float summation order). On the kernel path (queued on ``stream``, default CuPy's
+    current stream) a rejected batch gives zeros and touches nothing; its verdict is not read
+    here (the plan's ``verdict.raise_now()`` reads it).
 
     >>> from xferlib.tt import TTShape, init_tt_cores, tt_embedding_bag_fwd
     >>> shape = TTShape([4, 5], [2, 2], [3])
@@ -77,9 +82,12 @@ def tt_core_grads(cores, shape: TTShape, residuals, grad_bags):
     """
     total = total_core_rows(shape)
     if isinstance(residuals, TTBagPlan):
-        grad, touched = gpu_core_grads(cores, shape, residuals, grad_bags, dense=True)
+        stream = as_cupy_stream(stream)
+        grad, touched = gpu_core_grads(cores, shape, residuals, grad_bags, dense=True,
+                                       stream=stream)
         if touched is None:  # an empty batch
-            touched = array_module(grad).zeros(total, dtype=np.int32)
+            with stream:
+                touched = array_module(grad).zeros(total, dtype=np.int32)
         return grad, touched
     grads = tt_embedding_bag_bwd(cores, shape, residuals, grad_bags)
     xp = array_module(grads[0])
@@ -92,9 +100,15 @@ def tt_core_grads(cores, shape: TTShape, residuals, grad_bags):
     return xp.concatenate([g.reshape(-1) for g in grads]), touched
 
 
-def gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bool):
+def gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bool, stream):
     """Each touched core row's gradient, in a flat buffer (zeros elsewhere when ``dense``,
-    else untouched rows are left unwritten) and the flags of the touched rows."""
+    else untouched rows are left unwritten) and the flags of the touched rows, queued on
+    ``stream`` (a CuPy stream)."""
+    with stream:
+        return _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream)
+
+
+def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream):
     import cupy
 
     from xferlib._kernels.tt import CHUNK, REDUCE_THREADS, THREADS
@@ -106,7 +120,7 @@ def gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: boo
                          f"{grad_bags.shape}")
     size = grad_spans(shape)[-1][1]
     if n == 0:
-        tt_check_plan(plan, shape)
+        plan.verdict.raise_now(stream)
         return (cupy.zeros(size, dtype=np.float32) if dense else None), None
     r = shape.padded_ranks
     a_last = math.prod(shape.q_shapes[:-1])
@@ -116,17 +130,18 @@ def gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: boo
     keys = cupy.empty((d - 1) * n, dtype=np.int32)
     key_name = key_type(plan.rows)
     weights = plan.per_sample_weights
-    launch(shape, f"tt_bwd_pieces<{key_name}>", (max(1, -(-n // CHUNK)),), (THREADS,),
+    launch(shape, f"tt_bwd_pieces<{key_name}>", grid_1d(n, CHUNK)[0], (THREADS,),
            core_pointers(cores) + [
                 plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
                 np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
                 weights if weights is not None else np.uint64(0), np.int32(plan.mean),
-                grad_bags, ubuf, cbuf, c0buf, keys, plan.verdict])
+                grad_bags, ubuf, cbuf, c0buf, keys, plan.verdict.words], stream)
     keyed = sum(shape.p_shapes) - shape.p_shapes[lead_core(shape)]
-    skeys, items, _ = sort_positions(keys, keyed + 1)
+    skeys, items, _ = sort_keys(keys, keyed + 1, stream)
     grad = (cupy.zeros if dense else cupy.empty)(size, dtype=np.float32)
     touched = cupy.zeros(total_core_rows(shape), dtype=np.int32)
     launch(shape, f"tt_reduce<{key_name}>", (total_core_rows(shape),), (REDUCE_THREADS,),
            core_pointers(cores) + [plan.rows, np.int64(n), skeys, items, np.int64(keys.size),
-                                   ubuf, cbuf, c0buf, grad, touched, plan.verdict])
+                                   ubuf, cbuf, c0buf, grad, touched, plan.verdict.words],
+           stream)
     return grad, touched

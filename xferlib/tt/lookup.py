@@ -137,13 +137,14 @@ def tt_bag_residuals(shape: TTShape, indices, offsets, *, mode="sum", per_sample
 def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
                          per_sample_weights=None, include_last_offset=True, check=True,
                          num_embeddings=None, out=None, cache=None, cache_count=False,
-                         report=None):
+                         report=None, stream=None):
     """``(bags, residuals)``: pooled rows ``(B, D)`` (float32) and what backward needs.
 
-    GPU (CuPy) arrays run the CUDA kernels (see :class:`TTBagPlan`); ``check=False`` there
-    leaves the verdict on bad indices or offsets unread until backward or
-    :func:`tt_check_plan` (no host sync in the forward; the bags of a rejected batch are
-    zeros and nothing is ever written outside them). NumPy arrays are checked at once.
+    GPU (CuPy) arrays run the CUDA kernels (see :class:`TTBagPlan`) on ``stream`` (default:
+    CuPy's current stream); ``check=False`` there leaves the verdict on bad indices or
+    offsets unread until backward or the plan's ``verdict.raise_now()`` (no host sync in the
+    forward; the bags of a rejected batch are zeros and nothing is ever written outside
+    them). NumPy arrays are checked at once.
     ``num_embeddings``: indices must be below it (default: every row of the factorization).
     ``out``: a ``(B, D)`` float32 array (of the cores' namespace) to write the bags into.
     ``cache``: a :class:`TTRowCache`; while it is active, lookups of its rows read its dense
@@ -155,13 +156,13 @@ def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
     if uses_kernels(shape, indices, cores):
         return gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights,
                         include_last_offset, check, num_embeddings, out, cache, cache_count,
-                        report)
+                        report, stream)
     indices, bag, w, num_bags = tt_bag_residuals(
         shape, indices, offsets, mode=mode, per_sample_weights=per_sample_weights,
         include_last_offset=include_last_offset, num_embeddings=num_embeddings)
     rows = tt_rows(cores, shape, indices)
     if cache is not None and cache_count:
-        cache.count(indices)
+        cache.count(indices, stream=stream)
     if cache is not None and cache.active:
         slot = cache.slots(indices)
         xp = array_module(rows)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib._backend import array_module
+from xferlib._backend import array_module, as_cupy_stream
+from xferlib._kernels import grid_1d
 from xferlib.optim.rules import OptId
 from xferlib.tt.cache import TTRowCache, tt_cache_grad
 from xferlib.tt.grads import gpu_core_grads, tt_embedding_bag_bwd
 from xferlib.tt.lookup import to_host
-from xferlib.tt.plan import (TTBagPlan, TTPendingCheck, key_type, launch, tt_check_plan,
-                             uses_kernels)
+from xferlib.tt.plan import TTBagPlan, key_type, launch, uses_kernels
 from xferlib.tt.rules import (LAZY_OPTIMIZERS, STATE_SLOTS, check_sparse_args, tt_sparse_update,
                               update_rows)
 from xferlib.tt.shape import TTShape, grad_spans, total_core_rows
@@ -22,7 +22,7 @@ __all__ = ["tt_fused_update", "tt_apply_core_grads", "tt_cache_apply"]
 
 def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimizer: str, *,
                     lr: float, eps: float = 1e-10, betas=(0.9, 0.999), cache=None,
-                    defer_check: bool = False, **hyper):
+                    checks=None, stream=None, **hyper) -> None:
     """Backward and :func:`tt_sparse_update` in one: the cores change in place from the bag
     gradients. On the GPU kernel path no dense core gradient exists: each touched core row's
     gradient is summed (in sorted order, deterministic) and the optimizer runs on those rows
@@ -33,11 +33,12 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     every lookup (write-through, see :class:`TTRowCache`). ``hyper``: see
     :func:`tt_sparse_update`.
 
-    ``defer_check`` (kernel path): do not wait for the input check at all; return a
-    :class:`TTPendingCheck` whose ``resolve()`` raises for a rejected batch later (the batch
-    changed nothing). The step then takes no host synchronization. ``"silent"``: no check and
-    no copy at all (a step captured in a CUDA graph; the caller reads the plan's verdict with
-    :func:`tt_check_plan` after replays). Otherwise returns None.
+    ``checks`` (kernel path): a :class:`xferlib.batch.PendingChecks` (the module's queue):
+    do not wait for the input check at all; the verdict is deferred into it and raised by its
+    owner's next poll (the rejected batch changed nothing), so the step takes no host
+    synchronization, and a step captured in a CUDA graph reports at the owner's explicit
+    check after replays (see :mod:`xferlib.batch`). ``stream``: where the kernels run
+    (default: CuPy's current stream).
     """
     check_sparse_args(optimizer, lr)
     kernel_path = isinstance(residuals, TTBagPlan)
@@ -54,30 +55,32 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
         tt_sparse_update(cores, shape, residuals, grads, states, optimizer, lr=lr, eps=eps,
                          betas=betas, **hyper)
         return
-    grad, touched = gpu_core_grads(cores, shape, residuals, grad_bags, dense=False)
+    stream = as_cupy_stream(stream)
+    grad, touched = gpu_core_grads(cores, shape, residuals, grad_bags, dense=False,
+                                   stream=stream)
     if grad is None:  # an empty batch touches nothing
         return
-    args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
-    if cache is not None and cache.active and residuals.slot is not None:
-        _launch_cache_update(cache, shape, residuals, grad_bags, optimizer, args)
-    pad = [np.uint64(0)] * (4 - shape.d)
-    pointers = [state_pointers(st, optimizer) for st in states]
-    launch(shape, "tt_update", (total_core_rows(shape),), (256,),
-           list(cores) + pad + [x for j in range(4) for x in
-                                ([p[j] for p in pointers] + pad)]
-           + [grad, touched] + args)
+    with stream:
+        args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
+        if cache is not None and cache.active and residuals.slot is not None:
+            _launch_cache_update(cache, shape, residuals, grad_bags, optimizer, args, stream)
+        pad = [np.uint64(0)] * (4 - shape.d)
+        pointers = [state_pointers(st, optimizer) for st in states]
+        launch(shape, "tt_update", (total_core_rows(shape),), (256,),
+               list(cores) + pad + [x for j in range(4) for x in
+                                    ([p[j] for p in pointers] + pad)]
+               + [grad, touched] + args, stream)
     # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
     # flagged as touched), and the host waited for nothing while the step was being queued.
-    if defer_check == "silent":  # the caller reads residuals.verdict itself (CUDA graphs)
-        return None
-    if defer_check and not residuals.checked:
-        return TTPendingCheck(residuals, shape)
-    tt_check_plan(residuals, shape)
-    return None
+    if checks is not None and not residuals.checked:
+        residuals.verdict.defer(checks, stream)
+        return
+    residuals.verdict.raise_now(stream)
 
 
 def tt_apply_core_grads(cores, shape: TTShape, grad, touched, states, optimizer: str, *,
-                        lr: float, eps: float = 1e-10, betas=(0.9, 0.999), **hyper) -> None:
+                        lr: float, eps: float = 1e-10, betas=(0.9, 0.999), stream=None,
+                        **hyper) -> None:
     """The second half of :func:`tt_fused_update`: apply ``optimizer`` in place to the core
     rows flagged in ``touched`` (nonzero) from the flat ``grad`` (laid out as
     :func:`tt_core_grads` makes them), with the same rules, state and ``hyper`` as
@@ -94,15 +97,17 @@ def tt_apply_core_grads(cores, shape: TTShape, grad, touched, states, optimizer:
     if uses_kernels(shape, touched, cores):
         import cupy
 
-        grad = cupy.ascontiguousarray(grad, dtype=np.float32)
-        touched = cupy.ascontiguousarray(touched, dtype=np.int32)
-        args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
-        pad = [np.uint64(0)] * (4 - shape.d)
-        pointers = [state_pointers(st, optimizer) for st in states]
-        launch(shape, "tt_update", (total,), (256,),
-               list(cores) + pad + [x for j in range(4) for x in
-                                    ([p[j] for p in pointers] + pad)]
-               + [grad, touched] + args)
+        stream = as_cupy_stream(stream)
+        with stream:
+            grad = cupy.ascontiguousarray(grad, dtype=np.float32)
+            touched = cupy.ascontiguousarray(touched, dtype=np.int32)
+            args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
+            pad = [np.uint64(0)] * (4 - shape.d)
+            pointers = [state_pointers(st, optimizer) for st in states]
+            launch(shape, "tt_update", (total,), (256,),
+                   list(cores) + pad + [x for j in range(4) for x in
+                                        ([p[j] for p in pointers] + pad)]
+                   + [grad, touched] + args, stream)
         return
     hyper = _host_step(hyper)
     xp = array_module(grad)
@@ -172,7 +177,8 @@ def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, m
             np.float32(eta), np.float32(momentum), step]
 
 
-def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, optimizer, args):
+def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, optimizer, args,
+                        stream):
     """The cached rows' optimizer step on the GPU, one launch: each run of one row in the sorted
     batch that hits the cache has its gradients summed (in a fixed order) and its row updated
     by one block (see ``tt_cache_update`` in xferlib/_kernels/tt.py)."""
@@ -184,9 +190,9 @@ def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, opti
     weights = plan.per_sample_weights
     n = plan.n
     launch(shape, f"tt_cache_update<{key_type(plan.rows)}>",
-           (max(1, min(-(-n // CACHE_THREADS), 2048)),), (CACHE_THREADS,),
+           *grid_1d(n, CACHE_THREADS, 2048),
            [plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
             np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
             weights if weights is not None else np.uint64(0), np.int32(plan.mean),
             grad_bags, plan.slot, np.int64(cache.capacity), cache.weight]
-           + state_pointers(cache.state, optimizer) + args + [plan.verdict])
+           + state_pointers(cache.state, optimizer) + args + [plan.verdict.words], stream)
