@@ -46,7 +46,7 @@ import numpy as np
 from xferlib._backend import as_cupy_stream, is_capturing
 
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
-           "PendingChecks", "NO_BAD", "index_error"]
+           "PendingChecks", "NO_BAD", "index_error", "host_values", "run_ids"]
 
 NO_BAD = int(np.iinfo(np.uint64).max)  # a verdict word with nothing to report
 # Up to this many positions the tile sort + merges runs (no host sync, no device-wide sort);
@@ -62,6 +62,12 @@ def index_error(position: int, value: int, num_rows: int) -> IndexError:
 
 
 # ----------------------------------------------------------------------------- verdicts
+
+
+def host_values(array) -> list:
+    """A small slice of a NumPy or CuPy array as Python ints (a report's values)."""
+    get = getattr(array, "get", None)
+    return [int(v) for v in (get() if get is not None else np.asarray(array))]
 
 
 class RowsReport:
@@ -80,9 +86,9 @@ class RowsReport:
         note = "" if self.caller is None else \
             f"{self.caller} (an earlier call on the GPU; nothing was written): "
         if bad != NO_BAD:
-            value = int(idx[bad:bad + 1].get()[0])
+            value, = host_values(idx[bad:bad + 1])
             raise IndexError(note + str(index_error(bad, value, self.num_rows)))
-        before, value = (int(v) for v in idx[unsorted - 1:unsorted + 1].get())
+        before, value = host_values(idx[unsorted - 1:unsorted + 1])
         tail = "" if note else "; nothing was written"
         raise ValueError(f"{note}sorted_indices=True, but index {value} at position "
                          f"{unsorted} comes after {before}{tail}")

@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from xferlib._backend import is_cupy_array
+from xferlib._kernels import grid_1d
 from xferlib.optim.layout import FlatLayout
 from xferlib.optim.rules import (COMMON, FLAT_RULES, SCALARS, Rule, adam_hyper_row,
                                  common_scalars, get_rule, preamble_numpy, resolve_hyper)
@@ -311,8 +312,8 @@ def apply_adam_device_scalars(layout: FlatLayout, params, grads, buffers: dict, 
                 *chunks, _or_null(params_lowp), _or_null(grad_mul), _or_null(grad_scale),
                 _or_null(found_inf)), stream=stream)
         advance = OPTIM_MODULE.get_function("advance_steps")
-        advance((max(1, -(-n // 256)),), (256,), (steps, active, np.int32(n),
-                                                  _or_null(found_inf)), stream=stream)
+        advance(*grid_1d(n), (steps, active, np.int32(n), _or_null(found_inf)),
+                stream=stream)
 
 
 def _or_null(array):

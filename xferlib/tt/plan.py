@@ -11,7 +11,7 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_cupy_array
 from xferlib._kernels import grid_1d
-from xferlib.batch import NO_BAD, Verdict, sort_positions
+from xferlib.batch import NO_BAD, Verdict, host_values, sort_positions
 from xferlib.perf import warn_tt_fallback
 from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core
 
@@ -34,12 +34,12 @@ class TTReport:
 
     def __call__(self, bad_index: int, bad_offset: int) -> None:
         if bad_index != NO_BAD:
-            value = int(self.shown[bad_index:bad_index + 1].get()[0])
+            value, = host_values(self.shown[bad_index:bad_index + 1])
             raise IndexError(f"index {value} at position {bad_index} is out of range for a TT "
                              f"table of {self.bound} rows (valid: 0 <= index < {self.bound})")
         raise ValueError(f"offsets must start at 0, not decrease, and end at {self.n} "
                          f"(include_last_offset={self.include_last_offset}); got "
-                         f"{self.offsets.get().tolist()}")
+                         f"{host_values(self.offsets)}")
 
 
 class TTBagPlan:

@@ -1,0 +1,172 @@
+"""xferlib.batch: the batch plan against NumPy, the verdict's messages per family, and the
+pending-check queue (limit, report once, graph replays)."""
+
+import numpy as np
+import pytest
+
+import xferlib
+from xferlib.batch import NO_BAD, PendingChecks, RowsReport, Verdict, plan_batch
+from xferlib.tt import TTReport
+
+
+def _clean_words():
+    return np.full(2, NO_BAD, dtype=np.uint64)
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def test_public_names():
+    assert xferlib.plan_batch is plan_batch and xferlib.PendingChecks is PendingChecks
+    assert xferlib.Verdict is Verdict and xferlib.BatchPlan is xferlib.batch.BatchPlan
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_rows_report_messages(dtype):
+    idx = np.array([3, 1, 12, 0], dtype=dtype)
+    verdict = Verdict(None, RowsReport(idx, 10))
+    verdict.raise_for(_clean_words())
+    assert verdict.checked
+    plain = Verdict(None, RowsReport(idx, 10))
+    with pytest.raises(IndexError, match=r"^index 12 at position 2 is out of range for a "
+                                         r"table of 10 rows \(valid: 0 <= index < 10\)$"):
+        plain.raise_for(np.array([2, NO_BAD], dtype=np.uint64))
+    assert not plain.checked
+    with pytest.raises(ValueError, match=r"^sorted_indices=True, but index 1 at position 1 "
+                                         r"comes after 3; nothing was written$"):
+        plain.raise_for(np.array([NO_BAD, 1], dtype=np.uint64))
+    late = Verdict(None, RowsReport(idx, 10, caller="gather_rows"))
+    with pytest.raises(IndexError, match=r"^gather_rows \(an earlier call on the GPU; nothing "
+                                         r"was written\): index 12 at position 2"):
+        late.raise_for(np.array([2, 1], dtype=np.uint64))  # the bad index comes first
+    with pytest.raises(ValueError, match=r"^scatter_rows \(an earlier call on the GPU; "
+                                         r"nothing was written\): sorted_indices=True, but "
+                                         r"index 1 at position 1 comes after 3$"):
+        Verdict(None, RowsReport(idx, 10, "scatter_rows")).raise_for(
+            np.array([NO_BAD, 1], dtype=np.uint64))
+
+
+def test_tt_report_messages():
+    offsets = np.array([0, 2, 1])
+    report = TTReport(np.array([5, 700, 1]), offsets, True, 3, 600)
+    with pytest.raises(IndexError, match=r"^index 700 at position 1 is out of range for a TT "
+                                         r"table of 600 rows \(valid: 0 <= index < 600\)$"):
+        Verdict(None, report).raise_for(np.array([1, NO_BAD], dtype=np.uint64))
+    with pytest.raises(ValueError, match=r"^offsets must start at 0, not decrease, and end at "
+                                         r"3 \(include_last_offset=True\); got \[0, 2, 1\]$"):
+        Verdict(None, report).raise_for(np.array([NO_BAD, 0], dtype=np.uint64))
+
+
+def test_pending_checks_arguments_and_empty_polls():
+    with pytest.raises(ValueError, match="limit must be >= 1, got 0"):
+        PendingChecks(limit=0)
+    checks = PendingChecks(limit=2)
+    checks.poll()
+    checks.poll(wait=True)
+    assert len(checks) == 0 and not checks.pending()
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _cupy():
+    if not xferlib.cupy_available():
+        pytest.skip("needs a CUDA GPU with CuPy; none here")
+    import cupy
+
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [0, 1, 5, 4097, 70_000])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_plan_batch_matches_numpy(rng, n, dtype):
+    cupy = _cupy()
+    num_rows = 1000
+    idx = rng.integers(0, num_rows, size=n).astype(dtype)  # duplicates at every size
+    stream = cupy.cuda.Stream(non_blocking=True)
+    plan = plan_batch(cupy.asarray(idx), num_rows, stream=stream, runs=True)
+    stream.synchronize()
+    order = np.argsort(idx, kind="stable")
+    np.testing.assert_array_equal(plan.keys.get(), idx[order])
+    np.testing.assert_array_equal(plan.perm.get(), order)
+    sorted_idx = idx[order]
+    runs = np.concatenate([[0], np.cumsum(sorted_idx[1:] != sorted_idx[:-1])]) if n else []
+    np.testing.assert_array_equal(plan.run.get(), runs)
+    assert plan.n == n
+    plan.verdict.raise_now(stream)
+    assert plan.verdict.checked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [-1, 1000])
+def test_plan_batch_verdict_raises_now_and_deferred(bad):
+    cupy = _cupy()
+    idx = cupy.asarray(np.array([4, 2, bad, 9, bad], dtype=np.int64))
+    plan = plan_batch(idx, 1000)
+    with pytest.raises(IndexError, match=f"^index {bad} at position 2 is out of range"):
+        plan.verdict.raise_now()
+    checks = PendingChecks(limit=3)
+    plan_batch(idx, 1000, caller="gather_rows").verdict.defer(checks)
+    assert len(checks) == 1
+    with pytest.raises(IndexError, match=rf"^gather_rows \(an earlier call .*index {bad} at "):
+        checks.poll(wait=True)
+    assert len(checks) == 0
+    checks.poll(wait=True)  # reported once
+
+
+@pytest.mark.gpu
+def test_presorted_promise_is_checked():
+    cupy = _cupy()
+    plan = plan_batch(cupy.asarray(np.array([1, 1, 5, 3, 7], dtype=np.int32)), 10,
+                      presorted=True)
+    with pytest.raises(ValueError, match="index 3 at position 3 comes after 5"):
+        plan.verdict.raise_now()
+    good = plan_batch(cupy.asarray(np.array([1, 1, 5, 7], dtype=np.int32)), 10, presorted=True)
+    good.verdict.raise_now()
+    np.testing.assert_array_equal(good.perm.get(), np.arange(4))
+
+
+@pytest.mark.gpu
+def test_pending_checks_limit_and_order():
+    cupy = _cupy()
+    checks = PendingChecks(limit=2)
+    good = cupy.asarray(np.array([0, 1], dtype=np.int64))
+    bad = cupy.asarray(np.array([0, 11], dtype=np.int64))
+    for _ in range(5):  # more pushes than the limit: polls before pushes keep it bounded
+        checks.poll()
+        plan_batch(good, 10).verdict.defer(checks)
+        assert len(checks) <= 2
+    checks.poll(wait=True)
+    plan_batch(bad, 10).verdict.defer(checks)
+    plan_batch(good, 10).verdict.defer(checks)
+    cupy.cuda.get_current_stream().synchronize()
+    with pytest.raises(IndexError, match="index 11 at position 1"):
+        checks.poll()  # the verdict is in: raised without waiting
+    checks.poll(wait=True)  # the later good batch is read, nothing raised
+
+
+@pytest.mark.gpu
+def test_captured_verdicts_are_read_after_replays():
+    cupy = _cupy()
+    checks = PendingChecks(limit=3)
+    idx = cupy.zeros(64, dtype=np.int64)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    pool = cupy.cuda.MemoryPool()
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        plan_batch(idx, 100, stream=stream).verdict.defer(checks, stream)  # warm up
+        checks.poll(wait=True)
+        stream.begin_capture()
+        plan_batch(idx, 100, stream=stream).verdict.defer(checks, stream)
+        graph = stream.end_capture()
+    checks.poll(wait=True)  # not replayed yet: nothing to report
+    graph.launch(stream)
+    stream.synchronize()
+    checks.poll(wait=True)
+    idx[5] = 100
+    cupy.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    with pytest.raises(IndexError, match="index 100 at position 5"):
+        checks.poll(wait=True)
+    checks.poll(wait=True)  # reported once
