@@ -97,15 +97,21 @@ class Backend:
         """Every array in ``tree`` brought back as a NumPy array (after the work queued on the
         backend's stream has finished)."""
         self.synchronize()
-        return _tree_map(tree, lambda x: np.array(x) if isinstance(x, np.ndarray)
-                         else x.get() if hasattr(x, "get") and hasattr(x, "__cuda_array_interface__")
-                         else x)
+        return _tree_map(tree, _host_copy)
 
     def synchronize(self) -> None:
         if self.gpu:
             import cupy
 
             cupy.cuda.get_current_stream().synchronize()
+
+
+def _host_copy(x):
+    if isinstance(x, np.ndarray):
+        return np.array(x)
+    if hasattr(x, "__cuda_array_interface__"):  # CuPy: a device-to-host copy
+        return x.get()
+    return x
 
 
 def _tree_map(tree, leaf):

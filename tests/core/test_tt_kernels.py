@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 from xferlib import tt
+from xferlib.testing import assert_outputs_match, for_each_backend, reference_check
 from xferlib.tt.plan import uses_kernels
-from xferlib._backend import cupy_available
 
 pytestmark = pytest.mark.gpu
+on_gpu = for_each_backend("cupy")
 
 # d = 2, 3, 4; several with p_k > R_k * q_k * R_{k+1} (rows FBTT's launch never reached), and
 # FBTT's benchmark shape.
@@ -32,15 +33,6 @@ CASES = [  # mode, weighted, few distinct rows (duplicates), optimizer, index dt
 ]
 
 
-@pytest.fixture
-def cupy():
-    if not cupy_available():
-        pytest.skip("needs a CUDA GPU with CuPy; none on this machine")
-    import cupy
-
-    return cupy
-
-
 def _batch(rng, shape, bags, max_len, duplicates, dtype, include_last):
     counts = rng.integers(0, max_len + 1, bags)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -49,64 +41,76 @@ def _batch(rng, shape, bags, max_len, duplicates, dtype, include_last):
     return idx, (offsets if include_last else offsets[:-1])
 
 
-def _close(actual, expected, rtol, atol=0.0):
-    scale = np.abs(expected).max() + 1e-6
-    assert np.abs(np.asarray(actual) - expected).max() <= rtol * scale + atol
+def _close(actual, expected, rtol, atol=0.0, what="output"):
+    """Within ``rtol`` of the largest ``|expected|`` (plus ``atol``): sums in another order
+    move small entries by the rounding of large ones."""
+    assert_outputs_match(actual, expected, rtol=rtol, atol=atol + rtol * 1e-6,
+                         relative_to_max=True, what=what)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[3]}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s.p_shapes)))
-def test_kernels_match_the_reference(cupy, shape, case):
+@on_gpu
+def test_kernels_match_the_reference(backend, shape, case):
     mode, weighted, duplicates, optimizer, dtype, include_last = case
+    cupy = backend.xp
     rng = np.random.default_rng(hash((shape.p_shapes, mode)) % 2**32)
     assert uses_kernels(shape, cupy.zeros(1, np.int64))
     cores = [3 * c for c in tt.init_tt_cores(shape, "normal", rng=rng)]
     idx, offsets = _batch(rng, shape, 37, 40, duplicates, dtype, include_last)
     psw = rng.standard_normal(len(idx)).astype(np.float32) if weighted else None
     kw = dict(mode=mode, include_last_offset=include_last)
-    ref = tt.tt_embedding_bag_reference(cores, shape, idx, offsets, per_sample_weights=psw, **kw)
-    gpu_cores = [cupy.asarray(c) for c in cores]
-    gpu = dict(per_sample_weights=None if psw is None else cupy.asarray(psw), **kw)
-    given = cupy.full(ref.shape, np.nan, dtype=np.float32)
-    out, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, cupy.asarray(idx),
-                                        cupy.asarray(offsets), out=given, **gpu)
-    assert isinstance(plan, tt.TTBagPlan) and out is given
-    _close(out.get(), ref, 1e-5)
+    forwards = []
+
+    def forward(cores, idx, offsets, psw):
+        given = cupy.full((len(offsets) - include_last, shape.dim), np.nan, dtype=np.float32)
+        out, plan = tt.tt_embedding_bag_fwd(cores, shape, idx, offsets, out=given,
+                                            per_sample_weights=psw, **kw)
+        assert isinstance(plan, tt.TTBagPlan) and out is given
+        forwards.append((cores, idx, offsets, psw, plan))
+        return out
+
+    def reference(cores, idx, offsets, psw):
+        return tt.tt_embedding_bag_reference(cores, shape, idx, offsets, per_sample_weights=psw,
+                                             **kw)
+
+    out = reference_check(backend, forward, reference, cores, idx, offsets, psw,
+                          rtol=1e-5, atol=1e-5 * 1e-6, relative_to_max=True)
+    gpu_cores, gpu_idx, gpu_offsets, gpu_psw, plan = forwards[0]
+    gpu = dict(per_sample_weights=gpu_psw, **kw)
     # dense core gradients against the NumPy path (itself checked against autograd on CPU)
-    g = rng.standard_normal(ref.shape).astype(np.float32)
+    g = rng.standard_normal(out.shape).astype(np.float32)
     _, res = tt.tt_embedding_bag_fwd(cores, shape, idx, offsets, per_sample_weights=psw, **kw)
-    expected = tt.tt_embedding_bag_bwd(cores, shape, res, g)
-    for got, want in zip(tt.tt_embedding_bag_bwd(gpu_cores, shape, plan, cupy.asarray(g)),
-                         expected):
-        _close(got.get(), want, 1e-4)
+    _close(backend.get(tt.tt_embedding_bag_bwd(gpu_cores, shape, plan, backend.array(g))),
+           tt.tt_embedding_bag_bwd(cores, shape, res, g), 1e-4, what="core gradients")
     # two fused steps against the NumPy path's backward + sparse update
     states = tt.tt_sparse_state(shape, optimizer)
-    gpu_states = [{k: cupy.asarray(v) for k, v in st.items()} for st in states]
+    gpu_states = backend.put(states)
     host_cores = [c.copy() for c in cores]
     for step in (1, 2):
         hyper = dict(lr=0.05, step=step, weight_decay=0.01)
         _, res = tt.tt_embedding_bag_fwd(host_cores, shape, idx, offsets, per_sample_weights=psw,
                                          **kw)
         tt.tt_fused_update(host_cores, shape, res, g, states, optimizer, **hyper)
-        _, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, cupy.asarray(idx),
-                                          cupy.asarray(offsets), check=False, **gpu)
-        tt.tt_fused_update(gpu_cores, shape, plan, cupy.asarray(g), gpu_states, optimizer,
+        _, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, gpu_idx, gpu_offsets, check=False,
+                                          **gpu)
+        tt.tt_fused_update(gpu_cores, shape, plan, backend.array(g), gpu_states, optimizer,
                            **hyper)
     # Adagrad's first steps move an entry by about lr * sign(g) even where g is a rounding-level
     # sum of opposite terms, so those entries may differ by a fraction of lr between orders
     # (LAMB's elementwise second moment likewise, scaled by its trust ratio).
     atol = {"adagrad": 0.01 * 0.05, "rowwise_adagrad": 0.01 * 0.05, "lamb": 0.05}.get(
         optimizer, 0.0)
-    for got, want in zip(gpu_cores, host_cores):
-        _close(got.get(), want, 1e-4, atol=atol)
-    for got, want in zip(gpu_states, states):  # sums of squares of those gradients
-        for name in want:
-            np.testing.assert_allclose(got[name].get(), want[name], rtol=1e-3, atol=1e-5)
+    _close(backend.get(gpu_cores), host_cores, 1e-4, atol=atol, what="cores")
+    # sums of squares of those gradients
+    assert_outputs_match(backend.get(gpu_states), states, rtol=1e-3, atol=1e-5, what="states")
 
 
 @pytest.mark.parametrize("dist", ["uniform", "zipf"])
-def test_large_batches(cupy, dist):
+@on_gpu
+def test_large_batches(backend, dist):
     """70,000 lookups (140,000 backward items): several tiles and merge passes per sort."""
+    cupy = backend.xp
     shape = tt.TTShape([20, 22, 25], [4, 2, 4], [8, 6])
     rng = np.random.default_rng(1)
     cores = tt.init_tt_cores(shape, "normal", rng=rng)
@@ -126,7 +130,9 @@ def test_large_batches(cupy, dist):
         _close(got.get(), want, 1e-4)
 
 
-def test_bad_input_changes_nothing(cupy):
+@on_gpu
+def test_bad_input_changes_nothing(backend):
+    cupy = backend.xp
     shape = tt.TTShape([7, 5], [3, 2], [4])
     cores = [cupy.asarray(c) for c in tt.init_tt_cores(shape, "normal")]
     before = [c.get() for c in cores]
@@ -152,7 +158,9 @@ def test_bad_input_changes_nothing(cupy):
         np.testing.assert_array_equal(got.get(), want)
 
 
-def test_empty_batch(cupy):
+@on_gpu
+def test_empty_batch(backend):
+    cupy = backend.xp
     shape = tt.TTShape([7, 5], [3, 2], [4])
     cores = [cupy.asarray(c) for c in tt.init_tt_cores(shape, "normal")]
     before = [c.get() for c in cores]
@@ -167,8 +175,10 @@ def test_empty_batch(cupy):
         np.testing.assert_array_equal(got.get(), want)
 
 
-def test_deterministic(cupy):
+@on_gpu
+def test_deterministic(backend):
     """Sums run in sorted order, never through atomics: two runs agree bit for bit."""
+    cupy = backend.xp
     shape = tt.TTShape([20, 22, 25], [4, 2, 4], [8, 6])
     rng = np.random.default_rng(3)
     cores = tt.init_tt_cores(shape, "normal", rng=rng)
@@ -186,7 +196,9 @@ def test_deterministic(cupy):
         np.testing.assert_array_equal(a, b)
 
 
-def test_large_shapes_fall_back_to_the_array_path(cupy):
+@on_gpu
+def test_large_shapes_fall_back_to_the_array_path(backend):
+    cupy = backend.xp
     import xferlib
     from xferlib.perf import reset_warnings
 
