@@ -18,7 +18,8 @@ The pipeline over a batch sorted by row (rows sharing a prefix sit side by side)
   slice gradient ``Left^T g_n``; writes the keys that group them by core row.
 * ``tt_reduce``: one block per core row sums its contributions in sorted order (no atomics)
   into a gradient row; prefix cores are differentiated through the prefix chain per piece.
-* ``tt_update``: the fused optimizer on every touched core row.
+* ``tt_update``: the fused optimizer on every touched core row (FBGEMM's rules: the row
+  reductions here, the per-element steps from ``xferlib/_kernels/rules.py``).
 * row cache: ``tt_cache_slots`` (each lookup's cache slot, and its access count, one launch)
   and ``tt_cache_update`` (the cached rows' optimizer step from the sorted batch's runs).
 
@@ -31,7 +32,7 @@ import functools
 import math
 
 from xferlib._kernels._registry import KernelModule
-from xferlib.optim.rules import cuda_defines
+from xferlib._kernels.rules import RULES_KERNEL
 
 CHUNK = 16  # sorted positions per block in tt_rows / tt_bwd_pieces
 THREADS = 128
@@ -736,21 +737,26 @@ struct Hyper {
 // global step h.iter).
 // e1/e2: elementwise state, rs: the row's state, st: its step count (NULL where unused).
 // g is overwritten by the LAMB rules (their update direction). Each thread reads and writes
-// the same elements of g and w throughout.
+// the same elements of g and w throughout. The row reductions (norms, mean squared gradient)
+// and the row scalars they give are computed here; every per-element step is the shared rule
+// of xferlib/_kernels/rules.py.
 __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, float* rs,
                            i64* st, const Hyper& h, float* red) {
     const int opt = h.opt;
-    const float lr = h.lr, eps = h.eps;
+    XfScalars<float> s = xf_neutral<float>();
+    s.lr = h.lr;
+    s.eps = h.eps;
+    s.b1 = (float)h.beta1; s.omb1 = (float)(1.0 - h.beta1);
+    s.b2 = (float)h.beta2; s.omb2 = (float)(1.0 - h.beta2);
+    s.wd = h.wd;
+    s.mom = h.mom;
     if (opt == XF_OPT_SGD) {
-        for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * g[o];
+        float none = 0.f;  // no momentum buffer
+        for (int o = threadIdx.x; o < width; o += blockDim.x) xf_sgd(w[o], g[o], none, s);
         return;
     }
     if (opt == XF_OPT_ADAGRAD) {
-        for (int o = threadIdx.x; o < width; o += blockDim.x) {
-            const float gg = g[o], sum = e1[o] + gg * gg;
-            e1[o] = sum;
-            w[o] -= lr * gg / (sqrtf(sum) + eps);
-        }
+        for (int o = threadIdx.x; o < width; o += blockDim.x) xf_adagrad(w[o], g[o], e1[o], s);
         return;
     }
     if (opt == XF_OPT_LARS_SGD) {
@@ -761,69 +767,52 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
         }
         const float w_norm = sqrtf(block_sum(ww, red)), g_norm = sqrtf(block_sum(gg, red));
         const float den = g_norm + h.wd * w_norm;
-        const float scale = den > 0.f ? lr * h.eta * w_norm / den : 0.f;
-        for (int o = threadIdx.x; o < width; o += blockDim.x) {
-            const float m = h.mom * e1[o] + scale * (g[o] + h.wd * w[o]);
-            e1[o] = m;
-            w[o] -= m;
-        }
+        const float scale = den > 0.f ? h.lr * h.eta * w_norm / den : 0.f;
+        for (int o = threadIdx.x; o < width; o += blockDim.x) xf_lars(w[o], g[o], e1[o], scale, s);
         return;
     }
     float part = 0.f;
     if (opt != XF_OPT_LAMB)
         for (int o = threadIdx.x; o < width; o += blockDim.x) part += g[o] * g[o];
     const float mean_sq = opt != XF_OPT_LAMB ? block_sum(part, red) / (float)width : 0.f;
-    const float b1 = (float)h.beta1, b2 = (float)h.beta2;
-    const float nb1 = (float)(1.0 - h.beta1), nb2 = (float)(1.0 - h.beta2);
     if (opt == XF_OPT_ROWWISE_ADAGRAD) {
         const float sum = rs[0] + mean_sq;
         __syncthreads();  // every thread has read rs[0]
         if (threadIdx.x == 0) rs[0] = sum;
-        const float scale = sqrtf(sum) + eps;
-        for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * g[o] / scale;
+        const float scale = h.lr / (sqrtf(sum) + h.eps);
+        for (int o = threadIdx.x; o < width; o += blockDim.x) xf_descend(w[o], g[o], scale);
         return;
     }
     if (opt == XF_OPT_ROWWISE_ADAM) {
         const i64 t = st[0] + 1;
-        const float vv = b2 * rs[0] + nb2 * mean_sq;
+        const float vv = s.b2 * rs[0] + s.omb2 * mean_sq;
         __syncthreads();
         if (threadIdx.x == 0) {
             st[0] = t;
             rs[0] = vv;
         }
-        const float scale = sqrtf((float)(vv / (1.0 - pow(h.beta2, (double)t)))) + eps;
-        const float c1 = (float)(1.0 - pow(h.beta1, (double)t));
-        for (int o = threadIdx.x; o < width; o += blockDim.x) {
-            const float mm = b1 * e1[o] + nb1 * g[o];
-            e1[o] = mm;
-            w[o] -= lr * (mm / c1) / scale;
-        }
+        const float den = sqrtf((float)(vv / (1.0 - pow(h.beta2, (double)t)))) + h.eps;
+        s.bc1 = (float)(1.0 - pow(h.beta1, (double)t));
+        for (int o = threadIdx.x; o < width; o += blockDim.x)
+            xf_rowwise_adam(w[o], g[o], e1[o], den, s);
         return;
     }
     // lamb, partial_rowwise_adam, partial_rowwise_lamb: bias corrections from the global step
-    const float c1 = (float)(1.0 - pow(h.beta1, (double)h.iter));
-    const float c2 = (float)(1.0 - pow(h.beta2, (double)h.iter));
+    s.bc1 = (float)(1.0 - pow(h.beta1, (double)h.iter));
+    s.bc2 = (float)(1.0 - pow(h.beta2, (double)h.iter));
     float row_den = 0.f;
     if (opt != XF_OPT_LAMB) {
-        const float vv = b2 * rs[0] + nb2 * mean_sq;
+        const float vv = s.b2 * rs[0] + s.omb2 * mean_sq;
         __syncthreads();
         if (threadIdx.x == 0) rs[0] = vv;
-        row_den = sqrtf(vv / c2) + eps;
+        row_den = sqrtf(vv / s.bc2) + h.eps;
     }
     float ww = 0.f, uu = 0.f;
     for (int o = threadIdx.x; o < width; o += blockDim.x) {
-        const float gg = g[o];
-        const float m = b1 * e1[o] + nb1 * gg;
-        e1[o] = m;
-        float den = row_den;
-        if (opt == XF_OPT_LAMB) {
-            const float v = b2 * e2[o] + nb2 * gg * gg;
-            e2[o] = v;
-            den = sqrtf(v / c2) + eps;
-        }
-        const float u = m / c1 / den + h.wd * w[o];
+        const float den = opt == XF_OPT_LAMB ? xf_lamb_den(g[o], e2[o], s) : row_den;
+        const float u = xf_lamb_direction(w[o], g[o], e1[o], den, s);
         if (opt == XF_OPT_PARTIAL_ROWWISE_ADAM) {
-            w[o] -= lr * u;
+            xf_descend(w[o], u, h.lr);
         } else {
             g[o] = u;
             ww += w[o] * w[o];
@@ -833,7 +822,7 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
     if (opt == XF_OPT_PARTIAL_ROWWISE_ADAM) return;
     const float w_norm = sqrtf(block_sum(ww, red)), u_norm = sqrtf(block_sum(uu, red));
     const float ratio = u_norm > 0.f ? w_norm / u_norm : 0.f;
-    for (int o = threadIdx.x; o < width; o += blockDim.x) w[o] -= lr * ratio * g[o];
+    for (int o = threadIdx.x; o < width; o += blockDim.x) xf_descend(w[o], g[o], h.lr * ratio);
 }
 
 #define STATE_ARGS(name) float* name##0, float* name##1, float* name##2, float* name##3
@@ -1014,7 +1003,7 @@ def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
     names = (list(ROWS_NAMES.values()) + list(BWD_NAMES.values())
              + list(REDUCE_NAMES.values()) + CACHE_NAMES + list(PLAIN_NAMES))
     label = "x".join(map(str, p)) + "_" + "x".join(map(str, q)) + "_r" + "x".join(map(str, ranks))
-    return KernelModule(f"tt_{label}", cuda_defines() + "\n".join(defines) + "\n" + TT_KERNEL,
+    return KernelModule(f"tt_{label}", RULES_KERNEL + "\n".join(defines) + "\n" + TT_KERNEL,
                         names)
 
 
