@@ -1,7 +1,9 @@
 """The optimizer rules written once: one id per rule for every kernel family, ids reach the
-CUDA sources only through the generated #define block, one error type for unknown names,
-and the shared per-step scalars agree across array namespaces. CPU only: the kernel sources
-are checked as text (the GPU run compiles them: tests/core/test_kernels*)."""
+CUDA sources only through the generated #define block, the per-element CUDA math lives in one
+snippet every family includes and calls (no family writes a rule's arithmetic itself), one
+error type for unknown names, and the shared per-step scalars agree across array namespaces.
+CPU only: the kernel sources are checked as text (the GPU run compiles them and compares each
+family with its NumPy reference: tests/core/test_kernels*, test_optim, test_table, test_tt*)."""
 
 import doctest
 import importlib
@@ -237,3 +239,136 @@ def test_tt_state_and_kernel_pointers_from_one_table(optimizer):
     elif state:
         with pytest.raises(KeyError):
             state_pointers({}, optimizer)
+
+
+# ------------------------------------------------------------ the shared per-element CUDA math
+
+# The functions of each family that run a rule per element (not those computing the step's
+# scalars: that stays each family's), and the shared rules each must call (the families' rule
+# sets: flat, host tables, TT).
+RULE_FUNCTIONS = {
+    "optim": ["update_chunk", "flat_update"],
+    "table": ["elem", "update_row", "rowwise_adagrad_row", "sparse_update"],
+    "tt": ["update_row", "tt_update", "tt_cache_update"],
+}
+CALLS = {
+    "optim": ["xf_preamble", "xf_sgd", "xf_adam", "xf_adagrad", "xf_rmsprop", "xf_adamax",
+              "xf_nadam", "xf_radam", "xf_lion"],
+    "table": ["xf_preamble", "xf_sgd", "xf_adam", "xf_adagrad", "xf_adamax", "xf_rmsprop",
+              "xf_adadelta", "xf_descend"],
+    "tt": ["xf_sgd", "xf_adagrad", "xf_descend", "xf_rowwise_adam", "xf_lamb_den",
+           "xf_lamb_direction", "xf_lars"],
+}
+# What an optimizer's elementwise arithmetic looks like, written out: the helpers it calls,
+# a moving average ((g - m) * w), a scaled squared gradient (c * g * g), a weight update
+# with a quotient, or any compound assignment to the weight (w, p; the flat kernel's
+# `updates` output, p - old, is not a rule).
+RULE_MATH = [
+    re.compile(r"\b(?:lerp\w*|fmaxf?|fminf?|fabsf?|copysignf?)\s*\("),
+    re.compile(r"\(\s*[\w.\[\]]+\s*-\s*[\w.\[\]]+\s*\)\s*\*|\*\s*\(\s*[\w.\[\]]+\s*-\s*[\w.\[\]]+\s*\)"),
+    re.compile(r"\*\s*([\w.]+(?:\[\w+\])?)\s*\*\s*\1(?![\w\[.])"),
+    re.compile(r"(?:-=|\+=)[^;]*/"),
+    re.compile(r"\b(?:w|p)(?:\[\w+\])?\s*[-+*/]=(?!\s*old\[)"),
+]
+
+
+def _strip_comments(text):
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def _function_body(source, name):
+    """The text of the definition of ``name`` (signature to closing brace)."""
+    match = re.search(rf"(?:void|XfScalars<\w+>)\s+(?:__launch_bounds__\([^)]*\)\s*)?{name}\s*\(",
+                      source)
+    assert match, f"no definition of {name}"
+    depth, i = 0, source.index("{", match.end())
+    for j in range(i, len(source)):
+        depth += {"{": 1, "}": -1}.get(source[j], 0)
+        if depth == 0:
+            return source[match.start():j + 1]
+    raise AssertionError(f"unbalanced braces in {name}")
+
+
+def rule_math(text):
+    """The pieces of ``text`` (comments stripped) that look like a rule's arithmetic."""
+    text = _strip_comments(text)
+    return [m.group(0) for pattern in RULE_MATH for m in pattern.finditer(text)]
+
+
+def _family_bodies():
+    from xferlib._kernels.rules import RULES_KERNEL
+
+    sources = _sources()
+    out = {}
+    for family, source in sources.items():
+        assert source.count(RULES_KERNEL) == 1, family
+        out[family] = source.replace(RULES_KERNEL, "")
+    return out
+
+
+@pytest.mark.parametrize("family", ["optim", "table", "tt", "tt_other_shape"])
+def test_every_family_starts_with_the_shared_rules(family):
+    from xferlib._kernels.rules import RULES_KERNEL
+
+    source = _sources()[family]
+    assert source.count(RULES_KERNEL) == 1
+    assert source.index(RULES_KERNEL) < source.index("__global__")
+    assert RULES_KERNEL.index(cuda_defines()) == 0  # the ids come with the snippet
+
+
+@pytest.mark.parametrize("family", ["optim", "table", "tt", "tt_other_shape"])
+def test_no_family_writes_a_rules_math_itself(family):
+    body = _family_bodies()[family]
+    key = family.split("_")[0]
+    # no shared helper redefined outside the snippet
+    assert not re.search(r"__device__[^;{]*\bxf_\w+\s*\(", body)
+    for name in RULE_FUNCTIONS[key]:
+        found = rule_math(_function_body(body, name))
+        assert not found, f"{family}: {name} writes rule math itself: {found}"
+    for call in CALLS[key]:
+        assert re.search(rf"\b{call}\s*\(", body), f"{family} does not call {call}"
+
+
+def test_every_shared_rule_is_used():
+    from xferlib._kernels.rules import RULES_KERNEL
+
+    defined = set(re.findall(r"\b(xf_\w+)\s*\(", RULES_KERNEL))
+    called = set()
+    for body in _family_bodies().values():
+        called |= set(re.findall(r"\b(xf_\w+)\s*[<(]", body))
+    helpers = {"xf_lerp", "xf_sq_avg", "xf_ema", "xf_max"}  # used inside the snippet
+    assert defined - helpers <= called, defined - helpers - called
+
+
+def test_the_rule_math_check_can_fail():
+    """Lines each family had before the snippet: the check finds every one, and finds the
+    snippet's own arithmetic."""
+    from xferlib._kernels.rules import RULES_KERNEL
+
+    copied = [
+        "a[e] += (g[e] - a[e]) * (1.0f - c[1]);",                 # flat adam's first moment
+        "b[e] = b[e] * c[2] + (1.0f - c[2]) * g[e] * g[e];",      # flat adam's second moment
+        "p[e] -= c[0] * (a[e] / denom);",
+        "b[e] = fmaxf(b[e] * c[2], fabsf(g[e]) + c[3]);",         # flat adamax
+        "const T m = lerp_low(st[0], g, c[2]);",                  # host-table adam
+        "w -= c[0] * g;",                                          # host-table sgd
+        "w[o] -= lr * gg / (sqrtf(sum) + eps);",                   # TT adagrad
+        "w[o] -= lr * g[o];",                                      # TT sgd
+        "const float v = b2 * e2[o] + nb2 * gg * gg;",             # TT lamb
+    ]
+    for line in copied:
+        assert rule_math(line), line
+    assert not rule_math("p[e] -= old[e];  // the updates output")
+    assert len(rule_math(RULES_KERNEL)) >= 10
+
+
+def test_constants_come_from_the_rules():
+    from xferlib.optim.rules import cuda_constants
+    from xferlib._kernels.rules import RULES_KERNEL
+
+    slots = max(len(r.slots) for r in RULES.values())
+    assert cuda_constants() == f"#define XF_MAX_SLOTS {slots}\n"
+    assert cuda_constants() in RULES_KERNEL
+    table = _family_bodies()["table"]
+    assert "XF_MAX_SLOTS" in table
+    assert not re.search(r"\b(?:sv|st)\[\d\]\s*[;=]", table)  # no slot count written by hand

@@ -10,16 +10,22 @@ The per-step scalars take the array namespace ``xp`` (``math``-like calls on Pyt
 through it), so NumPy, CuPy and ``jax.numpy`` compute them from one definition; with
 ``xp=numpy`` and a Python int step they are float64 host values.
 
-Kernels never copy an id by hand: :func:`cuda_defines` writes ``#define XF_OPT_<NAME> <id>``
-lines that ``xferlib/_kernels/optim.py``, ``table.py`` and ``tt.py`` put in front of their
-sources.
+Kernels never copy an id or a constant by hand: :func:`cuda_defines` writes ``#define
+XF_OPT_<NAME> <id>`` lines and :func:`cuda_constants` the numbers they take from the rules
+(``XF_MAX_SLOTS``).
 
-Shared: ids, defaults, checks and state slots (flat and host tables), the flat per-step scalars
-(NumPy, CuPy, jnp). Not shared, on purpose: each family's elementwise CUDA math. The flat
-kernel reads float32 scalars the host computed per segment; the host-table kernel derives
-per-row constants in double on the device from each row's own step and runs on float or
-double tables; TT runs FBGEMM's row-wise rules (not torch's) a block per row. One snippet for
-all three would change the rounding of at least one of them.
+The elementwise CUDA math is shared too: ``xferlib/_kernels/rules.py`` holds one
+``__device__`` function per rule (SGD with momentum/nesterov, Adam/AdamW, Adagrad, RMSprop,
+Adamax, NAdam, RAdam, Lion, Adadelta, and the per-element parts of FBGEMM's row-wise rules),
+templated on the compute type and taking an ``XfScalars`` struct; the flat, host-table and
+TT sources start with that snippet (and the ``#define`` blocks) and call it. Each family still
+computes the scalars where it did, because that is what its reference rounds like: the flat
+kernel reads float32 values this module computes on the host per segment, the host-table
+kernel derives them in double on the device from each row's own step (float or double
+tables), TT from its hyperparameters and the global or per-row step. Not shared: FBGEMM's
+row-wise rules (row-wise Adagrad and Adam, LAMB, LARS, host tables and TT) need a reduction
+over the row first; each family keeps that reduction and the row scalar it gives and calls
+the shared per-element step.
 
 >>> from xferlib.optim.rules import RULES, OptId, resolve_hyper
 >>> RULES["adamw"].kind == OptId.ADAM  # AdamW runs Adam's kernel rule, decay decoupled
@@ -87,10 +93,10 @@ def cuda_constants() -> str:
 #
 # Each rule has three parts: a hyperparameter check, per-segment scalars (float64 on the host
 # with xp=numpy, from the segment's step count) and the elementwise update (NumPy here; CUDA in
-# xferlib/_kernels/optim.py). Before the rule runs, the gradient is negated for ``maximize`` and
-# weight decay is applied the way torch applies it for that optimizer: added to the gradient
-# (L2) or multiplied into the parameter (decoupled, AdamW-style). Elementwise code follows
-# torch's op order so the float32 results track torch's.
+# xferlib/_kernels/rules.py, shared by every kernel family). Before the rule runs, the
+# gradient is negated for ``maximize`` and weight decay is applied the way torch applies it for
+# that optimizer: added to the gradient (L2) or multiplied into the parameter (decoupled,
+# AdamW-style). Elementwise code follows torch's op order so the float32 results track torch's.
 
 SCALARS = 8  # rule-specific scalars per segment
 COMMON = 3  # sign, L2 coefficient, decoupled decay factor
@@ -325,8 +331,9 @@ class Rule:
     ``buffers(h)``: the ones a configuration uses (a prefix-ordered subset). ``decay``: how
     weight decay applies ("l2" into the gradient, "decoupled" into the weight, "flag" by
     ``decoupled_weight_decay``, "none"). ``scalars(h, step, extra, xp)`` and ``numpy(c, p, g,
-    b)``: the flat per-step scalars and elementwise update (None for rules without a flat
-    kernel: their family keeps its own row math)."""
+    b)``: the flat per-step scalars and NumPy elementwise update (None for rules without a
+    flat kernel: their family computes its scalars itself; the CUDA per-element math of every
+    rule is in ``xferlib/_kernels/rules.py``)."""
 
     name: str
     kind: OptId
