@@ -7,17 +7,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np
 import pytest
 
-from xferlib.testing import BACKEND_NAMES, get_backend
+from xferlib.testing import GPU_SKIP_REASON, backend_params, get_backend
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(name, marks=() if name == "numpy" else pytest.mark.gpu)
-        for name in BACKEND_NAMES
-    ]
-)
+@pytest.fixture(params=backend_params())
 def backend(request):
-    """Run the test once per backend; GPU backends skip (with the reason) without a GPU."""
+    """Run the test once per backend; GPU backends skip (with the reason) without a GPU.
+    ``xferlib.testing.for_each_backend`` picks some of the backends for one test."""
     return get_backend(request.param)
 
 
@@ -28,10 +24,10 @@ def rng():
 
 def pytest_collection_modifyitems(config, items):
     # A test marked gpu that has no backend parameter still needs the GPU.
-    from xferlib._backend import cupy_available
+    from xferlib.backend import cupy_available
 
     if cupy_available():
         return
     for item in items:
         if "gpu" in item.keywords and "backend" not in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU with CuPy; none here"))
+            item.add_marker(pytest.mark.skip(reason=GPU_SKIP_REASON))

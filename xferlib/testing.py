@@ -34,9 +34,9 @@ import numpy as np
 
 from xferlib.backend import cupy_available
 
-__all__ = ["Backend", "BACKEND_NAMES", "get_backend", "for_each_backend", "reference_check",
-           "assert_outputs_match", "tolerance", "assert_matches_reference", "table_arrays",
-           "random_rows", "GPU_SKIP_REASON"]
+__all__ = ["Backend", "BACKEND_NAMES", "get_backend", "backend_params", "for_each_backend",
+           "reference_check", "assert_outputs_match", "tolerance", "assert_matches_reference",
+           "table_arrays", "random_rows", "GPU_SKIP_REASON"]
 
 BACKEND_NAMES = ("numpy", "cupy", "cupy-pinned")
 GPU_SKIP_REASON = "needs a CUDA GPU with CuPy; none on this machine"
@@ -132,6 +132,19 @@ def get_backend(name: str) -> Backend:
     return Backend(name)
 
 
+def backend_params(*names: str) -> list:
+    """``pytest.param`` for each backend named (all when none is), GPU ones marked ``gpu``: the
+    parameters of :func:`for_each_backend` and of the suite's ``backend`` fixture."""
+    import pytest
+
+    names = names or BACKEND_NAMES
+    for name in names:
+        if name not in BACKEND_NAMES:
+            raise ValueError(f"unknown backend {name!r}; one of {BACKEND_NAMES}")
+    return [pytest.param(name, marks=() if name == "numpy" else pytest.mark.gpu, id=name)
+            for name in names]
+
+
 def for_each_backend(*names: str):
     """Decorator: run the test once per backend in ``names`` (all of :data:`BACKEND_NAMES` when
     none is given), as its ``backend`` argument (a :class:`Backend`).
@@ -145,12 +158,7 @@ def for_each_backend(*names: str):
     """
     import pytest
 
-    names = names or BACKEND_NAMES
-    for name in names:
-        if name not in BACKEND_NAMES:
-            raise ValueError(f"unknown backend {name!r}; one of {BACKEND_NAMES}")
-    params = [pytest.param(name, marks=() if name == "numpy" else pytest.mark.gpu, id=name)
-              for name in names]
+    params = backend_params(*names)
 
     def decorate(test):
         # The wrapper keeps the test's signature (pytest reads it through __wrapped__), so the
