@@ -104,7 +104,7 @@ __device__ __forceinline__ XfScalars<float> flat_scalars(const float* c, float s
 // non-null, params stay and the step (new - old) goes there instead, as an optax
 // GradientTransformation returns it (updates may alias grads).
 template <int KIND, typename G>
-__device__ __forceinline__ void update_chunk(float* __restrict__ params, const G* __restrict__ grads,
+__device__ void update_chunk(float* __restrict__ params, const G* __restrict__ grads,
                              float* __restrict__ s0, float* __restrict__ s1,
                              float* __restrict__ s2, const XfScalars<float>& s,
                              const i64 start, const i64 end, float* __restrict__ updates,
