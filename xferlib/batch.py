@@ -19,7 +19,7 @@ Checking policy (rows, host tables and TT alike):
   waits for every pending verdict: ``xferlib.check_rows()``, ``HostTable.check()``, a TT
   module's ``check_inputs()``.
 * A step captured in a CUDA graph writes its verdict into its own pinned slot at every
-  replay; the explicit check reads those slots (synchronize the replay's stream first) and
+  replay; the explicit check waits for the device, then reads those slots and
   reports each bad replay once.
 * :meth:`Verdict.raise_now` reads the verdict at once (one 16-byte copy, a stream sync), for
   callers that must know before they return.
@@ -248,6 +248,12 @@ class PendingChecks:
                 entry.event.synchronize()
                 entry.verdict.raise_for(entry.host)
             if wait and self.graph:  # each bad replay reported once
+                # Replays may run on any stream and carry no event: wait for the device, so
+                # a check right after graph.replay() reads that replay's verdict.
+                import cupy
+
+                with cupy.cuda.Device(self.device):
+                    cupy.cuda.runtime.deviceSynchronize()
                 read = [(e.verdict, e.host.copy()) for e in self.graph]
                 for e in self.graph:
                     e.host[...] = NO_BAD  # the next replay writes it again
