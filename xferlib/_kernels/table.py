@@ -223,11 +223,28 @@ __global__ void sum_spans(const K* __restrict__ keys, const i64* __restrict__ ru
         if (last + 1 >= n || keys[last + 1] != keys[last]) continue;  // no run leaves c
         const K key = keys[last];
         if (keys[first] == key && first > 0 && keys[first - 1] == key) continue;  // began earlier
+        // A hot row's run crosses thousands of chunks: load the next 8 chunks' heads (and
+        // whether the run goes on past each) at once, then add them in order: the same sum
+        // in the same order as one chunk at a time, with 8 loads in flight instead of 1.
         T acc = tail[c * dim + e];
-        for (i64 d = c + 1; d < chunks; ++d) {
-            acc += head[d * dim + e];
-            const i64 d_last = (d + 1) * SUM_CHUNK - 1;
-            if (d_last + 1 >= n || keys[d_last + 1] != key) break;  // the run ends in chunk d
+        bool ended = false;
+        for (i64 d0 = c + 1; d0 < chunks && !ended; d0 += 8) {
+            T h[8];
+            bool goes_on[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const i64 d = d0 + u < chunks ? d0 + u : chunks - 1;
+                const i64 d_last = (d + 1) * SUM_CHUNK - 1;
+                h[u] = head[d * dim + e];
+                goes_on[u] = d0 + u < chunks && d_last + 1 < n && keys[d_last + 1] == key;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                if (!ended && d0 + u < chunks) {
+                    acc += h[u];
+                    ended = !goes_on[u];  // the run ends in chunk d0 + u
+                }
+            }
         }
         summed[run[last] * dim + e] = acc;
     }
