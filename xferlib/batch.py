@@ -44,6 +44,10 @@ import threading
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_capturing
+from xferlib._kernels import grid_1d
+from xferlib._kernels.rows import (MERGE_NAME, ROWS_MODULE, SMALL_SORT_ITEMS,
+                                   SMALL_SORT_THREADS, check_name, small_sort_name,
+                                   small_sort_shared_bytes)
 
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
            "PendingChecks", "NO_BAD", "index_error", "host_values", "run_ids"]
@@ -269,7 +273,6 @@ class PendingChecks:
 # ----------------------------------------------------------------------------- sorting
 
 _IDENTITY = {}
-_SHARED_SET = {}
 
 
 def _identity_permutation(n: int):
@@ -283,16 +286,31 @@ def _identity_permutation(n: int):
     return cached[:n]
 
 
+_SORT_KERNELS = {}  # (device, index dtype, items) -> (sort kernel, its shared bytes, merge)
+
+
+def _sort_kernels(dtype_name: str, items: int):
+    """The tile sort of ``items`` per thread for ``dtype_name`` indices, its dynamic shared
+    memory (opted in once: an attribute query is a driver call) and the merge kernel, on the
+    current device; looked up once per device."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), dtype_name, items)
+    found = _SORT_KERNELS.get(key)
+    if found is None:
+        kernel = ROWS_MODULE.get_function(small_sort_name(dtype_name, items))
+        shared = small_sort_shared_bytes(items)
+        if kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+        found = _SORT_KERNELS[key] = (kernel, shared, ROWS_MODULE.get_function(MERGE_NAME))
+    return found
+
+
 def _sort_tiled(idx, num_rows: int, stream):
     """:func:`sort_positions` without a device-wide sort or a host sync: tiles of up to
     16,384 positions are checked, narrowed and sorted by one block each (one launch), then
     merged pairwise (one launch per doubling). A single tile is one launch."""
     import cupy
-
-    from xferlib._kernels import grid_1d
-    from xferlib._kernels.rows import (MERGE_NAME, ROWS_MODULE, SMALL_SORT_ITEMS,
-                                       SMALL_SORT_THREADS, small_sort_name,
-                                       small_sort_shared_bytes)
 
     n = idx.size
     items = next((i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n),
@@ -302,12 +320,7 @@ def _sort_tiled(idx, num_rows: int, stream):
     perm = cupy.empty(n, dtype=np.int64)
     words = cupy.empty(2, dtype=np.uint64)
     words.data.memset_async(0xFF, 16, stream)
-    kernel = ROWS_MODULE.get_function(small_sort_name(idx.dtype.name, items))
-    shared = small_sort_shared_bytes(items)
-    if _SHARED_SET.get(id(kernel)) is not kernel:  # an attribute query is a driver call
-        if kernel.max_dynamic_shared_size_bytes < shared:
-            kernel.max_dynamic_shared_size_bytes = shared
-        _SHARED_SET[id(kernel)] = kernel
+    kernel, shared, merge = _sort_kernels(idx.dtype.name, items)
     bits = max(1, int(num_rows - 1).bit_length())
     grid, _ = grid_1d(n, tile)  # one block per tile
     kernel(grid, (SMALL_SORT_THREADS,), (idx, np.int64(n), np.int64(num_rows), np.int32(bits),
@@ -315,11 +328,11 @@ def _sort_tiled(idx, num_rows: int, stream):
            shared_mem=shared, stream=stream)
     width = tile
     if width < n:
-        merge = ROWS_MODULE.get_function(MERGE_NAME)
         rows_b, perm_b = cupy.empty_like(rows), cupy.empty_like(perm)
         grid, block = grid_1d(n, 256, 65535)
+        n64 = np.int64(n)
         while width < n:
-            merge(grid, block, (rows, perm, np.int64(n), np.int64(width), rows_b, perm_b),
+            merge(grid, block, (rows, perm, n64, np.int64(width), rows_b, perm_b),
                   stream=stream)
             rows, rows_b, perm, perm_b = rows_b, rows, perm_b, perm
             width *= 2
@@ -340,9 +353,6 @@ def sort_positions(idx, num_rows: int, *, stream=None, presorted: bool = False,
     host sync).
     """
     import cupy
-
-    from xferlib._kernels import grid_1d
-    from xferlib._kernels.rows import ROWS_MODULE, check_name
 
     stream = as_cupy_stream(stream)
     n = idx.size

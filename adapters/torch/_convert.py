@@ -7,6 +7,7 @@ import inspect
 import numpy as np
 import torch
 
+from xferlib.backend import as_cupy_stream
 from xferlib.handoff import to_cupy, to_numpy
 from xferlib.rows import gather_rows, scatter_rows
 
@@ -33,9 +34,14 @@ def cuda_view(t: torch.Tensor):
         return to_cupy(t)
     import cupy
 
-    if t.numel() == 0:
+    numel = t.numel()
+    if numel == 0:
         return cupy.empty(tuple(t.shape), dtype=dtype)
     itemsize = t.element_size()
+    if t.is_contiguous():  # the common case: CuPy's default strides, no extent to compute
+        memory = cupy.cuda.UnownedMemory(t.data_ptr(), numel * itemsize, t, t.get_device())
+        return cupy.ndarray(tuple(t.shape), dtype=dtype,
+                            memptr=cupy.cuda.MemoryPointer(memory, 0))
     extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
     memory = cupy.cuda.UnownedMemory(t.data_ptr(), extent * itemsize, t, t.device.index)
     return cupy.ndarray(tuple(t.shape), dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0),
@@ -45,6 +51,19 @@ def cuda_view(t: torch.Tensor):
 def current_stream(device: torch.device):
     """The stream torch is using on ``device`` (None for CPU): kernels launch on it."""
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def cupy_stream(device: torch.device):
+    """torch's current stream on CUDA ``device`` as a CuPy stream (one wrapper per raw
+    handle): one query of the raw handle, where ``torch.cuda.current_stream`` builds a new
+    Python stream object at every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    handle = (_RAW_STREAM(index) if _RAW_STREAM is not None
+              else torch.cuda.current_stream(device).cuda_stream)
+    return as_cupy_stream(handle)
 
 
 def torch_dtype(dtype) -> torch.dtype:

@@ -55,6 +55,7 @@ class TTEmbeddingBag(TableBatchedTTEmbeddingBag):
                          hashtbl_size, weight_dist, enforce_embedding_dim, **kwargs)
 
     def forward(self, indices, offsets, warmup=True, *, per_sample_weights=None):
-        return super().forward(indices, offsets, warmup,
-                               per_sample_weights=per_sample_weights)[0]
+        # (B, dim) as pooled: no view / select in the autograd graph (their backward would
+        # queue a zero fill and a copy of the gradient at every step)
+        return self._bags(indices, offsets, warmup, per_sample_weights)
 

@@ -9,6 +9,7 @@ run as one batch through one set of kernel launches (and one NumPy pass on the C
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from xferlib import tt as core
 from xferlib.adapters.torch import tt_dist
 from xferlib.adapters.torch import tt_fbtt_compat as compat
-from xferlib.adapters.torch._convert import as_core_array, current_stream
+from xferlib.adapters.torch._convert import as_core_array, cupy_stream
 from xferlib.adapters.torch.groups import resolve_group
 from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
 from xferlib.batch import PendingChecks
@@ -40,17 +41,15 @@ def _torch(array) -> torch.Tensor:
     return to_torch(array)
 
 
-def on_stream(t: torch.Tensor, capturing=None):
+def on_stream(t: torch.Tensor, capturing=None, stream=None):
     """torch's current stream as a context for CuPy work (nothing on the CPU). While torch
     captures a CUDA graph, CuPy also allocates from torch's caching allocator, so the step's
-    scratch memory comes from the graph's pool and stays reserved for its replays."""
-    import contextlib
-
-    from xferlib.backend import stream_scope
-
-    gpu = t.device.type == "cuda"
-    scope = stream_scope(torch.cuda.current_stream(t.device) if gpu else None, gpu)
-    if not (gpu and (_capturing() if capturing is None else capturing)):
+    scratch memory comes from the graph's pool and stays reserved for its replays.
+    ``stream``: torch's current stream as a CuPy stream, where the caller has it."""
+    if t.device.type != "cuda":
+        return contextlib.nullcontext()
+    scope = cupy_stream(t.device) if stream is None else stream
+    if not (_capturing() if capturing is None else capturing):
         return scope
     import cupy
 
@@ -113,12 +112,14 @@ class _TTBagFunction(torch.autograd.Function):
         # training: the step will be differentiated; it reads the GPU input check in backward,
         # before any core changes, so the forward never waits on the device.
         device = cores[0]
-        capturing = device.is_cuda and _capturing()
+        gpu = device.is_cuda
+        capturing = gpu and torch.cuda.is_current_stream_capturing()
         if not capturing:
             module._checks.poll()
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
         out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
-        with on_stream(device):
+        stream = cupy_stream(device.device) if gpu else None
+        with on_stream(device, capturing, stream):
             arrays = module._core_arrays()
             cache = module._core_cache()
             _, residuals = core.tt_embedding_bag_fwd(
@@ -129,7 +130,7 @@ class _TTBagFunction(torch.autograd.Function):
                 # FBTT counts accesses in training forwards
                 cache_count=cache is not None and training and module.training,
                 report=None if report is None or not report.is_cuda else array_of(report),
-                stream=current_stream(device.device))
+                stream=stream)
         if isinstance(residuals, core.TTBagPlan):
             residuals.bound = module.num_embeddings
         ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
@@ -140,7 +141,9 @@ class _TTBagFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         module, cache = ctx.module, ctx.cache
         none = (None,) * 6
-        with on_stream(ctx.device, ctx.capturing):
+        # the stream autograd runs this backward on (the forward's, unless the caller chose)
+        stream = cupy_stream(ctx.device.device) if ctx.device.is_cuda else None
+        with on_stream(ctx.device, ctx.capturing, stream):
             grad_bags = array_of(grad_out.contiguous())
             if module.sparse and module._group is not None:  # data parallel (tt_dist)
                 with torch.no_grad():
@@ -150,8 +153,7 @@ class _TTBagFunction(torch.autograd.Function):
                         ctx.residuals, ctx.arrays, grad_bags, cache, module._group, _torch,
                         array_of)
                 if pending is not None:  # read at the same call on every rank
-                    pending.defer(module._checks, current_stream(ctx.device.device),
-                                  early=False)
+                    pending.defer(module._checks, stream, early=False)
                 return none + (None,) * (1 + len(ctx.arrays))
             if module.sparse:  # fused: update the cores in place, hand no gradient back
                 with torch.no_grad():
@@ -164,10 +166,10 @@ class _TTBagFunction(torch.autograd.Function):
                         ctx.arrays, module._cshape, ctx.residuals, grad_bags,
                         module._state_arrays(), module._core_optimizer, lr=module.learning_rate,
                         eps=module.eps, cache=cache, checks=module._checks if defer else None,
-                        stream=current_stream(ctx.device.device), **module.step_hyper())
+                        stream=stream, **module.step_hyper())
                 return none + (None,) * (1 + len(ctx.arrays))
             grads = core.tt_embedding_bag_bwd(ctx.arrays, module._cshape, ctx.residuals,
-                                              grad_bags, stream=current_stream(ctx.device.device))
+                                              grad_bags, stream=stream)
             cache_grad = None
             if cache is not None and cache.active:
                 cache_grad = _torch(core.tt_cache_grad(cache, module._cshape, ctx.residuals,
@@ -305,7 +307,8 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         ``weight_decay``, ``eta``, ``momentum``) and its ``step``: the device counter's
         array on the GPU (read by the kernel, so captured replays count), else its value."""
         counter = self._step_counter
-        step = array_of(counter) if counter.is_cuda else max(int(counter[0]), 1)
+        step = (self._memo("counter", (counter,), lambda: array_of(counter)) if counter.is_cuda
+                else max(int(counter[0]), 1))
         return dict(betas=self.betas, weight_decay=self.weight_decay, eta=self.eta,
                     momentum=self.momentum, step=step)
 
@@ -403,9 +406,14 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, indices, offsets, warmup=True, *, per_sample_weights=None):
-        trains = self.sparse and torch.is_grad_enabled() and any(
-            c.requires_grad for c in self.tt_cores)
-        if self._group is None or not trains:
+        return self._bags(indices, offsets, warmup, per_sample_weights).view(
+            self.num_tables, -1, self.embedding_dim)
+
+    def _bags(self, indices, offsets, warmup, per_sample_weights):
+        """The pooled bags of every table, ``(T * B, dim)`` (``forward`` views them per
+        table; ``TTEmbeddingBag`` returns them as they are, with no view in the graph)."""
+        if self._group is None or not (self.sparse and torch.is_grad_enabled() and any(
+                c.requires_grad for c in self.tt_cores)):
             return self._forward(indices, offsets, warmup, per_sample_weights)
         device = self.tt_cores[0].device
         if device.type == "cuda" and _capturing():
@@ -462,16 +470,18 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
                 raise TypeError(f"{name} must be an integer tensor (int32 or int64), got "
                                 f"{t.dtype}")
-        indices, offsets = indices.long(), offsets.long()
+        if indices.dtype != torch.int64:
+            indices = indices.long()
+        if offsets.dtype != torch.int64:
+            offsets = offsets.long()
         report = None
         if self.num_tables > 1:
             indices, report = self._joint_rows(indices, offsets), indices
         training = torch.is_grad_enabled() and (
             any(c.requires_grad for c in self.tt_cores) or self.cache_weight is not None
             and self.cache_weight.requires_grad)
-        out = _TTBagFunction.apply(self, training, indices, offsets, per_sample_weights,
-                                   report, self.cache_weight, *self.tt_cores)
-        return out.view(self.num_tables, -1, self.embedding_dim)
+        return _TTBagFunction.apply(self, training, indices, offsets, per_sample_weights,
+                                    report, self.cache_weight, *self.tt_cores)
 
     def _joint_rows(self, indices, offsets):
         """Each lookup's row in the joint TT: digits ``t p_k + i_k`` (torch ops, no host sync);

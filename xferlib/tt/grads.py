@@ -10,6 +10,7 @@ import numpy as np
 
 from xferlib._backend import array_module, as_cupy_stream
 from xferlib._kernels import grid_1d
+from xferlib._kernels.tt import CHUNK, REDUCE_THREADS, THREADS
 from xferlib.tt.lookup import prefix_products, scatter_add, suffix_products
 from xferlib.tt.plan import TTBagPlan, core_pointers, key_type, launch, sort_keys
 from xferlib.tt.shape import TTShape, grad_spans, lead_core, total_core_rows
@@ -110,8 +111,6 @@ def gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: boo
 
 def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream):
     import cupy
-
-    from xferlib._kernels.tt import CHUNK, REDUCE_THREADS, THREADS
 
     n, d = plan.n, shape.d
     grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))

@@ -7,10 +7,13 @@ shapes the kernels take (their shared memory) and the launch helpers.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_cupy_array
 from xferlib._kernels import grid_1d
+from xferlib._kernels.tt import CHUNK, THREADS
 from xferlib.batch import NO_BAD, Verdict, host_values, sort_positions
 from xferlib.perf import warn_tt_fallback
 from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core
@@ -79,9 +82,7 @@ def uses_kernels(shape: TTShape, indices, cores=None) -> bool:
     if not is_cupy_array(indices) or (cores is not None and not all(
             is_cupy_array(c) and c.dtype == np.float32 for c in cores)):
         return False
-    from xferlib._kernels.tt import shared_bytes
-
-    need = max(shared_bytes(shape.p_shapes, shape.q_shapes, shape.ranks).values())
+    need = _shared_need(shape)
     if need <= _KERNEL_SHARED_LIMIT:
         return True
     warn_tt_fallback((tuple(shape.p_shapes), tuple(shape.q_shapes), tuple(shape.ranks)),
@@ -90,10 +91,28 @@ def uses_kernels(shape: TTShape, indices, cores=None) -> bool:
     return False
 
 
-def _kernel(shape: TTShape, name: str):
-    from xferlib._kernels.tt import tt_module
+@functools.lru_cache(maxsize=256)
+def _shared_need(shape: TTShape) -> int:
+    """The most static shared memory one of ``shape``'s kernels uses, in bytes."""
+    from xferlib._kernels.tt import shared_bytes
 
-    return tt_module(shape.p_shapes, shape.q_shapes, shape.ranks).get_function(name)
+    return max(shared_bytes(shape.p_shapes, shape.q_shapes, shape.ranks).values())
+
+
+_FUNCTIONS = {}  # (device, shape, name) -> compiled kernel: a launch is one dict lookup
+
+
+def _kernel(shape: TTShape, name: str):
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), shape, name)
+    function = _FUNCTIONS.get(key)
+    if function is None:
+        from xferlib._kernels.tt import tt_module
+
+        function = _FUNCTIONS[key] = tt_module(
+            shape.p_shapes, shape.q_shapes, shape.ranks).get_function(name)
+    return function
 
 
 def launch(shape: TTShape, name: str, grid, block, args, stream) -> None:
@@ -132,8 +151,6 @@ def gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
 def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_last_offset,
               check, num_embeddings, out, cache, cache_count, report, stream):
     import cupy
-
-    from xferlib._kernels.tt import CHUNK, THREADS
 
     check_index_array(indices)
     offsets = cupy.asarray(offsets)

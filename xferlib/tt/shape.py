@@ -8,6 +8,7 @@ Also where each core's rows sit in the flat core-gradient buffer and its touched
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -72,12 +73,14 @@ class TTShape:
         return xp.stack([(idx // s) % p for s, p in zip(strides, self.p_shapes)], axis=1)
 
     def check_cores(self, cores) -> None:
+        expected = core_shapes(self)
         if len(cores) != self.d:
             raise ValueError(f"{self.d} cores expected, got {len(cores)}")
         for k, core in enumerate(cores):
-            if tuple(np.shape(core)) != self.core_shape(k):
-                raise ValueError(f"core {k} must have shape {self.core_shape(k)}, got "
-                                 f"{tuple(np.shape(core))}")
+            got = getattr(core, "shape", None)  # arrays; np.shape for nested sequences
+            got = tuple(np.shape(core)) if got is None else tuple(got)
+            if got != expected[k]:
+                raise ValueError(f"core {k} must have shape {expected[k]}, got {got}")
 
 
 def _balanced_factors(n: int, d: int) -> list[int]:
@@ -147,18 +150,28 @@ def check_out(out, num_bags: int, shape: TTShape) -> None:
                          f"{out.dtype} {tuple(out.shape)}")
 
 
+# Per-shape constants, computed once (a step asks for them several times).
+
+
+@functools.lru_cache(maxsize=256)
+def core_shapes(shape: TTShape) -> tuple:
+    """Every core's ``(p_k, R_k q_k R_{k+1})``."""
+    return tuple(shape.core_shape(k) for k in range(shape.d))
+
+
+@functools.lru_cache(maxsize=256)
 def total_core_rows(shape: TTShape) -> int:
     return sum(shape.p_shapes)
 
 
-def grad_spans(shape: TTShape) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=256)
+def grad_spans(shape: TTShape) -> tuple[tuple[int, int], ...]:
     """Where each core's rows sit in the flat gradient buffer."""
     spans, start = [], 0
-    for k in range(shape.d):
-        size = shape.core_shape(k)[0] * shape.core_shape(k)[1]
-        spans.append((start, start + size))
-        start += size
-    return spans
+    for rows, width in core_shapes(shape):
+        spans.append((start, start + rows * width))
+        start += rows * width
+    return tuple(spans)
 
 
 def lead_core(shape: TTShape) -> int:

@@ -64,12 +64,8 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
         args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
         if cache is not None and cache.active and residuals.slot is not None:
             _launch_cache_update(cache, shape, residuals, grad_bags, optimizer, args, stream)
-        pad = [np.uint64(0)] * (4 - shape.d)
-        pointers = [state_pointers(st, optimizer) for st in states]
         launch(shape, "tt_update", (total_core_rows(shape),), (256,),
-               list(cores) + pad + [x for j in range(4) for x in
-                                    ([p[j] for p in pointers] + pad)]
-               + [grad, touched] + args, stream)
+               _update_pointers(cores, states, optimizer) + [grad, touched] + args, stream)
     # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
     # flagged as touched), and the host waited for nothing while the step was being queued.
     if checks is not None and not residuals.checked:
@@ -102,12 +98,8 @@ def tt_apply_core_grads(cores, shape: TTShape, grad, touched, states, optimizer:
             grad = cupy.ascontiguousarray(grad, dtype=np.float32)
             touched = cupy.ascontiguousarray(touched, dtype=np.int32)
             args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
-            pad = [np.uint64(0)] * (4 - shape.d)
-            pointers = [state_pointers(st, optimizer) for st in states]
             launch(shape, "tt_update", (total,), (256,),
-                   list(cores) + pad + [x for j in range(4) for x in
-                                        ([p[j] for p in pointers] + pad)]
-                   + [grad, touched] + args, stream)
+                   _update_pointers(cores, states, optimizer) + [grad, touched] + args, stream)
         return
     hyper = _host_step(hyper)
     xp = array_module(grad)
@@ -148,10 +140,22 @@ def _host_step(hyper: dict) -> dict:
     return {**hyper, "step": int(to_host(step).reshape(-1)[0])}
 
 
+_NULL = np.uint64(0)  # a NULL pointer argument
+
+
+def _update_pointers(cores, states, optimizer: str) -> list:
+    """``tt_update``'s leading arguments: 4 core pointers, then for each of the 4 state
+    slots one pointer per core (NULL-padded to 4 cores)."""
+    pad = [_NULL] * (4 - len(cores))
+    pointers = [state_pointers(st, optimizer) for st in states]
+    return list(cores) + pad + [x for j in range(4) for x in
+                                ([p[j] for p in pointers] + pad)]
+
+
 def state_pointers(state: dict, optimizer: str) -> list:
     """``[elementwise, second elementwise, per row, per-row steps]`` state of one parameter
     (NULL where the optimizer has none), as the kernels' ``update_row`` takes them."""
-    pointers = [np.uint64(0)] * 4
+    pointers = [_NULL] * 4
     elem = 0
     for name, where in STATE_SLOTS[optimizer]:
         if where == "elem":
@@ -172,9 +176,24 @@ def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, m
 
     if isinstance(step, (int, np.integer)):
         step = cupy.full(1, int(step), dtype=np.int64)
-    return [np.int32(OptId[optimizer.upper()]), np.float32(lr), np.float32(eps),
+    key = (optimizer, lr, eps, betas[0], betas[1], weight_decay, eta, momentum)
+    try:
+        scalars = _SCALARS.get(key)
+    except TypeError:  # an unhashable hyperparameter (a 0-d array): no caching
+        key, scalars = None, None
+    if scalars is None:
+        if len(_SCALARS) >= 64:  # a schedule changing lr at every step
+            _SCALARS.clear()
+        scalars = [
+            np.int32(OptId[optimizer.upper()]), np.float32(lr), np.float32(eps),
             np.float64(betas[0]), np.float64(betas[1]), np.float32(weight_decay),
-            np.float32(eta), np.float32(momentum), step]
+            np.float32(eta), np.float32(momentum)]
+        if key is not None:
+            _SCALARS[key] = scalars
+    return scalars + [step]
+
+
+_SCALARS = {}  # the kernels' scalar arguments per hyperparameter set
 
 
 def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, optimizer, args,
