@@ -306,19 +306,32 @@ def _sort_kernels(dtype_name: str, items: int):
     return found
 
 
-def _sort_tiled(idx, num_rows: int, stream):
+def _sort_tiled(idx, num_rows: int, stream, scratch=None, scratch_result=False):
     """:func:`sort_positions` without a device-wide sort or a host sync: tiles of up to
     16,384 positions are checked, narrowed and sorted by one block each (one launch), then
-    merged pairwise (one launch per doubling). A single tile is one launch."""
+    merged pairwise (one launch per doubling). A single tile is one launch. ``scratch``:
+    see :func:`sort_positions`."""
     import cupy
 
     n = idx.size
     items = next((i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n),
                  SMALL_SORT_ITEMS[-1])
     tile = items * SMALL_SORT_THREADS
-    rows = cupy.empty(n, dtype=np.int32)
-    perm = cupy.empty(n, dtype=np.int64)
-    words = cupy.empty(2, dtype=np.uint64)
+    merges, width = 0, tile
+    while width < n:
+        merges, width = merges + 1, width * 2
+    # The merges ping-pong between two pairs of buffers: the pair that ends up holding the
+    # result comes from the scratch only if the caller lets the result be scratch.
+    fresh = lambda name, dtype: cupy.empty(n, dtype=dtype)  # noqa: E731
+    first = second = fresh
+    if scratch is not None:
+        reused = lambda name, dtype: scratch.empty(name, n, dtype)  # noqa: E731
+        result_pair = reused if scratch_result else fresh
+        first, second = (result_pair, reused) if merges % 2 == 0 else (reused, result_pair)
+    rows = first("rows", np.int32)
+    perm = first("perm", np.int64)
+    words = (cupy.empty(2, dtype=np.uint64) if scratch is None
+             else scratch.empty("words", 2, np.uint64))
     words.data.memset_async(0xFF, 16, stream)
     kernel, shared, merge = _sort_kernels(idx.dtype.name, items)
     bits = max(1, int(num_rows - 1).bit_length())
@@ -328,7 +341,7 @@ def _sort_tiled(idx, num_rows: int, stream):
            shared_mem=shared, stream=stream)
     width = tile
     if width < n:
-        rows_b, perm_b = cupy.empty_like(rows), cupy.empty_like(perm)
+        rows_b, perm_b = second("rows_b", np.int32), second("perm_b", np.int64)
         grid, block = grid_1d(n, 256, 65535)
         n64 = np.int64(n)
         while width < n:
@@ -340,7 +353,7 @@ def _sort_tiled(idx, num_rows: int, stream):
 
 
 def sort_positions(idx, num_rows: int, *, stream=None, presorted: bool = False,
-                   tiled_max: int | None = None):
+                   tiled_max: int | None = None, scratch=None, scratch_result: bool = False):
     """Check GPU indices and sort positions by row, all queued on ``stream`` without a host
     sync: ``(keys, perm, words)``.
 
@@ -350,7 +363,9 @@ def sort_positions(idx, num_rows: int, *, stream=None, presorted: bool = False,
     clean). ``presorted``: the caller promises ascending indices; they are checked, not
     sorted. ``tiled_max`` (default :data:`TILED_SORT_MAX`): up to this many positions the
     tile sort + merges runs; above, CuPy's argsort, whose Thrust call waits for the device (a
-    host sync).
+    host sync). ``scratch`` (an ``xferlib.tt.scratch.Scratch``, tile sort only): the working
+    buffers and ``words`` come from it (the caller reads ``words`` within the call), and
+    ``keys`` / ``perm`` too with ``scratch_result``; none is allocated per call.
     """
     import cupy
 
@@ -360,7 +375,7 @@ def sort_positions(idx, num_rows: int, *, stream=None, presorted: bool = False,
         tiled_max = TILED_SORT_MAX
     with stream:
         if not presorted and n <= tiled_max and num_rows <= np.iinfo(np.int32).max:
-            return _sort_tiled(idx, num_rows, stream)
+            return _sort_tiled(idx, num_rows, stream, scratch, scratch_result)
         narrow = idx.dtype == np.int64 and num_rows <= np.iinfo(np.int32).max
         keys32 = cupy.empty(n, dtype=np.int32) if narrow else None
         words = cupy.empty(2, dtype=np.uint64)

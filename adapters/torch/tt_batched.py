@@ -24,6 +24,7 @@ from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
 from xferlib.batch import PendingChecks
 from xferlib.tt.plan import uses_kernels
 from xferlib.tt.rules import row_state
+from xferlib.tt.scratch import ScratchSet
 
 __all__ = ["TableBatchedTTEmbeddingBag"]
 
@@ -119,6 +120,8 @@ class _TTBagFunction(torch.autograd.Function):
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
         out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
         stream = cupy_stream(device.device) if gpu else None
+        # working buffers reused from step to step (none in a capture: the graph keeps them)
+        scratch = module._scratch_of(stream) if gpu and not capturing else None
         with on_stream(device, capturing, stream):
             arrays = module._core_arrays()
             cache = module._core_cache()
@@ -130,7 +133,7 @@ class _TTBagFunction(torch.autograd.Function):
                 # FBTT counts accesses in training forwards
                 cache_count=cache is not None and training and module.training,
                 report=None if report is None or not report.is_cuda else array_of(report),
-                stream=stream)
+                stream=stream, scratch=scratch)
         if isinstance(residuals, core.TTBagPlan):
             residuals.bound = module.num_embeddings
         ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
@@ -162,11 +165,13 @@ class _TTBagFunction(torch.autograd.Function):
                     # deferred: read by a later call or check_inputs(); a captured step's
                     # verdict is written by every replay and read by check_inputs()
                     defer = ctx.capturing or module.defer_input_check
+                    scratch = None if stream is None or ctx.capturing or \
+                        torch.cuda.is_current_stream_capturing() else module._scratch_of(stream)
                     core.tt_fused_update(
                         ctx.arrays, module._cshape, ctx.residuals, grad_bags,
                         module._state_arrays(), module._core_optimizer, lr=module.learning_rate,
                         eps=module.eps, cache=cache, checks=module._checks if defer else None,
-                        stream=stream, **module.step_hyper())
+                        stream=stream, scratch=scratch, **module.step_hyper())
                 return none + (None,) * (1 + len(ctx.arrays))
             grads = core.tt_embedding_bag_bwd(ctx.arrays, module._cshape, ctx.residuals,
                                               grad_bags, stream=stream)
@@ -383,6 +388,15 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         if hit is None or hit[0] != key:
             hit = memo[name] = (key, build())
         return hit[1]
+
+    def _scratch_of(self, stream):
+        """The working buffers this module's GPU steps on ``stream`` reuse (see
+        ``xferlib.tt.scratch``; held between steps, about one step's worth per stream)."""
+        memo = self.__dict__.setdefault("_views", {})
+        scratches = memo.get("scratch")
+        if scratches is None:
+            scratches = memo["scratch"] = ScratchSet()
+        return scratches.get(stream)
 
     def _core_arrays(self) -> list:
         """The cores as arrays of the joint TT (``[T p_k, width]`` views of the Parameters)."""

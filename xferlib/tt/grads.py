@@ -101,15 +101,18 @@ def tt_core_grads(cores, shape: TTShape, residuals, grad_bags, *, stream=None):
     return xp.concatenate([g.reshape(-1) for g in grads]), touched
 
 
-def gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bool, stream):
+def gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bool, stream,
+                   scratch=None):
     """Each touched core row's gradient, in a flat buffer (zeros elsewhere when ``dense``,
     else untouched rows are left unwritten) and the flags of the touched rows, queued on
-    ``stream`` (a CuPy stream)."""
+    ``stream`` (a CuPy stream). ``scratch`` (a :class:`xferlib.tt.scratch.Scratch` of
+    ``stream``): every buffer comes from it, the returned gradient and flags included, so
+    the caller must use them within the call."""
     with stream:
-        return _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream)
+        return _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch)
 
 
-def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream):
+def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch):
     import cupy
 
     n, d = plan.n, shape.d
@@ -123,10 +126,15 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream):
         return (cupy.zeros(size, dtype=np.float32) if dense else None), None
     r = shape.padded_ranks
     a_last = math.prod(shape.q_shapes[:-1])
-    ubuf = cupy.empty(n * a_last * r[d - 1], dtype=np.float32)
-    cbuf = cupy.empty(n * r[d - 1] * shape.q_shapes[-1], dtype=np.float32)
-    c0buf = cupy.empty(n * shape.core_shape(0)[1] if d > 2 else 1, dtype=np.float32)
-    keys = cupy.empty((d - 1) * n, dtype=np.int32)
+    if scratch is None:
+        empty = lambda name, size, dtype: cupy.empty(size, dtype=dtype)  # noqa: E731
+    else:
+        scratch = scratch.named("grads.")
+        empty = scratch.empty
+    ubuf = empty("ubuf", n * a_last * r[d - 1], np.float32)
+    cbuf = empty("cbuf", n * r[d - 1] * shape.q_shapes[-1], np.float32)
+    c0buf = empty("c0buf", n * shape.core_shape(0)[1] if d > 2 else 1, np.float32)
+    keys = empty("keys", (d - 1) * n, np.int32)
     key_name = key_type(plan.rows)
     weights = plan.per_sample_weights
     launch(shape, f"tt_bwd_pieces<{key_name}>", grid_1d(n, CHUNK)[0], (THREADS,),
@@ -136,9 +144,15 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream):
                 weights if weights is not None else np.uint64(0), np.int32(plan.mean),
                 grad_bags, ubuf, cbuf, c0buf, keys, plan.verdict.words], stream)
     keyed = sum(shape.p_shapes) - shape.p_shapes[lead_core(shape)]
-    skeys, items, _ = sort_keys(keys, keyed + 1, stream)
-    grad = (cupy.zeros if dense else cupy.empty)(size, dtype=np.float32)
-    touched = cupy.zeros(total_core_rows(shape), dtype=np.int32)
+    if scratch is None:
+        skeys, items, _ = sort_keys(keys, keyed + 1, stream)
+        grad = (cupy.zeros if dense else cupy.empty)(size, dtype=np.float32)
+        touched = cupy.zeros(total_core_rows(shape), dtype=np.int32)
+    else:
+        skeys, items, _ = sort_keys(keys, keyed + 1, stream, scratch.named("sort."), True)
+        grad = (scratch.zeros("grad", size, np.float32, stream) if dense
+                else scratch.empty("grad", size, np.float32))
+        touched = scratch.zeros("touched", total_core_rows(shape), np.int32, stream)
     launch(shape, f"tt_reduce<{key_name}>", (total_core_rows(shape),), (REDUCE_THREADS,),
            core_pointers(cores) + [plan.rows, np.int64(n), skeys, items, np.int64(keys.size),
                                    ubuf, cbuf, c0buf, grad, touched, plan.verdict.words],

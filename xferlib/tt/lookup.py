@@ -137,7 +137,7 @@ def tt_bag_residuals(shape: TTShape, indices, offsets, *, mode="sum", per_sample
 def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
                          per_sample_weights=None, include_last_offset=True, check=True,
                          num_embeddings=None, out=None, cache=None, cache_count=False,
-                         report=None, stream=None):
+                         report=None, stream=None, scratch=None):
     """``(bags, residuals)``: pooled rows ``(B, D)`` (float32) and what backward needs.
 
     GPU (CuPy) arrays run the CUDA kernels (see :class:`TTBagPlan`) on ``stream`` (default:
@@ -151,12 +151,14 @@ def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
     rows instead; ``cache_count`` also counts the lookups in its frequency table (on the GPU
     in the same launch as the cache lookups). ``report``: GPU indices to name in an index
     error instead of ``indices`` (same length; for callers that map their indices).
+    ``scratch``: a :class:`xferlib.tt.scratch.Scratch` of ``stream`` (GPU, not while a CUDA
+    graph is captured): the call's working buffers come from it instead of the memory pool.
     """
     shape.check_cores(cores)
     if uses_kernels(shape, indices, cores):
         return gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights,
                         include_last_offset, check, num_embeddings, out, cache, cache_count,
-                        report, stream)
+                        report, stream, scratch)
     indices, bag, w, num_bags = tt_bag_residuals(
         shape, indices, offsets, mode=mode, per_sample_weights=per_sample_weights,
         include_last_offset=include_last_offset, num_embeddings=num_embeddings)

@@ -120,12 +120,13 @@ def launch(shape: TTShape, name: str, grid, block, args, stream) -> None:
     _kernel(shape, name)(grid, block, tuple(args), stream=stream)
 
 
-def sort_keys(keys, num_keys: int, stream):
+def sort_keys(keys, num_keys: int, stream, scratch=None, scratch_result=False):
     """``(sorted keys, positions, verdict words)``: a stable sort on ``stream``, no host
-    sync."""
+    sync (``scratch``: see ``xferlib.batch.sort_positions``)."""
     # Tile sorts and merges at every batch size: CuPy's argsort (Thrust) would wait for the
     # device, and a training step must not.
-    return sort_positions(keys, num_keys, stream=stream, tiled_max=np.iinfo(np.int32).max)
+    return sort_positions(keys, num_keys, stream=stream, tiled_max=np.iinfo(np.int32).max,
+                          scratch=scratch, scratch_result=scratch_result)
 
 
 def key_type(rows) -> str:
@@ -138,18 +139,19 @@ def core_pointers(cores) -> list:
 
 def gpu_plan(cores, shape: TTShape, indices, offsets, mode, per_sample_weights,
              include_last_offset, check, num_embeddings=None, out=None, cache=None,
-             cache_count=False, report=None, stream=None):
+             cache_count=False, report=None, stream=None, scratch=None):
     """Sort and check the batch and (with ``cores``) pool its rows, on ``stream``:
-    ``(bags or None, plan)``."""
+    ``(bags or None, plan)``. ``scratch``: a :class:`xferlib.tt.scratch.Scratch` of
+    ``stream`` for the buffers that live only within this call."""
     stream = as_cupy_stream(stream)
     with stream:
         return _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights,
                          include_last_offset, check, num_embeddings, out, cache, cache_count,
-                         report, stream)
+                         report, stream, scratch)
 
 
 def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_last_offset,
-              check, num_embeddings, out, cache, cache_count, report, stream):
+              check, num_embeddings, out, cache, cache_count, report, stream, scratch):
     import cupy
 
     check_index_array(indices)
@@ -174,14 +176,19 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
     indices = cupy.ascontiguousarray(indices)
     offsets = cupy.ascontiguousarray(offsets.astype(np.int64, copy=False))
     bound = shape.num_rows if num_embeddings is None else int(num_embeddings)
+    if scratch is not None:
+        scratch = scratch.named("plan.")
+    # the sorted rows and positions are the plan's (backward reads them): never scratch
+    sort_scratch = None if scratch is None else scratch.named("sort.")
     if lead_core(shape) == 0:  # the sort key is the row
-        rows, perm, sort_verdict = sort_keys(indices, bound, stream)
+        rows, perm, sort_verdict = sort_keys(indices, bound, stream, sort_scratch)
     else:  # the lead core's digit first (xferlib/_kernels/tt.py); bad rows get a rejected key
-        keys = cupy.empty(n, dtype=np.int64)
+        keys = (cupy.empty(n, dtype=np.int64) if scratch is None
+                else scratch.empty("keys", n, np.int64))
         launch(shape, "tt_keys", *grid_1d(n, 256, 4096),
                (indices if indices.dtype == np.int64 else indices.astype(np.int64),
                 np.int64(n), np.int64(bound), keys), stream)
-        rows, perm, sort_verdict = sort_keys(keys, shape.num_rows, stream)
+        rows, perm, sort_verdict = sort_keys(keys, shape.num_rows, stream, sort_scratch)
     n_off = int(offsets.size)
     num_bags = n_off - 1 if include_last_offset else n_off
     verdict = Verdict.clean(TTReport(indices if report is None else report, offsets,
@@ -191,7 +198,8 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
             sort_verdict, verdict.words), stream)
     y = None
     if cores is not None:
-        y = cupy.empty((n, shape.dim), dtype=np.float32)
+        y = (cupy.empty((n, shape.dim), dtype=np.float32) if scratch is None
+             else scratch.empty("y", n * shape.dim, np.float32))
         launch(shape, f"tt_rows<{key_type(rows)}>", grid_1d(n, CHUNK)[0], (THREADS,),
                core_pointers(cores) + [rows, perm, np.int64(n), y, verdict.words], stream)
         if out is None:

@@ -22,7 +22,7 @@ __all__ = ["tt_fused_update", "tt_apply_core_grads", "tt_cache_apply"]
 
 def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimizer: str, *,
                     lr: float, eps: float = 1e-10, betas=(0.9, 0.999), cache=None,
-                    checks=None, stream=None, **hyper) -> None:
+                    checks=None, stream=None, scratch=None, **hyper) -> None:
     """Backward and :func:`tt_sparse_update` in one: the cores change in place from the bag
     gradients. On the GPU kernel path no dense core gradient exists: each touched core row's
     gradient is summed (in sorted order, deterministic) and the optimizer runs on those rows
@@ -38,7 +38,9 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     owner's next poll (the rejected batch changed nothing), so the step takes no host
     synchronization, and a step captured in a CUDA graph reports at the owner's explicit
     check after replays (see :mod:`xferlib.batch`). ``stream``: where the kernels run
-    (default: CuPy's current stream).
+    (default: CuPy's current stream). ``scratch`` (kernel path, not while a CUDA graph is
+    captured): a :class:`xferlib.tt.scratch.Scratch` of ``stream`` that the step's working
+    buffers come from instead of the memory pool.
     """
     check_sparse_args(optimizer, lr)
     kernel_path = isinstance(residuals, TTBagPlan)
@@ -57,7 +59,7 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
         return
     stream = as_cupy_stream(stream)
     grad, touched = gpu_core_grads(cores, shape, residuals, grad_bags, dense=False,
-                                   stream=stream)
+                                   stream=stream, scratch=scratch)
     if grad is None:  # an empty batch touches nothing
         return
     with stream:
