@@ -382,7 +382,10 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
     def _memo(self, name: str, tensors, build, *extra):
         """``build()``'s array views, rebuilt only when a tensor moved (``.to()``, a new
         ``.data``) or ``extra`` changed: a step then spends no host time on views."""
-        key = tuple((t.device, t.data_ptr(), tuple(t.shape)) for t in tensors) + extra
+        # (pointer, device index, shape): a few attribute reads per tensor, no device object
+        key = [(t.data_ptr(), t.get_device(), t.shape) for t in tensors]
+        if extra:
+            key.append(extra)
         memo = self.__dict__.setdefault("_views", {})
         hit = memo.get(name)
         if hit is None or hit[0] != key:
@@ -398,14 +401,20 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             scratches = memo["scratch"] = ScratchSet()
         return scratches.get(stream)
 
+    def _cores(self) -> tuple:
+        """The core Parameters, read from the ParameterList's dict (its ``__iter__`` and
+        ``__getitem__`` cost microseconds per core, at every step)."""
+        return tuple(self._modules["tt_cores"]._parameters.values())
+
     def _core_arrays(self) -> list:
         """The cores as arrays of the joint TT (``[T p_k, width]`` views of the Parameters)."""
-        return self._memo("cores", list(self.tt_cores), lambda: [
-            array_of(c.detach().view(-1, c.shape[-1])) for c in self.tt_cores])
+        cores = self._cores()
+        return self._memo("cores", cores, lambda: [
+            array_of(c.detach().view(-1, c.shape[-1])) for c in cores])
 
     def _state_buffers(self) -> list:
-        return [self.optimizer_state[k] if j == 0 else
-                getattr(self.optimizer_state, f"{name}{k}")
+        buffers = self._modules["optimizer_state"]._buffers  # optimizer_state<k>, <name><k>
+        return [buffers[f"optimizer_state{k}" if j == 0 else f"{name}{k}"]
                 for k in range(self.tt_ndim) for j, name in enumerate(self._state_names)]
 
     def _state_arrays(self) -> list[dict]:
@@ -427,7 +436,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         """The pooled bags of every table, ``(T * B, dim)`` (``forward`` views them per
         table; ``TTEmbeddingBag`` returns them as they are, with no view in the graph)."""
         if self._group is None or not (self.sparse and torch.is_grad_enabled() and any(
-                c.requires_grad for c in self.tt_cores)):
+                c.requires_grad for c in self._cores())):
             return self._forward(indices, offsets, warmup, per_sample_weights)
         device = self.tt_cores[0].device
         if device.type == "cuda" and _capturing():
@@ -472,7 +481,8 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
     def _forward(self, indices, offsets, warmup, per_sample_weights):
         if isinstance(warmup, torch.Tensor):  # xferlib's earlier third argument
             per_sample_weights, warmup = warmup, True
-        device = self.tt_cores[0].device
+        cores = self._cores()
+        device = cores[0].device
         for name, t in (("indices", indices), ("offsets", offsets),
                         ("per_sample_weights", per_sample_weights)):
             if t is not None and t.device != device:
@@ -492,10 +502,10 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         if self.num_tables > 1:
             indices, report = self._joint_rows(indices, offsets), indices
         training = torch.is_grad_enabled() and (
-            any(c.requires_grad for c in self.tt_cores) or self.cache_weight is not None
+            any(c.requires_grad for c in cores) or self.cache_weight is not None
             and self.cache_weight.requires_grad)
         return _TTBagFunction.apply(self, training, indices, offsets, per_sample_weights,
-                                    report, self.cache_weight, *self.tt_cores)
+                                    report, self.cache_weight, *cores)
 
     def _joint_rows(self, indices, offsets):
         """Each lookup's row in the joint TT: digits ``t p_k + i_k`` (torch ops, no host sync);
