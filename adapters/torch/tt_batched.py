@@ -18,7 +18,7 @@ import torch
 from xferlib import tt as core
 from xferlib.adapters.torch import tt_dist
 from xferlib.adapters.torch import tt_fbtt_compat as compat
-from xferlib.adapters.torch._convert import as_core_array, cupy_stream
+from xferlib.adapters.torch._convert import as_core_array, cuda_view, cupy_stream
 from xferlib.adapters.torch.groups import resolve_group
 from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
 from xferlib.batch import PendingChecks
@@ -31,6 +31,8 @@ __all__ = ["TableBatchedTTEmbeddingBag"]
 
 def array_of(t: torch.Tensor):
     """A zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor."""
+    if t.is_cuda and not t.requires_grad:  # the step's path: no detach, no device object
+        return cuda_view(t)
     if t.device.type not in ("cuda", "cpu"):
         raise ValueError(f"TT embedding bags run on CPU or CUDA tensors, got {t.device}")
     return as_core_array(t)
