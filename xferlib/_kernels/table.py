@@ -421,8 +421,9 @@ def run_ids_name(key_bytes: int) -> str:
     return f"run_ids<{_KEYS[key_bytes]}>"
 
 
-# Up to this many positions one block numbers the runs (run_ids); above, flags + cumsum.
-RUN_IDS_MAX = 1 << 18
+# Up to this many positions one block numbers the runs (run_ids); above, flags + cumsum
+# (H100: one block 3.1 vs 6.9 us at 2,048 positions, 55 vs 8.7 us at 65,536).
+RUN_IDS_MAX = 1 << 12
 
 
 def gather_unique_name(vec: int, dtype_name: str, key_bytes: int) -> str:
