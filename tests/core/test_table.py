@@ -67,20 +67,22 @@ def training_reference(name, hyper, init, batches, lookups=False):
     return ({"lookups": seen} | out) if lookups else out
 
 
+def _trained(name, hyper, init, batches):
+    """A table of rows ``init`` after ``apply_gradients`` of each batch."""
+    table = xferlib.HostTable(len(init), init.shape[1], optimizer=name, optimizer_kwargs=hyper,
+                              init=init.copy())
+    for idx, grads in batches:
+        table.apply_gradients(idx, grads)
+    return table
+
+
 @pytest.mark.parametrize("name, hyper, torch_name", VARIANTS)
 @pytest.mark.parametrize("dim", [5, 16, 33])  # 16: the 16-byte-word path on the GPU
 @each_backend
 def test_matches_reference(backend, rng, name, hyper, torch_name, dim):
     init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
 
-    def train(batches):
-        table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
-                                  init=init.copy())
-        for idx, grads in batches:
-            table.apply_gradients(idx, grads)
-        return table_arrays(table)
-
-    reference_check(backend, train, lambda b: training_reference(name, hyper, init, b),
+    reference_check(backend, lambda b: table_arrays(_trained(name, hyper, init, b)), lambda b: training_reference(name, hyper, init, b),
                     list(_batches(rng, dim, "int64")), rtol=2e-5, atol=2e-6)
 
 
@@ -95,13 +97,6 @@ def test_matches_torch_optim_per_row(backend, rng, name, hyper, torch_name, inde
     dim = 7
     init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
 
-    def train(batches):
-        table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
-                                  init=init.copy())
-        for idx, grads in batches:
-            table.apply_gradients(idx, grads)
-        return table.numpy()
-
     def torch_reference(batches):
         params = [torch.nn.Parameter(torch.tensor(row, dtype=torch.float64)) for row in init]
         optimizers = [getattr(torch.optim, torch_name)([p], **hyper) for p in params]
@@ -113,7 +108,7 @@ def test_matches_torch_optim_per_row(backend, rng, name, hyper, torch_name, inde
                 optimizers[row].step()
         return np.stack([p.detach().numpy() for p in params])
 
-    reference_check(backend, train, torch_reference, list(_batches(rng, dim, index_dtype)),
+    reference_check(backend, lambda b: _trained(name, hyper, init, b).numpy(), torch_reference, list(_batches(rng, dim, index_dtype)),
                     rtol=3e-5, atol=3e-6)
 
 
