@@ -20,7 +20,7 @@ Checking policy (rows, host tables and TT alike):
   module's ``check_inputs()``.
 * A step captured in a CUDA graph writes its verdict into its own pinned slot at every
   replay; the explicit check waits for the device, then reads those slots and
-  reports each bad replay once.
+  reports a bad batch in the last replay of each captured step (and rearms the slot).
 * :meth:`Verdict.raise_now` reads the verdict at once (one 16-byte copy, a stream sync), for
   callers that must know before they return.
 
@@ -149,11 +149,19 @@ _GRAPH_SLOTS = 64  # pinned slots handed once each to captured verdicts
 
 
 class _Entry:
-    __slots__ = ("verdict", "host", "slot", "event", "keep", "early")
+    __slots__ = ("verdict", "host", "slot", "event", "keep", "early", "device", "stream")
 
-    def __init__(self, verdict, host, slot, event, keep, early):
+    def __init__(self, verdict, host, slot, event, keep, early, device=None, stream=None):
         self.verdict, self.host, self.slot, self.event = verdict, host, slot, event
-        self.keep, self.early = keep, early
+        self.keep, self.early, self.device, self.stream = keep, early, device, stream
+
+
+def _still_capturing(stream) -> bool:
+    """Whether a captured push's stream is still capturing (a stream since destroyed is not)."""
+    try:
+        return is_capturing(stream)
+    except Exception:  # noqa: BLE001  (CUDA errors of a destroyed stream handle)
+        return False
 
 
 class PendingChecks:
@@ -219,8 +227,12 @@ class PendingChecks:
                     host[...] = NO_BAD
                 cupy.cuda.runtime.memcpyAsync(host.ctypes.data, verdict.words.data.ptr, 16,
                                               cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-                self.graph.append(_Entry(verdict, host, None, None, keep, early))
+                self.graph.append(_Entry(verdict, host, None, None, keep, early,
+                                         cupy.cuda.runtime.getDevice(), stream))
                 return
+            if not self.entries and cupy.cuda.runtime.getDevice() != self.device:
+                self._allocate()  # the owner moved to another device: a ring of its own
+                self.events, self.next = [None] * _RING, 0
             busy = {e.slot for e in self.entries}
             slot = self.next
             if slot in busy or cupy.cuda.runtime.getDevice() != self.device:
@@ -251,19 +263,30 @@ class PendingChecks:
                 entry = entries.popleft()
                 entry.event.synchronize()
                 entry.verdict.raise_for(entry.host)
-            if wait and self.graph:  # each bad replay reported once
-                # Replays may run on any stream and carry no event: wait for the device, so
-                # a check right after graph.replay() reads that replay's verdict.
+            if wait and self.graph and not any(_still_capturing(e.stream) for e in self.graph):
+                # Replays may run on any stream and carry no event: wait for the devices the
+                # graphs were captured on, so a check right after graph.replay() reads that
+                # replay's verdict. (Not while a capture is under way: a check inside it,
+                # e.g. a torch adapter's after its op, reads the eager verdicts only.)
                 import cupy
 
-                with cupy.cuda.Device(self.device):
-                    cupy.cuda.runtime.deviceSynchronize()
+                for device in {e.device for e in self.graph}:
+                    with cupy.cuda.Device(device):
+                        cupy.cuda.runtime.deviceSynchronize()
                 read = [(e.verdict, e.host.copy()) for e in self.graph]
                 for e in self.graph:
                     e.host[...] = NO_BAD  # the next replay writes it again
                 for verdict, words in read:
                     verdict.checked = False
                     verdict.raise_for(words)
+
+    # A module holding a queue is copied or pickled with an empty one (a lock, events and
+    # pinned slots belong to this process and this queue's copies in flight).
+    def __getstate__(self):
+        return {"limit": self.limit}
+
+    def __setstate__(self, state):
+        self.__init__(state["limit"])
 
     def pending(self) -> bool:
         """Whether some verdict is still unread (captured ones excepted)."""
@@ -308,7 +331,7 @@ def _sort_kernels(dtype_name: str, items: int):
 
 def _sort_tiled(idx, num_rows: int, stream, scratch=None, scratch_result=False):
     """:func:`sort_positions` without a device-wide sort or a host sync: tiles of up to
-    16,384 positions are checked, narrowed and sorted by one block each (one launch), then
+    2,048 positions are checked, narrowed and sorted by one block each (one launch), then
     merged pairwise (one launch per doubling). A single tile is one launch. ``scratch``:
     see :func:`sort_positions`."""
     import cupy

@@ -170,3 +170,15 @@ def test_captured_verdicts_are_read_after_replays():
     with pytest.raises(IndexError, match="index 100 at position 5"):
         checks.poll(wait=True)
     checks.poll(wait=True)  # reported once
+
+
+def test_pending_checks_copy_and_pickle_as_an_empty_queue():
+    import copy
+    import pickle
+
+    from xferlib.batch import PendingChecks
+
+    checks = PendingChecks(limit=5)
+    for clone in (copy.deepcopy(checks), pickle.loads(pickle.dumps(checks))):
+        assert clone.limit == 5 and len(clone) == 0 and not clone.pending()
+        clone.poll(wait=True)  # nothing pending

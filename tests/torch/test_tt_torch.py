@@ -483,3 +483,20 @@ def test_captured_training_step_equals_eager_steps(optimizer, use_cache):
         graphed.check_inputs()
     for a, b in zip(graphed.tt_cores, before):
         torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
+
+
+def test_module_deep_copies_and_saves_whole():
+    """EMA / eval copies and whole-module checkpoints: the copy trains and computes as the
+    original (its deferred-check queue starts empty)."""
+    import copy
+    import io
+
+    module = TTEmbeddingBag(60, 8, [3, 4], [3, 4, 5], [2, 2, 2], seed=0)
+    idx, offsets = torch.tensor([1, 5, 59, 5]), torch.tensor([0, 2, 4])
+    clone = copy.deepcopy(module)
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (clone, loaded):
+        torch.testing.assert_close(other(idx, offsets), module(idx, offsets))

@@ -162,9 +162,8 @@ class DeviceSide:
         dim = self.table.dim
         if out is None:
             out = cupy.empty((plan.n, dim), dtype=self.table.dtype)
-        total = plan.n * dim
-        if total:
-            grid, block = grid_1d(total, 256, 65535)
+        if plan.n * dim:
+            grid, block = launch_config(plan.n)  # a warp per batch position
             TABLE_MODULE.get_function(expand_rows_name(self.dtype_name))(
                 grid, block, (uniq, plan.run, plan.perm, np.int64(plan.n), np.int64(dim),
                                     out, plan.verdict.words), stream=stream)

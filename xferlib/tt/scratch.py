@@ -6,7 +6,7 @@ fused update. The next call on the same stream queues its kernels after this one
 reuse them (the rule CuPy's memory pool follows for freed blocks, without the allocation). An
 array whose size or dtype changes is allocated again; the old one goes back to CuPy's pool.
 
-Rules for callers: one Scratch per (device, stream) (:meth:`ScratchSet.get`); never hand out
+Rules for callers: one Scratch per (device, stream, thread) (:meth:`ScratchSet.get`); never hand out
 an array that outlives the call (a plan's residuals, a returned gradient); no Scratch while a
 CUDA graph is being captured (the graph would keep reading buffers that later eager calls
 rewrite).
@@ -19,16 +19,34 @@ rewrite).
 
 from __future__ import annotations
 
+import threading
+
 __all__ = ["Scratch", "ScratchSet"]
 
 
+class _Store:
+    """The arrays a Scratch and its named views share, and the bytes they hold."""
+
+    __slots__ = ("arrays", "nbytes")
+
+    def __init__(self):
+        self.arrays = {}
+        self.nbytes = 0
+
+
 class Scratch:
-    """Named scratch arrays of one (device, stream); ``prefix`` keeps call sites apart."""
+    """Named scratch arrays of one (device, stream, thread); ``prefix`` keeps call sites apart.
 
-    __slots__ = ("arrays", "prefix", "children")
+    At most :attr:`KEEP_BYTES` are kept between calls: an array that would go past it is
+    allocated from CuPy's pool for this call only (large batches pay one allocation, small ones
+    none), so a module never holds more than that per stream."""
 
-    def __init__(self, arrays=None, prefix: str = ""):
-        self.arrays = {} if arrays is None else arrays
+    __slots__ = ("store", "prefix", "children")
+
+    KEEP_BYTES = 64 << 20
+
+    def __init__(self, store=None, prefix: str = ""):
+        self.store = _Store() if store is None else store
         self.prefix = prefix
         self.children = {}
 
@@ -36,17 +54,25 @@ class Scratch:
         """The same buffers under names that start with ``prefix`` (one call site's)."""
         child = self.children.get(prefix)
         if child is None:
-            child = self.children[prefix] = Scratch(self.arrays, self.prefix + prefix)
+            child = self.children[prefix] = Scratch(self.store, self.prefix + prefix)
         return child
 
     def empty(self, name: str, size: int, dtype):
         """A 1-D array of ``size`` elements, contents undefined."""
-        key = self.prefix + name
-        array = self.arrays.get(key)
-        if array is None or array.size != size or array.dtype != dtype:
-            import cupy
+        import cupy
 
-            array = self.arrays[key] = cupy.empty(size, dtype=dtype)
+        key = self.prefix + name
+        store = self.store
+        array = store.arrays.get(key)
+        if array is not None and array.size == size and array.dtype == dtype:
+            return array
+        if array is not None:  # back to CuPy's pool
+            store.nbytes -= array.nbytes
+            del store.arrays[key]
+        array = cupy.empty(size, dtype=dtype)
+        if store.nbytes + array.nbytes <= self.KEEP_BYTES:
+            store.arrays[key] = array
+            store.nbytes += array.nbytes
         return array
 
     def zeros(self, name: str, size: int, dtype, stream):
@@ -58,7 +84,8 @@ class Scratch:
 
 
 class ScratchSet:
-    """One :class:`Scratch` per (device, stream) a caller runs on."""
+    """One :class:`Scratch` per (device, stream, host thread) a caller runs on: two threads
+    queueing on one stream interleave their launches, so they must not share buffers."""
 
     __slots__ = ("scratches",)
 
@@ -71,10 +98,10 @@ class ScratchSet:
         return len(self.scratches)
 
     def get(self, stream) -> Scratch:
-        """The Scratch of ``stream`` (a CuPy stream) on the current device."""
+        """The Scratch of ``stream`` (a CuPy stream) on the current device and thread."""
         import cupy
 
-        key = (cupy.cuda.runtime.getDevice(), stream.ptr)
+        key = (cupy.cuda.runtime.getDevice(), stream.ptr, threading.get_ident())
         scratch = self.scratches.get(key)
         if scratch is None:
             if len(self.scratches) >= self._LIMIT:

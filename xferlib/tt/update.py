@@ -179,9 +179,11 @@ def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, m
     if isinstance(step, (int, np.integer)):
         step = cupy.full(1, int(step), dtype=np.int64)
     key = (optimizer, lr, eps, betas[0], betas[1], weight_decay, eta, momentum)
-    try:
+    # Plain numbers only: a tensor or array hyperparameter may change in place (a scheduler)
+    # while its hash (its identity) stays, so it is converted at every call.
+    if all(isinstance(v, (int, float, np.number)) for v in key[1:]):
         scalars = _SCALARS.get(key)
-    except TypeError:  # an unhashable hyperparameter (a 0-d array): no caching
+    else:
         key, scalars = None, None
     if scalars is None:
         if len(_SCALARS) >= 64:  # a schedule changing lr at every step
