@@ -394,6 +394,18 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             hit = memo[name] = (key, build())
         return hit[1]
 
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .cpu() / .half(): the memoized views and working buffers belong
+        # to the old storage; drop them (their GPU memory goes back to CuPy's pool).
+        self.__dict__.pop("_views", None)
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        # Copies and pickles carry no views of this module's GPU memory nor its buffers.
+        state = dict(super().__getstate__())
+        state.pop("_views", None)
+        return state
+
     def _scratch_of(self, stream):
         """The working buffers this module's GPU steps on ``stream`` reuse (see
         ``xferlib.tt.scratch``; held between steps, about one step's worth per stream)."""

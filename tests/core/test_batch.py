@@ -182,3 +182,14 @@ def test_pending_checks_copy_and_pickle_as_an_empty_queue():
     for clone in (copy.deepcopy(checks), pickle.loads(pickle.dumps(checks))):
         assert clone.limit == 5 and len(clone) == 0 and not clone.pending()
         clone.poll(wait=True)  # nothing pending
+
+
+def test_tt_fused_update_names_the_replacement_of_defer_check():
+    import numpy as np
+
+    from xferlib import tt
+
+    shape = tt.TTShape([3, 4], [2, 2], [3])
+    cores = tt.init_tt_cores(shape, "normal", rng=np.random.default_rng(0))
+    with pytest.raises(TypeError, match="checks="):
+        tt.tt_fused_update(cores, shape, None, None, None, "sgd", lr=0.1, defer_check=True)

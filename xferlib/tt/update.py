@@ -42,6 +42,9 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     captured): a :class:`xferlib.tt.scratch.Scratch` of ``stream`` that the step's working
     buffers come from instead of the memory pool.
     """
+    if "defer_check" in hyper:  # the keyword before xferlib.batch
+        raise TypeError("tt_fused_update() no longer takes defer_check=; pass checks=, a "
+                        "xferlib.batch.PendingChecks, to defer the input check")
     check_sparse_args(optimizer, lr)
     kernel_path = isinstance(residuals, TTBagPlan)
     step = hyper.get("step", 1)
