@@ -402,7 +402,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
 
     def __getstate__(self):
         # Copies and pickles carry no views of this module's GPU memory nor its buffers.
-        state = dict(super().__getstate__())
+        state = self.__dict__.copy()
         state.pop("_views", None)
         return state
 
