@@ -6,6 +6,7 @@ import datetime
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -31,3 +32,14 @@ def join(rank: int, world: int, port: int, backend: str) -> torch.device:
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     return device
+
+
+def require_two_gpus() -> None:
+    """Skip, saying why, unless two CUDA GPUs, CuPy and NCCL are here."""
+    import xferlib
+    from xferlib.testing import GPU_SKIP_REASON
+
+    if not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip(GPU_SKIP_REASON)
+    if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
+        pytest.skip("needs two CUDA GPUs and NCCL")

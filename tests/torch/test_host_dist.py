@@ -16,11 +16,9 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-import xferlib  # noqa: E402
 from xferlib.adapters.torch import HostEmbedding, HostEmbeddingBag  # noqa: E402
 from xferlib.table.shared import shared_memory_directory  # noqa: E402
-from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
-from tests.torch.dist_helpers import free_port, join  # noqa: E402
+from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 ROWS, DIM, BAGS, BAG, STEPS = 23, 5, 12, 3, 3
 OPTIMIZERS = [("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
@@ -222,27 +220,16 @@ def _run(world, backend, tmp_path, checks):
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                     reason="torch.distributed with gloo is not available")
 @pytest.mark.slow  # spawns its ranks: about 10 s on two cores
-def test_two_ranks_equal_one_process_every_optimizer(tmp_path):
-    _run(2, "gloo", tmp_path, checks=True)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_equal_one_process_every_optimizer(tmp_path, world):
+    _run(world, "gloo", tmp_path, checks=True)
     expected, emb, steps = _single_process()
-    _compare(2, tmp_path, expected, emb, steps)
-
-
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                    reason="torch.distributed with gloo is not available")
-@pytest.mark.slow  # spawns its ranks: about 10 s on two cores
-def test_three_ranks_equal_one_process_every_optimizer(tmp_path):
-    _run(3, "gloo", tmp_path, checks=True)
-    expected, emb, steps = _single_process()
-    _compare(3, tmp_path, expected, emb, steps)
+    _compare(world, tmp_path, expected, emb, steps)
 
 
 @pytest.mark.gpu
 def test_two_gpus_nccl_equal_one_process_every_optimizer(tmp_path):
-    if not (torch.cuda.is_available() and xferlib.cupy_available()):
-        pytest.skip(GPU_SKIP_REASON)
-    if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
-        pytest.skip("needs two CUDA GPUs and NCCL")
+    require_two_gpus()
     _run(2, "nccl", tmp_path, checks=True)
     expected, emb, steps = _single_process("cuda")
     _compare(2, tmp_path, expected, emb, steps, "cuda")

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from xferlib.adapters.torch import optim as xo  # noqa: E402
 from xferlib.adapters.torch import optim_sharded as xs  # noqa: E402
-from tests.torch.dist_helpers import free_port, join  # noqa: E402
+from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 CASES = {
     "sgd": dict(lr=0.05, momentum=0.9, weight_decay=0.01),
@@ -196,21 +196,18 @@ def _spawn(tmp_path_factory, backend, world):
     return [dict(np.load(out_dir / f"rank{r}.npz")) for r in range(world)]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["gloo2", "gloo3"])
-def gloo_runs(request, tmp_path_factory):
-    if not dist.is_available() or not dist.is_gloo_available():
+@pytest.fixture(scope="module", params=[
+    pytest.param(("gloo", 2), id="gloo2", marks=pytest.mark.slow),
+    pytest.param(("gloo", 3), id="gloo3", marks=pytest.mark.slow),
+    pytest.param(("nccl", 2), id="nccl2", marks=pytest.mark.gpu)])
+def runs(request, tmp_path_factory):
+    """``(world, per-rank results)`` of one spawn per backend and size, shared by the tests."""
+    backend, world = request.param
+    if backend == "gloo" and (not dist.is_available() or not dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
-    return request.param, _spawn(tmp_path_factory, "gloo", request.param)
-
-
-@pytest.fixture(scope="module")
-def nccl_runs(tmp_path_factory):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip(f"NCCL tests need 2 CUDA GPUs; this machine has "
-                    f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
-    if not dist.is_nccl_available():
-        pytest.skip("torch.distributed was built without NCCL")
-    return 2, _spawn(tmp_path_factory, "nccl", 2)
+    if backend == "nccl":
+        require_two_gpus()
+    return world, _spawn(tmp_path_factory, backend, world)
 
 
 def _check_training(runs, name, mode, rtol=1e-5, atol=1e-6):
@@ -237,42 +234,20 @@ def _check_checkpoint(runs, name):
     assert full <= shares[0] * world <= full + world * xs._QUANTUM * 4 * 3, (full, shares)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_gloo_ranks_match_one_process(gloo_runs, name, mode):
-    _check_training(gloo_runs, name, mode)
+def test_ranks_match_one_process(runs, name, mode):
+    _check_training(runs, name, mode)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_gloo_consolidated_state_matches_and_state_is_sharded(gloo_runs, name):
-    _check_checkpoint(gloo_runs, name)
+def test_consolidated_state_matches_and_state_is_sharded(runs, name):
+    _check_checkpoint(runs, name)
 
 
-@pytest.mark.slow
-def test_gloo_edge_and_bf16(gloo_runs):
-    _check_training(gloo_runs, "tiny", "zero")
-    _check_training(gloo_runs, "bf16/adamw", "zero", rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(CASES))
-def test_nccl_ranks_match_one_process(nccl_runs, name, mode):
-    _check_training(nccl_runs, name, mode)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(CASES))
-def test_nccl_consolidated_state_matches_and_state_is_sharded(nccl_runs, name):
-    _check_checkpoint(nccl_runs, name)
-
-
-@pytest.mark.gpu
-def test_nccl_edge_and_bf16(nccl_runs):
-    _check_training(nccl_runs, "tiny", "zero")
-    _check_training(nccl_runs, "bf16/adamw", "zero", rtol=1e-2, atol=1e-2)
+def test_edge_and_bf16(runs):
+    _check_training(runs, "tiny", "zero")
+    _check_training(runs, "bf16/adamw", "zero", rtol=1e-2, atol=1e-2)
 
 
 # -- one process: the slicing, the API and bad input (fast; no spawn) -------------------------

@@ -20,7 +20,7 @@ import xferlib  # noqa: E402
 from xferlib.adapters.torch import (  # noqa: E402
     OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag)
 from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
-from tests.torch.dist_helpers import free_port, join  # noqa: E402
+from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
 
@@ -288,10 +288,7 @@ def test_single_process_defaults():
 
 @pytest.mark.gpu
 def test_two_gpus_nccl_equal_one_process_every_fused_optimizer(tmp_path):
-    if not (torch.cuda.is_available() and xferlib.cupy_available()):
-        pytest.skip(GPU_SKIP_REASON)
-    if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
-        pytest.skip("needs two CUDA GPUs and NCCL")
+    require_two_gpus()
     _run(2, "nccl", tmp_path)
     # the kernel path sums in another order than the CPU's: one process on one GPU
     _compare(2, tmp_path, _single_process("cuda:0"), tol=1e-4)
