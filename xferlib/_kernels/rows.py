@@ -306,6 +306,175 @@ __global__ void scatter_add_sorted(T* __restrict__ table, i64 n_rows, i64 table_
         }
     }
 }
+// ----------------------------------------------------------------------------- fused kernels
+// Batches up to a few tens of thousands of positions: ONE launch per call, no sort. Every
+// block first checks EVERY index (an L2-resident scan, a few percent of the transfer), so all
+// blocks agree on the verdict and a bad batch makes every block skip its writes: nothing is
+// written, without a grid-wide barrier. The last block to finish (a ticket on `done`, one
+// counter per verdict slot, rearmed by that block) writes the verdict straight into its
+// pinned host slot: word 1, a system fence, word 0. The host reads word 0 to learn that the
+// kernel has finished and whether the batch was clean; no copy, event or memset per call.
+// Every argument is 8 bytes wide, so the host fills one cached argument buffer per table.
+#define FUSED_THREADS 1024
+#define FUSED_HASH_MAX 2048   // shared hash slots of scatter_fused: chunks of <= 1024 positions
+
+__device__ __forceinline__ unsigned long long warp_min(unsigned long long x) {
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, d);
+        x = y < x ? y : x;
+    }
+    return x;
+}
+
+// This block's scan of every index into s_bad (set to all ones and synchronized by the
+// caller): the first position out of range, and (check_order) the first out of order.
+template <typename I>
+__device__ __forceinline__ void fused_check(const I* __restrict__ idx, i64 n, i64 n_rows,
+                                            i64 check_order, unsigned long long* s_bad) {
+    unsigned long long bad = ~0ull, desc = ~0ull;
+    #pragma unroll 4
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        const i64 v = (i64)idx[i];
+        if ((v < 0 || v >= n_rows) && bad == ~0ull) bad = (unsigned long long)i;
+        if (check_order && i > 0 && desc == ~0ull && (i64)idx[i - 1] > v)
+            desc = (unsigned long long)i;
+    }
+    bad = warp_min(bad);
+    desc = warp_min(desc);
+    if ((threadIdx.x & 31) == 0) {
+        if (bad != ~0ull) atomicMin(&s_bad[0], bad);
+        if (desc != ~0ull) atomicMin(&s_bad[1], desc);
+    }
+}
+
+__device__ __forceinline__ void fused_finish(const unsigned long long* s_bad,
+                                             unsigned long long* verdict,
+                                             unsigned int* done) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();  // this block's reads and writes come before its ticket
+        const unsigned int ticket = atomicAdd(done, 1u);
+        if (ticket == gridDim.x - 1) {  // the last block: every block is done
+            atomicExch(done, 0u);        // rearmed for the next kernel given this slot
+            __threadfence_system();
+            volatile unsigned long long* v = verdict;
+            v[1] = s_bad[1];
+            __threadfence_system();
+            v[0] = s_bad[0];             // the host waits on word 0
+        }
+    }
+}
+
+// out[k, :] = table[idx[k], :]. Groups of `group` lanes take positions in turn. With
+// `sorted` (the caller's promise, checked) the first position of a run of equal rows reads
+// the row once and writes every position of the run.
+template <typename W, typename I>
+__global__ void __launch_bounds__(FUSED_THREADS)
+gather_fused(const W* __restrict__ table, i64 n_rows, i64 table_stride, i64 width,
+             const I* __restrict__ idx, i64 n, W* __restrict__ out, i64 out_stride, i64 group,
+             i64 sorted, unsigned long long* verdict, unsigned int* done) {
+    __shared__ unsigned long long s_bad[2];
+    if (threadIdx.x == 0) { s_bad[0] = ~0ull; s_bad[1] = ~0ull; }
+    __syncthreads();
+    fused_check(idx, n, n_rows, sorted, s_bad);
+    __syncthreads();
+    if ((s_bad[0] & s_bad[1]) == ~0ull) {
+        const int g = (int)group;
+        const int lane = threadIdx.x & (g - 1);
+        const i64 groups = ((i64)gridDim.x * blockDim.x) / g;
+        for (i64 k = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / g; k < n; k += groups) {
+            const i64 row = (i64)idx[k];
+            if (row < 0 || row >= n_rows) continue;
+            const W* s = table + row * table_stride;
+            if (!sorted) {
+                W* d = out + k * out_stride;
+                for (i64 c = lane; c < width; c += g) d[c] = s[c];
+                continue;
+            }
+            if (k > 0 && (i64)idx[k - 1] == row) continue;
+            i64 end = k + 1;
+            while (end < n && (i64)idx[end] == row) ++end;
+            for (i64 c = lane; c < width; c += g) {
+                const W v = s[c];
+                for (i64 j = k; j < end; ++j) out[j * out_stride + c] = v;
+            }
+        }
+    }
+    fused_finish(s_bad, verdict, done);
+}
+
+__device__ __forceinline__ int hash_slot(i64 key, int bits) {
+    return (int)(((unsigned long long)key * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+}
+
+// table[idx[k], :] = src[k, :], the last position of a row winning. Block b owns positions
+// [b * chunk, b * chunk + chunk): it puts their rows in a shared hash (row -> its last
+// position in the chunk), then, while checking every index, marks a row superseded when a
+// later chunk has it too. Each row is thus written once, by the block holding its last
+// position, with no sort. `sorted`: the last position of each run writes, no hash.
+template <typename W, typename I>
+__global__ void __launch_bounds__(FUSED_THREADS)
+scatter_fused(W* __restrict__ table, i64 n_rows, i64 table_stride, i64 width,
+              const I* __restrict__ idx, i64 n, const W* __restrict__ src, i64 src_stride,
+              i64 group, i64 sorted, unsigned long long* verdict, unsigned int* done,
+              i64 chunk, i64 hash_bits) {
+    __shared__ long long keys[FUSED_HASH_MAX];
+    __shared__ int last[FUSED_HASH_MAX];  // last position in the chunk; -1: none or superseded
+    __shared__ unsigned long long s_bad[2];
+    const int bits = (int)hash_bits, slots = 1 << bits;
+    const i64 start = (i64)blockIdx.x * chunk;
+    const i64 end = start + chunk < n ? start + chunk : n;
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) { keys[s] = -1; last[s] = -1; }
+    if (threadIdx.x == 0) { s_bad[0] = ~0ull; s_bad[1] = ~0ull; }
+    __syncthreads();
+    if (!sorted) {
+        for (i64 p = start + threadIdx.x; p < end; p += blockDim.x) {
+            const i64 v = (i64)idx[p];
+            if (v < 0 || v >= n_rows) continue;
+            for (int s = hash_slot(v, bits);; s = (s + 1) & (slots - 1)) {
+                const long long prev = (long long)atomicCAS(
+                    (unsigned long long*)&keys[s], ~0ull, (unsigned long long)v);
+                if (prev == -1 || prev == v) { atomicMax(&last[s], (int)(p - start)); break; }
+            }
+        }
+        __syncthreads();
+        for (i64 i = end + threadIdx.x; i < n; i += blockDim.x) {  // later chunks
+            const i64 v = (i64)idx[i];
+            if (v < 0 || v >= n_rows) continue;
+            for (int s = hash_slot(v, bits);; s = (s + 1) & (slots - 1)) {
+                const long long k = keys[s];
+                if (k == v) { last[s] = -1; break; }
+                if (k == -1) break;
+            }
+        }
+    }
+    fused_check(idx, n, n_rows, sorted, s_bad);
+    __syncthreads();
+    if ((s_bad[0] & s_bad[1]) == ~0ull) {
+        const int g = (int)group;
+        const int lane = threadIdx.x & (g - 1);
+        const int groups = blockDim.x / g;
+        const i64 count = sorted ? end - start : (i64)slots;
+        for (i64 e = threadIdx.x / g; e < count; e += groups) {
+            i64 row, p;
+            if (sorted) {
+                p = start + e;
+                row = (i64)idx[p];
+                if (p + 1 < n && (i64)idx[p + 1] == row) continue;
+            } else {
+                if (last[e] < 0) continue;
+                row = keys[e];
+                p = start + last[e];
+            }
+            if (row < 0 || row >= n_rows) continue;
+            W* d = table + row * table_stride;
+            const W* s = src + p * src_stride;
+            for (i64 c = lane; c < width; c += g) d[c] = s[c];
+        }
+    }
+    fused_finish(s_bad, verdict, done);
+}
 """
 
 # Words a lane moves in the copy kernels, by size in bytes.
@@ -328,6 +497,20 @@ def scatter_name(word_bytes: int, key_bytes: int) -> str:
 def scatter_add_name(dtype_name: str, packed: bool, key_bytes: int) -> str:
     ctype, width = ADD_TYPES[dtype_name]
     return f"scatter_add_sorted<{ctype}, {width if packed else 1}, {KEY_TYPES[key_bytes]}>"
+
+
+def gather_fused_name(word_bytes: int, index_bytes: int) -> str:
+    return f"gather_fused<{WORD_TYPES[word_bytes]}, {KEY_TYPES[index_bytes]}>"
+
+
+def scatter_fused_name(word_bytes: int, index_bytes: int) -> str:
+    return f"scatter_fused<{WORD_TYPES[word_bytes]}, {KEY_TYPES[index_bytes]}>"
+
+
+# The fused kernels' block, and the most positions one block of scatter_fused owns (its
+# shared hash has twice as many slots).
+FUSED_THREADS = 1024
+FUSED_CHUNK_MAX = 1024
 
 
 def check_name(index_dtype_name: str) -> str:
@@ -364,6 +547,8 @@ def _all_names():
         for word in WORD_TYPES:
             yield gather_name(word, key)
             yield scatter_name(word, key)
+            yield gather_fused_name(word, key)
+            yield scatter_fused_name(word, key)
         for dtype_name in ADD_TYPES:
             yield scatter_add_name(dtype_name, True, key)
             yield scatter_add_name(dtype_name, False, key)
