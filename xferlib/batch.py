@@ -427,7 +427,8 @@ class BatchPlan:
     position of each sorted position; ``run``: the run id of each sorted position (equal rows
     share one; ``runs=True``), so ``keys[run == r]`` is the r-th distinct row; ``verdict``: the
     input check (:class:`Verdict`); ``slots``: where a cache put each run's row (set by the
-    host table's cache).
+    host table's cache); ``staged`` / ``writes``: a host table lookup's copy of the distinct
+    rows' weights in HBM (run r at row r) and the table's write count when it was taken.
     """
 
     idx: object
@@ -436,6 +437,8 @@ class BatchPlan:
     verdict: Verdict
     run: object = None
     slots: object = None
+    staged: object = None
+    writes: int = -1
 
     @property
     def n(self) -> int:

@@ -86,6 +86,74 @@ def test_matches_reference(backend, rng, name, hyper, torch_name, dim):
                     list(_batches(rng, dim, "int64")), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("name, hyper, torch_name", VARIANTS)
+@pytest.mark.parametrize("dim", [5, 16, 33])
+@each_backend
+def test_update_of_a_lookup_batch_matches_reference(backend, rng, name, hyper, torch_name, dim):
+    """lookup(return_batch=True) then apply_gradients(batch): on the GPU the update reads the
+    rows' weights from the lookup's copy in HBM (nothing wrote to the table in between)."""
+    init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
+
+    def train(batches):
+        table = xferlib.HostTable(NUM_ROWS, dim, optimizer=name, optimizer_kwargs=hyper,
+                                  init=init.copy())
+        seen = []
+        for idx, grads in batches:
+            rows, batch = table.lookup(idx, return_batch=True)
+            seen.append(rows)
+            table.apply_gradients(batch, grads)
+        return {"lookups": seen, **table_arrays(table)}
+
+    reference_check(backend, train,
+                    lambda b: training_reference(name, hyper, init, b, lookups=True),
+                    list(_batches(rng, dim, "int64")), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 12])
+@each_backend
+def test_update_after_a_write_reads_the_current_rows(backend, rng, cache_rows):
+    """A lookup's copy of its rows goes stale when the table is written after it (another
+    batch's update, a scatter): updates of such batches read the rows where they live, so
+    no write is lost. Overlapping batches, every order against the plain-index reference."""
+    dim = 16
+    init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
+    kw = dict(optimizer="sgd", optimizer_kwargs={"lr": 0.5, "momentum": 0.9}, init=init.copy())
+    table = xferlib.HostTable(NUM_ROWS, dim, cache_rows=cache_rows, cache_admission="always",
+                              **kw)
+    reference = xferlib.HostTable(NUM_ROWS, dim, **kw)
+
+    def batch():
+        return backend.array((rng.zipf(1.3, size=64) % NUM_ROWS).astype(np.int64))
+
+    def grads():
+        return backend.array(rng.standard_normal((64, dim)).astype(np.float32))
+
+    for _ in range(3):
+        a, b = batch(), batch()
+        _, plan_a = table.lookup(a, return_batch=True)
+        _, plan_b = table.lookup(b, return_batch=True)
+        for idx, plan in ((a, plan_a), (b, plan_b)):  # b's copy is stale after a's update
+            g = grads()
+            table.apply_gradients(plan, g)
+            reference.apply_gradients(idx, g)
+        c = batch()
+        _, plan_c = table.lookup(c, return_batch=True)
+        rows = backend.array(rng.standard_normal((3, dim)).astype(np.float32))
+        hit = c[:3]  # rows c looked up, overwritten before c's update
+        table.scatter(hit, rows)
+        reference.scatter(hit, rows)
+        g = grads()
+        table.apply_gradients(plan_c, g)
+        reference.apply_gradients(c, g)
+        _, plan_d = table.lookup(c, return_batch=True)
+        g = grads()
+        table.apply_gradients(plan_d, g)
+        table.apply_gradients(plan_d, g)  # the same batch twice: the second reads the rows
+        reference.apply_gradients(c, g)
+        reference.apply_gradients(c, g)
+    assert_outputs_match(table_arrays(table), table_arrays(reference), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("name, hyper, torch_name",
                          [v for v in VARIANTS if v[2] is not None])
 @pytest.mark.parametrize("index_dtype", ["int32", "int64"])

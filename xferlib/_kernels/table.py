@@ -26,15 +26,48 @@ __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
     return (verdict[0] & verdict[1]) != ~0ull;
 }
 
-// Each warp takes one distinct row of the batch at a time: the sorted position j that starts
-// a run of equal keys, with its row inside the table (others are skipped, so no input makes a
-// kernel touch memory outside its arrays). Declares `lane`, `j` and `row`.
-#define FOR_EACH_DISTINCT_ROW                                                               \
-    const int lane = threadIdx.x & 31;                                                      \
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);                                   \
-    for (i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < n; j += warps)      \
-        if (const i64 row = (j > 0 && keys[j] == keys[j - 1]) ? -1 : (i64)keys[j];          \
-            row >= 0 && row < n_rows)
+// A warp's walk over the distinct rows of a batch: the warp takes tiles of 32 sorted
+// positions; its lanes read their keys at once (one coalesced load, instead of a chain of
+// dependent loads per position), a ballot marks the positions that start a run with a row
+// inside the table (others are skipped, so no input makes a kernel touch memory outside its
+// arrays), and the warp then takes those rows one by one: `row`, its run id `r`, and `j` the
+// run's first sorted position. Warp-uniform: every lane of the warp runs the body.
+template <typename K>
+struct DistinctRows {
+    i64 base, row, r, j, my_row, my_run;
+    unsigned left;
+    __device__ DistinctRows(const K* keys, const i64* run, i64 n, i64 n_rows, i64 base_,
+                            int lane) : base(base_), row(-1), r(0), j(0), my_row(-1), my_run(0) {
+        const i64 at = base + lane;
+        if (at < n) {
+            const i64 key = (i64)keys[at];
+            if ((at == 0 || (i64)keys[at - 1] != key) && key >= 0 && key < n_rows) {
+                my_row = key;
+                my_run = run[at];
+            }
+        }
+        left = __ballot_sync(0xffffffffu, my_row >= 0);
+    }
+    __device__ bool next() {
+        if (left == 0) return false;
+        const int src = __ffs(left) - 1;
+        left &= left - 1;
+        row = __shfl_sync(0xffffffffu, my_row, src);
+        r = __shfl_sync(0xffffffffu, my_run, src);
+        j = base + src;
+        return true;
+    }
+};
+
+// Declares `lane`, `row`, `r` (the run id) and `j` for the body (see DistinctRows); the
+// launch needs ceil(n / 32) warps (fewer stride over the rest).
+#define FOR_EACH_DISTINCT_ROW                                                                 \
+    const int lane = threadIdx.x & 31;                                                        \
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);                                     \
+    for (i64 base = (((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 32; base < n;        \
+         base += warps * 32)                                                                  \
+        for (DistinctRows<K> it(keys, run, n, n_rows, base, lane); it.next();)                \
+            if (const i64 row = it.row, r = it.r, j = it.j; true)
 
 template <typename T> struct Place { T* w; T* s; bool cached; };
 
@@ -140,10 +173,10 @@ __global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
     if (rejected(verdict)) return;
     const i64 out_width = full ? dim + s_width : dim;
     FOR_EACH_DISTINCT_ROW {
-        Place<T> p = locate(row, run[j], host_w, w_stride, host_s, s_stride, cache,
+        Place<T> p = locate(row, r, host_w, w_stride, host_s, s_stride, cache,
                             cache_width, s_off, slots);
         if ((which == 1 && p.cached) || (which == 2 && !p.cached)) continue;
-        T* dst = out + run[j] * out_width;
+        T* dst = out + r * out_width;
         copy_words<V>(dst, p.w, dim, lane);
         if (full) copy_words<V>(dst + dim, p.s, s_width, lane);
     }
@@ -322,11 +355,11 @@ __device__ __forceinline__ void elem(T& w, T* st, T g, const XfScalars<T>& s) {
 // Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): one accumulator per row, fed the mean
 // squared gradient (the warp's reduction), then the shared per-element step.
 template <typename T>
-__device__ void rowwise_adagrad_row(T* w, T* s, const T* g, i64 dim, i64 n_slots,
-                                    const XfScalars<T>& c, int lane) {
+__device__ void rowwise_adagrad_row(T* w, const T* wsrc, T* s, const T* g, i64 dim,
+                                    i64 n_slots, const XfScalars<T>& c, int lane) {
     T sq = 0;
     for (i64 e = lane; e < dim; e += 32) {
-        T wi = w[e], gi = g[e];
+        T wi = wsrc[e], gi = g[e];
         xf_preamble(wi, gi, c);
         sq += gi * gi;
     }
@@ -334,7 +367,7 @@ __device__ void rowwise_adagrad_row(T* w, T* s, const T* g, i64 dim, i64 n_slots
     const T sum = *total + warp_sum(sq) / (T)dim;
     const T scale = c.lr / (sqrt(sum) + c.eps);
     for (i64 e = lane; e < dim; e += 32) {
-        T wi = w[e], gi = g[e];
+        T wi = wsrc[e], gi = g[e];
         xf_preamble(wi, gi, c);
         xf_descend(wi, gi, scale);
         w[e] = wi;
@@ -346,13 +379,15 @@ __device__ void rowwise_adagrad_row(T* w, T* s, const T* g, i64 dim, i64 n_slots
 template <typename T, int V> struct alignas(sizeof(T) * V) vec { T v[V]; };
 
 // V consecutive elements per lane: 16-byte loads (V = 4 floats) when the caller checked the
-// alignment, so each lane keeps three or four independent loads in flight over PCIe.
+// alignment, so each lane keeps three or four independent loads in flight over PCIe. The
+// weights are read from `wsrc` (the row itself, or its copy staged in HBM by the lookup) and
+// written to `w`; no __restrict__ on those two, which may be the same row.
 template <int RULE, int V, typename T>
-__device__ __forceinline__ void update_row(T* __restrict__ w, T* __restrict__ s,
+__device__ __forceinline__ void update_row(T* w, const T* wsrc, T* __restrict__ s,
                                            const T* __restrict__ g, i64 dim, i64 n_slots,
                                            const XfScalars<T>& c, int lane) {
     for (i64 base = (i64)V * lane; base < dim; base += 32 * V) {
-        vec<T, V> wv = *reinterpret_cast<const vec<T, V>*>(w + base);
+        vec<T, V> wv = *reinterpret_cast<const vec<T, V>*>(wsrc + base);
         const vec<T, V> gv = *reinterpret_cast<const vec<T, V>*>(g + base);
         vec<T, V> sv[XF_MAX_SLOTS];
         #pragma unroll
@@ -376,31 +411,37 @@ __device__ __forceinline__ void update_row(T* __restrict__ w, T* __restrict__ s,
 
 // One warp per distinct row: apply the rule to the row with its summed gradient, then count
 // the step. `step_off`: where the int64 step count sits in the row's state, in T units.
+// `staged` (or null): the batch's rows as its lookup gathered them (run r at r * dim), known
+// by the host to be current (no write to the table since): a row in host RAM is then read
+// from HBM and only written over the link (the read half of PCIe traffic saved); cached rows
+// are always read from the cache.
 template <int RULE, int V, typename T, typename K>
 __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
                               T* cache, i64 cache_width, i64 s_off,
                               const int* __restrict__ slots, unsigned char* __restrict__ dirty,
                               const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
-                              const T* __restrict__ summed, i64 dim, i64 n_slots, i64 step_off,
+                              const T* __restrict__ summed, const T* __restrict__ staged,
+                              i64 dim, i64 n_slots, i64 step_off,
                               const double* __restrict__ h,
                               const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
     FOR_EACH_DISTINCT_ROW {
-        Place<T> p = locate(row, run[j], host_w, w_stride, host_s, s_stride, cache,
+        Place<T> p = locate(row, r, host_w, w_stride, host_s, s_stride, cache,
                             cache_width, s_off, slots);
+        const T* wsrc = (staged != nullptr && !p.cached) ? staged + r * dim : p.w;
         i64* step = reinterpret_cast<i64*>(p.s + step_off);
         const i64 t = *step + 1;
-        const T* g = summed + run[j] * dim;
+        const T* g = summed + r * dim;
         const XfScalars<T> c = row_consts<RULE, T>(h, t);
         if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
-            rowwise_adagrad_row<T>(p.w, p.s, g, dim, n_slots, c, lane);
+            rowwise_adagrad_row<T>(p.w, wsrc, p.s, g, dim, n_slots, c, lane);
         } else {
-            update_row<RULE, V, T>(p.w, p.s, g, dim, n_slots, c, lane);
+            update_row<RULE, V, T>(p.w, wsrc, p.s, g, dim, n_slots, c, lane);
         }
         __syncwarp();
         if (lane == 0) {
             *step = t;
-            if (p.cached) dirty[slots[run[j]]] = 1;  // written back when evicted or flushed
+            if (p.cached) dirty[slots[r]] = 1;  // written back when evicted or flushed
         }
     }
 }

@@ -145,7 +145,7 @@ class DeviceSide:
         if out is None:
             out = cupy.empty((plan.n, layout.dim), dtype=self.table.dtype)
         if plan.n:
-            grid, block = self.launch_size(plan.n, prefetch)
+            grid, block = self.launch_size(-(-plan.n // 32), prefetch)  # a warp per 32 positions
             name = gather_unique_name(self.vec, self.dtype_name, plan.keys.itemsize)
             TABLE_MODULE.get_function(name)(
                 grid, block, (*self.host_args(), *self._cache_args(plan.slots), plan.keys,
@@ -203,6 +203,8 @@ class DeviceSide:
                     self.last_pass = plan
                 uniq = self.gather_unique(plan, stream)
             rows = self.expand(plan, uniq, out, stream)
+            if self.table.shared_name is None:  # other processes may write a shared table
+                plan.staged, plan.writes = uniq, self.table._writes[0]
             self.defer_check(plan, stream)
             self.record(stream)
         return rows, plan
@@ -232,6 +234,11 @@ class DeviceSide:
             grads = cupy.ascontiguousarray(grads, dtype=table.dtype)
             fresh = not isinstance(idx, BatchPlan)
             plan = self.plan(idx, stream) if fresh else idx
+            # The lookup's copy of the weights is current when nothing wrote to the table
+            # since: the update then reads rows in host RAM from HBM and only writes them.
+            staged = (plan.staged if not fresh and plan.staged is not None
+                      and plan.writes == table._writes[0] else None)
+            table._writes[0] += 1
             pending = self.pending
             slots = None
             if self.cache is not None:
@@ -244,13 +251,14 @@ class DeviceSide:
                 slots = self.cache.probe(plan, stream)
             n, dim = plan.n, table.dim
             summed = self._sum_gradients(plan, grads, stream)
-            grid, block = self.launch_size(n)
+            grid, block = self.launch_size(-(-n // 32))  # a warp per 32 sorted positions
             kernel = sparse_update_name(table.rule.kind, self.vec, self.dtype_name,
                                         plan.keys.itemsize)
             TABLE_MODULE.get_function(kernel)(
                 grid, block, (*self.host_args(), *self._cache_args(slots),
                               self.cache.dirty if slots is not None else np.uint64(0),
-                              plan.keys, plan.run, np.int64(n), summed, np.int64(dim),
+                              plan.keys, plan.run, np.int64(n), summed,
+                              staged if staged is not None else np.uint64(0), np.int64(dim),
                               np.int64(len(table.layout.slots)),
                               np.int64(table.layout.step_offset), self._hyper_array(),
                               plan.verdict.words), stream=stream)

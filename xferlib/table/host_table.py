@@ -120,6 +120,10 @@ class HostTable:
                                  f"{cache_rows}): other processes would read stale rows")
             self._allocate_shared(shared, init, np.random.default_rng(seed))
         self._gpu = None  # device-side state (cache, hyper table, streams), made on first use
+        # Writes of rows queued so far (updates, scatters, restores), in a list that device
+        # views share: an update may read a batch's weights from its lookup's copy in HBM
+        # only when no write came between (xferlib/table/device.py, DeviceSide.apply).
+        self._writes = [0]
 
     # ------------------------------------------------------------------ storage
 
@@ -322,6 +326,7 @@ class HostTable:
                 raise ValueError(f"state {name!r} must have shape {view.shape}, got "
                                  f"{np.shape(state[name])}")
         self._flush(drop_cache=True)
+        self._writes[0] += 1
         self._weights.view(np.ndarray)[...] = weights
         for name, view in views.items():
             view[...] = np.asarray(state[name])
@@ -411,6 +416,7 @@ class HostTable:
 
     def _update_numpy(self, idx, grads) -> None:
         self._follow()
+        self._writes[0] += 1
         rows, g = sum_duplicates(np.asarray(idx), np.asarray(grads, dtype=self.dtype))
         weights = self._weights.view(np.ndarray)
         state = self._state.view(np.ndarray)
@@ -436,6 +442,7 @@ class HostTable:
             gpu = self._gpu_state()
             stream = as_cupy_stream(stream)
             gpu.resolve_checks()
+            self._writes[0] += 1
             with stream:
                 gpu.join_prefetch(stream)
                 gpu.pending = None
@@ -449,6 +456,7 @@ class HostTable:
             rows = rows.get() if is_cupy_array(rows) else rows
         check_host_indices(idx, self.num_rows)
         self._flush(drop_cache=True)
+        self._writes[0] += 1
         self._weights.view(np.ndarray)[idx] = np.asarray(rows, dtype=self.dtype)
 
     def prefetch(self, idx, *, stream=None) -> None:
