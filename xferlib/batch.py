@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 
 import numpy as np
 
@@ -50,7 +51,7 @@ from xferlib._kernels.rows import (MERGE_NAME, ROWS_MODULE, SMALL_SORT_ITEMS,
                                    small_sort_shared_bytes)
 
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
-           "PendingChecks", "NO_BAD", "index_error", "host_values", "run_ids"]
+           "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values", "run_ids"]
 
 NO_BAD = int(np.iinfo(np.uint64).max)  # a verdict word with nothing to report
 # Up to this many positions the tile sort + merges runs (no host sync, no device-wide sort);
@@ -291,6 +292,137 @@ class PendingChecks:
     def pending(self) -> bool:
         """Whether some verdict is still unread (captured ones excepted)."""
         return bool(self.entries)
+
+
+PENDING = NO_BAD - 1  # word 0 of a slot whose kernel has not written its verdict yet
+
+
+def _stream_idle(stream) -> bool:
+    """Whether ``stream`` has no work left (CUDA errors raise); True for a stream since
+    destroyed, once the device is idle."""
+    import cupy
+
+    try:
+        return stream.done
+    except cupy.cuda.runtime.CUDARuntimeError:
+        cupy.cuda.runtime.deviceSynchronize()
+        return True
+
+
+class SlotChecks:
+    """The deferred checks of kernels that write their verdict themselves (the fused row
+    kernels): no copy, event or memset per call.
+
+    Each call takes a pinned host slot (two uint64 words, word 0 set to :data:`PENDING`) and a
+    device ticket counter; its kernel's last block writes word 1 then word 0, so word 0 no
+    longer PENDING means the kernel finished. Reading a slot is one host load. The rules are
+    :class:`PendingChecks`': ``poll()`` raises for the oldest bad verdict that is in and waits
+    while ``limit`` or more are unread; ``poll(wait=True)`` waits for all and reads the slots
+    that graph replays wrote. Callers hold ``lock`` from :meth:`take` to :meth:`commit`.
+
+    >>> SlotChecks.__name__   # GPU only: checks = SlotChecks(limit=4)
+    'SlotChecks'
+    """
+
+    def __init__(self, limit: int = 4):
+        import cupy
+        import cupyx
+
+        self.limit = int(limit)
+        self.device = cupy.cuda.runtime.getDevice()
+        count = _RING + _GRAPH_SLOTS
+        self.host = cupyx.empty_pinned((count, 2), dtype=np.uint64)
+        self.host[...] = NO_BAD
+        self.words = memoryview(self.host.reshape(-1)).cast("B").cast("Q")
+        self.host_ptr = int(cupy.cuda.runtime.pointerGetAttributes(
+            self.host.ctypes.data).devicePointer)
+        self.counters = cupy.zeros(count, dtype=np.uint32)
+        self.counters_ptr = int(self.counters.data.ptr)
+        self.entries = collections.deque()  # (slot, report, keep, stream), oldest first
+        self.graph = []  # (words, report, keep, stream) of captured launches
+        self.busy = [False] * _RING
+        self.next = 0
+        self.next_graph = _RING
+        self.lock = threading.RLock()
+
+    def take(self, capturing: bool):
+        """A slot for the next launch: ``(slot, verdict address, counter address)``; a slot
+        of its own (words clean until a replay writes them) in a stream capture."""
+        if capturing:
+            if self.next_graph < len(self.busy) + _GRAPH_SLOTS:
+                slot, self.next_graph = self.next_graph, self.next_graph + 1
+                return slot, self.host_ptr + 16 * slot, self.counters_ptr + 4 * slot
+            import cupy
+            import cupyx
+
+            extra = cupyx.empty_pinned(2, dtype=np.uint64)  # kept by commit()
+            extra[...] = NO_BAD
+            counter = cupy.zeros(1, dtype=np.uint32)
+            address = int(cupy.cuda.runtime.pointerGetAttributes(
+                extra.ctypes.data).devicePointer)
+            return (extra, counter), address, int(counter.data.ptr)
+        slot = self.next
+        while self.busy[slot]:  # every ring slot unread: read the oldest
+            self._pop(wait=True)
+        self.words[2 * slot] = PENDING
+        return slot, self.host_ptr + 16 * slot, self.counters_ptr + 4 * slot
+
+    def commit(self, slot, report, keep, stream, capturing: bool) -> None:
+        """Record the launch made with ``slot``: ``report(first, second)`` raises for a bad
+        verdict; ``keep`` is held until the verdict is read."""
+        if capturing:
+            if isinstance(slot, tuple):
+                words = memoryview(slot[0]).cast("B").cast("Q")
+                keep = (keep, slot)
+            else:
+                words = self.words[2 * slot:2 * slot + 2]
+            self.graph.append((words, report, keep, stream))
+            return
+        self.busy[slot] = True
+        self.next = (slot + 1) % _RING
+        self.entries.append((slot, report, keep, stream))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _pop(self, wait: bool) -> bool:
+        """Read the oldest entry if it is in (or ``wait``); False when it is not."""
+        slot, report, _, stream = self.entries[0]
+        words = self.words
+        spins = 0
+        while words[2 * slot] == PENDING:
+            if not wait:
+                return False
+            spins += 1
+            if spins % 64 == 0:
+                time.sleep(0)  # let other threads run while the device works
+                if _stream_idle(stream) and words[2 * slot] == PENDING:
+                    raise RuntimeError("a row kernel finished without writing its verdict")
+        self.entries.popleft()
+        self.busy[slot] = False
+        first, second = words[2 * slot], words[2 * slot + 1]
+        if first & second != NO_BAD:
+            report(first, second)
+        return True
+
+    def poll(self, wait: bool = False) -> None:
+        """Raise for the oldest bad verdict that is in (see the class docstring)."""
+        if not self.entries and not (wait and self.graph):
+            return
+        with self.lock:
+            while self.entries and self._pop(wait or len(self.entries) >= self.limit):
+                pass
+            if wait and self.graph and not any(_still_capturing(e[3]) for e in self.graph):
+                import cupy
+
+                with cupy.cuda.Device(self.device):
+                    cupy.cuda.runtime.deviceSynchronize()
+                read = [(report, words[0], words[1]) for words, report, _, _ in self.graph]
+                for words, _, _, _ in self.graph:
+                    words[0] = words[1] = NO_BAD  # the next replay writes them again
+                for report, first, second in read:
+                    if first & second != NO_BAD:
+                        report(first, second)
 
 
 # ----------------------------------------------------------------------------- sorting

@@ -35,13 +35,15 @@ queue of pending checks per device.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, is_cupy_array, namespace_name
-from xferlib.batch import PendingChecks, index_error, plan_batch
+from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array, namespace_name
+from xferlib.batch import PendingChecks, RowsReport, SlotChecks, index_error, plan_batch
+from xferlib._kernels.rows import FUSED_CHUNK_MAX, FUSED_THREADS
 from xferlib.memory import device_pointer, is_pinned, registration_of
 from xferlib.perf import warn_slow_rows_path
 
@@ -216,6 +218,8 @@ def _checks():
 def _poll_checks(wait: bool = False) -> None:
     for checks in list(_CHECKS.values()):
         checks.poll(wait)
+    for checks in list(_SLOT_CHECKS.values()):
+        checks.poll(wait)
 
 
 def check_rows() -> None:
@@ -267,6 +271,179 @@ def _launch_sorted_kernel(kind: str, table, plan, rows, stream) -> None:
         stream=stream)
 
 
+# ----------------------------------------------------------------------------- fused path
+#
+# Batches of up to FUSED_MAX positions with CuPy indices and a GPU-reachable table take ONE
+# launch: the kernel checks every index itself and writes its verdict into a pinned slot of
+# this device's SlotChecks, so a call queues no sort, memset, copy or event. What a launch
+# over a table needs (its device address, word width, kernel handles, an argument buffer the
+# driver reads at launch) is computed on the table's first call and kept while the table
+# lives, so a call costs a few attribute reads, one cuLaunchKernel and no DLPack exchange.
+
+FUSED_MAX = 1 << 16  # positions up to which gather_rows / scatter_rows take the fused kernel
+FUSED_BLOCKS_PER_SM = 1  # fused blocks (of FUSED_THREADS) per SM, at most
+
+_SLOT_CHECKS = {}  # device -> SlotChecks of the fused calls
+_LAUNCHES = {}  # id(table) -> _Launch (checked against a weak reference)
+_HOST_ROWS = {}  # id(pinned out / src) -> (weak reference, shape, device address)
+_LAUNCH_LOCK = threading.Lock()  # the argument buffers are shared
+_ARGS = 14
+
+
+class _Launch:
+    """A table's fused-launch constants (see the comment above). Valid while ``ref()`` is the
+    table and its shape, strides and dtype are unchanged."""
+
+    __slots__ = ("ref", "shape", "strides", "dtype", "device", "word", "row_bytes", "blocks",
+                 "sms", "functions", "args", "pointers", "params")
+
+    def __init__(self, table, device: int):
+        import ctypes
+
+        import cupy
+
+        self.ref = weakref.ref(table)
+        self.shape, self.strides, self.dtype, self.device = (table.shape, table.strides,
+                                                             table.dtype, device)
+        ptr = _device_address(table, "table")
+        self.row_bytes = table.shape[1] * table.dtype.itemsize
+        self.word = _word_bytes(self.row_bytes, table.strides[0], ptr)
+        self.sms = cupy.cuda.runtime.deviceGetAttribute(
+            cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
+        self.blocks = self.sms * FUSED_BLOCKS_PER_SM
+        self.functions = {}  # (op, word, index bytes) -> CUfunction
+        # Every kernel argument is 8 bytes: one buffer, and the pointers the driver reads.
+        self.args = (ctypes.c_uint64 * _ARGS)()
+        self.args[0], self.args[1] = ptr, table.shape[0]
+        base = ctypes.addressof(self.args)
+        self.pointers = (ctypes.c_void_p * _ARGS)(*(base + 8 * i for i in range(_ARGS)))
+        self.params = ctypes.addressof(self.pointers)
+
+    def function(self, op: str, word: int, index_bytes: int) -> int:
+        key = (op, word, index_bytes)
+        found = self.functions.get(key)
+        if found is None:
+            from xferlib._kernels.rows import ROWS_MODULE, gather_fused_name, scatter_fused_name
+
+            name = (gather_fused_name if op == "gather" else scatter_fused_name)(word,
+                                                                                  index_bytes)
+            found = self.functions[key] = ROWS_MODULE.get_function(name).kernel.ptr
+        return found
+
+
+def _launch_for(table, device: int):
+    """The table's :class:`_Launch` on ``device``, or None where the fused path cannot read
+    it (pageable memory, an unsupported layout)."""
+    launch = _LAUNCHES.get(id(table))
+    if (launch is not None and launch.ref() is table and launch.device == device
+            and launch.shape == table.shape and launch.strides == table.strides
+            and launch.dtype == table.dtype):
+        return launch
+    try:
+        _check_table(table)
+    except (TypeError, ValueError):
+        return None  # the planned path raises the error
+    if table.shape[1] == 0 or not _is_gpu_reachable(table):
+        return None
+    if len(_LAUNCHES) > 256:
+        _LAUNCHES.clear()
+    launch = _LAUNCHES[id(table)] = _Launch(table, device)
+    return launch
+
+
+def _rows_address(rows, name: str):
+    """Device address of ``out`` / ``src``: a CuPy array's pointer, or a pinned NumPy array's
+    (cached per array); None for pageable memory."""
+    if is_cupy_array(rows):
+        return rows.data.ptr
+    cached = _HOST_ROWS.get(id(rows))
+    if cached is not None and cached[0]() is rows and cached[1] == rows.shape:
+        return cached[2]
+    if not _is_gpu_reachable(rows):
+        return None
+    if len(_HOST_ROWS) > 256:
+        _HOST_ROWS.clear()
+    address = _device_address(rows, name)
+    _HOST_ROWS[id(rows)] = (weakref.ref(rows), rows.shape, address)
+    return address
+
+
+def _launch_kernel():
+    """The driver's cuLaunchKernel as CuPy binds it (argument buffer given by address)."""
+    global _LAUNCH_KERNEL
+    if _LAUNCH_KERNEL is None:
+        from cupy_backends.cuda.api.driver import launchKernel
+
+        _LAUNCH_KERNEL = launchKernel
+    return _LAUNCH_KERNEL
+
+
+_LAUNCH_KERNEL = None
+
+
+def _slot_checks(device: int) -> SlotChecks:
+    checks = _SLOT_CHECKS.get(device)
+    if checks is None:
+        with _CHECKS_LOCK:
+            checks = _SLOT_CHECKS.get(device)
+            if checks is None:
+                checks = _SLOT_CHECKS[device] = SlotChecks(limit=_MAX_PENDING)
+    return checks
+
+
+def _fused(op: str, table, idx, rows, stream, sorted_indices: bool):
+    """Gather (``rows`` = ``out``, None: allocated) or scatter (``rows`` = ``src``) as one
+    fused launch; returns ``out`` / ``table``, or None where the planned path must run."""
+    n = idx.shape[0]
+    if (idx.ndim != 1 or not 0 < n <= FUSED_MAX or idx.dtype not in _INDEX_DTYPES
+            or not idx.flags.c_contiguous):
+        return None
+    cupy = sys.modules["cupy"]
+    device = cupy.cuda.runtime.getDevice()
+    launch = _launch_for(table, device)
+    if launch is None:
+        return None
+    caller = "gather_rows" if op == "gather" else "scatter_rows"
+    if rows is not None:
+        _check_rows_arg(rows, "out" if op == "gather" else "src", table, n)
+    stream = as_cupy_stream(stream)
+    _poll_checks()  # an earlier call's bad batch raises here, before anything is queued
+    if rows is None:
+        with stream:
+            rows = cupy.empty((n, table.shape[1]), dtype=table.dtype)
+    address = _rows_address(rows, "out" if op == "gather" else "src")
+    if address is None:
+        return None
+    stride = rows.strides[0]
+    word = launch.word
+    while (address | stride) & (word - 1):
+        word >>= 1
+    width = launch.row_bytes // word
+    group = min(32, 1 << max(0, (width - 1).bit_length()))  # lanes per row
+    index_bytes = idx.dtype.itemsize
+    function = launch.function(op, word, index_bytes)
+    checks = _slot_checks(device)
+    capturing = is_capturing(stream)
+    launch_kernel = _launch_kernel()
+    with _LAUNCH_LOCK, checks.lock:
+        slot, verdict, counter = checks.take(capturing)
+        args = launch.args
+        args[2], args[3], args[4], args[5] = launch.strides[0] // word, width, idx.data.ptr, n
+        args[6], args[7], args[8], args[9] = address, stride // word, group, sorted_indices
+        args[10], args[11] = verdict, counter
+        if op == "gather":
+            blocks = min(launch.blocks, -(-n * group // FUSED_THREADS))
+        else:
+            chunk = min(FUSED_CHUNK_MAX, -(-n // launch.blocks))
+            blocks = -(-n // chunk)
+            args[12], args[13] = chunk, (2 * chunk - 1).bit_length()
+        launch_kernel(function, blocks, 1, 1, FUSED_THREADS, 1, 1, 0, stream.ptr,
+                     launch.params, 0)
+        checks.commit(slot, RowsReport(idx, table.shape[0], caller), (table, idx, rows),
+                      stream, capturing)
+    return rows if op == "gather" else table
+
+
 def to_gpu_indices(idx, num_rows):
     import cupy
 
@@ -300,6 +477,10 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
     >>> xferlib.gather_rows(table, np.array([3, 0, 3])).tolist()
     [[9.0, 10.0, 11.0], [0.0, 1.0, 2.0], [9.0, 10.0, 11.0]]
     """
+    if is_cupy_array(idx):
+        fused = _fused("gather", table, idx, out, stream, sorted_indices)
+        if fused is not None:
+            return fused
     _check_table(table)
     check_index_dtype(idx)
     num_rows, dim = table.shape
@@ -365,6 +546,10 @@ def scatter_add_rows(table, idx, src, *, stream=None, sorted_indices: bool = Fal
 
 
 def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
+    if not accumulate and is_cupy_array(idx):
+        fused = _fused("scatter", table, idx, src, stream, sorted_indices)
+        if fused is not None:
+            return fused
     _check_table(table)
     check_index_dtype(idx)
     num_rows = table.shape[0]
