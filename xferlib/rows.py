@@ -21,8 +21,9 @@ stream); synchronize that stream before reading a pinned table from NumPy after 
 Every function checks its input before it touches anything: wrong dtypes raise TypeError,
 wrong shapes ValueError, at once. An index outside ``[0, num_rows)`` raises IndexError naming
 the first bad position, its value and the table size: on the CPU path before anything is
-written; on the GPU path the check runs in the sort kernel queued before the row kernel,
-which then does nothing at all, and the verdict (16 bytes) travels to pinned host memory
+written; on the GPU path the check runs on the device (in the fused kernel itself, whose
+every block checks every index before it writes; or in the sort kernel queued before the row
+kernel), a bad batch writes nothing, and the verdict (16 bytes) reaches pinned host memory
 without a host sync. It is read by a later GPU call of this module (which raises before it
 queues anything; at the latest once four calls are pending) or by :func:`check_rows`, which
 waits for every pending verdict. So a GPU call costs no round trip: the host queues the next
@@ -284,7 +285,8 @@ FUSED_MAX = 1 << 16  # positions up to which gather_rows / scatter_rows take the
 FUSED_BLOCKS_PER_SM = 1  # fused blocks (of FUSED_THREADS) per SM, at most
 
 _SLOT_CHECKS = {}  # device -> SlotChecks of the fused calls
-_LAUNCHES = {}  # id(table) -> _Launch (checked against a weak reference)
+_LAUNCHES = {}  # CuPy table's address and layout, or NumPy table's id -> _Launch
+_SMS = {}  # device -> multiprocessor count
 _HOST_ROWS = {}  # id(pinned out / src) -> (weak reference, shape, device address)
 _LAUNCH_LOCK = threading.Lock()  # the argument buffers are shared
 _ARGS = 14
@@ -302,14 +304,16 @@ class _Launch:
 
         import cupy
 
-        self.ref = weakref.ref(table)
+        self.ref = None if is_cupy_array(table) else weakref.ref(table)
         self.shape, self.strides, self.dtype, self.device = (table.shape, table.strides,
                                                              table.dtype, device)
         ptr = _device_address(table, "table")
         self.row_bytes = table.shape[1] * table.dtype.itemsize
         self.word = _word_bytes(self.row_bytes, table.strides[0], ptr)
-        self.sms = cupy.cuda.runtime.deviceGetAttribute(
-            cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
+        self.sms = _SMS.get(device)
+        if self.sms is None:
+            self.sms = _SMS[device] = cupy.cuda.runtime.deviceGetAttribute(
+                cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
         self.blocks = self.sms * FUSED_BLOCKS_PER_SM
         self.functions = {}  # (op, word, index bytes) -> CUfunction
         # Every kernel argument is 8 bytes: one buffer, and the pointers the driver reads.
@@ -333,12 +337,21 @@ class _Launch:
 
 def _launch_for(table, device: int):
     """The table's :class:`_Launch` on ``device``, or None where the fused path cannot read
-    it (pageable memory, an unsupported layout)."""
-    launch = _LAUNCHES.get(id(table))
-    if (launch is not None and launch.ref() is table and launch.device == device
-            and launch.shape == table.shape and launch.strides == table.strides
-            and launch.dtype == table.dtype):
-        return launch
+    it (pageable memory, an unsupported layout). A CuPy table is known by its address and
+    layout (views made per call, as the adapters do, find the same entry); a NumPy table by
+    identity, as its memory may be unpinned and reused."""
+    if is_cupy_array(table):
+        key = (table.data.ptr, table.shape, table.strides, table.dtype, device)
+        launch = _LAUNCHES.get(key)
+        if launch is not None:
+            return launch
+    else:
+        key = id(table)
+        launch = _LAUNCHES.get(key)
+        if (launch is not None and launch.ref() is table and launch.device == device
+                and launch.shape == table.shape and launch.strides == table.strides
+                and launch.dtype == table.dtype):
+            return launch
     try:
         _check_table(table)
     except (TypeError, ValueError):
@@ -347,7 +360,7 @@ def _launch_for(table, device: int):
         return None
     if len(_LAUNCHES) > 256:
         _LAUNCHES.clear()
-    launch = _LAUNCHES[id(table)] = _Launch(table, device)
+    launch = _LAUNCHES[key] = _Launch(table, device)
     return launch
 
 
@@ -469,8 +482,10 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
       sorted_indices: the caller promises ``idx`` is ascending (repeats allowed), so the GPU
         path skips its sort; the promise is checked (ValueError, nothing written).
 
-    GPU path: positions are sorted by row, each distinct row is read once by one warp with
-    16-byte accesses, straight from pinned host RAM when the table lives there.
+    GPU path, straight from pinned host RAM when the table lives there, with accesses of up
+    to 16 bytes per lane: up to :data:`FUSED_MAX` CuPy indices take one fused launch (no
+    sort; with ``sorted_indices`` each run of equal rows is read once); larger batches are
+    sorted first and each distinct row is read once.
 
     >>> import numpy as np, xferlib
     >>> table = np.arange(12, dtype=np.float32).reshape(4, 3)

@@ -165,11 +165,14 @@ def test_gather_fwd_bwd_matches_reference(backend, rng):
     assert_matches_reference(backend.to_host(grad), expected, "float32", scale=10)
 
 
-@pytest.mark.parametrize("sort", ["tiles", "device-wide"])
+@pytest.mark.parametrize("sort", ["fused", "tiles", "device-wide"])
 @pytest.mark.parametrize("index_dtype", ["int32", "int64"])
 def test_large_batches(backend, rng, index_dtype, sort, monkeypatch):
-    # Batches above one block's tile (16384 positions): sorted tiles merged pairwise (three
-    # tiles: a tile without a partner in the first round), or CuPy's device-wide argsort.
+    # Batches above one block's tile (16384 positions): one fused launch (gather, scatter),
+    # or planned: sorted tiles merged pairwise (three tiles: a tile without a partner in the
+    # first round), or CuPy's device-wide argsort.
+    if sort != "fused":
+        monkeypatch.setattr(xferlib.rows, "FUSED_MAX", 0)
     if sort == "device-wide":
         monkeypatch.setattr(xferlib.batch, "TILED_SORT_MAX", 1000)
     num_rows, dim, n = 5000, 24, 40000
@@ -194,9 +197,14 @@ def test_large_batches(backend, rng, index_dtype, sort, monkeypatch):
         xferlib.check_rows()
 
 
+@pytest.mark.parametrize("path", ["fused", "planned"])
 @pytest.mark.parametrize("n", [7, 3000, 40000])
 @pytest.mark.parametrize("op", ["gather", "scatter", "scatter_add"])
-def test_sorted_indices_promise_is_kept_and_checked(backend, rng, op, n):
+def test_sorted_indices_promise_is_kept_and_checked(backend, rng, op, n, path, monkeypatch):
+    if path == "planned":
+        if not backend.gpu or op == "scatter_add":
+            pytest.skip("one path only")
+        monkeypatch.setattr(xferlib.rows, "FUSED_MAX", 0)
     num_rows, dim = 1000, 12
     host_table = random_rows(rng, (num_rows, dim), "float32")
     host_idx = np.sort(rng.integers(0, num_rows, size=n))
@@ -302,4 +310,92 @@ def test_gpu_calls_captured_in_a_cuda_graph(rng):
         with pytest.raises(IndexError, match=f"index {rows_n} at position 7"):
             xferlib.check_rows()
         np.testing.assert_array_equal(table.get(), before)  # the bad replay wrote nothing
+        xferlib.check_rows()  # reported once
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("table_kind", ["cupy", "pinned"])
+def test_fused_calls_match_numpy_many_times(rng, index_dtype, table_kind):
+    # The one-launch path: scatters whose repeated rows sit in different blocks' chunks
+    # (last position wins), pinned and CuPy rows, more calls than verdict slots (the ring and
+    # the kernels' ticket counters are reused), a bad batch at the last position, a stream.
+    import cupy
+
+    from xferlib.memory import pinned_empty
+    from xferlib.testing import get_backend
+
+    get_backend("cupy")  # skips without a GPU
+    num_rows, dim = 700, 20  # 80 B rows: 16-byte words
+    host_table = random_rows(rng, (num_rows, dim), "float32")
+    if table_kind == "cupy":
+        table = cupy.asarray(host_table)
+    else:
+        table = pinned_empty(host_table.shape, host_table.dtype)
+        table[...] = host_table
+    expected = host_table.astype(np.float64)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    pinned_out = pinned_empty((5000, dim), np.float32)
+    for step in range(150):
+        n = int(rng.choice([1, 5, 1000, 5000]))
+        host_idx = rng.integers(0, num_rows, size=n).astype(index_dtype)
+        host_src = random_rows(rng, (n, dim), "float32")
+        idx = cupy.asarray(host_idx)
+        out = pinned_out[:n] if step % 3 == 0 else None
+        got = xferlib.gather_rows(table, idx, out=out, stream=stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(got), expected[host_idx])
+        xferlib.scatter_rows(table, idx, cupy.asarray(host_src), stream=stream)
+        expected = xferlib.scatter_rows_reference(expected, host_idx, host_src)
+    xferlib.check_rows()
+    stream.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(table).astype(np.float64), expected)
+    bad = rng.integers(0, num_rows, size=3000).astype(index_dtype)
+    bad[-1] = num_rows
+    with pytest.raises(IndexError, match=f"scatter_rows .*index {num_rows} at position 2999"):
+        xferlib.scatter_rows(table, cupy.asarray(bad), cupy.ones((3000, dim), np.float32),
+                             stream=stream)
+        xferlib.check_rows()
+    np.testing.assert_array_equal(cupy.asnumpy(table).astype(np.float64), expected)
+
+
+@pytest.mark.gpu
+def test_fused_calls_captured_in_a_cuda_graph(rng):
+    # The one-launch gather and scatter write their verdict into a slot of their own at every
+    # replay; check_rows() reads it after a synchronize and reports a bad replay once.
+    import cupy
+
+    from xferlib.testing import get_backend
+
+    get_backend("cupy")  # skips without a GPU
+    n, dim, rows_n = 3000, 8, 1000
+    table = cupy.asarray(random_rows(rng, (rows_n, dim), "float32"))
+    src = cupy.asarray(random_rows(rng, (n, dim), "float32"))
+    idx_buf = cupy.zeros(n, dtype=np.int32)
+    out = cupy.zeros((n, dim), dtype=np.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        xferlib.gather_rows(table, idx_buf, out=out, stream=stream)
+        xferlib.check_rows()
+        stream.begin_capture()
+        xferlib.gather_rows(table, idx_buf, out=out, stream=stream)
+        xferlib.scatter_rows(table, idx_buf, src, stream=stream)
+        graph = stream.end_capture()
+        expected = table.get().astype(np.float64)
+        for _ in range(3):
+            idx = rng.integers(0, rows_n, n).astype(np.int32)
+            idx_buf.set(idx, stream=stream)
+            graph.launch(stream)
+            stream.synchronize()
+            np.testing.assert_array_equal(out.get(), expected[idx])
+            expected = xferlib.scatter_rows_reference(expected, idx, src.get())
+        xferlib.check_rows()
+        np.testing.assert_array_equal(table.get(), expected)
+        idx[11] = -3
+        idx_buf.set(idx, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        with pytest.raises(IndexError, match="index -3 at position 11"):
+            xferlib.check_rows()
+        np.testing.assert_array_equal(table.get(), expected)  # the bad replay wrote nothing
         xferlib.check_rows()  # reported once
