@@ -51,7 +51,8 @@ from xferlib._kernels.rows import (MERGE_NAME, ROWS_MODULE, SMALL_SORT_ITEMS,
                                    small_sort_shared_bytes)
 
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
-           "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values", "run_ids"]
+           "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values",
+           "run_ids"]
 
 NO_BAD = int(np.iinfo(np.uint64).max)  # a verdict word with nothing to report
 # Up to this many positions the tile sort + merges runs (no host sync, no device-wide sort);

@@ -442,7 +442,8 @@ def _fused(op: str, table, idx, rows, stream, sorted_indices: bool):
         slot, verdict, counter = checks.take(capturing)
         args = launch.args
         args[2], args[3], args[4], args[5] = launch.strides[0] // word, width, idx.data.ptr, n
-        args[6], args[7], args[8], args[9] = address, stride // word, group, sorted_indices
+        args[6], args[7], args[8] = address, stride // word, group
+        args[9] = 1 if sorted_indices else 0
         args[10], args[11] = verdict, counter
         if op == "gather":
             blocks = min(launch.blocks, -(-n * group // FUSED_THREADS))

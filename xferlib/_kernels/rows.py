@@ -5,7 +5,8 @@ positions) take the indices as given, check them themselves and need no sort (se
 comment). The others take the batch's rows sorted (``rows``, ascending; ``perm`` maps a sorted
 position back to its batch position; a stable sort) and give one group of lanes to each run
 of equal rows: the run's row is read or written once (repeated rows cost one read; sorted
-rows also found the GPU's address translations warm in an earlier measurement). Lanes move 16-byte words when the row width and the base addresses allow it.
+rows also found the GPU's address translations warm in an earlier measurement). Lanes move
+16-byte words when the row width and the base addresses allow it.
 
 Every kernel checks each row against ``n_rows`` and skips rows outside the table, so no
 input can make it touch memory outside its arrays (the host validates first and raises).

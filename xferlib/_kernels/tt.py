@@ -39,6 +39,7 @@ THREADS = 128
 REDUCE_THREADS = 256
 PIECE_BATCH = 8  # PB in the kernel source
 CACHE_THREADS = 256  # tt_cache_update's block size (CACHE_THREADS in the source)
+CACHE_CHUNK = 64  # sorted positions per chunk of the cache update (CACHE_CHUNK in the source)
 
 TT_KERNEL = r"""
 typedef long long i64;
@@ -292,20 +293,32 @@ __device__ __forceinline__ i64 load_chunk(const float* last_core, const K* rows,
 }
 
 // y[perm[j]] = row rows[j] of the table, for the CHUNK sorted positions of this block.
+// Lookups the row cache serves (slot[m] in [0, capacity), the test tt_pool applies; slot may
+// be NULL) are skipped: tt_pool reads their dense rows, so their y rows are never read. A
+// prefix product is computed only when a lookup that is not skipped needs it, so a piece
+// whose lookups are all cached costs nothing.
 template <typename K>
 __global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float* y,
-                        const u64* verdict) {
+                        const i64* slot, i64 capacity, const u64* verdict) {
     if (rejected(verdict)) return;
     __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], ls[CHUNK * CW];
     __shared__ i64 srow[CHUNK], sperm[CHUNK];
+    __shared__ int sskip[CHUNK];
     CORES;
     const i64 start = load_chunk(cores[D - 1], rows, perm, n, srow, sperm, ls);
+    for (int t = threadIdx.x; t < CHUNK; t += blockDim.x) {
+        const i64 m = sperm[t];
+        const i64 c = (slot != nullptr && m >= 0 && m < n) ? slot[m] : -1;
+        sskip[t] = (m < 0 || m >= n || (c >= 0 && c < capacity)) ? 1 : 0;
+    }
+    __syncthreads();
     i64 dig[4] = {0, 0, 0, 0};
     i64 prefix = -1, sb_tag = -1;
     const float* lp = left;
     for (int t = 0; t < CHUNK && start + t < n; ++t) {
         const i64 row = srow[t];
         if (row < 0) continue;  // unreachable: the verdict rejects such a batch
+        if (sskip[t]) continue;  // served by the cache (block-uniform: shared flag)
         digits_of_key(row, dig);
         const i64 pre = row / P(D - 1);
         if (pre != prefix) {
@@ -687,10 +700,14 @@ extern "C" __global__ void tt_count(const i64* idx, i64 n, i64* keys, long long*
 
 // Per lookup: its slot in the sorted cached rows crow[0..capacity) (-1 if absent; slot may be
 // NULL) and, with keys != NULL, its count in the frequency table. Indices outside [0, bound)
-// are neither counted nor cached (the sort's verdict rejects their batch).
+// are neither counted nor cached (the sort's verdict rejects their batch). A rejected batch
+// (verdict, when given, read after the sort and offset check) writes nothing: its lookups are
+// not counted, and no later kernel reads its slots.
 template <typename I>
 __global__ void tt_cache_slots(const I* idx, i64 n, i64 bound, const i64* crow, i64 capacity,
-                               i64* keys, long long* counts, i64 size, i64* slot) {
+                               i64* keys, long long* counts, i64 size, i64* slot,
+                               const u64* verdict) {
+    if (verdict != nullptr && rejected(verdict)) return;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < n;
          t += (i64)gridDim.x * blockDim.x) {
         const i64 row = (i64)idx[t];
@@ -855,86 +872,194 @@ extern "C" __global__ void tt_update(float* c0, float* c1, float* c2, float* c3,
                rowst[k] ? rowst[k] + i : nullptr, steps[k] ? steps[k] + i : nullptr, h, red);
 }
 
-// The row cache's optimizer step. The sorted batch (rows / perm, as tt_rows reads them) is cut
-// into tiles of CACHE_THREADS positions; a block first collects the tile's runs (of one row)
-// that hit the cache (slot[m] >= 0), then for each: finds where the run ends (it may pass the
-// tile), sums the run's gradients (groups of threads take every G-th lookup, their partials
-// added in a fixed order: deterministic) and applies update_row to cached row c. A hot row's
-// long run is summed by the whole block. A rejected batch changes nothing.
+// The row cache's optimizer step, in two passes over chunks of CACHE_CHUNK sorted positions
+// (rows / perm as tt_rows reads them), deterministic (fixed summation order, no float
+// atomics) and parallel along a hot row's run:
+// * tt_cache_chunks: thread (c, e) sums element e of the gradients of chunk c's first segment
+//   (of one row) into head[c] where its run began in an earlier chunk, and of its last
+//   segment into tail[c] where the run goes on past the chunk (one segment filling the chunk
+//   is both), for cached rows only.
+// * tt_cache_update: block per chunk; each cached run that STARTS in the chunk is summed (a
+//   run inside the chunk from its positions; a longer one as tail[c] + head[c + 1] + ... +
+//   head[c_end], the heads split into CACHE_G contiguous ranges added in order) and its dense
+//   row gets update_row. Each cached row has one run, so blocks update distinct rows.
+// A lookup's gradient is w * grad_bags[bag_of[m]] (w: its per-sample weight, divided by the
+// bag's size for mean). Every index is bounded; a rejected batch changes nothing.
 constexpr int CACHE_THREADS = 256;
+constexpr int CACHE_CHUNK = 64;
 constexpr int CACHE_EW = DIM < CACHE_THREADS ? DIM : CACHE_THREADS;  // elements per pass
 constexpr int CACHE_G = CACHE_THREADS / CACHE_EW;                    // groups along a run
 
+struct CacheBatch {  // what a lookup's gradient needs
+    const i64* perm;
+    i64 n;
+    const i64* bag_of;
+    const i64* offsets;
+    i64 n_off;
+    i64 bags;
+    const float* psw;
+    int mean;
+    const float* grad_bags;
+};
+
+// Element e of the gradients of sorted positions [lo, hi), added in position order, with up
+// to 8 lookups' loads in flight.
+__device__ __forceinline__ float cache_run_sum(const CacheBatch& cb, i64 lo, i64 hi, int e) {
+    float acc = 0.f;
+    for (i64 j0 = lo; j0 < hi; j0 += 8) {
+        i64 m[8], b[8];
+        float x[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) m[u] = j0 + u < hi ? cb.perm[j0 + u] : -1;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            b[u] = (m[u] >= 0 && m[u] < cb.n) ? cb.bag_of[m[u]] : -1;
+            if (b[u] >= cb.bags) b[u] = -1;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            float v = 0.f;
+            if (b[u] >= 0) {
+                float wgt = cb.psw != nullptr ? cb.psw[m[u]] : 1.f;
+                if (cb.mean) {
+                    const i64 cnt = bound_at(cb.offsets, cb.n_off, cb.n, b[u] + 1) -
+                                    bound_at(cb.offsets, cb.n_off, cb.n, b[u]);
+                    wgt /= (float)(cnt > 0 ? cnt : 1);
+                }
+                v = wgt * cb.grad_bags[b[u] * DIM + e];
+            }
+            x[u] = v;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) acc += x[u];
+    }
+    return acc;
+}
+
+// Whether sorted position j's row is cached (its lookup's slot in [0, capacity)).
+__device__ __forceinline__ i64 cached_slot(const i64* perm, i64 n, const i64* slot, i64 capacity,
+                                           i64 j) {
+    const i64 m = perm[j];
+    const i64 c = (m >= 0 && m < n) ? slot[m] : -1;
+    return (c >= 0 && c < capacity) ? c : -1;
+}
+
+#define CACHE_BATCH_ARGS const K* rows, const i64* perm, i64 n, const i64* bag_of, \
+    const i64* offsets, i64 n_off, int include_last, const float* psw, int mean, \
+    const float* grad_bags, const i64* slot, i64 capacity
+#define CACHE_BATCH {perm, n, bag_of, offsets, n_off, (include_last ? n_off : n_off + 1) - 1, \
+    psw, mean, grad_bags}
+
+template <typename K>
+__global__ void tt_cache_chunks(CACHE_BATCH_ARGS, float* head, float* tail, const u64* verdict) {
+    if (rejected(verdict)) return;
+    const CacheBatch cb = CACHE_BATCH;
+    const i64 chunks = (n + CACHE_CHUNK - 1) / CACHE_CHUNK;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks * DIM;
+         i += (i64)gridDim.x * blockDim.x) {
+        const i64 c = i / DIM;
+        const int e = (int)(i - c * DIM);
+        const i64 first = c * CACHE_CHUNK;
+        const i64 last = (first + CACHE_CHUNK < n ? first + CACHE_CHUNK : n) - 1;
+        const bool head_open = first > 0 && rows[first] == rows[first - 1];
+        const bool tail_open = last + 1 < n && rows[last + 1] == rows[last];
+        if (!head_open && !tail_open) continue;
+        bool tail_done = false;
+        if (head_open && cached_slot(perm, n, slot, capacity, first) >= 0) {
+            i64 end = first + 1;
+            while (end <= last && rows[end] == rows[first]) ++end;
+            const float acc = cache_run_sum(cb, first, end, e);
+            head[c * DIM + e] = acc;
+            if (end > last && tail_open) {  // one segment fills the chunk
+                tail[c * DIM + e] = acc;
+                tail_done = true;
+            }
+        }
+        if (tail_open && !tail_done && cached_slot(perm, n, slot, capacity, last) >= 0) {
+            i64 begin = last;
+            while (begin > first && rows[begin - 1] == rows[last]) --begin;
+            if (!(begin == first && head_open))  // else the head's (not cached: unread)
+                tail[c * DIM + e] = cache_run_sum(cb, begin, last + 1, e);
+        }
+    }
+}
+
 template <typename K>
 __global__ void __launch_bounds__(CACHE_THREADS)
-tt_cache_update(const K* rows, const i64* perm, i64 n, const i64* bag_of, const i64* offsets,
-                i64 n_off, int include_last, const float* psw, int mean,
-                const float* grad_bags, const i64* slot, i64 capacity, float* cw, float* e1,
+tt_cache_update(CACHE_BATCH_ARGS, const float* head, const float* tail, float* cw, float* e1,
                 float* e2, float* rs, i64* st, HYPER_ARGS, const u64* verdict) {
     if (rejected(verdict)) return;
     __shared__ float part[CACHE_G * DIM];
     __shared__ float gs[DIM];
     __shared__ float red[33];
-    __shared__ i64 starts[CACHE_THREADS], cslots[CACHE_THREADS];
+    __shared__ i64 starts[CACHE_CHUNK], cslots[CACHE_CHUNK];
     __shared__ int found;
     const Hyper h = HYPER;
-    const i64 bags = (include_last ? n_off : n_off + 1) - 1;
+    const CacheBatch cb = CACHE_BATCH;
     const int e0 = threadIdx.x % CACHE_EW, g = threadIdx.x / CACHE_EW;
-    for (i64 tile = (i64)blockIdx.x * CACHE_THREADS; tile < n;
-         tile += (i64)gridDim.x * CACHE_THREADS) {
-        __syncthreads();  // the previous tile's lists are no longer read
+    const i64 chunks = (n + CACHE_CHUNK - 1) / CACHE_CHUNK;
+    for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
+        const i64 first = c * CACHE_CHUNK;
+        const i64 last = (first + CACHE_CHUNK < n ? first + CACHE_CHUNK : n) - 1;
+        __syncthreads();  // the previous chunk's lists are no longer read
         if (threadIdx.x == 0) found = 0;
         __syncthreads();
-        const i64 j = tile + threadIdx.x;
-        if (j < n && (j == 0 || rows[j] != rows[j - 1])) {
-            const i64 m0 = perm[j];
-            const i64 c = (m0 >= 0 && m0 < n) ? slot[m0] : -1;
-            if (c >= 0 && c < capacity) {
-                const int at = atomicAdd(&found, 1);
-                starts[at] = j;
-                cslots[at] = c;
+        for (int t = threadIdx.x; t < CACHE_CHUNK; t += blockDim.x) {
+            const i64 j = first + t;
+            if (j <= last && (j == 0 || rows[j] != rows[j - 1])) {
+                const i64 cs = cached_slot(perm, n, slot, capacity, j);
+                if (cs >= 0) {  // runs update distinct rows: their list order does not matter
+                    const int at = atomicAdd(&found, 1);
+                    starts[at] = j;
+                    cslots[at] = cs;
+                }
             }
         }
         __syncthreads();
         const int runs = found;
         for (int r = 0; r < runs; ++r) {
-            const i64 j0 = starts[r], c = cslots[r];
-            const K row = rows[j0];
-            i64 end = j0;  // sorted: the positions holding the row are a prefix from j0
-            while (true) {
-                const i64 q = end + threadIdx.x;
-                const int same = __syncthreads_count(q < n && rows[q] == row);
-                end += same;
-                if (same < CACHE_THREADS) break;
+            const i64 j0 = starts[r], cs = cslots[r];
+            const i64 row = (i64)rows[j0];
+            i64 lo = j0 + 1, hi = n;  // the run's end: the first later position past the row
+            while (lo < hi) {
+                const i64 mid = (lo + hi) >> 1;
+                if ((i64)rows[mid] <= row) lo = mid + 1; else hi = mid;
             }
-            for (int e = e0; e < DIM; e += CACHE_EW) {
-                float s = 0.f;
-#pragma unroll 8
-                for (i64 jj = j0 + g; jj < end; jj += CACHE_G) {
-                    const i64 m = perm[jj];
-                    if (m < 0 || m >= n) continue;
-                    const i64 b = bag_of[m];
-                    if (b < 0 || b >= bags) continue;
-                    float wgt = psw != nullptr ? psw[m] : 1.f;
-                    if (mean) {
-                        const i64 cnt = bound_at(offsets, n_off, n, b + 1) -
-                                        bound_at(offsets, n_off, n, b);
-                        wgt /= (float)(cnt > 0 ? cnt : 1);
+            const i64 end = lo;
+            const bool spans = end - 1 > last;
+            if (g < CACHE_G) {
+                for (int e = e0; e < DIM; e += CACHE_EW) {
+                    float s = 0.f;
+                    if (!spans) {  // inside the chunk: group g a contiguous range
+                        const i64 len = end - j0;
+                        s = cache_run_sum(cb, j0 + len * g / CACHE_G, j0 + len * (g + 1) / CACHE_G,
+                                          e);
+                    } else {  // heads of chunks c+1 .. c_end, group g a contiguous range
+                        const i64 span = (end - 1) / CACHE_CHUNK - c;
+                        const i64 d0 = c + 1 + span * g / CACHE_G;
+                        const i64 d1 = c + 1 + span * (g + 1) / CACHE_G;
+                        for (i64 d = d0; d < d1; d += 8) {
+                            float x[8];
+#pragma unroll
+                            for (int u = 0; u < 8; ++u)
+                                x[u] = d + u < d1 && d + u < chunks ? head[(d + u) * DIM + e] : 0.f;
+#pragma unroll
+                            for (int u = 0; u < 8; ++u) s += x[u];
+                        }
                     }
-                    s += wgt * grad_bags[b * DIM + e];
+                    part[g * DIM + e] = s;
                 }
-                part[g * DIM + e] = s;
             }
             __syncthreads();
-            for (int e = threadIdx.x; e < DIM; e += CACHE_THREADS) {
-                float s = 0.f;
+            for (int e = threadIdx.x; e < DIM; e += blockDim.x) {
+                float s = spans ? tail[c * DIM + e] : 0.f;
                 for (int gg = 0; gg < CACHE_G; ++gg) s += part[gg * DIM + e];
                 gs[e] = s;
             }
             __syncthreads();
-            update_row(cw + c * DIM, gs, DIM, e1 ? e1 + c * DIM : nullptr,
-                       e2 ? e2 + c * DIM : nullptr, rs ? rs + c : nullptr,
-                       st ? st + c : nullptr, h, red);
+            update_row(cw + cs * DIM, gs, DIM, e1 ? e1 + cs * DIM : nullptr,
+                       e2 ? e2 + cs * DIM : nullptr, rs ? rs + cs : nullptr,
+                       st ? st + cs : nullptr, h, red);
             __syncthreads();  // gs and part are refilled by the next run
         }
     }
@@ -945,8 +1070,8 @@ KEY_TYPES = ("int", "long long")
 ROWS_NAMES = {key: f"tt_rows<{key}>" for key in KEY_TYPES}
 BWD_NAMES = {key: f"tt_bwd_pieces<{key}>" for key in KEY_TYPES}
 REDUCE_NAMES = {key: f"tt_reduce<{key}>" for key in KEY_TYPES}
-CACHE_NAMES = [f"tt_cache_update<{key}>" for key in KEY_TYPES] + [
-    f"tt_cache_slots<{key}>" for key in KEY_TYPES]
+CACHE_NAMES = [f"tt_cache_{name}<{key}>" for name in ("update", "chunks", "slots")
+               for key in KEY_TYPES]
 PLAIN_NAMES = ("tt_check_bags", "tt_pool", "tt_update", "tt_count", "tt_keys")
 
 

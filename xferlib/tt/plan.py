@@ -197,20 +197,24 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
            (offsets, np.int64(n_off), np.int32(include_last_offset), np.int64(n),
             sort_verdict, verdict.words), stream)
     y = None
+    slot = None
     if cores is not None:
+        # the slots first: tt_rows skips the lookups the cache serves
+        if cache is not None and (cache.active or cache_count):
+            slot = _cache_slots(cache, shape, indices, bound, cache_count, verdict.words, stream)
         y = (cupy.empty((n, shape.dim), dtype=np.float32) if scratch is None
              else scratch.empty("y", n * shape.dim, np.float32))
         launch(shape, f"tt_rows<{key_type(rows)}>", grid_1d(n, CHUNK)[0], (THREADS,),
-               core_pointers(cores) + [rows, perm, np.int64(n), y, verdict.words], stream)
+               core_pointers(cores) + [rows, perm, np.int64(n), y,
+                                       slot if slot is not None else np.uint64(0),
+                                       np.int64(cache.capacity if slot is not None else 0),
+                                       verdict.words], stream)
         if out is None:
             out = cupy.empty((num_bags, shape.dim), dtype=np.float32)
     else:
         out = None
     bag_of = cupy.empty(n, dtype=np.int64)
     total = num_bags * shape.dim
-    slot = None
-    if cache is not None and y is not None and (cache.active or cache_count):
-        slot = _cache_slots(cache, shape, indices, bound, cache_count, stream)
     launch(shape, "tt_pool", *grid_1d(total, 256, 65535),
            (y if y is not None else np.uint64(0), offsets, np.int64(n_off),
             np.int32(include_last_offset), np.int64(n),
@@ -228,9 +232,10 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
     return out, plan
 
 
-def _cache_slots(cache, shape: TTShape, indices, bound: int, count: bool, stream):
+def _cache_slots(cache, shape: TTShape, indices, bound: int, count: bool, words, stream):
     """One launch: each lookup's cache slot (-1: not cached; None while the cache is not
-    active) and, with ``count``, the lookups added to the frequency table."""
+    active) and, with ``count``, the lookups added to the frequency table; nothing for a batch
+    the verdict ``words`` reject."""
     import cupy
 
     n = int(indices.size)
@@ -239,6 +244,6 @@ def _cache_slots(cache, shape: TTShape, indices, bound: int, count: bool, stream
            (indices, np.int64(n), np.int64(bound),
             cache.rows, np.int64(cache.capacity if cache.active else 0),
             cache.freq_keys if count else np.uint64(0), cache.freq_counts,
-            np.int64(cache.freq_keys.size), slot if slot is not None else np.uint64(0)),
-           stream)
+            np.int64(cache.freq_keys.size), slot if slot is not None else np.uint64(0),
+            words), stream)
     return slot

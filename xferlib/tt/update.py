@@ -9,7 +9,7 @@ import numpy as np
 from xferlib._backend import array_module, as_cupy_stream
 from xferlib._kernels import grid_1d
 from xferlib.optim.rules import OptId
-from xferlib.tt.cache import TTRowCache, tt_cache_grad
+from xferlib.tt.cache import TTRowCache, launch_cache_update, tt_cache_grad
 from xferlib.tt.grads import gpu_core_grads, tt_embedding_bag_bwd
 from xferlib.tt.lookup import to_host
 from xferlib.tt.plan import TTBagPlan, key_type, launch, uses_kernels
@@ -205,20 +205,6 @@ _SCALARS = {}  # the kernels' scalar arguments per hyperparameter set
 
 def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, optimizer, args,
                         stream):
-    """The cached rows' optimizer step on the GPU, one launch: each run of one row in the sorted
-    batch that hits the cache has its gradients summed (in a fixed order) and its row updated
-    by one block (see ``tt_cache_update`` in xferlib/_kernels/tt.py)."""
-    import cupy
-
-    from xferlib._kernels.tt import CACHE_THREADS
-
-    grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))
-    weights = plan.per_sample_weights
-    n = plan.n
-    launch(shape, f"tt_cache_update<{key_type(plan.rows)}>",
-           *grid_1d(n, CACHE_THREADS, 2048),
-           [plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
-            np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
-            weights if weights is not None else np.uint64(0), np.int32(plan.mean),
-            grad_bags, plan.slot, np.int64(cache.capacity), cache.weight]
-           + state_pointers(cache.state, optimizer) + args + [plan.verdict.words], stream)
+    """The cached rows' optimizer step on the GPU (see ``xferlib.tt.cache``)."""
+    launch_cache_update(cache, shape, plan, grad_bags,
+                        state_pointers(cache.state, optimizer) + args, stream)
