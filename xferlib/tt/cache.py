@@ -8,11 +8,11 @@ import numpy as np
 from xferlib._backend import array_module, as_cupy_stream
 from xferlib._kernels import grid_1d
 from xferlib.tt.lookup import lookup_weights, scatter_add, to_host, tt_rows
-from xferlib.tt.plan import TTBagPlan, launch
+from xferlib.tt.plan import TTBagPlan, key_type, launch
 from xferlib.tt.rules import row_state
 from xferlib.tt.shape import TTShape
 
-__all__ = ["NO_ROW", "TTRowCache", "tt_cache_grad"]
+__all__ = ["NO_ROW", "TTRowCache", "tt_cache_grad", "launch_cache_update"]
 
 
 NO_ROW = np.iinfo(np.int64).max  # an empty cache slot: sorts after every row
@@ -231,3 +231,34 @@ def _plan_weights(plan):
     return lookup_weights(xp.diff(bounds), plan.bag_of, plan.per_sample_weights,
                           "mean" if plan.mean else "sum", plan.n, np.float32).astype(
         np.float32, copy=False)
+
+
+def launch_cache_update(cache: TTRowCache, shape: TTShape, plan: TTBagPlan, grad_bags,
+                        rule_args: list, stream) -> None:
+    """The cached rows' optimizer step on the GPU, no host sync, deterministic: two launches
+    over chunks of the sorted batch (``tt_cache_chunks``: the partial sums of runs that cross
+    a chunk's edges; ``tt_cache_update``: each cached run summed, from its lookups or from
+    those partials in order, and its dense row updated), so a hot row's thousands of lookups
+    are summed by many threads. ``rule_args``: the cache state's pointers and the optimizer's
+    arguments, as ``update_row`` takes them (see ``xferlib/_kernels/tt.py``)."""
+    import cupy
+
+    from xferlib._kernels.tt import CACHE_CHUNK, CACHE_THREADS
+
+    n, dim = plan.n, shape.dim
+    if n == 0 or plan.slot is None:
+        return
+    grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))
+    chunks = -(-n // CACHE_CHUNK)
+    partials = cupy.empty(2 * chunks * dim, dtype=np.float32)  # head, then tail per chunk
+    head, tail = partials[:chunks * dim], partials[chunks * dim:]
+    weights = plan.per_sample_weights
+    batch = [plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
+             np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
+             weights if weights is not None else np.uint64(0), np.int32(plan.mean),
+             grad_bags, plan.slot, np.int64(cache.capacity)]
+    keys = key_type(plan.rows)
+    launch(shape, f"tt_cache_chunks<{keys}>", *grid_1d(chunks * dim, 256, 65535),
+           batch + [head, tail, plan.verdict.words], stream)
+    launch(shape, f"tt_cache_update<{keys}>", (min(chunks, 65535),), (CACHE_THREADS,),
+           batch + [head, tail, cache.weight] + list(rule_args) + [plan.verdict.words], stream)
