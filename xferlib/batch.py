@@ -319,7 +319,9 @@ class SlotChecks:
     longer PENDING means the kernel finished. Reading a slot is one host load. The rules are
     :class:`PendingChecks`': ``poll()`` raises for the oldest bad verdict that is in and waits
     while ``limit`` or more are unread; ``poll(wait=True)`` waits for all and reads the slots
-    that graph replays wrote. Callers hold ``lock`` from :meth:`take` to :meth:`commit`.
+    that graph replays wrote. Callers hold ``lock`` from :meth:`take` to :meth:`commit`. A
+    bad verdict raises through :class:`RowsReport` (``commit``'s ``report``: its arguments,
+    made into a report only then).
 
     >>> SlotChecks.__name__   # GPU only: checks = SlotChecks(limit=4)
     'SlotChecks'
@@ -344,7 +346,7 @@ class SlotChecks:
         self.busy = [False] * _RING
         self.next = 0
         self.next_graph = _RING
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
 
     def take(self, capturing: bool):
         """A slot for the next launch: ``(slot, verdict address, counter address)``; a slot
@@ -369,8 +371,9 @@ class SlotChecks:
         return slot, self.host_ptr + 16 * slot, self.counters_ptr + 4 * slot
 
     def commit(self, slot, report, keep, stream, capturing: bool) -> None:
-        """Record the launch made with ``slot``: ``report(first, second)`` raises for a bad
-        verdict; ``keep`` is held until the verdict is read."""
+        """Record the launch made with ``slot``: ``report``, the ``(idx, num_rows, caller)``
+        of a :class:`RowsReport` for a bad verdict; ``keep`` is held until the verdict is
+        read."""
         if capturing:
             if isinstance(slot, tuple):
                 words = memoryview(slot[0]).cast("B").cast("Q")
@@ -403,15 +406,16 @@ class SlotChecks:
         self.busy[slot] = False
         first, second = words[2 * slot], words[2 * slot + 1]
         if first & second != NO_BAD:
-            report(first, second)
+            RowsReport(*report)(first, second)
         return True
 
     def poll(self, wait: bool = False) -> None:
         """Raise for the oldest bad verdict that is in (see the class docstring)."""
-        if not self.entries and not (wait and self.graph):
+        entries = self.entries
+        if not entries and not (wait and self.graph):
             return
         with self.lock:
-            while self.entries and self._pop(wait or len(self.entries) >= self.limit):
+            while entries and self._pop(wait or len(entries) >= self.limit):
                 pass
             if wait and self.graph and not any(_still_capturing(e[3]) for e in self.graph):
                 import cupy
@@ -423,7 +427,7 @@ class SlotChecks:
                     words[0] = words[1] = NO_BAD  # the next replay writes them again
                 for report, first, second in read:
                     if first & second != NO_BAD:
-                        report(first, second)
+                        RowsReport(*report)(first, second)
 
 
 # ----------------------------------------------------------------------------- sorting

@@ -217,10 +217,9 @@ def _checks():
 
 
 def _poll_checks(wait: bool = False) -> None:
-    for checks in list(_CHECKS.values()):
-        checks.poll(wait)
-    for checks in list(_SLOT_CHECKS.values()):
-        checks.poll(wait)
+    for queues in (_CHECKS, _SLOT_CHECKS):
+        for checks in tuple(queues.values()):
+            checks.poll(wait)
 
 
 def check_rows() -> None:
@@ -288,7 +287,6 @@ _SLOT_CHECKS = {}  # device -> SlotChecks of the fused calls
 _LAUNCHES = {}  # CuPy table's address and layout, or NumPy table's id -> _Launch
 _SMS = {}  # device -> multiprocessor count
 _HOST_ROWS = {}  # id(pinned out / src) -> (weak reference, shape, device address)
-_LAUNCH_LOCK = threading.Lock()  # the argument buffers are shared
 _ARGS = 14
 
 
@@ -381,32 +379,28 @@ def _rows_address(rows, name: str):
     return address
 
 
-def _launch_kernel():
-    """The driver's cuLaunchKernel as CuPy binds it (argument buffer given by address)."""
-    global _LAUNCH_KERNEL
-    if _LAUNCH_KERNEL is None:
-        from cupy_backends.cuda.api.driver import launchKernel
-
-        _LAUNCH_KERNEL = launchKernel
-    return _LAUNCH_KERNEL
-
-
-_LAUNCH_KERNEL = None
+_LAUNCH_KERNEL = None  # the driver's cuLaunchKernel as CuPy binds it (set with a queue)
 
 
 def _slot_checks(device: int) -> SlotChecks:
+    """This device's queue of fused-call verdicts (made on its first call)."""
+    global _LAUNCH_KERNEL
     checks = _SLOT_CHECKS.get(device)
     if checks is None:
         with _CHECKS_LOCK:
             checks = _SLOT_CHECKS.get(device)
             if checks is None:
+                from cupy_backends.cuda.api.driver import launchKernel
+
+                _LAUNCH_KERNEL = launchKernel
                 checks = _SLOT_CHECKS[device] = SlotChecks(limit=_MAX_PENDING)
     return checks
 
 
 def _fused(op: str, table, idx, rows, stream, sorted_indices: bool):
     """Gather (``rows`` = ``out``, None: allocated) or scatter (``rows`` = ``src``) as one
-    fused launch; returns ``out`` / ``table``, or None where the planned path must run."""
+    fused launch; returns ``out`` / ``table``, or None where the planned path must run (it
+    also raises every input error). Kept short: this is the per-call host cost."""
     n = idx.shape[0]
     if (idx.ndim != 1 or not 0 < n <= FUSED_MAX or idx.dtype not in _INDEX_DTYPES
             or not idx.flags.c_contiguous):
@@ -416,14 +410,15 @@ def _fused(op: str, table, idx, rows, stream, sorted_indices: bool):
     launch = _launch_for(table, device)
     if launch is None:
         return None
-    caller = "gather_rows" if op == "gather" else "scatter_rows"
-    if rows is not None:
-        _check_rows_arg(rows, "out" if op == "gather" else "src", table, n)
+    if rows is not None and (rows.dtype != launch.dtype or rows.shape != (n, launch.shape[1])
+                             or rows.ndim != 2 or (rows.shape[1] > 1 and rows.strides[1]
+                                                   != rows.dtype.itemsize)):
+        return None
     stream = as_cupy_stream(stream)
     _poll_checks()  # an earlier call's bad batch raises here, before anything is queued
     if rows is None:
         with stream:
-            rows = cupy.empty((n, table.shape[1]), dtype=table.dtype)
+            rows = cupy.empty((n, launch.shape[1]), dtype=launch.dtype)
     address = _rows_address(rows, "out" if op == "gather" else "src")
     if address is None:
         return None
@@ -433,29 +428,29 @@ def _fused(op: str, table, idx, rows, stream, sorted_indices: bool):
         word >>= 1
     width = launch.row_bytes // word
     group = min(32, 1 << max(0, (width - 1).bit_length()))  # lanes per row
-    index_bytes = idx.dtype.itemsize
-    function = launch.function(op, word, index_bytes)
+    function = launch.function(op, word, idx.dtype.itemsize)
     checks = _slot_checks(device)
     capturing = is_capturing(stream)
-    launch_kernel = _launch_kernel()
-    with _LAUNCH_LOCK, checks.lock:
+    with checks.lock:  # the slot ring, and this table's argument buffer (one per device)
         slot, verdict, counter = checks.take(capturing)
         args = launch.args
         args[2], args[3], args[4], args[5] = launch.strides[0] // word, width, idx.data.ptr, n
         args[6], args[7], args[8] = address, stride // word, group
-        args[9] = 1 if sorted_indices else 0
-        args[10], args[11] = verdict, counter
+        args[9], args[10], args[11] = 1 if sorted_indices else 0, verdict, counter
         if op == "gather":
             blocks = min(launch.blocks, -(-n * group // FUSED_THREADS))
         else:
             chunk = min(FUSED_CHUNK_MAX, -(-n // launch.blocks))
             blocks = -(-n // chunk)
             args[12], args[13] = chunk, (2 * chunk - 1).bit_length()
-        launch_kernel(function, blocks, 1, 1, FUSED_THREADS, 1, 1, 0, stream.ptr,
-                     launch.params, 0)
-        checks.commit(slot, RowsReport(idx, table.shape[0], caller), (table, idx, rows),
-                      stream, capturing)
+        _LAUNCH_KERNEL(function, blocks, 1, 1, FUSED_THREADS, 1, 1, 0, stream.ptr,
+                       launch.params, 0)
+        checks.commit(slot, (idx, launch.shape[0], _CALLERS[op]), (table, rows), stream,
+                      capturing)
     return rows if op == "gather" else table
+
+
+_CALLERS = {"gather": "gather_rows", "scatter": "scatter_rows"}
 
 
 def to_gpu_indices(idx, num_rows):
