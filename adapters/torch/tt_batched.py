@@ -161,19 +161,26 @@ class _TTBagFunction(torch.autograd.Function):
                     pending.defer(module._checks, stream, early=False)
                 return none + (None,) * (1 + len(ctx.arrays))
             if module.sparse:  # fused: update the cores in place, hand no gradient back
-                with torch.no_grad():
-                    module._step_counter.add_(1)  # on the device: replays count too
-                    # ctx.arrays view the cores' memory: the update writes through them
-                    # deferred: read by a later call or check_inputs(); a captured step's
-                    # verdict is written by every replay and read by check_inputs()
-                    defer = ctx.capturing or module.defer_input_check
-                    scratch = None if stream is None or ctx.capturing or \
-                        torch.cuda.is_current_stream_capturing() else module._scratch_of(stream)
-                    core.tt_fused_update(
-                        ctx.arrays, module._cshape, ctx.residuals, grad_bags,
-                        module._state_arrays(), module._core_optimizer, lr=module.learning_rate,
-                        eps=module.eps, cache=cache, checks=module._checks if defer else None,
-                        stream=stream, scratch=scratch, **module.step_hyper())
+                count = None
+                if stream is None:
+                    with torch.no_grad():
+                        module._step_counter.add_(1)
+                hyper = module.step_hyper()
+                if stream is not None:
+                    # the device counter (replays count too), incremented by the step's
+                    # gradient kernel: no launch of its own
+                    count = hyper["step"]
+                # ctx.arrays view the cores' memory: the update writes through them
+                # deferred: read by a later call or check_inputs(); a captured step's
+                # verdict is written by every replay and read by check_inputs()
+                defer = ctx.capturing or module.defer_input_check
+                scratch = None if stream is None or ctx.capturing or \
+                    torch.cuda.is_current_stream_capturing() else module._scratch_of(stream)
+                core.tt_fused_update(
+                    ctx.arrays, module._cshape, ctx.residuals, grad_bags,
+                    module._state_arrays(), module._core_optimizer, lr=module.learning_rate,
+                    eps=module.eps, cache=cache, checks=module._checks if defer else None,
+                    stream=stream, scratch=scratch, count=count, **hyper)
                 return none + (None,) * (1 + len(ctx.arrays))
             grads = core.tt_embedding_bag_bwd(ctx.arrays, module._cshape, ctx.residuals,
                                               grad_bags, stream=stream)

@@ -216,3 +216,92 @@ def test_large_shapes_fall_back_to_the_array_path(backend):
                                              cupy.asarray(idx), cupy.asarray(offsets))
     assert not isinstance(residuals, tt.TTBagPlan)
     _close(out.get(), tt.tt_embedding_bag_reference(cores, shape, idx, offsets), 1e-4)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 2048, 2049, 4097, 10_240, 20_480, 33_000, 70_000])
+@on_gpu
+def test_plan_sort_is_stable_and_reports_bad_keys(backend, n):
+    """The plan's sort (tile sort, pairwise merges past 8-16 tiles, one final tt_merge_all)
+    equals NumPy's stable argsort; a key out of range is reported at its first position."""
+    from xferlib.batch import NO_BAD
+    from xferlib.tt.plan import sort_keys
+    from xferlib.tt.scratch import Scratch
+
+    cupy = backend.xp
+    shape = tt.TTShape([20, 22, 25], [4, 2, 4], [8, 6])
+    rng = np.random.default_rng(n)
+    stream = cupy.cuda.Stream()
+    scratch = Scratch()
+    for dtype, num_keys in ((np.int64, 11_000), (np.int32, 37), (np.int64, 3)):
+        keys = rng.integers(0, num_keys, n).astype(dtype)
+        want = np.argsort(keys, kind="stable")
+        for sc, result in ((None, False), (scratch, False), (scratch, True)):
+            words = cupy.full(2, NO_BAD, dtype=np.uint64)
+            with stream:
+                rows, perm = sort_keys(shape, cupy.asarray(keys), num_keys, stream, words, sc,
+                                       result)
+            stream.synchronize()
+            np.testing.assert_array_equal(perm.get(), want)
+            np.testing.assert_array_equal(rows.get(), keys[want])
+            assert words.get().tolist() == [NO_BAD, NO_BAD]
+    if n:
+        keys = rng.integers(0, 50, n)
+        bad = sorted(rng.choice(n, min(n, 3), replace=False))
+        keys[bad] = 50
+        words = cupy.full(2, NO_BAD, dtype=np.uint64)
+        with stream:
+            sort_keys(shape, cupy.asarray(keys), 50, stream, words)
+        assert words.get().tolist() == [bad[0], NO_BAD]
+
+
+@on_gpu
+def test_core_grads_flags_and_zeros_need_no_reset(backend):
+    """The gradient kernel writes every touched flag (and every row of a dense gradient):
+    buffers reused from a batch that touched other rows carry nothing over, and the counter
+    counts every step, a rejected one included."""
+    from xferlib.tt.grads import gpu_core_grads
+    from xferlib.tt.scratch import Scratch
+    from xferlib.tt.shape import grad_spans
+
+    cupy = backend.xp
+    shape = tt.TTShape([11, 13, 17], [2, 4, 2], [3, 5])
+    rng = np.random.default_rng(5)
+    cores = tt.init_tt_cores(shape, "normal", rng=rng)
+    gpu_cores = [cupy.asarray(c) for c in cores]
+    stream = cupy.cuda.Stream()
+    scratch = Scratch()
+    counter = cupy.zeros(1, dtype=np.int64)
+    batches = [rng.integers(0, shape.num_rows, 400), np.array([3, 3, 7]), np.array([5])]
+    for idx in batches:
+        offsets = np.array([0, len(idx) // 2, len(idx)])
+        g = rng.standard_normal((2, shape.dim)).astype(np.float32)
+        want_grad, want_touched = tt.tt_core_grads(
+            cores, shape, tt.tt_embedding_bag_fwd(cores, shape, idx, offsets)[1], g)
+        _, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, cupy.asarray(idx),
+                                          cupy.asarray(offsets), stream=stream)
+        for dense in (True, False):
+            grad, touched = gpu_core_grads(gpu_cores, shape, plan, cupy.asarray(g), dense,
+                                           stream, scratch, counter)
+            stream.synchronize()
+            np.testing.assert_array_equal(touched.get(), want_touched)
+            got = grad.get()
+            if dense:
+                _close(got, want_grad, 1e-4, what="dense gradient")
+            else:
+                start = 0
+                for k, (lo, hi) in enumerate(grad_spans(shape)):
+                    rows = np.flatnonzero(want_touched[start:start + shape.p_shapes[k]])
+                    width = (hi - lo) // shape.p_shapes[k]
+                    _close(got[lo:hi].reshape(-1, width)[rows],
+                           want_grad[lo:hi].reshape(-1, width)[rows], 1e-4, what="rows")
+                    start += shape.p_shapes[k]
+    # a rejected batch: nothing touched, zeros, and still counted
+    _, plan = tt.tt_embedding_bag_fwd(gpu_cores, shape, cupy.asarray(np.array([1, 10**6])),
+                                      cupy.asarray(np.array([0, 1, 2])), check=False,
+                                      stream=stream)
+    grad, touched = gpu_core_grads(gpu_cores, shape, plan, cupy.ones((2, shape.dim),
+                                                                     np.float32),
+                                   True, stream, scratch, counter)
+    stream.synchronize()
+    assert not touched.get().any() and not grad.get().any()
+    assert int(counter.get()[0]) == 2 * len(batches) + 1

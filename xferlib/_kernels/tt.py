@@ -8,8 +8,9 @@ finishes into the row.
 
 The pipeline over a batch sorted by row (rows sharing a prefix sit side by side):
 
-* ``tt_check_bags``: validates offsets (and carries the sort's bad-index verdict): a rejected
-  batch makes every later kernel a no-op, so nothing is written.
+* ``tt_prepare``: resets the verdict, validates offsets and computes the sort keys; the tile
+  sort adds bad indices to the verdict and ``tt_merge_all`` finishes the sort in one launch. A
+  rejected batch makes every later kernel a no-op, so nothing is written.
 * ``tt_rows``: each block walks ``CHUNK`` sorted positions, recomputes the prefix product only
   when the prefix changes, and finishes each row with one small product.
 * ``tt_pool``: sums (or averages) each bag's rows in bag order (deterministic).
@@ -243,27 +244,60 @@ __device__ const float* chain(const float* const* cores, const i64* dig, float* 
 #define CORE_ARGS const float* c0, const float* c1, const float* c2, const float* c3
 #define CORES const float* cores[4] = {c0, c1, c2, c3}
 
-// verdict[0] <- the sort's first bad index position; verdict[1] <- first bad offset position.
-extern "C" __global__ void tt_check_bags(const i64* offsets, i64 n_off, int include_last, i64 n,
-                                         const u64* sort_verdict, u64* verdict) {
-    const i64 nb = include_last ? n_off : n_off + 1;
-    const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (first == 0) verdict[0] = sort_verdict[0];
-    for (i64 t = first; t < nb; t += (i64)gridDim.x * blockDim.x) {
-        const i64 v = bound_at(offsets, n_off, n, t);
-        const bool bad = (t == 0 && v != 0) || (t == nb - 1 && v != n) ||
-                         (t > 0 && v < bound_at(offsets, n_off, n, t - 1));
-        if (bad) atomicMin(verdict + 1, (u64)t);
+// The batch's first kernel. Block 0 sets the verdict clean, then checks the offsets
+// (verdict[1] <- first bad offset position); the tile sort that follows reports the first
+// bad index position into verdict[0]. No memset precedes it, and only block 0 writes the
+// verdict, so its reset cannot race with the offset check. keys[t] = key_of(idx[t]), or
+// NUM_ROWS (which the sort rejects) where idx[t] is outside [0, bound); keys == nullptr:
+// the indices are the sort keys and only the verdict is written.
+extern "C" __global__ void tt_prepare(const i64* idx, i64 n, i64 bound, i64* keys,
+                                      const i64* offsets, i64 n_off, int include_last,
+                                      u64* verdict) {
+    if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) verdict[0] = verdict[1] = ~0ull;
+        __syncthreads();
+        const i64 nb = include_last ? n_off : n_off + 1;
+        for (i64 t = threadIdx.x; t < nb; t += blockDim.x) {
+            const i64 v = bound_at(offsets, n_off, n, t);
+            const bool bad = (t == 0 && v != 0) || (t == nb - 1 && v != n) ||
+                             (t > 0 && v < bound_at(offsets, n_off, n, t - 1));
+            if (bad) atomicMin(verdict + 1, (u64)t);
+        }
     }
-}
-
-// keys[t] = key_of(idx[t]), or NUM_ROWS (which the sort rejects) where idx[t] is outside
-// [0, bound).
-extern "C" __global__ void tt_keys(const i64* idx, i64 n, i64 bound, i64* keys) {
+    if (keys == nullptr) return;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < n;
          t += (i64)gridDim.x * blockDim.x) {
         const i64 row = idx[t];
         keys[t] = (row >= 0 && row < bound && row < NUM_ROWS) ? key_of(row) : NUM_ROWS;
+    }
+}
+
+// The last round of the small sort (xferlib/tt/plan.py): runs of `width` sorted positions
+// (the last may be shorter), each sorted stably, joined in ONE launch, where pairwise merges
+// take one launch per doubling. A position's place is its rank in its own run plus, in every
+// other run, the keys that go before it: those <= its key in an earlier run, < in a later
+// one, so equal keys keep batch order (the result equals the pairwise merges').
+extern "C" __global__ void tt_merge_all(const int* __restrict__ keys,
+                                        const i64* __restrict__ perm, i64 n, i64 width,
+                                        int* __restrict__ keys_out, i64* __restrict__ perm_out) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const i64 run = i / width;
+        const int key = keys[i];
+        i64 dest = i - run * width;
+        for (i64 start = 0, r = 0; start < n; start += width, ++r) {
+            if (r == run) continue;
+            const bool earlier = r < run;
+            i64 lo = start, hi = start + width < n ? start + width : n;
+            while (lo < hi) {
+                const i64 mid = (lo + hi) >> 1;
+                const bool before = earlier ? keys[mid] <= key : keys[mid] < key;
+                if (before) lo = mid + 1; else hi = mid;
+            }
+            dest += lo - start;
+        }
+        keys_out[dest] = key;
+        perm_out[dest] = perm[i];
     }
 }
 
@@ -584,7 +618,8 @@ __device__ void reduce_lead_middle(const float* const* cores, const K* rows, i64
 template <int KC, typename K>
 __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, const int* skeys,
                            const i64* items, i64 n_items, const float* ubuf, const float* cbuf,
-                           const float* c0buf, i64 i, float* grad, int* touched, float* acc,
+                           const float* c0buf, i64 i, float* grad, int* touched, int dense,
+                           float* acc,
                            float* bl, float* bs, float* tmp, float* sb, float* v, float* mb,
                            i64* mj, int* flags) {
     // The row's items: a range of sorted positions for the lead core, else a run of the
@@ -641,17 +676,40 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
         }
     }
     __syncthreads();
-    if (!any) return;
+    if (!any) {  // every flag is written (no memset before), zeros in a dense gradient
+        if (dense)
+            for (int o = threadIdx.x; o < W(KC); o += blockDim.x) grad[GOFF(KC) + i * W(KC) + o] = 0.f;
+        if (threadIdx.x == 0) touched[ROFF(KC) + i] = 0;
+        return;
+    }
     for (int o = threadIdx.x; o < W(KC); o += blockDim.x) grad[GOFF(KC) + i * W(KC) + o] = acc[o];
     if (threadIdx.x == 0) touched[ROFF(KC) + i] = 1;
 }
 
-// One block per core row (all cores): its gradient row, summed in sorted order, and a flag.
+// A rejected batch's block: the row untouched (and zero in a dense gradient).
+__device__ __forceinline__ void clear_row(i64 b, float* grad, int* touched, int dense) {
+    int k = 0;
+    while (k < D - 1 && b >= ROFF(k + 1)) ++k;
+    const i64 i = b - ROFF(k);
+    if (dense)
+        for (int o = threadIdx.x; o < W(k); o += blockDim.x) grad[GOFF(k) + i * W(k) + o] = 0.f;
+    if (threadIdx.x == 0) touched[b] = 0;
+}
+
+// One block per core row (all cores): its gradient row, summed in sorted order, and its flag
+// (1: touched, 0: not; every flag is written). dense: untouched rows get zeros, else they are
+// left unwritten. counter (may be NULL): the step counter, incremented once by block 0 (the
+// update kernels that follow read it), whatever the verdict, as a step counts every call.
 template <typename K>
 __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, const i64* items,
                           i64 n_items, const float* ubuf, const float* cbuf, const float* c0buf,
-                          float* grad, int* touched, const u64* verdict) {
-    if (rejected(verdict)) return;
+                          float* grad, int* touched, int dense, i64* counter,
+                          const u64* verdict) {
+    if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) counter[0] += 1;
+    if (rejected(verdict)) {
+        clear_row(blockIdx.x, grad, touched, dense);
+        return;
+    }
     // Three cores need no chain products here, only the batch of pieces (mb).
     constexpr int CH = D == 3 ? 1 : MAXBUF, CS = D == 3 ? 1 : MAXS;
     __shared__ __align__(16) float acc[MAXW], bl[CH], bs[CH], tmp[CH], sb[CS], v[MAXV],
@@ -661,7 +719,7 @@ __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, con
     CORES;
     const i64 b = blockIdx.x;
 #define REDUCE_ARGS cores, rows, n, skeys, items, n_items, ubuf, cbuf, c0buf
-#define REDUCE_BUFS grad, touched, acc, bl, bs, tmp, sb, v, mb, mj, flags
+#define REDUCE_BUFS grad, touched, dense, acc, bl, bs, tmp, sb, v, mb, mj, flags
     if (b < ROFF(1)) {
         reduce_row<0>(REDUCE_ARGS, b, REDUCE_BUFS);
     } else if (b < ROFF(2)) {
@@ -1072,7 +1130,7 @@ BWD_NAMES = {key: f"tt_bwd_pieces<{key}>" for key in KEY_TYPES}
 REDUCE_NAMES = {key: f"tt_reduce<{key}>" for key in KEY_TYPES}
 CACHE_NAMES = [f"tt_cache_{name}<{key}>" for name in ("update", "chunks", "slots")
                for key in KEY_TYPES]
-PLAIN_NAMES = ("tt_check_bags", "tt_pool", "tt_update", "tt_count", "tt_keys")
+PLAIN_NAMES = ("tt_prepare", "tt_merge_all", "tt_pool", "tt_update", "tt_count")
 
 
 def _chain_sizes(p, q, ranks):

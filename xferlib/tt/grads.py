@@ -102,17 +102,19 @@ def tt_core_grads(cores, shape: TTShape, residuals, grad_bags, *, stream=None):
 
 
 def gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bool, stream,
-                   scratch=None):
+                   scratch=None, counter=None):
     """Each touched core row's gradient, in a flat buffer (zeros elsewhere when ``dense``,
-    else untouched rows are left unwritten) and the flags of the touched rows, queued on
-    ``stream`` (a CuPy stream). ``scratch`` (a :class:`xferlib.tt.scratch.Scratch` of
-    ``stream``): every buffer comes from it, the returned gradient and flags included, so
-    the caller must use them within the call."""
+    else untouched rows are left unwritten) and the flags of the touched rows (every one
+    written), queued on ``stream`` (a CuPy stream). ``scratch`` (a
+    :class:`xferlib.tt.scratch.Scratch` of ``stream``): every buffer comes from it, the
+    returned gradient and flags included, so the caller must use them within the call.
+    ``counter``: a one-element int64 device array the call adds 1 to before any update kernel
+    queued after it runs (a fused step's counter; no launch of its own)."""
     with stream:
-        return _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch)
+        return _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, counter)
 
 
-def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch):
+def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, counter):
     import cupy
 
     n, d = plan.n, shape.d
@@ -122,6 +124,8 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch):
                          f"{grad_bags.shape}")
     size = grad_spans(shape)[-1][1]
     if n == 0:
+        if counter is not None:
+            counter += 1
         plan.verdict.raise_now(stream)
         return (cupy.zeros(size, dtype=np.float32) if dense else None), None
     r = shape.padded_ranks
@@ -137,24 +141,28 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch):
     keys = empty("keys", (d - 1) * n, np.int32)
     key_name = key_type(plan.rows)
     weights = plan.per_sample_weights
+    pointers = core_pointers(cores)
     launch(shape, f"tt_bwd_pieces<{key_name}>", grid_1d(n, CHUNK)[0], (THREADS,),
-           core_pointers(cores) + [
+           pointers + [
                 plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
                 np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
-                weights if weights is not None else np.uint64(0), np.int32(plan.mean),
+                weights if weights is not None else _NULL, np.int32(plan.mean),
                 grad_bags, ubuf, cbuf, c0buf, keys, plan.verdict.words], stream)
     keyed = sum(shape.p_shapes) - shape.p_shapes[lead_core(shape)]
-    if scratch is None:
-        skeys, items, _ = sort_keys(keys, keyed + 1, stream)
-        grad = (cupy.zeros if dense else cupy.empty)(size, dtype=np.float32)
-        touched = cupy.zeros(total_core_rows(shape), dtype=np.int32)
-    else:
-        skeys, items, _ = sort_keys(keys, keyed + 1, stream, scratch.named("sort."), True)
-        grad = (scratch.zeros("grad", size, np.float32, stream) if dense
-                else scratch.empty("grad", size, np.float32))
-        touched = scratch.zeros("touched", total_core_rows(shape), np.int32, stream)
+    # The keys are in range by construction (a rejected batch's are never read), so the
+    # sort's words are not reset nor read.
+    words = empty("words", 2, np.uint64)
+    skeys, items = sort_keys(shape, keys, keyed + 1, stream, words,
+                             None if scratch is None else scratch.named("sort."), True)
+    # tt_reduce writes every flag, and in a dense gradient every row: no memset
+    grad = empty("grad", size, np.float32)
+    touched = empty("touched", total_core_rows(shape), np.int32)
     launch(shape, f"tt_reduce<{key_name}>", (total_core_rows(shape),), (REDUCE_THREADS,),
-           core_pointers(cores) + [plan.rows, np.int64(n), skeys, items, np.int64(keys.size),
-                                   ubuf, cbuf, c0buf, grad, touched, plan.verdict.words],
+           pointers + [plan.rows, np.int64(n), skeys, items, np.int64(keys.size), ubuf, cbuf,
+                       c0buf, grad, touched, np.int32(dense),
+                       counter if counter is not None else _NULL, plan.verdict.words],
            stream)
     return grad, touched
+
+
+_NULL = np.uint64(0)  # a NULL pointer argument

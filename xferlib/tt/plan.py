@@ -14,7 +14,8 @@ import numpy as np
 from xferlib._backend import as_cupy_stream, is_cupy_array
 from xferlib._kernels import grid_1d
 from xferlib._kernels.tt import CHUNK, THREADS
-from xferlib.batch import NO_BAD, Verdict, host_values, sort_positions
+from xferlib._kernels.rows import SMALL_SORT_ITEMS, SMALL_SORT_THREADS
+from xferlib.batch import NO_BAD, Verdict, _sort_kernels, host_values, sort_positions
 from xferlib.perf import warn_tt_fallback
 from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core
 
@@ -120,13 +121,96 @@ def launch(shape: TTShape, name: str, grid, block, args, stream) -> None:
     _kernel(shape, name)(grid, block, tuple(args), stream=stream)
 
 
-def sort_keys(keys, num_keys: int, stream, scratch=None, scratch_result=False):
-    """``(sorted keys, positions, verdict words)``: a stable sort on ``stream``, no host
-    sync (``scratch``: see ``xferlib.batch.sort_positions``)."""
-    # Tile sorts and merges at every batch size: CuPy's argsort (Thrust) would wait for the
-    # device, and a training step must not.
-    return sort_positions(keys, num_keys, stream=stream, tiled_max=np.iinfo(np.int32).max,
-                          scratch=scratch, scratch_result=scratch_result)
+# Sorted tiles joined by one tt_merge_all launch at most this many at a time (more are first
+# merged pairwise): each position binary-searches every other run, so the last round costs
+# (runs - 1) searches a position, where pairwise merges cost one launch per doubling. Small
+# batches (eager steps, host-bound) take one launch for up to 16 tiles.
+_MERGE_ALL_RUNS, _MERGE_ALL_RUNS_SMALL, _SMALL_BATCH = 8, 16, 1 << 16
+
+
+def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
+              scratch_result: bool = False, out=None):
+    """``(sorted keys, positions)``: a stable sort of ``keys`` (all below ``num_keys``) on
+    ``stream`` (a CuPy stream), no host sync: one tile-sort launch, pairwise merges while more
+    than :data:`_MERGE_ALL_RUNS` tiles remain, then one ``tt_merge_all`` launch. The tile sort
+    reports the first position of a key outside ``[0, num_keys)`` by an atomic minimum into
+    ``words[0]`` (two uint64 device words the caller set, or never reads): no memset.
+    ``scratch`` (a :class:`xferlib.tt.scratch.Scratch` of ``stream``): the working buffers
+    come from it, and the result too with ``scratch_result``; ``out``: the result's
+    ``(int32 keys, int64 positions)`` arrays of ``keys.size`` elements, where the caller has
+    them (keys past int32 excepted)."""
+    import cupy
+
+    n = int(keys.size)
+    if num_keys > np.iinfo(np.int32).max:  # keys past int32: CuPy's sort (a host sync)
+        rows, perm, sort_words = sort_positions(keys, num_keys, stream=stream, tiled_max=0)
+        words[:1] = sort_words[:1]
+        return rows, perm
+    items = next((i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n),
+                 SMALL_SORT_ITEMS[-1])
+    tile = items * SMALL_SORT_THREADS
+    runs, width, rounds = -(-n // tile), tile, []
+    limit = _MERGE_ALL_RUNS_SMALL if n <= _SMALL_BATCH else _MERGE_ALL_RUNS
+    while runs > limit:  # pairwise rounds first
+        rounds.append(width)
+        runs, width = -(-runs // 2), width * 2
+    if runs > 1:
+        rounds.append(-width)  # the final round joins every run
+    # Each write goes to the buffers its round does not read: the last to the result, the
+    # earlier ones alternate between two working pairs.
+    if scratch is None:
+        def buffers(name):
+            return cupy.empty(n, dtype=np.int32), cupy.empty(n, dtype=np.int64)
+    else:
+        def buffers(name):
+            return scratch.empty(name + "rows", n, np.int32), scratch.empty(name + "perm", n,
+                                                                            np.int64)
+    if out is not None:
+        result = out
+    elif scratch_result or scratch is None:
+        result = buffers("result.")
+    else:
+        result = cupy.empty(n, dtype=np.int32), cupy.empty(n, dtype=np.int64)
+    pairs = [result]
+    for j in range(len(rounds)):
+        pairs.append(buffers("a." if j % 2 == 0 else "b."))
+    pairs.reverse()  # pairs[0]: the tile sort's output; pairs[-1]: the result
+    kernel, shared, merge = _sort_kernels(keys.dtype.name, items)
+    rows, perm = pairs[0]
+    bits = max(1, int(num_keys - 1).bit_length())
+    kernel(grid_1d(n, tile)[0], (SMALL_SORT_THREADS,),
+           (keys, np.int64(n), np.int64(num_keys), np.int32(bits), rows, perm, words),
+           shared_mem=shared, stream=stream)
+    if rounds:
+        grid, block = grid_1d(n, 256, 65535)
+        n64 = np.int64(n)
+        for j, width in enumerate(rounds):
+            out_rows, out_perm = pairs[j + 1]
+            if width > 0:
+                merge(grid, block, (rows, perm, n64, np.int64(width), out_rows, out_perm),
+                      stream=stream)
+            else:
+                _kernel(shape, "tt_merge_all")(grid, block, (
+                    rows, perm, n64, np.int64(-width), out_rows, out_perm), stream=stream)
+            rows, perm = out_rows, out_perm
+    return rows, perm
+
+
+_NULL = np.uint64(0)  # a NULL pointer argument
+
+
+def _carve(*parts) -> list:
+    """1-D arrays of ``(dtype, size)`` each, views of ONE new allocation (one pool request,
+    where an array each costs one apiece); 8-byte dtypes first keep every part aligned."""
+    import cupy
+
+    sizes = [np.dtype(dtype).itemsize * size for dtype, size in parts]
+    base = cupy.empty(max(sum(sizes), 1), dtype=np.uint8)
+    views, offset = [], 0
+    for (dtype, size), nbytes in zip(parts, sizes):
+        views.append(cupy.ndarray((size,), dtype=dtype, memptr=base.data + offset))
+        offset += nbytes
+    return views
 
 
 def key_type(rows) -> str:
@@ -178,24 +262,32 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
     bound = shape.num_rows if num_embeddings is None else int(num_embeddings)
     if scratch is not None:
         scratch = scratch.named("plan.")
-    # the sorted rows and positions are the plan's (backward reads them): never scratch
-    sort_scratch = None if scratch is None else scratch.named("sort.")
-    if lead_core(shape) == 0:  # the sort key is the row
-        rows, perm, sort_verdict = sort_keys(indices, bound, stream, sort_scratch)
-    else:  # the lead core's digit first (xferlib/_kernels/tt.py); bad rows get a rejected key
-        keys = (cupy.empty(n, dtype=np.int64) if scratch is None
-                else scratch.empty("keys", n, np.int64))
-        launch(shape, "tt_keys", *grid_1d(n, 256, 4096),
-               (indices if indices.dtype == np.int64 else indices.astype(np.int64),
-                np.int64(n), np.int64(bound), keys), stream)
-        rows, perm, sort_verdict = sort_keys(keys, shape.num_rows, stream, sort_scratch)
     n_off = int(offsets.size)
     num_bags = n_off - 1 if include_last_offset else n_off
-    verdict = Verdict.clean(TTReport(indices if report is None else report, offsets,
-                                     include_last_offset, n, bound), stream)
-    launch(shape, "tt_check_bags", *grid_1d(n_off + 1, 256, 1024),
-           (offsets, np.int64(n_off), np.int32(include_last_offset), np.int64(n),
-            sort_verdict, verdict.words), stream)
+    # What the plan keeps (backward and the deferred check read it, so never scratch): the
+    # sorted positions, each lookup's bag, the verdict's words and the sorted keys, carved
+    # from one allocation. tt_prepare sets the words clean (no memset) and checks the
+    # offsets; the sort adds the first bad index.
+    perm, bag_of, words, sorted_keys = _carve((np.int64, n), (np.int64, n), (np.uint64, 2),
+                                              (np.int32, n))
+    verdict = Verdict(words, TTReport(indices if report is None else report, offsets,
+                                      include_last_offset, n, bound))
+    lead = lead_core(shape) != 0  # the lead core's digit first (xferlib/_kernels/tt.py)
+    wide = indices if indices.dtype == np.int64 or not lead else indices.astype(np.int64)
+    if lead:
+        keys = (cupy.empty(n, dtype=np.int64) if scratch is None
+                else scratch.empty("keys", n, np.int64))
+    launch(shape, "tt_prepare", *grid_1d(n, 256, 4096),
+           (wide, np.int64(n), np.int64(bound), keys if lead else _NULL, offsets,
+            np.int64(n_off), np.int32(include_last_offset), words), stream)
+    # the sort's working buffers (its result is the plan's: carved above)
+    sort_scratch = None if scratch is None else scratch.named("sort.")
+    result = sorted_keys, perm
+    if lead:  # bad rows got a key the sort rejects
+        rows, perm = sort_keys(shape, keys, shape.num_rows, stream, words, sort_scratch,
+                               out=result)
+    else:  # the sort key is the row
+        rows, perm = sort_keys(shape, indices, bound, stream, words, sort_scratch, out=result)
     y = None
     slot = None
     if cores is not None:
@@ -213,7 +305,6 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
             out = cupy.empty((num_bags, shape.dim), dtype=np.float32)
     else:
         out = None
-    bag_of = cupy.empty(n, dtype=np.int64)
     total = num_bags * shape.dim
     launch(shape, "tt_pool", *grid_1d(total, 256, 65535),
            (y if y is not None else np.uint64(0), offsets, np.int64(n_off),

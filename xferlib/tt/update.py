@@ -22,7 +22,7 @@ __all__ = ["tt_fused_update", "tt_apply_core_grads", "tt_cache_apply"]
 
 def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimizer: str, *,
                     lr: float, eps: float = 1e-10, betas=(0.9, 0.999), cache=None,
-                    checks=None, stream=None, scratch=None, **hyper) -> None:
+                    checks=None, stream=None, scratch=None, count=None, **hyper) -> None:
     """Backward and :func:`tt_sparse_update` in one: the cores change in place from the bag
     gradients. On the GPU kernel path no dense core gradient exists: each touched core row's
     gradient is summed (in sorted order, deterministic) and the optimizer runs on those rows
@@ -40,13 +40,17 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     check after replays (see :mod:`xferlib.batch`). ``stream``: where the kernels run
     (default: CuPy's current stream). ``scratch`` (kernel path, not while a CUDA graph is
     captured): a :class:`xferlib.tt.scratch.Scratch` of ``stream`` that the step's working
-    buffers come from instead of the memory pool.
+    buffers come from instead of the memory pool. ``count``: a one-element integer array (a
+    step counter, e.g. the ``step`` passed here) that the call adds 1 to before the optimizer
+    reads ``step``; on the kernel path inside the gradient kernel (no launch of its own).
     """
     if "defer_check" in hyper:  # the keyword before xferlib.batch
         raise TypeError("tt_fused_update() no longer takes defer_check=; pass checks=, a "
                         "xferlib.batch.PendingChecks, to defer the input check")
     check_sparse_args(optimizer, lr)
     kernel_path = isinstance(residuals, TTBagPlan)
+    if count is not None and not kernel_path:
+        count += 1
     step = hyper.get("step", 1)
     if not kernel_path and not isinstance(step, (int, np.integer)):  # a device counter
         hyper["step"] = int(to_host(step).reshape(-1)[0])
@@ -62,7 +66,7 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
         return
     stream = as_cupy_stream(stream)
     grad, touched = gpu_core_grads(cores, shape, residuals, grad_bags, dense=False,
-                                   stream=stream, scratch=scratch)
+                                   stream=stream, scratch=scratch, counter=count)
     if grad is None:  # an empty batch touches nothing
         return
     with stream:
