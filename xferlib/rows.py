@@ -410,10 +410,10 @@ def _fused(op: str, table, idx, rows, stream, sorted_indices: bool):
     launch = _launch_for(table, device)
     if launch is None:
         return None
-    if rows is not None and (rows.dtype != launch.dtype or rows.shape != (n, launch.shape[1])
-                             or rows.ndim != 2 or (rows.shape[1] > 1 and rows.strides[1]
-                                                   != rows.dtype.itemsize)):
-        return None
+    if rows is not None and (not isinstance(rows, (np.ndarray, cupy.ndarray))
+                             or rows.dtype != launch.dtype or rows.shape != (n, launch.shape[1])
+                             or (rows.shape[1] > 1 and rows.strides[1] != rows.dtype.itemsize)):
+        return None  # the planned path names the error
     stream = as_cupy_stream(stream)
     _poll_checks()  # an earlier call's bad batch raises here, before anything is queued
     if rows is None:

@@ -336,6 +336,15 @@ def test_fused_calls_match_numpy_many_times(rng, index_dtype, table_kind):
     expected = host_table.astype(np.float64)
     stream = cupy.cuda.Stream(non_blocking=True)
     pinned_out = pinned_empty((5000, dim), np.float32)
+    cupy.cuda.Device().synchronize()
+    with stream:  # arrays made below are filled on `stream` too
+        _fused_calls_many_times(rng, table, expected, stream, pinned_out, index_dtype)
+
+
+def _fused_calls_many_times(rng, table, expected, stream, pinned_out, index_dtype):
+    import cupy
+
+    num_rows, dim = table.shape
     for step in range(150):
         n = int(rng.choice([1, 5, 1000, 5000]))
         host_idx = rng.integers(0, num_rows, size=n).astype(index_dtype)
@@ -374,6 +383,7 @@ def test_fused_calls_captured_in_a_cuda_graph(rng):
     idx_buf = cupy.zeros(n, dtype=np.int32)
     out = cupy.zeros((n, dim), dtype=np.float32)
     stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
     with stream:
         xferlib.gather_rows(table, idx_buf, out=out, stream=stream)
         xferlib.check_rows()
