@@ -182,20 +182,23 @@ __global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
     }
 }
 
-// out[perm[j]] = uniq[run[j]]: every batch position gets its run's row. One warp per
-// position (any grid: warps stride over the rest), 16-byte words where every row start is
-// 16-byte aligned: no index division per element, one run/perm read per row.
+// out[perm[j]] = uniq[run[j]]: every batch position gets its run's row (the first `dim` of
+// the `u_stride` elements of uniq's rows). One warp per position (any grid: warps stride
+// over the rest), 16-byte words where every row start is 16-byte aligned: no index division
+// per element, one run/perm read per row.
 template <typename T>
-__global__ void expand_rows(const T* __restrict__ uniq, const i64* __restrict__ run,
-                            const i64* __restrict__ perm, i64 n, i64 dim, T* __restrict__ out,
+__global__ void expand_rows(const T* __restrict__ uniq, i64 u_stride,
+                            const i64* __restrict__ run, const i64* __restrict__ perm, i64 n,
+                            i64 dim, T* __restrict__ out,
                             const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
     constexpr int V = 16 / sizeof(T);
-    const bool wide = dim % V == 0 && (size_t)uniq % 16 == 0 && (size_t)out % 16 == 0;
+    const bool wide = dim % V == 0 && u_stride % V == 0 && (size_t)uniq % 16 == 0 &&
+                      (size_t)out % 16 == 0;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < n; j += warps) {
-        const T* src = uniq + run[j] * dim;
+        const T* src = uniq + run[j] * u_stride;
         T* dst = out + perm[j] * dim;
         if (wide) copy_words<V>(dst, src, dim, lane);
         else copy_words<1>(dst, src, dim, lane);
@@ -355,8 +358,8 @@ __device__ __forceinline__ void elem(T& w, T* st, T g, const XfScalars<T>& s) {
 // Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): one accumulator per row, fed the mean
 // squared gradient (the warp's reduction), then the shared per-element step.
 template <typename T>
-__device__ void rowwise_adagrad_row(T* w, const T* wsrc, T* s, const T* g, i64 dim,
-                                    i64 n_slots, const XfScalars<T>& c, int lane) {
+__device__ void rowwise_adagrad_row(T* w, const T* wsrc, T* s, const T* ssrc, const T* g,
+                                    i64 dim, i64 n_slots, const XfScalars<T>& c, int lane) {
     T sq = 0;
     for (i64 e = lane; e < dim; e += 32) {
         T wi = wsrc[e], gi = g[e];
@@ -364,7 +367,7 @@ __device__ void rowwise_adagrad_row(T* w, const T* wsrc, T* s, const T* g, i64 d
         sq += gi * gi;
     }
     T* total = s + n_slots * dim;
-    const T sum = *total + warp_sum(sq) / (T)dim;
+    const T sum = ssrc[n_slots * dim] + warp_sum(sq) / (T)dim;
     const T scale = c.lr / (sqrt(sum) + c.eps);
     for (i64 e = lane; e < dim; e += 32) {
         T wi = wsrc[e], gi = g[e];
@@ -380,10 +383,10 @@ template <typename T, int V> struct alignas(sizeof(T) * V) vec { T v[V]; };
 
 // V consecutive elements per lane: 16-byte loads (V = 4 floats) when the caller checked the
 // alignment, so each lane keeps three or four independent loads in flight over PCIe. The
-// weights are read from `wsrc` (the row itself, or its copy staged in HBM by the lookup) and
-// written to `w`; no __restrict__ on those two, which may be the same row.
+// weights and state are read from `wsrc` / `ssrc` (the row itself, or its copy staged in HBM
+// by the lookup) and written to `w` / `s`; no __restrict__ on those, which may be the same.
 template <int RULE, int V, typename T>
-__device__ __forceinline__ void update_row(T* w, const T* wsrc, T* __restrict__ s,
+__device__ __forceinline__ void update_row(T* w, const T* wsrc, T* s, const T* ssrc,
                                            const T* __restrict__ g, i64 dim, i64 n_slots,
                                            const XfScalars<T>& c, int lane) {
     for (i64 base = (i64)V * lane; base < dim; base += 32 * V) {
@@ -392,7 +395,7 @@ __device__ __forceinline__ void update_row(T* w, const T* wsrc, T* __restrict__ 
         vec<T, V> sv[XF_MAX_SLOTS];
         #pragma unroll
         for (int k = 0; k < XF_MAX_SLOTS; ++k)
-            if (k < n_slots) sv[k] = *reinterpret_cast<const vec<T, V>*>(s + k * dim + base);
+            if (k < n_slots) sv[k] = *reinterpret_cast<const vec<T, V>*>(ssrc + k * dim + base);
         #pragma unroll
         for (int q = 0; q < V; ++q) {
             T st[XF_MAX_SLOTS];
@@ -411,32 +414,36 @@ __device__ __forceinline__ void update_row(T* w, const T* wsrc, T* __restrict__ 
 
 // One warp per distinct row: apply the rule to the row with its summed gradient, then count
 // the step. `step_off`: where the int64 step count sits in the row's state, in T units.
-// `staged` (or null): the batch's rows as its lookup gathered them (run r at r * dim), known
-// by the host to be current (no write to the table since): a row in host RAM is then read
-// from HBM and only written over the link (the read half of PCIe traffic saved); cached rows
-// are always read from the cache.
+// `staged` (or null): the batch's rows as its lookup gathered them (run r at r *
+// staged_width: the weights, then with `staged_state` the row's state), known by the host to
+// be current (no write to the table since). A row in host RAM is then read from HBM and only
+// written over the link: no read waits behind the kernel's own writes on the link (PCIe keeps
+// a read behind earlier writes), half the traffic. Cached rows are read from the cache.
 template <int RULE, int V, typename T, typename K>
 __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
                               T* cache, i64 cache_width, i64 s_off,
                               const int* __restrict__ slots, unsigned char* __restrict__ dirty,
                               const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
                               const T* __restrict__ summed, const T* __restrict__ staged,
-                              i64 dim, i64 n_slots, i64 step_off,
+                              i64 staged_width, int staged_state, i64 dim, i64 n_slots,
+                              i64 step_off,
                               const double* __restrict__ h,
                               const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
     FOR_EACH_DISTINCT_ROW {
         Place<T> p = locate(row, r, host_w, w_stride, host_s, s_stride, cache,
                             cache_width, s_off, slots);
-        const T* wsrc = (staged != nullptr && !p.cached) ? staged + r * dim : p.w;
+        const bool from_copy = staged != nullptr && !p.cached;
+        const T* wsrc = from_copy ? staged + r * staged_width : p.w;
+        const T* ssrc = from_copy && staged_state ? wsrc + dim : p.s;
         i64* step = reinterpret_cast<i64*>(p.s + step_off);
-        const i64 t = *step + 1;
+        const i64 t = *reinterpret_cast<const i64*>(ssrc + step_off) + 1;
         const T* g = summed + r * dim;
         const XfScalars<T> c = row_consts<RULE, T>(h, t);
         if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
-            rowwise_adagrad_row<T>(p.w, wsrc, p.s, g, dim, n_slots, c, lane);
+            rowwise_adagrad_row<T>(p.w, wsrc, p.s, ssrc, g, dim, n_slots, c, lane);
         } else {
-            update_row<RULE, V, T>(p.w, wsrc, p.s, g, dim, n_slots, c, lane);
+            update_row<RULE, V, T>(p.w, wsrc, p.s, ssrc, g, dim, n_slots, c, lane);
         }
         __syncwarp();
         if (lane == 0) {

@@ -136,21 +136,25 @@ class DeviceSide:
     # -------------------------------------------------------------- gather and expand
 
     def gather_unique(self, plan: BatchPlan, stream, which: int = 0, out=None,
-                      prefetch: bool = False):
+                      prefetch: bool = False, full: bool = False):
+        """Each distinct row of ``plan`` once (run r at row r of the result): its weights,
+        and with ``full`` its optimizer state after them (the copy an update of the batch
+        reads instead of host RAM)."""
         import cupy
 
         from xferlib._kernels.table import TABLE_MODULE, gather_unique_name
 
         layout = self.table.layout
         if out is None:
-            out = cupy.empty((plan.n, layout.dim), dtype=self.table.dtype)
+            width = layout.dim + (layout.state_width if full else 0)
+            out = cupy.empty((plan.n, width), dtype=self.table.dtype)
         if plan.n:
             grid, block = self.launch_size(-(-plan.n // 32), prefetch)  # a warp per 32 positions
             name = gather_unique_name(self.vec, self.dtype_name, plan.keys.itemsize)
             TABLE_MODULE.get_function(name)(
                 grid, block, (*self.host_args(), *self._cache_args(plan.slots), plan.keys,
                               plan.run, np.int64(plan.n), np.int64(layout.dim),
-                              np.int64(layout.state_width), np.int32(0), np.int32(which), out,
+                              np.int64(layout.state_width), np.int32(full), np.int32(which), out,
                               plan.verdict.words), stream=stream)
         return out
 
@@ -165,8 +169,9 @@ class DeviceSide:
         if plan.n * dim:
             grid, block = launch_config(plan.n)  # a warp per batch position
             TABLE_MODULE.get_function(expand_rows_name(self.dtype_name))(
-                grid, block, (uniq, plan.run, plan.perm, np.int64(plan.n), np.int64(dim),
-                                    out, plan.verdict.words), stream=stream)
+                grid, block, (uniq, np.int64(uniq.shape[1]), plan.run, plan.perm,
+                              np.int64(plan.n), np.int64(dim), out, plan.verdict.words),
+                stream=stream)
         return out
 
     def check_out(self, out, n) -> None:
@@ -179,7 +184,11 @@ class DeviceSide:
 
     # -------------------------------------------------------------- lookup
 
-    def lookup(self, idx, out, stream):
+    def lookup(self, idx, out, stream, for_update: bool = False):
+        """The rows of ``idx`` and the batch's plan. ``for_update``: the caller will hand the
+        plan to :meth:`apply`, so the rows are gathered with their optimizer state, and the
+        update reads them from HBM instead of host RAM (when nothing wrote to the table in
+        between)."""
         import cupy
 
         from xferlib.table.prefetch import take_prefetch
@@ -201,7 +210,7 @@ class DeviceSide:
                 if self.cache is not None:
                     plan.slots = self.cache.insert(plan, stream)
                     self.last_pass = plan
-                uniq = self.gather_unique(plan, stream)
+                uniq = self.gather_unique(plan, stream, full=for_update)
             rows = self.expand(plan, uniq, out, stream)
             if self.table.shared_name is None:  # other processes may write a shared table
                 plan.staged, plan.writes = uniq, self.table._writes[0]
@@ -258,7 +267,10 @@ class DeviceSide:
                 grid, block, (*self.host_args(), *self._cache_args(slots),
                               self.cache.dirty if slots is not None else np.uint64(0),
                               plan.keys, plan.run, np.int64(n), summed,
-                              staged if staged is not None else np.uint64(0), np.int64(dim),
+                              staged if staged is not None else np.uint64(0),
+                              np.int64(staged.shape[1] if staged is not None else 0),
+                              np.int32(staged is not None and staged.shape[1] > dim),
+                              np.int64(dim),
                               np.int64(len(table.layout.slots)),
                               np.int64(table.layout.step_offset), self._hyper_array(),
                               plan.verdict.words), stream=stream)

@@ -371,7 +371,8 @@ class HostTable:
         the latest once the device is two batches behind) or from :meth:`check`."""
         check_index_dtype(idx)
         if is_cupy_array(idx):
-            rows, batch = self._gpu_state().lookup(idx, out, stream)
+            rows, batch = self._gpu_state().lookup(
+                idx, out, stream, for_update=return_batch and self._rule is not None)
             return (rows, batch) if return_batch else rows
         self._flush(drop_cache=True)
         check_host_indices(idx, self.num_rows)
