@@ -45,6 +45,9 @@ class _HostRows(torch.autograd.Function):
         # Under a process group a bad index must reach backward's collective, which raises
         # it on every rank: raised here, on one rank, it would leave the others waiting.
         defer = anchor.requires_grad and module._dist is not None
+        if not anchor.requires_grad:  # inference: no update follows, no state gathered
+            ctx.batch = None
+            return module._lookup(idx)
         rows, ctx.batch = module._lookup(idx, return_batch=True, defer_index_errors=defer)
         return rows
 
@@ -127,9 +130,11 @@ class _HostModule(torch.nn.Module):
         stream = {"stream": current_stream(self.device)} if self.device.type == "cuda" else {}
         core_idx, self._prefetched = self._prefetched_for(idx), None
         try:
-            _, batch = self.table.lookup(core_idx if core_idx is not None
-                                         else self._core_indices(idx), out=as_core_array(out),
-                                         return_batch=True, **stream)
+            # return_batch: the update reads the rows from the lookup's copy (with their state)
+            found = self.table.lookup(core_idx if core_idx is not None
+                                      else self._core_indices(idx), out=as_core_array(out),
+                                      return_batch=return_batch, **stream)
+            batch = found[1] if return_batch else None
         except IndexError:
             if not defer_index_errors:
                 raise
