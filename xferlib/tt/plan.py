@@ -14,8 +14,10 @@ import numpy as np
 from xferlib._backend import as_cupy_stream, is_cupy_array
 from xferlib._kernels import grid_1d
 from xferlib._kernels.tt import CHUNK, THREADS
-from xferlib._kernels.rows import SMALL_SORT_ITEMS, SMALL_SORT_THREADS
-from xferlib.batch import NO_BAD, Verdict, _sort_kernels, host_values, sort_positions
+from xferlib._kernels.rows import (MERGE_NAME, ROWS_MODULE, SMALL_SORT_ITEMS,
+                                   SMALL_SORT_THREADS, small_sort_name,
+                                   small_sort_shared_bytes)
+from xferlib.batch import NO_BAD, Verdict, host_values, sort_positions
 from xferlib.perf import warn_tt_fallback
 from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core
 
@@ -55,9 +57,15 @@ class TTBagPlan:
     __slots__ = ("indices", "offsets", "include_last_offset", "per_sample_weights", "mean",
                  "rows", "perm", "bag_of", "verdict", "num_bags", "slot", "stream")
 
-    def __init__(self, **fields):
-        for name in self.__slots__:
-            setattr(self, name, fields.get(name))
+    def __init__(self, indices=None, offsets=None, include_last_offset=None,
+                 per_sample_weights=None, mean=None, rows=None, perm=None, bag_of=None,
+                 verdict=None, num_bags=None, slot=None, stream=None):
+        self.indices, self.offsets, self.include_last_offset = indices, offsets, \
+            include_last_offset
+        self.per_sample_weights, self.mean, self.rows, self.perm = per_sample_weights, mean, \
+            rows, perm
+        self.bag_of, self.verdict, self.num_bags, self.slot, self.stream = bag_of, verdict, \
+            num_bags, slot, stream
 
     @property
     def n(self) -> int:
@@ -126,6 +134,26 @@ def launch(shape: TTShape, name: str, grid, block, args, stream) -> None:
 # (runs - 1) searches a position, where pairwise merges cost one launch per doubling. Small
 # batches (eager steps, host-bound) take one launch for up to 16 tiles.
 _MERGE_ALL_RUNS, _MERGE_ALL_RUNS_SMALL, _SMALL_BATCH = 8, 16, 1 << 16
+
+
+_SORT_KERNELS = {}  # (device, key dtype, items) -> (tile sort, its shared bytes, pairwise merge)
+
+
+def _sort_kernels(dtype_name: str, items: int):
+    """The row kernels' tile sort of ``items`` per thread for ``dtype_name`` keys (its dynamic
+    shared memory opted in once: the attribute is a driver call) and their pairwise merge,
+    looked up once per device."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), dtype_name, items)
+    found = _SORT_KERNELS.get(key)
+    if found is None:
+        kernel = ROWS_MODULE.get_function(small_sort_name(dtype_name, items))
+        shared = small_sort_shared_bytes(items)
+        if kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+        found = _SORT_KERNELS[key] = (kernel, shared, ROWS_MODULE.get_function(MERGE_NAME))
+    return found
 
 
 def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
