@@ -130,10 +130,11 @@ def launch(shape: TTShape, name: str, grid, block, args, stream) -> None:
 
 
 # Sorted tiles joined by one tt_merge_all launch at most this many at a time (more are first
-# merged pairwise): each position binary-searches every other run, so the last round costs
-# (runs - 1) searches a position, where pairwise merges cost one launch per doubling. Small
-# batches (eager steps, host-bound) take one launch for up to 16 tiles.
-_MERGE_ALL_RUNS, _MERGE_ALL_RUNS_SMALL, _SMALL_BATCH = 8, 16, 1 << 16
+# merged pairwise): each position binary-searches every other run, so joining k runs costs
+# k - 1 searches a position where the log2(k) pairwise rounds it replaces cost one each and a
+# launch apiece. Small batches (eager steps are host-bound; their runs sit in L1) take one
+# launch for up to 16 tiles; large ones, where the searches' loads cost, join 4.
+_MERGE_ALL_RUNS, _MERGE_ALL_RUNS_SMALL, _SMALL_BATCH = 4, 16, 1 << 16
 
 
 _SORT_KERNELS = {}  # (device, key dtype, items) -> (tile sort, its shared bytes, pairwise merge)
@@ -160,7 +161,7 @@ def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
               scratch_result: bool = False, out=None):
     """``(sorted keys, positions)``: a stable sort of ``keys`` (all below ``num_keys``) on
     ``stream`` (a CuPy stream), no host sync: one tile-sort launch, pairwise merges while more
-    than :data:`_MERGE_ALL_RUNS` tiles remain, then one ``tt_merge_all`` launch. The tile sort
+    than 16 tiles (4 past 65,536 keys) remain, then one ``tt_merge_all`` launch. The tile sort
     reports the first position of a key outside ``[0, num_keys)`` by an atomic minimum into
     ``words[0]`` (two uint64 device words the caller set, or never reads): no memset.
     ``scratch`` (a :class:`xferlib.tt.scratch.Scratch` of ``stream``): the working buffers
