@@ -18,7 +18,8 @@ The pipeline over a batch sorted by row (rows sharing a prefix sit side by side)
   g_n G_last[i_d]^T`` (the upstream of the prefix product) and per lookup the last core's
   slice gradient ``Left^T g_n``; writes the keys that group them by core row.
 * ``tt_reduce``: one block per core row sums its contributions in sorted order (no atomics)
-  into a gradient row; prefix cores are differentiated through the prefix chain per piece.
+  into a gradient row (at large batches a long list is split over several blocks, whose
+  partials ``tt_reduce_join`` adds in order); prefix cores are differentiated through the prefix chain per piece.
 * ``tt_update``: the fused optimizer on every touched core row (FBGEMM's rules: the row
   reductions here, the per-element steps from ``xferlib/_kernels/rules.py``).
 * row cache: ``tt_cache_slots`` (each lookup's cache slot, and its access count, one launch)
@@ -38,6 +39,7 @@ from xferlib._kernels.rules import RULES_KERNEL
 CHUNK = 16  # sorted positions per block in tt_rows / tt_bwd_pieces
 THREADS = 128
 REDUCE_THREADS = 256
+REDUCE_SPLITS = 8  # blocks per core row in tt_reduce at large batches (see reduce_splits)
 PIECE_BATCH = 8  # PB in the kernel source
 CACHE_THREADS = 256  # tt_cache_update's block size (CACHE_THREADS in the source)
 CACHE_CHUNK = 64  # sorted positions per chunk of the cache update (CACHE_CHUNK in the source)
@@ -615,16 +617,11 @@ __device__ void reduce_lead_middle(const float* const* cores, const K* rows, i64
     }
 }
 
+// Core row i's items: a range of sorted positions for the lead core, else a run of the sorted
+// item keys.
 template <int KC, typename K>
-__device__ void reduce_row(const float* const* cores, const K* rows, i64 n, const int* skeys,
-                           const i64* items, i64 n_items, const float* ubuf, const float* cbuf,
-                           const float* c0buf, i64 i, float* grad, int* touched, int dense,
-                           float* acc,
-                           float* bl, float* bs, float* tmp, float* sb, float* v, float* mb,
-                           i64* mj, int* flags) {
-    // The row's items: a range of sorted positions for the lead core, else a run of the
-    // sorted item keys.
-    i64 lo, hi;
+__device__ __forceinline__ void row_range(const K* rows, i64 n, const int* skeys, i64 n_items,
+                                          i64 i, i64& lo, i64& hi) {
     if constexpr (KC == LEAD) {
         lo = lower_bound_rows(rows, n, i * SPAN);
         hi = lower_bound_rows(rows, n, (i + 1) * SPAN);
@@ -633,7 +630,41 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
         lo = lower_bound_int(skeys, n_items, key);
         hi = lower_bound_int(skeys, n_items, key + 1);
     }
+}
+
+// How many blocks sum a core row's list of len items (at most splits, each at least
+// SPLIT_MIN items): fixed by the batch, so the partials and their in-order join are too.
+constexpr i64 SPLIT_MIN = 128;
+__device__ __forceinline__ int split_count(i64 len, int splits) {
+    const i64 ns = (len + SPLIT_MIN - 1) / SPLIT_MIN;
+    return ns < 1 ? 1 : ns > splits ? splits : (int)ns;
+}
+
+// Partial s of core KC's row i: rows of core KC keep their splits side by side, core after
+// core (the gradient's layout, each row widened splits times).
+template <int KC>
+__device__ __forceinline__ i64 partial_at(i64 i, int s, int splits) {
+    return (GOFF(KC) + i * W(KC)) * splits + (i64)s * W(KC);
+}
+
+template <int KC, typename K>
+__device__ void reduce_row(const float* const* cores, const K* rows, i64 n, const int* skeys,
+                           const i64* items, i64 n_items, const float* ubuf, const float* cbuf,
+                           const float* c0buf, i64 i, float* grad, int* touched, int dense,
+                           int s, int splits, float* part, float* acc,
+                           float* bl, float* bs, float* tmp, float* sb, float* v, float* mb,
+                           i64* mj, int* flags) {
+    i64 lo, hi;
+    row_range<KC>(rows, n, skeys, n_items, i, lo, hi);
     const bool any = hi > lo;
+    // a long list is split: this block sums part s of it into its partial (tt_reduce_join)
+    const int ns = split_count(hi - lo, splits);
+    if (s >= ns) return;  // block-uniform
+    if (ns > 1) {
+        const i64 len = hi - lo, first = lo;
+        lo = first + len * s / ns;
+        hi = first + len * (s + 1) / ns;
+    }
     if constexpr (KC == D - 1 || KC == 0) {
         // sums of per-item slice gradients: the last core's per lookup (cbuf), core 0's per
         // piece (c0buf, or U itself when the prefix is core 0 alone); eight loads in flight
@@ -676,6 +707,11 @@ __device__ void reduce_row(const float* const* cores, const K* rows, i64 n, cons
         }
     }
     __syncthreads();
+    if (ns > 1) {  // the join writes the row and its flag
+        float* dst = part + partial_at<KC>(i, s, splits);
+        for (int o = threadIdx.x; o < W(KC); o += blockDim.x) dst[o] = acc[o];
+        return;
+    }
     if (!any) {  // every flag is written (no memset before), zeros in a dense gradient
         if (dense)
             for (int o = threadIdx.x; o < W(KC); o += blockDim.x) grad[GOFF(KC) + i * W(KC) + o] = 0.f;
@@ -700,14 +736,20 @@ __device__ __forceinline__ void clear_row(i64 b, float* grad, int* touched, int 
 // (1: touched, 0: not; every flag is written). dense: untouched rows get zeros, else they are
 // left unwritten. counter (may be NULL): the step counter, incremented once by block 0 (the
 // update kernels that follow read it), whatever the verdict, as a step counts every call.
+// splits > 1 (large batches): the grid has splits blocks per core row (block b + s * rows
+// takes part s); a row whose list is long is summed by up to splits blocks into partials
+// (part: splits floats per gradient float) that tt_reduce_join adds in order.
 template <typename K>
 __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, const i64* items,
                           i64 n_items, const float* ubuf, const float* cbuf, const float* c0buf,
-                          float* grad, int* touched, int dense, i64* counter,
-                          const u64* verdict) {
+                          float* grad, int* touched, int dense, i64* counter, float* part,
+                          int splits, const u64* verdict) {
     if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) counter[0] += 1;
+    const i64 b = blockIdx.x % ROFF(D);
+    const int s = (int)(blockIdx.x / ROFF(D));
+    if (s >= splits || (s > 0 && part == nullptr)) return;
     if (rejected(verdict)) {
-        clear_row(blockIdx.x, grad, touched, dense);
+        if (s == 0) clear_row(b, grad, touched, dense);
         return;
     }
     // Three cores need no chain products here, only the batch of pieces (mb).
@@ -717,9 +759,9 @@ __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, con
     __shared__ i64 mj[D == 3 ? PB + REDUCE_THREADS : 1];
     __shared__ int flags[D == 3 ? REDUCE_THREADS : 1];
     CORES;
-    const i64 b = blockIdx.x;
+    const int ways = part != nullptr ? splits : 1;
 #define REDUCE_ARGS cores, rows, n, skeys, items, n_items, ubuf, cbuf, c0buf
-#define REDUCE_BUFS grad, touched, dense, acc, bl, bs, tmp, sb, v, mb, mj, flags
+#define REDUCE_BUFS grad, touched, dense, s, ways, part, acc, bl, bs, tmp, sb, v, mb, mj, flags
     if (b < ROFF(1)) {
         reduce_row<0>(REDUCE_ARGS, b, REDUCE_BUFS);
     } else if (b < ROFF(2)) {
@@ -729,6 +771,45 @@ __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, con
             reduce_row<(D > 2 ? 2 : 1)>(REDUCE_ARGS, b - ROFF(2), REDUCE_BUFS);
         } else if constexpr (D > 3) {
             if (b < ROFF(4)) reduce_row<(D > 3 ? 3 : 1)>(REDUCE_ARGS, b - ROFF(3), REDUCE_BUFS);
+        }
+    }
+}
+
+// A split row's gradient: its partials added in split order (deterministic), and its flag.
+template <int KC, typename K>
+__device__ void join_row(const K* rows, i64 n, const int* skeys, i64 n_items, i64 i,
+                         float* grad, int* touched, const float* part, int splits) {
+    i64 lo, hi;
+    row_range<KC>(rows, n, skeys, n_items, i, lo, hi);
+    const int ns = split_count(hi - lo, splits);
+    if (ns <= 1) return;  // tt_reduce wrote it
+    const float* src = part + partial_at<KC>(i, 0, splits);
+    for (int o = threadIdx.x; o < W(KC); o += blockDim.x) {
+        float total = 0.f;
+        for (int t = 0; t < ns; ++t) total += src[(i64)t * W(KC) + o];
+        grad[GOFF(KC) + i * W(KC) + o] = total;
+    }
+    if (threadIdx.x == 0) touched[ROFF(KC) + i] = 1;
+}
+
+// After tt_reduce with splits > 1: one block per core row.
+template <typename K>
+__global__ void tt_reduce_join(const K* rows, i64 n, const int* skeys, i64 n_items,
+                               float* grad, int* touched, const float* part, int splits,
+                               const u64* verdict) {
+    if (rejected(verdict) || part == nullptr) return;
+    const i64 b = blockIdx.x;
+#define JOIN_ARGS rows, n, skeys, n_items
+#define JOIN_BUFS grad, touched, part, splits
+    if (b < ROFF(1)) {
+        join_row<0>(JOIN_ARGS, b, JOIN_BUFS);
+    } else if (b < ROFF(2)) {
+        join_row<1>(JOIN_ARGS, b - ROFF(1), JOIN_BUFS);
+    } else if constexpr (D > 2) {
+        if (b < ROFF(3)) {
+            join_row<(D > 2 ? 2 : 1)>(JOIN_ARGS, b - ROFF(2), JOIN_BUFS);
+        } else if constexpr (D > 3) {
+            if (b < ROFF(4)) join_row<(D > 3 ? 3 : 1)>(JOIN_ARGS, b - ROFF(3), JOIN_BUFS);
         }
     }
 }
@@ -1128,6 +1209,7 @@ KEY_TYPES = ("int", "long long")
 ROWS_NAMES = {key: f"tt_rows<{key}>" for key in KEY_TYPES}
 BWD_NAMES = {key: f"tt_bwd_pieces<{key}>" for key in KEY_TYPES}
 REDUCE_NAMES = {key: f"tt_reduce<{key}>" for key in KEY_TYPES}
+JOIN_NAMES = {key: f"tt_reduce_join<{key}>" for key in KEY_TYPES}
 CACHE_NAMES = [f"tt_cache_{name}<{key}>" for name in ("update", "chunks", "slots")
                for key in KEY_TYPES]
 PLAIN_NAMES = ("tt_prepare", "tt_merge_all", "tt_pool", "tt_update", "tt_count")
@@ -1184,7 +1266,7 @@ def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
                 f"#define TT_MAXW {maxw}", f"#define TT_MAXV {maxv}", f"#define TT_MAXS {maxs}",
                 f"#define TT_REDUCE_THREADS {REDUCE_THREADS}", f"#define TT_THREADS {THREADS}"]
     names = (list(ROWS_NAMES.values()) + list(BWD_NAMES.values())
-             + list(REDUCE_NAMES.values()) + CACHE_NAMES + list(PLAIN_NAMES))
+             + list(REDUCE_NAMES.values()) + list(JOIN_NAMES.values()) + CACHE_NAMES + list(PLAIN_NAMES))
     label = "x".join(map(str, p)) + "_" + "x".join(map(str, q)) + "_r" + "x".join(map(str, ranks))
     return KernelModule(f"tt_{label}", RULES_KERNEL + "\n".join(defines) + "\n" + TT_KERNEL,
                         names)

@@ -10,7 +10,7 @@ import numpy as np
 
 from xferlib._backend import array_module, as_cupy_stream
 from xferlib._kernels import grid_1d
-from xferlib._kernels.tt import CHUNK, REDUCE_THREADS, THREADS
+from xferlib._kernels.tt import CHUNK, REDUCE_SPLITS, REDUCE_THREADS, THREADS
 from xferlib.tt.lookup import prefix_products, scatter_add, suffix_products
 from xferlib.tt.plan import TTBagPlan, core_pointers, key_type, launch, sort_keys
 from xferlib.tt.shape import TTShape, grad_spans, lead_core, total_core_rows
@@ -157,12 +157,22 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
     # tt_reduce writes every flag, and in a dense gradient every row: no memset
     grad = empty("grad", size, np.float32)
     touched = empty("touched", total_core_rows(shape), np.int32)
-    launch(shape, f"tt_reduce<{key_name}>", (total_core_rows(shape),), (REDUCE_THREADS,),
+    # large batches: long lists of a core row summed by several blocks, joined in order
+    splits = REDUCE_SPLITS if n >= _SPLIT_BATCH else 1
+    part = empty("part", size * splits, np.float32) if splits > 1 else None
+    launch(shape, f"tt_reduce<{key_name}>", (total_core_rows(shape) * splits,),
+           (REDUCE_THREADS,),
            pointers + [plan.rows, np.int64(n), skeys, items, np.int64(keys.size), ubuf, cbuf,
                        c0buf, grad, touched, np.int32(dense),
-                       counter if counter is not None else _NULL, plan.verdict.words],
-           stream)
+                       counter if counter is not None else _NULL,
+                       part if part is not None else _NULL, np.int32(splits),
+                       plan.verdict.words], stream)
+    if part is not None:
+        launch(shape, f"tt_reduce_join<{key_name}>", (total_core_rows(shape),),
+               (REDUCE_THREADS,), [plan.rows, np.int64(n), skeys, np.int64(keys.size), grad,
+                                   touched, part, np.int32(splits), plan.verdict.words], stream)
     return grad, touched
 
 
 _NULL = np.uint64(0)  # a NULL pointer argument
+_SPLIT_BATCH = 1 << 15  # lookups from which tt_reduce splits long lists (see the kernel)
