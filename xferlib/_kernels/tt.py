@@ -19,11 +19,14 @@ The pipeline over a batch sorted by row (rows sharing a prefix sit side by side)
   slice gradient ``Left^T g_n``; writes the keys that group them by core row.
 * ``tt_reduce``: one block per core row sums its contributions in sorted order (no atomics)
   into a gradient row (at large batches a long list is split over several blocks, whose
-  partials ``tt_reduce_join`` adds in order); prefix cores are differentiated through the prefix chain per piece.
+  partials ``tt_reduce_join`` adds in order); prefix cores are differentiated through the
+  prefix chain per piece.
 * ``tt_update``: the fused optimizer on every touched core row (FBGEMM's rules: the row
   reductions here, the per-element steps from ``xferlib/_kernels/rules.py``).
-* row cache: ``tt_cache_slots`` (each lookup's cache slot, and its access count, one launch)
-  and ``tt_cache_update`` (the cached rows' optimizer step from the sorted batch's runs).
+* row cache: ``tt_cache_slots`` (each lookup's cache slot, and its access count, one launch,
+  before ``tt_rows``, which skips the lookups the cache serves), ``tt_cache_chunks`` and
+  ``tt_cache_update`` (the cached rows' gradients summed in two deterministic passes over
+  chunks of the sorted batch, then their optimizer step).
 
 Every kernel bounds every index by the compiled shape, so no input reaches outside an array.
 """
