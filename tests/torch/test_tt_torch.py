@@ -154,6 +154,7 @@ def test_cuda_matches_cpu(optimizer):
         g = torch.randn(out_cpu.shape, generator=torch.Generator().manual_seed(seed))
         out_cpu.backward(g)
         out_gpu.backward(g.cuda())
+    assert gpu.iter == cpu.iter == 4  # the device counter, counted by the gradient kernel
     for a, b in zip(cpu.tt_cores, gpu.tt_cores):
         np.testing.assert_allclose(b.detach().cpu().numpy(), a.detach().numpy(), rtol=1e-4,
                                    atol=1e-5)
