@@ -7,12 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from xferlib._backend import array_module, as_cupy_stream
-from xferlib._kernels import grid_1d
 from xferlib.optim.rules import OptId
 from xferlib.tt.cache import TTRowCache, launch_cache_update, tt_cache_grad
 from xferlib.tt.grads import gpu_core_grads, tt_embedding_bag_bwd
 from xferlib.tt.lookup import to_host
-from xferlib.tt.plan import TTBagPlan, key_type, launch, uses_kernels
+from xferlib.tt.plan import TTBagPlan, launch, uses_kernels
 from xferlib.tt.rules import (LAZY_OPTIMIZERS, STATE_SLOTS, check_sparse_args, tt_sparse_update,
                               update_rows)
 from xferlib.tt.shape import TTShape, grad_spans, total_core_rows
