@@ -44,7 +44,7 @@ THREADS = 128
 REDUCE_THREADS = 256
 REDUCE_SPLITS = 8  # blocks per core row in tt_reduce at large batches (see reduce_splits)
 PIECE_BATCH = 8  # PB in the kernel source
-CACHE_THREADS = 256  # tt_cache_update's block size (CACHE_THREADS in the source)
+CACHE_THREADS = 128  # tt_cache_update's block size (CACHE_THREADS in the source)
 CACHE_CHUNK = 64  # sorted positions per chunk of the cache update (CACHE_CHUNK in the source)
 
 TT_KERNEL = r"""
@@ -1027,7 +1027,7 @@ extern "C" __global__ void tt_update(float* c0, float* c1, float* c2, float* c3,
 //   row gets update_row. Each cached row has one run, so blocks update distinct rows.
 // A lookup's gradient is w * grad_bags[bag_of[m]] (w: its per-sample weight, divided by the
 // bag's size for mean). Every index is bounded; a rejected batch changes nothing.
-constexpr int CACHE_THREADS = 256;
+constexpr int CACHE_THREADS = 128;
 constexpr int CACHE_CHUNK = 64;
 constexpr int CACHE_EW = DIM < CACHE_THREADS ? DIM : CACHE_THREADS;  // elements per pass
 constexpr int CACHE_G = CACHE_THREADS / CACHE_EW;                    // groups along a run
@@ -1134,7 +1134,10 @@ tt_cache_update(CACHE_BATCH_ARGS, const float* head, const float* tail, float* c
     __shared__ float part[CACHE_G * DIM];
     __shared__ float gs[DIM];
     __shared__ float red[33];
-    __shared__ i64 starts[CACHE_CHUNK], cslots[CACHE_CHUNK];
+    __shared__ i64 srow[CACHE_CHUNK + 2];  // rows at positions first - 1 .. last + 1 (-1 outside)
+    __shared__ i64 sbag[CACHE_CHUNK];      // each position's bag (-1: none) and weight
+    __shared__ float sw[CACHE_CHUNK];
+    __shared__ i64 starts[CACHE_CHUNK], ends[CACHE_CHUNK], cslots[CACHE_CHUNK];
     __shared__ int found;
     const Hyper h = HYPER;
     const CacheBatch cb = CACHE_BATCH;
@@ -1143,39 +1146,70 @@ tt_cache_update(CACHE_BATCH_ARGS, const float* head, const float* tail, float* c
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
         const i64 first = c * CACHE_CHUNK;
         const i64 last = (first + CACHE_CHUNK < n ? first + CACHE_CHUNK : n) - 1;
+        const int len = (int)(last - first + 1);
         __syncthreads();  // the previous chunk's lists are no longer read
         if (threadIdx.x == 0) found = 0;
-        __syncthreads();
+        // The chunk's rows, bags and weights, staged once with independent loads, so a run's
+        // sum waits on one load of bag gradients, not on the chain perm -> bag -> gradient.
+        for (int t = threadIdx.x; t < CACHE_CHUNK + 2; t += blockDim.x) {
+            const i64 j = first - 1 + t;
+            srow[t] = (j >= 0 && j < n && j <= last + 1) ? (i64)rows[j] : -1;
+        }
         for (int t = threadIdx.x; t < CACHE_CHUNK; t += blockDim.x) {
-            const i64 j = first + t;
-            if (j <= last && (j == 0 || rows[j] != rows[j - 1])) {
-                const i64 cs = cached_slot(perm, n, slot, capacity, j);
-                if (cs >= 0) {  // runs update distinct rows: their list order does not matter
-                    const int at = atomicAdd(&found, 1);
-                    starts[at] = j;
-                    cslots[at] = cs;
+            const i64 m = t < len ? perm[first + t] : -1;
+            i64 b = (m >= 0 && m < n) ? bag_of[m] : -1;
+            float w = 0.f;
+            if (b >= 0 && b < cb.bags) {
+                w = psw != nullptr ? psw[m] : 1.f;
+                if (mean) {
+                    const i64 cnt = bound_at(offsets, n_off, n, b + 1) -
+                                    bound_at(offsets, n_off, n, b);
+                    w /= (float)(cnt > 0 ? cnt : 1);
                 }
+            } else {
+                b = -1;
             }
+            sbag[t] = b;
+            sw[t] = w;
+        }
+        __syncthreads();
+        // Each cached run starting here, with its end: within the chunk from the staged rows,
+        // past it (the chunk's last run only) by a binary search of the sorted rows.
+        for (int t = threadIdx.x; t < len; t += blockDim.x) {
+            const i64 row = srow[t + 1];
+            if (row == srow[t]) continue;  // not a run start
+            const i64 cs = cached_slot(perm, n, slot, capacity, first + t);
+            if (cs < 0) continue;
+            int u = t + 1;
+            while (u < len && srow[u + 1] == row) ++u;
+            i64 end = first + u;
+            if (u == len && srow[len + 1] == row) {  // rows[last + 1] is the row too
+                i64 lo = last + 2, hi = n;
+                while (lo < hi) {
+                    const i64 mid = (lo + hi) >> 1;
+                    if ((i64)rows[mid] <= row) lo = mid + 1; else hi = mid;
+                }
+                end = lo;
+            }
+            const int at = atomicAdd(&found, 1);  // runs update distinct rows: any list order
+            starts[at] = first + t;
+            ends[at] = end;
+            cslots[at] = cs;
         }
         __syncthreads();
         const int runs = found;
         for (int r = 0; r < runs; ++r) {
-            const i64 j0 = starts[r], cs = cslots[r];
-            const i64 row = (i64)rows[j0];
-            i64 lo = j0 + 1, hi = n;  // the run's end: the first later position past the row
-            while (lo < hi) {
-                const i64 mid = (lo + hi) >> 1;
-                if ((i64)rows[mid] <= row) lo = mid + 1; else hi = mid;
-            }
-            const i64 end = lo;
+            const i64 j0 = starts[r], end = ends[r], cs = cslots[r];
             const bool spans = end - 1 > last;
             if (g < CACHE_G) {
                 for (int e = e0; e < DIM; e += CACHE_EW) {
                     float s = 0.f;
-                    if (!spans) {  // inside the chunk: group g a contiguous range
-                        const i64 len = end - j0;
-                        s = cache_run_sum(cb, j0 + len * g / CACHE_G, j0 + len * (g + 1) / CACHE_G,
-                                          e);
+                    if (!spans) {  // inside the chunk: group g a contiguous range, in order
+                        const int t0 = (int)(j0 - first), count = (int)(end - j0);
+                        const int a = t0 + count * g / CACHE_G, b = t0 + count * (g + 1) / CACHE_G;
+#pragma unroll 8
+                        for (int t = a; t < b; ++t)
+                            if (sbag[t] >= 0) s += sw[t] * grad_bags[sbag[t] * DIM + e];
                     } else {  // heads of chunks c+1 .. c_end, group g a contiguous range
                         const i64 span = (end - 1) / CACHE_CHUNK - c;
                         const i64 d0 = c + 1 + span * g / CACHE_G;
