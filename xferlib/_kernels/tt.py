@@ -1158,19 +1158,19 @@ tt_cache_update(CACHE_BATCH_ARGS, const float* head, const float* tail, float* c
         for (int t = threadIdx.x; t < CACHE_CHUNK; t += blockDim.x) {
             const i64 m = t < len ? perm[first + t] : -1;
             i64 b = (m >= 0 && m < n) ? bag_of[m] : -1;
-            float w = 0.f;
+            float wgt = 0.f;
             if (b >= 0 && b < cb.bags) {
-                w = psw != nullptr ? psw[m] : 1.f;
+                wgt = psw != nullptr ? psw[m] : 1.f;
                 if (mean) {
                     const i64 cnt = bound_at(offsets, n_off, n, b + 1) -
                                     bound_at(offsets, n_off, n, b);
-                    w /= (float)(cnt > 0 ? cnt : 1);
+                    wgt /= (float)(cnt > 0 ? cnt : 1);
                 }
             } else {
                 b = -1;
             }
             sbag[t] = b;
-            sw[t] = w;
+            sw[t] = wgt;
         }
         __syncthreads();
         // Each cached run starting here, with its end: within the chunk from the staged rows,
