@@ -20,8 +20,7 @@ a gradient to None or replaced it, repairs the buffers first: the flat gradient 
 (copied in, if a tensor was assigned) and re-attached, and parameter gradients that
 ``model.zero_grad()`` or an assignment replaced are zeroed (or copied) back into their views.
 So between ``zero_grad()`` and the next backward ``.grad`` of the flat buffer is None, as
-torch says (a ``step()`` then skips it, as for any parameter without a gradient; the
-parameters' gradient views keep their old values until that backward zeroes them), and after
+torch says (a ``step()`` then skips it, as for any parameter without a gradient), and after
 the backward it is the gradient buffer holding only the new gradients. In a training step the
 hooks cost one Python call per parameter and backward with no work on the device.
 
