@@ -3,116 +3,107 @@
 contiguous_params copies a model's parameters into one flat buffer, makes every parameter (and
 its ``.grad``) a view into it, and hands the flat buffer to a stock torch optimizer, which then
 steps all parameters in a few kernels. The names, call forms and attributes are the original's:
-``contiguous()`` (a list holding the flat buffer: a plain ``torch.Tensor``, not a Parameter,
-not requiring grad), ``original()`` (the parameter list given, the same list each call),
+``contiguous()`` (a list holding the flat buffer, a tensor that is not a Parameter and does not
+require grad), ``original()`` (the parameter list given, the same list each call),
 ``buffer_is_valid()``, ``assert_buffer_is_valid()``, and the ``data_pointers`` /
 ``grad_pointers`` lists of each parameter's place in the buffers.
-
-The flat buffer is of the exact type torch's optimizers and ``clip_grad_norm_`` look for, so
-they take their foreach (or, asked for, fused) paths over it, as they do for the original.
 
 Where the original is wrong and this class is right: on torch 2.x ``optimizer.zero_grad()``
 defaults to ``set_to_none=True``, which sets the flat buffer's ``.grad`` to None; with the
 original the optimizer then skips the buffer on every later step (nothing trains) while the
-parameters' gradient views keep accumulating and ``buffer_is_valid()`` still says yes. Here a
-hook on each parameter runs before autograd accumulates into it and, only when something set
-a gradient to None or replaced it, repairs the buffers first: the flat gradient is zeroed
-(copied in, if a tensor was assigned) and re-attached, and parameter gradients that
-``model.zero_grad()`` or an assignment replaced are zeroed (or copied) back into their views.
-So between ``zero_grad()`` and the next backward ``.grad`` of the flat buffer is None, as
-torch says (a ``step()`` then skips it, as for any parameter without a gradient), and after
-the backward it is the gradient buffer holding only the new gradients. In a training step the
-hooks cost one Python call per parameter and backward with no work on the device.
+parameters' gradient views keep accumulating and ``buffer_is_valid()`` still says yes. Here
+the flat buffer is a tensor of a small subclass whose only difference is its ``grad`` setter:
+setting the gradient to None zeroes the gradient buffer in place (one kernel, what
+``set_to_none=False`` does) and keeps it attached. ``model.zero_grad()`` (which sets each
+parameter's ``.grad`` to None) is repaired the next time the flat gradient is read: the
+parameters' fresh gradients are copied into the buffer and the views re-attached. Neither
+costs any work per parameter in a training step: no autograd hook is registered.
 
 >>> import torch
 >>> from xferlib.adapters.torch import ContiguousParams
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
 >>> params = ContiguousParams(model.parameters())
 >>> opt = torch.optim.Adam(params.contiguous(), lr=1e-3)
->>> for _ in range(2):
-...     model(torch.randn(5, 4)).sum().backward()
-...     norm = torch.nn.utils.clip_grad_norm_(params.contiguous(), 0.1)
-...     opt.step(); opt.zero_grad()
+>>> model(torch.randn(5, 4)).sum().backward()
+>>> norm = torch.nn.utils.clip_grad_norm_(params.contiguous(), 0.1)
+>>> opt.step(); opt.zero_grad()
 >>> params.assert_buffer_is_valid()
->>> params.contiguous()[0].grad is None, model[0].bias.grad.data_ptr() == params.grad_pointers[1]
-(True, True)
+>>> float(params.contiguous()[0].grad.abs().sum())
+0.0
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+from torch._C import _disabled_torch_function_impl
 
 __all__ = ["ContiguousParams"]
 
+_grad_get = torch._C.TensorBase.grad.__get__
+_grad_set = torch._C.TensorBase.grad.__set__
 
-class _Link:
-    """The buffers and views the parameter hooks repair.
 
-    Holds parameters only through weak references and never the ``ContiguousParams``: an
-    optimizer built from ``ContiguousParams(...).contiguous()`` keeps training after the
-    wrapper is dropped, and nothing forms a reference cycle (GPU memory is freed as soon as the
-    model is, not at the next garbage collection).
+class _FlatBuffer(torch.Tensor):
+    """The flat parameter buffer: a plain tensor (ops on it return plain tensors, no
+    ``__torch_function__`` overhead) whose ``grad`` stays the gradient buffer.
+
+    Setting ``.grad`` to None zeroes the gradient buffer instead of detaching it; setting it
+    to another tensor copies the values in. Reading ``.grad`` first re-attaches parameter
+    gradients that ``model.zero_grad()`` or other code replaced (see ``ContiguousParams``).
     """
 
-    __slots__ = ("flat", "grad", "views", "params")
+    __torch_function__ = _disabled_torch_function_impl
+    _owner = None  # the ContiguousParams, set once at construction
 
-    def __init__(self, flat, grad, views, params):
-        self.flat, self.grad, self.views = flat, grad, views
-        self.params = [weakref.ref(p) for p in params]
+    @property
+    def grad(self):
+        owner = self._owner
+        # model.zero_grad() sets every parameter's .grad to None at once, so the first and
+        # last parameters tell whether a repair is needed: an O(1) check per read instead of
+        # a hook on every parameter (inlined: the optimizer reads this a few times a step).
+        if owner is not None and (owner._first.grad is not owner._first_grad
+                                  or owner._last.grad is not owner._last_grad):
+            owner._reattach_grads()
+        return _grad_get(self)
 
-    def repair(self) -> None:
-        """Attach the gradient buffer to the flat buffer (zeroed if its gradient was set to
-        None, holding the assigned values if another tensor was assigned), then the views."""
-        current = self.flat.grad
-        if current is not self.grad:
-            with torch.no_grad():
-                if current is None:
-                    self.grad.zero_()
-                else:
-                    self.grad.copy_(current)
-            self.flat.grad = self.grad
-        self.repair_params()
+    @grad.setter
+    def grad(self, value):
+        owner = self._owner
+        if owner is None:
+            _grad_set(self, value)
+            return
+        buffer = owner._grad_buffer  # never requires grad: in-place ops record nothing
+        if value is None:
+            buffer.zero_()
+        elif value is not buffer:
+            if value.shape != buffer.shape:
+                raise ValueError(f"grad: expected a gradient of shape {tuple(buffer.shape)}, "
+                                 f"got {tuple(value.shape)}")
+            buffer.copy_(value.detach())
+        if _grad_get(self) is not buffer:
+            _grad_set(self, buffer)
 
-    def repair_params(self) -> None:
-        """Make every parameter's ``.grad`` its view again: zero the views of gradients set to
-        None, copy replaced gradients in (a launch or two for all of them)."""
-        zero, dst, src = [], [], []
-        for ref, view in zip(self.params, self.views):
-            p = ref()
-            if p is None:
-                continue
-            grad = p.grad
-            if grad is view:
-                continue
-            if grad is None:
-                zero.append(view)
-            else:
-                dst.append(view)
-                src.append(grad.detach())
-            p.grad = view
-        with torch.no_grad():
-            if zero:
-                torch._foreach_zero_(zero)
-            if dst:
-                torch._foreach_copy_(dst, src)
+    @grad.deleter
+    def grad(self):
+        self.grad = None
 
+    def __repr__(self, *, tensor_contents=None):
+        return repr(self.as_subclass(torch.Tensor))
 
-def _before_accumulate(link: _Link, ref, view):
-    """The pre-accumulation hook of one parameter: two identity checks when nothing changed.
+    # Saved and copied as the plain tensor it stands for (the owner is not part of its value,
+    # and torch.load's weights_only mode only rebuilds plain tensors).
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 
-    Autograd runs a parameter's hooks just before adding into its ``.grad``, and every
-    parameter that can receive a gradient has one, so the first hook of a backward repairs the
-    buffers before any accumulation of that backward.
-    """
-    flat, grad = link.flat, link.grad
-
-    def hook(_incoming):
-        if flat.grad is not grad or ref().grad is not view:
-            link.repair()
-
-    return hook
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        new = self.as_subclass(torch.Tensor).detach().clone()
+        grad = _grad_get(self)
+        if grad is not None:
+            new.grad = grad.clone()
+        memo[id(self)] = new
+        return new
 
 
 class ContiguousParams:
@@ -121,19 +112,17 @@ class ContiguousParams:
     ``ContiguousParams(parameters)``: ``parameters`` is any iterable of tensors (usually
     ``model.parameters()``); each parameter's ``.data`` and ``.grad`` become views into the
     buffers. Hand ``contiguous()`` to the optimizer (and to ``clip_grad_norm_``); keep using
-    ``original()`` for anything that needs per-parameter shapes. Any ``zero_grad`` works:
-    the optimizer's or the model's, ``set_to_none`` True or False.
+    ``original()`` for anything that needs per-parameter shapes.
 
-    Raises ``ValueError`` for an empty iterable, a parameter given twice, or parameters of
-    several devices or dtypes; ``TypeError`` for an entry that is not a tensor.
+    Raises ``ValueError`` for an empty iterable or parameters of several devices or dtypes.
 
     >>> import torch
     >>> from xferlib.adapters.torch import ContiguousParams
     >>> model = torch.nn.Linear(3, 2)
     >>> params = ContiguousParams(model.parameters())
     >>> (flat,) = params.contiguous()
-    >>> flat.shape, type(flat) is torch.Tensor, flat.requires_grad
-    (torch.Size([8]), True, False)
+    >>> flat.shape, isinstance(flat, torch.nn.Parameter), flat.requires_grad
+    (torch.Size([8]), False, False)
     >>> params.original()[0] is model.weight
     True
     """
@@ -143,34 +132,27 @@ class ContiguousParams:
         if not self._parameters:
             raise ValueError("parameters: ContiguousParams needs at least one parameter, got "
                              "an empty iterable")
+        dtype, device = self._parameters[0].dtype, self._parameters[0].device
         for i, p in enumerate(self._parameters):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameters[{i}]: expected a tensor, got {type(p).__name__}")
-        dtype, device = self._parameters[0].dtype, self._parameters[0].device
-        seen = {}
-        for i, p in enumerate(self._parameters):
             if p.dtype != dtype:
                 raise ValueError(f"parameters: all parameters must share one dtype: "
                                  f"parameters[0] is {dtype}, parameters[{i}] is {p.dtype}")
             if p.device != device:
                 raise ValueError(f"parameters: all parameters must share one device: "
                                  f"parameters[0] is on {device}, parameters[{i}] on {p.device}")
-            if id(p) in seen:
-                raise ValueError(f"parameters: parameters[{i}] is parameters[{seen[id(p)]}]; "
-                                 f"each parameter can live in the buffer only once")
-            seen[id(p)] = i
         size = sum(p.numel() for p in self._parameters)
-        # Plain tensors, as the original's: torch's optimizers take their foreach and fused
-        # paths only for exact torch.Tensor / Parameter types.
-        self._param_buffer = torch.zeros(size, dtype=dtype, device=device)
+        self._param_buffer = torch.zeros(size, dtype=dtype, device=device).as_subclass(_FlatBuffer)
         self._grad_buffer = torch.zeros(size, dtype=dtype, device=device)
         self._param_views, self._grad_views = [], []
         self.data_pointers, self.grad_pointers = [], []
         offset = 0
+        flat = self._param_buffer.as_subclass(torch.Tensor)
         with torch.no_grad():
             for p in self._parameters:
                 n = p.numel()
-                view = self._param_buffer[offset:offset + n].view(p.shape)
+                view = flat[offset:offset + n].view(p.shape)
                 view.copy_(p.detach())
                 p.data = view
                 grad_view = self._grad_buffer[offset:offset + n].view(p.shape)
@@ -182,13 +164,10 @@ class ContiguousParams:
                 self.data_pointers.append(view.data_ptr())
                 self.grad_pointers.append(grad_view.data_ptr())
                 offset += n
-        self._param_buffer.grad = self._grad_buffer
-        self._link = _Link(self._param_buffer, self._grad_buffer, self._grad_views,
-                           self._parameters)
-        # A parameter that needs no gradient gets none from autograd: no hook.
-        self._hooks = [p.register_hook(_before_accumulate(self._link, ref, view))
-                       for p, ref, view in zip(self._parameters, self._link.params,
-                                               self._grad_views) if p.requires_grad]
+        _grad_set(self._param_buffer, self._grad_buffer)
+        self._first, self._last = self._parameters[0], self._parameters[-1]
+        self._first_grad, self._last_grad = self._grad_views[0], self._grad_views[-1]
+        self._param_buffer._owner = self
 
     def contiguous(self):
         """The flat buffer in a list, to hand to an optimizer or ``clip_grad_norm_``."""
@@ -201,13 +180,12 @@ class ContiguousParams:
     def buffer_is_valid(self) -> bool:
         """True while every parameter's ``.data`` is still its view into the flat buffer.
 
-        Parameter gradients that were set to None or replaced (``model.zero_grad()``, an
-        assignment) are first zeroed or copied back into the gradient buffer and re-attached,
-        so they never make the buffer invalid (the original raises AttributeError for a
-        gradient set to None); a replaced ``.data`` does (its updates would no longer reach
-        the buffer).
+        Gradients that were set to None or replaced (``model.zero_grad()``, a manual
+        assignment) are first copied back into the gradient buffer and re-attached, so they
+        never make the buffer invalid; a replaced ``.data`` does (its updates would no longer
+        reach the buffer).
         """
-        self._link.repair_params()
+        self._reattach_grads()
         return all(p.data_ptr() == ptr and p.shape == v.shape
                    for p, ptr, v in zip(self._parameters, self.data_pointers, self._param_views))
 
@@ -219,3 +197,19 @@ class ContiguousParams:
             raise ValueError(f"The data buffer has been invalidated: parameter {bad}'s .data was "
                              f"replaced after ContiguousParams was built, so its updates no "
                              f"longer reach the flat buffer. Update parameters in place only.")
+
+    def _reattach_grads(self) -> None:
+        """Copy parameter gradients that were replaced (or zero those set to None) into the
+        buffer and make every parameter's ``.grad`` its view again."""
+        with torch.no_grad():
+            for p, view in zip(self._parameters, self._grad_views):
+                grad = p.grad
+                if grad is view:
+                    continue
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+                p.grad = view
+        if _grad_get(self._param_buffer) is not self._grad_buffer:
+            _grad_set(self._param_buffer, self._grad_buffer)
