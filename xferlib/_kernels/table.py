@@ -71,6 +71,14 @@ struct DistinctRows {
 
 template <typename T> struct Place { T* w; T* s; bool cached; };
 
+// Where a row's state starts in a copy gathered with its weights (gather_unique's `full`):
+// after the weights, at the next 16-byte boundary, so the state's int64 step count and its
+// 16-byte words stay aligned whatever `dim` is (xferlib/table/device.py lays it out alike).
+template <typename T>
+__device__ __forceinline__ i64 staged_state_start(i64 dim) {
+    return (dim * (i64)sizeof(T) + 15) / 16 * (16 / (i64)sizeof(T));
+}
+
 // `slots[r]`: the cache slot of run r's row (xferlib/_kernels/cache.py), -1 for host RAM;
 // null when the table has no cache.
 template <typename T>
@@ -171,14 +179,15 @@ __global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
                               i64 dim, i64 s_width, int full, int which, T* __restrict__ out,
                               const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
-    const i64 out_width = full ? dim + s_width : dim;
+    const i64 s_start = staged_state_start<T>(dim);
+    const i64 out_width = full ? s_start + s_width : dim;
     FOR_EACH_DISTINCT_ROW {
         Place<T> p = locate(row, r, host_w, w_stride, host_s, s_stride, cache,
                             cache_width, s_off, slots);
         if ((which == 1 && p.cached) || (which == 2 && !p.cached)) continue;
         T* dst = out + r * out_width;
         copy_words<V>(dst, p.w, dim, lane);
-        if (full) copy_words<V>(dst + dim, p.s, s_width, lane);
+        if (full) copy_words<V>(dst + s_start, p.s, s_width, lane);
     }
 }
 
@@ -435,7 +444,7 @@ __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
                             cache_width, s_off, slots);
         const bool from_copy = staged != nullptr && !p.cached;
         const T* wsrc = from_copy ? staged + r * staged_width : p.w;
-        const T* ssrc = from_copy && staged_state ? wsrc + dim : p.s;
+        const T* ssrc = from_copy && staged_state ? wsrc + staged_state_start<T>(dim) : p.s;
         i64* step = reinterpret_cast<i64*>(p.s + step_off);
         const i64 t = *reinterpret_cast<const i64*>(ssrc + step_off) + 1;
         const T* g = summed + r * dim;

@@ -21,6 +21,16 @@ from xferlib.memory import device_pointer
 from xferlib.rows import to_gpu_indices
 from xferlib.table.cache import DeviceCache
 
+def staged_state_start(dim: int, itemsize: int) -> int:
+    """Where a row's state starts in a copy gathered with its weights: after the weights, at
+    the next 16-byte boundary (as the kernels' ``staged_state_start``).
+
+    >>> staged_state_start(33, 4), staged_state_start(16, 4), staged_state_start(5, 8)
+    (36, 16, 6)
+    """
+    return -(-dim * itemsize // 16) * (16 // itemsize)
+
+
 # The host may run this many unchecked batches ahead of the device: a call waits for the
 # oldest verdict when it finds three unread.
 _MAX_PENDING_CHECKS = 2
@@ -146,7 +156,8 @@ class DeviceSide:
 
         layout = self.table.layout
         if out is None:
-            width = layout.dim + (layout.state_width if full else 0)
+            width = (staged_state_start(layout.dim, self.table.dtype.itemsize)
+                     + layout.state_width) if full else layout.dim
             out = cupy.empty((plan.n, width), dtype=self.table.dtype)
         if plan.n:
             grid, block = self.launch_size(-(-plan.n // 32), prefetch)  # a warp per 32 positions
