@@ -136,7 +136,8 @@ def _pinned_rate() -> float:
 
 
 def _row_bytes(table) -> int:
-    return table.layout.row_width * table.dtype.itemsize
+    """Bytes of a row a step must move: its weights and state (not the row's padding)."""
+    return table.layout.used_width * table.dtype.itemsize
 
 
 def _run_gpu(quick: bool) -> dict:

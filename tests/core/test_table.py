@@ -77,7 +77,8 @@ def _trained(name, hyper, init, batches):
 
 
 @pytest.mark.parametrize("name, hyper, torch_name", VARIANTS)
-@pytest.mark.parametrize("dim", [5, 16, 33])  # 16: the 16-byte-word path on the GPU
+# 16: the 16-byte-word path on the GPU; 100: rows padded to a 64-byte line (xferlib.table.layout)
+@pytest.mark.parametrize("dim", [5, 16, 33, 100])
 @each_backend
 def test_matches_reference(backend, rng, name, hyper, torch_name, dim):
     init = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
@@ -87,7 +88,7 @@ def test_matches_reference(backend, rng, name, hyper, torch_name, dim):
 
 
 @pytest.mark.parametrize("name, hyper, torch_name", VARIANTS)
-@pytest.mark.parametrize("dim", [5, 16, 33])
+@pytest.mark.parametrize("dim", [5, 16, 33, 100])
 @each_backend
 def test_update_of_a_lookup_batch_matches_reference(backend, rng, name, hyper, torch_name, dim):
     """lookup(return_batch=True) then apply_gradients(batch): on the GPU the update reads the
@@ -107,6 +108,19 @@ def test_update_of_a_lookup_batch_matches_reference(backend, rng, name, hyper, t
     reference_check(backend, train,
                     lambda b: training_reference(name, hyper, init, b, lookups=True),
                     list(_batches(rng, dim, "int64")), rtol=2e-5, atol=2e-6)
+
+
+def test_rows_are_padded_to_a_line_where_cheap():
+    from xferlib.table.layout import RowLayout
+
+    sgd = RowLayout(128, 4, (), ())  # 512 B of weights + 16 B of state -> 576 B
+    assert (sgd.used_width * 4, sgd.row_width * 4) == (528, 576)
+    adam = RowLayout(100, 4, ("exp_avg", "exp_avg_sq"), ())
+    assert adam.row_width * 4 % 64 == 0 and adam.row_width >= adam.used_width
+    small = RowLayout(16, 4, (), ())  # 80 B: a line of padding would cost 60%
+    assert small.row_width == small.used_width == 20
+    table = xferlib.HostTable(10, 100, optimizer="sgd")
+    assert table._storage.strides[0] == 448 and table.numpy().shape == (10, 100)
 
 
 @pytest.mark.parametrize("cache_rows", [0, 12])

@@ -2,9 +2,12 @@
 
 One row of storage holds the row's weights, then (on a 16-byte boundary) its optimizer state:
 the rule's full-width slots (``dim`` values each), the per-row scalars, and the row's step
-count as an 8-byte-aligned int64 at the end; rows are padded to 16 bytes, so kernels move
-whole 16-byte words and one sorted fetch brings a row's weights and state together. The GPU
-cache keeps rows in the same layout.
+count as an 8-byte-aligned int64 at the end; the parts start on 16-byte words, so kernels move
+whole 16-byte words, and one sorted fetch brings a row's weights and state together. Rows are
+padded to 64 bytes where that costs at most an eighth of the row: every row then starts on a
+host cache line, so a 512-byte row crosses the
+link as 8 whole lines instead of 9 with a partial line at each end (a partial-line write from
+the GPU makes the host merge it into the line). The GPU cache keeps rows in the same layout.
 """
 
 from __future__ import annotations
@@ -36,8 +39,15 @@ class RowLayout:
         return _align(self.step_offset + 8 // self.itemsize, self.itemsize, 16)
 
     @property
-    def row_width(self) -> int:
+    def used_width(self) -> int:  # weights and state, without the row's padding
         return self.state_offset + self.state_width
+
+    @property
+    def row_width(self) -> int:
+        """The storage row: padded to a 64-byte line where that costs at most an eighth of
+        the row (a 528-byte row becomes 576); small rows stay at 16 bytes."""
+        lined = _align(self.used_width, self.itemsize, 64)
+        return lined if 8 * (lined - self.used_width) <= self.used_width else self.used_width
 
 
 def _align(units: int, itemsize: int, boundary: int) -> int:
