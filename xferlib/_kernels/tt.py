@@ -26,7 +26,8 @@ The pipeline over a batch sorted by row (rows sharing a prefix sit side by side)
 * row cache: ``tt_cache_slots`` (each lookup's cache slot, and its access count, one launch,
   before ``tt_rows``, which skips the lookups the cache serves), ``tt_cache_chunks`` and
   ``tt_cache_update`` (the cached rows' gradients summed in two deterministic passes over
-  chunks of the sorted batch, then their optimizer step).
+  chunks of the sorted batch, then their optimizer step). Their source lives in
+  ``xferlib/_kernels/tt_cache.py`` and is spliced into ``TT_KERNEL`` at its place.
 
 Every kernel bounds every index by the compiled shape, so no input reaches outside an array.
 """
@@ -38,14 +39,15 @@ import math
 
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.rules import RULES_KERNEL
-from xferlib._kernels.tt_cache import (  # noqa: F401  (CACHE_*: xferlib.tt.cache's)
-    CACHE_CHUNK, CACHE_THREADS, TT_CACHE_SLOTS_KERNEL, TT_CACHE_UPDATE_KERNEL)
+from xferlib._kernels.tt_cache import TT_CACHE_SLOTS_KERNEL, TT_CACHE_UPDATE_KERNEL
 
 CHUNK = 16  # sorted positions per block in tt_rows / tt_bwd_pieces
 THREADS = 128
 REDUCE_THREADS = 256
 REDUCE_SPLITS = 8  # blocks per core row in tt_reduce at large batches (see reduce_splits)
 PIECE_BATCH = 8  # PB in the kernel source
+CACHE_THREADS = 128  # tt_cache_update's block size (CACHE_THREADS in tt_cache.py's source)
+CACHE_CHUNK = 64  # sorted positions per chunk of the cache update (CACHE_CHUNK there)
 
 TT_KERNEL = r"""
 typedef long long i64;
