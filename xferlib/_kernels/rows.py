@@ -561,3 +561,23 @@ def _all_names():
 
 
 ROWS_MODULE = KernelModule("rows", ROWS_KERNEL, tuple(_all_names()))
+
+_TILE_SORTS = {}  # (device, key dtype, items) -> (tile sort, its shared bytes, pairwise merge)
+
+
+def tile_sort_kernels(dtype_name: str, items: int):
+    """``(tile sort, its dynamic shared bytes, pairwise merge)``: the tile sort of ``items``
+    keys per thread for ``dtype_name`` keys, with its dynamic shared memory opted in once (the
+    attribute is a driver call), and the merge of sorted runs; looked up once per device.
+    Used by the batch plans (``xferlib.batch``) and the TT plans (``xferlib.tt.plan``)."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), dtype_name, items)
+    found = _TILE_SORTS.get(key)
+    if found is None:
+        kernel = ROWS_MODULE.get_function(small_sort_name(dtype_name, items))
+        shared = small_sort_shared_bytes(items)
+        if kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+        found = _TILE_SORTS[key] = (kernel, shared, ROWS_MODULE.get_function(MERGE_NAME))
+    return found

@@ -14,9 +14,7 @@ import numpy as np
 from xferlib._backend import as_cupy_stream, is_cupy_array
 from xferlib._kernels import grid_1d
 from xferlib._kernels.tt import CHUNK, THREADS
-from xferlib._kernels.rows import (MERGE_NAME, ROWS_MODULE, SMALL_SORT_ITEMS,
-                                   SMALL_SORT_THREADS, small_sort_name,
-                                   small_sort_shared_bytes)
+from xferlib._kernels.rows import SMALL_SORT_ITEMS, SMALL_SORT_THREADS, tile_sort_kernels
 from xferlib.batch import NO_BAD, Verdict, host_values, sort_positions
 from xferlib.perf import warn_tt_fallback
 from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core
@@ -137,26 +135,6 @@ def launch(shape: TTShape, name: str, grid, block, args, stream) -> None:
 _MERGE_ALL_RUNS, _MERGE_ALL_RUNS_SMALL, _SMALL_BATCH = 4, 16, 1 << 16
 
 
-_SORT_KERNELS = {}  # (device, key dtype, items) -> (tile sort, its shared bytes, pairwise merge)
-
-
-def _sort_kernels(dtype_name: str, items: int):
-    """The row kernels' tile sort of ``items`` per thread for ``dtype_name`` keys (its dynamic
-    shared memory opted in once: the attribute is a driver call) and their pairwise merge,
-    looked up once per device."""
-    import cupy
-
-    key = (cupy.cuda.runtime.getDevice(), dtype_name, items)
-    found = _SORT_KERNELS.get(key)
-    if found is None:
-        kernel = ROWS_MODULE.get_function(small_sort_name(dtype_name, items))
-        shared = small_sort_shared_bytes(items)
-        if kernel.max_dynamic_shared_size_bytes < shared:
-            kernel.max_dynamic_shared_size_bytes = shared
-        found = _SORT_KERNELS[key] = (kernel, shared, ROWS_MODULE.get_function(MERGE_NAME))
-    return found
-
-
 def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
               scratch_result: bool = False, out=None):
     """``(sorted keys, positions)``: a stable sort of ``keys`` (all below ``num_keys``) on
@@ -204,7 +182,7 @@ def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
     for j in range(len(rounds)):
         pairs.append(buffers("a." if j % 2 == 0 else "b."))
     pairs.reverse()  # pairs[0]: the tile sort's output; pairs[-1]: the result
-    kernel, shared, merge = _sort_kernels(keys.dtype.name, items)
+    kernel, shared, merge = tile_sort_kernels(keys.dtype.name, items)
     rows, perm = pairs[0]
     bits = max(1, int(num_keys - 1).bit_length())
     kernel(grid_1d(n, tile)[0], (SMALL_SORT_THREADS,),
