@@ -172,7 +172,7 @@ def test_large_batches(backend, rng, index_dtype, sort, monkeypatch):
     # or planned: sorted tiles merged pairwise (three tiles: a tile without a partner in the
     # first round), or CuPy's device-wide argsort.
     if sort != "fused":
-        monkeypatch.setattr(xferlib.rows, "FUSED_MAX", 0)
+        monkeypatch.setattr(xferlib.rows_fused, "FUSED_MAX", 0)
     if sort == "device-wide":
         monkeypatch.setattr(xferlib.batch, "TILED_SORT_MAX", 1000)
     num_rows, dim, n = 5000, 24, 40000
@@ -204,7 +204,7 @@ def test_sorted_indices_promise_is_kept_and_checked(backend, rng, op, n, path, m
     if path == "planned":
         if not backend.gpu or op == "scatter_add":
             pytest.skip("one path only")
-        monkeypatch.setattr(xferlib.rows, "FUSED_MAX", 0)
+        monkeypatch.setattr(xferlib.rows_fused, "FUSED_MAX", 0)
     num_rows, dim = 1000, 12
     host_table = random_rows(rng, (num_rows, dim), "float32")
     host_idx = np.sort(rng.integers(0, num_rows, size=n))
