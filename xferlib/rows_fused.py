@@ -17,8 +17,8 @@ import weakref
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array, namespace_name
-from xferlib.batch import PendingChecks, SlotChecks
 from xferlib._kernels.rows import FUSED_CHUNK_MAX, FUSED_THREADS
+from xferlib.checks import PendingChecks, SlotChecks
 from xferlib.memory import device_pointer, is_pinned, registration_of
 
 
