@@ -47,9 +47,8 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream
 from xferlib._kernels import grid_1d
-from xferlib._kernels.rows import (MERGE_NAME, ROWS_MODULE, SMALL_SORT_ITEMS,
-                                   SMALL_SORT_THREADS, check_name, small_sort_name,
-                                   small_sort_shared_bytes)
+from xferlib._kernels.rows import (ROWS_MODULE, SMALL_SORT_ITEMS, SMALL_SORT_THREADS,
+                                   check_name, tile_sort_kernels)
 from xferlib.checks import (NO_BAD, PENDING, PendingChecks, RowsReport,  # noqa: F401
                             SlotChecks, Verdict, host_values, index_error)
 
@@ -79,26 +78,6 @@ def _identity_permutation(n: int):
     return cached[:n]
 
 
-_SORT_KERNELS = {}  # (device, index dtype, items) -> (sort kernel, its shared bytes, merge)
-
-
-def _sort_kernels(dtype_name: str, items: int):
-    """The tile sort of ``items`` per thread for ``dtype_name`` indices, its dynamic shared
-    memory (opted in once: an attribute query is a driver call) and the merge kernel, on the
-    current device; looked up once per device."""
-    import cupy
-
-    key = (cupy.cuda.runtime.getDevice(), dtype_name, items)
-    found = _SORT_KERNELS.get(key)
-    if found is None:
-        kernel = ROWS_MODULE.get_function(small_sort_name(dtype_name, items))
-        shared = small_sort_shared_bytes(items)
-        if kernel.max_dynamic_shared_size_bytes < shared:
-            kernel.max_dynamic_shared_size_bytes = shared
-        found = _SORT_KERNELS[key] = (kernel, shared, ROWS_MODULE.get_function(MERGE_NAME))
-    return found
-
-
 def _sort_tiled(idx, num_rows: int, stream, scratch=None, scratch_result=False):
     """:func:`sort_positions` without a device-wide sort or a host sync: tiles of up to
     2,048 positions are checked, narrowed and sorted by one block each (one launch), then
@@ -126,7 +105,7 @@ def _sort_tiled(idx, num_rows: int, stream, scratch=None, scratch_result=False):
     words = (cupy.empty(2, dtype=np.uint64) if scratch is None
              else scratch.empty("words", 2, np.uint64))
     words.data.memset_async(0xFF, 16, stream)
-    kernel, shared, merge = _sort_kernels(idx.dtype.name, items)
+    kernel, shared, merge = tile_sort_kernels(idx.dtype.name, items)
     bits = max(1, int(num_rows - 1).bit_length())
     grid, _ = grid_1d(n, tile)  # one block per tile
     kernel(grid, (SMALL_SORT_THREADS,), (idx, np.int64(n), np.int64(num_rows), np.int32(bits),
