@@ -177,7 +177,7 @@ class BatchPlan:
     share one; ``runs=True``), so ``keys[run == r]`` is the r-th distinct row; ``verdict``: the
     input check (:class:`Verdict`); ``slots``: where a cache put each run's row (set by the
     host table's cache); ``staged`` / ``writes``: a host table lookup's copy of the distinct
-    rows' weights in HBM (run r at row r) and the table's write count when it was taken.
+    rows (run r at row r) and ``(the table's write counter, its count then)``.
     """
 
     idx: object
@@ -187,7 +187,7 @@ class BatchPlan:
     run: object = None
     slots: object = None
     staged: object = None
-    writes: int = -1
+    writes: object = None
 
     @property
     def n(self) -> int:

@@ -110,6 +110,26 @@ def test_update_of_a_lookup_batch_matches_reference(backend, rng, name, hyper, t
                     list(_batches(rng, dim, "int64")), rtol=2e-5, atol=2e-6)
 
 
+@for_each_backend("cupy")
+def test_another_tables_batch_updates_this_tables_rows(backend, rng):
+    """A batch returned by table a's lookup, applied to table b (same indices): b's update
+    reads b's rows, never a's copy of a's."""
+    dim = 16
+    a = xferlib.HostTable(NUM_ROWS, dim, optimizer="sgd", optimizer_kwargs={"lr": 0.5},
+                          init=rng.standard_normal((NUM_ROWS, dim)).astype(np.float32))
+    init_b = rng.standard_normal((NUM_ROWS, dim)).astype(np.float32)
+    b = xferlib.HostTable(NUM_ROWS, dim, optimizer="sgd", optimizer_kwargs={"lr": 0.5},
+                          init=init_b.copy())
+    reference = xferlib.HostTable(NUM_ROWS, dim, optimizer="sgd", optimizer_kwargs={"lr": 0.5},
+                                  init=init_b.copy())
+    idx = backend.array(np.arange(0, NUM_ROWS, 3))
+    grads = backend.array(rng.standard_normal((idx.shape[0], dim)).astype(np.float32))
+    _, batch = a.lookup(idx, return_batch=True)
+    b.apply_gradients(batch, grads)
+    reference.apply_gradients(idx, grads)
+    assert_outputs_match(table_arrays(b), table_arrays(reference), rtol=0, atol=0)
+
+
 def test_rows_are_padded_to_a_line_where_cheap():
     from xferlib.table.layout import RowLayout
 

@@ -224,7 +224,9 @@ class DeviceSide:
                 uniq = self.gather_unique(plan, stream, full=for_update)
             rows = self.expand(plan, uniq, out, stream)
             if self.table.shared_name is None:  # other processes may write a shared table
-                plan.staged, plan.writes = uniq, self.table._writes[0]
+                # The table's write counter (the list itself: its device views share it, and
+                # another table's batch never matches) and its count now.
+                plan.staged, plan.writes = uniq, (self.table._writes, self.table._writes[0])
             self.defer_check(plan, stream)
             self.record(stream)
         return rows, plan
@@ -257,7 +259,8 @@ class DeviceSide:
             # The lookup's copy of the weights is current when nothing wrote to the table
             # since: the update then reads rows in host RAM from HBM and only writes them.
             staged = (plan.staged if not fresh and plan.staged is not None
-                      and plan.writes == table._writes[0] else None)
+                      and plan.writes[0] is table._writes
+                      and plan.writes[1] == table._writes[0] else None)
             table._writes[0] += 1
             pending = self.pending
             slots = None
