@@ -44,7 +44,6 @@ import numpy as np
 from xferlib._backend import as_cupy_stream, is_cupy_array, namespace_name
 from xferlib.batch import RowsReport, index_error, plan_batch
 from xferlib.perf import warn_slow_rows_path
-from xferlib.rows_fused import FUSED_MAX  # noqa: F401  (xferlib.rows.FUSED_MAX, as documented)
 from xferlib.rows_fused import (INDEX_DTYPES as _INDEX_DTYPES, check_table as _check_table,
                                  device_address as _device_address, fused as _fused,
                                  is_gpu_reachable as _is_gpu_reachable,
@@ -227,9 +226,9 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
         path skips its sort; the promise is checked (ValueError, nothing written).
 
     GPU path, straight from pinned host RAM when the table lives there, with accesses of up
-    to 16 bytes per lane: up to :data:`FUSED_MAX` CuPy indices take one fused launch (no
-    sort; with ``sorted_indices`` each run of equal rows is read once); larger batches are
-    sorted first and each distinct row is read once.
+    to 16 bytes per lane: up to :data:`xferlib.rows_fused.FUSED_MAX` CuPy indices take one
+    fused launch (no sort; with ``sorted_indices`` each run of equal rows is read once);
+    larger batches are sorted first and each distinct row is read once.
 
     >>> import numpy as np, xferlib
     >>> table = np.arange(12, dtype=np.float32).reshape(4, 3)

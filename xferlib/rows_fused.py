@@ -4,8 +4,7 @@ an array, each device's queue of pending checks).
 
 Not a public module: :mod:`xferlib.rows` calls it and documents the behaviour (its module
 docstring and :func:`xferlib.rows.gather_rows`). ``FUSED_MAX`` (the largest batch that takes
-one launch) is read from here at call time: set ``xferlib.rows_fused.FUSED_MAX`` to change it
-(``xferlib.rows.FUSED_MAX`` is the same value, imported).
+one launch) is read from here at call time: set ``xferlib.rows_fused.FUSED_MAX`` to change it.
 """
 
 from __future__ import annotations
