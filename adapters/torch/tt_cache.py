@@ -30,21 +30,27 @@ def _on_stream(t):
 
 
 def core_cache(self):
-    """The cache as xferlib's TTRowCache over this module's tensors (None without)."""
+    """The cache as xferlib's TTRowCache over this module's tensors (None without). Built once
+    per placement of the tensors (``_memo``); a step pays one lookup of each tensor's pointer."""
     if not self.use_cache:
         return None
-    names = [("cache_optimizer_state" if j == 0 else f"cache_optimizer_state_{name}", name)
-             for j, name in enumerate(self._state_names)] if self.sparse else []
-    tensors = [self.cache_rows, self.cache_weight, self.hashtbl, self.cache_freq,
-               self.cache_state] + [getattr(self, attr) for attr, _ in names]
+    spec = self.__dict__.get("_cache_spec")
+    if spec is None:  # (attribute, state name) of each cache state buffer, fixed per module
+        spec = self.__dict__["_cache_spec"] = tuple(
+            ("cache_optimizer_state" if j == 0 else f"cache_optimizer_state_{name}", name)
+            for j, name in enumerate(self._state_names)) if self.sparse else ()
+    buffers = self._buffers
+    weight = self._parameters["cache_weight"]
+    tensors = [buffers["cache_rows"], weight, buffers["hashtbl"], buffers["cache_freq"],
+               buffers["cache_state"]] + [buffers[attr] for attr, _ in spec]
 
     def build():
         return core.TTRowCache.from_arrays(
-            self.shape, self._core_optimizer, rows=_array(self.cache_rows),
-            weight=_array(self.cache_weight.data),
-            state={name: _array(getattr(self, attr)) for attr, name in names},
-            freq_keys=_array(self.hashtbl), freq_counts=_array(self.cache_freq),
-            key_slots=_array(self.cache_state), active=not self.warmup)
+            self.shape, self._core_optimizer, rows=_array(tensors[0]),
+            weight=_array(weight.data),
+            state={name: _array(buffers[attr]) for attr, name in spec},
+            freq_keys=_array(tensors[2]), freq_counts=_array(tensors[3]),
+            key_slots=_array(tensors[4]), active=not self.warmup)
 
     cache = self._memo("cache", tensors, build)
     cache.active = not self.warmup

@@ -23,11 +23,13 @@ The pipeline over a batch sorted by row (rows sharing a prefix sit side by side)
   prefix chain per piece.
 * ``tt_update``: the fused optimizer on every touched core row (FBGEMM's rules: the row
   reductions here, the per-element steps from ``xferlib/_kernels/rules.py``).
-* row cache: ``tt_cache_slots`` (each lookup's cache slot, and its access count, one launch,
-  before ``tt_rows``, which skips the lookups the cache serves), ``tt_cache_chunks`` and
-  ``tt_cache_update`` (the cached rows' gradients summed in two deterministic passes over
-  chunks of the sorted batch, then their optimizer step). Their source lives in
-  ``xferlib/_kernels/tt_cache.py`` and is spliced into ``TT_KERNEL`` at its place.
+* row cache, no launch of its own: ``tt_rows`` finds each lookup's cache slot (binary search
+  of the sorted cached rows), counts each run of one row once in the frequency table and
+  skips the lookups the cache serves; ``tt_pool`` reads their dense rows; ``tt_bwd_pieces``
+  leaves each cached run's per-block gradient sums; the blocks of ``tt_update`` past the core
+  rows sum them per cached row (``tt_cache_update``, deterministic) and step the dense rows.
+  The cache's device functions live in ``xferlib/_kernels/tt_cache.py`` and are spliced into
+  ``TT_KERNEL`` at their place.
 
 Every kernel bounds every index by the compiled shape, so no input reaches outside an array.
 """
@@ -39,15 +41,15 @@ import math
 
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.rules import RULES_KERNEL
-from xferlib._kernels.tt_cache import TT_CACHE_SLOTS_KERNEL, TT_CACHE_UPDATE_KERNEL
+from xferlib._kernels.tt_cache import TT_CACHE_LOOKUP_KERNEL, TT_CACHE_UPDATE_KERNEL
 
 CHUNK = 16  # sorted positions per block in tt_rows / tt_bwd_pieces
 THREADS = 128
 REDUCE_THREADS = 256
 REDUCE_SPLITS = 8  # blocks per core row in tt_reduce at large batches (see reduce_splits)
 PIECE_BATCH = 8  # PB in the kernel source
-CACHE_THREADS = 128  # tt_cache_update's block size (CACHE_THREADS in tt_cache.py's source)
-CACHE_CHUNK = 64  # sorted positions per chunk of the cache update (CACHE_CHUNK there)
+UPDATE_THREADS = 256  # tt_update's block size (its cache blocks are written for it)
+CACHE_CHUNK = 64  # sorted positions per chunk of the cache update (CACHE_CHUNK in tt_cache.py)
 
 TT_KERNEL = r"""
 typedef long long i64;
@@ -129,6 +131,14 @@ __device__ __forceinline__ void digits_of_key(i64 key, i64* dig) {
         dig[2] = key % P(2);
     }
 }
+__device__ __forceinline__ i64 row_of_key(i64 key) {
+    if constexpr (LEAD == 0) {
+        return key;
+    } else {
+        return (key / P(2)) % P(0) * STRIDE(0) + (key / SPAN) * STRIDE(1) + key % P(2);
+    }
+}
+""" + TT_CACHE_LOOKUP_KERNEL + r"""
 
 // out (M x N) (+)= op(a) (M x K) op(b) (K x N), row-major; TA: a is stored (K x M); TB: b is
 // stored (N x K); LDB: b's row stride (a padded staging). Where there are outputs enough, a
@@ -334,13 +344,17 @@ __device__ __forceinline__ i64 load_chunk(const float* last_core, const K* rows,
 }
 
 // y[perm[j]] = row rows[j] of the table, for the CHUNK sorted positions of this block.
-// Lookups the row cache serves (slot[m] in [0, capacity), the test tt_pool applies; slot may
-// be NULL) are skipped: tt_pool reads their dense rows, so their y rows are never read. A
-// prefix product is computed only when a lookup that is not skipped needs it, so a piece
-// whose lookups are all cached costs nothing.
+// The row cache (crow: its sorted rows, capacity of them, NULL without an active cache):
+// each lookup's slot goes to slot[m] (-1: not cached; tt_pool and the backward read it), and
+// the lookups it serves are skipped: tt_pool reads their dense rows, so their y rows are
+// never read. A prefix product is computed only when a lookup that is not skipped needs it,
+// so a piece whose lookups are all cached costs nothing. keys (NULL: no counting): each run
+// of one row within the block is added once to the frequency table (keys, counts, size).
+// A rejected batch writes nothing (its lookups are not counted).
 template <typename K>
-__global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float* y,
-                        const i64* slot, i64 capacity, const u64* verdict) {
+__global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float* y, i64* slot,
+                        const i64* crow, i64 capacity, i64* keys, long long* counts, i64 size,
+                        const u64* verdict) {
     if (rejected(verdict)) return;
     __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], ls[CHUNK * CW];
     __shared__ i64 srow[CHUNK], sperm[CHUNK];
@@ -348,9 +362,16 @@ __global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float*
     CORES;
     const i64 start = load_chunk(cores[D - 1], rows, perm, n, srow, sperm, ls);
     for (int t = threadIdx.x; t < CHUNK; t += blockDim.x) {
-        const i64 m = sperm[t];
-        const i64 c = (slot != nullptr && m >= 0 && m < n) ? slot[m] : -1;
-        sskip[t] = (m < 0 || m >= n || (c >= 0 && c < capacity)) ? 1 : 0;
+        const i64 m = sperm[t], key = srow[t];
+        const i64 row = key >= 0 ? row_of_key(key) : -1;
+        const i64 c = (crow != nullptr && row >= 0) ? cache_slot_of(row, crow, capacity) : -1;
+        if (slot != nullptr && m >= 0 && m < n) slot[m] = c;
+        sskip[t] = (m < 0 || m >= n || c >= 0) ? 1 : 0;
+        if (keys != nullptr && row >= 0 && (t == 0 || srow[t - 1] != key)) {
+            int len = 1;  // the run's positions in this block
+            while (t + len < CHUNK && srow[t + len] == key) ++len;
+            count_row(row, keys, counts, size, len);
+        }
     }
     __syncthreads();
     i64 dig[4] = {0, 0, 0, 0};
@@ -448,18 +469,23 @@ __device__ __forceinline__ void flush_piece(const float* const* cores, const i64
 // position): U = sum_n g_n G_last[i_d]^T, then flush_piece. Per position j: C[j] = Left^T g_n,
 // and the sort keys of its items in region REGION(k) of keys for every keyed core k: the
 // last core's for every position, the others' at piece starts (SENTINEL elsewhere).
+// Row cache (cseg != NULL): at the last position j of each run of a cached row within the
+// block (slot[m] in [0, capacity)), the run's gradients summed in position order go to
+// cseg[j * DIM ...], which tt_update's cache blocks add up per cached row.
 template <typename K>
 __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
                               const i64* bag_of, const i64* offsets, i64 n_off,
                               int include_last, const float* psw, int mean,
                               const float* grad_out, float* ubuf, float* cbuf, float* c0buf,
-                              int* keys, const u64* verdict) {
+                              int* keys, const i64* slot, i64 capacity, float* cseg,
+                              const u64* verdict) {
     if (rejected(verdict)) return;
     __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], ls[CHUNK * CW], u[UW],
         g[CHUNK * DIM], part[D == 3 ? BWD_THREADS * Q(0) : 1];
     __shared__ i64 sbag[CHUNK];
     __shared__ float sw[CHUNK];
     __shared__ i64 srow[CHUNK], sperm[CHUNK];
+    __shared__ int scached[CHUNK];
     CORES;
     const i64 start = load_chunk(cores[D - 1], rows, perm, n, srow, sperm, ls);
     // every position's bag and weight, then its scaled bag gradient, staged at once
@@ -467,13 +493,16 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
         const i64 m = sperm[t];
         i64 b = -1;
         float w = 0.f;
+        int cached = 0;
         if (m >= 0 && m < n) {
             b = bag_of[m];
             w = psw != nullptr ? psw[m] : 1.f;
             if (mean) w /= (float)(bound_at(offsets, n_off, n, b + 1) - bound_at(offsets, n_off, n, b));
+            if (cseg != nullptr && slot != nullptr) cached = slot[m] >= 0 && slot[m] < capacity;
         }
         sbag[t] = b;
         sw[t] = w;
+        scached[t] = cached;
     }
     __syncthreads();
     batched_copy(
@@ -526,6 +555,8 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
             __syncthreads();
             continue;
         }
+        if (scached[t])  // the row's run in this block ends here: gj holds its sum
+            for (int o = threadIdx.x; o < DIM; o += blockDim.x) cseg[j * DIM + o] = gj[o];
         block_matmul<R_LAST, A_LAST, QL, true, false, false>(lp, gj, cbuf + j * CW);
         block_matmul<A_LAST, QL, R_LAST, false, true, true>(gj, ls + t * CW, u);
     }
@@ -818,7 +849,6 @@ __global__ void tt_reduce_join(const K* rows, i64 n, const int* skeys, i64 n_ite
         }
     }
 }
-""" + TT_CACHE_SLOTS_KERNEL + r"""
 // A block-wide sum, returned to every thread (blockDim a multiple of 32; red: 33 floats).
 __device__ float block_sum(float v, float* red) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
@@ -943,14 +973,29 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
 #define HYPER_ARGS int opt, float lr, float eps, double beta1, double beta2, float wd, \
     float eta, float mom, const i64* iter
 #define HYPER {opt, lr, eps, beta1, beta2, wd, eta, mom, iter != nullptr ? *iter : 1}
-
-// The fused optimizer on every touched core row (one block per core row).
-extern "C" __global__ void tt_update(float* c0, float* c1, float* c2, float* c3,
-                                     STATE_ARGS(e), STATE_ARGS(f), STATE_ARGS(r), i64* s0,
-                                     i64* s1, i64* s2, i64* s3, float* grad, const int* touched,
-                                     HYPER_ARGS) {
+""" + TT_CACHE_UPDATE_KERNEL + r"""
+// The fused optimizer on every touched core row (one block per core row) and, in the blocks
+// past them, on the row cache's hit rows (tt_cache_update; cseg == NULL: no cache). The cache
+// arguments: the sorted batch (rows, perm, n), each lookup's slot among capacity cached rows,
+// tt_bwd_pieces' segment sums, the dense rows cw and their state, the batch's verdict.
+template <typename K>
+__global__ void __launch_bounds__(UPDATE_THREADS)
+tt_update(float* c0, float* c1, float* c2, float* c3, STATE_ARGS(e), STATE_ARGS(f),
+          STATE_ARGS(r), i64* s0, i64* s1, i64* s2, i64* s3, float* grad, const int* touched,
+          HYPER_ARGS, const K* rows, const i64* perm, i64 n, const i64* slot, i64 capacity,
+          const float* cseg, float* cw, float* ce1, float* ce2, float* crs, i64* cst,
+          const u64* verdict) {
     __shared__ float red[33];
     const i64 b = blockIdx.x;
+    if (b >= ROFF(D)) {  // a cache block (block-uniform)
+        if (cseg == nullptr || cw == nullptr || slot == nullptr || verdict == nullptr ||
+            rejected(verdict) || blockDim.x != UPDATE_THREADS)
+            return;
+        const Hyper hc = HYPER;
+        tt_cache_update<K>(rows, perm, n, slot, capacity, cseg, cw, ce1, ce2, crs, cst, hc, red,
+                           b - ROFF(D), (i64)gridDim.x - ROFF(D));
+        return;
+    }
     int k = 0;
     while (k < D - 1 && b >= ROFF(k + 1)) ++k;
     const i64 i = b - ROFF(k);
@@ -966,7 +1011,7 @@ extern "C" __global__ void tt_update(float* c0, float* c1, float* c2, float* c3,
                elem[k] ? elem[k] + i * width : nullptr, elem2[k] ? elem2[k] + i * width : nullptr,
                rowst[k] ? rowst[k] + i : nullptr, steps[k] ? steps[k] + i : nullptr, h, red);
 }
-""" + TT_CACHE_UPDATE_KERNEL
+"""
 
 
 KEY_TYPES = ("int", "long long")
@@ -974,9 +1019,8 @@ ROWS_NAMES = {key: f"tt_rows<{key}>" for key in KEY_TYPES}
 BWD_NAMES = {key: f"tt_bwd_pieces<{key}>" for key in KEY_TYPES}
 REDUCE_NAMES = {key: f"tt_reduce<{key}>" for key in KEY_TYPES}
 JOIN_NAMES = {key: f"tt_reduce_join<{key}>" for key in KEY_TYPES}
-CACHE_NAMES = [f"tt_cache_{name}<{key}>" for name in ("update", "chunks", "slots")
-               for key in KEY_TYPES]
-PLAIN_NAMES = ("tt_prepare", "tt_merge_all", "tt_pool", "tt_update", "tt_count")
+UPDATE_NAMES = {key: f"tt_update<{key}>" for key in KEY_TYPES}
+PLAIN_NAMES = ("tt_prepare", "tt_merge_all", "tt_pool", "tt_count")
 
 
 def _chain_sizes(p, q, ranks):
@@ -1028,9 +1072,11 @@ def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
     defines += [f"#define TT_R{k + 1} {v}" for k, v in enumerate(rr)]
     defines += [f"#define TT_CHUNK {CHUNK}", f"#define TT_MAXBUF {maxbuf}",
                 f"#define TT_MAXW {maxw}", f"#define TT_MAXV {maxv}", f"#define TT_MAXS {maxs}",
-                f"#define TT_REDUCE_THREADS {REDUCE_THREADS}", f"#define TT_THREADS {THREADS}"]
+                f"#define TT_REDUCE_THREADS {REDUCE_THREADS}", f"#define TT_THREADS {THREADS}",
+                f"#define TT_UPDATE_THREADS {UPDATE_THREADS}"]
     names = (list(ROWS_NAMES.values()) + list(BWD_NAMES.values())
-             + list(REDUCE_NAMES.values()) + list(JOIN_NAMES.values()) + CACHE_NAMES + list(PLAIN_NAMES))
+             + list(REDUCE_NAMES.values()) + list(JOIN_NAMES.values())
+             + list(UPDATE_NAMES.values()) + list(PLAIN_NAMES))
     label = "x".join(map(str, p)) + "_" + "x".join(map(str, q)) + "_r" + "x".join(map(str, ranks))
     return KernelModule(f"tt_{label}", RULES_KERNEL + "\n".join(defines) + "\n" + TT_KERNEL,
                         names)

@@ -8,11 +8,11 @@ import numpy as np
 from xferlib._backend import array_module, as_cupy_stream
 from xferlib._kernels import grid_1d
 from xferlib.tt.lookup import lookup_weights, scatter_add, to_host, tt_rows
-from xferlib.tt.plan import TTBagPlan, key_type, launch
+from xferlib.tt.plan import TTBagPlan, launch
 from xferlib.tt.rules import row_state
 from xferlib.tt.shape import TTShape
 
-__all__ = ["NO_ROW", "TTRowCache", "tt_cache_grad", "launch_cache_update"]
+__all__ = ["NO_ROW", "TTRowCache", "tt_cache_grad"]
 
 
 NO_ROW = np.iinfo(np.int64).max  # an empty cache slot: sorts after every row
@@ -45,6 +45,12 @@ class TTRowCache:
       cached (write-through). So the cores learn from every lookup and nothing trained is lost
       when a row leaves the cache (:meth:`populate`, :meth:`reset`): what leaves is only the
       row's dense refinement, and the row reverts to its (trained) TT value.
+
+    On the GPU kernel path the cache has no launch of its own: the lookups' slots and the
+    counting run in the forward's row kernel, the cached rows' gradient sums in the backward's
+    piece kernel and their optimizer step in the core update kernel (``xferlib/_kernels``).
+    The arrays keep their identity for the cache's life (methods write them in place), so the
+    kernel arguments built from them are built once.
     """
 
     def __init__(self, shape: TTShape, capacity: int, hashtbl_size: int, optimizer: str, xp=np):
@@ -61,6 +67,7 @@ class TTRowCache:
         self.freq_counts = xp.zeros(int(hashtbl_size), dtype=np.int64)
         self.key_slots = xp.full(int(hashtbl_size), -1, dtype=np.int32)
         self.active = False
+        self._args = {}
 
     @classmethod
     def from_arrays(cls, shape: TTShape, optimizer: str, *, rows, weight, state, freq_keys,
@@ -71,7 +78,38 @@ class TTRowCache:
         cache.rows, cache.weight, cache.state = rows, weight, dict(state)
         cache.freq_keys, cache.freq_counts = freq_keys, freq_counts
         cache.key_slots, cache.active = key_slots, bool(active)
+        cache._args = {}
         return cache
+
+    # The kernels' arguments (GPU), built once: the arrays never change identity.
+
+    @property
+    def capacity64(self):
+        """``capacity`` as the kernels take it."""
+        args = self._args.get("capacity")
+        if args is None:
+            args = self._args["capacity"] = np.int64(self.capacity)
+        return args
+
+    @property
+    def freq_args(self) -> tuple:
+        """The frequency table as the counting kernels take it: ``(keys, counts, size)``."""
+        args = self._args.get("freq")
+        if args is None:
+            args = self._args["freq"] = (self.freq_keys, self.freq_counts,
+                                         np.int64(self.freq_keys.size))
+        return args
+
+    def update_args(self, optimizer: str) -> list:
+        """``tt_update``'s dense-row arguments: the rows and the optimizer's state pointers
+        (``[weight, elementwise, second elementwise, per row, per-row steps]``)."""
+        key = ("update", optimizer)
+        args = self._args.get(key)
+        if args is None:
+            from xferlib.tt.update import state_pointers
+
+            args = self._args[key] = [self.weight] + state_pointers(self.state, optimizer)
+        return args
 
     def arrays(self) -> dict:
         """Every array of the cache by name (``state.<name>`` for the optimizer's)."""
@@ -207,20 +245,31 @@ def _find_sorted(sorted_rows, values):
 def tt_cache_grad(cache: TTRowCache, shape: TTShape, residuals, grad_bags):
     """``(grad, touched)``: each cache row's summed gradient (``capacity x dim``, zeros where
     not hit) and whether the batch hit it. On the GPU the sums go through atomic adds (their
-    rounding depends on the order); on the CPU they run in batch order."""
+    rounding depends on the order) and nothing waits for the device; on the CPU they run in
+    batch order."""
     if isinstance(residuals, TTBagPlan):
         indices, bag, w = residuals.indices, residuals.bag_of, _plan_weights(residuals)
     else:
         indices, bag, w = residuals
     xp = array_module(indices)
     slot = cache.slots(indices)
-    hits = xp.flatnonzero(slot >= 0)  # a host sync on the GPU: the cache path takes one
-    contrib = xp.asarray(grad_bags, dtype=np.float32)[bag[hits]] * w[hits][:, None]
+    grad_bags = xp.asarray(grad_bags, dtype=np.float32)
     grad = xp.zeros((cache.capacity, shape.dim), dtype=np.float32)
-    scatter_add(grad, slot[hits], contrib)
-    touched = xp.zeros(cache.capacity, dtype=bool)
-    touched[slot[hits]] = True
-    return grad, touched
+    if xp is np:
+        hits = np.flatnonzero(slot >= 0)
+        scatter_add(grad, slot[hits], grad_bags[bag[hits]] * w[hits][:, None])
+        touched = np.zeros(cache.capacity, dtype=bool)
+        touched[slot[hits]] = True
+        return grad, touched
+    # every lookup, misses adding exact zeros to slot 0 (selected, not multiplied: a miss's
+    # inf or NaN gradient stays out): no compaction, so no host sync for its size
+    hit = slot >= 0
+    at = xp.where(hit, slot, 0)
+    scatter_add(grad, at, xp.where(hit[:, None], grad_bags[bag] * w[:, None],
+                                    np.float32(0)))
+    hits = xp.zeros(cache.capacity, dtype=np.int32)
+    scatter_add(hits, at, hit.astype(np.int32))
+    return grad, hits > 0
 
 
 def _plan_weights(plan):
@@ -231,34 +280,3 @@ def _plan_weights(plan):
     return lookup_weights(xp.diff(bounds), plan.bag_of, plan.per_sample_weights,
                           "mean" if plan.mean else "sum", plan.n, np.float32).astype(
         np.float32, copy=False)
-
-
-def launch_cache_update(cache: TTRowCache, shape: TTShape, plan: TTBagPlan, grad_bags,
-                        rule_args: list, stream) -> None:
-    """The cached rows' optimizer step on the GPU, no host sync, deterministic: two launches
-    over chunks of the sorted batch (``tt_cache_chunks``: the partial sums of runs that cross
-    a chunk's edges; ``tt_cache_update``: each cached run summed, from its lookups or from
-    those partials in order, and its dense row updated), so a hot row's thousands of lookups
-    are summed by many threads. ``rule_args``: the cache state's pointers and the optimizer's
-    arguments, as ``update_row`` takes them (see ``xferlib/_kernels/tt.py``)."""
-    import cupy
-
-    from xferlib._kernels.tt import CACHE_CHUNK, CACHE_THREADS
-
-    n, dim = plan.n, shape.dim
-    if n == 0 or plan.slot is None:
-        return
-    grad_bags = cupy.ascontiguousarray(cupy.asarray(grad_bags, dtype=np.float32))
-    chunks = -(-n // CACHE_CHUNK)
-    partials = cupy.empty(2 * chunks * dim, dtype=np.float32)  # head, then tail per chunk
-    head, tail = partials[:chunks * dim], partials[chunks * dim:]
-    weights = plan.per_sample_weights
-    batch = [plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
-             np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
-             weights if weights is not None else np.uint64(0), np.int32(plan.mean),
-             grad_bags, plan.slot, np.int64(cache.capacity)]
-    keys = key_type(plan.rows)
-    launch(shape, f"tt_cache_chunks<{keys}>", *grid_1d(chunks * dim, 256, 65535),
-           batch + [head, tail, plan.verdict.words], stream)
-    launch(shape, f"tt_cache_update<{keys}>", (min(chunks, 65535),), (CACHE_THREADS,),
-           batch + [head, tail, cache.weight] + list(rule_args) + [plan.verdict.words], stream)

@@ -102,19 +102,25 @@ def tt_core_grads(cores, shape: TTShape, residuals, grad_bags, *, stream=None):
 
 
 def gpu_core_grads(cores, shape: TTShape, plan: TTBagPlan, grad_bags, dense: bool, stream,
-                   scratch=None, counter=None):
+                   scratch=None, counter=None, cache_sums=None):
     """Each touched core row's gradient, in a flat buffer (zeros elsewhere when ``dense``,
     else untouched rows are left unwritten) and the flags of the touched rows (every one
     written), queued on ``stream`` (a CuPy stream). ``scratch`` (a
     :class:`xferlib.tt.scratch.Scratch` of ``stream``): every buffer comes from it, the
     returned gradient and flags included, so the caller must use them within the call.
     ``counter``: a one-element int64 device array the call adds 1 to before any update kernel
-    queued after it runs (a fused step's counter; no launch of its own)."""
+    queued after it runs (a fused step's counter; no launch of its own). ``cache_sums``:
+    ``(slot, capacity, sums)`` of an active row cache (the plan's slots, the number of cached
+    rows as an int64, an ``n x dim`` float32 array): the piece kernel also writes, at the last
+    position of each run of a cached row within one of its blocks, that run's gradient sum
+    into ``sums`` (what ``tt_update``'s cache blocks add up; no launch of its own)."""
     with stream:
-        return _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, counter)
+        return _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, counter,
+                               cache_sums)
 
 
-def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, counter):
+def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, counter,
+                    cache_sums):
     import cupy
 
     n, d = plan.n, shape.d
@@ -147,7 +153,9 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
                 plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
                 np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
                 weights if weights is not None else _NULL, np.int32(plan.mean),
-                grad_bags, ubuf, cbuf, c0buf, keys, plan.verdict.words], stream)
+                grad_bags, ubuf, cbuf, c0buf, keys]
+           + (list(cache_sums) if cache_sums is not None else _NO_CACHE)
+           + [plan.verdict.words], stream)
     keyed = sum(shape.p_shapes) - shape.p_shapes[lead_core(shape)]
     # The keys are in range by construction (a rejected batch's are never read), so the
     # sort's words are not reset nor read.
@@ -175,4 +183,5 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
 
 
 _NULL = np.uint64(0)  # a NULL pointer argument
+_NO_CACHE = [_NULL, np.int64(0), _NULL]  # tt_bwd_pieces' cache arguments without a cache
 _SPLIT_BATCH = 1 << 15  # lookups from which tt_reduce splits long lists (see the kernel)

@@ -267,16 +267,19 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
     indices = cupy.ascontiguousarray(indices)
     offsets = cupy.ascontiguousarray(offsets.astype(np.int64, copy=False))
     bound = shape.num_rows if num_embeddings is None else int(num_embeddings)
+    top_scratch = scratch
     if scratch is not None:
         scratch = scratch.named("plan.")
     n_off = int(offsets.size)
     num_bags = n_off - 1 if include_last_offset else n_off
     # What the plan keeps (backward and the deferred check read it, so never scratch): the
-    # sorted positions, each lookup's bag, the verdict's words and the sorted keys, carved
-    # from one allocation. tt_prepare sets the words clean (no memset) and checks the
-    # offsets; the sort adds the first bad index.
-    perm, bag_of, words, sorted_keys = _carve((np.int64, n), (np.int64, n), (np.uint64, 2),
-                                              (np.int32, n))
+    # sorted positions, each lookup's bag, its cache slot (an active cache only), the
+    # verdict's words and the sorted keys, carved from one allocation. tt_prepare sets the
+    # words clean (no memset) and checks the offsets; the sort adds the first bad index.
+    lookup = cores is not None and cache is not None and cache.active
+    perm, bag_of, slot, words, sorted_keys = _carve(
+        (np.int64, n), (np.int64, n), (np.int64, n if lookup else 0), (np.uint64, 2),
+        (np.int32, n))
     verdict = Verdict(words, TTReport(indices if report is None else report, offsets,
                                       include_last_offset, n, bound))
     lead = lead_core(shape) != 0  # the lead core's digit first (xferlib/_kernels/tt.py)
@@ -296,31 +299,28 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
     else:  # the sort key is the row
         rows, perm = sort_keys(shape, indices, bound, stream, words, sort_scratch, out=result)
     y = None
-    slot = None
+    if not lookup:
+        slot = None
     if cores is not None:
-        # the slots first: tt_rows skips the lookups the cache serves
-        if cache is not None and (cache.active or cache_count):
-            slot = _cache_slots(cache, shape, indices, bound, cache_count, verdict.words, stream)
         y = (cupy.empty((n, shape.dim), dtype=np.float32) if scratch is None
-             else scratch.empty("y", n * shape.dim, np.float32))
+             else rows_scratch(top_scratch, n, shape.dim))
+        # the row cache rides in tt_rows (slots, counting) and tt_pool (its dense rows)
         launch(shape, f"tt_rows<{key_type(rows)}>", grid_1d(n, CHUNK)[0], (THREADS,),
-               core_pointers(cores) + [rows, perm, np.int64(n), y,
-                                       slot if slot is not None else np.uint64(0),
-                                       np.int64(cache.capacity if slot is not None else 0),
-                                       verdict.words], stream)
+               core_pointers(cores) + [rows, perm, np.int64(n), y, slot if lookup else _NULL]
+               + _cache_lookup_args(cache, lookup, cache is not None and cache_count)
+               + [verdict.words], stream)
         if out is None:
             out = cupy.empty((num_bags, shape.dim), dtype=np.float32)
     else:
         out = None
     total = num_bags * shape.dim
     launch(shape, "tt_pool", *grid_1d(total, 256, 65535),
-           (y if y is not None else np.uint64(0), offsets, np.int64(n_off),
+           (y if y is not None else _NULL, offsets, np.int64(n_off),
             np.int32(include_last_offset), np.int64(n),
-            weights if weights is not None else np.uint64(0), np.int32(mode == "mean"),
-            slot if slot is not None else np.uint64(0),
-            cache.weight if slot is not None else np.uint64(0),
-            np.int64(cache.capacity if slot is not None else 0),
-            out if out is not None else np.uint64(0), bag_of, verdict.words), stream)
+            weights if weights is not None else _NULL, np.int32(mode == "mean"),
+            slot if lookup else _NULL, cache.weight if lookup else _NULL,
+            cache.capacity64 if lookup else _ZERO,
+            out if out is not None else _NULL, bag_of, verdict.words), stream)
     plan = TTBagPlan(indices=indices, offsets=offsets, include_last_offset=include_last_offset,
                      per_sample_weights=weights, mean=mode == "mean", rows=rows, perm=perm,
                      bag_of=bag_of, verdict=verdict, num_bags=num_bags, slot=slot,
@@ -330,18 +330,22 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
     return out, plan
 
 
-def _cache_slots(cache, shape: TTShape, indices, bound: int, count: bool, words, stream):
-    """One launch: each lookup's cache slot (-1: not cached; None while the cache is not
-    active) and, with ``count``, the lookups added to the frequency table; nothing for a batch
-    the verdict ``words`` reject."""
-    import cupy
+def rows_scratch(scratch, n: int, dim: int):
+    """The forward's row buffer (``n x dim`` float32) from a step's top-level scratch: the
+    backward of a cached step reuses it for the cached runs' gradient sums (each call's use
+    ends within the call, and calls on one stream run in order)."""
+    return scratch.named("plan.").empty("y", n * dim, np.float32)
 
-    n = int(indices.size)
-    slot = cupy.empty(n, dtype=np.int64) if cache.active else None
-    launch(shape, f"tt_cache_slots<{key_type(indices)}>", *grid_1d(n, 256, 4096),
-           (indices, np.int64(n), np.int64(bound),
-            cache.rows, np.int64(cache.capacity if cache.active else 0),
-            cache.freq_keys if count else np.uint64(0), cache.freq_counts,
-            np.int64(cache.freq_keys.size), slot if slot is not None else np.uint64(0),
-            words), stream)
-    return slot
+
+_ZERO = np.int64(0)
+_NO_LOOKUP = [_NULL, _ZERO, _NULL, _NULL, _ZERO]
+
+
+def _cache_lookup_args(cache, lookup: bool, count: bool) -> list:
+    """``tt_rows``' cache arguments: the cached rows and their number (an active cache) and
+    the frequency table (with ``count``), NULL / 0 otherwise."""
+    if cache is None or not (lookup or count):
+        return _NO_LOOKUP
+    rows, capacity = (cache.rows, cache.capacity64) if lookup else (_NULL, _ZERO)
+    keys, counts, size = cache.freq_args if count else (_NULL, _NULL, _ZERO)
+    return [rows, capacity, keys, counts, size]

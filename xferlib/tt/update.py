@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from xferlib._backend import array_module, as_cupy_stream
+from xferlib._kernels.tt import CACHE_CHUNK, UPDATE_THREADS
 from xferlib.optim.rules import OptId
-from xferlib.tt.cache import TTRowCache, launch_cache_update, tt_cache_grad
+from xferlib.tt.cache import TTRowCache, tt_cache_grad
 from xferlib.tt.grads import gpu_core_grads, tt_embedding_bag_bwd
 from xferlib.tt.lookup import to_host
-from xferlib.tt.plan import TTBagPlan, launch, uses_kernels
+from xferlib.tt.plan import TTBagPlan, key_type, launch, rows_scratch, uses_kernels
 from xferlib.tt.rules import (LAZY_OPTIMIZERS, STATE_SLOTS, check_sparse_args, tt_sparse_update,
                               update_rows)
 from xferlib.tt.shape import TTShape, grad_spans, total_core_rows
@@ -28,9 +29,9 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     only. A forward's deferred input check is read once the update is queued: the kernels of a
     rejected batch change nothing, and the error is raised before this function returns.
     With an active ``cache`` its hit rows take the same optimizer step on their dense values
-    (on the kernel path in one more kernel, no host sync), and the cores still learn from
-    every lookup (write-through, see :class:`TTRowCache`). ``hyper``: see
-    :func:`tt_sparse_update`.
+    (on the kernel path inside the step's kernels: no launch of its own, no host sync,
+    deterministic), and the cores still learn from every lookup (write-through, see
+    :class:`TTRowCache`). ``hyper``: see :func:`tt_sparse_update`.
 
     ``checks`` (kernel path): a :class:`xferlib.batch.PendingChecks` (the module's queue):
     do not wait for the input check at all; the verdict is deferred into it and raised by its
@@ -64,16 +65,30 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
                          betas=betas, **hyper)
         return
     stream = as_cupy_stream(stream)
-    grad, touched = gpu_core_grads(cores, shape, residuals, grad_bags, dense=False,
-                                   stream=stream, scratch=scratch, counter=count)
+    plan, n = residuals, residuals.n
+    cached = cache is not None and cache.active and plan.slot is not None and n > 0
+    sums = None
+    if cached:  # the cached runs' gradient sums (the forward's row buffer, or a new one)
+        with stream:
+            sums = (_empty(n * shape.dim) if scratch is None
+                    else rows_scratch(scratch, n, shape.dim))
+    grad, touched = gpu_core_grads(
+        cores, shape, plan, grad_bags, dense=False, stream=stream, scratch=scratch,
+        counter=count, cache_sums=(plan.slot, cache.capacity64, sums) if cached else None)
     if grad is None:  # an empty batch touches nothing
         return
     with stream:
         args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
-        if cache is not None and cache.active and residuals.slot is not None:
-            _launch_cache_update(cache, shape, residuals, grad_bags, optimizer, args, stream)
-        launch(shape, "tt_update", (total_core_rows(shape),), (256,),
-               _update_pointers(cores, states, optimizer) + [grad, touched] + args, stream)
+        blocks = total_core_rows(shape)
+        if cached:  # blocks past the core rows step the cache's hit rows
+            blocks += min(-(-n // CACHE_CHUNK), _MAX_CACHE_BLOCKS)
+            tail = [plan.rows, plan.perm, np.int64(n), plan.slot, cache.capacity64, sums] + \
+                cache.update_args(optimizer) + [plan.verdict.words]
+        else:
+            tail = _NO_CACHE
+        launch(shape, f"tt_update<{key_type(plan.rows)}>", (blocks,), (UPDATE_THREADS,),
+               _update_pointers(cores, states, optimizer) + [grad, touched] + args + tail,
+               stream)
     # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
     # flagged as touched), and the host waited for nothing while the step was being queued.
     if checks is not None and not residuals.checked:
@@ -106,8 +121,9 @@ def tt_apply_core_grads(cores, shape: TTShape, grad, touched, states, optimizer:
             grad = cupy.ascontiguousarray(grad, dtype=np.float32)
             touched = cupy.ascontiguousarray(touched, dtype=np.int32)
             args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
-            launch(shape, "tt_update", (total,), (256,),
-                   _update_pointers(cores, states, optimizer) + [grad, touched] + args, stream)
+            launch(shape, "tt_update<int>", (total,), (UPDATE_THREADS,),
+                   _update_pointers(cores, states, optimizer) + [grad, touched] + args
+                   + _NO_CACHE, stream)
         return
     hyper = _host_step(hyper)
     xp = array_module(grad)
@@ -149,6 +165,16 @@ def _host_step(hyper: dict) -> dict:
 
 
 _NULL = np.uint64(0)  # a NULL pointer argument
+# tt_update's cache arguments without a cache (sorted batch, slots, sums, dense rows and their
+# state, verdict): its blocks past the core rows return at once
+_NO_CACHE = [_NULL, _NULL, np.int64(0), _NULL, np.int64(0), _NULL] + [_NULL] * 5 + [_NULL]
+_MAX_CACHE_BLOCKS = 65535  # cache blocks of tt_update (they stride over the batch's chunks)
+
+
+def _empty(size: int):
+    import cupy
+
+    return cupy.empty(size, dtype=np.float32)
 
 
 def _update_pointers(cores, states, optimizer: str) -> list:
@@ -204,10 +230,3 @@ def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, m
 
 
 _SCALARS = {}  # the kernels' scalar arguments per hyperparameter set
-
-
-def _launch_cache_update(cache, shape: TTShape, plan: TTBagPlan, grad_bags, optimizer, args,
-                        stream):
-    """The cached rows' optimizer step on the GPU (see ``xferlib.tt.cache``)."""
-    launch_cache_update(cache, shape, plan, grad_bags,
-                        state_pointers(cache.state, optimizer) + args, stream)
