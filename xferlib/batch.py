@@ -174,7 +174,9 @@ class BatchPlan:
 
     ``idx``: the batch's indices; ``keys``: its rows in ascending order; ``perm``: the batch
     position of each sorted position; ``run``: the run id of each sorted position (equal rows
-    share one; ``runs=True``), so ``keys[run == r]`` is the r-th distinct row; ``verdict``: the
+    share one; ``runs=True``), so ``keys[run == r]`` is the r-th distinct row; ``starts``: the
+    first sorted position of each run (run r at ``starts[r]``, for r up to ``run[-1]``; the
+    rest unused), so kernels give each distinct row its own warp; ``verdict``: the
     input check (:class:`Verdict`); ``slots``: where a cache put each run's row (set by the
     host table's cache); ``staged`` / ``writes``: a host table lookup's copy of the distinct
     rows (run r at row r) and ``(the table's write counter, its count then)``.
@@ -185,6 +187,7 @@ class BatchPlan:
     perm: object
     verdict: Verdict
     run: object = None
+    starts: object = None
     slots: object = None
     staged: object = None
     writes: object = None
@@ -213,30 +216,36 @@ def plan_batch(idx, num_rows: int, *, stream=None, presorted: bool = False,
                                        tiled_max=tiled_max)
     plan = BatchPlan(idx, keys, perm, Verdict(words, RowsReport(idx, num_rows, caller)))
     if runs:
-        plan.run = run_ids(keys, stream)
+        plan.run, plan.starts = run_ids(keys, stream)
     return plan
 
 
 def run_ids(keys, stream):
-    """The run id of each position of sorted ``keys`` (0 for the first run), on ``stream``."""
+    """``(run, starts)`` of sorted ``keys``, on ``stream``: the run id of each position (0 for
+    the first run) and each run's first position (run r at ``starts[r]``; entries past the
+    last run are left unset). Sized by ``keys`` alone: no host sync."""
     import cupy
 
     from xferlib._kernels import grid_1d
-    from xferlib._kernels.table import (RUN_IDS_MAX, TABLE_MODULE, run_ids_name,
-                                        run_starts_name)
+    from xferlib._kernels.table import (RUN_IDS_MAX, TABLE_MODULE, run_firsts_name,
+                                        run_ids_name, run_starts_name)
 
     n = keys.size
+    key_bytes = keys.dtype.itemsize
     with stream:
+        starts = cupy.empty(n, dtype=np.int64)
         if n <= RUN_IDS_MAX:  # one block numbers them all
             run = cupy.empty(n, dtype=np.int64)
             if n:
-                TABLE_MODULE.get_function(run_ids_name(keys.dtype.itemsize))(
-                    (1,), (1024,), (keys, np.int64(n), run), stream=stream)
-            return run
+                TABLE_MODULE.get_function(run_ids_name(key_bytes))(
+                    (1,), (1024,), (keys, np.int64(n), run, starts), stream=stream)
+            return run, starts
         flags = cupy.empty(n, dtype=np.int64)
         grid, block = grid_1d(n, 256, 4096)
-        TABLE_MODULE.get_function(run_starts_name(keys.dtype.itemsize))(
+        TABLE_MODULE.get_function(run_starts_name(key_bytes))(
             grid, block, (keys, np.int64(n), flags), stream=stream)
         run = cupy.cumsum(flags)
         run -= 1
-        return run
+        TABLE_MODULE.get_function(run_firsts_name(key_bytes))(
+            grid, block, (keys, run, np.int64(n), starts), stream=stream)
+        return run, starts

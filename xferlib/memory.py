@@ -45,6 +45,8 @@ _REGISTER_PORTABLE = 1
 _ALREADY_REGISTERED = 712
 # cudaErrorMemoryAllocation
 _OUT_OF_MEMORY = 2
+# Where new pinned arrays start: a host page boundary.
+_PAGE = 4096
 
 # Every range xferlib registered, by start address: {start: _Registration}, plus the sorted
 # starts for containment lookups (is_pinned answers from here without a driver call).
@@ -327,7 +329,12 @@ def _allocate(shape, dtype, fn: str, fill_zero: bool) -> PinnedArray:
     for d in dims:
         nbytes *= d  # Python ints: no overflow
     check_host_memory(nbytes, f"{fn}(shape={dims}, dtype={dtype.name})")
-    array = np.zeros(dims, dtype=dtype) if fill_zero else np.empty(dims, dtype=dtype)
+    # Page-aligned (NumPy's own buffers start 16 bytes past a page): rows whose size is a
+    # multiple of 64 bytes then start on host cache lines, and the GPU reads a row in whole
+    # 64- and 128-byte pieces, not split across one more piece at each end.
+    raw = (np.zeros if fill_zero else np.empty)(nbytes + _PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _PAGE
+    array = raw[start:start + nbytes].view(dtype).reshape(dims)
     return as_pinned(array)
 
 

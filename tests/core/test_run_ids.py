@@ -1,4 +1,5 @@
-"""The run numbering of sorted keys (one block, tiles of 4096) against NumPy."""
+"""The run numbering of sorted keys and each run's first position (one block up to 4096
+positions, flags + scan above) against NumPy."""
 
 import numpy as np
 import pytest
@@ -16,8 +17,10 @@ def test_run_ids_match_numpy(n, dtype):
     keys = np.sort(rng.integers(0, max(1, n // 3), n).astype(dtype))  # runs of every length
     expected = np.concatenate([[0], np.cumsum(keys[1:] != keys[:-1])]) if n else keys
     stream = cupy.cuda.get_current_stream()
-    got = run_ids(cupy.asarray(keys), stream).get()
-    np.testing.assert_array_equal(got, expected)
+    run, starts = run_ids(cupy.asarray(keys), stream)
+    np.testing.assert_array_equal(run.get(), expected)
+    firsts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]])) if n else keys
+    np.testing.assert_array_equal(starts.get()[:firsts.size], firsts)
 
 
 @pytest.mark.gpu
@@ -27,7 +30,10 @@ def test_run_ids_of_all_equal_and_all_distinct_keys():
     from xferlib.batch import run_ids
 
     stream = cupy.cuda.get_current_stream()
-    same = cupy.full(10_000, 7, dtype=cupy.int64)
-    np.testing.assert_array_equal(run_ids(same, stream).get(), np.zeros(10_000))
-    distinct = cupy.arange(9_000, dtype=cupy.int32)
-    np.testing.assert_array_equal(run_ids(distinct, stream).get(), np.arange(9_000))
+    for n in (3_000, 10_000):  # one block, and flags + scan
+        run, starts = run_ids(cupy.full(n, 7, dtype=cupy.int64), stream)
+        np.testing.assert_array_equal(run.get(), np.zeros(n))
+        assert int(starts[0]) == 0
+        run, starts = run_ids(cupy.arange(n, dtype=cupy.int32), stream)
+        np.testing.assert_array_equal(run.get(), np.arange(n))
+        np.testing.assert_array_equal(starts.get(), np.arange(n))

@@ -26,48 +26,21 @@ __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
     return (verdict[0] & verdict[1]) != ~0ull;
 }
 
-// A warp's walk over the distinct rows of a batch: the warp takes tiles of 32 sorted
-// positions; its lanes read their keys at once (one coalesced load, instead of a chain of
-// dependent loads per position), a ballot marks the positions that start a run with a row
-// inside the table (others are skipped, so no input makes a kernel touch memory outside its
-// arrays), and the warp then takes those rows one by one: `row`, its run id `r`, and `j` the
-// run's first sorted position. Warp-uniform: every lane of the warp runs the body.
-template <typename K>
-struct DistinctRows {
-    i64 base, row, r, j, my_row, my_run;
-    unsigned left;
-    __device__ DistinctRows(const K* keys, const i64* run, i64 n, i64 n_rows, i64 base_,
-                            int lane) : base(base_), row(-1), r(0), j(0), my_row(-1), my_run(0) {
-        const i64 at = base + lane;
-        if (at < n) {
-            const i64 key = (i64)keys[at];
-            if ((at == 0 || (i64)keys[at - 1] != key) && key >= 0 && key < n_rows) {
-                my_row = key;
-                my_run = run[at];
-            }
-        }
-        left = __ballot_sync(0xffffffffu, my_row >= 0);
-    }
-    __device__ bool next() {
-        if (left == 0) return false;
-        const int src = __ffs(left) - 1;
-        left &= left - 1;
-        row = __shfl_sync(0xffffffffu, my_row, src);
-        r = __shfl_sync(0xffffffffu, my_run, src);
-        j = base + src;
-        return true;
-    }
-};
-
-// Declares `lane`, `row`, `r` (the run id) and `j` for the body (see DistinctRows); the
-// launch needs ceil(n / 32) warps (fewer stride over the rest).
-#define FOR_EACH_DISTINCT_ROW                                                                 \
+// One warp per run of equal sorted keys, i.e. per distinct row of a batch (any grid: warps
+// stride over the rest). `starts[r]` is run r's first sorted position (xferlib/batch.py,
+// run_ids); the number of runs is read on the device (`run[n - 1] + 1`), so launches are
+// sized by the batch alone. Every warp gets one row at a time, whatever the batch's
+// distribution: a Zipf batch's many singletons do not queue behind one warp. Runs whose row
+// is outside the table are skipped, and positions are bounded, so no input makes a kernel
+// touch memory outside its arrays. Declares `lane`, `r` (the run id), `j` (its first sorted
+// position) and `row` for the body; warp-uniform: every lane of the warp runs the body.
+#define FOR_EACH_RUN                                                                          \
     const int lane = threadIdx.x & 31;                                                        \
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);                                     \
-    for (i64 base = (((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 32; base < n;        \
-         base += warps * 32)                                                                  \
-        for (DistinctRows<K> it(keys, run, n, n_rows, base, lane); it.next();)                \
-            if (const i64 row = it.row, r = it.r, j = it.j; true)
+    const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;                                      \
+    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < runs; r += warps)     \
+        if (const i64 j = starts[r]; j >= 0 && j < n)                                         \
+            if (const i64 row = (i64)keys[j]; row >= 0 && row < n_rows)
 
 template <typename T> struct Place { T* w; T* s; bool cached; };
 
@@ -106,14 +79,26 @@ __global__ void run_starts(const K* __restrict__ keys, i64 n, i64* __restrict__ 
         flags[j] = (j == 0 || keys[j] != keys[j - 1]) ? 1 : 0;
 }
 
-// run[j] = the id of position j's run of equal keys (starts at 1..j counted), in ONE block
+// starts[run[j]] = j where a run of equal keys starts (its first sorted position).
+template <typename K>
+__global__ void run_firsts(const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
+                           i64* __restrict__ starts) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        const i64 r = run[j];
+        if ((j == 0 || keys[j] != keys[j - 1]) && r >= 0 && r < n) starts[r] = j;
+    }
+}
+
+// run[j] = the id of position j's run of equal keys (starts at 1..j counted) and
+// starts[run] its first position, in ONE block
 // of exactly 1024 threads, one launch instead of flags + cumsum. The block walks tiles of
 // 4096 positions (4 adjacent per thread, so loads coalesce and four are in flight): warp
 // shuffles scan the per-thread counts, one shared array of 32 warp totals joins the warps,
 // and a running carry joins the tiles.
 template <typename K>
 __global__ void __launch_bounds__(1024)
-run_ids(const K* __restrict__ keys, i64 n, i64* __restrict__ run) {
+run_ids(const K* __restrict__ keys, i64 n, i64* __restrict__ run, i64* __restrict__ starts) {
     __shared__ i64 warp_total[32];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     i64 carry = 0;
@@ -150,7 +135,10 @@ run_ids(const K* __restrict__ keys, i64 n, i64* __restrict__ run) {
         for (int u = 0; u < 4; ++u) {
             const i64 j = j0 + u;
             r += flag[u];
-            if (j < n) run[j] = r;
+            if (j < n) {
+                run[j] = r;
+                if (flag[u] || j == 0) starts[r] = j;
+            }
         }
         carry += warp_total[31];
         __syncthreads();  // warp_total is rewritten by the next tile
@@ -175,13 +163,14 @@ template <int V, typename T, typename K>
 __global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
                               T* cache, i64 cache_width, i64 s_off,
                               const int* __restrict__ slots,
-                              const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
+                              const K* __restrict__ keys, const i64* __restrict__ run,
+                              const i64* __restrict__ starts, i64 n,
                               i64 dim, i64 s_width, int full, int which, T* __restrict__ out,
                               const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
     const i64 s_start = staged_state_start<T>(dim);
     const i64 out_width = full ? s_start + s_width : dim;
-    FOR_EACH_DISTINCT_ROW {
+    FOR_EACH_RUN {
         Place<T> p = locate(row, r, host_w, w_stride, host_s, s_stride, cache,
                             cache_width, s_off, slots);
         if ((which == 1 && p.cached) || (which == 2 && !p.cached)) continue;
@@ -428,18 +417,23 @@ __device__ __forceinline__ void update_row(T* w, const T* wsrc, T* s, const T* s
 // be current (no write to the table since). A row in host RAM is then read from HBM and only
 // written over the link: no read waits behind the kernel's own writes on the link (PCIe keeps
 // a read behind earlier writes), half the traffic. Cached rows are read from the cache.
+// `s_tail` (0: unused): the host row's length from its state's start to its end, padding
+// included; the step count then sits alone at the start of a 16-byte word, and the words from
+// it to the row's end go out in one store, so the host cache line they fill is written whole
+// (a partial-line write from the GPU makes the host read the line and merge it).
 template <int RULE, int V, typename T, typename K>
 __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
                               T* cache, i64 cache_width, i64 s_off,
                               const int* __restrict__ slots, unsigned char* __restrict__ dirty,
-                              const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
+                              const K* __restrict__ keys, const i64* __restrict__ run,
+                              const i64* __restrict__ starts, i64 n,
                               const T* __restrict__ summed, const T* __restrict__ staged,
                               i64 staged_width, int staged_state, i64 dim, i64 n_slots,
-                              i64 step_off,
+                              i64 step_off, i64 s_tail,
                               const double* __restrict__ h,
                               const unsigned long long* __restrict__ verdict) {
     if (rejected(verdict)) return;
-    FOR_EACH_DISTINCT_ROW {
+    FOR_EACH_RUN {
         Place<T> p = locate(row, r, host_w, w_stride, host_s, s_stride, cache,
                             cache_width, s_off, slots);
         const bool from_copy = staged != nullptr && !p.cached;
@@ -455,7 +449,15 @@ __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
             update_row<RULE, V, T>(p.w, wsrc, p.s, ssrc, g, dim, n_slots, c, lane);
         }
         __syncwarp();
-        if (lane == 0) {
+        if (s_tail > 0 && !p.cached) {
+            typedef words<T, 16 / sizeof(T)> Word;
+            const i64 k = step_off + (i64)lane * (16 / (i64)sizeof(T));
+            if (k < s_tail) {
+                Word word = {};
+                if (lane == 0) *reinterpret_cast<i64*>(word.v) = t;
+                *reinterpret_cast<Word*>(p.s + k) = word;
+            }
+        } else if (lane == 0) {
             *step = t;
             if (p.cached) dirty[slots[r]] = 1;  // written back when evicted or flushed
         }
@@ -472,6 +474,10 @@ _KEYS = {4: "int", 8: "long long"}
 
 def run_starts_name(key_bytes: int) -> str:
     return f"run_starts<{_KEYS[key_bytes]}>"
+
+
+def run_firsts_name(key_bytes: int) -> str:
+    return f"run_firsts<{_KEYS[key_bytes]}>"
 
 
 def run_ids_name(key_bytes: int) -> str:
@@ -515,6 +521,7 @@ def _all_names():
     for key_bytes in _KEYS:
         yield run_starts_name(key_bytes)
         yield run_ids_name(key_bytes)
+        yield run_firsts_name(key_bytes)
     for dtype_name in _TYPES:
         yield expand_rows_name(dtype_name)
         for key_bytes in _KEYS:

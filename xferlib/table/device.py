@@ -52,6 +52,7 @@ class DeviceSide:
         self.w_stride = weights.strides[0] // table.dtype.itemsize
         self.s_stride = state.strides[0] // table.dtype.itemsize
         self.vec = self._vector_width(layout)
+        self.s_tail = self._state_tail(layout, weights, state)
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Kernels that reach host RAM are latency-bound: a few blocks per SM keep enough
         # loads in flight for the link; prefetches take fewer, leaving SMs to the compute
@@ -89,6 +90,18 @@ class DeviceSide:
         aligned = all(u % word == 0 for u in units) and self.w_ptr % 16 == 0 \
             and self.s_ptr % 16 == 0
         return word if aligned else 1
+
+    def _state_tail(self, layout, weights, state) -> int:
+        """sparse_update's ``s_tail``: a host row's length from its state's start to the row's
+        end, padding included (the update then writes the step count's word and the padding
+        after it in one store, whole host cache lines); 0 where the words are not 16-byte
+        aligned or the step count shares its word with other state."""
+        word = 16 // self.table.dtype.itemsize
+        if self.vec != word or layout.step_offset % word:
+            return 0
+        interleaved = (state.strides[0] == weights.strides[0] and self.s_ptr - self.w_ptr
+                       == layout.state_offset * self.table.dtype.itemsize)
+        return self.w_stride - layout.state_offset if interleaved else layout.state_width
 
     def launch_size(self, n_warps: int, prefetch: bool = False):
         """``(grid, block)`` for ``n_warps`` warps, capped for this GPU (lower for a
@@ -160,11 +173,11 @@ class DeviceSide:
                      + layout.state_width) if full else layout.dim
             out = cupy.empty((plan.n, width), dtype=self.table.dtype)
         if plan.n:
-            grid, block = self.launch_size(-(-plan.n // 32), prefetch)  # a warp per 32 positions
+            grid, block = self.launch_size(plan.n, prefetch)  # a warp per distinct row
             name = gather_unique_name(self.vec, self.dtype_name, plan.keys.itemsize)
             TABLE_MODULE.get_function(name)(
                 grid, block, (*self.host_args(), *self._cache_args(plan.slots), plan.keys,
-                              plan.run, np.int64(plan.n), np.int64(layout.dim),
+                              plan.run, plan.starts, np.int64(plan.n), np.int64(layout.dim),
                               np.int64(layout.state_width), np.int32(full), np.int32(which), out,
                               plan.verdict.words), stream=stream)
         return out
@@ -237,7 +250,7 @@ class DeviceSide:
         empty = cupy.empty(0, dtype=np.int64)
         words = cupy.full(2, np.iinfo(np.uint64).max, dtype=np.uint64)
         return BatchPlan(idx, empty, empty, Verdict(words, RowsReport(idx, self.table.num_rows)),
-                         run=empty)
+                         run=empty, starts=empty)
 
     # -------------------------------------------------------------- update
 
@@ -274,19 +287,20 @@ class DeviceSide:
                 slots = self.cache.probe(plan, stream)
             n, dim = plan.n, table.dim
             summed = self._sum_gradients(plan, grads, stream)
-            grid, block = self.launch_size(-(-n // 32))  # a warp per 32 sorted positions
+            grid, block = self.launch_size(n)  # a warp per distinct row
             kernel = sparse_update_name(table.rule.kind, self.vec, self.dtype_name,
                                         plan.keys.itemsize)
             TABLE_MODULE.get_function(kernel)(
                 grid, block, (*self.host_args(), *self._cache_args(slots),
                               self.cache.dirty if slots is not None else np.uint64(0),
-                              plan.keys, plan.run, np.int64(n), summed,
+                              plan.keys, plan.run, plan.starts, np.int64(n), summed,
                               staged if staged is not None else np.uint64(0),
                               np.int64(staged.shape[1] if staged is not None else 0),
                               np.int32(staged is not None and staged.shape[1] > dim),
                               np.int64(dim),
                               np.int64(len(table.layout.slots)),
-                              np.int64(table.layout.step_offset), self._hyper_array(),
+                              np.int64(table.layout.step_offset), np.int64(self.s_tail),
+                              self._hyper_array(),
                               plan.verdict.words), stream=stream)
             if pending is not None:
                 refresh_after_update(self, plan, slots, stream)
