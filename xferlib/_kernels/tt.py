@@ -23,9 +23,9 @@ The pipeline over a batch sorted by row (rows sharing a prefix sit side by side)
   prefix chain per piece.
 * ``tt_update``: the fused optimizer on every touched core row (FBGEMM's rules: the row
   reductions here, the per-element steps from ``xferlib/_kernels/rules.py``).
-* row cache, no launch of its own: ``tt_rows`` finds each lookup's cache slot (binary search
-  of the sorted cached rows), counts each run of one row once in the frequency table and
-  skips the lookups the cache serves; ``tt_pool`` reads their dense rows; ``tt_bwd_pieces``
+* row cache, no launch of its own: ``tt_prepare`` finds each lookup's cache slot (binary
+  search of the sorted cached rows); ``tt_rows`` counts each run of one row once in the
+  frequency table and skips the lookups the cache serves; ``tt_pool`` reads their dense rows; ``tt_bwd_pieces``
   leaves each cached run's per-block gradient sums; the blocks of ``tt_update`` past the core
   rows sum them per cached row (``tt_cache_update``, deterministic) and step the dense rows.
   The cache's device functions live in ``xferlib/_kernels/tt_cache.py`` and are spliced into
@@ -266,9 +266,13 @@ __device__ const float* chain(const float* const* cores, const i64* dig, float* 
 // bad index position into verdict[0]. No memset precedes it, and only block 0 writes the
 // verdict, so its reset cannot race with the offset check. keys[t] = key_of(idx[t]), or
 // NUM_ROWS (which the sort rejects) where idx[t] is outside [0, bound); keys == nullptr:
-// the indices are the sort keys and only the verdict is written.
+// the indices are the sort keys. slot (NULL without an active row cache): each lookup's slot
+// among the capacity sorted cached rows crow, -1 where it is not cached or out of range (a
+// binary search per lookup, every thread of the grid at once; tt_rows, tt_pool and the
+// backward read the slots). idx is read only where keys or slot are given.
 extern "C" __global__ void tt_prepare(const i64* idx, i64 n, i64 bound, i64* keys,
                                       const i64* offsets, i64 n_off, int include_last,
+                                      const i64* crow, i64 capacity, i64* slot,
                                       u64* verdict) {
     if (blockIdx.x == 0) {
         if (threadIdx.x == 0) verdict[0] = verdict[1] = ~0ull;
@@ -281,11 +285,14 @@ extern "C" __global__ void tt_prepare(const i64* idx, i64 n, i64 bound, i64* key
             if (bad) atomicMin(verdict + 1, (u64)t);
         }
     }
-    if (keys == nullptr) return;
+    if (keys == nullptr && slot == nullptr) return;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < n;
          t += (i64)gridDim.x * blockDim.x) {
         const i64 row = idx[t];
-        keys[t] = (row >= 0 && row < bound && row < NUM_ROWS) ? key_of(row) : NUM_ROWS;
+        const bool valid = row >= 0 && row < bound && row < NUM_ROWS;
+        if (keys != nullptr) keys[t] = valid ? key_of(row) : NUM_ROWS;
+        if (slot != nullptr)
+            slot[t] = (valid && crow != nullptr) ? cache_slot_of(row, crow, capacity) : -1;
     }
 }
 
@@ -344,16 +351,15 @@ __device__ __forceinline__ i64 load_chunk(const float* last_core, const K* rows,
 }
 
 // y[perm[j]] = row rows[j] of the table, for the CHUNK sorted positions of this block.
-// The row cache (crow: its sorted rows, capacity of them, NULL without an active cache):
-// each lookup's slot goes to slot[m] (-1: not cached; tt_pool and the backward read it), and
-// the lookups it serves are skipped: tt_pool reads their dense rows, so their y rows are
-// never read. A prefix product is computed only when a lookup that is not skipped needs it,
-// so a piece whose lookups are all cached costs nothing. keys (NULL: no counting): each run
-// of one row within the block is added once to the frequency table (keys, counts, size).
-// A rejected batch writes nothing (its lookups are not counted).
+// Lookups the row cache serves (slot[m] in [0, capacity), as tt_prepare found them and
+// tt_pool tests them; slot may be NULL) are skipped: tt_pool reads their dense rows, so their
+// y rows are never read. A prefix product is computed only when a lookup that is not skipped
+// needs it, so a piece whose lookups are all cached costs nothing. keys (NULL: no counting):
+// each run of one row within the block is added once to the cache's frequency table (keys,
+// counts, size). A rejected batch writes nothing (its lookups are not counted).
 template <typename K>
-__global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float* y, i64* slot,
-                        const i64* crow, i64 capacity, i64* keys, long long* counts, i64 size,
+__global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float* y,
+                        const i64* slot, i64 capacity, i64* keys, long long* counts, i64 size,
                         const u64* verdict) {
     if (rejected(verdict)) return;
     __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], ls[CHUNK * CW];
@@ -363,14 +369,12 @@ __global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float*
     const i64 start = load_chunk(cores[D - 1], rows, perm, n, srow, sperm, ls);
     for (int t = threadIdx.x; t < CHUNK; t += blockDim.x) {
         const i64 m = sperm[t], key = srow[t];
-        const i64 row = key >= 0 ? row_of_key(key) : -1;
-        const i64 c = (crow != nullptr && row >= 0) ? cache_slot_of(row, crow, capacity) : -1;
-        if (slot != nullptr && m >= 0 && m < n) slot[m] = c;
-        sskip[t] = (m < 0 || m >= n || c >= 0) ? 1 : 0;
-        if (keys != nullptr && row >= 0 && (t == 0 || srow[t - 1] != key)) {
+        const i64 c = (slot != nullptr && m >= 0 && m < n) ? slot[m] : -1;
+        sskip[t] = (m < 0 || m >= n || (c >= 0 && c < capacity)) ? 1 : 0;
+        if (keys != nullptr && key >= 0 && (t == 0 || srow[t - 1] != key)) {
             int len = 1;  // the run's positions in this block
             while (t + len < CHUNK && srow[t + len] == key) ++len;
-            count_row(row, keys, counts, size, len);
+            count_row(row_of_key(key), keys, counts, size, len);
         }
     }
     __syncthreads();

@@ -3,10 +3,10 @@
 Two pieces of ``TT_KERNEL``, kept here so the TT kernel file stays readable; they are not a
 module of their own (they use the TT shape's constants, ``rejected`` and ``update_row``), and
 ``tt.py`` concatenates them at their place in its source. The cache has no launch of its own
-in a training step: its lookups and counting run inside ``tt_rows``, its gradient sums inside
-``tt_bwd_pieces`` and its optimizer step inside ``tt_update``.
+in a training step: its lookups run inside ``tt_prepare``, its counting inside ``tt_rows``, its
+gradient sums inside ``tt_bwd_pieces`` and its optimizer step inside ``tt_update``.
 
-* ``TT_CACHE_LOOKUP_KERNEL`` (before ``tt_rows``): ``count_row`` (a row's accesses in an
+* ``TT_CACHE_LOOKUP_KERNEL`` (before ``tt_prepare``): ``count_row`` (a row's accesses in an
   open-addressing frequency table), ``cache_slot_of`` (a row's slot among the sorted cached
   rows) and ``tt_count`` (``update_cache()``'s counting kernel).
 * ``TT_CACHE_UPDATE_KERNEL`` (before ``tt_update``): ``tt_cache_update``, run by the blocks of

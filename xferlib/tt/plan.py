@@ -283,13 +283,17 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
     verdict = Verdict(words, TTReport(indices if report is None else report, offsets,
                                       include_last_offset, n, bound))
     lead = lead_core(shape) != 0  # the lead core's digit first (xferlib/_kernels/tt.py)
-    wide = indices if indices.dtype == np.int64 or not lead else indices.astype(np.int64)
+    # tt_prepare reads the indices (as int64) for the sort keys and the cache slots
+    wide = (indices if indices.dtype == np.int64 or not (lead or lookup)
+            else indices.astype(np.int64))
     if lead:
         keys = (cupy.empty(n, dtype=np.int64) if scratch is None
                 else scratch.empty("keys", n, np.int64))
     launch(shape, "tt_prepare", *grid_1d(n, 256, 4096),
            (wide, np.int64(n), np.int64(bound), keys if lead else _NULL, offsets,
-            np.int64(n_off), np.int32(include_last_offset), words), stream)
+            np.int64(n_off), np.int32(include_last_offset),
+            cache.rows if lookup else _NULL, cache.capacity64 if lookup else _ZERO,
+            slot if lookup else _NULL, words), stream)
     # the sort's working buffers (its result is the plan's: carved above)
     sort_scratch = None if scratch is None else scratch.named("sort.")
     result = sorted_keys, perm
@@ -304,10 +308,12 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
     if cores is not None:
         y = (cupy.empty((n, shape.dim), dtype=np.float32) if scratch is None
              else rows_scratch(top_scratch, n, shape.dim))
-        # the row cache rides in tt_rows (slots, counting) and tt_pool (its dense rows)
+        # the row cache rides in tt_prepare (slots), tt_rows (skips, counting) and tt_pool
+        # (its dense rows)
         launch(shape, f"tt_rows<{key_type(rows)}>", grid_1d(n, CHUNK)[0], (THREADS,),
-               core_pointers(cores) + [rows, perm, np.int64(n), y, slot if lookup else _NULL]
-               + _cache_lookup_args(cache, lookup, cache is not None and cache_count)
+               core_pointers(cores) + [rows, perm, np.int64(n), y]
+               + _cache_row_args(cache, slot if lookup else None,
+                                 cache is not None and cache_count)
                + [verdict.words], stream)
         if out is None:
             out = cupy.empty((num_bags, shape.dim), dtype=np.float32)
@@ -338,14 +344,13 @@ def rows_scratch(scratch, n: int, dim: int):
 
 
 _ZERO = np.int64(0)
-_NO_LOOKUP = [_NULL, _ZERO, _NULL, _NULL, _ZERO]
+_NO_CACHE = [_NULL, _ZERO, _NULL, _NULL, _ZERO]
 
 
-def _cache_lookup_args(cache, lookup: bool, count: bool) -> list:
-    """``tt_rows``' cache arguments: the cached rows and their number (an active cache) and
-    the frequency table (with ``count``), NULL / 0 otherwise."""
-    if cache is None or not (lookup or count):
-        return _NO_LOOKUP
-    rows, capacity = (cache.rows, cache.capacity64) if lookup else (_NULL, _ZERO)
-    keys, counts, size = cache.freq_args if count else (_NULL, _NULL, _ZERO)
-    return [rows, capacity, keys, counts, size]
+def _cache_row_args(cache, slot, count: bool) -> list:
+    """``tt_rows``' cache arguments: the lookups' slots and the number of cached rows (an
+    active cache) and the frequency table (with ``count``), NULL / 0 otherwise."""
+    if cache is None or not (slot is not None or count):
+        return _NO_CACHE
+    lookup = [slot, cache.capacity64] if slot is not None else [_NULL, _ZERO]
+    return lookup + (list(cache.freq_args) if count else [_NULL, _NULL, _ZERO])
