@@ -85,7 +85,7 @@ def test_cached_step_queues_the_uncached_steps_kernels(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 def test_training_forwards_count_every_lookup(name, dtype):
     _need_gpu()
     rows = SHAPES[name][0]
@@ -121,7 +121,7 @@ def _expected_sgd(weight, cached_rows, idx, offsets, grad, lr):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("n", [1, 17, 4097, 20000])
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 def test_cached_rows_step_matches_float64(name, n, dtype):
     """Hot rows over many 16-position blocks and 64-position chunks, single lookups, runs
     that end on block edges: each cached row moves by its lookups' summed gradient."""
