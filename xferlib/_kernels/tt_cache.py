@@ -128,8 +128,31 @@ __device__ void tt_cache_update(const K* rows, const i64* perm, i64 n, const i64
         }
         __syncthreads();
         const int runs = found;
+        // Under an elementwise rule, the runs inside one block of tt_bwd_pieces (their sum is
+        // that block's one segment) all at once, a thread per (run, element), no barrier per
+        // run; the same arithmetic as update_row's.
+        const bool elementwise = h.opt == XF_OPT_SGD || h.opt == XF_OPT_ADAGRAD;
+        if (elementwise) {
+            XfScalars<float> sc = xf_neutral<float>();
+            sc.lr = h.lr;
+            sc.eps = h.eps;
+            for (int i = threadIdx.x; i < runs * DIM; i += blockDim.x) {
+                const int e = i % DIM;
+                const int r = (i - e) / DIM;
+                const i64 j = ends[r] - 1, cs = cslots[r];
+                if (starts[r] / CHUNK != j / CHUNK || j < 0 || j >= n) continue;  // a long run
+                const float grad = cseg[j * DIM + e];
+                if (h.opt == XF_OPT_SGD) {
+                    float none = 0.f;  // no momentum buffer
+                    xf_sgd(cw[cs * DIM + e], grad, none, sc);
+                } else {
+                    xf_adagrad(cw[cs * DIM + e], grad, e1[cs * DIM + e], sc);
+                }
+            }
+        }
         for (int r = 0; r < runs; ++r) {
             const i64 j0 = starts[r], end = ends[r], cs = cslots[r];
+            if (elementwise && j0 / CHUNK == (end - 1) / CHUNK) continue;  // done above
             // segment k (tt_bwd_pieces' block k) ends at min((k + 1) CHUNK, end) - 1
             const i64 k0 = j0 / CHUNK, segs = (end - 1) / CHUNK - k0 + 1;
             if (grp < CACHE_G) {
