@@ -992,8 +992,9 @@ tt_update(float* c0, float* c1, float* c2, float* c3, STATE_ARGS(e), STATE_ARGS(
     __shared__ float red[33];
     const i64 b = blockIdx.x;
     if (b >= ROFF(D)) {  // a cache block (block-uniform)
-        if (cseg == nullptr || cw == nullptr || slot == nullptr || verdict == nullptr ||
-            rejected(verdict) || blockDim.x != UPDATE_THREADS)
+        if (cseg == nullptr || cw == nullptr || slot == nullptr || rows == nullptr ||
+            perm == nullptr || verdict == nullptr || rejected(verdict) ||
+            blockDim.x != UPDATE_THREADS)
             return;
         const Hyper hc = HYPER;
         tt_cache_update<K>(rows, perm, n, slot, capacity, cseg, cw, ce1, ce2, crs, cst, hc, red,
