@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.torch.tt_cache_helpers import hot_batch, populate  # noqa: E402
 from xferlib.adapters.torch import OptimType, TTEmbeddingBag  # noqa: E402
 
 SHAPES = {  # name: (rows, dim, ranks, p, q)
@@ -31,23 +32,6 @@ def _module(name, use_cache=True, optimizer=OptimType.SGD, cache_size=40):
                           weight_dist="normal", seed=3).cuda()
 
 
-def _batch(rows, n, seed, hot):
-    g = np.random.default_rng(seed)
-    idx = g.integers(0, rows, size=n)
-    free = g.permutation(n)
-    at = 0
-    for row, count in hot:
-        idx[free[at:at + count]] = row
-        at += count
-    return idx
-
-
-def _populate(module, rows):
-    module.reset_cache()
-    module.update_cache(torch.as_tensor(np.repeat(rows, 3), device="cuda"))
-    module.cache_populate()
-
-
 def _kernel_names(step):
     """The CUDA activities (kernels, copies) one call of ``step`` queues, by name."""
     from torch.profiler import ProfilerActivity, profile
@@ -69,8 +53,8 @@ def test_cached_step_queues_the_uncached_steps_kernels(name):
     _need_gpu()
     rows = SHAPES[name][0]
     plain, cached, warming = _module(name, False), _module(name), _module(name)
-    _populate(cached, np.arange(0, rows, 7))
-    idx = torch.as_tensor(_batch(rows, 4000, 0, ((5, 900), (7, 300))), device="cuda")
+    populate(cached, np.arange(0, rows, 7))
+    idx = torch.as_tensor(hot_batch(rows, 4000, 0, ((5, 900), (7, 300))), device="cuda")
     offsets = torch.arange(0, 4001, 20, device="cuda")
     grad = torch.randn(200, SHAPES[name][1], device="cuda")
     for module in (plain, cached, warming):  # kernels compiled, working buffers allocated
@@ -92,7 +76,7 @@ def test_training_forwards_count_every_lookup(name, dtype):
     module = _module(name)  # hashtbl_size = 4 rows: every row finds a slot
     seen = []
     for step in range(3):
-        idx = _batch(rows, 3000, step, ((11, 1000), (rows - 1, 40)))
+        idx = hot_batch(rows, 3000, step, ((11, 1000), (rows - 1, 40)))
         seen.append(idx)
         x = torch.as_tensor(idx, dtype=dtype, device="cuda")
         module(x, torch.arange(0, 3001, 15, device="cuda")).sum().backward()
@@ -129,8 +113,8 @@ def test_cached_rows_step_matches_float64(name, n, dtype):
     rows, dim = SHAPES[name][:2]
     module = _module(name, cache_size=60)
     hot = ((7, min(n, n * 9 // 20 + 1)), (rows - 1, n // 10), (3, min(16, n // 4)))
-    idx = _batch(rows, n, n, hot)
-    _populate(module, np.unique(np.concatenate([[7, rows - 1, 3], idx[:40]])))
+    idx = hot_batch(rows, n, n, hot)
+    populate(module, np.unique(np.concatenate([[7, rows - 1, 3], idx[:40]])))
     g = np.random.default_rng(n)
     offsets = np.concatenate([[0], np.sort(g.integers(0, n + 1, size=max(1, n // 5))), [n]])
     grad = g.standard_normal((len(offsets) - 1, dim)).astype(np.float32)
@@ -154,7 +138,7 @@ def test_cached_module_trains_as_on_the_cpu(name):
     gpu = _module(name, optimizer=OptimType.ADAM)
     cpu = _module(name, optimizer=OptimType.ADAM).cpu()
     for step in range(5):
-        idx = torch.as_tensor(_batch(rows, 240, step, ((5, 60), (9, 20))))
+        idx = torch.as_tensor(hot_batch(rows, 240, step, ((5, 60), (9, 20))))
         offsets = torch.arange(0, 241, 12)
         grad = torch.randn(20, SHAPES[name][1], generator=torch.Generator().manual_seed(step))
         out_gpu = gpu(idx.cuda(), offsets.cuda())
@@ -188,7 +172,7 @@ def test_dense_cache_gradient_matches_the_cpu():
     for m in (gpu, cpu):
         m.update_cache(torch.tensor([5, 5, 17, 400, 400, 400]))
         m.cache_populate()
-    idx = torch.as_tensor(_batch(600, 300, 0, ((5, 50), (400, 20))))
+    idx = torch.as_tensor(hot_batch(600, 300, 0, ((5, 50), (400, 20))))
     offsets = torch.arange(0, 301, 10)
     grad = torch.randn(30, 16, generator=torch.Generator().manual_seed(0))
     grad[3] = float("inf")  # a bag without cached rows: its inf stays out of their gradient

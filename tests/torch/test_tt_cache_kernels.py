@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.torch.tt_cache_helpers import hot_batch, populate  # noqa: E402
 from xferlib.adapters.torch import OptimType, TTEmbeddingBag  # noqa: E402
 
 CHUNK = 64  # xferlib._kernels.tt.CACHE_CHUNK (asserted below)
@@ -30,20 +31,11 @@ def _module(optimizer=OptimType.SGD, cache_size=40, **kw):
 
 def _batch(n, seed, hot=()):
     """n lookups; ``hot``: (row, count) pairs placed at random positions."""
-    g = np.random.default_rng(seed)
-    idx = g.integers(0, ROWS, size=n)
-    free = g.permutation(n)
-    at = 0
-    for row, count in hot:
-        idx[free[at:at + count]] = row
-        at += count
-    return idx
+    return hot_batch(ROWS, n, seed, hot)
 
 
 def _populate(module, rows):
-    module.reset_cache()
-    module.update_cache(torch.as_tensor(np.repeat(rows, 3), device="cuda"))
-    module.cache_populate()
+    populate(module, rows)
     assert set(rows) <= set(module.cache_rows.tolist())
 
 
