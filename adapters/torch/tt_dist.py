@@ -117,7 +117,10 @@ def fused_step(module, shape, optimizer, states, residuals, arrays, grad_bags, c
     plan = isinstance(residuals, core.TTBagPlan)
     cached = cache is not None and cache.active
     own_error = None
-    if plan and cached:  # the cache's gradient reads the batch on the host anyway
+    # The input check read here, on the host: a rejected batch's cache gradient would index
+    # the gradients with positions its kernels never wrote. (One sync per data-parallel cached
+    # step; the single-GPU step has none.)
+    if plan and cached:
         try:
             residuals.verdict.raise_now()
         except (IndexError, ValueError) as err:

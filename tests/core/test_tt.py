@@ -165,6 +165,10 @@ def test_bad_input(rng):
         tt.TTShape([2], [2], [])
     with pytest.raises(ValueError, match="mode"):
         tt.tt_embedding_bag(cores, shape, np.array([0, 1]), np.array([0, 2]), mode="max")
+    # a bound past the factorization's rows would let rows without digits through
+    with pytest.raises(ValueError, match=f"num_embeddings must be between 0 and {shape.num_rows}"):
+        tt.tt_embedding_bag_fwd(cores, shape, np.array([0, 1]), np.array([0, 2]),
+                                num_embeddings=shape.num_rows + 1)
 
 
 @pytest.mark.parametrize("optimizer", tt.SPARSE_OPTIMIZERS)

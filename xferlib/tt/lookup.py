@@ -149,7 +149,8 @@ def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
     ``out``: a ``(B, D)`` float32 array (of the cores' namespace) to write the bags into.
     ``cache``: a :class:`TTRowCache`; while it is active, lookups of its rows read its dense
     rows instead; ``cache_count`` also counts the lookups in its frequency table (on the GPU
-    in the same launch as the cache lookups). ``report``: GPU indices to name in an index
+    in ``tt_rows``, as it computes the rows; the cached slots are found in ``tt_prepare``).
+    ``report``: GPU indices to name in an index
     error instead of ``indices`` (same length; for callers that map their indices).
     ``scratch``: a :class:`xferlib.tt.scratch.Scratch` of ``stream`` (GPU, not while a CUDA
     graph is captured): the call's working buffers come from it instead of the memory pool.

@@ -17,7 +17,7 @@ from xferlib._kernels.tt import CHUNK, THREADS
 from xferlib._kernels.rows import SMALL_SORT_ITEMS, SMALL_SORT_THREADS, tile_sort_kernels
 from xferlib.batch import NO_BAD, Verdict, host_values, sort_positions
 from xferlib.perf import warn_tt_fallback
-from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core
+from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core, row_bound
 
 __all__ = ["TTBagPlan", "TTReport"]
 
@@ -266,7 +266,7 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
         indices = indices.astype(np.int64)
     indices = cupy.ascontiguousarray(indices)
     offsets = cupy.ascontiguousarray(offsets.astype(np.int64, copy=False))
-    bound = shape.num_rows if num_embeddings is None else int(num_embeddings)
+    bound = row_bound(shape, num_embeddings)
     top_scratch = scratch
     if scratch is not None:
         scratch = scratch.named("plan.")

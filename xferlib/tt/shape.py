@@ -131,8 +131,24 @@ def check_index_array(idx) -> None:
         raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
 
 
+def row_bound(shape: TTShape, num_embeddings=None) -> int:
+    """The bound indices must stay below: ``num_embeddings`` (default: every row of the
+    factorization), which the factorization must hold (a row past it has no digits in range).
+
+    >>> row_bound(TTShape((2, 3), (2, 2), (2,)), 5)
+    5
+    """
+    if num_embeddings is None:
+        return shape.num_rows
+    bound = int(num_embeddings)
+    if not 0 <= bound <= shape.num_rows:
+        raise ValueError(f"num_embeddings must be between 0 and {shape.num_rows} (the rows the "
+                         f"TT factorization holds), got {bound}")
+    return bound
+
+
 def checked_indices(idx, shape: TTShape, num_embeddings=None):
-    bound = shape.num_rows if num_embeddings is None else int(num_embeddings)
+    bound = row_bound(shape, num_embeddings)
     xp = array_module(idx) if is_cupy_array(idx) else np
     idx = xp.asarray(idx)
     check_index_array(idx)
