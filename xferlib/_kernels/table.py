@@ -91,8 +91,8 @@ __global__ void run_firsts(const K* __restrict__ keys, const i64* __restrict__ r
 }
 
 // run[j] = the id of position j's run of equal keys (starts at 1..j counted) and
-// starts[run] its first position, in ONE block
-// of exactly 1024 threads, one launch instead of flags + cumsum. The block walks tiles of
+// starts[run] its first position, in ONE block of exactly 1024 threads, one launch instead
+// of flags + cumsum (+ run_firsts). The block walks tiles of
 // 4096 positions (4 adjacent per thread, so loads coalesce and four are in flight): warp
 // shuffles scan the per-thread counts, one shared array of 32 warp totals joins the warps,
 // and a running carry joins the tiles.
