@@ -15,22 +15,30 @@ def gpu_time_ms(fn, repeats: int = 20, warmup: int = 3, steps: int = 1) -> float
     over ``repeats`` runs, divided by ``steps``. With ``steps=1`` each call is timed alone
     (the device waits while the host queues it); with more, the host queues ahead as a
     training loop does."""
+    return gpu_times_ms([fn], repeats, warmup, steps)[0]
+
+
+def gpu_times_ms(fns, repeats: int = 20, warmup: int = 3, steps: int = 1) -> list:
+    """:func:`gpu_time_ms` of each of ``fns``, their runs interleaved (one run of each in
+    turn, ``repeats`` times), so that a slow phase of the host weighs on every one alike."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    for i in range(warmup):
-        fn(i)
+    for fn in fns:
+        for i in range(warmup):
+            fn(i)
     stream.synchronize()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
+    times = [[] for _ in fns]
     for r in range(repeats):
-        start.record(stream)
-        for i in range(steps):
-            fn(r * steps + i)
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / steps)
-    return statistics.median(times)
+        for fn, runs in zip(fns, times):
+            start.record(stream)
+            for i in range(steps):
+                fn(r * steps + i)
+            end.record(stream)
+            end.synchronize()
+            runs.append(cupy.cuda.get_elapsed_time(start, end) / steps)
+    return [statistics.median(runs) for runs in times]
 
 
 def gpu_pipelined_ms(fn, steps: int = 20, repeats: int = 5, warmup: int = 3) -> float:
