@@ -41,11 +41,6 @@ def gpu_times_ms(fns, repeats: int = 20, warmup: int = 3, steps: int = 1) -> lis
     return [statistics.median(runs) for runs in times]
 
 
-def gpu_pipelined_ms(fn, steps: int = 20, repeats: int = 5, warmup: int = 3) -> float:
-    """:func:`gpu_time_ms` with ``steps`` calls back to back."""
-    return gpu_time_ms(fn, repeats, warmup, steps)
-
-
 def cpu_time_ms(fn, repeats: int = 20, warmup: int = 2) -> float:
     for i in range(warmup):
         fn(i)
