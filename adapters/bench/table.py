@@ -12,6 +12,11 @@ optimizer so that like is compared with like:
   saying so, when the GPU's free memory cannot hold it). Each row gives the bytes the step
   must move (every touched row read and written once with its state) and that rate as a
   fraction of the measured pinned host-to-GPU copy rate, and the cache's hit rate;
+* the plainest kernels moving the same bytes (reference): each batch's distinct rows of the
+  uncached table read into HBM and written back, one warp per row, 16-byte words
+  (``xferlib.bench.kernels.scattered_rows_launches``). What the host allows for scattered
+  rows of this table: on a machine whose IOMMU translates the GPU's accesses, random rows
+  over gigabytes move at about half the pinned copy rate, whatever the kernel;
 * SpeedTorch 0.1.6 itself (``ModelFactory(CPUPinn=True)`` switchers around a torch SGD step),
   when it is importable;
 * torch's CPU-staged path, SGD and Adam: ``unique``, host ``index_select`` of the rows (and
@@ -26,7 +31,9 @@ report's ``targets`` compare these rows with the host-table goals (``TARGETS``).
 Timing: every step figure (xferlib and baselines alike) is the median over repeats of
 ``STEPS`` steps queued back to back, divided by ``STEPS``: what a training loop sees once the
 host queues ahead of the device (a HostTable step takes no host sync, so it can). xferlib's
-rows also give ``ms_one_call``, one step timed alone, host queueing included.
+rows also give ``ms_one_call``, one step timed alone, host queueing included. The xferlib
+rows of one optimizer (no cache, cache, all in HBM) are timed interleaved, one run of each
+in turn, so that a slow phase of a shared host weighs on all of them alike.
 
 Run it as ``xferlib bench table [--quick] [--json PATH]``; from Python::
 
@@ -45,7 +52,7 @@ import itertools
 
 import numpy as np
 
-from xferlib.bench.timing import cpu_time_ms, gpu_time_ms
+from xferlib.bench.timing import cpu_time_ms, gpu_time_ms, gpu_times_ms
 
 TABLE_ROWS = 8 * 1024 * 1024
 DIM = 128
@@ -98,6 +105,8 @@ def _print(r):
         extra += f"  ({r['ms_one_call']:.3f} ms alone)"
     if "pct_of_pinned_rate" in r:
         extra += f"  {r['bytes_per_step'] / 1e6:6.1f} MB {r['pct_of_pinned_rate']:4.0f}% link"
+    if "read_ms" in r:
+        extra += f"  (read {r['read_ms']:.3f} ms, write {r['write_ms']:.3f} ms)"
     if r.get("cache_lookups"):
         extra += f"  hit {r['cache_hit_rate']:.2f}"
     print(f"  {r['ms']:9.3f} ms  {r['Mlookups_per_s']:8.1f} M lookups/s  {r['impl']}{extra}")
@@ -195,6 +204,7 @@ def _run_gpu(quick: bool) -> dict:
                                                  cache_admission="always", **kw), idx_sets,
                                [cupy.arange(s, min(s + BATCH, rows_n))
                                 for s in range(0, rows_n, BATCH)]))
+            steps = []
             for label, table, sets, warmup in tables:
                 for idx in warmup or ():
                     table.lookup(idx)
@@ -205,20 +215,31 @@ def _run_gpu(quick: bool) -> dict:
                     rows, b = table.lookup(sets[next(count) % len(sets)], return_batch=True)
                     table.apply_gradients(b, grads)
 
-                ms = gpu_time_ms(step, repeats, steps=STEPS)
-                alone = gpu_time_ms(step, repeats)
+                steps.append(step)
+            # The rows of one optimizer timed interleaved (one run of each in turn): on a
+            # busy host, rows timed one after another differ by 10-20% from run to run.
+            queued = gpu_times_ms(steps, repeats, steps=STEPS)
+            alone = gpu_times_ms(steps, repeats)
+            for (label, table, _, _), ms, one in zip(tables, queued, alone):
                 must = unique * 2 * _row_bytes(table)  # each touched row read and written once
                 stats = table.cache_stats()
                 results.append(_record(f"xferlib HostTable step ({opt}, {label})", ms, BATCH,
                                        dist=dist, kind="step", optimizer=opt,
-                                       ms_one_call=alone, bytes_per_step=must,
+                                       ms_one_call=one, bytes_per_step=must,
                                        pct_of_pinned_rate=100 * must / (ms * 1e-3) / 1e9 / rate,
                                        **{f"cache_{k}": v for k, v in stats.items()}))
                 _print(results[-1])
+                if label == "no cache":
+                    uncached = results[-1]
+                    results.append(_plain_rows(table, idx_sets, repeats, dist, opt, rate,
+                                               uncached))
+                    _print(results[-1])
+                    print(f"    (the uncached step takes {uncached['x_plain_rows']:.2f}x the "
+                          f"plain kernels' time for the same rows)")
                 if label == "no cache" and opt == "adam" and dist == "zipf":
                     prefetch = _prefetch_overlap(table, lambda i: idx_sets[i % INDEX_SETS],
                                                  repeats)
-                del table
+            del table, steps
             del tables
             cupy.get_default_memory_pool().free_all_blocks()
         for r in _baselines(host_sets, idx_sets, grads, repeats, rows_n):
@@ -234,6 +255,29 @@ def _run_gpu(quick: bool) -> dict:
     return {"suite": "table", "environment": environment(), "results": results,
             "pinned_GB_per_s": rate, "skipped": skipped,
             "targets": _check_targets(results, quick)}
+
+
+def _plain_rows(table, idx_sets, repeats, dist, opt, rate, step) -> dict:
+    """The plainest kernels moving the same rows: each batch's distinct rows read from
+    pinned host RAM into HBM, then written back (``xferlib.bench.kernels``), one warp per
+    row as the table's kernels. What this host allows for scattered rows of this table,
+    beside the uncached step that moves the same bytes (``step``, its record)."""
+    import cupy
+
+    from xferlib.bench.kernels import scattered_rows_launches
+
+    launches = [scattered_rows_launches(table, cupy.unique(idx)) for idx in idx_sets]
+    read_ms, pair_ms = gpu_times_ms(
+        [lambda i: launches[i % len(launches)][0](),
+         lambda i: [f() for f in launches[i % len(launches)][:2]]], repeats, steps=STEPS)
+    must = step["bytes_per_step"]
+    record = _record(f"plain kernels: read + write back of the step's distinct rows ({opt} "
+                     f"rows, reference)", pair_ms, BATCH, dist=dist, kind="reference",
+                     optimizer=opt, read_ms=read_ms, write_ms=pair_ms - read_ms,
+                     bytes_per_step=must,
+                     pct_of_pinned_rate=100 * must / (pair_ms * 1e-3) / 1e9 / rate)
+    step["x_plain_rows"] = step["ms"] / pair_ms
+    return record
 
 
 def _prefetch_overlap(table, pick, repeats) -> dict:

@@ -8,9 +8,11 @@ from xferlib._kernels._registry import KernelModule, all_modules, grid_1d, launc
 from xferlib._kernels.cache import CACHE_KERNEL, CACHE_MODULE
 from xferlib._kernels.optim import OPTIM_KERNEL, OPTIM_MODULE
 from xferlib._kernels.rows import ROWS_KERNEL, ROWS_MODULE
+from xferlib._kernels.scattered import SCATTERED_KERNEL, SCATTERED_MODULE
 from xferlib._kernels.table import TABLE_KERNEL, TABLE_MODULE
 from xferlib._kernels.tt import TT_KERNEL, TT_MODULE  # FBTT's shape: one module per TT shape
 
 __all__ = ["KernelModule", "all_modules", "grid_1d", "launch_config", "CACHE_KERNEL", "CACHE_MODULE",
-           "OPTIM_KERNEL", "OPTIM_MODULE", "ROWS_KERNEL", "ROWS_MODULE", "TABLE_KERNEL",
+           "OPTIM_KERNEL", "OPTIM_MODULE", "ROWS_KERNEL", "ROWS_MODULE", "SCATTERED_KERNEL",
+           "SCATTERED_MODULE", "TABLE_KERNEL",
            "TABLE_MODULE", "TT_KERNEL", "TT_MODULE"]

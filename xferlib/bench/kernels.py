@@ -39,3 +39,49 @@ def flat_adam_kernel_launch(rule, layout, state, hypers, params, grads):
         kernel((len(chunks[0]),), (256,), args)
 
     return launch
+
+
+def scattered_rows_launches(table, rows):
+    """``(read, write, buffer)``: functions of no arguments that move the distinct rows
+    ``rows`` (a CuPy int64 array) of the GPU-ready ``HostTable`` ``table`` between its pinned
+    host RAM and ``buffer`` in HBM (uint8, a row's ``layout.used_width`` elements, weights
+    and optimizer state, per line), with the plain kernels of ``xferlib/_kernels/scattered.py``,
+    launched as the table's own row kernels are (its block cap). ``write`` puts back what
+    ``read`` fetched, so a read followed by a write leaves the table as it was.
+
+    >>> # read, write, _ = scattered_rows_launches(table, cupy.unique(idx))
+    >>> # gpu_time_ms(lambda i: (read(), write()))
+    """
+    side = table.device_side
+    if side is None:
+        raise ValueError("the table has no GPU side yet: run a GPU lookup on it first")
+    import cupy
+
+    from xferlib._kernels import SCATTERED_MODULE, launch_config
+
+    itemsize = table.dtype.itemsize
+    layout = table.layout
+    if side.s_ptr - side.w_ptr != layout.state_offset * itemsize \
+            or side.s_stride != side.w_stride:
+        raise ValueError("scattered_rows_launches needs a table whose storage rows hold the "
+                         "weights and the state together (HostTable's own layout)")
+    width_bytes = layout.used_width * itemsize
+    stride_bytes = side.w_stride * itemsize
+    if width_bytes % 16 or stride_bytes % 16 or side.w_ptr % 16:
+        raise ValueError(f"scattered_rows_launches needs 16-byte aligned rows (row of "
+                         f"{width_bytes} bytes, stride {stride_bytes}, address {side.w_ptr})")
+    rows = cupy.ascontiguousarray(rows, dtype=cupy.int64)
+    n, width, stride = rows.size, width_bytes // 16, stride_bytes // 16
+    buffer = cupy.empty((max(n, 1), width * 16), dtype=cupy.uint8)
+    grid, block = launch_config(max(1, n), max_blocks=side.max_blocks)
+    module = SCATTERED_MODULE
+    args = (np.uint64(side.w_ptr), np.int64(stride), np.int64(table.num_rows), rows,
+            np.int64(n), np.int64(width), buffer)
+
+    def read():
+        module.get_function("scattered_read")(grid, block, args)
+
+    def write():
+        module.get_function("scattered_write")(grid, block, args)
+
+    return read, write, buffer
