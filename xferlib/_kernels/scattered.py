@@ -11,30 +11,24 @@ from xferlib._kernels._registry import KernelModule
 SCATTERED_KERNEL = r"""
 typedef long long i64;
 
-extern "C" __global__ void scattered_read(const float4* host, i64 stride, i64 n_rows,
-                                          const i64* __restrict__ rows, i64 n, i64 width,
-                                          float4* __restrict__ out) {
+// TO_HOST false: hbm[r] = host row rows[r]; true: the host row = hbm[r]. `width` and `stride`
+// in 16-byte words.
+template <bool TO_HOST>
+__global__ void scattered_move(float4* host, i64 stride, i64 n_rows,
+                               const i64* __restrict__ rows, i64 n, i64 width,
+                               float4* __restrict__ hbm) {
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n; r += warps) {
         const i64 row = rows[r];
         if (row < 0 || row >= n_rows) continue;
-        for (i64 e = lane; e < width; e += 32) out[r * width + e] = host[row * stride + e];
-    }
-}
-
-extern "C" __global__ void scattered_write(float4* host, i64 stride, i64 n_rows,
-                                           const i64* __restrict__ rows, i64 n, i64 width,
-                                           const float4* __restrict__ src) {
-    const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n; r += warps) {
-        const i64 row = rows[r];
-        if (row < 0 || row >= n_rows) continue;
-        for (i64 e = lane; e < width; e += 32) host[row * stride + e] = src[r * width + e];
+        for (i64 e = lane; e < width; e += 32) {
+            if (TO_HOST) host[row * stride + e] = hbm[r * width + e];
+            else hbm[r * width + e] = host[row * stride + e];
+        }
     }
 }
 """
 
-SCATTERED_MODULE = KernelModule("scattered_rows", SCATTERED_KERNEL,
-                                ("scattered_read", "scattered_write"))
+READ, WRITE = "scattered_move<false>", "scattered_move<true>"
+SCATTERED_MODULE = KernelModule("scattered_rows", SCATTERED_KERNEL, (READ, WRITE))

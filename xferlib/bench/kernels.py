@@ -58,6 +58,7 @@ def scattered_rows_launches(table, rows):
     import cupy
 
     from xferlib._kernels import SCATTERED_MODULE, launch_config
+    from xferlib._kernels.scattered import READ, WRITE
 
     itemsize = table.dtype.itemsize
     layout = table.layout
@@ -79,9 +80,9 @@ def scattered_rows_launches(table, rows):
             np.int64(n), np.int64(width), buffer)
 
     def read():
-        module.get_function("scattered_read")(grid, block, args)
+        module.get_function(READ)(grid, block, args)
 
     def write():
-        module.get_function("scattered_write")(grid, block, args)
+        module.get_function(WRITE)(grid, block, args)
 
     return read, write, buffer
