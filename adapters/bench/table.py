@@ -16,7 +16,7 @@ optimizer so that like is compared with like:
   uncached table read into HBM and written back, one warp per row, 16-byte words
   (``xferlib.bench.kernels.scattered_rows_launches``). What the host allows for scattered
   rows of this table: on a machine whose IOMMU translates the GPU's accesses, random rows
-  over gigabytes move at about half the pinned copy rate, whatever the kernel;
+  over gigabytes move well below the pinned copy rate, whatever the kernel;
 * SpeedTorch 0.1.6 itself (``ModelFactory(CPUPinn=True)`` switchers around a torch SGD step),
   when it is importable;
 * torch's CPU-staged path, SGD and Adam: ``unique``, host ``index_select`` of the rows (and
