@@ -8,6 +8,7 @@ import pytest
 import xferlib
 from xferlib.bench.kernels import scattered_rows_launches
 
+
 def _table(optimizer, rows=1000, dim=24):
     import cupy
 

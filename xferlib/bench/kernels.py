@@ -75,14 +75,13 @@ def scattered_rows_launches(table, rows):
     n, width, stride = rows.size, width_bytes // 16, stride_bytes // 16
     buffer = cupy.empty((max(n, 1), width * 16), dtype=cupy.uint8)
     grid, block = launch_config(max(1, n), max_blocks=side.max_blocks)
-    module = SCATTERED_MODULE
     args = (np.uint64(side.w_ptr), np.int64(stride), np.int64(table.num_rows), rows,
             np.int64(n), np.int64(width), buffer)
 
     def read():
-        module.get_function(READ)(grid, block, args)
+        SCATTERED_MODULE.get_function(READ)(grid, block, args)
 
     def write():
-        module.get_function(WRITE)(grid, block, args)
+        SCATTERED_MODULE.get_function(WRITE)(grid, block, args)
 
     return read, write, buffer
