@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from xferlib.optim.rules import RULES, adam_hyper_row
+from xferlib.table.layout import split_state
 
 __all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
 # Public for the rest of the table package, outside __all__: sparse_rule, resolve_hyper,
@@ -229,6 +230,20 @@ def sum_duplicates(idx: np.ndarray, grads: np.ndarray):
     summed = np.bincount(cells, weights=np.asarray(grads, dtype=np.float64).ravel(),
                          minlength=rows.size * dim)
     return rows, summed.reshape(rows.size, dim).astype(grads.dtype, copy=False)
+
+
+def update_rows(rule, hyper: dict, layout, weights, state, idx, grads) -> None:
+    """The NumPy path of one sparse step, in place: ``weights`` (rows x dim) and ``state``
+    (rows x the layout's state width) of a table in ``layout``; the gradients of repeated
+    ``idx`` are summed, then ``rule`` runs once on each touched row with its own step."""
+    rows, g = sum_duplicates(np.asarray(idx), np.asarray(grads, dtype=weights.dtype))
+    w, s = weights[rows], state[rows]
+    slots, scalars, steps = split_state(layout, s)
+    t = steps + 1
+    rule.update(hyper, w, slots, scalars, g, t[:, None])
+    steps[...] = t
+    weights[rows] = w
+    state[rows] = s
 
 
 def sparse_update_reference(name: str, weights, state: dict, steps, idx, grads,

@@ -1,0 +1,243 @@
+"""EmbeddingCollection against its float64 references, on every backend: every placement,
+optimizer, pooling and index width; awkward inputs; bad inputs change nothing; two runs give
+the same bits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import xferlib
+from xferlib.collection import (EmbeddingCollection, TableConfig, collection_step_reference,
+                                pooled_lookup_reference)
+from xferlib.testing import backend_params, get_backend
+
+OPTIMIZERS = xferlib.SPARSE_OPTIMIZERS
+HYPER = {"sgd": {"lr": 0.3, "momentum": 0.9}, "adam": {"lr": 0.05},
+         "adamw": {"lr": 0.05, "weight_decay": 0.1}, "adagrad": {"lr": 0.2},
+         "rowwise_adagrad": {"lr": 0.2}, "adamax": {"lr": 0.05},
+         "rmsprop": {"lr": 0.01, "centered": True}, "adadelta": {"lr": 1.0}}
+
+
+def make_batch(rng, rows, B, max_len=4, dtype=np.int64, zipf=False):
+    """FBGEMM-layout indices/offsets for tables of ``rows`` rows, bags of 0..max_len."""
+    lengths = rng.integers(0, max_len + 1, size=len(rows) * B)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(dtype)
+    parts = []
+    for t, n in enumerate(rows):
+        count = int(lengths[t * B:(t + 1) * B].sum())
+        draw = (np.minimum(rng.zipf(1.3, count) - 1, n - 1) if zipf
+                else rng.integers(0, n, count))
+        parts.append(draw)
+    return np.concatenate(parts).astype(dtype), offsets
+
+
+def state_arrays(coll, t):
+    names = coll.state_names()
+    state = {k: coll.state(t, k).copy() for k in names if k != "step"}
+    return state, coll.state(t, "step").copy()
+
+
+def xp_of(backend):
+    return backend.xp
+
+
+def device_of(backend):
+    return "cuda" if backend.gpu else "cpu"
+
+
+def tolerance(dtype):
+    return dict(rtol=2e-5, atol=2e-6) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
+
+
+BACKENDS = backend_params("numpy", "cupy")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("placement", ["hbm", "host", "mixed"])
+def test_step_matches_reference(backend, optimizer, placement):
+    backend = get_backend(backend)
+    rng = np.random.default_rng(abs(hash((optimizer, placement))) % 2**32)
+    rows, dims = [7, 1, 33], [4, 3, 8]
+    places = {"hbm": ["hbm"] * 3, "host": ["host"] * 3, "mixed": ["host", "hbm", "host"]}
+    tables = [TableConfig(n, d, placement=p, lr=0.5 * HYPER[optimizer]["lr"] if t == 2 else None)
+              for t, (n, d, p) in enumerate(zip(rows, dims, places[placement]))]
+    coll = EmbeddingCollection(tables, optimizer, HYPER[optimizer],
+                               dtype="float64" if not backend.gpu else "float32",
+                               device=device_of(backend), seed=3)
+    xp = xp_of(backend)
+    for step in range(3):
+        indices, offsets = make_batch(rng, rows, B=5, zipf=step == 1)
+        weights = [coll.weights(t).astype(np.float64) for t in range(3)]
+        states = [state_arrays(coll, t) for t in range(3)]
+        out, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets))
+        expected = pooled_lookup_reference(weights, indices, offsets)
+        np.testing.assert_allclose(_host(out), expected, **tolerance(coll.dtype))
+        grad = rng.standard_normal((5, sum(dims)))
+        coll.backward(ctx, xp.asarray(grad.astype(coll.dtype)))
+        hypers = coll.hypers
+        new_w, new_s, new_steps = collection_step_reference(
+            optimizer, hypers, weights, [s for s, _ in states], [st for _, st in states],
+            indices, offsets, grad)
+        for t in range(3):
+            np.testing.assert_allclose(coll.weights(t), new_w[t], **tolerance(coll.dtype))
+            for k, v in new_s[t].items():
+                np.testing.assert_allclose(coll.state(t, k), v, **tolerance(coll.dtype))
+            np.testing.assert_array_equal(coll.state(t, "step"), new_steps[t])
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pooling_weights_and_index_widths(backend, pooling, index_dtype, weighted):
+    backend = get_backend(backend)
+    rng = np.random.default_rng(7)
+    rows, dims = [50, 4097 if backend.gpu else 300], [16, 5]
+    coll = EmbeddingCollection([TableConfig(rows[0], dims[0], placement="host"),
+                                TableConfig(rows[1], dims[1])], "adagrad", {"lr": 0.1},
+                               pooling=pooling, device=device_of(backend), seed=1)
+    indices, offsets = make_batch(rng, rows, B=9, max_len=6, dtype=index_dtype)
+    psw = rng.uniform(0.5, 2.0, indices.size).astype(np.float32) if weighted else None
+    weights = [coll.weights(t).astype(np.float64) for t in range(2)]
+    states = [state_arrays(coll, t) for t in range(2)]
+    xp = xp_of(backend)
+    out, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets),
+                            None if psw is None else xp.asarray(psw))
+    np.testing.assert_allclose(_host(out), pooled_lookup_reference(weights, indices, offsets,
+                                                                   psw, pooling),
+                               rtol=2e-5, atol=2e-6)
+    grad = rng.standard_normal((9, sum(dims))).astype(np.float32)
+    coll.backward(ctx, xp.asarray(grad))
+    new_w, new_s, _ = collection_step_reference(
+        "adagrad", coll.hypers, weights, [s for s, _ in states], [st for _, st in states],
+        indices, offsets, grad, psw, pooling)
+    for t in range(2):
+        np.testing.assert_allclose(coll.weights(t), new_w[t], rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_awkward_batches(backend):
+    """An empty batch, empty bags, one table, 1-row tables, one index repeated everywhere."""
+    backend = get_backend(backend)
+    xp = xp_of(backend)
+    coll = EmbeddingCollection([TableConfig(1, 3)], "sgd", {"lr": 1.0},
+                               device=device_of(backend), seed=0)
+    before = coll.weights(0).copy()
+    out, ctx = coll.forward(xp.zeros(0, np.int64), xp.zeros(4, np.int64))  # B = 3, empty bags
+    assert _host(out).shape == (3, 3) and not _host(out).any()
+    coll.backward(ctx, xp.ones((3, 3), np.float32))
+    np.testing.assert_array_equal(coll.weights(0), before)
+    out, ctx = coll.forward(xp.zeros(0, np.int64), xp.zeros(1, np.int64))  # B = 0
+    assert _host(out).shape == (0, 3)
+    coll.backward(ctx, xp.zeros((0, 3), np.float32))
+    indices = xp.zeros(1000, np.int64)
+    offsets = xp.asarray([0, 0, 1000])
+    out, ctx = coll.forward(indices, offsets)
+    np.testing.assert_allclose(_host(out)[1], 1000 * before[0], rtol=1e-5)
+    coll.backward(ctx, xp.ones((2, 3), np.float32))
+    np.testing.assert_allclose(coll.weights(0)[0], before[0] - 1000, rtol=1e-5)
+
+
+def test_bad_inputs_change_nothing():
+    coll = EmbeddingCollection([TableConfig(10, 4), TableConfig(5, 2, placement="host")],
+                               "adam", device="cpu", seed=0)
+    before = coll.state_dict()
+    idx, off = np.array([1, 2, 3, 4]), np.array([0, 1, 2, 3, 4])
+    with pytest.raises(IndexError, match=r"index 5 at position 3 .*table 't1' of 5 rows"):
+        coll.forward(np.array([1, 2, 3, 5]), off)
+    with pytest.raises(IndexError, match="index -1 at position 0"):
+        coll.forward(np.array([-1, 2, 3, 4]), off)
+    with pytest.raises(ValueError, match="T \\* B \\+ 1"):
+        coll.forward(idx, np.array([0, 1, 4, 4]))
+    with pytest.raises(ValueError, match="must not decrease"):
+        coll.forward(idx, np.array([0, 2, 1, 3, 4]))
+    with pytest.raises(ValueError, match=r"offsets\[-1\]"):
+        coll.forward(idx, np.array([0, 1, 2, 3, 3]))
+    with pytest.raises(ValueError, match=r"offsets\[0\]"):
+        coll.forward(idx, np.array([1, 1, 2, 3, 4]))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        coll.forward(idx.astype(np.int8), off)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        coll.forward(idx.astype(np.float32), off)
+    with pytest.raises(ValueError, match="per_sample_weights must have shape"):
+        coll.forward(idx, off, np.ones(3, np.float32))
+    _, ctx = coll.forward(idx, off)
+    with pytest.raises(ValueError, match="grad_pooled must have shape"):
+        coll.backward(ctx, np.ones((2, 5), np.float32))
+    with pytest.raises(TypeError, match="floating point"):
+        coll.backward(ctx, np.ones((2, 6), np.int64))
+    after = coll.state_dict()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+
+
+def test_bad_configs():
+    with pytest.raises(TypeError, match="num_rows must be an integer, got 10.7"):
+        TableConfig(10.7, 4)
+    with pytest.raises(ValueError, match="placement"):
+        TableConfig(10, 4, placement="gpu")
+    with pytest.raises(ValueError, match="unique"):
+        EmbeddingCollection([TableConfig(3, 2, name="a"), TableConfig(3, 2, name="a")],
+                            device="cpu")
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        EmbeddingCollection([(3, 2)], "adamm", device="cpu")
+    with pytest.raises(ValueError, match="unknown hyperparameter"):
+        EmbeddingCollection([(3, 2)], "sgd", {"beta": 1}, device="cpu")
+    with pytest.raises(ValueError, match="at least one table"):
+        EmbeddingCollection([], device="cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_runs_bitwise_identical(backend):
+    backend = get_backend(backend)
+    xp = xp_of(backend)
+
+    def train():
+        rng = np.random.default_rng(11)
+        coll = EmbeddingCollection([TableConfig(64, 8, placement="host"), TableConfig(9, 4)],
+                                   "adam", {"lr": 0.01}, device=device_of(backend), seed=5)
+        for _ in range(4):
+            indices, offsets = make_batch(rng, [64, 9], B=33, max_len=8, zipf=True)
+            out, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets))
+            coll.backward(ctx, xp.asarray(rng.standard_normal(out.shape).astype(np.float32)))
+        return coll.state_dict()
+
+    first, second = train(), train()
+    for k in first:
+        assert first[k].tobytes() == second[k].tobytes(), k
+
+
+def test_pack_dict_form():
+    coll = EmbeddingCollection([TableConfig(10, 2, name="user"), TableConfig(4, 3, name="ad")],
+                               device="cpu")
+    idx, off = coll.pack({"ad": (np.array([3]), np.array([0, 0, 1])),
+                          "user": (np.array([1, 2, 9], np.int32), np.array([0, 2, 3]))})
+    assert idx.tolist() == [1, 2, 9, 3] and off.tolist() == [0, 2, 3, 3, 4]
+    with pytest.raises(KeyError, match="missing"):
+        coll.pack({"user": (np.array([1]), np.array([0, 1]))})
+    with pytest.raises(ValueError, match="same number of bags"):
+        coll.pack({"ad": (np.array([3]), np.array([0, 1])),
+                   "user": (np.array([1, 2]), np.array([0, 1, 2]))})
+
+
+def test_state_dict_round_trip_and_per_table_lr():
+    coll = EmbeddingCollection([TableConfig(6, 2, lr=0.0), TableConfig(6, 2)], "sgd",
+                               {"lr": 1.0}, device="cpu")
+    before = coll.weights(0).copy()
+    out, ctx = coll.forward(np.array([1, 1]), np.array([0, 1, 2]))
+    coll.backward(ctx, np.ones((1, 4), np.float32))
+    np.testing.assert_array_equal(coll.weights(0), before)   # lr 0 for table 0
+    assert coll.state("t1", "step")[1] == 1
+    saved = coll.state_dict()
+    other = EmbeddingCollection([TableConfig(6, 2, lr=0.0), TableConfig(6, 2)], "sgd",
+                                {"lr": 1.0}, device="cpu", seed=9)
+    other.load_state_dict(saved)
+    np.testing.assert_array_equal(other.weights(1), coll.weights(1))
+    with pytest.raises(ValueError, match="missing"):
+        other.load_state_dict({k: v for k, v in saved.items() if k != "t1.weight"})

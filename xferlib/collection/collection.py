@@ -1,0 +1,414 @@
+"""EmbeddingCollection: every embedding table of a model in one object.
+
+One pooled lookup of every table per step (FBGEMM's layout: ``indices``, ``offsets`` of
+``T * B + 1`` bag boundaries, optional ``per_sample_weights``), written once as a
+``(B, sum of widths)`` array, and one fused backward + update: each looked-up row receives
+the gradients of its lookups, taken from the pooled gradient in a fixed order, and the
+collection's optimizer runs on it where it lives (GPU memory or pinned host RAM). No buffer of
+one row per lookup is made, and the GPU path queues its kernels without a host sync, so a
+whole training step can be captured in a CUDA graph.
+
+Each table has its own rows, width, placement and (optionally) learning rate
+(:class:`~xferlib.collection.TableConfig`); all share one optimizer, with the host tables'
+sparse rules, names, defaults and lazy semantics (``xferlib.table.rules``): a row that is not
+looked up keeps its weights and state, and bias corrections use the row's own step count.
+
+The NumPy path (NumPy indices) runs on any machine; the GPU path (CuPy indices) needs the
+collection on the GPU (``device="cuda"``, the default where CuPy sees a GPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xferlib._backend import cupy_available, is_cupy_array
+from xferlib.collection.config import POOLINGS, TableConfig
+from xferlib.collection.numpy_path import (check_inputs_numpy, pooled_lookup_numpy,
+                                           update_numpy)
+from xferlib.collection.storage import allocate_host, plan_blocks
+from xferlib.table.layout import INIT_CHUNK_ROWS, RowLayout, initial_weights
+from xferlib.table.rules import resolve_hyper, sparse_rule
+
+__all__ = ["EmbeddingCollection", "LookupContext"]
+
+DEVICES = ("cpu", "cuda")
+
+
+class LookupContext:
+    """What a forward leaves for its backward (the op's residuals): the checked inputs, and
+    on the GPU the batch's plan (sorted lookups, runs, staged host rows, the verdict)."""
+
+    __slots__ = ("indices", "offsets", "per_sample_weights", "batch_size", "plan")
+
+    def __init__(self, indices, offsets, per_sample_weights, batch_size, plan=None):
+        self.indices, self.offsets = indices, offsets
+        self.per_sample_weights, self.batch_size, self.plan = (per_sample_weights,
+                                                               batch_size, plan)
+
+
+class EmbeddingCollection:
+    """T embedding tables with one pooled lookup and one fused optimizer step.
+
+    Args:
+      tables: :class:`TableConfig` per table (or ``(num_rows, dim)`` pairs: tables in HBM).
+      optimizer: one of :data:`xferlib.SPARSE_OPTIMIZERS` (``"sgd"``, ``"adam"``,
+        ``"adamw"``, ``"adagrad"``, ``"rowwise_adagrad"``, ...), run by :meth:`backward`.
+      optimizer_kwargs: its hyperparameters, torch.optim's names and defaults; a table's
+        ``TableConfig.lr`` replaces ``lr`` for that table.
+      pooling: ``"sum"`` or ``"mean"`` (an empty bag pools to zeros).
+      dtype: ``"float32"`` (the GPU path) or ``"float64"``.
+      device: ``"cuda"`` (hbm tables in GPU memory, host tables pinned; the default where
+        CuPy sees a GPU) or ``"cpu"`` (every table in host RAM, the NumPy path).
+      seed: for the tables' random initializers (table ``t`` draws from ``seed + t``).
+
+    >>> import numpy as np
+    >>> from xferlib.collection import EmbeddingCollection, TableConfig
+    >>> coll = EmbeddingCollection([TableConfig(10, 4, init="zeros"),
+    ...                             TableConfig(20, 2, init="zeros")],
+    ...                            optimizer="sgd", optimizer_kwargs={"lr": 1.0}, device="cpu")
+    >>> indices = np.array([1, 1, 3, 5])          # table 0: bags [1, 1], [3]; table 1: [5], []
+    >>> offsets = np.array([0, 2, 3, 4, 4])       # T * B + 1 = 2 * 2 + 1
+    >>> out, ctx = coll.forward(indices, offsets)
+    >>> out.shape
+    (2, 6)
+    >>> coll.backward(ctx, np.ones((2, 6), np.float32))
+    >>> coll.weights(0)[1].tolist()               # row 1 was looked up twice: -2
+    [-2.0, -2.0, -2.0, -2.0]
+    """
+
+    def __init__(self, tables, optimizer: str = "sgd", optimizer_kwargs=None, *,
+                 pooling: str = "sum", dtype="float32", device: str | None = None,
+                 seed: int | None = 0):
+        configs = [t if isinstance(t, TableConfig) else TableConfig(*t) for t in tables]
+        if not configs:
+            raise ValueError("a collection needs at least one table")
+        configs = [c.named(k) for k, c in enumerate(configs)]
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"table names must be unique, got {names}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        dtype = np.dtype(dtype)
+        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"a collection stores float32 or float64 rows, got {dtype}")
+        if device is None:
+            device = "cuda" if cupy_available() else "cpu"
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        if device == "cuda" and not cupy_available():
+            raise RuntimeError("device='cuda' needs CuPy and a CUDA GPU; none here (use "
+                               "device='cpu', the NumPy path)")
+        self.rule = sparse_rule(optimizer)
+        base_hyper = resolve_hyper(optimizer, optimizer_kwargs)
+        self.hypers = [base_hyper if c.lr is None else
+                       resolve_hyper(optimizer, {**base_hyper, "lr": c.lr}) for c in configs]
+        self.optimizer, self.pooling, self.dtype, self.device = optimizer, pooling, dtype, device
+        self.tables = tuple(configs)
+        self.names = tuple(names)
+        self.dims = tuple(c.dim for c in configs)
+        self.dim_offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.dims)]))
+        self.total_dim = self.dim_offsets[-1]
+        slots = tuple(self.rule.slots(base_hyper))
+        self.layouts = tuple(RowLayout(c.dim, dtype.itemsize, slots, self.rule.row_scalars)
+                             for c in configs)
+        self.blocks, self.buffers = self._allocate(seed)
+        self._gpu = None  # the GPU side (xferlib/collection/device.py), made on first use
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.tables)
+
+    def _placement(self, t: int) -> str:
+        return self.tables[t].placement
+
+    # ------------------------------------------------------------------ storage
+
+    def _allocate(self, seed):
+        """One flat buffer per placement, tables block after block, initialized in chunks
+        (weights from each table's initializer, state from the rule's initial value)."""
+        blocks, buffers = [None] * self.num_tables, {}
+        for placement in ("hbm", "host"):
+            mine = [t for t in range(self.num_tables) if self._placement(t) == placement]
+            if not mine:
+                continue
+            placed, total = plan_blocks([self.layouts[t] for t in mine],
+                                        [self.tables[t].num_rows for t in mine],
+                                        self.dtype.itemsize)
+            what = (f"the {placement} tables {[self.names[t] for t in mine]} of an "
+                    f"EmbeddingCollection with {self.optimizer!r} state")
+            pinned = self.device == "cuda" and placement == "host"
+            host = allocate_host(total, self.dtype, what, pinned)
+            host[...] = 0  # the padding between tables and rows too: no stale bytes saved
+            for t, block in zip(mine, placed):
+                blocks[t] = block
+                self._initialize(t, block, host, seed)
+            if self.device == "cuda" and placement == "hbm":
+                import cupy
+
+                host = cupy.asarray(host)
+            buffers[placement] = host
+        return blocks, buffers
+
+    def _initialize(self, t, block, buffer, seed):
+        rng = np.random.default_rng(None if seed is None else seed + t)
+        fill = initial_weights(self.tables[t].init, rng)
+        initial = self.rule.initial(self.hypers[t])
+        weights = block.weights(buffer)
+        slots, scalars, steps = block.split(buffer)
+        for start in range(0, block.num_rows, INIT_CHUNK_ROWS):
+            stop = min(start + INIT_CHUNK_ROWS, block.num_rows)
+            fill(weights[start:stop])
+            for view in (*slots.values(), *scalars.values()):
+                view[start:stop] = initial
+
+    def _index(self, table) -> int:
+        if isinstance(table, str):
+            if table not in self.names:
+                raise KeyError(f"no table {table!r}; tables: {list(self.names)}")
+            return self.names.index(table)
+        t = int(table)
+        if not 0 <= t < self.num_tables:
+            raise IndexError(f"table {t} out of range for {self.num_tables} tables")
+        return t
+
+    def _host_rows(self, t: int) -> np.ndarray:
+        """Table ``t``'s ``(num_rows, row_width)`` block as NumPy (a copy for an hbm table on
+        the GPU), queued GPU work finished first."""
+        self.synchronize()
+        buffer = self.buffers[self._placement(t)]
+        rows = self.blocks[t].rows(buffer)
+        return rows.get() if is_cupy_array(rows) else rows
+
+    def weights(self, table) -> np.ndarray:
+        """Table ``table``'s (index or name) weights as a ``(num_rows, dim)`` NumPy array
+        (read-only view of host memory, or a copy of GPU memory)."""
+        t = self._index(table)
+        view = self._host_rows(t)[:, :self.dims[t]]
+        view.flags.writeable = False
+        return view
+
+    def state(self, table, name: str) -> np.ndarray:
+        """Optimizer state ``name`` of table ``table``: a slot (``num_rows x dim``), a row
+        scalar (``num_rows``) or ``"step"`` (how often each row was updated)."""
+        t = self._index(table)
+        found = self._state_views(t, self._host_rows(t))
+        if name not in found:
+            raise KeyError(f"no optimizer state {name!r}; this collection has {sorted(found)}")
+        view = found[name]
+        view.flags.writeable = False
+        return view
+
+    def state_names(self) -> tuple:
+        layout = self.layouts[0]
+        return (*layout.slots, *layout.row_scalars, "step")
+
+    def _state_views(self, t, rows):
+        layout = self.layouts[t]
+        from xferlib.table.layout import split_state
+
+        state = rows[:, layout.state_offset:layout.state_offset + layout.state_width]
+        slots, scalars, steps = split_state(layout, state)
+        return {**slots, **scalars, "step": steps}
+
+    def state_dict(self) -> dict:
+        """``{"<table>.weight": weights, "<table>.<state>": state}`` as NumPy copies."""
+        out = {}
+        for t, name in enumerate(self.names):
+            rows = self._host_rows(t)
+            out[f"{name}.weight"] = rows[:, :self.dims[t]].copy()
+            for key, view in self._state_views(t, rows).items():
+                out[f"{name}.{key}"] = view.copy()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore every table's weights and state from :meth:`state_dict`'s form. Every
+        array's presence and shape is checked before anything is written."""
+        expected = {}
+        for t, name in enumerate(self.names):
+            expected[f"{name}.weight"] = (self.tables[t].num_rows, self.dims[t])
+            for key, view in self._state_views(t, np.empty((1, self.layouts[t].row_width),
+                                                           self.dtype)).items():
+                expected[f"{name}.{key}"] = (self.tables[t].num_rows,) + view.shape[1:]
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"state_dict does not match this collection: missing {missing}, "
+                             f"unexpected {unexpected}")
+        for key, shape in expected.items():
+            if np.shape(state[key]) != shape:
+                raise ValueError(f"{key} must have shape {shape}, got {np.shape(state[key])}")
+        self.synchronize()
+        for t, name in enumerate(self.names):
+            rows = self._host_rows(t).copy()
+            rows[:, :self.dims[t]] = np.asarray(state[f"{name}.weight"])
+            for key, view in self._state_views(t, rows).items():
+                view[...] = np.asarray(state[f"{name}.{key}"])
+            buffer = self.buffers[self._placement(t)]
+            target = self.blocks[t].rows(buffer)
+            if is_cupy_array(target):
+                target.set(rows)
+            else:
+                target[...] = rows
+
+    def set_hyper(self, table=None, **changes) -> None:
+        """Change hyperparameters (e.g. ``lr`` from a schedule) for the following steps, of
+        every table or of ``table`` alone. Changes that alter the state layout are refused."""
+        targets = range(self.num_tables) if table is None else [self._index(table)]
+        new = list(self.hypers)
+        for t in targets:
+            h = resolve_hyper(self.optimizer, {**self.hypers[t], **changes})
+            if tuple(self.rule.slots(h)) != self.layouts[t].slots:
+                raise ValueError(f"{sorted(changes)} would change the optimizer state layout; "
+                                 f"build a new collection")
+            new[t] = h
+        self.hypers = new
+        if self._gpu is not None:
+            self._gpu.hypers_changed()
+
+    # ------------------------------------------------------------------ inputs
+
+    def pack(self, features: dict):
+        """FBGEMM's layout from the per-table dict form: ``{name: (indices, offsets)}`` with
+        each table's ``offsets`` of ``B + 1`` bag boundaries (every table the same ``B``);
+        returns ``(indices, offsets)`` with ``T * B + 1`` offsets, tables in this
+        collection's order. Per-sample weights: ``{name: (indices, offsets, weights)}``
+        gives ``(indices, offsets, per_sample_weights)``."""
+        missing = [n for n in self.names if n not in features]
+        extra = sorted(set(features) - set(self.names))
+        if missing or extra:
+            raise KeyError(f"features must name every table once: missing {missing}, "
+                           f"unknown {extra}")
+        parts = [features[n] for n in self.names]
+        weighted = {len(p) for p in parts}
+        if weighted - {2, 3} or len(weighted) != 1:
+            raise ValueError("every table's entry must be (indices, offsets) or, for all of "
+                             "them, (indices, offsets, per_sample_weights)")
+        xp = _namespace(parts[0][0])
+        batch = {int(p[1].shape[0]) - 1 for p in parts}
+        if len(batch) != 1:
+            raise ValueError(f"every table needs the same number of bags, got "
+                             f"{dict(zip(self.names, (int(p[1].shape[0]) - 1 for p in parts)))}")
+        starts, total = [], 0
+        for p in parts:
+            starts.append(total)
+            total += int(p[0].shape[0])
+        indices = xp.concatenate([xp.asarray(p[0]).astype(np.int64, copy=False)
+                                  for p in parts])
+        offsets = xp.concatenate(
+            [xp.asarray(p[1][:-1]).astype(np.int64) + s for p, s in zip(parts, starts)]
+            + [xp.asarray([total], dtype=np.int64)])
+        if weighted == {3}:
+            return indices, offsets, xp.concatenate([xp.asarray(p[2]) for p in parts])
+        return indices, offsets
+
+    def _check(self, indices, offsets, per_sample_weights):
+        """Dtypes and shapes of the inputs (both paths); returns the batch size B."""
+        for name, array in (("indices", indices), ("offsets", offsets)):
+            if not hasattr(array, "dtype") or array.dtype not in (np.int32, np.int64):
+                raise TypeError(f"{name} must be an int32 or int64 array, got "
+                                f"{getattr(array, 'dtype', type(array).__name__)}")
+            if array.ndim != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+        if is_cupy_array(indices) != is_cupy_array(offsets):
+            raise TypeError("indices and offsets must both be NumPy or both CuPy arrays")
+        T = self.num_tables
+        if offsets.shape[0] < 1 or (offsets.shape[0] - 1) % T:
+            raise ValueError(f"offsets must have T * B + 1 entries for T = {T} tables, got "
+                             f"{offsets.shape[0]}")
+        if per_sample_weights is not None:
+            if is_cupy_array(per_sample_weights) != is_cupy_array(indices):
+                raise TypeError("per_sample_weights must be in the same namespace as indices")
+            if per_sample_weights.dtype.kind != "f":
+                raise TypeError(f"per_sample_weights must be floating point, got "
+                                f"{per_sample_weights.dtype}")
+            if per_sample_weights.shape != indices.shape:
+                raise ValueError(f"per_sample_weights must have shape {indices.shape} (one "
+                                 f"per index), got {per_sample_weights.shape}")
+        return (offsets.shape[0] - 1) // T
+
+    # ------------------------------------------------------------------ the step
+
+    def forward(self, indices, offsets, per_sample_weights=None, *, out=None, stream=None):
+        """The pooled lookup of every table: ``(out, ctx)``, ``out`` of shape
+        ``(B, total_dim)`` (table ``t`` at columns ``dim_offsets[t]:dim_offsets[t + 1]``) in
+        the indices' namespace, ``ctx`` for :meth:`backward`. Bad input raises before
+        anything changes (GPU indices: from a later call or :meth:`check`, see
+        ``xferlib.batch``)."""
+        B = self._check(indices, offsets, per_sample_weights)
+        if out is not None and out.shape != (B, self.total_dim):
+            raise ValueError(f"out must have shape {(B, self.total_dim)}, got {out.shape}")
+        if is_cupy_array(indices):
+            return self._gpu_side().forward(indices, offsets, per_sample_weights, B, out,
+                                            stream)
+        self._require_numpy_path()
+        check_inputs_numpy(self, indices, offsets)
+        pooled = pooled_lookup_numpy(self, indices, offsets, per_sample_weights, B, out)
+        return pooled, LookupContext(indices, offsets, per_sample_weights, B)
+
+    def lookup(self, indices, offsets, per_sample_weights=None, *, out=None, stream=None):
+        """The pooled lookup alone (no step will follow)."""
+        return self.forward(indices, offsets, per_sample_weights, out=out, stream=stream)[0]
+
+    def backward(self, ctx: LookupContext, grad_pooled, *, stream=None) -> None:
+        """Every looked-up row receives its lookups' gradients from ``grad_pooled``
+        (``(B, total_dim)``; repeated rows summed in a fixed order), and the optimizer runs
+        on each touched row once, where it lives."""
+        if not isinstance(ctx, LookupContext):
+            raise TypeError("ctx must be the LookupContext forward() returned")
+        shape = (ctx.batch_size, self.total_dim)
+        if tuple(grad_pooled.shape) != shape:
+            raise ValueError(f"grad_pooled must have shape {shape}, got "
+                             f"{tuple(grad_pooled.shape)}")
+        if grad_pooled.dtype.kind != "f":
+            raise TypeError(f"grad_pooled must be floating point, got {grad_pooled.dtype}")
+        if is_cupy_array(grad_pooled) != is_cupy_array(ctx.indices):
+            raise TypeError("grad_pooled must be in the namespace of the forward's indices")
+        if ctx.plan is not None:
+            self._gpu_side().backward(ctx, grad_pooled, stream)
+            return
+        update_numpy(self, ctx, grad_pooled)
+
+    def check(self) -> None:
+        """Wait for the input checks of every GPU batch queued so far and raise for the
+        first bad one (a bad batch changes nothing)."""
+        if self._gpu is not None:
+            self._gpu.check()
+
+    def synchronize(self) -> None:
+        """Wait for this collection's queued GPU work."""
+        if self._gpu is not None:
+            self._gpu.synchronize()
+
+    # ------------------------------------------------------------------ devices
+
+    def _require_numpy_path(self) -> None:
+        if self.device == "cuda" and "hbm" in self.buffers:
+            raise TypeError("this collection's hbm tables are in GPU memory: pass CuPy "
+                            "indices and offsets (or build it with device='cpu')")
+
+    def _gpu_side(self):
+        if self.device != "cuda":
+            raise TypeError("this collection lives on the CPU (device='cpu'): pass NumPy "
+                            "indices, or build it with device='cuda'")
+        if self._gpu is None:
+            from xferlib.collection.device import CollectionDevice
+
+            self._gpu = CollectionDevice(self)
+        return self._gpu
+
+    def memory_bytes(self) -> dict:
+        """Bytes of rows and optimizer state per placement."""
+        return {p: int(b.nbytes) for p, b in self.buffers.items()}
+
+    def __repr__(self) -> str:
+        tables = ", ".join(f"{c.name}: {c.num_rows}x{c.dim} {c.placement}" for c in self.tables)
+        return (f"EmbeddingCollection([{tables}], optimizer={self.optimizer!r}, "
+                f"pooling={self.pooling!r}, device={self.device!r})")
+
+
+def _namespace(array):
+    if is_cupy_array(array):
+        import cupy
+
+        return cupy
+    return np

@@ -1,0 +1,76 @@
+"""Typed configuration of an embedding collection: one :class:`TableConfig` per table.
+
+A table is named, sized, placed and initialized here; the optimizer is the collection's
+(one fused update for every table), with an optional per-table learning rate. Options are
+grouped in small frozen dataclasses (TorchRec's table configs are the model), validated when
+built, so a bad configuration fails before any memory is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+__all__ = ["TableConfig", "PLACEMENTS", "POOLINGS"]
+
+# Where a table's rows and optimizer state live:
+#   "hbm":  GPU memory (on a machine without a GPU: host RAM, the NumPy path);
+#   "host": pinned host RAM, read and written by GPU kernels over the link.
+PLACEMENTS = ("hbm", "host")
+POOLINGS = ("sum", "mean")
+
+
+def _integral(name: str, value, minimum: int) -> int:
+    """``value`` as an int, refusing floats, strings and bools as torch refuses them for
+    sizes (``nn.EmbeddingBag(10.7, 4)`` is a TypeError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} "
+                        f"({type(value).__name__})")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """One table of a collection.
+
+    Args:
+      num_rows, dim: the table's shape (``dim`` may differ between tables).
+      name: the table's key in the per-table dict form and in ``state_dict``; default
+        ``"t{k}"`` for the k-th table.
+      placement: ``"hbm"`` (GPU memory) or ``"host"`` (pinned host RAM, read and written by
+        the step's kernels over the link).
+      lr: this table's learning rate; None takes the collection optimizer's ``lr``.
+      init: ``("normal", mean, std)`` (default ``("normal", 0, 1)``, as
+        ``torch.nn.EmbeddingBag``), ``("uniform", low, high)`` or ``"zeros"``.
+
+    >>> TableConfig(1000, 16, name="user", placement="host").placement
+    'host'
+    """
+
+    num_rows: int
+    dim: int
+    name: str | None = None
+    placement: str = "hbm"
+    lr: float | None = None
+    init: object = ("normal", 0.0, 1.0)
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_rows", _integral("num_rows", self.num_rows, 1))
+        object.__setattr__(self, "dim", _integral("dim", self.dim, 1))
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"name must be a string, got {self.name!r}")
+        if self.lr is not None:
+            if isinstance(self.lr, bool) or not isinstance(self.lr, numbers.Real):
+                raise TypeError(f"lr must be a number, got {self.lr!r}")
+            if not self.lr >= 0:
+                raise ValueError(f"lr must be >= 0, got {self.lr}")
+            object.__setattr__(self, "lr", float(self.lr))
+
+    def named(self, k: int) -> "TableConfig":
+        """This config with its default name filled in (the k-th table: ``"t{k}"``)."""
+        return self if self.name is not None else dataclasses.replace(self, name=f"t{k}")

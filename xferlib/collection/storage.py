@@ -1,0 +1,71 @@
+"""Where a collection's rows live: one buffer per placement, each table a block of it.
+
+Every table keeps the host tables' row layout (``xferlib.table.layout.RowLayout``: the
+weights, then on a 16-byte boundary the optimizer state and the int64 step count), so one
+fetch of a row brings its weights and state together and the table kernels' row update
+applies unchanged. The tables of one placement lie one after another in one flat buffer
+(``hbm``: GPU memory; ``host``: pinned host RAM), each starting on a 64-byte boundary;
+kernels find table ``t`` at ``base[t]`` (in elements) with rows ``row_width[t]`` apart.
+On a machine without a GPU both buffers are NumPy arrays (the NumPy path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from xferlib.memory import check_host_memory, pinned_empty
+from xferlib.table.layout import RowLayout, split_state
+
+__all__ = ["TableBlock", "plan_blocks", "allocate_host"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TableBlock:
+    """Table ``t``'s place in its placement's buffer: ``base`` (elements from the buffer's
+    start), its ``layout`` and ``num_rows``."""
+
+    base: int
+    num_rows: int
+    layout: RowLayout
+
+    @property
+    def size(self) -> int:
+        return self.num_rows * self.layout.row_width
+
+    def rows(self, buffer):
+        """The table's ``(num_rows, row_width)`` block of ``buffer`` (a view)."""
+        return buffer[self.base:self.base + self.size].reshape(self.num_rows,
+                                                                 self.layout.row_width)
+
+    def weights(self, buffer):
+        return self.rows(buffer)[:, :self.layout.dim]
+
+    def state(self, buffer):
+        layout = self.layout
+        return self.rows(buffer)[:, layout.state_offset:layout.state_offset
+                                 + layout.state_width]
+
+    def split(self, buffer):
+        """``(slots, row scalars, steps)`` views of the table's state (NumPy buffers)."""
+        return split_state(self.layout, self.state(buffer))
+
+
+def plan_blocks(layouts, num_rows, itemsize: int):
+    """Blocks for tables of ``layouts`` / ``num_rows`` laid one after another, each on a
+    64-byte boundary; returns ``(blocks, total elements)``."""
+    per_line = max(1, 64 // itemsize)
+    blocks, base = [], 0
+    for layout, rows in zip(layouts, num_rows):
+        blocks.append(TableBlock(base, rows, layout))
+        base += -(-rows * layout.row_width // per_line) * per_line
+    return blocks, base
+
+
+def allocate_host(elements: int, dtype, what: str, pinned: bool):
+    """A flat host buffer of ``elements`` (pinned where a GPU will read it), refused with
+    both sizes before anything is allocated when the host cannot hold it."""
+    dtype = np.dtype(dtype)
+    check_host_memory(elements * dtype.itemsize, what)
+    return pinned_empty((elements,), dtype) if pinned else np.empty(elements, dtype)
