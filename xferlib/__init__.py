@@ -3,8 +3,9 @@
 The core imports NumPy only; CuPy, torch and JAX are imported lazily, where they are used.
 """
 
-from xferlib import batch, optim, tt
+from xferlib import batch, collection, optim, tt
 from xferlib._backend import cupy_available
+from xferlib.collection import EmbeddingCollection, TableConfig
 from xferlib.batch import BatchPlan, PendingChecks, Verdict, plan_batch
 from xferlib.handoff import array_kind, data_pointer, to_cupy, to_jax, to_numpy, to_torch
 from xferlib.memory import (PinnedArray, check_host_memory, is_pinned, pin, pinned_empty,
@@ -29,6 +30,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchPlan",
+    "EmbeddingCollection",
+    "TableConfig",
+    "collection",
     "HostTable",
     "PendingChecks",
     "Verdict",

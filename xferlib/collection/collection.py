@@ -238,6 +238,8 @@ class EmbeddingCollection:
             if np.shape(state[key]) != shape:
                 raise ValueError(f"{key} must have shape {shape}, got {np.shape(state[key])}")
         self.synchronize()
+        if self._gpu is not None:
+            self._gpu.writes += 1  # staged copies of a forward before this are stale
         for t, name in enumerate(self.names):
             rows = self._host_rows(t).copy()
             rows[:, :self.dims[t]] = np.asarray(state[f"{name}.weight"])

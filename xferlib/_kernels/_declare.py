@@ -1,0 +1,94 @@
+"""Kernels declared once: a name, a template head and typed, named arguments.
+
+One :class:`KernelDecl` makes both the CUDA signature (:meth:`KernelDecl.source`) and the
+Python launch (:meth:`KernelDecl.launch`), so the two cannot drift: a launch passes its
+arguments by name, a missing or unknown name is a TypeError at the call (never a wrong
+result from a shifted position), and each value is converted to the declared C type
+(pointers from CuPy arrays or addresses, ``i64`` as ``numpy.int64``, ``int`` as
+``numpy.int32``, ``double`` as ``numpy.float64``). Constants shared with the CUDA source are
+written into it from Python by :func:`defines`.
+
+>>> decl = KernelDecl("axpy", "template <typename T>",
+...                   (("T*", "y"), ("const T*", "x"), ("double", "a"), ("i64", "n")),
+...                   "/* body */")
+>>> print(decl.source().splitlines()[1])
+__global__ void axpy(T* y, const T* x, double a, i64 n) {
+>>> decl.arguments(y=0, x=0, a=2, n=5)[2:]
+(np.float64(2.0), np.int64(5))
+>>> decl.arguments(y=0, x=0, a=2)
+Traceback (most recent call last):
+...
+TypeError: axpy: missing argument(s) ['n']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["KernelDecl", "defines"]
+
+_SCALARS = {"i64": np.int64, "long long": np.int64, "int": np.int32, "unsigned": np.uint32,
+            "double": np.float64, "float": np.float32}
+
+
+def defines(**constants) -> str:
+    """``#define NAME value`` lines for constants the CUDA source shares with Python."""
+    return "".join(f"#define {name} {int(value)}\n" for name, value in constants.items())
+
+
+def _convert(ctype: str, value):
+    if ctype.endswith("*"):
+        if value is None:
+            return np.uint64(0)  # a null pointer: the kernel treats the input as absent
+        if isinstance(value, (int, np.integer)):
+            return np.uint64(value)
+        return value  # a CuPy array: CuPy passes its device pointer
+    base = ctype.replace("const ", "").strip()
+    if base not in _SCALARS:
+        raise TypeError(f"no conversion for a kernel argument of type {ctype!r}")
+    return _SCALARS[base](value)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelDecl:
+    """A ``__global__`` kernel: ``name``, ``template`` head (``""`` for none), ``args`` as
+    ``(C type, name)`` pairs, and the ``body`` (the statements inside the braces)."""
+
+    name: str
+    template: str
+    args: tuple
+    body: str
+    launch_bounds: str = ""
+
+    def source(self) -> str:
+        params = ", ".join(f"{ctype} {name}" for ctype, name in self.args)
+        bounds = f"{self.launch_bounds} " if self.launch_bounds else ""
+        return (f"{self.template}\n__global__ void {bounds}{self.name}({params}) {{\n"
+                f"{self.body}\n}}\n")
+
+    def instance(self, *template_args) -> str:
+        """The name expression of one template instantiation (``axpy<float>``)."""
+        if not template_args:
+            return self.name
+        return f"{self.name}<{', '.join(str(a) for a in template_args)}>"
+
+    def arguments(self, **values) -> tuple:
+        """The launch tuple, in declaration order, each value converted to its C type."""
+        names = [name for _, name in self.args]
+        missing = [n for n in names if n not in values]
+        unknown = sorted(set(values) - set(names))
+        if missing:
+            raise TypeError(f"{self.name}: missing argument(s) {missing}")
+        if unknown:
+            raise TypeError(f"{self.name}: unknown argument(s) {unknown}")
+        return tuple(_convert(ctype, values[name]) for ctype, name in self.args)
+
+    def launch(self, module, template_args, grid, block, *, stream, shared_mem: int = 0,
+               **values) -> None:
+        """Launch the instantiation ``template_args`` of this kernel from ``module`` (a
+        :class:`~xferlib._kernels.KernelModule`) on ``stream`` with named arguments."""
+        arguments = self.arguments(**values)
+        function = module.get_function(self.instance(*template_args))
+        function(grid, block, arguments, stream=stream, shared_mem=shared_mem)

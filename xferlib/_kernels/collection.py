@@ -1,0 +1,357 @@
+"""Embedding-collection kernels: one pooled lookup and one fused backward + update over
+every table of a collection (``xferlib/collection/device.py`` launches them).
+
+A step's lookups arrive in FBGEMM's layout (``indices``; ``offsets``, ``T * B + 1`` bag
+boundaries; optional per-sample weights). Each table's place is one row of ``meta``
+(``COLL_META`` int64 fields, below). ``coll_plan`` checks every bag and index and gives each
+lookup a key unique over the collection (the table's ``key_base`` plus its row) and its bag;
+the batch sort (``xferlib/batch.py``) orders the keys and numbers their runs (one run per
+distinct row of any table). Rows of host tables are staged into HBM once per distinct row in
+sorted order (``coll_stage``: the link's fast access pattern), and ``coll_pool`` gives each
+bag a warp that sums its rows in registers, read from the table in HBM or from the staged
+copy: no buffer of one row per lookup. The backward sums each run's gradients from the
+pooled gradient in sorted order in two passes (``coll_sum_chunks`` / ``coll_sum_spans``:
+deterministic, no atomics, no warp stuck on a hot row), and ``coll_update`` gives each
+distinct row a warp that runs the host tables' update rule (``xferlib/_kernels/table.py``:
+``row_consts``, ``update_row``) where the row lives.
+
+Every kernel bounds every position and row it touches, and writes nothing once the plan's
+verdict (two uint64 words) reports a bad bag or index.
+"""
+
+from __future__ import annotations
+
+from xferlib._kernels._declare import KernelDecl, defines
+from xferlib._kernels._registry import KernelModule
+from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
+
+__all__ = ["COLL_META", "META_FIELDS", "SUM_CHUNK", "PLAN", "STAGE", "POOL", "SUM_CHUNKS",
+           "SUM_SPANS", "UPDATE", "collection_module", "update_module", "KEY_TYPES"]
+
+# The per-table fields of ``meta`` (int64 each), in order.
+META_FIELDS = ("num_rows", "dim", "d_off", "host", "base", "row_width", "state_offset",
+               "step_off", "key_base")
+COLL_META = len(META_FIELDS)
+SUM_CHUNK = 32  # sorted positions per thread in the gradient sums' first pass
+KEY_TYPES = {4: "int", 8: "long long"}
+_TYPES = {"float32": "float", "float64": "double"}
+
+_HEAD = TABLE_KERNEL + defines(COLL_META=COLL_META, COLL_SUM_CHUNK=SUM_CHUNK,
+                               **{f"M_{f.upper()}": k for k, f in enumerate(META_FIELDS)}) + r"""
+// Bag b's lookups are [offsets[b], offsets[b + 1]), clamped to [0, n] so that even a bag of a
+// rejected batch reads inside its arrays.
+__device__ __forceinline__ void bag_range(const i64* offsets, i64 b, i64 n, i64& lo, i64& hi) {
+    lo = offsets[b]; hi = offsets[b + 1];
+    lo = lo < 0 ? 0 : (lo > n ? n : lo);
+    hi = hi < lo ? lo : (hi > n ? n : hi);
+}
+
+// A lookup's factor in its bag's sum: its sample weight, over the bag's length for mean.
+template <typename T>
+__device__ __forceinline__ T lookup_scale(const T* psw, i64 l, int mean, i64 len) {
+    T s = psw != nullptr ? psw[l] : (T)1;
+    if (mean && len > 0) s /= (T)len;
+    return s;
+}
+"""
+
+PLAN = KernelDecl(
+    "coll_plan", "template <typename K>",
+    (("const K*", "indices"), ("const i64*", "offsets"), ("i64", "n"), ("i64", "bags"),
+     ("i64", "B"), ("const i64*", "meta"), ("i64*", "keys"), ("i64*", "bag_of"),
+     ("unsigned long long*", "words")),
+    r"""
+    // A thread per bag: its bounds (the first bag starts at 0, the last ends at n, none
+    // goes back), each index against its own table; every lookup gets its collection-wide
+    // key and its bag. words[0]: first bad lookup; words[1]: first bad bag.
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x; b < bags; b += stride) {
+        const i64 lo = offsets[b], hi = offsets[b + 1];
+        const bool ok = lo >= 0 && hi >= lo && hi <= n && (b > 0 || lo == 0)
+                        && (b < bags - 1 || hi == n);
+        if (!ok) { atomicMin(&words[1], (unsigned long long)b); continue; }
+        const i64* m = meta + (b / B) * COLL_META;
+        const i64 rows = m[M_NUM_ROWS], base = m[M_KEY_BASE];
+        for (i64 l = lo; l < hi; ++l) {
+            const i64 row = (i64)indices[l];
+            const bool good = row >= 0 && row < rows;
+            if (!good) atomicMin(&words[0], (unsigned long long)l);
+            keys[l] = good ? base + row : base;
+            bag_of[l] = b;
+        }
+    }""")
+
+STAGE = KernelDecl(
+    "coll_stage", "template <int V, typename T, typename K>",
+    (("const T*", "host"), ("const i64*", "meta"), ("const K*", "keys"),
+     ("const i64*", "run"), ("const i64*", "starts"), ("const i64*", "perm"),
+     ("const i64*", "bag_of"), ("i64", "n"), ("i64", "B"), ("T*", "staged"),
+     ("i64", "stage_width"), ("const unsigned long long*", "verdict")),
+    r"""
+    // A warp per distinct row: a host table's row copied to staged[r] (sorted keys: the
+    // link's fast pattern); rows of HBM tables are read in place and skipped.
+    if (rejected(verdict)) return;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
+    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < runs; r += warps) {
+        const i64 j = starts[r];
+        if (j < 0 || j >= n) continue;
+        const i64 l = perm[j];
+        if (l < 0 || l >= n) continue;
+        const i64* m = meta + (bag_of[l] / B) * COLL_META;
+        if (!m[M_HOST]) continue;
+        const i64 row = (i64)keys[j] - m[M_KEY_BASE];
+        if (row < 0 || row >= m[M_NUM_ROWS]) continue;
+        const i64 dim = m[M_DIM];
+        const T* src = host + m[M_BASE] + row * m[M_ROW_WIDTH];
+        T* dst = staged + r * stage_width;
+        for (i64 e = (i64)V * lane; e < dim; e += 32 * V)
+            *reinterpret_cast<vec<T, V>*>(dst + e) = *reinterpret_cast<const vec<T, V>*>(src + e);
+    }""")
+
+POOL = KernelDecl(
+    "coll_pool", "template <int V, typename T, typename K>",
+    (("const T*", "hbm"), ("const i64*", "meta"), ("const K*", "indices"),
+     ("const i64*", "offsets"), ("const T*", "psw"), ("const i64*", "inv"),
+     ("const T*", "staged"), ("i64", "stage_width"), ("i64", "n"), ("i64", "bags"),
+     ("i64", "B"), ("int", "mean"), ("T*", "out"), ("i64", "total_dim"),
+     ("const unsigned long long*", "verdict")),
+    r"""
+    // A warp per bag: its rows summed in registers (four lookups' loads in flight, added in
+    // bag order), written once to out[b, d_off:d_off + dim].
+    if (rejected(verdict)) return;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 bag = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; bag < bags; bag += warps) {
+        const i64* m = meta + (bag / B) * COLL_META;
+        const i64 b = bag - (bag / B) * B;
+        i64 lo, hi;
+        bag_range(offsets, bag, n, lo, hi);
+        const i64 dim = m[M_DIM], rw = m[M_ROW_WIDTH], rows = m[M_NUM_ROWS];
+        const bool host = m[M_HOST] != 0;
+        const T* table = hbm + m[M_BASE];
+        T* dst = out + b * total_dim + m[M_D_OFF];
+        for (i64 e = (i64)V * lane; e < dim; e += 32 * V) {
+            T acc[V];
+            #pragma unroll
+            for (int q = 0; q < V; ++q) acc[q] = (T)0;
+            for (i64 l0 = lo; l0 < hi; l0 += 4) {
+                vec<T, V> row[4];
+                T s[4];
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const i64 l = l0 + u;
+                    s[u] = (T)0;
+                    if (l < hi) {
+                        const T* src;
+                        if (host) {
+                            i64 r = inv[l];
+                            r = r < 0 ? 0 : (r >= n ? n - 1 : r);
+                            src = staged + r * stage_width;
+                        } else {
+                            i64 k = (i64)indices[l];
+                            k = k < 0 ? 0 : (k >= rows ? rows - 1 : k);
+                            src = table + k * rw;
+                        }
+                        row[u] = *reinterpret_cast<const vec<T, V>*>(src + e);
+                        s[u] = lookup_scale<T>(psw, l, mean, hi - lo);
+                    }
+                }
+                #pragma unroll
+                for (int u = 0; u < 4; ++u)
+                    if (l0 + u < hi) {
+                        #pragma unroll
+                        for (int q = 0; q < V; ++q) acc[q] += psw != nullptr || mean
+                                                              ? row[u].v[q] * s[u] : row[u].v[q];
+                    }
+            }
+            vec<T, V> o;
+            #pragma unroll
+            for (int q = 0; q < V; ++q) o.v[q] = acc[q];
+            *reinterpret_cast<vec<T, V>*>(dst + e) = o;
+        }
+    }""")
+
+# The gradient sums read lookup j's gradient element e straight from the pooled gradient:
+# its bag's columns of its table, times its factor (sample weight, 1 / length for mean).
+_GRAD_OF = r"""
+    const i64 l_ = perm[j];
+    const i64 bag_ = bag_of[l_];
+    i64 lo_, hi_;
+    bag_range(offsets, bag_, n, lo_, hi_);
+    const T g_ = grad[(bag_ - (bag_ / B) * B) * total_dim + m[M_D_OFF] + e]
+                 * lookup_scale<T>(psw, l_, mean, hi_ - lo_);
+"""
+
+_SUM_ARGS = (("const T*", "grad"), ("i64", "total_dim"), ("const i64*", "meta"),
+             ("const K*", "keys"), ("const i64*", "run"), ("const i64*", "perm"),
+             ("const i64*", "bag_of"), ("const i64*", "offsets"), ("const T*", "psw"),
+             ("int", "mean"), ("i64", "n"), ("i64", "B"), ("i64", "width"), ("T*", "summed"),
+             ("T*", "head"), ("T*", "tail"), ("const unsigned long long*", "verdict"))
+
+SUM_CHUNKS = KernelDecl(
+    "coll_sum_chunks", "template <typename T, typename K>", _SUM_ARGS,
+    r"""
+    // Pass 1 (as the host tables' sum_chunks): thread (c, e) walks chunk c's COLL_SUM_CHUNK
+    // sorted positions; a run inside the chunk goes to summed[run], the segment at the
+    // chunk's start to head[c], the one at its end to tail[c]. Columns past a table's width
+    // are skipped. `width`: the widest table (summed's row stride).
+    if (rejected(verdict)) return;
+    const i64 chunks = (n + COLL_SUM_CHUNK - 1) / COLL_SUM_CHUNK;
+    const i64 total = chunks * width;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const i64 c = i / width, e = i - c * width;
+        const i64 first = c * COLL_SUM_CHUNK;
+        const i64 last = (first + COLL_SUM_CHUNK < n ? first + COLL_SUM_CHUNK : n) - 1;
+        const bool head_open = first > 0 && keys[first] == keys[first - 1];
+        const bool tail_open = last + 1 < n && keys[last + 1] == keys[last];
+        T acc = 0;
+        i64 begin = first;
+        for (i64 j = first; j <= last; ++j) {
+            const i64 lj = perm[j];
+            if (lj < 0 || lj >= n) continue;
+            const i64* m = meta + (bag_of[lj] / B) * COLL_META;
+            const bool mine = e < m[M_DIM];
+            if (mine) {
+""" + _GRAD_OF + r"""
+                acc += g_;
+            }
+            if (j == last || keys[j + 1] != keys[j]) {  // the segment [begin, j] ends here
+                const bool is_head = begin == first && head_open;
+                const bool is_tail = j == last && tail_open;
+                if (mine) {
+                    if (is_head) head[c * width + e] = acc;
+                    if (is_tail) tail[c * width + e] = acc;
+                    const i64 rj = run[j];
+                    if (!is_head && !is_tail && rj >= 0 && rj < n) summed[rj * width + e] = acc;
+                }
+                acc = 0;
+                begin = j + 1;
+            }
+        }
+    }""")
+
+SUM_SPANS = KernelDecl(
+    "coll_sum_spans", "template <typename T, typename K>", _SUM_ARGS,
+    r"""
+    // Pass 2: a run crossing chunk boundaries (found at its first chunk) adds its pieces in
+    // order: that chunk's tail, the whole middle chunks' heads, the last chunk's head.
+    if (rejected(verdict)) return;
+    const i64 chunks = (n + COLL_SUM_CHUNK - 1) / COLL_SUM_CHUNK;
+    const i64 total = chunks * width;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const i64 c = i / width, e = i - c * width;
+        const i64 first = c * COLL_SUM_CHUNK;
+        const i64 last = first + COLL_SUM_CHUNK - 1;
+        if (last + 1 >= n || keys[last + 1] != keys[last]) continue;  // no run leaves c
+        const K key = keys[last];
+        if (keys[first] == key && first > 0 && keys[first - 1] == key) continue;  // began earlier
+        const i64 ll = perm[last];
+        if (ll < 0 || ll >= n || e >= meta[(bag_of[ll] / B) * COLL_META + M_DIM]) continue;
+        T acc = tail[c * width + e];
+        for (i64 d = c + 1; d < chunks; ++d) {
+            acc += head[d * width + e];
+            const i64 d_last = (d + 1) * COLL_SUM_CHUNK - 1;
+            if (!(d_last + 1 < n && keys[d_last + 1] == key)) break;  // the run ends in d
+        }
+        const i64 rl = run[last];
+        if (rl >= 0 && rl < n) summed[rl * width + e] = acc;
+    }""")
+
+UPDATE = KernelDecl(
+    "coll_update", "template <int RULE, int V, typename T, typename K>",
+    (("T*", "hbm"), ("T*", "host"), ("const i64*", "meta"), ("const K*", "keys"),
+     ("const i64*", "run"), ("const i64*", "starts"), ("const i64*", "perm"),
+     ("const i64*", "bag_of"), ("i64", "n"), ("i64", "B"), ("const T*", "summed"),
+     ("i64", "width"), ("const T*", "staged"), ("i64", "stage_width"), ("i64", "n_slots"),
+     ("const double*", "hyper"), ("i64", "hyper_width"),
+     ("const unsigned long long*", "verdict")),
+    r"""
+    // A warp per distinct row: the table's rule on its summed gradient, where the row lives
+    // (HBM, or host RAM with the weights read from the forward's staged copy when given),
+    // with its table's hyperparameters and its own step count.
+    if (rejected(verdict)) return;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
+    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < runs; r += warps) {
+        const i64 j = starts[r];
+        if (j < 0 || j >= n) continue;
+        const i64 l = perm[j];
+        if (l < 0 || l >= n) continue;
+        const i64 tab = bag_of[l] / B;
+        const i64* m = meta + tab * COLL_META;
+        const i64 row = (i64)keys[j] - m[M_KEY_BASE];
+        if (row < 0 || row >= m[M_NUM_ROWS]) continue;
+        const bool on_host = m[M_HOST] != 0;
+        T* w = (on_host ? host : hbm) + m[M_BASE] + row * m[M_ROW_WIDTH];
+        T* s = w + m[M_STATE_OFFSET];
+        const T* wsrc = on_host && staged != nullptr ? staged + r * stage_width : w;
+        const i64 dim = m[M_DIM], step_off = m[M_STEP_OFF];
+        const i64 t = *reinterpret_cast<const i64*>(s + step_off) + 1;
+        const XfScalars<T> c = row_consts<RULE, T>(hyper + tab * hyper_width, t);
+        const T* g = summed + r * width;
+        if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
+            rowwise_adagrad_row<T>(w, wsrc, s, s, g, dim, n_slots, c, lane);
+        } else {
+            update_row<RULE, V, T>(w, wsrc, s, s, g, dim, n_slots, c, lane);
+        }
+        __syncwarp();
+        if (lane == 0) *reinterpret_cast<i64*>(s + step_off) = t;
+    }""")
+
+COLLECTION_KERNEL = _HEAD + "".join(d.source() for d in (PLAN, STAGE, POOL, SUM_CHUNKS,
+                                                         SUM_SPANS))
+UPDATE_KERNEL = _HEAD + UPDATE.source()
+
+
+def vector_widths(dtype_name: str) -> tuple:
+    """Elements per lane access: 16-byte words down to one element."""
+    return (1, 2, 4) if dtype_name == "float32" else (1, 2)
+
+
+def _collection_names():
+    for dtype_name, T in _TYPES.items():
+        for K in KEY_TYPES.values():
+            yield PLAN.instance(K) if dtype_name == "float32" else None
+            yield SUM_CHUNKS.instance(T, K)
+            yield SUM_SPANS.instance(T, K)
+            for V in vector_widths(dtype_name):
+                yield STAGE.instance(V, T, K)
+                yield POOL.instance(V, T, K)
+
+
+COLLECTION_MODULE = KernelModule("collection", COLLECTION_KERNEL,
+                                 tuple(n for n in _collection_names() if n is not None))
+
+
+def collection_module() -> KernelModule:
+    return COLLECTION_MODULE
+
+
+_UPDATE_MODULES = {}
+
+
+def update_module(rule: int, dtype_name: str) -> KernelModule:
+    """The update kernels of one rule and dtype (every vector width and key type), made on
+    first use: a run compiles only the rule it trains with."""
+    key = (int(rule), dtype_name)
+    module = _UPDATE_MODULES.get(key)
+    if module is None:
+        names = [UPDATE.instance(int(rule), V, _TYPES[dtype_name], K)
+                 for V in vector_widths(dtype_name) for K in KEY_TYPES.values()]
+        module = _UPDATE_MODULES[key] = KernelModule(
+            f"collection-update-{int(rule)}-{dtype_name}", UPDATE_KERNEL, names)
+    return module
+
+
+def all_update_modules():
+    """Every update module a collection can use (the GPU compile test builds them all)."""
+    return tuple(update_module(rule, d) for rule in RULE_IDS for d in _TYPES)
+
+
+def c_type(dtype_name: str) -> str:
+    return _TYPES[dtype_name]

@@ -1,0 +1,258 @@
+"""The GPU half of an EmbeddingCollection: the step's launches, and its deferred input checks.
+
+Forward: ``coll_plan`` checks bags and indices and keys every lookup; the batch sort
+(:func:`xferlib.batch.sort_positions`, the tile sort: no host sync at any size) orders the
+keys and :func:`xferlib.batch.run_ids` numbers their runs; host tables' distinct rows are
+staged into HBM; ``coll_pool`` writes the pooled output. Backward: the two-pass gradient sums
+and ``coll_update``. Kernels in ``xferlib/_kernels/collection.py``.
+
+Nothing here waits for the device: the plan's verdict goes to this side's
+:class:`~xferlib.batch.PendingChecks` and a bad batch raises from a later call or from
+``check()`` (the policy of :mod:`xferlib.batch`); allocations depend on the batch's shape
+only, so a step at fixed shapes can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from xferlib._backend import as_cupy_stream, is_capturing
+from xferlib._kernels import grid_1d, launch_config
+from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, STAGE, SUM_CHUNK,
+                                         SUM_CHUNKS, SUM_SPANS, UPDATE, c_type,
+                                         collection_module, update_module)
+from xferlib.batch import NO_BAD, PendingChecks, Verdict, run_ids, sort_positions
+from xferlib.checks import host_values
+from xferlib.memory import device_pointer
+
+__all__ = ["CollectionDevice", "GpuPlan"]
+
+
+@dataclasses.dataclass(eq=False)
+class GpuPlan:
+    """A GPU batch, planned by the forward, for its backward."""
+
+    keys: object  # sorted collection-wide keys
+    perm: object  # batch position of each sorted position
+    run: object   # run id of each sorted position
+    starts: object  # first sorted position of each run
+    bag_of: object  # bag of each lookup
+    offsets: object  # int64 bag boundaries
+    psw: object  # per-sample weights in the collection's dtype, or None
+    staged: object  # host tables' distinct rows staged by the forward (run r at row r)
+    writes: int  # the side's write count when staged
+    words: object  # the verdict
+    n: int
+
+
+class CollectionReport:
+    """Words a collection batch's verdict: word 0 the first lookup out of its table's
+    range, word 1 the first bag whose bounds are broken."""
+
+    def __init__(self, coll, indices, offsets):
+        self.coll, self.indices, self.offsets = coll, indices, offsets
+
+    def __call__(self, bad: int, bad_bag: int) -> None:
+        from xferlib.collection.numpy_path import check_offsets, table_error
+
+        note = "an earlier call of the collection on the GPU (nothing was written): "
+        offsets = np.asarray(host_values(self.offsets), dtype=np.int64)
+        if bad_bag != NO_BAD:
+            try:
+                check_offsets(offsets, int(self.indices.shape[0]))
+            except ValueError as err:
+                raise ValueError(note + str(err)) from None
+            raise ValueError(f"{note}offsets of bag {bad_bag} are out of range")
+        value, = host_values(self.indices[bad:bad + 1])
+        B = (offsets.size - 1) // self.coll.num_tables
+        bag = int(np.searchsorted(offsets, bad, side="right")) - 1
+        raise IndexError(note + str(table_error(self.coll, min(bag // max(B, 1),
+                                                               self.coll.num_tables - 1),
+                                                bad, value)))
+
+
+class CollectionDevice:
+    """Per-table metadata on the device, launch sizes, the hyperparameter rows, the
+    pending input checks."""
+
+    def __init__(self, coll):
+        import cupy
+
+        self.coll = coll
+        self.dtype_name = coll.dtype.name
+        itemsize = coll.dtype.itemsize
+        rows, key_base = [], 0
+        for t, (config, block) in enumerate(zip(coll.tables, coll.blocks)):
+            layout = block.layout
+            fields = dict(num_rows=config.num_rows, dim=config.dim, d_off=coll.dim_offsets[t],
+                          host=int(config.placement == "host"), base=block.base,
+                          row_width=layout.row_width, state_offset=layout.state_offset,
+                          step_off=layout.step_offset, key_base=key_base)
+            rows.append([fields[f] for f in META_FIELDS])
+            key_base += config.num_rows
+        self.total_rows = key_base
+        self.meta = cupy.asarray(np.array(rows, dtype=np.int64))
+        self.hbm = coll.buffers.get("hbm")
+        host = coll.buffers.get("host")
+        self.host_ptr = device_pointer(host, "host tables") if host is not None else 0
+        self.has_host = host is not None
+        word = 16 // itemsize
+        self.vec = next(v for v in (4, 2, 1) if v <= word and all(d % v == 0 for d in coll.dims))
+        host_dims = [c.dim for c in coll.tables if c.placement == "host"]
+        self.stage_width = -(-max(host_dims, default=0) // word) * word
+        self.width = -(-max(coll.dims) // self.vec) * self.vec  # summed's row stride
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        # Kernels that reach host RAM: four blocks per SM at most (the host tables' measure).
+        self.max_blocks = 4 * sms if self.has_host else 65535 * 8
+        self.hyper = None
+        self.writes = 0  # updates queued so far: a staged copy is current only before one
+        self.checks = PendingChecks(limit=3)
+        self.last_event = None
+
+    def hypers_changed(self) -> None:
+        self.hyper = None
+
+    def _hyper_array(self):
+        import cupy
+
+        if self.hyper is None:
+            rule = self.coll.rule
+            rows = []
+            for h in self.coll.hypers:
+                values = [float(v) for v in rule.kernel_hyper(h)]
+                rows.append(values + [0.0] * (16 - len(values)))
+            self.hyper = cupy.asarray(np.array(rows, dtype=np.float64))
+        return self.hyper
+
+    def _record(self, stream) -> None:
+        import cupy
+
+        if is_capturing(stream):
+            return
+        if self.last_event is None:
+            self.last_event = cupy.cuda.Event(disable_timing=True)
+        self.last_event.record(stream)
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self, indices, offsets, psw, B, out, stream):
+        import cupy
+
+        from xferlib.collection.collection import LookupContext
+
+        coll = self.coll
+        stream = as_cupy_stream(stream)
+        self.checks.poll()
+        n, bags = int(indices.shape[0]), coll.num_tables * B
+        if bags == 0 and n:
+            raise ValueError(f"offsets describe no bag (B = 0) but there are {n} indices")
+        module = collection_module()
+        with stream:
+            if out is None:
+                out = cupy.empty((B, coll.total_dim), dtype=coll.dtype)
+            offsets64 = offsets.astype(np.int64)
+            psw_c = None if psw is None else cupy.ascontiguousarray(psw, dtype=coll.dtype)
+            words = cupy.empty(2, dtype=np.uint64)
+            words.data.memset_async(0xFF, 16, stream)
+            keys = cupy.empty(n, dtype=np.int64)
+            bag_of = cupy.empty(n, dtype=np.int64)
+            if bags:
+                grid, block = grid_1d(bags, 256, 65535)
+                PLAN.launch(module, (_key(indices),), grid, block, stream=stream,
+                            indices=indices, offsets=offsets64, n=n, bags=bags, B=B,
+                            meta=self.meta, keys=keys, bag_of=bag_of, words=words)
+            plan = GpuPlan(None, None, None, None, bag_of, offsets64, psw_c, None,
+                           self.writes, words, n)
+            if n:
+                plan.keys, plan.perm, _ = sort_positions(keys, max(self.total_rows, 1),
+                                                         stream=stream, tiled_max=n)
+                plan.run, plan.starts = run_ids(plan.keys, stream)
+                inv = None
+                if self.has_host:
+                    plan.staged = cupy.empty((n, self.stage_width), dtype=coll.dtype)
+                    grid, block = launch_config(n, max_blocks=self.max_blocks)
+                    STAGE.launch(module, (self.vec, c_type(self.dtype_name), _key(plan.keys)),
+                                 grid, block, stream=stream, host=self.host_ptr,
+                                 meta=self.meta, keys=plan.keys, run=plan.run,
+                                 starts=plan.starts, perm=plan.perm, bag_of=bag_of, n=n, B=B,
+                                 staged=plan.staged, stage_width=self.stage_width,
+                                 verdict=words)
+                    inv = cupy.empty(n, dtype=np.int64)
+                    inv[plan.perm] = plan.run  # each lookup's run: its staged row
+                grid, block = launch_config(bags)  # a warp per bag
+                POOL.launch(module, (self.vec, c_type(self.dtype_name), _key(indices)), grid,
+                            block, stream=stream, hbm=self.hbm, meta=self.meta,
+                            indices=indices, offsets=offsets64, psw=psw_c, inv=inv,
+                            staged=plan.staged, stage_width=self.stage_width, n=n, bags=bags,
+                            B=B, mean=int(coll.pooling == "mean"), out=out,
+                            total_dim=coll.total_dim, verdict=words)
+            elif out.size:
+                out.fill(0)
+            Verdict(words, CollectionReport(coll, indices, offsets)).defer(self.checks, stream)
+            self._record(stream)
+        return out, LookupContext(indices, offsets, psw, B, plan)
+
+    # ---------------------------------------------------------------- backward
+
+    def backward(self, ctx, grad, stream) -> None:
+        import cupy
+
+        coll, plan = self.coll, ctx.plan
+        stream = as_cupy_stream(stream)
+        self.checks.poll()
+        n = plan.n
+        if n == 0:
+            return
+        module = collection_module()
+        T = c_type(self.dtype_name)
+        with stream:
+            grad = cupy.ascontiguousarray(grad, dtype=coll.dtype)
+            width = self.width
+            chunks = -(-n // SUM_CHUNK)
+            summed = cupy.empty((n, width), dtype=coll.dtype)  # rows past the last run unused
+            head = cupy.empty((chunks, width), dtype=coll.dtype)
+            tail = cupy.empty((chunks, width), dtype=coll.dtype)
+            sums = dict(grad=grad, total_dim=coll.total_dim, meta=self.meta, keys=plan.keys,
+                        run=plan.run, perm=plan.perm, bag_of=plan.bag_of,
+                        offsets=plan.offsets, psw=plan.psw,
+                        mean=int(coll.pooling == "mean"), n=n, B=ctx.batch_size, width=width,
+                        summed=summed, head=head, tail=tail, verdict=plan.words)
+            grid, block = grid_1d(chunks * width, 256, 65535)
+            key = _key(plan.keys)
+            SUM_CHUNKS.launch(module, (T, key), grid, block, stream=stream, **sums)
+            SUM_SPANS.launch(module, (T, key), grid, block, stream=stream, **sums)
+            # The forward's staged weights are current only if no update came between.
+            staged = plan.staged if plan.writes == self.writes else None
+            self.writes += 1
+            kind = int(coll.rule.kind)
+            grid, block = launch_config(n, max_blocks=self.max_blocks)  # a warp per row
+            UPDATE.launch(update_module(kind, self.dtype_name), (kind, self.vec, T, key),
+                          grid, block, stream=stream, hbm=self.hbm, host=self.host_ptr,
+                          meta=self.meta, keys=plan.keys, run=plan.run, starts=plan.starts,
+                          perm=plan.perm, bag_of=plan.bag_of, n=n, B=ctx.batch_size,
+                          summed=summed, width=width, staged=staged,
+                          stage_width=self.stage_width,
+                          n_slots=len(coll.layouts[0].slots), hyper=self._hyper_array(),
+                          hyper_width=16, verdict=plan.words)
+            self._record(stream)
+
+    # ---------------------------------------------------------------- waiting
+
+    def synchronize(self) -> None:
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+        if self.last_event is not None:
+            stream.wait_event(self.last_event)
+        stream.synchronize()
+
+    def check(self) -> None:
+        self.synchronize()
+        self.checks.poll(wait=True)
+
+
+def _key(array) -> str:
+    """The kernels' C type for an index or key array."""
+    return "int" if array.dtype.itemsize == 4 else "long long"
