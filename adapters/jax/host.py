@@ -17,6 +17,11 @@ update queued before it.
         rows = host_lookup(table, idx)
         loss, g = jax.value_and_grad(loss_fn)(rows, labels)
         return loss, host_update(table, idx, g)
+
+Bad indices raise before the table changes: an eager call (concrete ``idx``) raises the
+core's IndexError before the op runs; under ``jit`` XLA reports the callback's IndexError as
+a runtime error, which :func:`~xferlib.adapters.jax.typed_errors` raises again as
+:class:`~xferlib.adapters.jax.CallbackIndexError` (an IndexError). See ``errors.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from xferlib.adapters.jax._callback import (as_core_array, buffer_device, device
                                             is_gpu_buffer, vary_like, varying_axes,
                                             xla_stream)
 from xferlib.adapters.jax._views import on_device
+from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
+from xferlib.rows import check_host_indices
 from xferlib.table import HostTable
 
 __all__ = ["host_lookup", "host_update"]
@@ -47,7 +54,8 @@ def fill_token(ctx, token, gpu: bool) -> None:
 
 
 def checked_indices(table, idx):
-    """``idx`` as a 1-D int32/int64 JAX array; TypeError/ValueError for a bad table or idx."""
+    """``idx`` as a 1-D int32/int64 JAX array; TypeError/ValueError for a bad table or idx,
+    and IndexError for a concrete ``idx`` out of range."""
     if not isinstance(table, HostTable):
         raise TypeError(f"table must be an xferlib.HostTable, got {type(table).__name__}")
     idx = jnp.asarray(idx)
@@ -55,6 +63,10 @@ def checked_indices(table, idx):
         raise ValueError(f"idx must be 1-D, got shape {idx.shape}")
     if idx.dtype not in (jnp.int32, jnp.int64):
         raise TypeError(f"idx must be int32 or int64, got {idx.dtype}")
+    if is_concrete(idx):
+        # An eager call: the range check on the host now, a plain IndexError before the op
+        # runs (under jit the values exist only inside the callback, which checks them there).
+        check_host_indices(np.asarray(idx), table.num_rows)
     return idx
 
 
@@ -67,8 +79,15 @@ def host_lookup(table: HostTable, idx: jax.Array, *, after=None) -> jax.Array:
     """The rows ``idx`` of ``table``, ``(len(idx), dim)``, on the device JAX runs on.
 
     The rows are an ordinary JAX array: differentiate a loss with respect to them and hand
-    the gradient to :func:`host_update`. An out-of-range index raises IndexError (an XLA
-    runtime error under ``jit``); nothing is clamped.
+    the gradient to :func:`host_update`. Nothing is clamped: an index out of range raises,
+    naming the index and its position first ("index 9 at position 1 is out of range for a
+    table of 8 rows ..."):
+
+    * eager (a concrete ``idx``): IndexError, before the op runs;
+    * under ``jit``: XLA's runtime error; inside :func:`~xferlib.adapters.jax.typed_errors`
+      it is raised as :class:`~xferlib.adapters.jax.CallbackIndexError`, an IndexError. On a
+      GPU the check is read without a host sync: a bad batch's lookup writes nothing and its
+      error comes from a later call or ``table.check()``.
 
     ``after``: optional JAX values (e.g. the token of an earlier :func:`host_update` or
     :func:`~xferlib.adapters.jax.sharded_host_update`) the lookup must wait for: a data
@@ -78,6 +97,7 @@ def host_lookup(table: HostTable, idx: jax.Array, *, after=None) -> jax.Array:
     idx = checked_indices(table, idx)
     deps = () if after is None else tuple(jax.tree_util.tree_leaves(after))
 
+    @reporting
     def callback(ctx, out, idx_buffer, *_):
         gpu = is_gpu_buffer(out)
         with device_scope(gpu, out, idx_buffer):
@@ -86,7 +106,8 @@ def host_lookup(table: HostTable, idx: jax.Array, *, after=None) -> jax.Array:
                 **({"stream": xla_stream(ctx, gpu)} if gpu else {}))
 
     out_type = jax.ShapeDtypeStruct((idx.shape[0], table.dim), np.dtype(table.dtype))
-    rows = buffer_callback(callback, out_type, has_side_effect=True)(idx, *deps)
+    with typed_errors():  # an eager call runs here; under jit this only traces
+        rows = buffer_callback(callback, out_type, has_side_effect=True)(idx, *deps)
     # Inside shard_map the rows are this device's: typed so, a loss's gradient w.r.t. them
     # stays this device's (no implicit sum over the mesh).
     return vary_like(rows, idx) if varying_axes(idx) else rows
@@ -108,9 +129,17 @@ def checked_update(table: HostTable, idx, grad_rows):
 def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.Array:
     """Run ``table``'s optimizer on rows ``idx`` with ``grad_rows`` (repeated indices summed).
 
-    Returns a scalar int32 token (0) that callers may ignore or thread into later work."""
+    Returns a scalar int32 token (0) that callers may ignore or thread into later work.
+
+    Bad input raises before the table or its optimizer state changes. An index out of range:
+    IndexError in an eager call (a concrete ``idx``, checked before the op runs); under
+    ``jit`` XLA's runtime error, raised as :class:`~xferlib.adapters.jax.CallbackIndexError`
+    (an IndexError) inside :func:`~xferlib.adapters.jax.typed_errors`. The message starts with
+    the bad index and its position. On a GPU the check takes no host sync: a bad batch
+    changes nothing and its error comes from a later call or ``table.check()``."""
     idx, grad_rows = checked_update(table, idx, grad_rows)
 
+    @reporting
     def callback(ctx, token, idx_buffer, grad_buffer):
         gpu = is_gpu_buffer(token)
         with device_scope(gpu, token, idx_buffer):
@@ -120,4 +149,5 @@ def host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array) -> jax.A
             fill_token(ctx, token, gpu)
 
     token_type = jax.ShapeDtypeStruct((), np.int32)
-    return buffer_callback(callback, token_type, has_side_effect=True)(idx, grad_rows)
+    with typed_errors():
+        return buffer_callback(callback, token_type, has_side_effect=True)(idx, grad_rows)

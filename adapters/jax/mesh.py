@@ -28,7 +28,9 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
                                             vary_like, xla_stream)
+from xferlib.adapters.jax.errors import reporting
 from xferlib.adapters.jax.host import checked_update, fill_token, host_update, table_on
+from xferlib.checks import index_error
 from xferlib.table import HostTable
 
 __all__ = ["sharded_host_update", "mesh_barrier"]
@@ -53,7 +55,10 @@ def sharded_host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array, 
     Returns a scalar int32 token, the same on every device, ready once EVERY device has
     applied its share: pass it to the next lookups (``host_lookup(..., after=token)``) or
     return it from the step. An out-of-range index raises IndexError on every device, before
-    any device changes the table. The table must have no GPU cache (``cache_rows=0``): a cache
+    any device changes the table (under ``jit`` XLA's runtime error, raised as
+    :class:`~xferlib.adapters.jax.CallbackIndexError` inside
+    :func:`~xferlib.adapters.jax.typed_errors`; the message names the index and its position
+    in the global batch first). The table must have no GPU cache (``cache_rows=0``): a cache
     lives on one device.
 
     >>> import numpy as np, jax, jax.numpy as jnp, xferlib
@@ -84,6 +89,7 @@ def sharded_host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array, 
     all_grads = jax.lax.all_gather(grad_rows, axis_name, tiled=True)
     owned = (all_idx % n) == jax.lax.axis_index(axis_name).astype(all_idx.dtype)
 
+    @reporting
     def callback(ctx, token, idx_buffer, grad_buffer, owned_buffer):
         gpu = is_gpu_buffer(token)
         with device_scope(gpu, token, idx_buffer):
@@ -128,8 +134,8 @@ def _apply_owned(table: HostTable, idx, grads, owned, ctx, gpu: bool) -> None:
 def _raise_if_out_of_range(idx, num_rows: int) -> None:
     bad = (idx < 0) | (idx >= num_rows)
     if idx.size and bad.any():
-        raise IndexError(f"idx contains {int(idx[np.argmax(bad)])}, out of range for a table "
-                         f"of {num_rows} rows")
+        position = int(np.argmax(bad))  # in the global batch
+        raise index_error(position, int(idx[position]), num_rows)
 
 
 def mesh_barrier(token: jax.Array) -> jax.Array:

@@ -12,8 +12,10 @@ from jax.experimental.buffer_callback import buffer_callback
 from xferlib import rows as core_rows
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
                                             vary_like, varying_axes, xla_stream)
+from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
 
 
+@reporting
 def _gather_callback(ctx, out, table, idx):
     gpu = is_gpu_buffer(out)
     with device_scope(gpu, out, idx):
@@ -22,6 +24,7 @@ def _gather_callback(ctx, out, table, idx):
         core_rows.check_rows()  # a bad index fails this XLA call, not a later one
 
 
+@reporting
 def _scatter_add_callback(ctx, out, idx, grad_rows):
     gpu = is_gpu_buffer(out)
     num_rows = out.shape[0]
@@ -72,8 +75,12 @@ def gather_rows(table: jax.Array, idx: jax.Array) -> jax.Array:
 
     ``table``: 2-D float array; ``idx``: 1-D int32/int64 indices. The gradient w.r.t.
     ``table`` is a dense scatter-add of the incoming rows (repeated indices summed
-    deterministically). An out-of-range index raises IndexError (surfacing as an XLA runtime
-    error under ``jit``) instead of being clamped as ``table[idx]`` would be.
+    deterministically). An out-of-range index raises instead of being clamped as
+    ``table[idx]`` would be: IndexError in an eager call (a concrete ``idx``, checked before
+    the op runs); under ``jit`` XLA's runtime error, raised as
+    :class:`~xferlib.adapters.jax.CallbackIndexError` (an IndexError) inside
+    :func:`~xferlib.adapters.jax.typed_errors`. The message starts with the bad index and
+    its position.
 
     >>> import jax, jax.numpy as jnp
     >>> from xferlib.adapters.jax import gather_rows
@@ -89,5 +96,8 @@ def gather_rows(table: jax.Array, idx: jax.Array) -> jax.Array:
         raise ValueError(f"idx must be 1-D, got shape {idx.shape}")
     if idx.dtype not in (jnp.int32, jnp.int64):
         raise TypeError(f"idx must be int32 or int64, got {idx.dtype}")
-    return _gather_rows(tuple(sorted(varying_axes(idx) - varying_axes(table), key=str)),
-                        table, idx)
+    if is_concrete(idx):  # an eager call: the core's range check now, before the op runs
+        core_rows.check_host_indices(np.asarray(idx), table.shape[0])
+    with typed_errors():  # an eager call runs here; under jit this only traces
+        return _gather_rows(tuple(sorted(varying_axes(idx) - varying_axes(table), key=str)),
+                            table, idx)

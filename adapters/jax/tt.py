@@ -5,6 +5,11 @@ Cores use FBTT's layout without its leading table axis: core ``k`` is
 ``TTEmbeddingBag``. Gradients flow to the cores, so any optax optimizer trains them. On the
 CPU backend xferlib's NumPy path runs on XLA's buffers; on a GPU backend the same code runs
 on CuPy views of them, on XLA's stream.
+
+Bad indices and offsets raise before anything is computed: an eager call (concrete
+``indices`` and ``offsets``) raises the core's IndexError / ValueError before the op runs;
+under ``jit`` XLA's runtime error is raised again by type inside
+:func:`~xferlib.adapters.jax.typed_errors` (see ``errors.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from xferlib import tt as core
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
                                             vary_like, varying_axes, xla_stream)
+from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
 
 __all__ = ["tt_embedding_bag"]
 
@@ -60,6 +66,7 @@ def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: b
         weights = rest[2] if weighted else None
         return cores, rest[0], rest[1], weights
 
+    @reporting
     def forward_callback(ctx, out, *args):
         arrays, stream, gpu = _arrays(ctx, args, (out,))
         with stream:
@@ -68,6 +75,7 @@ def _make(shape: core.TTShape, mode: str, include_last_offset: bool, weighted: b
                 cores, shape, indices, offsets, mode=mode, per_sample_weights=weights,
                 include_last_offset=include_last_offset)
 
+    @reporting
     def backward_callback(ctx, outs, *args):
         arrays, stream, gpu = _arrays(ctx, args, outs)
         with stream:
@@ -125,7 +133,18 @@ def tt_embedding_bag(cores, indices, offsets, *, p_shapes, q_shapes, ranks, mode
     core gradient is the global batch's: this device's gradient summed over the mesh axes the
     batch is sharded on, in the backward pass (one ``psum``). With ``check_vma=True`` (the
     default) those axes are read from the arguments' types; with ``check_vma=False`` name
-    them: ``axis_name="batch"`` (a name or a tuple). See docs/jax-mesh.md."""
+    them: ``axis_name="batch"`` (a name or a tuple). See docs/jax-mesh.md.
+
+    ``p_shapes``, ``q_shapes``, ``ranks`` are a :class:`xferlib.tt.TTShape`'s fields: cores
+    for them come from ``xferlib.tt.init_tt_cores(TTShape(p_shapes, q_shapes, ranks))``.
+
+    Bad input raises before anything is computed, the cores untouched. An index out of range
+    (a message starting "index 700 at position 2 is out of range for a TT table of 600 rows")
+    or offsets that do not start at 0, decrease, or end at ``len(indices)``: IndexError /
+    ValueError in an eager call (concrete ``indices`` and ``offsets``, checked on the host
+    before the op runs); under ``jit`` XLA's runtime error, which
+    :func:`~xferlib.adapters.jax.typed_errors` raises as
+    :class:`~xferlib.adapters.jax.CallbackIndexError` / ``CallbackValueError``."""
     shape = core.TTShape(p_shapes, q_shapes, ranks)
     cores = tuple(jnp.asarray(c, jnp.float32) for c in cores)
     shape.check_cores([np.empty(c.shape, np.uint8) for c in cores])
@@ -136,11 +155,23 @@ def tt_embedding_bag(cores, indices, offsets, *, p_shapes, q_shapes, ranks, mode
     if not jnp.issubdtype(indices.dtype, jnp.integer) or not jnp.issubdtype(offsets.dtype,
                                                                            jnp.integer):
         raise TypeError("indices and offsets must be integer arrays")
+    if indices.ndim != 1 or offsets.ndim != 1:
+        raise ValueError(f"indices and offsets must be 1-D, got shapes {indices.shape} and "
+                         f"{offsets.shape}")
     weights = None if per_sample_weights is None else jnp.asarray(per_sample_weights,
                                                                   jnp.float32)
+    if weights is not None and weights.shape != indices.shape:
+        raise ValueError(f"per_sample_weights must have shape {indices.shape} (one per index), "
+                         f"got {weights.shape}")
+    if is_concrete(indices, offsets):
+        # An eager call: the core's own checks (index range, offsets) on the host now, so a
+        # bad batch raises its IndexError / ValueError before the op runs.
+        core.tt_bag_residuals(shape, np.asarray(indices), np.asarray(offsets),
+                              include_last_offset=bool(include_last_offset))
     named = () if axis_name is None else (
         tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,))
     sharded = varying_axes(indices, offsets, weights) - varying_axes(*cores)
     sum_axes = tuple(sorted(set(named) | sharded, key=str))
-    return _make(shape, mode, bool(include_last_offset), weights is not None, sum_axes)(
-        cores, indices, offsets, weights)
+    with typed_errors():  # an eager call runs here; under jit this only traces
+        return _make(shape, mode, bool(include_last_offset), weights is not None, sum_axes)(
+            cores, indices, offsets, weights)
