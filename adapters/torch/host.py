@@ -30,6 +30,7 @@ from xferlib.adapters.torch.host_dist import SharedTableGroup, build_shared_tabl
 from xferlib.backend import cupy_available
 from xferlib.memory import pinned_empty
 from xferlib.perf import warn_once
+from xferlib.sizes import integral_size
 from xferlib.table import HostTable
 
 __all__ = ["HostEmbeddingBag", "HostEmbedding"]
@@ -70,8 +71,12 @@ class _HostModule(torch.nn.Module):
                  cache_rows, padding_idx, device, init, cache_policy="lru", seed=None,
                  process_group="default"):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        # integers only, as torch.nn.EmbeddingBag: int(10.7) would build 10 rows without a word
+        self.num_embeddings = integral_size("num_embeddings", num_embeddings)
+        self.embedding_dim = integral_size("embedding_dim", embedding_dim)
+        cache_rows = integral_size("cache_rows", cache_rows)  # checked even where unused (CPU)
         if padding_idx is not None:
+            padding_idx = integral_size("padding_idx", padding_idx)
             if not -self.num_embeddings <= padding_idx < self.num_embeddings:
                 raise ValueError(f"padding_idx must be within [-{self.num_embeddings}, "
                                  f"{self.num_embeddings}), got {padding_idx}")
@@ -158,13 +163,18 @@ class _HostModule(torch.nn.Module):
         the same tensor) to the GPU on a side stream, while the current step computes; the
         next forward of that batch reads them from HBM. Updates queued in between (this
         step's backward) are seen by it. ``offsets`` is accepted for symmetry with
-        :meth:`forward` and not needed. GPU modules with a fused optimizer only."""
-        if self.device.type != "cuda" or self._any_optimizer or self._dist is not None:
-            # nothing to overlap on the CPU; optimizer=None looks rows up per step; under a
-            # process group other ranks' updates would make prefetched rows stale
-            return
+        :meth:`forward` and not needed.
+
+        A prefetch is a hint, so where there is nothing to move ahead it does nothing (after
+        the same dtype check as :meth:`forward`), and one training loop runs unchanged on a
+        CPU machine and a GPU one: on the CPU (lookups read host RAM directly, as
+        :meth:`xferlib.HostTable.prefetch` with NumPy indices), with ``optimizer=None``
+        (rows are looked up per step) and under a process group (other ranks' updates would
+        make prefetched rows stale)."""
         if input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"indices must be int32 or int64, got {input.dtype}")
+        if self.device.type != "cuda" or self._any_optimizer or self._dist is not None:
+            return
         flat = input.to(self.device).reshape(-1)
         if self.padding_idx is not None:
             return  # the padding row is filtered per batch: no stable index object to reuse

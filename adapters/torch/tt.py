@@ -39,9 +39,17 @@ class TTEmbeddingBag(TableBatchedTTEmbeddingBag):
     built on the CPU (``device=`` or ``.to()`` moves it; FBTT builds on the GPU) and refuses
     inputs on another device.
 
+    Rows are ``embedding_dim`` wide: without ``tt_q_shapes`` the width is factored exactly,
+    whatever ``enforce_embedding_dim`` (FBTT's flag, accepted for its call form) says. FBTT
+    would round 96 up to 100 there and then fail its own assertion that the width is kept; no
+    call FBTT accepts gets other shapes here. Indices and offsets are int32 or int64 (as
+    torch's bags), sizes integers (TypeError otherwise).
+
     >>> bag = TTEmbeddingBag(1000, 16, [4, 4], sparse=False)
     >>> bag(torch.tensor([1, 2, 999]), torch.tensor([0, 2, 3])).shape
     torch.Size([2, 16])
+    >>> TTEmbeddingBag(1000, 96, [4, 4], use_cache=False).tt_q_shapes  # 96 wide, not 100
+    [4, 4, 6]
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tt_ranks, tt_p_shapes=None,

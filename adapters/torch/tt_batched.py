@@ -22,6 +22,7 @@ from xferlib.adapters.torch._convert import as_core_array, cuda_view, cupy_strea
 from xferlib.adapters.torch.groups import resolve_group
 from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
 from xferlib.batch import PendingChecks
+from xferlib.sizes import integral_size, integral_sizes
 from xferlib.tt.plan import uses_kernels
 from xferlib.tt.rules import row_state
 from xferlib.tt.scratch import ScratchSet
@@ -201,7 +202,14 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
     ``warmup`` is accepted for FBTT's call form and, as in FBTT, ignored: the module's own
     ``warmup`` (True until :meth:`cache_populate`) decides whether the cache serves lookups.
 
-    Arguments and defaults are FBTT's; keyword-only extras: ``mode`` ("sum"/"mean"),
+    Arguments and defaults are FBTT's. Sizes are integers (a float or a string raises
+    TypeError, as torch's sizes). The rows are ``embedding_dim`` wide whatever
+    ``enforce_embedding_dim`` says: without ``tt_q_shapes`` the width is factored exactly
+    (128 -> [4, 4, 8]). FBTT's flag lets its factorization round the width up (128 -> 200)
+    and FBTT then fails its own ``prod(tt_q_shapes) == embedding_dim`` assertion, so calls
+    FBTT accepts get the same shapes here and the flag is accepted and changes nothing.
+    Indices and offsets are int32 or int64 tensors (TypeError otherwise, as torch's bags;
+    FBTT casts any dtype with ``.long()``). Keyword-only extras: ``mode`` ("sum"/"mean"),
     ``include_last_offset``, ``seed`` (initialization), ``betas``, ``weight_decay``, ``eta``
     and ``momentum`` (FBGEMM's hyper-parameters of the Adam / LAMB / LARS rules),
     ``device`` and ``process_group`` (data parallelism, see ``tt_dist``: ``"default"``, the
@@ -235,6 +243,13 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
                  betas=(0.9, 0.999), weight_decay: float = 0.0, eta: float = 0.001,
                  momentum: float = 0.9, device=None, process_group="default"):
         super().__init__()
+        # integers only, as torch's sizes: int(10.7) would build another table than asked
+        # without a word
+        num_tables, num_embeddings, embedding_dim, cache_size, hashtbl_size = (
+            integral_size(name, value) for name, value in (
+                ("num_tables", num_tables), ("num_embeddings", num_embeddings),
+                ("embedding_dim", embedding_dim), ("cache_size", cache_size),
+                ("hashtbl_size", hashtbl_size)))
         group = resolve_group(process_group)
         if num_tables <= 0 or num_embeddings <= 0 or embedding_dim <= 0:
             raise ValueError(f"num_tables, num_embeddings and embedding_dim must be positive, "
@@ -242,16 +257,22 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         if use_cache and num_tables != 1:
             raise ValueError(f"use_cache=True needs num_tables == 1 (as in FBTT), got "
                              f"{num_tables}")
-        tt_ranks = [int(r) for r in tt_ranks]
+        tt_ranks = integral_sizes("tt_ranks", tt_ranks)
         d = len(tt_ranks) + 1
-        p = compat.suggested_tt_shapes(num_embeddings, d) if tt_p_shapes is None else tt_p_shapes
-        q = (compat.suggested_tt_shapes(embedding_dim, d, not enforce_embedding_dim)
-             if tt_q_shapes is None else tt_q_shapes)
+        p = (compat.suggested_tt_shapes(num_embeddings, d) if tt_p_shapes is None
+             else integral_sizes("tt_p_shapes", tt_p_shapes))
+        # The width is factored exactly, whatever enforce_embedding_dim says. FBTT's flag only
+        # lets its factorization round the width up (128 -> 200 = 5 x 5 x 8), and FBTT then
+        # asserts prod(tt_q_shapes) == embedding_dim: it never returns another width, it fails.
+        # So every call FBTT accepts gets the same q here, and the ones it rejects keep the
+        # asked width instead of changing it (docs/tt.md, "The embedding width").
+        q = (compat.suggested_tt_shapes(embedding_dim, d, allow_round_up=False)
+             if tt_q_shapes is None else integral_sizes("tt_q_shapes", tt_q_shapes))
         self.shape = core.TTShape(p, q, tt_ranks)
         if self.shape.num_rows < num_embeddings:
             raise ValueError(f"prod(tt_p_shapes) = {self.shape.num_rows} < num_embeddings "
                              f"{num_embeddings}")
-        if self.shape.dim != embedding_dim and tt_q_shapes is not None:
+        if self.shape.dim != embedding_dim:  # only given q can differ (see above)
             raise ValueError(f"prod(tt_q_shapes) = {self.shape.dim} != embedding_dim "
                              f"{embedding_dim}")
         if not isinstance(optimizer, OptimType):
@@ -512,9 +533,11 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
                     f"devices, {device} and {t.device}! ({name} is on {t.device}, the TT "
                     f"cores on {device}: move the module or the inputs with .to())")
         for name, t in (("indices", indices), ("offsets", offsets)):
-            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-                raise TypeError(f"{name} must be an integer tensor (int32 or int64), got "
-                                f"{t.dtype}")
+            # torch's bags take int32 and int64 only; uint8 in particular once meant a mask
+            # in torch indexing, and a narrow type cannot address most tables' rows
+            if t.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{name} must be an integer tensor of dtype int32 or int64 "
+                                f"(as torch's EmbeddingBag takes), got {t.dtype}")
         if indices.dtype != torch.int64:
             indices = indices.long()
         if offsets.dtype != torch.int64:

@@ -58,11 +58,12 @@ def suggested_tt_shapes(n: int, d: int = 3, allow_round_up: bool = True) -> list
     (product >= ``n`` with ``allow_round_up``, else exactly ``n``). FBTT maximizes the factors'
     entropy over all partitions (with sympy and scipy); this greedy split is balanced too but
     may order or split some ``n`` differently, so pass explicit shapes to reproduce FBTT's.
+    ``n`` and ``d`` are integers (a float raises TypeError).
 
     >>> suggested_tt_shapes(64, 3)
     [4, 4, 4]
     """
-    return core.suggest_tt_shapes(int(n), int(d), allow_round_up)
+    return core.suggest_tt_shapes(n, d, allow_round_up)
 
 
 def tt_matrix_to_full(tt_p_shapes, tt_q_shapes, tt_ranks, tt_cores, tt_permute=None):

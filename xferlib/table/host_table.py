@@ -29,6 +29,7 @@ from xferlib.batch import BatchPlan
 from xferlib.memory import check_host_memory, is_pinned, pin, pinned_empty
 from xferlib.perf import warn_cache_thrashing
 from xferlib.rows import check_host_indices, check_index_dtype, take_rows
+from xferlib.sizes import integral_size
 from xferlib.table.device import DeviceSide
 from xferlib.table.io import load_table, save_table
 from xferlib.table.layout import INIT_CHUNK_ROWS, RowLayout, initial_weights, split_state
@@ -83,7 +84,9 @@ class HostTable:
                  optimizer_kwargs=None, cache_rows: int = 0, init=("normal", 0.0, 1.0), *,
                  cache_policy: str = "lru", cache_admission: str = "second-sight", seed=None,
                  shared=False):
-        num_rows, dim, cache_rows = int(num_rows), int(dim), int(cache_rows)
+        # integers only, as torch's sizes: int(10.7) would build 10 rows without a word
+        num_rows, dim, cache_rows = (integral_size(name, value) for name, value in (
+            ("num_rows", num_rows), ("dim", dim), ("cache_rows", cache_rows)))
         if num_rows < 0 or dim < 1:
             raise ValueError(f"a table needs num_rows >= 0 and dim >= 1, got ({num_rows}, {dim})")
         dtype = np.dtype(dtype)
@@ -464,10 +467,16 @@ class HostTable:
         """Start moving rows ``idx`` (CuPy indices) to the GPU on a side stream; the next
         :meth:`lookup` of this same ``idx`` object uses them. Updates queued before the
         matching lookup are folded in (no stale rows), and nothing is written by a
-        prefetch (no lost updates)."""
+        prefetch (no lost updates).
+
+        With NumPy indices (the CPU path) it checks their dtype and shape as :meth:`lookup`
+        does and does nothing more: that lookup reads host RAM directly, so there is nothing
+        to move ahead, and a prefetch is a hint that changes no result. A training loop
+        that prefetches then runs unchanged on a CPU machine, as the torch adapter's
+        ``HostEmbeddingBag.prefetch`` does there."""
         check_index_dtype(idx)
         if not is_cupy_array(idx):
-            raise TypeError("prefetch takes CuPy indices (the GPU path)")
+            return
         _prefetch(self._gpu_state(), idx, stream)
 
     # ------------------------------------------------------------------ cache

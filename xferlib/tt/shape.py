@@ -14,20 +14,24 @@ import math
 import numpy as np
 
 from xferlib._backend import array_module, is_cupy_array
+from xferlib.sizes import integral_size, integral_sizes
 
 __all__ = ["TTShape", "suggest_tt_shapes"]
 
 
 @dataclasses.dataclass(frozen=True)
 class TTShape:
-    """The factorization of a TT table. ``ranks`` are the inner ranks (``d - 1`` of them)."""
+    """The factorization of a TT table. ``ranks`` are the inner ranks (``d - 1`` of them).
+    Every factor and rank is an integer (a float such as ``16.5`` raises TypeError rather
+    than being truncated)."""
 
     p_shapes: tuple
     q_shapes: tuple
     ranks: tuple
 
     def __post_init__(self):
-        p, q, r = (tuple(int(v) for v in x) for x in (self.p_shapes, self.q_shapes, self.ranks))
+        p, q, r = (tuple(integral_sizes(name, x)) for name, x in (
+            ("p_shapes", self.p_shapes), ("q_shapes", self.q_shapes), ("ranks", self.ranks)))
         object.__setattr__(self, "p_shapes", p)
         object.__setattr__(self, "q_shapes", q)
         object.__setattr__(self, "ranks", r)
@@ -111,8 +115,10 @@ def suggest_tt_shapes(n: int, d: int = 3, allow_round_up: bool = True) -> list[i
 
     With ``allow_round_up`` (for row counts), ``n`` may be rounded up to ``ceil(n / 10^k) *
     10^k`` when that balances the factors better, so their product is >= ``n``. Embedding
-    dimensions use ``allow_round_up=False``: the product is exactly ``n`` (128 -> [4, 4, 8]).
+    dimensions use ``allow_round_up=False``: the product is exactly ``n`` (128 -> [4, 4, 8];
+    rounded up, 128 would become 200 = 5 x 5 x 8, a table of another width).
     """
+    n, d = integral_size("n", n), integral_size("d", d)
     if n <= 0 or not 2 <= d <= 4:
         raise ValueError(f"need n > 0 and 2 <= d <= 4, got n={n}, d={d}")
     best = _balanced_factors(n, d)
@@ -140,7 +146,7 @@ def row_bound(shape: TTShape, num_embeddings=None) -> int:
     """
     if num_embeddings is None:
         return shape.num_rows
-    bound = int(num_embeddings)
+    bound = integral_size("num_embeddings", num_embeddings)
     if not 0 <= bound <= shape.num_rows:
         raise ValueError(f"num_embeddings must be between 0 and {shape.num_rows} (the rows the "
                          f"TT factorization holds), got {bound}")
