@@ -1,5 +1,5 @@
 """xferlib's benchmark suites, beside the adapters because they compare against torch and
-JAX: ``transfer``, ``optim``, ``table`` and ``tt``, each a module with ``run(quick=False)``.
+JAX: ``transfer``, ``optim``, ``table``, ``tt`` and ``collection``, each a module with ``run(quick=False)``.
 
 ``xferlib bench`` finds :data:`SUITES` through the entry point ``xferlib`` of the group
 ``xferlib.bench`` (``pyproject.toml``); the core never imports this package by name. Timers,
@@ -12,9 +12,10 @@ import os
 # in these suites, so it must allocate on demand. Set before any suite imports jax.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from xferlib.adapters.bench import optim, table, transfer, tt  # noqa: E402
+from xferlib.adapters.bench import collection, optim, table, transfer, tt  # noqa: E402
 
 # Name -> run(quick=False) -> dict, in the order `xferlib bench` lists and runs them.
-SUITES = {"transfer": transfer.run, "optim": optim.run, "table": table.run, "tt": tt.run}
+SUITES = {"transfer": transfer.run, "optim": optim.run, "table": table.run, "tt": tt.run,
+          "collection": collection.run}
 
 __all__ = ["SUITES"]

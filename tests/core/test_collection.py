@@ -139,7 +139,7 @@ def test_awkward_batches(backend):
     indices = xp.zeros(1000, np.int64)
     offsets = xp.asarray([0, 0, 1000])
     out, ctx = coll.forward(indices, offsets)
-    np.testing.assert_allclose(_host(out)[1], 1000 * before[0], rtol=1e-5)
+    np.testing.assert_allclose(_host(out)[1], 1000 * before[0], rtol=1e-4)
     coll.backward(ctx, xp.ones((2, 3), np.float32))
     np.testing.assert_allclose(coll.weights(0)[0], before[0] - 1000, rtol=1e-5)
 
@@ -241,3 +241,48 @@ def test_state_dict_round_trip_and_per_table_lr():
     np.testing.assert_array_equal(other.weights(1), coll.weights(1))
     with pytest.raises(ValueError, match="missing"):
         other.load_state_dict({k: v for k, v in saved.items() if k != "t1.weight"})
+
+
+def test_init_counter_based_and_chunk_independent():
+    """Values depend on (seed, table, row, col) only: any chunking gives the same bits, and a
+    table's rows do not depend on the other tables or the placement."""
+    from xferlib.collection import init as init_mod
+
+    a = EmbeddingCollection([TableConfig(300, 5, init=("uniform", -1, 1)),
+                             TableConfig(50, 3, init=("normal", 0, 2))], "adagrad",
+                            {"initial_accumulator_value": 0.25}, device="cpu", seed=4)
+    old = init_mod.INIT_CHUNK_ELEMENTS
+    init_mod.INIT_CHUNK_ELEMENTS = 7
+    try:
+        b = EmbeddingCollection([TableConfig(300, 5, init=("uniform", -1, 1), placement="host"),
+                                 TableConfig(50, 3, init=("normal", 0, 2))], "adagrad",
+                                {"initial_accumulator_value": 0.25}, device="cpu", seed=4)
+    finally:
+        init_mod.INIT_CHUNK_ELEMENTS = old
+    for t in range(2):
+        assert a.weights(t).tobytes() == b.weights(t).tobytes()
+        np.testing.assert_array_equal(a.state(t, "sum"), 0.25)
+        np.testing.assert_array_equal(a.state(t, "step"), 0)
+    w = a.weights(0)
+    assert -1 <= w.min() and w.max() < 1 and abs(w.mean()) < 0.1
+    assert abs(a.weights(1).std() - 2) < 0.3
+    c = EmbeddingCollection([TableConfig(300, 5, init=("uniform", -1, 1))], "sgd",
+                            device="cpu", seed=5)
+    assert c.weights(0).tobytes() != a.weights(0).tobytes()
+    with pytest.raises(ValueError, match="init must be"):
+        TableConfig(3, 2, init=("gamma", 1, 2))
+
+
+@pytest.mark.gpu
+def test_init_same_values_on_cpu_and_gpu():
+    get_backend("cupy")
+    tables = [TableConfig(5000, 12, init=("uniform", -0.5, 0.5), placement="host"),
+              TableConfig(3000, 8, init=("uniform", 0, 3)), TableConfig(2000, 4)]
+    cpu = EmbeddingCollection(tables, "adam", device="cpu", seed=8)
+    gpu = EmbeddingCollection(tables, "adam", device="cuda", seed=8)
+    for t in range(2):  # uniform: bitwise
+        assert cpu.weights(t).tobytes() == gpu.weights(t).tobytes()
+    np.testing.assert_array_max_ulp(cpu.weights(2), gpu.weights(2), maxulp=1)
+    for k in ("exp_avg", "exp_avg_sq", "step"):
+        for t in range(3):
+            np.testing.assert_array_equal(cpu.state(t, k), gpu.state(t, k))

@@ -26,7 +26,7 @@ from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
 
 __all__ = ["COLL_META", "META_FIELDS", "SUM_CHUNK", "PLAN", "STAGE", "POOL", "SUM_CHUNKS",
-           "SUM_SPANS", "UPDATE", "collection_module", "update_module", "KEY_TYPES"]
+           "SUM_SPANS", "UPDATE", "INIT", "RUNS", "POSITIONS", "collection_module", "update_module", "KEY_TYPES"]
 
 # The per-table fields of ``meta`` (int64 each), in order.
 META_FIELDS = ("num_rows", "dim", "d_off", "host", "base", "row_width", "state_offset",
@@ -81,11 +81,68 @@ PLAN = KernelDecl(
         }
     }""")
 
+RUNS = KernelDecl(
+    "coll_runs", "template <typename K>",
+    (("const i64*", "meta"), ("const K*", "keys"), ("const i64*", "run"),
+     ("const i64*", "starts"), ("const i64*", "perm"), ("const i64*", "bag_of"), ("i64", "n"),
+     ("i64", "B"), ("i64*", "run_off"), ("int*", "run_tab"),
+     ("const unsigned long long*", "verdict")),
+    r"""
+    // A thread per run: where its row lives (elements from its placement's buffer start;
+    // -1 when out of range) and its table, so that the row kernels start from one load
+    // instead of a chain of four (start, position, bag, table).
+    if (rejected(verdict)) return;
+    const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < runs; r += stride) {
+        i64 off = -1;
+        int tab = 0;
+        const i64 j = starts[r];
+        const i64 l = j >= 0 && j < n ? perm[j] : -1;
+        if (l >= 0 && l < n) {
+            tab = (int)(bag_of[l] / B);
+            const i64* m = meta + (i64)tab * COLL_META;
+            const i64 row = (i64)keys[j] - m[M_KEY_BASE];
+            if (row >= 0 && row < m[M_NUM_ROWS]) off = m[M_BASE] + row * m[M_ROW_WIDTH];
+        }
+        run_off[r] = off;
+        run_tab[r] = tab;
+    }""")
+
+POSITIONS = KernelDecl(
+    "coll_positions", "template <typename T>",
+    (("const i64*", "meta"), ("const i64*", "perm"), ("const i64*", "bag_of"),
+     ("const i64*", "offsets"), ("const T*", "psw"), ("int", "mean"), ("i64", "n"),
+     ("i64", "B"), ("i64", "total_dim"), ("i64*", "pos_src"), ("T*", "pos_scale"),
+     ("int*", "pos_dim"), ("const unsigned long long*", "verdict")),
+    r"""
+    // A thread per sorted position: where its lookup's gradient starts in the pooled
+    // gradient (its bag's row, its table's columns), its factor and its table's width.
+    if (rejected(verdict)) return;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        const i64 l = perm[j];
+        i64 src = 0;
+        T scale = (T)0;
+        int dim = 0;
+        if (l >= 0 && l < n) {
+            const i64 bag = bag_of[l];
+            const i64* m = meta + (bag / B) * COLL_META;
+            i64 lo, hi;
+            bag_range(offsets, bag, n, lo, hi);
+            src = (bag - (bag / B) * B) * total_dim + m[M_D_OFF];
+            scale = lookup_scale<T>(psw, l, mean, hi - lo);
+            dim = (int)m[M_DIM];
+        }
+        pos_src[j] = src;
+        pos_scale[j] = scale;
+        pos_dim[j] = dim;
+    }""")
+
 STAGE = KernelDecl(
-    "coll_stage", "template <int V, typename T, typename K>",
-    (("const T*", "host"), ("const i64*", "meta"), ("const K*", "keys"),
-     ("const i64*", "run"), ("const i64*", "starts"), ("const i64*", "perm"),
-     ("const i64*", "bag_of"), ("i64", "n"), ("i64", "B"), ("T*", "staged"),
+    "coll_stage", "template <int V, typename T>",
+    (("const T*", "host"), ("const i64*", "meta"), ("const i64*", "run"),
+     ("const i64*", "run_off"), ("const int*", "run_tab"), ("i64", "n"), ("T*", "staged"),
      ("i64", "stage_width"), ("const unsigned long long*", "verdict")),
     r"""
     // A warp per distinct row: a host table's row copied to staged[r] (sorted keys: the
@@ -95,16 +152,11 @@ STAGE = KernelDecl(
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
     for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < runs; r += warps) {
-        const i64 j = starts[r];
-        if (j < 0 || j >= n) continue;
-        const i64 l = perm[j];
-        if (l < 0 || l >= n) continue;
-        const i64* m = meta + (bag_of[l] / B) * COLL_META;
-        if (!m[M_HOST]) continue;
-        const i64 row = (i64)keys[j] - m[M_KEY_BASE];
-        if (row < 0 || row >= m[M_NUM_ROWS]) continue;
+        const i64 off = run_off[r];
+        const i64* m = meta + (i64)run_tab[r] * COLL_META;
+        if (off < 0 || !m[M_HOST]) continue;
         const i64 dim = m[M_DIM];
-        const T* src = host + m[M_BASE] + row * m[M_ROW_WIDTH];
+        const T* src = host + off;
         T* dst = staged + r * stage_width;
         for (i64 e = (i64)V * lane; e < dim; e += 32 * V)
             *reinterpret_cast<vec<T, V>*>(dst + e) = *reinterpret_cast<const vec<T, V>*>(src + e);
@@ -173,30 +225,19 @@ POOL = KernelDecl(
         }
     }""")
 
-# The gradient sums read lookup j's gradient element e straight from the pooled gradient:
-# its bag's columns of its table, times its factor (sample weight, 1 / length for mean).
-_GRAD_OF = r"""
-    const i64 l_ = perm[j];
-    const i64 bag_ = bag_of[l_];
-    i64 lo_, hi_;
-    bag_range(offsets, bag_, n, lo_, hi_);
-    const T g_ = grad[(bag_ - (bag_ / B) * B) * total_dim + m[M_D_OFF] + e]
-                 * lookup_scale<T>(psw, l_, mean, hi_ - lo_);
-"""
-
-_SUM_ARGS = (("const T*", "grad"), ("i64", "total_dim"), ("const i64*", "meta"),
-             ("const K*", "keys"), ("const i64*", "run"), ("const i64*", "perm"),
-             ("const i64*", "bag_of"), ("const i64*", "offsets"), ("const T*", "psw"),
-             ("int", "mean"), ("i64", "n"), ("i64", "B"), ("i64", "width"), ("T*", "summed"),
-             ("T*", "head"), ("T*", "tail"), ("const unsigned long long*", "verdict"))
+_SUM_ARGS = (("const T*", "grad"), ("const K*", "keys"), ("const i64*", "run"),
+             ("const i64*", "pos_src"), ("const T*", "pos_scale"), ("const int*", "pos_dim"),
+             ("i64", "n"), ("i64", "width"), ("T*", "summed"), ("T*", "head"), ("T*", "tail"),
+             ("const unsigned long long*", "verdict"))
 
 SUM_CHUNKS = KernelDecl(
     "coll_sum_chunks", "template <typename T, typename K>", _SUM_ARGS,
     r"""
     // Pass 1 (as the host tables' sum_chunks): thread (c, e) walks chunk c's COLL_SUM_CHUNK
-    // sorted positions; a run inside the chunk goes to summed[run], the segment at the
-    // chunk's start to head[c], the one at its end to tail[c]. Columns past a table's width
-    // are skipped. `width`: the widest table (summed's row stride).
+    // sorted positions, each lookup's gradient read from the pooled gradient at its
+    // position's source times its factor; a run inside the chunk goes to summed[run], the
+    // segment at the chunk's start to head[c], the one at its end to tail[c]. Columns past
+    // a table's width are skipped. `width`: the widest table (summed's row stride).
     if (rejected(verdict)) return;
     const i64 chunks = (n + COLL_SUM_CHUNK - 1) / COLL_SUM_CHUNK;
     const i64 total = chunks * width;
@@ -210,14 +251,8 @@ SUM_CHUNKS = KernelDecl(
         T acc = 0;
         i64 begin = first;
         for (i64 j = first; j <= last; ++j) {
-            const i64 lj = perm[j];
-            if (lj < 0 || lj >= n) continue;
-            const i64* m = meta + (bag_of[lj] / B) * COLL_META;
-            const bool mine = e < m[M_DIM];
-            if (mine) {
-""" + _GRAD_OF + r"""
-                acc += g_;
-            }
+            const bool mine = e < pos_dim[j];
+            if (mine) acc += grad[pos_src[j] + e] * pos_scale[j];
             if (j == last || keys[j + 1] != keys[j]) {  // the segment [begin, j] ends here
                 const bool is_head = begin == first && head_open;
                 const bool is_tail = j == last && tail_open;
@@ -237,7 +272,9 @@ SUM_SPANS = KernelDecl(
     "coll_sum_spans", "template <typename T, typename K>", _SUM_ARGS,
     r"""
     // Pass 2: a run crossing chunk boundaries (found at its first chunk) adds its pieces in
-    // order: that chunk's tail, the whole middle chunks' heads, the last chunk's head.
+    // order: that chunk's tail, the middle chunks' heads, the last chunk's head; eight
+    // chunks' heads loaded at once (a hot row's run crosses thousands of chunks), added in
+    // order.
     if (rejected(verdict)) return;
     const i64 chunks = (n + COLL_SUM_CHUNK - 1) / COLL_SUM_CHUNK;
     const i64 total = chunks * width;
@@ -249,25 +286,37 @@ SUM_SPANS = KernelDecl(
         if (last + 1 >= n || keys[last + 1] != keys[last]) continue;  // no run leaves c
         const K key = keys[last];
         if (keys[first] == key && first > 0 && keys[first - 1] == key) continue;  // began earlier
-        const i64 ll = perm[last];
-        if (ll < 0 || ll >= n || e >= meta[(bag_of[ll] / B) * COLL_META + M_DIM]) continue;
+        if (e >= pos_dim[last]) continue;
         T acc = tail[c * width + e];
-        for (i64 d = c + 1; d < chunks; ++d) {
-            acc += head[d * width + e];
-            const i64 d_last = (d + 1) * COLL_SUM_CHUNK - 1;
-            if (!(d_last + 1 < n && keys[d_last + 1] == key)) break;  // the run ends in d
+        bool ended = false;
+        for (i64 d0 = c + 1; d0 < chunks && !ended; d0 += 8) {
+            T h[8];
+            bool goes_on[8];
+            #pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const i64 d = d0 + u < chunks ? d0 + u : chunks - 1;
+                const i64 d_last = (d + 1) * COLL_SUM_CHUNK - 1;
+                h[u] = head[d * width + e];
+                goes_on[u] = d0 + u < chunks && d_last + 1 < n && keys[d_last + 1] == key;
+            }
+            #pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                if (!ended && d0 + u < chunks) {
+                    acc += h[u];
+                    ended = !goes_on[u];  // the run ends in chunk d0 + u
+                }
+            }
         }
         const i64 rl = run[last];
         if (rl >= 0 && rl < n) summed[rl * width + e] = acc;
     }""")
 
 UPDATE = KernelDecl(
-    "coll_update", "template <int RULE, int V, typename T, typename K>",
-    (("T*", "hbm"), ("T*", "host"), ("const i64*", "meta"), ("const K*", "keys"),
-     ("const i64*", "run"), ("const i64*", "starts"), ("const i64*", "perm"),
-     ("const i64*", "bag_of"), ("i64", "n"), ("i64", "B"), ("const T*", "summed"),
-     ("i64", "width"), ("const T*", "staged"), ("i64", "stage_width"), ("i64", "n_slots"),
-     ("const double*", "hyper"), ("i64", "hyper_width"),
+    "coll_update", "template <int RULE, int V, typename T>",
+    (("T*", "hbm"), ("T*", "host"), ("const i64*", "meta"), ("const i64*", "run"),
+     ("const i64*", "run_off"), ("const int*", "run_tab"), ("i64", "n"),
+     ("const T*", "summed"), ("i64", "width"), ("const T*", "staged"), ("i64", "stage_width"),
+     ("i64", "n_slots"), ("const double*", "hyper"), ("i64", "hyper_width"),
      ("const unsigned long long*", "verdict")),
     r"""
     // A warp per distinct row: the table's rule on its summed gradient, where the row lives
@@ -278,16 +327,12 @@ UPDATE = KernelDecl(
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
     for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < runs; r += warps) {
-        const i64 j = starts[r];
-        if (j < 0 || j >= n) continue;
-        const i64 l = perm[j];
-        if (l < 0 || l >= n) continue;
-        const i64 tab = bag_of[l] / B;
+        const i64 off = run_off[r];
+        if (off < 0) continue;
+        const i64 tab = run_tab[r];
         const i64* m = meta + tab * COLL_META;
-        const i64 row = (i64)keys[j] - m[M_KEY_BASE];
-        if (row < 0 || row >= m[M_NUM_ROWS]) continue;
         const bool on_host = m[M_HOST] != 0;
-        T* w = (on_host ? host : hbm) + m[M_BASE] + row * m[M_ROW_WIDTH];
+        T* w = (on_host ? host : hbm) + off;
         T* s = w + m[M_STATE_OFFSET];
         const T* wsrc = on_host && staged != nullptr ? staged + r * stage_width : w;
         const i64 dim = m[M_DIM], step_off = m[M_STEP_OFF];
@@ -303,8 +348,56 @@ UPDATE = KernelDecl(
         if (lane == 0) *reinterpret_cast<i64*>(s + step_off) = t;
     }""")
 
-COLLECTION_KERNEL = _HEAD + "".join(d.source() for d in (PLAN, STAGE, POOL, SUM_CHUNKS,
-                                                         SUM_SPANS))
+# The tables' counter-based initializer (``xferlib/collection/init.py`` has its NumPy twin):
+# weight (row, col) of table stream `stream` is a function of (stream, row * dim + col) alone,
+# so any chunk of rows, on either path, gets the same values. No FMA contraction in the
+# uniform map (__dmul_rn, __dadd_rn): the NumPy twin rounds each operation the same way.
+_INIT_HEAD = r"""
+__device__ __forceinline__ unsigned long long xf_mix64(unsigned long long z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+"""
+
+INIT = KernelDecl(
+    "coll_init", "template <typename T>",
+    (("T*", "rows"), ("i64", "first_row"), ("i64", "num_rows"), ("i64", "row_width"),
+     ("i64", "dim"), ("i64", "state_offset"), ("i64", "state_used"),
+     ("unsigned long long", "table_stream"), ("int", "kind"), ("double", "a"), ("double", "b"),
+     ("double", "initial")),
+    r"""
+    // Rows [first_row, first_row + num_rows) of a table, written whole: the weights (kind 0
+    // zeros, 1 uniform(a, b), 2 normal(a, b)), the state slots and row scalars (`initial`),
+    // the int64 step count and the padding (zero bits).
+    const i64 total = num_rows * row_width;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const i64 rr = i / row_width, col = i - rr * row_width;
+        T v = (T)0;
+        if (col < dim) {
+            if (kind != 0) {
+                const unsigned long long z1 = xf_mix64(
+                    (unsigned long long)((first_row + rr) * dim + col) + table_stream);
+                if (kind == 1) {
+                    const double u = (double)(z1 >> 11) * 0x1.0p-53;
+                    v = (T)__dadd_rn(a, __dmul_rn(b - a, u));
+                } else {
+                    const double u1 = (double)((z1 >> 11) + 1) * 0x1.0p-53;
+                    const double u2 = (double)(xf_mix64(z1) >> 11) * 0x1.0p-53;
+                    const double r = sqrt(-2.0 * log(u1)) * cospi(2.0 * u2);
+                    v = (T)__dadd_rn(a, __dmul_rn(b, r));
+                }
+            }
+        } else if (col >= state_offset && col < state_offset + state_used) {
+            v = (T)initial;
+        }
+        rows[i] = v;
+    }""")
+
+COLLECTION_KERNEL = _HEAD + _INIT_HEAD + "".join(
+    d.source() for d in (PLAN, RUNS, POSITIONS, STAGE, POOL, SUM_CHUNKS, SUM_SPANS, INIT))
 UPDATE_KERNEL = _HEAD + UPDATE.source()
 
 
@@ -315,12 +408,17 @@ def vector_widths(dtype_name: str) -> tuple:
 
 def _collection_names():
     for dtype_name, T in _TYPES.items():
+        yield INIT.instance(T)
+        yield POSITIONS.instance(T)
+        for V in vector_widths(dtype_name):
+            yield STAGE.instance(V, T)
         for K in KEY_TYPES.values():
-            yield PLAN.instance(K) if dtype_name == "float32" else None
+            if dtype_name == "float32":
+                yield PLAN.instance(K)
+                yield RUNS.instance(K)
             yield SUM_CHUNKS.instance(T, K)
             yield SUM_SPANS.instance(T, K)
             for V in vector_widths(dtype_name):
-                yield STAGE.instance(V, T, K)
                 yield POOL.instance(V, T, K)
 
 
@@ -341,8 +439,8 @@ def update_module(rule: int, dtype_name: str) -> KernelModule:
     key = (int(rule), dtype_name)
     module = _UPDATE_MODULES.get(key)
     if module is None:
-        names = [UPDATE.instance(int(rule), V, _TYPES[dtype_name], K)
-                 for V in vector_widths(dtype_name) for K in KEY_TYPES.values()]
+        names = [UPDATE.instance(int(rule), V, _TYPES[dtype_name])
+                 for V in vector_widths(dtype_name)]
         module = _UPDATE_MODULES[key] = KernelModule(
             f"collection-update-{int(rule)}-{dtype_name}", UPDATE_KERNEL, names)
     return module

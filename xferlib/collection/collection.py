@@ -23,10 +23,11 @@ import numpy as np
 
 from xferlib._backend import cupy_available, is_cupy_array
 from xferlib.collection.config import POOLINGS, TableConfig
+from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
 from xferlib.collection.numpy_path import (check_inputs_numpy, pooled_lookup_numpy,
                                            update_numpy)
 from xferlib.collection.storage import allocate_host, plan_blocks
-from xferlib.table.layout import INIT_CHUNK_ROWS, RowLayout, initial_weights
+from xferlib.table.layout import RowLayout
 from xferlib.table.rules import resolve_hyper, sparse_rule
 
 __all__ = ["EmbeddingCollection", "LookupContext"]
@@ -59,7 +60,8 @@ class EmbeddingCollection:
       dtype: ``"float32"`` (the GPU path) or ``"float64"``.
       device: ``"cuda"`` (hbm tables in GPU memory, host tables pinned; the default where
         CuPy sees a GPU) or ``"cpu"`` (every table in host RAM, the NumPy path).
-      seed: for the tables' random initializers (table ``t`` draws from ``seed + t``).
+      seed: for the tables' initializers (counter-based: the same values on the CPU and the
+        GPU, whatever the placement; ``xferlib/collection/init.py``); None: a fresh seed.
 
     >>> import numpy as np
     >>> from xferlib.collection import EmbeddingCollection, TableConfig
@@ -124,9 +126,13 @@ class EmbeddingCollection:
     # ------------------------------------------------------------------ storage
 
     def _allocate(self, seed):
-        """One flat buffer per placement, tables block after block, initialized in chunks
-        (weights from each table's initializer, state from the rule's initial value)."""
+        """One flat buffer per placement, tables block after block, each block written whole
+        by the counter-based initializer (``init.py``): on the GPU at memory speed (host
+        blocks through GPU chunks), else on the host; the gaps between blocks are zeroed."""
+        if seed is None:
+            seed = int(np.random.SeedSequence().entropy) & ((1 << 63) - 1)
         blocks, buffers = [None] * self.num_tables, {}
+        gpu = self.device == "cuda"
         for placement in ("hbm", "host"):
             mine = [t for t in range(self.num_tables) if self._placement(t) == placement]
             if not mine:
@@ -134,32 +140,27 @@ class EmbeddingCollection:
             placed, total = plan_blocks([self.layouts[t] for t in mine],
                                         [self.tables[t].num_rows for t in mine],
                                         self.dtype.itemsize)
-            what = (f"the {placement} tables {[self.names[t] for t in mine]} of an "
-                    f"EmbeddingCollection with {self.optimizer!r} state")
-            pinned = self.device == "cuda" and placement == "host"
-            host = allocate_host(total, self.dtype, what, pinned)
-            host[...] = 0  # the padding between tables and rows too: no stale bytes saved
-            for t, block in zip(mine, placed):
-                blocks[t] = block
-                self._initialize(t, block, host, seed)
-            if self.device == "cuda" and placement == "hbm":
+            if gpu and placement == "hbm":
                 import cupy
 
-                host = cupy.asarray(host)
-            buffers[placement] = host
+                buffer = cupy.zeros(total, dtype=self.dtype)
+            else:
+                what = (f"the {placement} tables {[self.names[t] for t in mine]} of an "
+                        f"EmbeddingCollection with {self.optimizer!r} state")
+                buffer = allocate_host(total, self.dtype, what, pinned=gpu)
+                ends = [b.base + b.size for b in placed]
+                for end, nxt in zip(ends, [b.base for b in placed[1:]] + [total]):
+                    buffer[end:nxt] = 0
+            for t, block in zip(mine, placed):
+                blocks[t] = block
+                args = (block.rows(buffer), self.layouts[t], self.tables[t].init,
+                        table_stream(seed, t), float(self.rule.initial(self.hypers[t])))
+                if gpu:
+                    fill_rows_gpu(*args, self.dtype.name)
+                else:
+                    fill_rows_numpy(*args)
+            buffers[placement] = buffer
         return blocks, buffers
-
-    def _initialize(self, t, block, buffer, seed):
-        rng = np.random.default_rng(None if seed is None else seed + t)
-        fill = initial_weights(self.tables[t].init, rng)
-        initial = self.rule.initial(self.hypers[t])
-        weights = block.weights(buffer)
-        slots, scalars, steps = block.split(buffer)
-        for start in range(0, block.num_rows, INIT_CHUNK_ROWS):
-            stop = min(start + INIT_CHUNK_ROWS, block.num_rows)
-            fill(weights[start:stop])
-            for view in (*slots.values(), *scalars.values()):
-                view[start:stop] = initial
 
     def _index(self, table) -> int:
         if isinstance(table, str):

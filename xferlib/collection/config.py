@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+from xferlib.collection.init import init_kind
+
 __all__ = ["TableConfig", "PLACEMENTS", "POOLINGS"]
 
 # Where a table's rows and optimizer state live:
@@ -70,6 +72,7 @@ class TableConfig:
             if not self.lr >= 0:
                 raise ValueError(f"lr must be >= 0, got {self.lr}")
             object.__setattr__(self, "lr", float(self.lr))
+        init_kind(self.init)  # a bad initializer fails here, before anything is allocated
 
     def named(self, k: int) -> "TableConfig":
         """This config with its default name filled in (the k-th table: ``"t{k}"``)."""

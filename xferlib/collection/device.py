@@ -20,8 +20,8 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_capturing
 from xferlib._kernels import grid_1d, launch_config
-from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, STAGE, SUM_CHUNK,
-                                         SUM_CHUNKS, SUM_SPANS, UPDATE, c_type,
+from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, POSITIONS, RUNS, STAGE,
+                                         SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, UPDATE, c_type,
                                          collection_module, update_module)
 from xferlib.batch import NO_BAD, PendingChecks, Verdict, run_ids, sort_positions
 from xferlib.checks import host_values
@@ -38,6 +38,8 @@ class GpuPlan:
     perm: object  # batch position of each sorted position
     run: object   # run id of each sorted position
     starts: object  # first sorted position of each run
+    run_off: object  # where each run's row lives in its placement's buffer (-1: nowhere)
+    run_tab: object  # each run's table
     bag_of: object  # bag of each lookup
     offsets: object  # int64 bag boundaries
     psw: object  # per-sample weights in the collection's dtype, or None
@@ -163,21 +165,27 @@ class CollectionDevice:
                 PLAN.launch(module, (_key(indices),), grid, block, stream=stream,
                             indices=indices, offsets=offsets64, n=n, bags=bags, B=B,
                             meta=self.meta, keys=keys, bag_of=bag_of, words=words)
-            plan = GpuPlan(None, None, None, None, bag_of, offsets64, psw_c, None,
-                           self.writes, words, n)
+            plan = GpuPlan(None, None, None, None, None, None, bag_of, offsets64, psw_c,
+                           None, self.writes, words, n)
             if n:
                 plan.keys, plan.perm, _ = sort_positions(keys, max(self.total_rows, 1),
                                                          stream=stream, tiled_max=n)
                 plan.run, plan.starts = run_ids(plan.keys, stream)
+                plan.run_off = cupy.empty(n, dtype=np.int64)
+                plan.run_tab = cupy.empty(n, dtype=np.int32)
+                grid, block = grid_1d(n, 256, 65535)
+                RUNS.launch(module, (_key(plan.keys),), grid, block, stream=stream,
+                            meta=self.meta, keys=plan.keys, run=plan.run, starts=plan.starts,
+                            perm=plan.perm, bag_of=bag_of, n=n, B=B, run_off=plan.run_off,
+                            run_tab=plan.run_tab, verdict=words)
                 inv = None
                 if self.has_host:
                     plan.staged = cupy.empty((n, self.stage_width), dtype=coll.dtype)
                     grid, block = launch_config(n, max_blocks=self.max_blocks)
-                    STAGE.launch(module, (self.vec, c_type(self.dtype_name), _key(plan.keys)),
-                                 grid, block, stream=stream, host=self.host_ptr,
-                                 meta=self.meta, keys=plan.keys, run=plan.run,
-                                 starts=plan.starts, perm=plan.perm, bag_of=bag_of, n=n, B=B,
-                                 staged=plan.staged, stage_width=self.stage_width,
+                    STAGE.launch(module, (self.vec, c_type(self.dtype_name)), grid, block,
+                                 stream=stream, host=self.host_ptr, meta=self.meta,
+                                 run=plan.run, run_off=plan.run_off, run_tab=plan.run_tab,
+                                 n=n, staged=plan.staged, stage_width=self.stage_width,
                                  verdict=words)
                     inv = cupy.empty(n, dtype=np.int64)
                     inv[plan.perm] = plan.run  # each lookup's run: its staged row
@@ -214,10 +222,17 @@ class CollectionDevice:
             summed = cupy.empty((n, width), dtype=coll.dtype)  # rows past the last run unused
             head = cupy.empty((chunks, width), dtype=coll.dtype)
             tail = cupy.empty((chunks, width), dtype=coll.dtype)
-            sums = dict(grad=grad, total_dim=coll.total_dim, meta=self.meta, keys=plan.keys,
-                        run=plan.run, perm=plan.perm, bag_of=plan.bag_of,
-                        offsets=plan.offsets, psw=plan.psw,
-                        mean=int(coll.pooling == "mean"), n=n, B=ctx.batch_size, width=width,
+            pos_src = cupy.empty(n, dtype=np.int64)
+            pos_scale = cupy.empty(n, dtype=coll.dtype)
+            pos_dim = cupy.empty(n, dtype=np.int32)
+            grid, block = grid_1d(n, 256, 65535)
+            POSITIONS.launch(module, (T,), grid, block, stream=stream, meta=self.meta,
+                             perm=plan.perm, bag_of=plan.bag_of, offsets=plan.offsets,
+                             psw=plan.psw, mean=int(coll.pooling == "mean"), n=n,
+                             B=ctx.batch_size, total_dim=coll.total_dim, pos_src=pos_src,
+                             pos_scale=pos_scale, pos_dim=pos_dim, verdict=plan.words)
+            sums = dict(grad=grad, keys=plan.keys, run=plan.run, pos_src=pos_src,
+                        pos_scale=pos_scale, pos_dim=pos_dim, n=n, width=width,
                         summed=summed, head=head, tail=tail, verdict=plan.words)
             grid, block = grid_1d(chunks * width, 256, 65535)
             key = _key(plan.keys)
@@ -228,11 +243,11 @@ class CollectionDevice:
             self.writes += 1
             kind = int(coll.rule.kind)
             grid, block = launch_config(n, max_blocks=self.max_blocks)  # a warp per row
-            UPDATE.launch(update_module(kind, self.dtype_name), (kind, self.vec, T, key),
+            UPDATE.launch(update_module(kind, self.dtype_name), (kind, self.vec, T),
                           grid, block, stream=stream, hbm=self.hbm, host=self.host_ptr,
-                          meta=self.meta, keys=plan.keys, run=plan.run, starts=plan.starts,
-                          perm=plan.perm, bag_of=plan.bag_of, n=n, B=ctx.batch_size,
-                          summed=summed, width=width, staged=staged,
+                          meta=self.meta, run=plan.run, run_off=plan.run_off,
+                          run_tab=plan.run_tab, n=n, summed=summed, width=width,
+                          staged=staged,
                           stage_width=self.stage_width,
                           n_slots=len(coll.layouts[0].slots), hyper=self._hyper_array(),
                           hyper_width=16, verdict=plan.words)
