@@ -24,7 +24,7 @@ from xferlib.backend import cupy_available
 from xferlib.bench import SUITES, SuiteRegistry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SUITE_NAMES = ["transfer", "optim", "table", "tt"]  # as listed and run before the move
+SUITE_NAMES = ["transfer", "optim", "table", "tt", "collection"]  # as listed and run
 
 
 def _modules():
@@ -117,8 +117,8 @@ def test_an_unknown_suite_is_a_usage_error():
     result = subprocess.run([sys.executable, "-m", "xferlib", "bench", "nope"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2
-    assert "unknown benchmark suite(s) ['nope']; available: ['optim', 'table', 'transfer', " \
-           "'tt']" in result.stderr
+    assert "unknown benchmark suite(s) ['nope']; available: ['collection', 'optim', 'table', " \
+           "'transfer', 'tt']" in result.stderr
 
 
 def test_a_suite_runs_through_the_registry(tmp_path):
