@@ -30,6 +30,22 @@ from dlrm_parts import checkpoint, config, dist, loop, metrics  # noqa: E402
 from dlrm_parts.data import ClickLog  # noqa: E402
 
 
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low``. argparse reports a bad value with the
+    option's name and exit status 2, so 0 never stands for "the preset's value"."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") \
+                from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,22 +56,30 @@ def parse_args(argv=None):
                    help="GPU memory budget for tables, caches and TT cores (default: preset's)")
     p.add_argument("--compare", action="store_true",
                    help="also train the plain-torch baseline (all tables in HBM) if it fits")
-    p.add_argument("--steps", type=int, default=None, help="steps this invocation runs")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--pooling", type=int, default=None, help="rows per bag (multi-hot)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=_int_at_least(0), default=None,
+                   help="steps this invocation runs (default: preset's; 0: evaluate only)")
+    p.add_argument("--batch-size", type=_int_at_least(1), default=None,
+                   help="samples per step, the global batch under torchrun or --devices "
+                        "(default: preset's)")
+    p.add_argument("--pooling", type=_int_at_least(1), default=None,
+                   help="rows per bag (multi-hot; default: preset's)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--evals", type=int, default=None, help="evaluation points along the run")
-    p.add_argument("--eval-samples", type=int, default=None)
+    p.add_argument("--evals", type=_int_at_least(1), default=None,
+                   help="evaluation points along the run (default: preset's)")
+    p.add_argument("--eval-samples", type=_int_at_least(1), default=None,
+                   help="size of the held-out set (default: preset's)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="PNG: AUC and loss vs samples, throughput")
-    p.add_argument("--save", metavar="PATH", help="checkpoint directory written at the end")
+    p.add_argument("--save", metavar="PATH",
+                   help="checkpoint directory written at the end (one run: not with --compare "
+                        "or --framework both)")
     p.add_argument("--load", metavar="PATH", help="checkpoint directory to continue from")
     p.add_argument("--no-graph", action="store_true", help="no CUDA graph for the Adam step")
     p.add_argument("--no-prefetch", action="store_true",
                    help="torch: no prefetch of the next batch's host-table rows")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--devices", type=int, default=1,
+    p.add_argument("--devices", type=_int_at_least(1), default=1,
                    help="jax: train on N devices of this host (a mesh; the batch sharded)")
     return p.parse_args(argv)
 
@@ -105,9 +129,10 @@ def main(argv=None) -> int:
 
 def _prepare(args):
     preset = config.get_preset(args.preset)
-    batch_size = args.batch_size or preset.batch_size
+    # None means "the preset's"; a given 0 is refused below, never replaced by the preset's
+    batch_size = preset.batch_size if args.batch_size is None else args.batch_size
     steps = preset.steps if args.steps is None else args.steps
-    pooling = args.pooling or preset.pooling
+    pooling = preset.pooling if args.pooling is None else args.pooling
     if batch_size < 1 or steps < 0 or pooling < 1:
         raise ValueError(f"--batch-size and --pooling must be >= 1 and --steps >= 0, got "
                          f"{batch_size}, {pooling}, {steps}")
@@ -121,6 +146,9 @@ def _prepare(args):
         raise ValueError("--save/--load hold one run: pick --framework torch or jax")
     if args.load and args.compare:
         raise ValueError("--compare trains fresh runs; it cannot continue from --load")
+    if args.save and args.compare:  # a checkpoint holds one run; --compare trains two
+        raise ValueError("--save holds one run; it cannot save the --compare baseline: drop "
+                         "--compare or --save")
     if args.devices < 1 or (args.devices > 1 and frameworks != ["jax"]):
         raise ValueError(f"--devices {args.devices}: N devices in one process is for "
                          f"--framework jax (torch: torchrun --nproc_per_node=N)")

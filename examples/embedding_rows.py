@@ -4,8 +4,10 @@ A toy word2vec-style objective: pull the embeddings of co-occurring ids together
 table lives in pinned host RAM and each step gathers only the touched rows to the GPU; without
 a GPU everything runs on the CPU through the NumPy path.
 
-    python examples/embedding_rows.py
+    python examples/embedding_rows.py [--rows 100000] [--dim 64] [--batch 8192] [--steps 50]
 """
+
+import argparse
 
 import numpy as np
 
@@ -79,7 +81,40 @@ def jax_demo(steps=50):
     print(f"jax ({jax.default_backend()}): loss after {steps} steps {float(losses[-1]):.4f}")
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse reports a bad one with exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=_positive_int, default=100_000,
+                        help="rows of the pinned table of the core demo (default: %(default)s)")
+    parser.add_argument("--dim", type=_positive_int, default=64,
+                        help="its row width (default: %(default)s)")
+    parser.add_argument("--batch", type=_positive_int, default=8192,
+                        help="rows gathered and scattered back (default: %(default)s)")
+    parser.add_argument("--steps", type=_positive_int, default=50,
+                        help="training steps of the torch and JAX demos (default: %(default)s)")
+    parser.add_argument("--skip-torch", action="store_true", help="no torch demo")
+    parser.add_argument("--skip-jax", action="store_true", help="no JAX demo")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    core_demo(args.rows, args.dim, args.batch)
+    if not args.skip_torch:
+        torch_demo(args.steps)
+    if not args.skip_jax:
+        jax_demo(args.steps)
+
+
 if __name__ == "__main__":
-    core_demo()
-    torch_demo()
-    jax_demo()
+    main()

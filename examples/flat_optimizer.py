@@ -3,9 +3,10 @@
 Prints the loss reached and the time per optimizer step of each. On a GPU the flat optimizer
 is one kernel launch per step; without one everything runs on the CPU (NumPy path).
 
-    python examples/flat_optimizer.py
+    python examples/flat_optimizer.py [--steps 200] [--lr 1e-3] [--weight-decay 0.01]
 """
 
+import argparse
 import functools
 import time
 
@@ -20,7 +21,7 @@ def _mlp_data(n=512, d=32, seed=0):
     return x, y
 
 
-def torch_demo(steps=200):
+def torch_demo(steps=200, lr=1e-3, weight_decay=0.01):
     import torch
 
     from xferlib.adapters.torch import FlatAdamW
@@ -32,7 +33,7 @@ def torch_demo(steps=200):
         layers = [torch.nn.Linear(32, 64)] + [torch.nn.Linear(64, 64) for _ in range(5)]
         model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.GELU())],
                                     torch.nn.Linear(64, 1)).to(device)
-        opt = make(model.parameters(), lr=1e-3, weight_decay=0.01)
+        opt = make(model.parameters(), lr=lr, weight_decay=weight_decay)
         step_time = 0.0
         for _ in range(steps):
             opt.zero_grad()
@@ -49,7 +50,7 @@ def torch_demo(steps=200):
               f"step {1e6 * step_time / steps:8.1f} us")
 
 
-def jax_demo(steps=200):
+def jax_demo(steps=200, lr=1e-3, weight_decay=0.01):
     import jax
     import jax.numpy as jnp
     import optax
@@ -69,7 +70,7 @@ def jax_demo(steps=200):
             h = jax.nn.gelu(h @ layer["w"] + layer["b"])
         return jnp.mean((h @ p[-1]["w"] + p[-1]["b"] - y) ** 2)
 
-    ref_tx = optax.adamw(1e-3, weight_decay=0.01)
+    ref_tx = optax.adamw(lr, weight_decay=weight_decay)
 
     @jax.jit
     def ref_step(p, s):
@@ -78,7 +79,7 @@ def jax_demo(steps=200):
         return optax.apply_updates(p, u), s, loss
 
     flat, unravel = ravel(params)
-    tx = flat_adamw(1e-3, weight_decay=0.01)
+    tx = flat_adamw(lr, weight_decay=weight_decay)
 
     # Parameters and state donated: flat_step updates them in place, in one fused pass.
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -99,6 +100,50 @@ def jax_demo(steps=200):
               f"train step {1e6 * (time.perf_counter() - t0) / steps:8.1f} us")
 
 
+def _number(text: str, kind, what: str, ok):
+    """An argparse type: ``kind(text)`` where ``ok`` holds, else an error argparse reports
+    with the option's name (exit status 2)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, "an integer >= 1", lambda v: v >= 1)
+
+
+def _positive_float(text: str) -> float:
+    return _number(text, float, "a number > 0", lambda v: 0 < v < float("inf"))
+
+
+def _nonnegative_float(text: str) -> float:
+    return _number(text, float, "a number >= 0", lambda v: 0 <= v < float("inf"))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=_positive_int, default=200,
+                        help="optimizer steps per run (default: %(default)s)")
+    parser.add_argument("--lr", type=_positive_float, default=1e-3,
+                        help="AdamW's learning rate (default: %(default)s)")
+    parser.add_argument("--weight-decay", type=_nonnegative_float, default=0.01,
+                        help="AdamW's decoupled weight decay (default: %(default)s)")
+    parser.add_argument("--skip-torch", action="store_true", help="no torch runs")
+    parser.add_argument("--skip-jax", action="store_true", help="no JAX runs")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not args.skip_torch:
+        torch_demo(args.steps, args.lr, args.weight_decay)
+    if not args.skip_jax:
+        jax_demo(args.steps, args.lr, args.weight_decay)
+
+
 if __name__ == "__main__":
-    torch_demo()
-    jax_demo()
+    main()

@@ -2,12 +2,14 @@
 
 A generated corpus with planted structure: the vocabulary is split into topics, and each
 sentence draws its words from one topic. After training, words of the same topic should be
-closer (cosine) than words of different topics, which the script checks.
+closer (cosine) than words of different topics: the script prints both, and fails when a
+run of at least ``LEARN_STEPS`` steps did not learn the topics.
 
-The two tables (input and output vectors) with their Adam state are larger than the stated
-GPU budget: they live in host RAM (xferlib.HostTable) and each step moves only the rows the
-batch touches; the Adam update runs fused in backward (torch) or in ``host_update`` (JAX).
-Runs on a CPU (the NumPy path) or a GPU, in torch and in JAX.
+The two tables (input and output vectors) with their Adam state live in host RAM
+(xferlib.HostTable) and each step moves only the rows the batch touches; the Adam update runs
+fused in backward (torch) or in ``host_update`` (JAX). On a GPU, ``--gpu-budget-mb`` is the
+GPU memory the two tables' caches of hot rows may take (split evenly; 0: no cache); without a
+GPU everything runs on the CPU (the NumPy path) and there is no cache. Runs in torch and JAX.
 
     python examples/word2vec_host_table.py [--steps 400] [--vocab 5000] [--gpu-budget-mb 1]
 """
@@ -15,6 +17,7 @@ Runs on a CPU (the NumPy path) or a GPU, in torch and in JAX.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 from tqdm import tqdm
@@ -50,19 +53,48 @@ def topic_separation(vectors: np.ndarray, topics: int, rng) -> tuple[float, floa
     return float(np.mean(np.sum(v[a] * v[same], 1))), float(np.mean(np.sum(v[a] * v[other], 1)))
 
 
-def train_torch(args, corpus, rng):
+# The planted topics take a few hundred steps to learn: at the default sizes (torch, CPU) the
+# same-topic cosine led the different-topic one by 0.003 after 10 steps, 0.43 after 150 and
+# 0.56 after 300. So the run fails on that check only when at least LEARN_STEPS steps ran;
+# a shorter run prints the figures and exits 0.
+LEARN_STEPS = 300
+LEARN_MARGIN = 0.2
+
+
+def cache_rows_for(budget_mb: float, vocab: int, dim: int) -> int:
+    """Rows of each of the two tables' GPU caches that fit in ``budget_mb`` (split evenly).
+
+    A cached row holds the weights and the Adam state as the table stores them (padded to
+    whole cache lines), so its size is read from a table's layout rather than guessed."""
+    row_bytes = xferlib.HostTable(0, dim, optimizer="adam").layout.row_width * 4  # float32
+    return min(vocab, int(budget_mb * 2**20 / 2 / row_bytes))
+
+
+def on_gpu() -> bool:
+    """True where the torch run uses CUDA (a GPU that torch sees, and CuPy for the kernels)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and xferlib.cupy_available()
+
+
+def train_torch(args, corpus, rng, cache_rows):
+    """Train in torch (``HostEmbedding`` modules, on CUDA when ``cache_rows`` is not None);
+    return the center vectors."""
     import torch
     import torch.nn.functional as F
 
     from xferlib.adapters.torch import HostEmbedding
 
-    device = "cuda" if torch.cuda.is_available() and xferlib.cupy_available() else "cpu"
+    device = "cpu" if cache_rows is None else "cuda"
     adam = {"lr": args.lr}
+    cache = cache_rows or 0
     centers = HostEmbedding(args.vocab, args.dim, optimizer="adam", optimizer_kwargs=adam,
                             init=("uniform", -0.5 / args.dim, 0.5 / args.dim), device=device,
-                            seed=1)
+                            seed=1, cache_rows=cache)
     contexts = HostEmbedding(args.vocab, args.dim, optimizer="adam", optimizer_kwargs=adam,
-                             init="zeros", device=device)
+                             init="zeros", device=device, cache_rows=cache)
     batches = skipgram_batches(rng, corpus, args.batch, args.window, args.negatives, args.vocab)
     for _ in (progress := tqdm(range(args.steps), desc="torch", mininterval=1.0)):
         c, o, n = (torch.from_numpy(x).to(device) for x in next(batches))
@@ -75,17 +107,21 @@ def train_torch(args, corpus, rng):
     return np.array(centers.table.numpy())
 
 
-def train_jax(args, corpus, rng):
+def train_jax(args, corpus, rng, cache_rows):
+    """Train inside ``jax.jit`` (``host_lookup`` / ``host_update``); return the center
+    vectors."""
     import jax
     import jax.numpy as jnp
 
     from xferlib.adapters.jax import host_lookup, host_update
 
     adam = {"lr": args.lr}
+    cache = cache_rows or 0
     centers = xferlib.HostTable(args.vocab, args.dim, optimizer="adam", optimizer_kwargs=adam,
-                                init=("uniform", -0.5 / args.dim, 0.5 / args.dim), seed=1)
+                                init=("uniform", -0.5 / args.dim, 0.5 / args.dim), seed=1,
+                                cache_rows=cache)
     contexts = xferlib.HostTable(args.vocab, args.dim, optimizer="adam",
-                                 optimizer_kwargs=adam, init="zeros")
+                                 optimizer_kwargs=adam, init="zeros", cache_rows=cache)
 
     def loss_fn(u, v_pos, v_neg):
         pos = jnp.sum(u * v_pos, -1)
@@ -110,40 +146,91 @@ def train_jax(args, corpus, rng):
     return np.array(centers.numpy())
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=5000)
-    parser.add_argument("--topics", type=int, default=100)
-    parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--window", type=int, default=3)
-    parser.add_argument("--negatives", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--gpu-budget-mb", type=float, default=1.0,
-                        help="the GPU memory this run may use for embeddings (illustrative)")
-    parser.add_argument("--skip-jax", action="store_true")
-    args = parser.parse_args()
+def _number(text: str, kind, what: str, ok) -> float:
+    """An argparse type: ``kind(text)`` where ``ok`` holds, else an error argparse reports
+    with the option's name (exit 2)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
 
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, "an integer >= 1", lambda v: v >= 1)
+
+
+def _positive_float(text: str) -> float:
+    return _number(text, float, "a number > 0", lambda v: 0 < v < float("inf"))
+
+
+def _budget_mb(text: str) -> float:
+    return _number(text, float, "a number of MB >= 0", lambda v: 0 <= v < float("inf"))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"The run fails (exit 1) when, after at least {LEARN_STEPS} steps, words of "
+               f"one topic are not closer than words of different topics by "
+               f"{LEARN_MARGIN}; shorter runs print the figures only.")
+    parser.add_argument("--vocab", type=_positive_int, default=5000, help="words (rows per table)")
+    parser.add_argument("--topics", type=_positive_int, default=100,
+                        help="planted topics (at least 2, and at most --vocab)")
+    parser.add_argument("--dim", type=_positive_int, default=32, help="vector width")
+    parser.add_argument("--steps", type=_positive_int, default=400, help="training steps")
+    parser.add_argument("--batch", type=_positive_int, default=1024, help="center words per step")
+    parser.add_argument("--window", type=_positive_int, default=3, help="context window")
+    parser.add_argument("--negatives", type=_positive_int, default=5,
+                        help="negative samples per center word")
+    parser.add_argument("--lr", type=_positive_float, default=0.05, help="Adam's learning rate")
+    parser.add_argument("--gpu-budget-mb", type=_budget_mb, default=1.0,
+                        help="GPU memory for the two tables' caches of hot rows, in MB (split "
+                             "evenly; 0: no cache); used on a GPU only (default: %(default)s)")
+    parser.add_argument("--skip-jax", action="store_true", help="train in torch only")
+    args = parser.parse_args(argv)
+    if not 2 <= args.topics <= args.vocab:
+        parser.error(f"--topics must be between 2 and --vocab ({args.vocab}), got {args.topics}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     rng = np.random.default_rng(0)
     corpus = make_corpus(rng, args.vocab, args.topics, sentences=20000, length=12)
     table_mb = 2 * args.vocab * args.dim * 4 * 3 / 2**20  # two tables, weights + Adam's m, v
     batch_mb = args.batch * (2 + args.negatives) * args.dim * 4 / 2**20
-    print(f"tables with Adam state: {table_mb:.1f} MB, above the GPU budget of "
-          f"{args.gpu_budget_mb:.1f} MB; a step moves {batch_mb:.2f} MB of rows")
-    assert table_mb > args.gpu_budget_mb
+    # None: no GPU (no cache to size); else the rows each table's cache holds.
+    cache_rows = cache_rows_for(args.gpu_budget_mb, args.vocab, args.dim) if on_gpu() else None
+    where = ("no GPU here: the tables, their state and the updates stay in host RAM"
+             if cache_rows is None else
+             f"GPU caches of {cache_rows} hot rows per table ({cache_rows / args.vocab:.0%} of "
+             f"the rows) in {args.gpu_budget_mb:g} MB")
+    print(f"tables with Adam state: {table_mb:.1f} MB in host RAM; a step moves "
+          f"{batch_mb:.2f} MB of rows; {where}")
 
-    results = {"torch": train_torch(args, corpus, np.random.default_rng(1))}
+    results = {"torch": train_torch(args, corpus, np.random.default_rng(1), cache_rows)}
     if not args.skip_jax:
         try:
-            results["jax"] = train_jax(args, corpus, np.random.default_rng(1))
+            results["jax"] = train_jax(args, corpus, np.random.default_rng(1), cache_rows)
         except ImportError:
             print("jax is not installed: skipping the JAX run")
+    failed = []
     for name, vectors in results.items():
         same, other = topic_separation(vectors, args.topics, np.random.default_rng(2))
-        print(f"{name}: mean cosine, same topic {same:.3f}, different topics {other:.3f}")
-        assert same > other + 0.2, f"{name}: the planted topics were not learned"
+        learned = same > other + LEARN_MARGIN
+        print(f"{name}: mean cosine, same topic {same:.3f}, different topics {other:.3f}: "
+              f"{'topics learned' if learned else 'topics not learned yet'}")
+        if not learned and args.steps >= LEARN_STEPS:
+            failed.append(name)
+    if failed:
+        print(f"the planted topics were not learned in {args.steps} steps: {failed}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
