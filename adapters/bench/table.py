@@ -42,7 +42,9 @@ Run it as ``xferlib bench table [--quick] [--json PATH]``; from Python::
     for check in report["targets"]:
         print(check["target"], check["value"], check["met"])
 
-Without a GPU: the NumPy path on a smaller table.
+Without a GPU: the NumPy path on a smaller table (1M x 64, 16,384 Zipf lookups), SGD
+and Adam, each beside plain NumPy running the same optimizer (``numpy_sgd_step``,
+``numpy_adam_step``).
 """
 
 from __future__ import annotations
@@ -497,31 +499,97 @@ def _check_targets(results, quick: bool) -> list[dict]:
 # ----------------------------------------------------------------------------- CPU
 
 
-def _run_numpy(quick: bool) -> dict:
+# The CPU rows: xferlib's NumPy path beside what a NumPy user writes for the same optimizer,
+# on the same table, batches and gradients (hyperparameters: torch.optim's defaults but lr).
+CPU_OPTIMIZERS = ("sgd", "adam")
+CPU_LR = 0.01
+# What each plain NumPy row does, named in its impl.
+_NUMPY_RULES = {"sgd": "add.at SGD",
+                "adam": "unique, add.at gradient sums, lazy Adam on the touched rows"}
+
+
+def numpy_sgd_step(weights, idx, grads, lr=CPU_LR) -> None:
+    """Plain SGD on the rows ``idx`` of ``weights``, in place: ``np.add.at`` adds every
+    repeated row's gradient (torch.optim.SGD's rule on the summed gradient)."""
+    np.add.at(weights, idx, -lr * grads)
+
+
+def numpy_adam_step(weights, exp_avg, exp_avg_sq, steps, idx, grads, lr=CPU_LR,
+                    betas=(0.9, 0.999), eps=1e-8) -> None:
+    """Lazy Adam on the rows ``idx`` of ``weights``, in place, as xferlib's host tables run
+    it: repeated rows' gradients summed, then each touched row's moments updated once and
+    bias-corrected with its own step count (``steps``); torch.optim.Adam's formula."""
+    b1, b2 = betas
+    rows, inverse = np.unique(idx, return_inverse=True)
+    g = np.zeros((rows.size, weights.shape[1]), weights.dtype)
+    np.add.at(g, inverse, grads)
+    steps[rows] += 1
+    t = steps[rows][:, None]
+    m = exp_avg[rows] * b1 + (1 - b1) * g
+    v = exp_avg_sq[rows] * b2 + (1 - b2) * g * g
+    exp_avg[rows], exp_avg_sq[rows] = m, v
+    denom = np.sqrt(v) / np.sqrt(1 - b2 ** t) + eps
+    weights[rows] -= (lr / (1 - b1 ** t)) * m / denom
+
+
+def numpy_step(optimizer: str, table):
+    """A function ``step(idx, grads)`` running ``optimizer`` in plain NumPy on a copy of
+    ``table``'s weights (the baseline row), and that copy."""
+    weights = np.array(table.numpy())
+    if optimizer == "sgd":
+        return (lambda idx, grads: numpy_sgd_step(weights, idx, grads)), weights
+    if optimizer == "adam":
+        exp_avg, exp_avg_sq = np.zeros_like(weights), np.zeros_like(weights)
+        steps = np.zeros(len(weights), np.int64)
+        return (lambda idx, grads: numpy_adam_step(weights, exp_avg, exp_avg_sq, steps, idx,
+                                                   grads)), weights
+    raise ValueError(f"no NumPy baseline for optimizer {optimizer!r}; "
+                     f"choose one of {CPU_OPTIMIZERS}")
+
+
+def _run_numpy(quick: bool, rows: int = 1 << 20, dim: int = 64, batch: int = 16 * 1024,
+               repeats: int | None = None) -> dict:
+    """Time xferlib's NumPy path against plain NumPy, the same optimizer on both sides of
+    each pair of rows (``optimizer`` in each record, and named in each row's ``impl``)."""
     import xferlib
     from xferlib.bench.report import environment
 
-    print("no CUDA GPU found: timing the NumPy path of HostTable on a 1M x 64 table")
-    rows, dim, n = 1 << 20, 64, 16 * 1024
+    print(f"no CUDA GPU found: timing the NumPy path of HostTable on a {rows} x {dim} table, "
+          f"{batch} Zipf lookups per step, beside plain NumPy running the same optimizer")
+    repeats = repeats or (5 if quick else 10)
     rng = np.random.default_rng(0)
-    sets = [zipf_indices(rng, rows, n, permutation=rng.permutation(rows))
+    sets = [zipf_indices(rng, rows, batch, permutation=rng.permutation(rows))
             for _ in range(INDEX_SETS)]
-    grads = rng.standard_normal((n, dim)).astype(np.float32)
-    table = xferlib.HostTable(rows, dim, optimizer="adam", seed=0)
-    weights = np.array(table.numpy())
-    results = [_record("xferlib HostTable step (numpy, Adam)", cpu_time_ms(
-        lambda i: (table.lookup(sets[i % INDEX_SETS]),
-                   table.apply_gradients(sets[i % INDEX_SETS], grads)), 5 if quick else 10), n,
-        kind="step")]
+    grads = rng.standard_normal((batch, dim)).astype(np.float32)
+    results = []
+    for opt in CPU_OPTIMIZERS:
+        # One optimizer's tables at a time: the Adam pair alone holds 2 x 3 x rows x dim floats.
+        table = xferlib.HostTable(rows, dim, optimizer=opt, optimizer_kwargs={"lr": CPU_LR},
+                                  init=("uniform", -0.1, 0.1), seed=0)
+        baseline, weights = numpy_step(opt, table)
 
-    def numpy_sgd(i):
-        idx = sets[i % INDEX_SETS]
-        weights[idx]
-        np.add.at(weights, idx, -0.01 * grads)
+        def xferlib_step(i, table=table):
+            idx = sets[i % INDEX_SETS]
+            table.lookup(idx)
+            table.apply_gradients(idx, grads)
 
-    results.append(_record("numpy fancy indexing + add.at SGD", cpu_time_ms(numpy_sgd, 5), n,
-                           kind="step"))
-    for r in results:
-        _print(r)
+        def numpy_row(i, baseline=baseline, weights=weights):
+            idx = sets[i % INDEX_SETS]
+            weights[idx]  # the lookup, as the xferlib row does it
+            baseline(idx, grads)
+
+        ours = _record(f"xferlib HostTable step (numpy path, {opt})",
+                       cpu_time_ms(xferlib_step, repeats), batch, kind="step", optimizer=opt,
+                       dist="zipf")
+        plain = _record(f"plain NumPy step: fancy indexing + {_NUMPY_RULES[opt]} ({opt})",
+                        cpu_time_ms(numpy_row, repeats), batch, kind="step", optimizer=opt,
+                        dist="zipf")
+        ours["x_vs_numpy"] = plain["ms"] / ours["ms"]
+        results += [ours, plain]
+        _print(ours)
+        _print(plain)
+        print(f"    ({opt}: plain NumPy's step takes {ours['x_vs_numpy']:.2f}x xferlib's time)")
+        del table, baseline, weights
     return {"suite": "table", "environment": environment(), "backend": "numpy",
             "results": results, "targets": []}
+
