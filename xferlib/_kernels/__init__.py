@@ -6,6 +6,7 @@ Each kernel family lives in its own module as a ``*_KERNEL`` source string and a
 
 from xferlib._kernels._registry import KernelModule, all_modules, grid_1d, launch_config
 from xferlib._kernels.cache import CACHE_KERNEL, CACHE_MODULE
+from xferlib._kernels.collection import COLLECTION_KERNEL, COLLECTION_MODULE
 from xferlib._kernels.optim import OPTIM_KERNEL, OPTIM_MODULE
 from xferlib._kernels.rows import ROWS_KERNEL, ROWS_MODULE
 from xferlib._kernels.scattered import SCATTERED_KERNEL, SCATTERED_MODULE
@@ -13,6 +14,7 @@ from xferlib._kernels.table import TABLE_KERNEL, TABLE_MODULE
 from xferlib._kernels.tt import TT_KERNEL, TT_MODULE  # FBTT's shape: one module per TT shape
 
 __all__ = ["KernelModule", "all_modules", "grid_1d", "launch_config", "CACHE_KERNEL", "CACHE_MODULE",
+           "COLLECTION_KERNEL", "COLLECTION_MODULE",
            "OPTIM_KERNEL", "OPTIM_MODULE", "ROWS_KERNEL", "ROWS_MODULE", "SCATTERED_KERNEL",
            "SCATTERED_MODULE", "TABLE_KERNEL",
            "TABLE_MODULE", "TT_KERNEL", "TT_MODULE"]

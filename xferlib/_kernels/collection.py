@@ -451,5 +451,9 @@ def all_update_modules():
     return tuple(update_module(rule, d) for rule in RULE_IDS for d in _TYPES)
 
 
+# Registered at import (nothing is compiled before a launch), so the compile test sees them.
+all_update_modules()
+
+
 def c_type(dtype_name: str) -> str:
     return _TYPES[dtype_name]
