@@ -147,3 +147,10 @@ def test_approx_normal_costs_a_few_times_normal():
     normal = _best_of(lambda: tt.init_tt_cores(shape, "normal", rng=rng))
     approx = _best_of(lambda: tt.init_tt_cores(shape, "approx-normal", rng=rng))
     assert approx < 6 * normal + 0.05, (approx, normal)
+
+
+def test_init_tt_cores_names_the_shape_it_needs():
+    from xferlib.tt import init_tt_cores
+
+    with pytest.raises(TypeError, match=r"init_tt_cores\(TTShape\(p_shapes, q_shapes, ranks\)\)"):
+        init_tt_cores([200, 220, 250], [4, 4, 4], [16, 16])

@@ -26,6 +26,10 @@ def init_tt_cores(shape: TTShape, weight_dist: str = "approx-normal", num_embedd
     (default: the table's rows). Vectorized: seconds, not minutes, for large cores; the same
     ``rng`` state gives the same cores.
     """
+    if not isinstance(shape, TTShape):
+        raise TypeError(f"init_tt_cores takes a TTShape, got {type(shape).__name__} "
+                        f"{shape!r}: build it first, e.g. init_tt_cores(TTShape(p_shapes, "
+                        f"q_shapes, ranks))")
     rng = np.random.default_rng() if rng is None else rng
     n_rows = (shape.num_rows if num_embeddings is None
               else integral_size("num_embeddings", num_embeddings))
