@@ -286,3 +286,21 @@ def test_init_same_values_on_cpu_and_gpu():
     for k in ("exp_avg", "exp_avg_sq", "step"):
         for t in range(3):
             np.testing.assert_array_equal(cpu.state(t, k), gpu.state(t, k))
+
+
+@pytest.mark.gpu
+def test_gpu_collection_takes_numpy_inputs():
+    get_backend("cupy")
+    tables = [TableConfig(40, 4, placement="host"), TableConfig(30, 8)]
+    cpu = EmbeddingCollection(tables, "adam", device="cpu", seed=2)
+    gpu = EmbeddingCollection(tables, "adam", device="cuda", seed=2)
+    idx, off = np.array([1, 5, 5, 39, 0, 29]), np.array([0, 2, 4, 5, 6])
+    a, ctx_a = cpu.forward(idx, off)
+    b, ctx_b = gpu.forward(idx, off)
+    assert isinstance(b, np.ndarray)
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+    grad = np.random.default_rng(0).standard_normal(a.shape).astype(np.float32)
+    cpu.backward(ctx_a, grad)
+    gpu.backward(ctx_b, grad)
+    for t in range(2):
+        np.testing.assert_allclose(cpu.weights(t), gpu.weights(t), rtol=1e-5, atol=1e-6)

@@ -14,7 +14,8 @@ sparse rules, names, defaults and lazy semantics (``xferlib.table.rules``): a ro
 looked up keeps its weights and state, and bias corrections use the row's own step count.
 
 The NumPy path (NumPy indices) runs on any machine; the GPU path (CuPy indices) needs the
-collection on the GPU (``device="cuda"``, the default where CuPy sees a GPU).
+collection on the GPU (``device="cuda"``, the default where CuPy sees a GPU), which also takes
+NumPy inputs: they are copied to the GPU and the pooled rows come back as NumPy.
 """
 
 from __future__ import annotations
@@ -343,7 +344,19 @@ class EmbeddingCollection:
         if is_cupy_array(indices):
             return self._gpu_side().forward(indices, offsets, per_sample_weights, B, out,
                                             stream)
-        self._require_numpy_path()
+        if self.device == "cuda":
+            # NumPy in, NumPy out on a GPU collection: the inputs cross to the GPU and the
+            # pooled rows come back (a copy each way and a sync; pass CuPy arrays to stay
+            # on the device).
+            import cupy
+
+            if out is not None:
+                raise TypeError("out= must be a CuPy array on a GPU collection")
+            pooled, ctx = self._gpu_side().forward(
+                cupy.asarray(indices), cupy.asarray(offsets),
+                None if per_sample_weights is None else cupy.asarray(per_sample_weights), B,
+                None, stream)
+            return pooled.get(), ctx
         check_inputs_numpy(self, indices, offsets)
         pooled = pooled_lookup_numpy(self, indices, offsets, per_sample_weights, B, out)
         return pooled, LookupContext(indices, offsets, per_sample_weights, B)
@@ -364,11 +377,15 @@ class EmbeddingCollection:
                              f"{tuple(grad_pooled.shape)}")
         if grad_pooled.dtype.kind != "f":
             raise TypeError(f"grad_pooled must be floating point, got {grad_pooled.dtype}")
-        if is_cupy_array(grad_pooled) != is_cupy_array(ctx.indices):
-            raise TypeError("grad_pooled must be in the namespace of the forward's indices")
         if ctx.plan is not None:
+            if not is_cupy_array(grad_pooled):  # NumPy in, NumPy out (see forward)
+                import cupy
+
+                grad_pooled = cupy.asarray(grad_pooled)
             self._gpu_side().backward(ctx, grad_pooled, stream)
             return
+        if is_cupy_array(grad_pooled):
+            raise TypeError("grad_pooled must be a NumPy array, as the forward's indices were")
         update_numpy(self, ctx, grad_pooled)
 
     def check(self) -> None:
@@ -383,11 +400,6 @@ class EmbeddingCollection:
             self._gpu.synchronize()
 
     # ------------------------------------------------------------------ devices
-
-    def _require_numpy_path(self) -> None:
-        if self.device == "cuda" and "hbm" in self.buffers:
-            raise TypeError("this collection's hbm tables are in GPU memory: pass CuPy "
-                            "indices and offsets (or build it with device='cpu')")
 
     def _gpu_side(self):
         if self.device != "cuda":
