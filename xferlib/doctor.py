@@ -1,10 +1,12 @@
 """``xferlib doctor``: what this machine can use, and what to install or set where it cannot.
 
 Each check prints one line tagged ``ok`` (works), ``--`` (absent, optional) or ``!!`` (a
-problem that costs speed or breaks a path); the closing list says what to do about each
-``--`` and ``!!``. The checks run in an order that keeps them honest: free GPU memory is read
-before torch or JAX touch the GPU, and JAX is imported last, with the user's preallocation
-setting reported as it was found.
+problem that costs speed or breaks a path); the closing lists say what to do about each
+``!!`` and what to install for more paths (each ``--``): a CPU machine without CuPy has
+nothing to fix, its NumPy path runs, and the GPU paths are an optional install. The checks
+run in an order that keeps them honest: free GPU memory is read before torch or JAX touch the
+GPU, and JAX is imported last, with the user's preallocation setting reported as it was
+found.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ __all__ = ["run_doctor"]
 
 class _Report:
     def __init__(self):
-        self.todo: list[str] = []
+        self.todo: list[str] = []  # fixes for problems (``!!``)
+        self.optional: list[str] = []  # installs that add paths (``--``)
         self.failed = False
 
     def line(self, tag: str, what: str, detail: str) -> None:
@@ -34,7 +37,7 @@ class _Report:
     def absent(self, what, detail, todo=None):
         self.line("--", what, detail)
         if todo:
-            self.todo.append(todo)
+            self.optional.append(todo)
 
     def problem(self, what, detail, todo=None, failed=False):
         self.line("!!", what, detail)
@@ -306,10 +309,16 @@ def run_doctor() -> int:
         print("What to do:")
         for i, item in enumerate(dict.fromkeys(report.todo), 1):
             print(f"  {i}. {item}")
-    elif found["gpu"]:
+    elif found["gpu"] and not report.optional:
         print("Nothing to do: every path xferlib has is usable here.")
+    elif found["gpu"]:
+        print("Nothing to fix: the GPU paths are usable here.")
     else:
         print("Nothing to fix. Without a GPU xferlib runs every op on its NumPy path; the GPU "
               "paths need an NVIDIA GPU, its driver and CuPy.")
+    if report.optional:
+        print("Optional, for more paths:")
+        for i, item in enumerate(dict.fromkeys(report.optional), 1):
+            print(f"  {i}. {item}")
     sys.stdout.flush()
     return 1 if report.failed else 0

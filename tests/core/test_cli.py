@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
 
@@ -27,8 +28,34 @@ def test_doctor_reports_every_check():
         assert "pinned memory" in out and "GB/s pinned" in out
         assert "CUDA driver" in out and "CUDA versions" in out
         assert "off (XLA_PYTHON_CLIENT_PREALLOCATE=false)" in out
-    else:
-        assert "the NumPy path runs" in out and "Nothing to fix" in out
+    elif not _cupy_installed():  # a CPU machine as the README's install leaves it
+        assert "the NumPy path runs" in out
+        assert "Nothing to fix" in out and "\n  !!" not in out, out  # nothing is broken
+        # ... and the GPU paths are an optional install, not a fix
+        optional = out[out.index("Optional, for more paths:"):]
+        assert "for the GPU paths: pip install 'xferlib[cuda13]'" in optional, out
+    elif _cupy_imports():  # CuPy without a GPU: nothing to install
+        assert "the NumPy path runs" in out and "Nothing to fix" in out, out
+    else:  # a CuPy that does not import is broken: doctor says so and how to fix it
+        assert "  !!  CuPy " in out and "What to do:" in out and "reinstall CuPy" in out, out
+
+
+def _cupy_installed() -> bool:
+    for dist in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
+        try:
+            metadata.version(dist)
+            return True
+        except metadata.PackageNotFoundError:
+            pass
+    return False
+
+
+def _cupy_imports() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except Exception:  # ImportError, or a CUDA library that fails to load
+        return False
+    return True
 
 
 @pytest.mark.gpu
