@@ -19,7 +19,6 @@ follows ``torch.optim`` exactly.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import numpy as np
@@ -337,25 +336,35 @@ class HostTable:
     # ------------------------------------------------------------------ save / load
 
     def save(self, path) -> None:
-        """Write weights, state and configuration to ``path`` (a ``.npz``), atomically: a
-        crash leaves the old file or the new one, never a torn one. Cached rows are written
-        back first."""
+        """Write the configuration, weights and every optimizer state array to ``path``
+        (exactly that name, whatever its suffix), in xferlib's table format
+        (``xferlib/table/io_format.py``: a checksummed header, then the raw arrays; not a
+        zip), at disk speed with two small buffers. Atomic: written to a temporary file in
+        the same directory, synced, renamed over ``path``, the directory synced; a crash
+        leaves the old file or the new one. ``path`` must be a regular file or absent
+        (ValueError for a device, FIFO or socket, IsADirectoryError for a directory); the
+        file gets the permissions ``open(path, "w")`` would give. Errors name ``path``.
+        Cached rows are written back first."""
         self._flush()
-        save_table(self, path, self._weights.view(np.ndarray), self._state.view(np.ndarray))
+        slots, scalars, steps = split_state(self._layout, self._state.view(np.ndarray))
+        save_table(self, path, {"weights": self._weights.view(np.ndarray), **slots, **scalars,
+                                "step": steps})
 
     @classmethod
     def load(cls, path, *, cache_rows=None) -> "HostTable":
-        """A table saved by :meth:`save`. ValueError for a truncated or foreign file."""
-        config, weights, state = load_table(path)
-        if cache_rows is not None:
-            config["cache_rows"] = cache_rows
-        table = cls(**config, init="zeros")
-        if weights.shape != table._weights.shape or state.shape != table._state.shape:
-            raise ValueError(f"{os.fspath(path)}: array shapes {weights.shape}, {state.shape} "
-                             f"do not match its configuration")
-        table._weights[...] = weights
-        table._state[...] = state
-        return table
+        """A table saved by :meth:`save` (or a ``.npz`` of earlier versions), streamed into
+        the new table's memory in chunks: memory holds the table and two small buffers.
+        ``cache_rows`` overrides the saved cache size. ValueError naming ``path`` and what is
+        wrong for a truncated, corrupt (checksum) or foreign file."""
+        def build(config):
+            if cache_rows is not None:
+                config["cache_rows"] = cache_rows
+            table = cls(**config, init="zeros")
+            slots, scalars, steps = split_state(table._layout, table._state.view(np.ndarray))
+            return table, {"weights": table._weights.view(np.ndarray), **slots, **scalars,
+                           "step": steps}
+
+        return load_table(path, build)
 
     # ------------------------------------------------------------------ lookup / update
 

@@ -1,85 +1,261 @@
-"""Saving a host table to a ``.npz`` file and loading it back.
+"""Saving a host table to a file and loading it back.
 
-The file holds three arrays: ``meta`` (the configuration as JSON bytes, with a format tag),
-``weights`` and ``state`` (the table's storage as it sits in host RAM, layout included). A
-save is atomic: written to a temporary file in the same directory, synced, then renamed.
+:func:`save_table` writes the format of ``io_format.py`` (version 2: a checksummed header, then
+the raw arrays) to a temporary file in the target's directory, syncs it, renames it over the
+target and syncs the directory, so a crash leaves the old file or the new one, never a torn
+one. The target must be a regular file or absent: a device, FIFO, socket or directory is
+refused, never renamed over. The new file gets the permissions ``open(path, "w")`` would give
+(a new one ``0o666`` less the umask, an existing one its mode). Every error names the path
+the caller gave.
+
+:func:`load_table` reads version 2 and the ``.npz`` files of format 1 (:data:`FORMAT`) that
+earlier versions wrote, streaming either into the table's own arrays: memory holds the table
+and a few chunk buffers, never a second copy.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import tempfile
+import secrets
+import stat
 
 import numpy as np
 
-FORMAT = "xferlib.HostTable/1"
+from xferlib.table import io_format
+from xferlib.table.io_format import read_header, read_table_file, write_table_file
+
+FORMAT = "xferlib.HostTable/1"  # the .npz format of earlier versions, still read
+
+_NOT_REGULAR = ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
 
 
-def save_table(table, path, weights, state) -> None:
-    """Write ``table``'s configuration and its host arrays ``weights`` and ``state`` (the
-    table already flushed) to ``path``."""
-    layout = table.layout
-    meta = dict(format=FORMAT, num_rows=table.num_rows, dim=table.dim,
-                dtype=table.dtype.name, optimizer=table.optimizer, hyper=table.hyper,
+def table_config(table) -> dict:
+    """The HostTable constructor's arguments that rebuild ``table`` (the saved configuration)."""
+    return dict(num_rows=table.num_rows, dim=table.dim, dtype=table.dtype.name,
+                optimizer=table.optimizer, optimizer_kwargs=table.hyper or None,
                 cache_rows=table.cache_rows, cache_policy=table.cache_policy,
-                cache_admission=table.cache_admission,
-                slots=list(layout.slots), row_scalars=list(layout.row_scalars))
+                cache_admission=table.cache_admission)
+
+
+# ------------------------------------------------------------------ save
+
+
+def save_table(table, path, arrays: dict) -> None:
+    """Write ``table``'s configuration and its named host ``arrays`` (weights, each state
+    array; the table already flushed) to ``path``."""
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    target = os.path.realpath(path)  # through a symlink, as open(path, "w") writes
+    directory = os.path.dirname(target)
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".xferlib-", suffix=".npz.tmp")
-    except OSError as err:  # name the path asked for, not the temporary file
-        raise type(err)(err.errno, f"cannot save the table to {path} ({err.strerror}: "
-                        f"the directory {directory} must exist and be writable)") from None
+        existing = _check_target(path, target)
+        fd, tmp = _create_temporary(directory, existing)
+    except FileNotFoundError as err:
+        shown = os.path.dirname(os.path.abspath(path))
+        raise FileNotFoundError(err.errno, f"cannot save the table to {path}: the directory "
+                                f"{shown} does not exist", path) from None
+    except OSError as err:
+        raise _naming(err, path) from None
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                     weights=weights, state=state)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+        try:
+            write_table_file(fd, table_config(table), arrays)
+            os.fsync(fd)
+            io_format.drop_cached(fd)  # synced: the pages are clean copies of the table
+        finally:
+            os.close(fd)
+        _check_target(path, target)  # again: the path may have changed while we wrote
+        os.replace(tmp, target)
+    except BaseException as err:
+        try:
             os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(err, OSError):
+            raise _naming(err, path) from err
         raise
+    _sync_directory(directory, path)  # the rename itself survives a power cut
 
 
-def load_table(path):
-    """``(config, weights, state)`` read from ``path``: ``config`` the HostTable constructor's
-    arguments, ``weights`` and ``state`` the saved host arrays. ValueError for a truncated or
-    foreign file."""
+def _check_target(path: str, target: str):
+    """The target's stat if it is a regular file, None if it does not exist; refuses others
+    (``os.replace`` would put a regular file in place of a device node or FIFO)."""
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return st
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, f"cannot save the table to {path}: it is a "
+                                f"directory (give a file name inside it)", path)
+    kind = next((name for test, name in _NOT_REGULAR if test(st.st_mode)), "special file")
+    raise ValueError(f"cannot save the table to {path}: it is a {kind}, not a regular file; "
+                     f"save() replaces a regular file or makes a new one, and never replaces "
+                     f"a device, FIFO, socket or directory")
+
+
+def _create_temporary(directory: str, existing):
+    """``(fd, name)`` of a new file in ``directory``. Created with mode 0o666 so the kernel
+    applies the umask (and a default ACL) as for ``open(path, "w")``; an existing target's
+    mode and owner carry over, as that open would keep them."""
+    for _ in range(100):
+        name = os.path.join(directory, f".xferlib-{os.getpid()}-{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
+        if existing is not None:
+            try:
+                os.fchmod(fd, stat.S_IMODE(existing.st_mode))
+                if (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
+                    os.fchown(fd, existing.st_uid, existing.st_gid)
+            except PermissionError:
+                pass  # only root may give a file away; the mode is set by then
+            except BaseException:
+                os.close(fd)
+                os.unlink(name)
+                raise
+        return fd, name
+    raise FileExistsError(errno.EEXIST, f"no free temporary file name in {directory}")
+
+
+def _sync_directory(directory: str, path: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # a directory we may write but not open (mode -wx): nothing more to do
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):  # fs without it
+            raise _naming(err, path) from None
+    finally:
+        os.close(fd)
+
+
+def _naming(err: OSError, path: str) -> OSError:
+    """``err`` with a message that names ``path`` (a temporary file's name means nothing to
+    the caller)."""
+    if err.filename == path:
+        return err
+    reason = err.strerror or str(err)
+    if err.errno is None:
+        return type(err)(f"cannot save the table to {path}: {reason}")
+    return type(err)(err.errno, f"cannot save the table to {path}: {reason}", path)
+
+
+# ------------------------------------------------------------------ load
+
+
+def load_table(path, build):
+    """The table saved at ``path``. ``build(config)`` makes an empty table from the saved
+    constructor arguments and returns ``(table, arrays)``, its named host arrays to fill;
+    the file is streamed into them. ValueError for a truncated, corrupt or foreign file."""
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, f"cannot load a table from {path}: it is a "
+                                    f"directory", path)
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path} is not an xferlib HostTable file (not a regular file)")
+        head = os.read(fd, 8)
+        if head.startswith(b"PK"):  # a zip archive: format 1 (.npz)
+            return _load_npz(path, build)
+        meta = read_header(fd, path)
+        table, arrays = build(dict(meta["config"]))
+        try:
+            io_format.check_arrays(meta, arrays, path)
+            read_table_file(fd, meta, arrays, path)
+        except BaseException:
+            table.close()
+            raise
+        return table
+    finally:
+        os.close(fd)
+
+
+def _load_npz(path: str, build):
+    """A table from a format-1 ``.npz``: members ``meta`` (JSON bytes), ``weights`` and
+    ``state`` (the state block as it sat in host RAM), streamed member by member."""
     import zipfile
 
-    path = os.fspath(path)
+    def refused(err):
+        return ValueError(f"{path} is truncated or not an xferlib HostTable file: "
+                          f"{type(err).__name__}: {err}")
+
     try:
-        data = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:  # not an .npz at all
-        raise ValueError(f"{path} is truncated or not an xferlib HostTable file: "
-                         f"{err}") from err
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path} is not an xferlib HostTable file (a single array, not the "
-                         f"archive save() writes)")
-    try:
-        with data:
-            if set(data.files) != {"meta", "weights", "state"}:
-                raise ValueError(f"{path} is not an xferlib HostTable file "
-                                 f"(arrays {sorted(data.files)})")
-            meta = json.loads(bytes(data["meta"]).decode())
+        with zipfile.ZipFile(path) as archive:
+            names = sorted(n[:-4] if n.endswith(".npy") else n for n in archive.namelist())
+            if names != ["meta", "state", "weights"]:
+                raise ValueError(f"{path} is not an xferlib HostTable file (arrays {names})")
+            with archive.open("meta.npy") as member:
+                meta = json.loads(bytes(np.lib.format.read_array(member)).decode())
             if meta.get("format") != FORMAT:
-                raise ValueError(f"{path} is not an xferlib HostTable file "
-                                 f"(format {meta.get('format')!r})")
-            config = dict(num_rows=meta["num_rows"], dim=meta["dim"], dtype=meta["dtype"],
-                          optimizer=meta["optimizer"], optimizer_kwargs=meta["hyper"] or None,
-                          cache_rows=meta["cache_rows"], cache_policy=meta["cache_policy"],
-                          cache_admission=meta.get("cache_admission", "second-sight"))
-            weights, state = data["weights"], data["state"]
-    except (zipfile.BadZipFile, EOFError, OSError, KeyError,
-            json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{path} is not an xferlib HostTable file (format "
+                                 f"{meta.get('format')!r})")
+            table, arrays = build(dict(
+                num_rows=meta["num_rows"], dim=meta["dim"], dtype=meta["dtype"],
+                optimizer=meta["optimizer"], optimizer_kwargs=meta["hyper"] or None,
+                cache_rows=meta["cache_rows"], cache_policy=meta["cache_policy"],
+                cache_admission=meta.get("cache_admission", "second-sight")))
+            try:
+                _npz_into(archive, path, table, arrays)
+            except BaseException:
+                table.close()
+                raise
+            return table
+    except (zipfile.BadZipFile, EOFError, KeyError, json.JSONDecodeError,
+            UnicodeDecodeError) as err:
+        raise refused(err) from err
+    except OSError as err:
         if isinstance(err, FileNotFoundError):
             raise
-        raise ValueError(f"{path} is truncated or not an xferlib HostTable file: "
-                         f"{err}") from err
-    return config, weights, state
+        raise refused(err) from err
+
+
+def _npz_into(archive, path, table, arrays) -> None:
+    from xferlib.table.layout import split_state
+
+    layout = table.layout
+    dtype = np.dtype(table.dtype)
+
+    def weights(start, stop, rows):
+        arrays["weights"][start:stop] = rows
+
+    def state(start, stop, rows):
+        slots, scalars, steps = split_state(layout, rows)
+        for name, part in {**slots, **scalars, "step": steps}.items():
+            arrays[name][start:stop] = part
+
+    # Format 1 saved the state block as it sat in RAM: the rest of each storage row after the
+    # weights (row padding included), or state_width wide for a table made from an init array.
+    state_widths = (layout.row_width - layout.state_offset, layout.state_width)
+    for member, widths, fill in (("weights", (table.dim,), weights),
+                                 ("state", state_widths, state)):
+        with archive.open(member + ".npy") as f:
+            try:
+                version = np.lib.format.read_magic(f)
+                shape, fortran, found = (np.lib.format.read_array_header_1_0 if version ==
+                                         (1, 0) else np.lib.format.read_array_header_2_0)(f)
+            except ValueError as err:
+                raise ValueError(f"{path} is truncated or not an xferlib HostTable file: "
+                                 f"its {member!r} array: {err}") from None
+            width = shape[1] if len(shape) == 2 else None
+            if shape[:1] != (table.num_rows,) or width not in widths or fortran or (
+                    found != dtype):
+                raise ValueError(f"{path}: its {member!r} array is {found} {shape}, which does "
+                                 f"not match its configuration ({dtype} "
+                                 f"{(table.num_rows, widths[0])})")
+            step = max(1, io_format.CHUNK_BYTES // (width * dtype.itemsize))
+            for start in range(0, table.num_rows, step):
+                stop = min(table.num_rows, start + step)
+                data = f.read((stop - start) * width * dtype.itemsize)
+                if len(data) < (stop - start) * width * dtype.itemsize:
+                    raise EOFError(f"its {member!r} array ends early")
+                fill(start, stop, np.frombuffer(data, dtype).reshape(stop - start, width))
+            f.read()  # to the member's end: zipfile checks its CRC-32 there
