@@ -142,11 +142,13 @@ POSITIONS = KernelDecl(
 STAGE = KernelDecl(
     "coll_stage", "template <int V, typename T>",
     (("const T*", "host"), ("const i64*", "meta"), ("const i64*", "run"),
-     ("const i64*", "run_off"), ("const int*", "run_tab"), ("i64", "n"), ("T*", "staged"),
-     ("i64", "stage_width"), ("const unsigned long long*", "verdict")),
+     ("const i64*", "run_off"), ("const int*", "run_tab"), ("i64", "n"), ("const T*", "cache"),
+     ("i64", "cache_width"), ("const int*", "slots"), ("T*", "staged"), ("i64", "stage_width"),
+     ("const unsigned long long*", "verdict")),
     r"""
-    // A warp per distinct row: a host table's row copied to staged[r] (sorted keys: the
-    // link's fast pattern); rows of HBM tables are read in place and skipped.
+    // A warp per distinct row: a host table's row copied to staged[r], from its GPU cache
+    // slot (slots[r] >= 0) or from host RAM (sorted keys: the link's fast pattern); rows of
+    // HBM tables are read in place and skipped.
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -156,7 +158,8 @@ STAGE = KernelDecl(
         const i64* m = meta + (i64)run_tab[r] * COLL_META;
         if (off < 0 || !m[M_HOST]) continue;
         const i64 dim = m[M_DIM];
-        const T* src = host + off;
+        const int slot = slots != nullptr ? slots[r] : -1;
+        const T* src = slot >= 0 ? cache + (i64)slot * cache_width : host + off;
         T* dst = staged + r * stage_width;
         for (i64 e = (i64)V * lane; e < dim; e += 32 * V)
             *reinterpret_cast<vec<T, V>*>(dst + e) = *reinterpret_cast<const vec<T, V>*>(src + e);
@@ -316,12 +319,14 @@ UPDATE = KernelDecl(
     (("T*", "hbm"), ("T*", "host"), ("const i64*", "meta"), ("const i64*", "run"),
      ("const i64*", "run_off"), ("const int*", "run_tab"), ("i64", "n"),
      ("const T*", "summed"), ("i64", "width"), ("const T*", "staged"), ("i64", "stage_width"),
-     ("i64", "n_slots"), ("const double*", "hyper"), ("i64", "hyper_width"),
-     ("const unsigned long long*", "verdict")),
+     ("T*", "cache"), ("i64", "cache_width"), ("const int*", "slots"),
+     ("unsigned char*", "dirty"), ("i64", "n_slots"), ("const double*", "hyper"),
+     ("i64", "hyper_width"), ("const unsigned long long*", "verdict")),
     r"""
     // A warp per distinct row: the table's rule on its summed gradient, where the row lives
-    // (HBM, or host RAM with the weights read from the forward's staged copy when given),
-    // with its table's hyperparameters and its own step count.
+    // (HBM; a host table's GPU cache slot, then marked dirty; or host RAM with the weights
+    // read from the forward's staged copy when given), with its table's hyperparameters and
+    // its own step count.
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -331,8 +336,9 @@ UPDATE = KernelDecl(
         if (off < 0) continue;
         const i64 tab = run_tab[r];
         const i64* m = meta + tab * COLL_META;
-        const bool on_host = m[M_HOST] != 0;
-        T* w = (on_host ? host : hbm) + off;
+        const int slot = slots != nullptr && m[M_HOST] ? slots[r] : -1;
+        const bool on_host = m[M_HOST] != 0 && slot < 0;
+        T* w = slot >= 0 ? cache + (i64)slot * cache_width : (m[M_HOST] ? host : hbm) + off;
         T* s = w + m[M_STATE_OFFSET];
         const T* wsrc = on_host && staged != nullptr ? staged + r * stage_width : w;
         const i64 dim = m[M_DIM], step_off = m[M_STEP_OFF];
@@ -345,7 +351,10 @@ UPDATE = KernelDecl(
             update_row<RULE, V, T>(w, wsrc, s, s, g, dim, n_slots, c, lane);
         }
         __syncwarp();
-        if (lane == 0) *reinterpret_cast<i64*>(s + step_off) = t;
+        if (lane == 0) {
+            *reinterpret_cast<i64*>(s + step_off) = t;
+            if (slot >= 0) dirty[slot] = 1;  // written back when evicted or flushed
+        }
     }""")
 
 # The tables' counter-based initializer (``xferlib/collection/init.py`` has its NumPy twin):

@@ -114,6 +114,11 @@ class EmbeddingCollection:
         slots = tuple(self.rule.slots(base_hyper))
         self.layouts = tuple(RowLayout(c.dim, dtype.itemsize, slots, self.rule.row_scalars)
                              for c in configs)
+        cached = [t for t, c in enumerate(configs) if c.cache_rows]
+        host_dims = {c.dim for c in configs if c.placement == "host"}
+        if cached and len(host_dims) > 1:
+            raise ValueError(f"a GPU cache of host rows needs every host table to share one "
+                             f"width; host tables have widths {sorted(host_dims)}")
         self.blocks, self.buffers = self._allocate(seed)
         self._gpu = None  # the GPU side (xferlib/collection/device.py), made on first use
 
@@ -239,8 +244,8 @@ class EmbeddingCollection:
         for key, shape in expected.items():
             if np.shape(state[key]) != shape:
                 raise ValueError(f"{key} must have shape {shape}, got {np.shape(state[key])}")
-        self.synchronize()
         if self._gpu is not None:
+            self._gpu.synchronize(drop_cache=True)  # no cached row may outlive this write
             self._gpu.writes += 1  # staged copies of a forward before this are stale
         for t, name in enumerate(self.names):
             rows = self._host_rows(t).copy()
@@ -395,9 +400,18 @@ class EmbeddingCollection:
             self._gpu.check()
 
     def synchronize(self) -> None:
-        """Wait for this collection's queued GPU work."""
+        """Wait for this collection's queued GPU work; cached rows are written back to host
+        RAM (they stay cached)."""
         if self._gpu is not None:
             self._gpu.synchronize()
+
+    def cache_stats(self) -> dict:
+        """The host tables' GPU cache since construction: distinct rows looked up (of every
+        table: rows of HBM tables count as misses that are never admitted), hits, misses,
+        admitted and evicted rows."""
+        if self._gpu is None:
+            return dict(lookups=0, hits=0, misses=0, admitted=0, evicted=0)
+        return self._gpu.cache_stats()
 
     # ------------------------------------------------------------------ devices
 

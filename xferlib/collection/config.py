@@ -45,6 +45,11 @@ class TableConfig:
       placement: ``"hbm"`` (GPU memory) or ``"host"`` (pinned host RAM, read and written by
         the step's kernels over the link).
       lr: this table's learning rate; None takes the collection optimizer's ``lr``.
+      cache_rows: for a ``host`` table on the GPU, rows (with their optimizer state) of it
+        kept in the collection's GPU cache of hot rows. The host tables share one cache
+        (sized by their sum; least recently used rows go first, a row admitted the second
+        time it misses), so its rows go to whichever table is hot; it needs the cached
+        tables to share one row layout (the same ``dim``). Unused on the CPU.
       init: ``("normal", mean, std)`` (default ``("normal", 0, 1)``, as
         ``torch.nn.EmbeddingBag``), ``("uniform", low, high)`` or ``"zeros"``.
 
@@ -58,6 +63,7 @@ class TableConfig:
     placement: str = "hbm"
     lr: float | None = None
     init: object = ("normal", 0.0, 1.0)
+    cache_rows: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "num_rows", _integral("num_rows", self.num_rows, 1))
@@ -73,6 +79,10 @@ class TableConfig:
                 raise ValueError(f"lr must be >= 0, got {self.lr}")
             object.__setattr__(self, "lr", float(self.lr))
         init_kind(self.init)  # a bad initializer fails here, before anything is allocated
+        object.__setattr__(self, "cache_rows", _integral("cache_rows", self.cache_rows, 0))
+        if self.cache_rows and self.placement != "host":
+            raise ValueError(f"cache_rows is for host tables (a cache of their hot rows in "
+                             f"HBM); table {self.name!r} is placed in {self.placement!r}")
 
     def named(self, k: int) -> "TableConfig":
         """This config with its default name filled in (the k-th table: ``"t{k}"``)."""

@@ -47,6 +47,8 @@ class GpuPlan:
     writes: int  # the side's write count when staged
     words: object  # the verdict
     n: int
+    slots: object = None  # each run's GPU cache slot (-1: not cached), from the forward
+    cache_pass: int = 0  # the cache pass that found them
 
 
 class CollectionReport:
@@ -85,16 +87,24 @@ class CollectionDevice:
         self.coll = coll
         self.dtype_name = coll.dtype.name
         itemsize = coll.dtype.itemsize
-        rows, key_base = [], 0
+        # Keys: host tables first, in their buffer's order, so that a host table's key is its
+        # row's place in the host buffer (one table of every host row: what the GPU cache
+        # keys by), then the HBM tables.
+        order = sorted(range(coll.num_tables), key=lambda t: coll.tables[t].placement != "host")
+        key_bases, key_base = {}, 0
+        for t in order:
+            key_bases[t] = key_base
+            key_base += coll.tables[t].num_rows
+        self.total_rows = key_base
+        self.host_rows = sum(c.num_rows for c in coll.tables if c.placement == "host")
+        rows = []
         for t, (config, block) in enumerate(zip(coll.tables, coll.blocks)):
             layout = block.layout
             fields = dict(num_rows=config.num_rows, dim=config.dim, d_off=coll.dim_offsets[t],
                           host=int(config.placement == "host"), base=block.base,
                           row_width=layout.row_width, state_offset=layout.state_offset,
-                          step_off=layout.step_offset, key_base=key_base)
+                          step_off=layout.step_offset, key_base=key_bases[t])
             rows.append([fields[f] for f in META_FIELDS])
-            key_base += config.num_rows
-        self.total_rows = key_base
         self.meta = cupy.asarray(np.array(rows, dtype=np.int64))
         self.hbm = coll.buffers.get("hbm")
         host = coll.buffers.get("host")
@@ -112,6 +122,17 @@ class CollectionDevice:
         self.writes = 0  # updates queued so far: a staged copy is current only before one
         self.checks = PendingChecks(limit=3)
         self.last_event = None
+        cache_rows = sum(c.cache_rows for c in coll.tables)
+        self.cache = None
+        self.cache_passes = 0  # cache passes queued: a plan's slots are current until the next
+        if cache_rows:
+            from xferlib.table.cache import DeviceCache
+
+            host_layout = next(b.layout for c, b in zip(coll.tables, coll.blocks)
+                               if c.placement == "host")
+            self.cache = DeviceCache(_HostRows(coll, host_layout, self.host_ptr, self.host_rows,
+                                               self.max_blocks),
+                                     min(cache_rows, self.host_rows), "lru", "second-sight")
 
     def hypers_changed(self) -> None:
         self.hyper = None
@@ -179,14 +200,18 @@ class CollectionDevice:
                             perm=plan.perm, bag_of=bag_of, n=n, B=B, run_off=plan.run_off,
                             run_tab=plan.run_tab, verdict=words)
                 inv = None
+                if self.cache is not None:  # rows of host tables found, admitted, evicted
+                    plan.slots = self.cache.insert(_CachePlan(plan), stream)
+                    self.cache_passes += 1
+                    plan.cache_pass = self.cache_passes
                 if self.has_host:
                     plan.staged = cupy.empty((n, self.stage_width), dtype=coll.dtype)
                     grid, block = launch_config(n, max_blocks=self.max_blocks)
                     STAGE.launch(module, (self.vec, c_type(self.dtype_name)), grid, block,
                                  stream=stream, host=self.host_ptr, meta=self.meta,
                                  run=plan.run, run_off=plan.run_off, run_tab=plan.run_tab,
-                                 n=n, staged=plan.staged, stage_width=self.stage_width,
-                                 verdict=words)
+                                 n=n, **self._cache_args(plan.slots), staged=plan.staged,
+                                 stage_width=self.stage_width, verdict=words)
                     inv = cupy.empty(n, dtype=np.int64)
                     inv[plan.perm] = plan.run  # each lookup's run: its staged row
                 grid, block = launch_config(bags)  # a warp per bag
@@ -238,9 +263,13 @@ class CollectionDevice:
             key = _key(plan.keys)
             SUM_CHUNKS.launch(module, (T, key), grid, block, stream=stream, **sums)
             SUM_SPANS.launch(module, (T, key), grid, block, stream=stream, **sums)
-            # The forward's staged weights are current only if no update came between.
+            # The forward's staged weights are current only if no update came between; its
+            # cache slots only if no cache pass came between (else located again).
             staged = plan.staged if plan.writes == self.writes else None
             self.writes += 1
+            slots = plan.slots
+            if self.cache is not None and plan.cache_pass != self.cache_passes:
+                slots = self.cache.probe(_CachePlan(plan), stream)
             kind = int(coll.rule.kind)
             grid, block = launch_config(n, max_blocks=self.max_blocks)  # a warp per row
             UPDATE.launch(update_module(kind, self.dtype_name), (kind, self.vec, T),
@@ -248,24 +277,76 @@ class CollectionDevice:
                           meta=self.meta, run=plan.run, run_off=plan.run_off,
                           run_tab=plan.run_tab, n=n, summed=summed, width=width,
                           staged=staged,
-                          stage_width=self.stage_width,
+                          stage_width=self.stage_width, **self._cache_args(slots),
+                          dirty=self.cache.dirty if slots is not None else None,
                           n_slots=len(coll.layouts[0].slots), hyper=self._hyper_array(),
                           hyper_width=16, verdict=plan.words)
             self._record(stream)
 
+    def _cache_args(self, slots) -> dict:
+        if slots is None:
+            return dict(cache=None, cache_width=0, slots=None)
+        return dict(cache=self.cache.data, cache_width=self.cache.width, slots=slots)
+
     # ---------------------------------------------------------------- waiting
 
-    def synchronize(self) -> None:
+    def synchronize(self, drop_cache: bool = False) -> None:
+        """Queued work done and cached rows written back to host RAM (``drop_cache``: the
+        cache emptied too, before host rows are overwritten)."""
         import cupy
 
         stream = cupy.cuda.get_current_stream()
         if self.last_event is not None:
             stream.wait_event(self.last_event)
+        if self.cache is not None:
+            self.cache.flush(stream, drop_cache)
+            if drop_cache:
+                self.cache_passes += 1  # slots of earlier plans are gone
         stream.synchronize()
+
+    def cache_stats(self) -> dict:
+        stats = dict(lookups=0, hits=0, misses=0, admitted=0, evicted=0)
+        if self.cache is not None:
+            stats.update(self.cache.read_stats())
+        return stats
 
     def check(self) -> None:
         self.synchronize()
         self.checks.poll(wait=True)
+
+
+class _CachePlan:
+    """A collection plan as the cache's passes read it (sorted keys, runs, the verdict)."""
+
+    def __init__(self, plan):
+        self.keys, self.run, self.n = plan.keys, plan.run, plan.n
+        self.verdict = Verdict(plan.words, None)
+
+
+class _HostRows:
+    """The host tables seen as one table of every host row, for the GPU cache
+    (``xferlib.table.cache.DeviceCache`` reads a table's layout, dtype and row count, the
+    host rows' addresses and its launch sizes from this)."""
+
+    def __init__(self, coll, layout, host_ptr, host_rows, max_blocks):
+        import types
+
+        self.table = types.SimpleNamespace(layout=layout, dtype=coll.dtype,
+                                           num_rows=host_rows)
+        self.dtype_name = coll.dtype.name
+        word = 16 // coll.dtype.itemsize
+        # The cache kernels are built for whole 16-byte words or single elements.
+        self.vec = word if layout.dim % word == 0 else 1
+        self.host_ptr, self.host_rows, self.max_blocks = host_ptr, host_rows, max_blocks
+        self.row_width = layout.row_width
+        self.state_ptr = host_ptr + layout.state_offset * coll.dtype.itemsize
+
+    def host_args(self):
+        return (np.uint64(self.host_ptr), np.int64(self.row_width), np.uint64(self.state_ptr),
+                np.int64(self.row_width), np.int64(self.host_rows))
+
+    def launch_size(self, n_warps: int, prefetch: bool = False):
+        return launch_config(max(1, n_warps), max_blocks=self.max_blocks)
 
 
 def _key(array) -> str:

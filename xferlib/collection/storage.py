@@ -53,13 +53,18 @@ class TableBlock:
 
 
 def plan_blocks(layouts, num_rows, itemsize: int):
-    """Blocks for tables of ``layouts`` / ``num_rows`` laid one after another, each on a
-    64-byte boundary; returns ``(blocks, total elements)``."""
+    """Blocks for tables of ``layouts`` / ``num_rows`` laid one after another; returns
+    ``(blocks, total elements)``. Tables of one row layout lie back to back, so the buffer is
+    one table of their rows together (a row's place is ``base / row_width + row`` rows in:
+    the host tables' GPU cache keys rows so); otherwise each starts on a 64-byte line."""
     per_line = max(1, 64 // itemsize)
+    uniform = len({layout.row_width for layout in layouts}) == 1
     blocks, base = [], 0
     for layout, rows in zip(layouts, num_rows):
         blocks.append(TableBlock(base, rows, layout))
-        base += -(-rows * layout.row_width // per_line) * per_line
+        base += rows * layout.row_width
+        if not uniform:
+            base = -(-base // per_line) * per_line
     return blocks, base
 
 
