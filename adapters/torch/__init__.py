@@ -1,5 +1,6 @@
 """PyTorch adapter: xferlib's ops as torch autograd functions, on CPU and CUDA tensors."""
 
+from xferlib.adapters.torch.collection import EmbeddingBagCollection, TableConfig
 from xferlib.adapters.torch.contiguous import ContiguousParams
 from xferlib.adapters.torch.optim import (
     FlatAdagrad,
@@ -22,8 +23,9 @@ from xferlib.adapters.torch.rows import gather_rows
 from xferlib.adapters.torch.tt import (OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag,
                                        suggested_tt_shapes, tt_matrix_to_full)
 
-__all__ = ["ContiguousParams", "FlatAdagrad", "FlatAdam", "FlatAdamax", "FlatAdamW", "FlatLion", "FlatNAdam",
+__all__ = ["ContiguousParams", "EmbeddingBagCollection", "FlatAdagrad", "FlatAdam", "FlatAdamax", "FlatAdamW", "FlatLion", "FlatNAdam",
            "FlatRAdam", "FlatRMSprop", "FlatSGD", "HostEmbedding", "HostEmbeddingBag", "OptimType", "ShardedFlatAdagrad", "ShardedFlatAdam", "ShardedFlatAdamax",
            "ShardedFlatAdamW", "ShardedFlatLion", "ShardedFlatNAdam", "ShardedFlatRAdam",
-           "ShardedFlatRMSprop", "ShardedFlatSGD", "TTEmbeddingBag", "TableBatchedTTEmbeddingBag", "gather_rows",
+           "ShardedFlatRMSprop", "ShardedFlatSGD", "TTEmbeddingBag", "TableBatchedTTEmbeddingBag",
+           "TableConfig", "gather_rows",
            "suggested_tt_shapes", "tt_matrix_to_full"]

@@ -1,0 +1,212 @@
+"""``embedding_bag_collection``: an :class:`xferlib.collection.EmbeddingCollection` inside
+``jax.jit``, trained when gradients are taken.
+
+JAX never owns the collection (its tables live in pinned host RAM or in GPU memory that
+xferlib allocated), so the op is a ``jax.custom_vjp`` over two ``buffer_callback`` calls that
+reach it: the forward is the core's pooled lookup, written into XLA's output buffer; the
+backward is the core's fused backward + update, run on the pooled gradient. On a GPU backend
+the core's kernels launch on XLA's stream; on the CPU backend the NumPy path runs on XLA's
+host buffers. Both callbacks are marked as having side effects, so XLA neither drops the
+update nor caches, merges or hoists a lookup. The update takes the lookup's output as an
+input (unread), so XLA runs it after the lookup even where the pooled gradient does not
+depend on the lookup; a later step's (or ``lax.scan`` iteration's) lookup sees it.
+
+The core keeps a ``LookupContext`` (the batch's plan) from a forward for its backward. A JAX
+residual must be an array, so the backward makes its own: it runs the core's forward again
+on the same ``indices`` / ``offsets`` (held as residuals) into a scratch output, then the
+update. That costs about one more forward per training step (the plan, the sort and, for host
+tables, staging the batch's distinct rows; the pooled rows are written and dropped), and
+needs nothing the core does not offer.
+
+Gradients reach the collection only through a differentiated input: the lookup's output
+depends on no parameter of the model, so ``jax.grad`` of a loss would never ask for its
+cotangent. Pass ``anchor`` (:func:`collection_anchor`, a zero-size array kept among the
+parameters you differentiate); its gradient is zero-size too, and ignoring it is fine.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from xferlib.adapters.jax._callback import as_core_array, device_scope, is_gpu_buffer, xla_stream
+from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
+from xferlib.adapters.jax.host import fill_token
+from xferlib.collection import EmbeddingCollection
+from xferlib.collection.numpy_path import check_inputs_numpy
+
+__all__ = ["embedding_bag_collection", "collection_anchor"]
+
+
+def collection_anchor() -> jax.Array:
+    """The zero-size float32 array that makes gradients reach a collection: keep it among the
+    parameters you differentiate and pass it as ``anchor=`` (its gradient is zero-size)."""
+    return jnp.zeros((0,), jnp.float32)
+
+
+def _checked(coll, indices, offsets, per_sample_weights):
+    """The inputs as JAX arrays, after the checks that need no values (the core's own
+    messages: the core checks again inside the callback, where values are known)."""
+    if not isinstance(coll, EmbeddingCollection):
+        raise TypeError(f"coll must be an xferlib.collection.EmbeddingCollection, got "
+                        f"{type(coll).__name__}")
+    indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+    for name, array in (("indices", indices), ("offsets", offsets)):
+        if array.dtype not in (jnp.int32, jnp.int64):
+            raise TypeError(f"{name} must be an int32 or int64 array, got {array.dtype}")
+        if array.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+    T = coll.num_tables
+    if offsets.shape[0] < 1 or (offsets.shape[0] - 1) % T:
+        raise ValueError(f"offsets must have T * B + 1 entries for T = {T} tables, got "
+                         f"{offsets.shape[0]}")
+    weights = None
+    if per_sample_weights is not None:
+        weights = jnp.asarray(per_sample_weights)
+        if not jnp.issubdtype(weights.dtype, jnp.floating):
+            raise TypeError(f"per_sample_weights must be floating point, got {weights.dtype}")
+        if weights.shape != indices.shape:
+            raise ValueError(f"per_sample_weights must have shape {indices.shape} (one per "
+                             f"index), got {weights.shape}")
+    if is_concrete(indices, offsets):
+        # An eager call: offsets and every index against its table on the host now, so a bad
+        # batch raises the core's ValueError / IndexError before the op runs (under jit the
+        # values exist only inside the callback, which raises there, through XLA).
+        check_inputs_numpy(coll, np.asarray(indices), np.asarray(offsets))
+    return indices, offsets, weights
+
+
+# One custom_vjp per (collection, weighted): jit caches its traces by the function object.
+_FUNCTIONS: "weakref.WeakKeyDictionary[EmbeddingCollection, dict]" = weakref.WeakKeyDictionary()
+
+
+def _function(coll: EmbeddingCollection, weighted: bool):
+    made = _FUNCTIONS.setdefault(coll, {})
+    if weighted not in made:
+        made[weighted] = _make(weakref.ref(coll), weighted)
+    return made[weighted]
+
+
+def _make(ref, weighted: bool):
+    """The custom_vjp for the collection ``ref()`` (held weakly: the cache must not keep a
+    collection and its tables alive)."""
+
+    def core_inputs(buffers, gpu):
+        arrays = [as_core_array(b, gpu) for b in buffers]
+        return arrays[0], arrays[1], arrays[2] if weighted else None
+
+    def collection_for(gpu: bool) -> EmbeddingCollection:
+        coll = ref()
+        if gpu != (coll.device == "cuda"):  # said in JAX's terms, before the core refuses
+            raise TypeError(f"this collection was built with device={coll.device!r} but JAX "
+                            f"runs the call on {'a GPU' if gpu else 'the CPU'}: build it with "
+                            f"device={'cuda' if gpu else 'cpu'!r}")
+        return coll
+
+    @reporting
+    def forward_callback(ctx, out, *buffers):
+        gpu = is_gpu_buffer(out)
+        with device_scope(gpu, out, buffers[0]):
+            indices, offsets, weights = core_inputs(buffers, gpu)
+            collection_for(gpu).lookup(indices, offsets, weights,
+                                       out=as_core_array(out, gpu),
+                                       stream=xla_stream(ctx, gpu))
+
+    @reporting
+    def update_callback(ctx, token, *buffers):
+        # buffers: indices, offsets, [weights], the forward's output (unread), the gradient
+        gpu = is_gpu_buffer(token)
+        with device_scope(gpu, token, buffers[0]):
+            coll, stream = collection_for(gpu), xla_stream(ctx, gpu)
+            indices, offsets, weights = core_inputs(buffers[:-2], gpu)
+            # The forward's context is gone (see the module docstring): plan the batch again.
+            _, lookup = coll.forward(indices, offsets, weights, stream=stream)
+            coll.backward(lookup, as_core_array(buffers[-1], gpu), stream=stream)
+            fill_token(ctx, token, gpu)
+
+    def pooled(indices, offsets, weights):
+        coll = ref()
+        B = (offsets.shape[0] - 1) // coll.num_tables
+        out_type = jax.ShapeDtypeStruct((B, coll.total_dim), coll.dtype)
+        extra = (weights,) if weighted else ()
+        return buffer_callback(forward_callback, out_type, has_side_effect=True)(
+            indices, offsets, *extra)
+
+    @jax.custom_vjp
+    def function(anchor, indices, offsets, weights):
+        return pooled(indices, offsets, weights)
+
+    def fwd(anchor, indices, offsets, weights):
+        out = pooled(indices, offsets, weights)
+        return out, (anchor, indices, offsets, weights, out)
+
+    def bwd(residuals, g):
+        anchor, indices, offsets, weights, out = residuals
+        extra = (weights,) if weighted else ()
+        token_type = jax.ShapeDtypeStruct((), np.int32)
+        # The forward's output is an input of the update, unread: the one data dependence
+        # that makes XLA run the update after the lookup. The pooled gradient alone does not
+        # (the gradient of sum(pooled * w) is w: the update could run first, and the lookup
+        # would read updated rows). Nothing reads the token: the side effect keeps the update.
+        buffer_callback(update_callback, token_type, has_side_effect=True)(
+            indices, offsets, *extra, out, g.astype(ref().dtype))
+        return (jnp.zeros_like(anchor), np.zeros(indices.shape, jax.dtypes.float0),
+                np.zeros(offsets.shape, jax.dtypes.float0),
+                None if weights is None else jnp.zeros_like(weights))
+
+    function.defvjp(fwd, bwd)
+    return function
+
+
+def embedding_bag_collection(coll: EmbeddingCollection, indices, offsets,
+                             per_sample_weights=None, *, anchor=None) -> jax.Array:
+    """The pooled lookup of every table of ``coll``: ``(B, total_dim)`` in the collection's
+    dtype, table ``t`` at columns ``coll.dim_offsets[t]:coll.dim_offsets[t + 1]``; usable
+    inside ``jax.jit``, ``jax.grad`` and ``lax.scan``.
+
+    ``indices``, ``offsets``, ``per_sample_weights``: FBGEMM's layout, as
+    :meth:`EmbeddingCollection.forward` takes it (``offsets`` of ``T * B + 1``; int32 or
+    int64; the per-table dict form goes through ``coll.pack`` first). The per-sample weights
+    scale rows before the pooling and get a zero gradient.
+
+    ``anchor``: :func:`collection_anchor`'s array, among the parameters you differentiate.
+    Differentiating a loss with respect to it runs the collection's fused backward + update
+    (its optimizer on every looked-up row, in place) and gives a zero-size gradient. Without
+    it the call is a lookup only. The collection lives on one device: ``device="cpu"`` for
+    JAX's CPU backend, ``"cuda"`` for its GPU backend (float32 rows, unless JAX runs with
+    x64); a call on the other raises TypeError.
+
+    Bad input raises the core's errors before any table changes: TypeError / ValueError for
+    dtypes and shapes at once; offsets and indices out of range in an eager call (concrete
+    arrays) at once, as the core's ValueError / IndexError; under ``jit`` from the callback
+    as XLA's runtime error, which :func:`~xferlib.adapters.jax.typed_errors` raises as
+    :class:`~xferlib.adapters.jax.CallbackIndexError` / ``CallbackValueError`` with the
+    core's message ("index 9 at position 1 is out of range for table 't0' ..."). On a GPU
+    the check is read without a host sync: the error comes from a later call or
+    ``coll.check()``.
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from xferlib.collection import EmbeddingCollection, TableConfig
+    >>> from xferlib.adapters.jax import collection_anchor, embedding_bag_collection
+    >>> device = "cuda" if jax.default_backend() == "gpu" else "cpu"  # where JAX runs
+    >>> coll = EmbeddingCollection([TableConfig(10, 4, init="zeros"),
+    ...                             TableConfig(20, 2, init="zeros")],
+    ...                            "sgd", {"lr": 1.0}, device=device)
+    >>> indices = jnp.array([1, 1, 3, 5])      # table 0: bags [1, 1], [3]; table 1: [5], []
+    >>> offsets = jnp.array([0, 2, 3, 4, 4])   # T * B + 1 = 2 * 2 + 1
+    >>> def loss(anchor):
+    ...     return embedding_bag_collection(coll, indices, offsets, anchor=anchor).sum()
+    >>> _ = jax.jit(jax.grad(loss))(collection_anchor())  # SGD on rows 1, 3 (t0) and 5 (t1)
+    >>> coll.weights(0)[1].tolist()          # looked up twice: -2
+    [-2.0, -2.0, -2.0, -2.0]
+    """
+    indices, offsets, weights = _checked(coll, indices, offsets, per_sample_weights)
+    function = _function(coll, weights is not None)
+    if anchor is None:  # nothing differentiable reaches the op: a lookup alone
+        anchor = collection_anchor()
+    with typed_errors():  # an eager call runs here; under jit this only traces
+        return function(anchor, indices, offsets, weights)

@@ -1,0 +1,254 @@
+"""embedding_bag_collection (the core collection inside jax.jit) against the core's float64
+references, eager and jitted; torch against JAX on the same data; updates ordered inside a
+lax.scan; bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from xferlib.adapters.jax import (collection_anchor, embedding_bag_collection,  # noqa: E402
+                                  typed_errors)
+from xferlib.collection import (EmbeddingCollection, TableConfig,  # noqa: E402
+                                collection_step_reference, pooled_lookup_reference)
+
+ROWS, DIMS = (7, 1, 33), (4, 3, 8)
+HYPER = {"sgd": {"lr": 0.3, "momentum": 0.9}, "adam": {"lr": 0.05},
+         "rowwise_adagrad": {"lr": 0.2}}
+
+
+def collection(device, optimizer="adam", pooling="sum", seed=4):
+    tables = [TableConfig(n, d, placement=p) for n, d, p in zip(ROWS, DIMS,
+                                                                ("host", "hbm", "host"))]
+    return EmbeddingCollection(tables, optimizer, HYPER[optimizer], pooling=pooling,
+                               device="cuda" if device.platform == "gpu" else "cpu",
+                               seed=seed)
+
+
+def batch(rng, B, max_len=4, dtype=np.int32):
+    lengths = rng.integers(0, max_len + 1, size=len(ROWS) * B)
+    parts = [rng.integers(0, n, int(lengths[t * B:(t + 1) * B].sum()))
+             for t, n in enumerate(ROWS)]
+    return (np.concatenate(parts).astype(dtype),
+            np.concatenate([[0], np.cumsum(lengths)]).astype(dtype))
+
+
+def snapshot(coll):
+    names = [k for k in coll.state_names() if k != "step"]
+    return ([coll.weights(t).astype(np.float64) for t in range(coll.num_tables)],
+            [{k: coll.state(t, k).astype(np.float64) for k in names}
+             for t in range(coll.num_tables)],
+            [coll.state(t, "step").copy() for t in range(coll.num_tables)])
+
+
+def assert_state_equal(a, b, **tol):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        if tol:
+            np.testing.assert_allclose(sa[key], sb[key], err_msg=key, **tol)
+        else:
+            np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
+
+
+def _loss(coll, anchor, idx, off, psw, target):
+    pooled = embedding_bag_collection(coll, idx, off, psw, anchor=anchor)
+    return jnp.sum(pooled * target)  # d loss / d pooled = target
+
+
+@pytest.mark.parametrize("optimizer", list(HYPER))
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_training_matches_reference(device, optimizer, pooling, jit):
+    rng = np.random.default_rng(sum(map(ord, optimizer + pooling)))  # stable per case
+    coll = collection(device, optimizer, pooling)
+    grad_fn = jax.value_and_grad(lambda a, i, o, w, t: _loss(coll, a, i, o, w, t))
+    if jit:
+        grad_fn = jax.jit(grad_fn)
+    anchor = jax.device_put(collection_anchor(), device)
+    for step in range(3):
+        idx, off = batch(rng, B=5, dtype=np.int32 if step % 2 else np.int64)
+        psw = rng.uniform(0.5, 2.0, idx.size).astype(np.float32) if step == 2 else None
+        target = rng.standard_normal((5, sum(DIMS))).astype(np.float32)
+        before = snapshot(coll)
+        put = [None if a is None else jax.device_put(a, device) for a in (idx, off, psw, target)]
+        loss, g = grad_fn(anchor, *put)
+        assert g.shape == (0,)
+        pooled = pooled_lookup_reference(before[0], idx, off, psw, pooling)
+        np.testing.assert_allclose(float(loss), np.sum(pooled * target), rtol=1e-5,
+                                   atol=1e-5)
+        new_w, new_s, new_steps = collection_step_reference(
+            optimizer, coll.hypers, *before, idx, off, target, psw, pooling)
+        for t in range(coll.num_tables):
+            np.testing.assert_allclose(coll.weights(t), new_w[t], rtol=2e-5, atol=2e-6)
+            for k, v in new_s[t].items():
+                np.testing.assert_allclose(coll.state(t, k), v, rtol=2e-5, atol=2e-6)
+            np.testing.assert_array_equal(coll.state(t, "step"), new_steps[t])
+    pooled = embedding_bag_collection(coll, *put[:3])  # no anchor: a lookup, nothing trains
+    before = coll.state_dict()
+    np.testing.assert_allclose(np.asarray(pooled), pooled_lookup_reference(
+        snapshot(coll)[0], idx, off, psw, pooling), rtol=2e-5, atol=2e-6)
+    for key, value in coll.state_dict().items():
+        np.testing.assert_array_equal(value, before[key])
+
+
+def test_jit_and_eager_train_bitwise_alike_with_a_dense_layer(device):
+    """A jitted step (value_and_grad w.r.t. dense parameters and the anchor, optax Adam on the
+    dense part) and the same step run eagerly leave the same bits in both collections."""
+    optax = pytest.importorskip("optax")
+    rng = np.random.default_rng(6)
+    batches = [batch(rng, B=8) for _ in range(4)]
+    ys = [rng.standard_normal(8).astype(np.float32) for _ in range(4)]
+
+    def run(jit):
+        coll = collection(device, "rowwise_adagrad")
+        params = {"w": jnp.asarray(np.linspace(-1, 1, sum(DIMS), dtype=np.float32)),
+                  "emb": collection_anchor()}
+        params = jax.device_put(params, device)
+        opt = optax.adam(1e-2)
+        opt_state = opt.init(params)
+
+        def loss_fn(params, idx, off, y):
+            pooled = embedding_bag_collection(coll, idx, off, anchor=params["emb"])
+            return jnp.mean((pooled @ params["w"] - y) ** 2)
+
+        def step(params, opt_state, idx, off, y):
+            loss, g = jax.value_and_grad(loss_fn)(params, idx, off, y)
+            updates, opt_state = opt.update(g, opt_state)
+            return loss, optax.apply_updates(params, updates), opt_state
+
+        if jit:
+            step = jax.jit(step)
+        losses = []
+        for (idx, off), y in zip(batches, ys):
+            loss, params, opt_state = step(params, opt_state, *jax.device_put((idx, off, y),
+                                                                                device))
+            losses.append(float(loss))
+        return coll, losses, params
+
+    (a, la, pa), (b, lb, pb) = run(True), run(False)
+    np.testing.assert_allclose(la, lb, rtol=1e-6)
+    assert len(set(la)) == 4
+    np.testing.assert_allclose(np.asarray(pa["w"]), np.asarray(pb["w"]), rtol=1e-6,
+                               atol=1e-7)
+    # the collections' updates are the core's, on the same pooled gradients
+    assert_state_equal(a, b, rtol=1e-6, atol=1e-7)
+    assert int(a.state(2, "step").sum()) > 0
+
+
+def test_scan_sees_every_previous_update(device):
+    """The same batch every iteration of a lax.scan: a lookup hoisted out of the loop, or
+    run before the previous step's update, would train on stale rows."""
+    rng = np.random.default_rng(1)
+    coll, reference = collection(device, "sgd"), collection(device, "sgd")
+    idx, off = batch(rng, B=4)
+    targets = rng.standard_normal((5, 4, sum(DIMS))).astype(np.float32)
+
+    @jax.jit
+    def train(anchor, idx, off, targets):
+        def body(carry, target):
+            loss, _ = jax.value_and_grad(
+                lambda a: _loss(coll, a, idx, off, None, target))(anchor)
+            return carry, loss
+        return jax.lax.scan(body, 0, targets)
+
+    _, losses = train(collection_anchor(), *jax.device_put((idx, off, targets), device))
+    expected = []
+    for target in targets:  # the core itself, step by step
+        xp = np
+        if device.platform == "gpu":
+            import cupy as xp
+        out, ctx = reference.forward(xp.asarray(idx), xp.asarray(off))
+        expected.append(float(np.sum(np.asarray(out.get() if hasattr(out, "get") else out)
+                                     * target)))
+        reference.backward(ctx, xp.asarray(target))
+    np.testing.assert_allclose(np.asarray(losses), expected, rtol=1e-5)
+    assert len(set(np.asarray(losses).tolist())) == 5
+    assert_state_equal(coll, reference)
+
+
+def test_torch_and_jax_train_alike():
+    """The torch module and the JAX function over collections built alike, fed the same
+    batches and pooled gradients, leave bitwise-identical tables and optimizer state (both
+    run the core's NumPy path on the CPU)."""
+    torch = pytest.importorskip("torch")
+    from xferlib.adapters.torch import EmbeddingBagCollection
+
+    rng = np.random.default_rng(12)
+    tables = [TableConfig(n, d, placement=p) for n, d, p in zip(ROWS, DIMS,
+                                                                ("host", "hbm", "host"))]
+    module = EmbeddingBagCollection(tables, "adam", {"lr": 0.05}, pooling="mean",
+                                    device="cpu", seed=9)
+    coll = EmbeddingCollection(tables, "adam", {"lr": 0.05}, pooling="mean", device="cpu",
+                               seed=9)
+    step = jax.jit(jax.value_and_grad(lambda a, i, o, w, t: _loss(coll, a, i, o, w, t)))
+    with jax.default_device(jax.devices("cpu")[0]):  # JAX's CPU backend, also beside a GPU
+        _train_both(module, step, rng)
+    assert_state_equal(module.collection, coll)
+
+
+def _train_both(module, step, rng):
+    import torch
+
+    for k in range(4):
+        idx, off = batch(rng, B=6, dtype=np.int64 if k % 2 else np.int32)
+        psw = rng.uniform(0.5, 2, idx.size).astype(np.float32) if k == 3 else None
+        target = rng.standard_normal((6, sum(DIMS))).astype(np.float32)
+        pooled = module(torch.as_tensor(idx), torch.as_tensor(off),
+                        None if psw is None else torch.as_tensor(psw))
+        torch_loss = (pooled * torch.as_tensor(target)).sum()
+        torch_loss.backward()
+        jax_loss, _ = step(collection_anchor(), idx, off, psw, target)
+        np.testing.assert_allclose(float(jax_loss), float(torch_loss.detach()), rtol=1e-6)
+
+
+def test_bad_inputs_raise_the_core_errors_and_change_nothing():
+    cpu = jax.devices("cpu")[0]
+    coll = collection(cpu)
+    with jax.default_device(cpu):  # JAX's CPU backend, also beside a GPU
+        _bad_inputs(coll)
+
+
+def _bad_inputs(coll):
+    before = coll.state_dict()
+    # B = 2; t0: bags [1], [0]; t1: [0], []; t2: [5], [6]
+    idx, off = jnp.array([1, 0, 0, 5, 6]), jnp.array([0, 1, 2, 3, 3, 4, 5])
+    bad = idx.at[4].set(33)
+    grad = jax.grad(lambda a, i, o: embedding_bag_collection(coll, i, o, anchor=a).sum())
+    with pytest.raises(IndexError, match=r"index 33 at position 4 .*table 't2' of 33 rows"):
+        grad(collection_anchor(), bad, off)  # eager: the core's IndexError at once
+    with pytest.raises(IndexError, match=r"index 33 at position 4 .*table 't2'"):
+        with typed_errors():  # jit: from the callback, raised again by type
+            jax.block_until_ready(jax.jit(grad)(collection_anchor(), bad, off))
+    with pytest.raises(ValueError, match="must not decrease"):
+        with typed_errors():
+            jax.block_until_ready(jax.jit(grad)(collection_anchor(), idx,
+                                                jnp.array([0, 2, 1, 3, 3, 4, 5])))
+    with pytest.raises(ValueError, match="must not decrease"):
+        embedding_bag_collection(coll, idx, jnp.array([0, 2, 1, 3, 3, 4, 5]))
+    with pytest.raises(ValueError, match=r"T \* B \+ 1"):
+        embedding_bag_collection(coll, idx, off[:-1])
+    with pytest.raises(TypeError, match="int32 or int64"):
+        embedding_bag_collection(coll, idx.astype(jnp.float32), off)
+    with pytest.raises(ValueError, match="1-D"):
+        embedding_bag_collection(coll, idx.reshape(5, 1), off)
+    with pytest.raises(ValueError, match="per_sample_weights must have shape"):
+        embedding_bag_collection(coll, idx, off, jnp.ones(3))
+    with pytest.raises(TypeError, match="floating point"):
+        embedding_bag_collection(coll, idx, off, jnp.ones(5, jnp.int32))
+    with pytest.raises(TypeError, match="EmbeddingCollection"):
+        embedding_bag_collection(object(), idx, off)
+    for key, value in coll.state_dict().items():
+        np.testing.assert_array_equal(value, before[key], err_msg=key)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from xferlib.adapters.jax import collection
+
+    result = doctest.testmod(collection, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
