@@ -227,25 +227,25 @@ def run_ids(keys, stream):
     import cupy
 
     from xferlib._kernels import grid_1d
-    from xferlib._kernels.table import (RUN_IDS_MAX, TABLE_MODULE, run_firsts_name,
-                                        run_ids_name, run_starts_name)
+    from xferlib._kernels.table import (RUN_FIRSTS, RUN_IDS, RUN_IDS_MAX, RUN_STARTS,
+                                        TABLE_MODULE, key_type)
 
     n = keys.size
-    key_bytes = keys.dtype.itemsize
+    K = (key_type(keys.dtype.itemsize),)
     with stream:
         starts = cupy.empty(n, dtype=np.int64)
         if n <= RUN_IDS_MAX:  # one block numbers them all
             run = cupy.empty(n, dtype=np.int64)
             if n:
-                TABLE_MODULE.get_function(run_ids_name(key_bytes))(
-                    (1,), (1024,), (keys, np.int64(n), run, starts), stream=stream)
+                RUN_IDS.launch(TABLE_MODULE, K, (1,), (1024,), stream=stream, keys=keys, n=n,
+                               run=run, starts=starts)
             return run, starts
         flags = cupy.empty(n, dtype=np.int64)
         grid, block = grid_1d(n, 256, 4096)
-        TABLE_MODULE.get_function(run_starts_name(key_bytes))(
-            grid, block, (keys, np.int64(n), flags), stream=stream)
+        RUN_STARTS.launch(TABLE_MODULE, K, grid, block, stream=stream, keys=keys, n=n,
+                          flags=flags)
         run = cupy.cumsum(flags)
         run -= 1
-        TABLE_MODULE.get_function(run_firsts_name(key_bytes))(
-            grid, block, (keys, run, np.int64(n), starts), stream=stream)
+        RUN_FIRSTS.launch(TABLE_MODULE, K, grid, block, stream=stream, keys=keys, run=run,
+                          n=n, starts=starts)
         return run, starts

@@ -84,8 +84,8 @@ def test_flat_family_ids_and_slots_come_from_the_rules():
 
 
 def test_table_family_ids_defaults_and_checks_are_the_shared_ones():
-    from xferlib._kernels.table import RULE_IDS, RULES as TABLE_RULES, TABLE_MODULE, \
-        sparse_update_name
+    from xferlib._kernels.table import RULE_IDS, RULES as TABLE_RULES, SPARSE_UPDATE, \
+        TABLE_MODULE
     from xferlib.table import SPARSE_OPTIMIZERS, optimizer_defaults
     from xferlib.table.rules import _RULES
 
@@ -96,7 +96,8 @@ def test_table_family_ids_defaults_and_checks_are_the_shared_ones():
         assert optimizer_defaults(name) == shared.defaults
         assert _RULES[name].check is shared.check
         assert _RULES[name].slots(shared.defaults) == shared.buffers(shared.defaults)
-        assert sparse_update_name(shared.kind, 1, "float32", 8) in TABLE_MODULE.name_expressions
+        assert SPARSE_UPDATE.instance(int(shared.kind), 1, "float", "long long") \
+            in TABLE_MODULE.name_expressions
     assert RULE_IDS == tuple(int(OptId[n.upper()]) for n in TABLE_RULES)
     for rule_id in RULE_IDS:
         assert f"XF_OPT_{OptId(rule_id).name}" in TABLE_MODULE.source

@@ -4,6 +4,7 @@ Each kernel family lives in its own module as a ``*_KERNEL`` source string and a
 ``*_MODULE`` :class:`KernelModule`; nothing is compiled at import, only on first launch.
 """
 
+from xferlib._kernels._declare import KernelDecl, defines, named
 from xferlib._kernels._registry import KernelModule, all_modules, grid_1d, launch_config
 from xferlib._kernels.cache import CACHE_KERNEL, CACHE_MODULE
 from xferlib._kernels.collection import COLLECTION_KERNEL, COLLECTION_MODULE
@@ -13,7 +14,7 @@ from xferlib._kernels.scattered import SCATTERED_KERNEL, SCATTERED_MODULE
 from xferlib._kernels.table import TABLE_KERNEL, TABLE_MODULE
 from xferlib._kernels.tt import TT_KERNEL, TT_MODULE  # FBTT's shape: one module per TT shape
 
-__all__ = ["KernelModule", "all_modules", "grid_1d", "launch_config", "CACHE_KERNEL", "CACHE_MODULE",
+__all__ = ["KernelDecl", "defines", "named", "KernelModule", "all_modules", "grid_1d", "launch_config", "CACHE_KERNEL", "CACHE_MODULE",
            "COLLECTION_KERNEL", "COLLECTION_MODULE",
            "OPTIM_KERNEL", "OPTIM_MODULE", "ROWS_KERNEL", "ROWS_MODULE", "SCATTERED_KERNEL",
            "SCATTERED_MODULE", "TABLE_KERNEL",

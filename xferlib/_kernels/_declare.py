@@ -27,7 +27,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["KernelDecl", "defines"]
+__all__ = ["KernelDecl", "defines", "named"]
 
 _SCALARS = {"unsigned long long": np.uint64, "i64": np.int64, "long long": np.int64, "int": np.int32, "unsigned": np.uint32,
             "double": np.float64, "float": np.float32}
@@ -38,14 +38,24 @@ def defines(**constants) -> str:
     return "".join(f"#define {name} {int(value)}\n" for name, value in constants.items())
 
 
+def named(names, values) -> dict:
+    """``{name: value}`` for a group of arguments several kernels share, given in the order
+    of ``names`` (a ValueError when the counts differ).
+
+    >>> named(("x", "n"), (0, 5))
+    {'x': 0, 'n': 5}
+    """
+    return dict(zip(names, values, strict=True))
+
+
 def _convert(ctype: str, value):
-    if ctype.endswith("*"):
+    if "*" in ctype:
         if value is None:
             return np.uint64(0)  # a null pointer: the kernel treats the input as absent
         if isinstance(value, (int, np.integer)):
             return np.uint64(value)
         return value  # a CuPy array: CuPy passes its device pointer
-    base = ctype.replace("const ", "").strip()
+    base = ctype.replace("const ", "").replace("__restrict__", "").strip()
     if base not in _SCALARS:
         raise TypeError(f"no conversion for a kernel argument of type {ctype!r}")
     return _SCALARS[base](value)
@@ -54,19 +64,35 @@ def _convert(ctype: str, value):
 @dataclasses.dataclass(frozen=True)
 class KernelDecl:
     """A ``__global__`` kernel: ``name``, ``template`` head (``""`` for none), ``args`` as
-    ``(C type, name)`` pairs, and the ``body`` (the statements inside the braces)."""
+    ``(C type, name)`` pairs, and the ``body`` (the statements inside the braces);
+    ``launch_bounds`` (``"__launch_bounds__(1024)"``) and ``extern_c`` (C linkage: the
+    kernel's name is its symbol, for a kernel without a template) when given."""
 
     name: str
     template: str
     args: tuple
     body: str
     launch_bounds: str = ""
+    extern_c: bool = False
+
+    def __post_init__(self):
+        names = [name for _, name in self.args]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.name}: an argument name is declared twice: {names}")
+        if self.extern_c and self.template:
+            raise ValueError(f"{self.name}: a template kernel cannot have C linkage")
 
     def source(self) -> str:
         params = ", ".join(f"{ctype} {name}" for ctype, name in self.args)
         bounds = f"{self.launch_bounds} " if self.launch_bounds else ""
-        return (f"{self.template}\n__global__ void {bounds}{self.name}({params}) {{\n"
+        linkage = 'extern "C" ' if self.extern_c else ""
+        return (f"{self.template}\n{linkage}__global__ void {bounds}{self.name}({params}) {{\n"
                 f"{self.body}\n}}\n")
+
+    @property
+    def names(self) -> tuple:
+        """The argument names, in declaration order."""
+        return tuple(name for _, name in self.args)
 
     def instance(self, *template_args) -> str:
         """The name expression of one template instantiation (``axpy<float>``)."""

@@ -23,12 +23,21 @@ Every kernel does nothing when the batch's verdict is set (a bad index): a rejec
 leaves tags, scores, admission bits, statistics and rows as they were.
 """
 
+from xferlib._kernels._declare import KernelDecl, defines
 from xferlib._kernels._registry import KernelModule
 
-CACHE_KERNEL = r"""
+WAYS = 32  # ways per set: a warp's lanes
+
+# Arguments several kernels of the cache and table families share, in the order the host
+# sides give them: ``host_args()`` (the host weights and state, their strides, the row
+# count) and ``TableCache._layout_args()`` (the cache, its row width, the row's width and
+# where its state starts in a cached row).
+HOST_ARGS = ("host_w", "w_stride", "host_s", "s_stride", "n_rows")
+LAYOUT_ARGS = ("cache", "cache_width", "dim", "s_off")
+
+_HEAD = defines(WAYS=WAYS) + r"""
 typedef long long i64;
 typedef unsigned long long u64;
-#define WAYS 32
 #define FULL 0xffffffffu
 #define NO_WAY 0x7fffffffffffffffll
 #define EMPTY_WAY (-NO_WAY - 1)
@@ -58,14 +67,18 @@ __device__ __forceinline__ void copy_words(T* __restrict__ dst, const T* __restr
         *reinterpret_cast<W*>(dst + e) = *reinterpret_cast<const W*>(src + e);
 }
 
-// For each distinct row of a sorted batch (run r starting at sorted position j):
-// set_key[r] = its set and run_row[r] = the row; set_key is n_sets (sorts last) past the
-// last run. Thread 0 advances the cache's tick (even for a rejected batch, so the host can
-// count ticks; nothing else changes then).
-template <typename K>
-__global__ void cache_sets(const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
-                           i64 n_sets, int* __restrict__ set_key, i64* __restrict__ run_row,
-                           i64* __restrict__ tick, const u64* __restrict__ verdict) {
+"""
+
+# For each distinct row of a sorted batch (run r starting at sorted position j):
+# set_key[r] = its set and run_row[r] = the row; set_key is n_sets (sorts last) past the
+# last run. Thread 0 advances the cache's tick (even for a rejected batch, so the host can
+# count ticks; nothing else changes then).
+CACHE_SETS = KernelDecl(
+    "cache_sets", "template <typename K>",
+    (("const K* __restrict__", "keys"), ("const i64* __restrict__", "run"), ("i64", "n"),
+     ("i64", "n_sets"), ("int* __restrict__", "set_key"), ("i64* __restrict__", "run_row"),
+     ("i64* __restrict__", "tick"), ("const u64* __restrict__", "verdict")),
+    r"""
     const bool bad = rejected(verdict);
     const i64 last_run = n > 0 ? run[n - 1] : -1;
     const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -78,23 +91,24 @@ __global__ void cache_sets(const K* __restrict__ keys, const i64* __restrict__ r
             set_key[r] = (int)set_of((i64)keys[j], n_sets);
             run_row[r] = (i64)keys[j];
         }
-    }
-}
+    }""")
 
-// The fused find / miss / admit / evict / fill pass. `sets` are the set ids in ascending
-// order and `order[p]` the run at sorted position p; one warp per set present in the batch.
-// stats: lookups, hits, misses, admitted, evicted (unique rows).
-template <int V, typename T>
-__global__ void cache_insert(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
-                             T* cache, i64 cache_width, i64 dim, i64 s_off,
-                             i64* __restrict__ tags, i64* __restrict__ score,
-                             i64* __restrict__ last, unsigned char* __restrict__ dirty,
-                             unsigned* __restrict__ door, i64 door_bits,
-                             const int* __restrict__ sets, const i64* __restrict__ order,
-                             const i64* __restrict__ run_row, i64 n, i64 n_sets,
-                             int* __restrict__ slots, const i64* __restrict__ tick, int lfu,
-                             int doorkeeper, int protect_prev, u64* __restrict__ stats,
-                             const u64* __restrict__ verdict) {
+# The fused find / miss / admit / evict / fill pass. `sets` are the set ids in ascending
+# order and `order[p]` the run at sorted position p; one warp per set present in the batch.
+# stats: lookups, hits, misses, admitted, evicted (unique rows).
+CACHE_INSERT = KernelDecl(
+    "cache_insert", "template <int V, typename T>",
+    (("T*", "host_w"), ("i64", "w_stride"), ("T*", "host_s"), ("i64", "s_stride"),
+     ("i64", "n_rows"), ("T*", "cache"), ("i64", "cache_width"), ("i64", "dim"),
+     ("i64", "s_off"), ("i64* __restrict__", "tags"), ("i64* __restrict__", "score"),
+     ("i64* __restrict__", "last"), ("unsigned char* __restrict__", "dirty"),
+     ("unsigned* __restrict__", "door"), ("i64", "door_bits"),
+     ("const int* __restrict__", "sets"), ("const i64* __restrict__", "order"),
+     ("const i64* __restrict__", "run_row"), ("i64", "n"), ("i64", "n_sets"),
+     ("int* __restrict__", "slots"), ("const i64* __restrict__", "tick"), ("int", "lfu"),
+     ("int", "doorkeeper"), ("int", "protect_prev"), ("u64* __restrict__", "stats"),
+     ("const u64* __restrict__", "verdict")),
+    r"""
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -180,33 +194,35 @@ __global__ void cache_insert(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i
             atomicAdd(stats + 3, admitted);
             atomicAdd(stats + 4, evicted);
         }
-    }
-}
+    }""")
 
-// The doorkeeper's first sight: set the bit of every distinct row this batch served from the
-// host (after cache_insert, which only reads the bits).
-__global__ void cache_mark(unsigned* __restrict__ door, i64 door_bits,
-                           const int* __restrict__ set_key, const i64* __restrict__ run_row,
-                           const int* __restrict__ slots, i64 n, i64 n_sets,
-                           const u64* __restrict__ verdict) {
+# The doorkeeper's first sight: set the bit of every distinct row this batch served from the
+# host (after cache_insert, which only reads the bits).
+CACHE_MARK = KernelDecl(
+    "cache_mark", "",
+    (("unsigned* __restrict__", "door"), ("i64", "door_bits"),
+     ("const int* __restrict__", "set_key"), ("const i64* __restrict__", "run_row"),
+     ("const int* __restrict__", "slots"), ("i64", "n"), ("i64", "n_sets"),
+     ("const u64* __restrict__", "verdict")),
+    r"""
     if (rejected(verdict)) return;
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += stride) {
         if (set_key[r] >= n_sets || slots[r] >= 0) continue;
         const u64 h = mix64((u64)run_row[r] ^ 0x9e3779b97f4a7c15ull) % (u64)door_bits;
         atomicOr(door + (h >> 5), 1u << (h & 31));
-    }
-}
+    }""")
 
-// slots[run] = the cache slot holding each distinct row of a sorted batch, or -1: a lookup
-// that changes nothing (the update of a batch looks its rows up again, so an eviction
-// between its lookup and its update cannot send it to the wrong slot; the host orders it
-// after any prefetch pass that could evict its rows while it runs: prefetch.must_wait).
-template <typename K>
-__global__ void cache_probe(const i64* __restrict__ tags, i64 n_sets,
-                            const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
-                            i64 n_rows, int* __restrict__ slots,
-                            const u64* __restrict__ verdict) {
+# slots[run] = the cache slot holding each distinct row of a sorted batch, or -1: a lookup
+# that changes nothing (the update of a batch looks its rows up again, so an eviction
+# between its lookup and its update cannot send it to the wrong slot; the host orders it
+# after any prefetch pass that could evict its rows while it runs: prefetch.must_wait).
+CACHE_PROBE = KernelDecl(
+    "cache_probe", "template <typename K>",
+    (("const i64* __restrict__", "tags"), ("i64", "n_sets"), ("const K* __restrict__", "keys"),
+     ("const i64* __restrict__", "run"), ("i64", "n"), ("i64", "n_rows"),
+     ("int* __restrict__", "slots"), ("const u64* __restrict__", "verdict")),
+    r"""
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -217,16 +233,17 @@ __global__ void cache_probe(const i64* __restrict__ tags, i64 n_sets,
         const i64 base = set_of(row, n_sets) * WAYS;
         const unsigned hit = __ballot_sync(FULL, tags[base + lane] == row);
         if (lane == 0) slots[run[j]] = hit ? (int)(base + __ffs(hit) - 1) : -1;
-    }
-}
+    }""")
 
-// Write every dirty cached row back to the host; `drop`: empty the cache as well.
-template <int V, typename T>
-__global__ void cache_flush(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
-                            T* cache, i64 cache_width, i64 dim, i64 s_off,
-                            i64* __restrict__ tags, i64* __restrict__ score,
-                            i64* __restrict__ last, unsigned char* __restrict__ dirty,
-                            i64 n_slots, int drop) {
+# Write every dirty cached row back to the host; `drop`: empty the cache as well.
+CACHE_FLUSH = KernelDecl(
+    "cache_flush", "template <int V, typename T>",
+    (("T*", "host_w"), ("i64", "w_stride"), ("T*", "host_s"), ("i64", "s_stride"),
+     ("i64", "n_rows"), ("T*", "cache"), ("i64", "cache_width"), ("i64", "dim"),
+     ("i64", "s_off"), ("i64* __restrict__", "tags"), ("i64* __restrict__", "score"),
+     ("i64* __restrict__", "last"), ("unsigned char* __restrict__", "dirty"),
+     ("i64", "n_slots"), ("int", "drop")),
+    r"""
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 s_width = cache_width - s_off;
@@ -243,23 +260,23 @@ __global__ void cache_flush(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i6
             dirty[slot] = 0;
             if (drop) { tags[slot] = -1; score[slot] = 0; last[slot] = 0; }
         }
-    }
-}
+    }""")
 
-// After an update that ran beside a prefetch: the update's rows that lived in host RAM
-// (uslots < 0) may have been read by the prefetch before the update wrote them. Re-read each
-// into the cache slot the prefetch gave it (full row) or into the prefetch's staging rows
-// (weights). Nothing else changed, so nothing else is refreshed.
-template <typename T, typename K>
-__global__ void refresh_prefetched(T* host_w, i64 w_stride, T* host_s, i64 s_stride,
-                                   i64 n_rows, T* cache, i64 cache_width, i64 dim, i64 s_off,
-                                   const i64* __restrict__ tags, i64 n_sets,
-                                   const K* __restrict__ ukeys, const i64* __restrict__ urun,
-                                   i64 un, const int* __restrict__ uslots,
-                                   const K* __restrict__ pkeys, const i64* __restrict__ prun,
-                                   i64 pn, const int* __restrict__ pslots,
-                                   T* __restrict__ staged, const u64* __restrict__ uverdict,
-                                   const u64* __restrict__ pverdict) {
+# After an update that ran beside a prefetch: the update's rows that lived in host RAM
+# (uslots < 0) may have been read by the prefetch before the update wrote them. Re-read each
+# into the cache slot the prefetch gave it (full row) or into the prefetch's staging rows
+# (weights). Nothing else changed, so nothing else is refreshed.
+REFRESH_PREFETCHED = KernelDecl(
+    "refresh_prefetched", "template <typename T, typename K>",
+    (("T*", "host_w"), ("i64", "w_stride"), ("T*", "host_s"), ("i64", "s_stride"),
+     ("i64", "n_rows"), ("T*", "cache"), ("i64", "cache_width"), ("i64", "dim"),
+     ("i64", "s_off"), ("const i64* __restrict__", "tags"), ("i64", "n_sets"),
+     ("const K* __restrict__", "ukeys"), ("const i64* __restrict__", "urun"), ("i64", "un"),
+     ("const int* __restrict__", "uslots"), ("const K* __restrict__", "pkeys"),
+     ("const i64* __restrict__", "prun"), ("i64", "pn"), ("const int* __restrict__", "pslots"),
+     ("T* __restrict__", "staged"), ("const u64* __restrict__", "uverdict"),
+     ("const u64* __restrict__", "pverdict")),
+    r"""
     if (rejected(uverdict) || rejected(pverdict)) return;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -289,53 +306,30 @@ __global__ void refresh_prefetched(T* host_w, i64 w_stride, T* host_s, i64 s_str
         if (pslots != nullptr && pslots[r] >= 0) continue;
         T* dst = staged + r * dim;
         for (i64 e = lane; e < dim; e += 32) dst[e] = host_w[row * w_stride + e];
-    }
-}
-"""
+    }""")
+
+CACHE_KERNEL = _HEAD + "".join(d.source() for d in (
+    CACHE_SETS, CACHE_INSERT, CACHE_MARK, CACHE_PROBE, CACHE_FLUSH, REFRESH_PREFETCHED))
 
 _TYPES = {"float32": "float", "float64": "double"}
 _KEYS = {4: "int", 8: "long long"}
-WAYS = 32
-
-
-def cache_sets_name(key_bytes: int) -> str:
-    return f"cache_sets<{_KEYS[key_bytes]}>"
-
-
-def cache_insert_name(vec: int, dtype_name: str) -> str:
-    return f"cache_insert<{vec}, {_TYPES[dtype_name]}>"
-
-
-def cache_probe_name(key_bytes: int) -> str:
-    return f"cache_probe<{_KEYS[key_bytes]}>"
-
-
-def cache_flush_name(vec: int, dtype_name: str) -> str:
-    return f"cache_flush<{vec}, {_TYPES[dtype_name]}>"
-
-
-def refresh_prefetched_name(dtype_name: str, key_bytes: int) -> str:
-    return f"refresh_prefetched<{_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
 
 
 def _vector_widths(dtype_name: str) -> tuple:
     return (1, 4) if dtype_name == "float32" else (1, 2)
 
 
-CACHE_MARK_NAME = "cache_mark"
-
-
 def _all_names():
-    yield CACHE_MARK_NAME
-    for key_bytes in _KEYS:
-        yield cache_sets_name(key_bytes)
-        yield cache_probe_name(key_bytes)
-    for dtype_name in _TYPES:
+    yield CACHE_MARK.instance()
+    for K in _KEYS.values():
+        yield CACHE_SETS.instance(K)
+        yield CACHE_PROBE.instance(K)
+    for dtype_name, T in _TYPES.items():
         for vec in _vector_widths(dtype_name):
-            yield cache_insert_name(vec, dtype_name)
-            yield cache_flush_name(vec, dtype_name)
-        for key_bytes in _KEYS:
-            yield refresh_prefetched_name(dtype_name, key_bytes)
+            yield CACHE_INSERT.instance(vec, T)
+            yield CACHE_FLUSH.instance(vec, T)
+        for K in _KEYS.values():
+            yield REFRESH_PREFETCHED.instance(T, K)
 
 
 CACHE_MODULE = KernelModule("table_cache", CACHE_KERNEL, tuple(_all_names()))

@@ -14,12 +14,16 @@ single-tensor code, operation by operation), with the step's scalars computed pe
 double from the row's own step count.
 """
 
+from xferlib._kernels._declare import KernelDecl, defines
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.cache import CACHE_MODULE  # noqa: F401  (registered with the table's)
+from xferlib._kernels.cache import HOST_ARGS  # noqa: F401  (the table kernels' too)
 from xferlib._kernels.rules import RULES_KERNEL
 from xferlib.optim.rules import OptId
 
-TABLE_KERNEL = RULES_KERNEL + r"""
+SUM_CHUNK = 32  # sorted positions per thread in the gradient sums' first pass
+
+_HEAD = RULES_KERNEL + defines(SUM_CHUNK=SUM_CHUNK) + r"""
 typedef long long i64;
 
 __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
@@ -71,34 +75,40 @@ __device__ __forceinline__ Place<T> locate(i64 row, i64 r, T* host_w, i64 w_stri
     return p;
 }
 
-// flags[j] = 1 where a run of equal rows starts (run ids are their inclusive scan - 1).
-template <typename K>
-__global__ void run_starts(const K* __restrict__ keys, i64 n, i64* __restrict__ flags) {
+"""
+
+# flags[j] = 1 where a run of equal rows starts (run ids are their inclusive scan - 1).
+RUN_STARTS = KernelDecl(
+    "run_starts", "template <typename K>",
+    (("const K* __restrict__", "keys"), ("i64", "n"), ("i64* __restrict__", "flags")),
+    r"""
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride)
-        flags[j] = (j == 0 || keys[j] != keys[j - 1]) ? 1 : 0;
-}
+        flags[j] = (j == 0 || keys[j] != keys[j - 1]) ? 1 : 0;""")
 
-// starts[run[j]] = j where a run of equal keys starts (its first sorted position).
-template <typename K>
-__global__ void run_firsts(const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
-                           i64* __restrict__ starts) {
+# starts[run[j]] = j where a run of equal keys starts (its first sorted position).
+RUN_FIRSTS = KernelDecl(
+    "run_firsts", "template <typename K>",
+    (("const K* __restrict__", "keys"), ("const i64* __restrict__", "run"), ("i64", "n"),
+     ("i64* __restrict__", "starts")),
+    r"""
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
         const i64 r = run[j];
         if ((j == 0 || keys[j] != keys[j - 1]) && r >= 0 && r < n) starts[r] = j;
-    }
-}
+    }""")
 
-// run[j] = the id of position j's run of equal keys (starts at 1..j counted) and
-// starts[run] its first position, in ONE block of exactly 1024 threads, one launch instead
-// of flags + cumsum (+ run_firsts). The block walks tiles of
-// 4096 positions (4 adjacent per thread, so loads coalesce and four are in flight): warp
-// shuffles scan the per-thread counts, one shared array of 32 warp totals joins the warps,
-// and a running carry joins the tiles.
-template <typename K>
-__global__ void __launch_bounds__(1024)
-run_ids(const K* __restrict__ keys, i64 n, i64* __restrict__ run, i64* __restrict__ starts) {
+# run[j] = the id of position j's run of equal keys (starts at 1..j counted) and
+# starts[run] its first position, in ONE block of exactly 1024 threads, one launch instead
+# of flags + cumsum (+ run_firsts). The block walks tiles of
+# 4096 positions (4 adjacent per thread, so loads coalesce and four are in flight): warp
+# shuffles scan the per-thread counts, one shared array of 32 warp totals joins the warps,
+# and a running carry joins the tiles.
+RUN_IDS = KernelDecl(
+    "run_ids", "template <typename K>",
+    (("const K* __restrict__", "keys"), ("i64", "n"), ("i64* __restrict__", "run"),
+     ("i64* __restrict__", "starts")),
+    r"""
     __shared__ i64 warp_total[32];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     i64 carry = 0;
@@ -142,9 +152,9 @@ run_ids(const K* __restrict__ keys, i64 n, i64* __restrict__ run, i64* __restric
         }
         carry += warp_total[31];
         __syncthreads();  // warp_total is rewritten by the next tile
-    }
-}
+    }""", launch_bounds="__launch_bounds__(1024)")
 
+_COPY_WORDS = r"""
 template <typename T, int V> struct alignas(sizeof(T) * V) words { T v[V]; };
 
 // Copy `len` elements (a multiple of V) with V-element words: 16-byte accesses for V = 4.
@@ -156,17 +166,20 @@ __device__ __forceinline__ void copy_words(T* __restrict__ dst, const T* __restr
         *reinterpret_cast<W*>(dst + e) = *reinterpret_cast<const W*>(src + e);
 }
 
-// out[run] = the run's row: its `dim` weights, then (full != 0) its `s_width` state words.
-// One warp per run, reading the row once from the cache or the host. which: 0 every row,
-// 1 the rows in host RAM only (a prefetch), 2 the cached rows only (the lookup after it).
-template <int V, typename T, typename K>
-__global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
-                              T* cache, i64 cache_width, i64 s_off,
-                              const int* __restrict__ slots,
-                              const K* __restrict__ keys, const i64* __restrict__ run,
-                              const i64* __restrict__ starts, i64 n,
-                              i64 dim, i64 s_width, int full, int which, T* __restrict__ out,
-                              const unsigned long long* __restrict__ verdict) {
+"""
+
+# out[run] = the run's row: its `dim` weights, then (full != 0) its `s_width` state words.
+# One warp per run, reading the row once from the cache or the host. which: 0 every row,
+# 1 the rows in host RAM only (a prefetch), 2 the cached rows only (the lookup after it).
+GATHER_UNIQUE = KernelDecl(
+    "gather_unique", "template <int V, typename T, typename K>",
+    (("T*", "host_w"), ("i64", "w_stride"), ("T*", "host_s"), ("i64", "s_stride"),
+     ("i64", "n_rows"), ("T*", "cache"), ("i64", "cache_width"), ("i64", "s_off"),
+     ("const int* __restrict__", "slots"), ("const K* __restrict__", "keys"),
+     ("const i64* __restrict__", "run"), ("const i64* __restrict__", "starts"), ("i64", "n"),
+     ("i64", "dim"), ("i64", "s_width"), ("int", "full"), ("int", "which"),
+     ("T* __restrict__", "out"), ("const unsigned long long* __restrict__", "verdict")),
+    r"""
     if (rejected(verdict)) return;
     const i64 s_start = staged_state_start<T>(dim);
     const i64 out_width = full ? s_start + s_width : dim;
@@ -177,18 +190,19 @@ __global__ void gather_unique(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
         T* dst = out + r * out_width;
         copy_words<V>(dst, p.w, dim, lane);
         if (full) copy_words<V>(dst + s_start, p.s, s_width, lane);
-    }
-}
+    }""")
 
-// out[perm[j]] = uniq[run[j]]: every batch position gets its run's row (the first `dim` of
-// the `u_stride` elements of uniq's rows). One warp per position (any grid: warps stride
-// over the rest), 16-byte words where every row start is 16-byte aligned: no index division
-// per element, one run/perm read per row.
-template <typename T>
-__global__ void expand_rows(const T* __restrict__ uniq, i64 u_stride,
-                            const i64* __restrict__ run, const i64* __restrict__ perm, i64 n,
-                            i64 dim, T* __restrict__ out,
-                            const unsigned long long* __restrict__ verdict) {
+# out[perm[j]] = uniq[run[j]]: every batch position gets its run's row (the first `dim` of
+# the `u_stride` elements of uniq's rows). One warp per position (any grid: warps stride
+# over the rest), 16-byte words where every row start is 16-byte aligned: no index division
+# per element, one run/perm read per row.
+EXPAND_ROWS = KernelDecl(
+    "expand_rows", "template <typename T>",
+    (("const T* __restrict__", "uniq"), ("i64", "u_stride"),
+     ("const i64* __restrict__", "run"), ("const i64* __restrict__", "perm"), ("i64", "n"),
+     ("i64", "dim"), ("T* __restrict__", "out"),
+     ("const unsigned long long* __restrict__", "verdict")),
+    r"""
     if (rejected(verdict)) return;
     constexpr int V = 16 / sizeof(T);
     const bool wide = dim % V == 0 && u_stride % V == 0 && (size_t)uniq % 16 == 0 &&
@@ -200,21 +214,21 @@ __global__ void expand_rows(const T* __restrict__ uniq, i64 u_stride,
         T* dst = out + perm[j] * dim;
         if (wide) copy_words<V>(dst, src, dim, lane);
         else copy_words<1>(dst, src, dim, lane);
-    }
-}
+    }""")
 
-// Deterministic sum of the gradients of each run of equal rows, in sorted-position order,
-// in two passes (no atomics, and no warp stuck on a hot row's thousands of repeats).
-// Pass 1: thread (c, e) walks chunk c's SUM_CHUNK positions; a run that starts and ends in
-// the chunk is written to summed[run]; the segment holding the chunk's first position goes
-// to head[c] and the one holding its last position to tail[c] (the same when one run fills
-// the chunk), for runs that cross a chunk boundary.
-#define SUM_CHUNK 32
-template <typename T, typename K>
-__global__ void sum_chunks(const T* __restrict__ grads, const K* __restrict__ keys,
-                           const i64* __restrict__ run, const i64* __restrict__ perm, i64 n,
-                           i64 dim, T* __restrict__ summed, T* __restrict__ head,
-                           T* __restrict__ tail) {
+# Deterministic sum of the gradients of each run of equal rows, in sorted-position order,
+# in two passes (no atomics, and no warp stuck on a hot row's thousands of repeats).
+# Pass 1: thread (c, e) walks chunk c's SUM_CHUNK positions; a run that starts and ends in
+# the chunk is written to summed[run]; the segment holding the chunk's first position goes
+# to head[c] and the one holding its last position to tail[c] (the same when one run fills
+# the chunk), for runs that cross a chunk boundary.
+SUM_CHUNKS = KernelDecl(
+    "sum_chunks", "template <typename T, typename K>",
+    (("const T* __restrict__", "grads"), ("const K* __restrict__", "keys"),
+     ("const i64* __restrict__", "run"), ("const i64* __restrict__", "perm"), ("i64", "n"),
+     ("i64", "dim"), ("T* __restrict__", "summed"), ("T* __restrict__", "head"),
+     ("T* __restrict__", "tail")),
+    r"""
     const i64 chunks = (n + SUM_CHUNK - 1) / SUM_CHUNK;
     const i64 total = chunks * dim;
     const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -238,15 +252,16 @@ __global__ void sum_chunks(const T* __restrict__ grads, const K* __restrict__ ke
                 begin = j + 1;
             }
         }
-    }
-}
+    }""")
 
-// Pass 2: for each run that crosses chunk boundaries (found at the chunk where it starts),
-// add its pieces in order: the start chunk's tail, whole middle chunks, the end chunk's head.
-template <typename T, typename K>
-__global__ void sum_spans(const K* __restrict__ keys, const i64* __restrict__ run, i64 n,
-                          i64 dim, T* __restrict__ summed, const T* __restrict__ head,
-                          const T* __restrict__ tail) {
+# Pass 2: for each run that crosses chunk boundaries (found at the chunk where it starts),
+# add its pieces in order: the start chunk's tail, whole middle chunks, the end chunk's head.
+SUM_SPANS = KernelDecl(
+    "sum_spans", "template <typename T, typename K>",
+    (("const K* __restrict__", "keys"), ("const i64* __restrict__", "run"), ("i64", "n"),
+     ("i64", "dim"), ("T* __restrict__", "summed"), ("const T* __restrict__", "head"),
+     ("const T* __restrict__", "tail")),
+    r"""
     const i64 chunks = (n + SUM_CHUNK - 1) / SUM_CHUNK;
     const i64 total = chunks * dim;
     const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -281,9 +296,9 @@ __global__ void sum_spans(const K* __restrict__ keys, const i64* __restrict__ ru
             }
         }
         summed[run[last] * dim + e] = acc;
-    }
-}
+    }""")
 
+_UPDATE_RULES = r"""
 // ------------------------------------------------------------------------ update rules
 // RULE: an XF_OPT_* id (xferlib.optim.rules.OptId): sgd, adam (adamw too), adagrad,
 // rowwise_adagrad, adamax, rmsprop, adadelta.
@@ -410,28 +425,31 @@ __device__ __forceinline__ void update_row(T* w, const T* wsrc, T* s, const T* s
     }
 }
 
-// One warp per distinct row: apply the rule to the row with its summed gradient, then count
-// the step. `step_off`: where the int64 step count sits in the row's state, in T units.
-// `staged` (or null): the batch's rows as its lookup gathered them (run r at r *
-// staged_width: the weights, then with `staged_state` the row's state), known by the host to
-// be current (no write to the table since). A row in host RAM is then read from HBM and only
-// written over the link: no read waits behind the kernel's own writes on the link (PCIe keeps
-// a read behind earlier writes), half the traffic. Cached rows are read from the cache.
-// `s_tail` (0: unused): the host row's length from its state's start to its end, padding
-// included; the step count then sits alone at the start of a 16-byte word, and the words from
-// it to the row's end go out in one store, so the host cache line they fill is written whole
-// (a partial-line write from the GPU makes the host read the line and merge it).
-template <int RULE, int V, typename T, typename K>
-__global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, i64 n_rows,
-                              T* cache, i64 cache_width, i64 s_off,
-                              const int* __restrict__ slots, unsigned char* __restrict__ dirty,
-                              const K* __restrict__ keys, const i64* __restrict__ run,
-                              const i64* __restrict__ starts, i64 n,
-                              const T* __restrict__ summed, const T* __restrict__ staged,
-                              i64 staged_width, int staged_state, i64 dim, i64 n_slots,
-                              i64 step_off, i64 s_tail,
-                              const double* __restrict__ h,
-                              const unsigned long long* __restrict__ verdict) {
+"""
+
+# One warp per distinct row: apply the rule to the row with its summed gradient, then count
+# the step. `step_off`: where the int64 step count sits in the row's state, in T units.
+# `staged` (or null): the batch's rows as its lookup gathered them (run r at r *
+# staged_width: the weights, then with `staged_state` the row's state), known by the host to
+# be current (no write to the table since). A row in host RAM is then read from HBM and only
+# written over the link: no read waits behind the kernel's own writes on the link (PCIe keeps
+# a read behind earlier writes), half the traffic. Cached rows are read from the cache.
+# `s_tail` (0: unused): the host row's length from its state's start to its end, padding
+# included; the step count then sits alone at the start of a 16-byte word, and the words from
+# it to the row's end go out in one store, so the host cache line they fill is written whole
+# (a partial-line write from the GPU makes the host read the line and merge it).
+SPARSE_UPDATE = KernelDecl(
+    "sparse_update", "template <int RULE, int V, typename T, typename K>",
+    (("T*", "host_w"), ("i64", "w_stride"), ("T*", "host_s"), ("i64", "s_stride"),
+     ("i64", "n_rows"), ("T*", "cache"), ("i64", "cache_width"), ("i64", "s_off"),
+     ("const int* __restrict__", "slots"), ("unsigned char* __restrict__", "dirty"),
+     ("const K* __restrict__", "keys"), ("const i64* __restrict__", "run"),
+     ("const i64* __restrict__", "starts"), ("i64", "n"), ("const T* __restrict__", "summed"),
+     ("const T* __restrict__", "staged"), ("i64", "staged_width"), ("int", "staged_state"),
+     ("i64", "dim"), ("i64", "n_slots"), ("i64", "step_off"), ("i64", "s_tail"),
+     ("const double* __restrict__", "h"),
+     ("const unsigned long long* __restrict__", "verdict")),
+    r"""
     if (rejected(verdict)) return;
     FOR_EACH_RUN {
         Place<T> p = locate(row, r, host_w, w_stride, host_s, s_stride, cache,
@@ -461,9 +479,12 @@ __global__ void sparse_update(T* host_w, i64 w_stride, T* host_s, i64 s_stride, 
             *step = t;
             if (p.cached) dirty[slots[r]] = 1;  // written back when evicted or flushed
         }
-    }
-}
-"""
+    }""")
+
+TABLE_KERNEL = (_HEAD + "".join(d.source() for d in (RUN_STARTS, RUN_FIRSTS, RUN_IDS))
+                + _COPY_WORDS
+                + "".join(d.source() for d in (GATHER_UNIQUE, EXPAND_ROWS, SUM_CHUNKS, SUM_SPANS))
+                + _UPDATE_RULES + SPARSE_UPDATE.source())
 
 # The rules this family compiles, and their ids (adamw runs adam's rule).
 RULES = ("sgd", "adam", "adagrad", "rowwise_adagrad", "adamax", "rmsprop", "adadelta")
@@ -471,45 +492,24 @@ RULE_IDS = tuple(int(OptId[name.upper()]) for name in RULES)
 _TYPES = {"float32": "float", "float64": "double"}
 _KEYS = {4: "int", 8: "long long"}
 
-
-def run_starts_name(key_bytes: int) -> str:
-    return f"run_starts<{_KEYS[key_bytes]}>"
-
-
-def run_firsts_name(key_bytes: int) -> str:
-    return f"run_firsts<{_KEYS[key_bytes]}>"
-
-
-def run_ids_name(key_bytes: int) -> str:
-    return f"run_ids<{_KEYS[key_bytes]}>"
-
+# The cache arguments of gather_unique and sparse_update in the order DeviceSide._cache_args
+# gives them (the cache, its row width, the state's offset in a cached row, the slots);
+# HOST_ARGS: the host side's (xferlib/_kernels/cache.py).
+CACHE_ARGS = ("cache", "cache_width", "s_off", "slots")
 
 # Up to this many positions one block numbers the runs (run_ids); above, flags + cumsum
 # (H100: one block 3.1 vs 6.9 us at 2,048 positions, 55 vs 8.7 us at 65,536).
 RUN_IDS_MAX = 1 << 12
 
 
-def gather_unique_name(vec: int, dtype_name: str, key_bytes: int) -> str:
-    return f"gather_unique<{vec}, {_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
+def c_type(dtype_name: str) -> str:
+    """The C type of a table's dtype (the kernels' ``T``)."""
+    return _TYPES[dtype_name]
 
 
-def expand_rows_name(dtype_name: str) -> str:
-    return f"expand_rows<{_TYPES[dtype_name]}>"
-
-
-SUM_CHUNK = 32
-
-
-def sum_chunks_name(dtype_name: str, key_bytes: int) -> str:
-    return f"sum_chunks<{_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
-
-
-def sum_spans_name(dtype_name: str, key_bytes: int) -> str:
-    return f"sum_spans<{_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
-
-
-def sparse_update_name(rule: int, vec: int, dtype_name: str, key_bytes: int) -> str:
-    return f"sparse_update<{int(rule)}, {vec}, {_TYPES[dtype_name]}, {_KEYS[key_bytes]}>"
+def key_type(key_bytes: int) -> str:
+    """The C type of sorted keys of ``key_bytes`` bytes (the kernels' ``K``)."""
+    return _KEYS[key_bytes]
 
 
 def vector_widths(dtype_name: str) -> tuple:
@@ -518,19 +518,19 @@ def vector_widths(dtype_name: str) -> tuple:
 
 
 def _all_names():
-    for key_bytes in _KEYS:
-        yield run_starts_name(key_bytes)
-        yield run_ids_name(key_bytes)
-        yield run_firsts_name(key_bytes)
-    for dtype_name in _TYPES:
-        yield expand_rows_name(dtype_name)
-        for key_bytes in _KEYS:
-            yield sum_chunks_name(dtype_name, key_bytes)
-            yield sum_spans_name(dtype_name, key_bytes)
+    for K in _KEYS.values():
+        yield RUN_STARTS.instance(K)
+        yield RUN_IDS.instance(K)
+        yield RUN_FIRSTS.instance(K)
+    for dtype_name, T in _TYPES.items():
+        yield EXPAND_ROWS.instance(T)
+        for K in _KEYS.values():
+            yield SUM_CHUNKS.instance(T, K)
+            yield SUM_SPANS.instance(T, K)
             for vec in vector_widths(dtype_name):
-                yield gather_unique_name(vec, dtype_name, key_bytes)
+                yield GATHER_UNIQUE.instance(vec, T, K)
                 for rule in RULE_IDS:
-                    yield sparse_update_name(rule, vec, dtype_name, key_bytes)
+                    yield SPARSE_UPDATE.instance(rule, vec, T, K)
 
 
 TABLE_MODULE = KernelModule("table", TABLE_KERNEL, tuple(_all_names()))

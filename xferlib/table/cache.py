@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib._kernels import grid_1d
+from xferlib._kernels import grid_1d, named
 
 __all__ = ["CacheModel", "DeviceCache", "WAYS", "set_of"]
 
@@ -185,8 +185,9 @@ class DeviceCache:
         (int32, -1 for rows served from the host)."""
         import cupy
 
-        from xferlib._kernels.cache import (CACHE_MARK_NAME, CACHE_MODULE, cache_insert_name,
-                                           cache_sets_name)
+        from xferlib._kernels.cache import (CACHE_INSERT, CACHE_MARK, CACHE_MODULE, CACHE_SETS,
+                                           HOST_ARGS, LAYOUT_ARGS)
+        from xferlib._kernels.table import c_type, key_type
         from xferlib.batch import sort_positions
 
         n = plan.n
@@ -194,49 +195,54 @@ class DeviceCache:
         run_row = cupy.empty(n, dtype=np.int64)
         slots = cupy.empty(n, dtype=np.int32)
         grid_n, block_n = grid_1d(n, 256, 4096)
-        CACHE_MODULE.get_function(cache_sets_name(plan.keys.itemsize))(
-            grid_n, block_n, (plan.keys, plan.run, np.int64(n), np.int64(self.n_sets),
-                              set_key, run_row, self.tick, plan.verdict.words), stream=stream)
+        CACHE_SETS.launch(CACHE_MODULE, (key_type(plan.keys.itemsize),), grid_n, block_n,
+                          stream=stream, keys=plan.keys, run=plan.run, n=n, n_sets=self.n_sets,
+                          set_key=set_key, run_row=run_row, tick=self.tick,
+                          verdict=plan.verdict.words)
         sets, order, _ = sort_positions(set_key, self.n_sets + 1, stream=stream)
         grid, block = self.side.launch_size(n)
-        CACHE_MODULE.get_function(cache_insert_name(self.side.vec, self.side.dtype_name))(
-            grid, block, (*self.side.host_args(), *self._layout_args(), self.tags,
-                          self.score, self.last, self.dirty, self.door,
-                          np.int64(self.door_bits), sets, order, run_row, np.int64(n),
-                          np.int64(self.n_sets), slots, self.tick, self.lfu, self.doorkeeper,
-                          np.int32(protect_prev), self.stats, plan.verdict.words),
-            stream=stream)
+        CACHE_INSERT.launch(
+            CACHE_MODULE, (self.side.vec, c_type(self.side.dtype_name)), grid, block,
+            stream=stream, **named(HOST_ARGS, self.side.host_args()),
+            **named(LAYOUT_ARGS, self._layout_args()), tags=self.tags, score=self.score,
+            last=self.last, dirty=self.dirty, door=self.door, door_bits=self.door_bits,
+            sets=sets, order=order, run_row=run_row, n=n, n_sets=self.n_sets, slots=slots,
+            tick=self.tick, lfu=self.lfu, doorkeeper=self.doorkeeper,
+            protect_prev=protect_prev, stats=self.stats, verdict=plan.verdict.words)
         if self.doorkeeper:
-            CACHE_MODULE.get_function(CACHE_MARK_NAME)(
-                grid_n, block_n, (self.door, np.int64(self.door_bits), set_key, run_row,
-                                  slots, np.int64(n), np.int64(self.n_sets),
-                                  plan.verdict.words), stream=stream)
+            CACHE_MARK.launch(CACHE_MODULE, (), grid_n, block_n, stream=stream, door=self.door,
+                              door_bits=self.door_bits, set_key=set_key, run_row=run_row,
+                              slots=slots, n=n, n_sets=self.n_sets,
+                              verdict=plan.verdict.words)
         return slots
 
     def probe(self, plan, stream):
         """Each run's current slot (-1: in host RAM), changing nothing."""
         import cupy
 
-        from xferlib._kernels.cache import CACHE_MODULE, cache_probe_name
+        from xferlib._kernels.cache import CACHE_MODULE, CACHE_PROBE
+        from xferlib._kernels.table import key_type
 
         slots = cupy.empty(plan.n, dtype=np.int32)
         grid, block = self.side.launch_size(plan.n)
-        CACHE_MODULE.get_function(cache_probe_name(plan.keys.itemsize))(
-            grid, block, (self.tags, np.int64(self.n_sets), plan.keys, plan.run,
-                          np.int64(plan.n), np.int64(self.side.table.num_rows), slots,
-                          plan.verdict.words), stream=stream)
+        CACHE_PROBE.launch(CACHE_MODULE, (key_type(plan.keys.itemsize),), grid, block,
+                           stream=stream, tags=self.tags, n_sets=self.n_sets, keys=plan.keys, run=plan.run,
+                           n=plan.n, n_rows=self.side.table.num_rows, slots=slots,
+                           verdict=plan.verdict.words)
         return slots
 
     def flush(self, stream, drop: bool) -> None:
         """Write dirty rows back to host RAM; ``drop``: empty the cache too."""
-        from xferlib._kernels.cache import CACHE_MODULE, cache_flush_name
+        from xferlib._kernels.cache import CACHE_FLUSH, CACHE_MODULE, HOST_ARGS, LAYOUT_ARGS
+        from xferlib._kernels.table import c_type
 
         n_slots = self.tags.size
         grid, block = self.side.launch_size(n_slots)
-        CACHE_MODULE.get_function(cache_flush_name(self.side.vec, self.side.dtype_name))(
-            grid, block, (*self.side.host_args(), *self._layout_args(), self.tags, self.score,
-                          self.last, self.dirty, np.int64(n_slots), np.int32(drop)),
-            stream=stream)
+        CACHE_FLUSH.launch(CACHE_MODULE, (self.side.vec, c_type(self.side.dtype_name)), grid,
+                           block, stream=stream, **named(HOST_ARGS, self.side.host_args()),
+                           **named(LAYOUT_ARGS, self._layout_args()), tags=self.tags,
+                           score=self.score, last=self.last, dirty=self.dirty,
+                           n_slots=n_slots, drop=drop)
 
     def read_stats(self) -> dict:
         values = self.stats.get().tolist()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array
-from xferlib._kernels import grid_1d, launch_config
+from xferlib._kernels import grid_1d, launch_config, named
 from xferlib.batch import BatchPlan, PendingChecks, RowsReport, Verdict, plan_batch
 from xferlib.memory import device_pointer
 from xferlib.rows import to_gpu_indices
@@ -166,7 +166,8 @@ class DeviceSide:
         reads instead of host RAM)."""
         import cupy
 
-        from xferlib._kernels.table import TABLE_MODULE, gather_unique_name
+        from xferlib._kernels.table import (CACHE_ARGS, GATHER_UNIQUE, HOST_ARGS, TABLE_MODULE,
+                                            c_type, key_type)
 
         layout = self.table.layout
         if out is None:
@@ -175,28 +176,29 @@ class DeviceSide:
             out = cupy.empty((plan.n, width), dtype=self.table.dtype)
         if plan.n:
             grid, block = self.launch_size(plan.n, prefetch)  # a warp per distinct row
-            name = gather_unique_name(self.vec, self.dtype_name, plan.keys.itemsize)
-            TABLE_MODULE.get_function(name)(
-                grid, block, (*self.host_args(), *self._cache_args(plan.slots), plan.keys,
-                              plan.run, plan.starts, np.int64(plan.n), np.int64(layout.dim),
-                              np.int64(layout.state_width), np.int32(full), np.int32(which), out,
-                              plan.verdict.words), stream=stream)
+            GATHER_UNIQUE.launch(
+                TABLE_MODULE, (self.vec, c_type(self.dtype_name), key_type(plan.keys.itemsize)),
+                grid, block, stream=stream, **named(HOST_ARGS, self.host_args()),
+                **named(CACHE_ARGS, self._cache_args(plan.slots)), keys=plan.keys,
+                run=plan.run, starts=plan.starts, n=plan.n, dim=layout.dim,
+                s_width=layout.state_width, full=full, which=which, out=out,
+                verdict=plan.verdict.words)
         return out
 
     def expand(self, plan: BatchPlan, uniq, out, stream):
         import cupy
 
-        from xferlib._kernels.table import TABLE_MODULE, expand_rows_name
+        from xferlib._kernels.table import EXPAND_ROWS, TABLE_MODULE, c_type
 
         dim = self.table.dim
         if out is None:
             out = cupy.empty((plan.n, dim), dtype=self.table.dtype)
         if plan.n * dim:
             grid, block = launch_config(plan.n)  # a warp per batch position
-            TABLE_MODULE.get_function(expand_rows_name(self.dtype_name))(
-                grid, block, (uniq, np.int64(uniq.shape[1]), plan.run, plan.perm,
-                              np.int64(plan.n), np.int64(dim), out, plan.verdict.words),
-                stream=stream)
+            EXPAND_ROWS.launch(TABLE_MODULE, (c_type(self.dtype_name),), grid, block,
+                               stream=stream, uniq=uniq, u_stride=uniq.shape[1], run=plan.run,
+                               perm=plan.perm, n=plan.n, dim=dim, out=out,
+                               verdict=plan.verdict.words)
         return out
 
     def check_out(self, out, n) -> None:
@@ -258,7 +260,8 @@ class DeviceSide:
     def apply(self, idx, grads, stream) -> None:
         import cupy
 
-        from xferlib._kernels.table import TABLE_MODULE, sparse_update_name
+        from xferlib._kernels.table import (CACHE_ARGS, HOST_ARGS, SPARSE_UPDATE, TABLE_MODULE,
+                                            c_type, key_type)
         from xferlib.table.prefetch import must_wait, refresh_after_update
 
         table = self.table
@@ -289,20 +292,17 @@ class DeviceSide:
             n, dim = plan.n, table.dim
             summed = self._sum_gradients(plan, grads, stream)
             grid, block = self.launch_size(n)  # a warp per distinct row
-            kernel = sparse_update_name(table.rule.kind, self.vec, self.dtype_name,
-                                        plan.keys.itemsize)
-            TABLE_MODULE.get_function(kernel)(
-                grid, block, (*self.host_args(), *self._cache_args(slots),
-                              self.cache.dirty if slots is not None else np.uint64(0),
-                              plan.keys, plan.run, plan.starts, np.int64(n), summed,
-                              staged if staged is not None else np.uint64(0),
-                              np.int64(staged.shape[1] if staged is not None else 0),
-                              np.int32(staged is not None and staged.shape[1] > dim),
-                              np.int64(dim),
-                              np.int64(len(table.layout.slots)),
-                              np.int64(table.layout.step_offset), np.int64(self.s_tail),
-                              self._hyper_array(),
-                              plan.verdict.words), stream=stream)
+            SPARSE_UPDATE.launch(
+                TABLE_MODULE, (int(table.rule.kind), self.vec, c_type(self.dtype_name),
+                               key_type(plan.keys.itemsize)),
+                grid, block, stream=stream, **named(HOST_ARGS, self.host_args()),
+                **named(CACHE_ARGS, self._cache_args(slots)),
+                dirty=self.cache.dirty if slots is not None else None,
+                keys=plan.keys, run=plan.run, starts=plan.starts, n=n, summed=summed,
+                staged=staged, staged_width=staged.shape[1] if staged is not None else 0,
+                staged_state=staged is not None and staged.shape[1] > dim, dim=dim,
+                n_slots=len(table.layout.slots), step_off=table.layout.step_offset,
+                s_tail=self.s_tail, h=self._hyper_array(), verdict=plan.verdict.words)
             if pending is not None:
                 refresh_after_update(self, plan, slots, stream)
             if fresh:
@@ -313,8 +313,8 @@ class DeviceSide:
         """Each run's gradient sum, in sorted-position order: deterministic."""
         import cupy
 
-        from xferlib._kernels.table import (SUM_CHUNK, TABLE_MODULE, sum_chunks_name,
-                                            sum_spans_name)
+        from xferlib._kernels.table import (SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, TABLE_MODULE,
+                                            c_type, key_type)
 
         n, dim = plan.n, self.table.dim
         chunks = -(-n // SUM_CHUNK)
@@ -322,13 +322,12 @@ class DeviceSide:
         head = cupy.empty((chunks, dim), dtype=self.table.dtype)
         tail = cupy.empty((chunks, dim), dtype=self.table.dtype)
         grid, block = grid_1d(chunks * dim, 256, 65535)
-        key_bytes = plan.keys.itemsize
-        TABLE_MODULE.get_function(sum_chunks_name(self.dtype_name, key_bytes))(
-            grid, block, (grads, plan.keys, plan.run, plan.perm, np.int64(n),
-                                np.int64(dim), summed, head, tail), stream=stream)
-        TABLE_MODULE.get_function(sum_spans_name(self.dtype_name, key_bytes))(
-            grid, block, (plan.keys, plan.run, np.int64(n), np.int64(dim), summed, head,
-                                tail), stream=stream)
+        types = (c_type(self.dtype_name), key_type(plan.keys.itemsize))
+        SUM_CHUNKS.launch(TABLE_MODULE, types, grid, block, stream=stream, grads=grads,
+                          keys=plan.keys, run=plan.run, perm=plan.perm, n=n, dim=dim,
+                          summed=summed, head=head, tail=tail)
+        SUM_SPANS.launch(TABLE_MODULE, types, grid, block, stream=stream, keys=plan.keys,
+                         run=plan.run, n=n, dim=dim, summed=summed, head=head, tail=tail)
         return summed
 
     # -------------------------------------------------------------- flush

@@ -110,9 +110,9 @@ def take_prefetch(side, idx, stream):
 def refresh_after_update(side, plan, slots, stream) -> None:
     """After an update of ``plan`` queued while a prefetch is in flight: wait for the
     prefetch, then re-read the updated host rows it may have read before the update."""
-    import numpy as np
-
-    from xferlib._kernels.cache import CACHE_MODULE, refresh_prefetched_name
+    from xferlib._kernels import named
+    from xferlib._kernels.cache import CACHE_MODULE, HOST_ARGS, REFRESH_PREFETCHED
+    from xferlib._kernels.table import c_type, key_type
 
     pending = side.pending
     stream.wait_event(pending.done)
@@ -125,16 +125,13 @@ def refresh_after_update(side, plan, slots, stream) -> None:
     pkeys = pplan.keys
     if pkeys.dtype != plan.keys.dtype:  # int32 and int64 batches of a > 2**31-row table
         pkeys = pkeys.astype(plan.keys.dtype)
-    CACHE_MODULE.get_function(refresh_prefetched_name(side.dtype_name, plan.keys.itemsize))(
-        grid, block,
-        (*side.host_args(),
-         cache.data if cache is not None else np.uint64(0),
-         np.int64(cache.width if cache is not None else 0), np.int64(layout.dim),
-         np.int64(layout.state_offset),
-         cache.tags if cache is not None else np.uint64(0),
-         np.int64(cache.n_sets if cache is not None else 1),
-         plan.keys, plan.run, np.int64(plan.n),
-         slots if slots is not None else np.uint64(0),
-         pkeys, pplan.run, np.int64(pplan.n),
-         pplan.slots if pplan.slots is not None else np.uint64(0),
-         pending.staged, plan.verdict.words, pplan.verdict.words), stream=stream)
+    REFRESH_PREFETCHED.launch(
+        CACHE_MODULE, (c_type(side.dtype_name), key_type(plan.keys.itemsize)), grid, block,
+        stream=stream, **named(HOST_ARGS, side.host_args()),
+        cache=cache.data if cache is not None else None,
+        cache_width=cache.width if cache is not None else 0, dim=layout.dim,
+        s_off=layout.state_offset, tags=cache.tags if cache is not None else None,
+        n_sets=cache.n_sets if cache is not None else 1,
+        ukeys=plan.keys, urun=plan.run, un=plan.n, uslots=slots,
+        pkeys=pkeys, prun=pplan.run, pn=pplan.n, pslots=pplan.slots,
+        staged=pending.staged, uverdict=plan.verdict.words, pverdict=pplan.verdict.words)
