@@ -2,7 +2,8 @@
 
 Kernels are declared once (:class:`xferlib._kernels.KernelDecl`: name, template head, typed
 arguments) and launched by name (``DECL.launch(module, template_args, grid, block,
-stream=..., name=value, ...)``). A launch with a missing or unknown name fails at the call,
+stream=..., name=value, ...)``, or ``DECL.arguments(name=value, ...)`` for a launch that
+keeps its argument tuple). A launch with a missing or unknown name fails at the call,
 which only a GPU reaches; this test reads every launch in the source (its syntax, nothing is
 run) and checks the names it passes, and the number of template arguments where they are
 written out, against the declaration, so a wrong launch fails here first.
@@ -82,7 +83,8 @@ def _launches():
                     imported.setdefault(attr, (modname, attr))
             for node in ast.walk(tree):
                 if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                        and node.func.attr == "launch" and isinstance(node.func.value, ast.Name)):
+                        and node.func.attr in ("launch", "arguments")
+                        and isinstance(node.func.value, ast.Name)):
                     continue
                 target = imported.get(node.func.value.id)
                 decl = decls.get(target) or decls.get(_reexported(target, decls))
@@ -104,7 +106,8 @@ def _launches():
                         opaque = True  # a ** the test cannot read: its names unchecked
                         continue
                     names.extend(group)
-                template = node.args[1] if len(node.args) > 1 else None
+                template = (node.args[1] if node.func.attr == "launch" and len(node.args) > 1
+                            else None)
                 found.append((rel, node.lineno, decl, names, opaque, template))
     return found
 
@@ -162,3 +165,15 @@ def test_declared_names_are_checked_at_the_call():
         decl.arguments(x=0, n=1, m=2)
     with pytest.raises(ValueError):
         KernelDecl("k", "", (("int", "a"), ("int", "a")), "")
+
+
+def test_flat_update_arguments_are_the_kernels_order():
+    """The one builder of the flat update's arguments gives the tuple the kernel's signature
+    takes: the state slots padded with null pointers, the chunk table, int32 column count."""
+    import numpy as np
+
+    from xferlib.optim import flat_update_arguments
+
+    args = flat_update_arguments(1, 2, (3, None), 4, (5, 6, 7), 11, None, 8)
+    assert args == (1, 2, 3, 0, 0, 4, 5, 6, 7, 11, 0, 8)
+    assert [type(a) for a in args] == [np.uint64] * 9 + [np.int32] + [np.uint64] * 2

@@ -111,6 +111,11 @@ class KernelDecl:
             raise TypeError(f"{self.name}: unknown argument(s) {unknown}")
         return tuple(_convert(ctype, values[name]) for ctype, name in self.args)
 
+    def function(self, module, *template_args):
+        """The compiled instantiation ``template_args`` of this kernel from ``module``, for a
+        caller that keeps its :meth:`arguments` tuple and launches it many times."""
+        return module.get_function(self.instance(*template_args))
+
     def launch(self, module, template_args, grid, block, *, stream, shared_mem: int = 0,
                **values) -> None:
         """Launch the instantiation ``template_args`` of this kernel from ``module`` (a

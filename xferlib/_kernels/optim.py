@@ -11,11 +11,12 @@ device-resident step counts, so a step can live in a CUDA graph. Threads move fl
 vectors: segments start on 16-byte boundaries, so every access is a whole aligned vector.
 """
 
+from xferlib._kernels._declare import KernelDecl
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.rules import RULES_KERNEL
 from xferlib.optim.rules import FLAT_RULES
 
-OPTIM_KERNEL = RULES_KERNEL + r"""
+_HEAD = RULES_KERNEL + r"""
 typedef long long i64;
 
 // Low-precision gradients / parameter copies (mixed precision with float32 master weights),
@@ -148,43 +149,41 @@ __device__ void update_chunk(float* __restrict__ params, const G* __restrict__ g
     }
 }
 
-// One block per chunk of a segment; the segment's scalars come from the per-step table:
-// sign (0: no gradient this step, skip), L2 coefficient, decoupled decay factor, then eight
-// rule-specific scalars.
-template <int KIND, typename G>
-__global__ void flat_update(float* __restrict__ params, const G* __restrict__ grads,
-                            float* __restrict__ s0, float* __restrict__ s1,
-                            float* __restrict__ s2, const float* __restrict__ table,
-                            const int* __restrict__ chunk_seg,
-                            const i64* __restrict__ chunk_start,
-                            const i64* __restrict__ chunk_end, int ncols,
-                            float* __restrict__ updates, G* __restrict__ lowp) {
+"""
+
+# One block per chunk of a segment; the segment's scalars come from the per-step table:
+# sign (0: no gradient this step, skip), L2 coefficient, decoupled decay factor, then eight
+# rule-specific scalars.
+FLAT_UPDATE = KernelDecl(
+    "flat_update", "template <int KIND, typename G>",
+    (("float* __restrict__", "params"), ("const G* __restrict__", "grads"),
+     ("float* __restrict__", "s0"), ("float* __restrict__", "s1"),
+     ("float* __restrict__", "s2"), ("const float* __restrict__", "table"),
+     ("const int* __restrict__", "chunk_seg"), ("const i64* __restrict__", "chunk_start"),
+     ("const i64* __restrict__", "chunk_end"), ("int", "ncols"),
+     ("float* __restrict__", "updates"), ("G* __restrict__", "lowp")),
+    r"""
     const float* r = table + (i64)chunk_seg[blockIdx.x] * ncols;
     if (r[0] == 0.0f) return;  // no gradient for this segment this step
     const XfScalars<float> s = flat_scalars<KIND>(r + 3, r[0], r[1], r[2]);
     update_chunk<KIND, G>(params, grads, s0, s1, s2, s, chunk_start[blockIdx.x],
-                          chunk_end[blockIdx.x], updates, lowp);
-}
+                          chunk_end[blockIdx.x], updates, lowp);""")
 
-// Adam/AdamW with the step's scalars computed on the device from per-segment step counts
-// and per-group hyperparameters (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad,
-// maximize): nothing is copied from the host per step, so the step can be captured in a CUDA
-// graph and replayed. advance_steps runs after it and counts the step.
-template <typename G>
-__global__ void flat_adam_device_scalars(float* __restrict__ params,
-                                         const G* __restrict__ grads, float* __restrict__ s0,
-                                         float* __restrict__ s1, float* __restrict__ s2,
-                                         const float* __restrict__ hyper,
-                                         const int* __restrict__ seg_group,
-                                         const float* __restrict__ steps,
-                                         const unsigned char* __restrict__ active,
-                                         const int* __restrict__ chunk_seg,
-                                         const i64* __restrict__ chunk_start,
-                                         const i64* __restrict__ chunk_end,
-                                         G* __restrict__ lowp,
-                                         const float* __restrict__ grad_mul,
-                                         const float* __restrict__ grad_scale,
-                                         const float* __restrict__ found_inf) {
+# Adam/AdamW with the step's scalars computed on the device from per-segment step counts
+# and per-group hyperparameters (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad,
+# maximize): nothing is copied from the host per step, so the step can be captured in a CUDA
+# graph and replayed. advance_steps runs after it and counts the step.
+FLAT_ADAM_DEVICE_SCALARS = KernelDecl(
+    "flat_adam_device_scalars", "template <typename G>",
+    (("float* __restrict__", "params"), ("const G* __restrict__", "grads"),
+     ("float* __restrict__", "s0"), ("float* __restrict__", "s1"),
+     ("float* __restrict__", "s2"), ("const float* __restrict__", "hyper"),
+     ("const int* __restrict__", "seg_group"), ("const float* __restrict__", "steps"),
+     ("const unsigned char* __restrict__", "active"), ("const int* __restrict__", "chunk_seg"),
+     ("const i64* __restrict__", "chunk_start"), ("const i64* __restrict__", "chunk_end"),
+     ("G* __restrict__", "lowp"), ("const float* __restrict__", "grad_mul"),
+     ("const float* __restrict__", "grad_scale"), ("const float* __restrict__", "found_inf")),
+    r"""
     // GradScaler: on inf/NaN gradients (found_inf != 0) nothing is written, parameters and
     // state alike; otherwise gradients are unscaled here (1 / grad_scale), and multiplied by
     // grad_mul (a global-norm clipping factor computed on the device), with no extra pass.
@@ -210,16 +209,22 @@ __global__ void flat_adam_device_scalars(float* __restrict__ params,
         c, (h[7] != 0.0f ? -1.0f : 1.0f) * gmul, decoupled ? 0.0f : wd,
         decoupled ? 1.0f - lr * wd : 1.0f);
     update_chunk<XF_OPT_ADAM, G>(params, grads, s0, s1, s2, s, chunk_start[blockIdx.x],
-                                 chunk_end[blockIdx.x], nullptr, lowp);
-}
+                                 chunk_end[blockIdx.x], nullptr, lowp);""")
 
-__global__ void advance_steps(float* __restrict__ steps, const unsigned char* __restrict__ active,
-                              int n, const float* __restrict__ found_inf) {
+ADVANCE_STEPS = KernelDecl(
+    "advance_steps", "",
+    (("float* __restrict__", "steps"), ("const unsigned char* __restrict__", "active"),
+     ("int", "n"), ("const float* __restrict__", "found_inf")),
+    r"""
     if (found_inf != nullptr && *found_inf != 0.0f) return;  // a skipped step is not counted
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n && active[i]) steps[i] += 1.0f;
-}
-"""
+    if (i < n && active[i]) steps[i] += 1.0f;""")
+
+OPTIM_KERNEL = _HEAD + "".join(d.source() for d in (FLAT_UPDATE, FLAT_ADAM_DEVICE_SCALARS,
+                                                    ADVANCE_STEPS))
+
+# The chunk table's three arrays (xferlib.optim.step.chunk_table), in its order.
+CHUNK_ARGS = ("chunk_seg", "chunk_start", "chunk_end")
 
 # State buffers of each flat rule, in the kernel's s0, s1, s2 order (the rules' slots).
 _SLOTS = {int(r.kind): r.slots for r in FLAT_RULES.values()}
@@ -235,14 +240,14 @@ GRAD_TYPES = {"float32": "float", "bfloat16": "bf16", "float16": "f16"}
 
 
 def update_name(kind: int, grad_dtype: str = "float32") -> str:
-    return f"flat_update<{int(kind)}, {GRAD_TYPES[grad_dtype]}>"
+    return FLAT_UPDATE.instance(int(kind), GRAD_TYPES[grad_dtype])
 
 
 def device_scalars_name(grad_dtype: str = "float32") -> str:
-    return f"flat_adam_device_scalars<{GRAD_TYPES[grad_dtype]}>"
+    return FLAT_ADAM_DEVICE_SCALARS.instance(GRAD_TYPES[grad_dtype])
 
 
 OPTIM_MODULE = KernelModule(
     "optim", OPTIM_KERNEL,
     tuple(update_name(k, g) for k in KINDS for g in GRAD_TYPES)
-    + tuple(device_scalars_name(g) for g in GRAD_TYPES) + ("advance_steps",))
+    + tuple(device_scalars_name(g) for g in GRAD_TYPES) + (ADVANCE_STEPS.instance(),))

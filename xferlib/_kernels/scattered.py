@@ -6,17 +6,22 @@ translates the GPU's accesses, random rows over gigabytes move far slower than a
 and how much is the step's own work. Rows outside the table are skipped.
 """
 
+from xferlib._kernels._declare import KernelDecl
 from xferlib._kernels._registry import KernelModule
 
-SCATTERED_KERNEL = r"""
+_HEAD = r"""
 typedef long long i64;
 
-// TO_HOST false: hbm[r] = host row rows[r]; true: the host row = hbm[r]. `width` and `stride`
-// in 16-byte words.
-template <bool TO_HOST>
-__global__ void scattered_move(float4* host, i64 stride, i64 n_rows,
-                               const i64* __restrict__ rows, i64 n, i64 width,
-                               float4* __restrict__ hbm) {
+"""
+
+# TO_HOST false: hbm[r] = host row rows[r]; true: the host row = hbm[r]. `width` and `stride`
+# in 16-byte words.
+SCATTERED_MOVE = KernelDecl(
+    "scattered_move", "template <bool TO_HOST>",
+    (("float4*", "host"), ("i64", "stride"), ("i64", "n_rows"),
+     ("const i64* __restrict__", "rows"), ("i64", "n"), ("i64", "width"),
+     ("float4* __restrict__", "hbm")),
+    r"""
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n; r += warps) {
@@ -26,9 +31,9 @@ __global__ void scattered_move(float4* host, i64 stride, i64 n_rows,
             if (TO_HOST) host[row * stride + e] = hbm[r * width + e];
             else hbm[r * width + e] = host[row * stride + e];
         }
-    }
-}
-"""
+    }""")
 
-READ, WRITE = "scattered_move<false>", "scattered_move<true>"
+SCATTERED_KERNEL = _HEAD + SCATTERED_MOVE.source()
+
+READ, WRITE = SCATTERED_MOVE.instance("false"), SCATTERED_MOVE.instance("true")
 SCATTERED_MODULE = KernelModule("scattered_rows", SCATTERED_KERNEL, (READ, WRITE))

@@ -24,16 +24,16 @@ def flat_adam_kernel_launch(rule, layout, state, hypers, params, grads):
     import cupy
 
     from xferlib import optim as core
-    from xferlib._kernels.optim import OPTIM_MODULE, update_name
+    from xferlib._kernels.optim import FLAT_UPDATE, OPTIM_MODULE
 
     table = core.step_scalars(core.FLAT_RULES["adam"], layout, state, hypers,
                               np.ones(len(layout.segments), dtype=bool))
     device_table = cupy.asarray(table.astype(np.float32))
     chunks = core.chunk_table(layout)
-    kernel = OPTIM_MODULE.get_function(update_name(rule.kind))
+    kernel = FLAT_UPDATE.function(OPTIM_MODULE, int(rule.kind), "float")
     s = state.buffers
-    args = (params, grads, s["exp_avg"], s["exp_avg_sq"], np.uint64(0),
-            device_table, *chunks, np.int32(table.shape[1]), np.uint64(0), np.uint64(0))
+    args = core.flat_update_arguments(params, grads, (s["exp_avg"], s["exp_avg_sq"], None),
+                                      device_table, chunks, table.shape[1])
 
     def launch():
         kernel((len(chunks[0]),), (256,), args)
@@ -58,7 +58,7 @@ def scattered_rows_launches(table, rows):
     import cupy
 
     from xferlib._kernels import SCATTERED_MODULE, launch_config
-    from xferlib._kernels.scattered import READ, WRITE
+    from xferlib._kernels.scattered import SCATTERED_MOVE
 
     itemsize = table.dtype.itemsize
     layout = table.layout
@@ -75,13 +75,13 @@ def scattered_rows_launches(table, rows):
     n, width, stride = rows.size, width_bytes // 16, stride_bytes // 16
     buffer = cupy.empty((max(n, 1), width * 16), dtype=cupy.uint8)
     grid, block = launch_config(max(1, n), max_blocks=side.max_blocks)
-    args = (np.uint64(side.w_ptr), np.int64(stride), np.int64(table.num_rows), rows,
-            np.int64(n), np.int64(width), buffer)
+    args = SCATTERED_MOVE.arguments(host=side.w_ptr, stride=stride, n_rows=table.num_rows,
+                                    rows=rows, n=n, width=width, hbm=buffer)
 
     def read():
-        SCATTERED_MODULE.get_function(READ)(grid, block, args)
+        SCATTERED_MOVE.function(SCATTERED_MODULE, "false")(grid, block, args)
 
     def write():
-        SCATTERED_MODULE.get_function(WRITE)(grid, block, args)
+        SCATTERED_MOVE.function(SCATTERED_MODULE, "true")(grid, block, args)
 
     return read, write, buffer

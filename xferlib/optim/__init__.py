@@ -13,8 +13,9 @@ from xferlib.optim.rules import (COMMON, FLAT_RULES, OPTIMIZERS, RULES, SCALARS,
                                  resolve_hyper)
 from xferlib.optim.step import (CudaStep, FlatOptimizer, FlatState, TableRing, adagrad, adam,
                                 adam_device_hyper, adamax, adamw, apply_adam_device_scalars,
-                                apply_table, chunk_table, fill_step_table, lion, nadam, radam,
-                                rmsprop, sgd, step_scalars)
+                                apply_table, chunk_table, fill_step_table,
+                                flat_update_arguments, lion, nadam, radam, rmsprop, sgd,
+                                step_scalars)
 
 __all__ = [
     "Segment",
@@ -55,5 +56,6 @@ __all__ = [
     "common_scalars",
     "cuda_defines",
     "chunk_table",
+    "flat_update_arguments",
     "step_scalars",
 ]

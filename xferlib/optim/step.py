@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from xferlib._backend import is_cupy_array
-from xferlib._kernels import grid_1d
+from xferlib._kernels import grid_1d, named
 from xferlib.optim.layout import FlatLayout
 from xferlib.optim.rules import (COMMON, FLAT_RULES, SCALARS, Rule, adam_hyper_row,
                                  common_scalars, get_rule, preamble_numpy, resolve_hyper)
@@ -291,7 +291,8 @@ def apply_adam_device_scalars(layout: FlatLayout, params, grads, buffers: dict, 
     state and step counts stay as they are (GradScaler's contract).
     """
     from xferlib._backend import as_cupy_stream
-    from xferlib._kernels.optim import OPTIM_MODULE, device_scalars_name
+    from xferlib._kernels.optim import (ADVANCE_STEPS, CHUNK_ARGS, FLAT_ADAM_DEVICE_SCALARS,
+                                        GRAD_TYPES, OPTIM_MODULE)
 
     layout.check(params, "params")
     _check_grads(layout, grads, "grads")
@@ -305,20 +306,29 @@ def apply_adam_device_scalars(layout: FlatLayout, params, grads, buffers: dict, 
     grad_dtype = np.dtype(grads.dtype).name
     vmax = buffers.get("max_exp_avg_sq")
     with stream:
-        kernel = OPTIM_MODULE.get_function(device_scalars_name(grad_dtype))
-        kernel((len(chunks[0]),), (256,),
-               (params, grads, buffers["exp_avg"], buffers["exp_avg_sq"],
-                np.uint64(0) if vmax is None else vmax, hyper, segment_groups, steps, active,
-                *chunks, _or_null(params_lowp), _or_null(grad_mul), _or_null(grad_scale),
-                _or_null(found_inf)), stream=stream)
-        advance = OPTIM_MODULE.get_function("advance_steps")
-        advance(*grid_1d(n), (steps, active, np.int32(n), _or_null(found_inf)),
-                stream=stream)
+        FLAT_ADAM_DEVICE_SCALARS.launch(
+            OPTIM_MODULE, (GRAD_TYPES[grad_dtype],), (len(chunks[0]),), (256,), stream=stream,
+            params=params, grads=grads, s0=buffers["exp_avg"], s1=buffers["exp_avg_sq"],
+            s2=vmax, hyper=hyper, seg_group=segment_groups, steps=steps, active=active,
+            **named(CHUNK_ARGS, chunks), lowp=params_lowp, grad_mul=grad_mul,
+            grad_scale=grad_scale, found_inf=found_inf)
+        ADVANCE_STEPS.launch(OPTIM_MODULE, (), *grid_1d(n), stream=stream, steps=steps,
+                             active=active, n=n, found_inf=found_inf)
 
 
-def _or_null(array):
-    """A kernel argument: the array, or a null pointer for None."""
-    return np.uint64(0) if array is None else array
+def flat_update_arguments(params, grads, slots, table, chunks, ncols: int, updates=None,
+                          lowp=None) -> tuple:
+    """The flat update kernel's arguments (``flat_update``'s declaration in
+    ``xferlib/_kernels/optim.py``), made here for every launch of it: ``slots`` the rule's
+    state buffers in its slot order (None where unused, at most three), ``table`` the
+    per-step scalar table of ``ncols`` columns, ``chunks`` :func:`chunk_table`'s three
+    arrays, ``updates`` / ``lowp`` or None. Arrays or raw device addresses."""
+    from xferlib._kernels.optim import CHUNK_ARGS, FLAT_UPDATE
+
+    s0, s1, s2 = tuple(slots) + (None,) * (3 - len(slots))
+    return FLAT_UPDATE.arguments(params=params, grads=grads, s0=s0, s1=s1, s2=s2, table=table,
+                                 **named(CHUNK_ARGS, chunks), ncols=ncols, updates=updates,
+                                 lowp=lowp)
 
 
 def _check_grads(layout: FlatLayout, grads, name: str) -> None:
@@ -335,7 +345,7 @@ def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, p
     """One launch over the whole buffer: a block per chunk of a segment, the segment's scalars
     from the table (inactive segments have a zero sign and exit)."""
     from xferlib._backend import as_cupy_stream
-    from xferlib._kernels.optim import OPTIM_MODULE, update_name
+    from xferlib._kernels.optim import FLAT_UPDATE, GRAD_TYPES, OPTIM_MODULE
 
     stream = as_cupy_stream(stream)
     chunks = chunk_table(layout)
@@ -344,14 +354,13 @@ def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, p
         buffer = buffers.get(slot)
         if buffer is not None:
             layout.check(buffer, slot)
-        pointers.append(np.uint64(0) if buffer is None else buffer)
-    pointers += [np.uint64(0)] * (3 - len(pointers))
+        pointers.append(buffer)
     with stream:
         grad_dtype = np.dtype(grads.dtype).name
         if params_lowp is not None and np.dtype(params_lowp.dtype).name != grad_dtype:
             raise TypeError(f"params_lowp dtype {params_lowp.dtype} must match the gradients' "
                             f"{grads.dtype}")
-        kernel = OPTIM_MODULE.get_function(update_name(rule.kind, grad_dtype))
+        kernel = FLAT_UPDATE.function(OPTIM_MODULE, int(rule.kind), GRAD_TYPES[grad_dtype])
         slot = None
         if is_cupy_array(table):
             device_table = table
@@ -362,9 +371,8 @@ def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, p
             ring.upload(slot, stream)
             device_table = slot.device
         kernel((len(chunks[0]),), (256,),
-               (params, grads, *pointers, device_table, *chunks, np.int32(table.shape[1]),
-                np.uint64(0) if updates is None else updates,
-                np.uint64(0) if params_lowp is None else params_lowp), stream=stream)
+               flat_update_arguments(params, grads, pointers, device_table, chunks,
+                                     table.shape[1], updates, params_lowp), stream=stream)
         if slot is not None:
             ring.release(slot, stream)
 
@@ -471,7 +479,7 @@ class CudaStep:
                  params_lowp=None):
         import cupy
 
-        from xferlib._kernels.optim import OPTIM_MODULE, update_name
+        from xferlib._kernels.optim import FLAT_UPDATE, GRAD_TYPES, OPTIM_MODULE
 
         rule = get_rule(name, FLAT_RULES, "flat optimizer")
         layout.check(params, "params")
@@ -488,17 +496,19 @@ class CudaStep:
             if buffer is not None:
                 layout.check(buffer, slot)
             slots.append(buffer)
-        slots += [None] * (3 - len(slots))
         self.rule, self.layout = rule, layout
         self.device = params.device.id
         with cupy.cuda.Device(self.device):
             chunks = chunk_table(layout)
-            self.kernel = OPTIM_MODULE.get_function(update_name(rule.kind, grad_dtype))
+            self.kernel = FLAT_UPDATE.function(OPTIM_MODULE, int(rule.kind),
+                                               GRAD_TYPES[grad_dtype])
         self.grid, self.block = (len(chunks[0]),), (256,)
         self._keep = (params, grads, dict(buffers), params_lowp, chunks)  # pointers below
-        self._head = tuple(_pointer(a) for a in (params, grads, *slots))
-        self._tail = (*(_pointer(c) for c in chunks), np.int32(COMMON + SCALARS), np.uint64(0),
-                      _pointer(params_lowp))
+        # Raw addresses (the arrays are kept alive above): the launch reads no array.
+        self._pointers = dict(params=_pointer(params), grads=_pointer(grads),
+                              slots=tuple(_pointer(a) for a in slots),
+                              chunks=tuple(_pointer(c) for c in chunks),
+                              lowp=_pointer(params_lowp))
         self.ring = TableRing((len(layout.segments), COMMON + SCALARS))
 
     def __call__(self, state: FlatState, hypers, active, stream) -> None:
@@ -510,7 +520,10 @@ class CudaStep:
         ring.upload(slot, stream)
         args = slot.args
         if args is None:
-            args = slot.args = (*self._head, np.uint64(slot.device_ptr), *self._tail)
+            p = self._pointers
+            args = slot.args = flat_update_arguments(
+                p["params"], p["grads"], p["slots"], slot.device_ptr, p["chunks"],
+                COMMON + SCALARS, None, p["lowp"])
         self.kernel(self.grid, self.block, args, stream=stream)
         ring.release(slot, stream)
 
