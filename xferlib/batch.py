@@ -47,8 +47,9 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream
 from xferlib._kernels import grid_1d
-from xferlib._kernels.rows import (ROWS_MODULE, SMALL_SORT_ITEMS, SMALL_SORT_THREADS,
-                                   check_name, tile_sort_kernels)
+from xferlib._kernels.rows import (CHECK_AND_NARROW, CHECK_AND_SORT_SMALL, INDEX_TYPES,
+                                   MERGE_SORTED_RUNS, ROWS_MODULE, SMALL_SORT_ITEMS,
+                                   SMALL_SORT_THREADS, tile_sort_kernels)
 from xferlib.checks import (NO_BAD, PENDING, PendingChecks, RowsReport,  # noqa: F401
                             SlotChecks, Verdict, host_values, index_error)
 
@@ -108,16 +109,18 @@ def _sort_tiled(idx, num_rows: int, stream, scratch=None, scratch_result=False):
     kernel, shared, merge = tile_sort_kernels(idx.dtype.name, items)
     bits = max(1, int(num_rows - 1).bit_length())
     grid, _ = grid_1d(n, tile)  # one block per tile
-    kernel(grid, (SMALL_SORT_THREADS,), (idx, np.int64(n), np.int64(num_rows), np.int32(bits),
-                                         rows, perm, words),
+    kernel(grid, (SMALL_SORT_THREADS,),
+           CHECK_AND_SORT_SMALL.arguments(idx=idx, n_total=n, n_rows=num_rows, bits=bits,
+                                          rows_out=rows, perm_out=perm, first_bad=words),
            shared_mem=shared, stream=stream)
     width = tile
     if width < n:
         rows_b, perm_b = second("rows_b", np.int32), second("perm_b", np.int64)
         grid, block = grid_1d(n, 256, 65535)
-        n64 = np.int64(n)
         while width < n:
-            merge(grid, block, (rows, perm, n64, np.int64(width), rows_b, perm_b),
+            merge(grid, block, MERGE_SORTED_RUNS.arguments(keys=rows, perm=perm, n=n,
+                                                           width=width, keys_out=rows_b,
+                                                           perm_out=perm_b),
                   stream=stream)
             rows, rows_b, perm, perm_b = rows_b, rows, perm_b, perm
             width *= 2
@@ -153,10 +156,9 @@ def sort_positions(idx, num_rows: int, *, stream=None, presorted: bool = False,
         words = cupy.empty(2, dtype=np.uint64)
         words.data.memset_async(0xFF, 16, stream)
         grid, block = grid_1d(n, 256, 4096)
-        ROWS_MODULE.get_function(check_name(idx.dtype.name))(
-            grid, block, (idx, np.int64(n), np.int64(num_rows), words,
-                          keys32 if keys32 is not None else np.uint64(0), np.int32(presorted)),
-            stream=stream)
+        CHECK_AND_NARROW.launch(ROWS_MODULE, (INDEX_TYPES[idx.dtype.name],), grid, block,
+                                stream=stream, idx=idx, n=n, n_rows=num_rows, verdict=words,
+                                keys32=keys32, check_order=presorted)
         keys = keys32 if narrow else idx
         if presorted:
             return keys, _identity_permutation(n), words

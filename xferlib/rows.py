@@ -171,33 +171,44 @@ def _launch_sorted_kernel(kind: str, table, plan, rows, stream) -> None:
     the planned batch. ``rows`` is ``out`` or ``src``: a CuPy or pinned NumPy array."""
     keys, perm, first_bad = plan.keys, plan.perm, plan.verdict.words
     from xferlib._kernels import launch_config
-    from xferlib._kernels.rows import (ROWS_MODULE, ADD_TYPES, gather_name, scatter_add_name,
-                                       scatter_name)
+    from xferlib._kernels.rows import (ADD_TYPES, GATHER_SORTED, KEY_TYPES, ROWS_MODULE,
+                                       SCATTER_ADD_SORTED, SCATTER_SORTED, WORD_TYPES)
 
     table_ptr = _device_address(table, "table")
     rows_ptr = _device_address(rows, "out" if kind == "gather" else "src")
     itemsize = table.dtype.itemsize
     word = _word_bytes(table.shape[1] * itemsize, table.strides[0], rows.strides[0],
                        table_ptr, rows_ptr)
-    key_bytes = keys.dtype.itemsize
+    key_type = KEY_TYPES[keys.dtype.itemsize]
     if kind == "add":
-        dtype_name = _dtype_name(table.dtype)
-        packed = word == 16
-        name = scatter_add_name(dtype_name, packed, key_bytes)
-        unit = itemsize * (ADD_TYPES[dtype_name][1] if packed else 1)
+        ctype, pack = ADD_TYPES[_dtype_name(table.dtype)]
+        pack = pack if word == 16 else 1
+        types = (ctype, pack, key_type)
+        unit = itemsize * pack
     else:
-        name = (gather_name if kind == "gather" else scatter_name)(word, key_bytes)
+        types = (WORD_TYPES[word], key_type)
         unit = word
     n = perm.size
     width = table.shape[1] * itemsize // unit
     group = min(32, 1 << max(0, (width - 1).bit_length()))  # lanes per row
     grid, block = launch_config(-(-n * group // 32))
-    ROWS_MODULE.get_function(name)(
-        grid, block,
-        (np.uint64(table_ptr), np.int64(table.shape[0]), np.int64(table.strides[0] // unit),
-         np.int64(width), keys, perm, np.int64(n), np.uint64(rows_ptr),
-         np.int64(rows.strides[0] // unit), first_bad, np.int32(group)),
-        stream=stream)
+    table_stride, rows_stride = table.strides[0] // unit, rows.strides[0] // unit
+    if kind == "gather":
+        GATHER_SORTED.launch(ROWS_MODULE, types, grid, block, stream=stream, table=table_ptr,
+                             n_rows=table.shape[0], table_stride=table_stride, width=width,
+                             rows=keys, perm=perm, n=n, out=rows_ptr, out_stride=rows_stride,
+                             first_bad=first_bad, group=group)
+    elif kind == "add":
+        SCATTER_ADD_SORTED.launch(ROWS_MODULE, types, grid, block, stream=stream,
+                                  table=table_ptr, n_rows=table.shape[0],
+                                  table_stride=table_stride, width=width, rows=keys, perm=perm,
+                                  n=n, src=rows_ptr, src_stride=rows_stride,
+                                  first_bad=first_bad, group=group)
+    else:
+        SCATTER_SORTED.launch(ROWS_MODULE, types, grid, block, stream=stream, table=table_ptr,
+                              n_rows=table.shape[0], table_stride=table_stride, width=width,
+                              rows=keys, perm=perm, n=n, src=rows_ptr, src_stride=rows_stride,
+                              first_bad=first_bad, group=group)
 
 
 def to_gpu_indices(idx, num_rows):

@@ -16,7 +16,7 @@ import weakref
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array, namespace_name
-from xferlib._kernels.rows import FUSED_CHUNK_MAX, FUSED_THREADS
+from xferlib._kernels.rows import FUSED_CHUNK_MAX, FUSED_THREADS, GATHER_FUSED, SCATTER_FUSED
 from xferlib.checks import PendingChecks, SlotChecks
 from xferlib.memory import device_pointer, is_pinned, registration_of
 
@@ -128,7 +128,28 @@ _SLOT_CHECKS = {}  # device -> SlotChecks of the fused calls
 _LAUNCHES = {}  # CuPy table's address and layout, or NumPy table's id -> _Launch
 _SMS = {}  # device -> multiprocessor count
 _HOST_ROWS = {}  # id(pinned out / src) -> (weak reference, shape, device address)
-_ARGS = 14
+
+
+def _argument_slots() -> dict:
+    """Where each fused-kernel argument sits in a table's argument buffer: its place in the
+    kernels' declarations (gather_fused's arguments are scatter_fused's first twelve, the
+    rows being ``out`` in one and ``src`` in the other; every one 8 bytes wide)."""
+    gather = ["rows" + n[3:] if n.startswith("out") else n for n in GATHER_FUSED.names]
+    scatter = ["rows" + n[3:] if n.startswith("src") else n for n in SCATTER_FUSED.names]
+    if scatter[:len(gather)] != gather:
+        raise ValueError(f"gather_fused's arguments {gather} must lead scatter_fused's")
+    wide = [t for t, _ in SCATTER_FUSED.args if "*" not in t and t != "i64"]
+    if wide:
+        raise ValueError(f"scatter_fused's arguments must be 8 bytes wide, not {wide}")
+    return {name: k for k, name in enumerate(scatter)}
+
+
+_SLOTS_OF = _argument_slots()
+_ARGS = len(_SLOTS_OF)
+(_TABLE, _N_ROWS, _TABLE_STRIDE, _WIDTH, _IDX, _N, _ROWS, _ROWS_STRIDE, _GROUP, _SORTED, _VERDICT,
+ _DONE, _CHUNK, _HASH_BITS) = (_SLOTS_OF[n] for n in (
+    "table", "n_rows", "table_stride", "width", "idx", "n", "rows", "rows_stride", "group",
+    "sorted", "verdict", "done", "chunk", "hash_bits"))
 
 
 def _in_host_memory(ptr: int) -> bool:
@@ -170,7 +191,7 @@ class _Launch:
         self.functions = {}  # (op, word, index bytes) -> CUfunction
         # Every kernel argument is 8 bytes: one buffer, and the pointers the driver reads.
         self.args = (ctypes.c_uint64 * _ARGS)()
-        self.args[0], self.args[1] = ptr, table.shape[0]
+        self.args[_TABLE], self.args[_N_ROWS] = ptr, table.shape[0]
         base = ctypes.addressof(self.args)
         self.pointers = (ctypes.c_void_p * _ARGS)(*(base + 8 * i for i in range(_ARGS)))
         self.params = ctypes.addressof(self.pointers)
@@ -179,11 +200,11 @@ class _Launch:
         key = (op, word, index_bytes)
         found = self.functions.get(key)
         if found is None:
-            from xferlib._kernels.rows import ROWS_MODULE, gather_fused_name, scatter_fused_name
+            from xferlib._kernels.rows import KEY_TYPES, ROWS_MODULE, WORD_TYPES
 
-            name = (gather_fused_name if op == "gather" else scatter_fused_name)(word,
-                                                                                  index_bytes)
-            found = self.functions[key] = ROWS_MODULE.get_function(name).kernel.ptr
+            decl = GATHER_FUSED if op == "gather" else SCATTER_FUSED
+            found = self.functions[key] = decl.function(
+                ROWS_MODULE, WORD_TYPES[word], KEY_TYPES[index_bytes]).kernel.ptr
         return found
 
 
@@ -288,15 +309,17 @@ def fused(op: str, table, idx, rows, stream, sorted_indices: bool):
     with checks.lock:  # the slot ring, and this table's argument buffer (one per device)
         slot, verdict, counter = checks.take(capturing)
         args = launch.args
-        args[2], args[3], args[4], args[5] = launch.strides[0] // word, width, idx.data.ptr, n
-        args[6], args[7], args[8] = address, stride // word, group
-        args[9], args[10], args[11] = 1 if sorted_indices else 0, verdict, counter
+        args[_TABLE_STRIDE], args[_WIDTH] = launch.strides[0] // word, width
+        args[_IDX], args[_N], args[_ROWS], args[_ROWS_STRIDE] = idx.data.ptr, n, address, \
+            stride // word
+        args[_GROUP], args[_SORTED] = group, 1 if sorted_indices else 0
+        args[_VERDICT], args[_DONE] = verdict, counter
         if op == "gather":
             blocks = min(launch.blocks, -(-n * group // FUSED_THREADS))
         else:
             chunk = min(FUSED_CHUNK_MAX, -(-n // launch.blocks))
             blocks = -(-n // chunk)
-            args[12], args[13] = chunk, (2 * chunk - 1).bit_length()
+            args[_CHUNK], args[_HASH_BITS] = chunk, (2 * chunk - 1).bit_length()
         _LAUNCH_KERNEL(function, blocks, 1, 1, FUSED_THREADS, 1, 1, 0, stream.ptr,
                        launch.params, 0)
         checks.commit(slot, (idx, launch.shape[0], _CALLERS[op]), (table, rows), stream,
