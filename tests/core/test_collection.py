@@ -357,3 +357,31 @@ def test_cache_config_checks():
     coll = EmbeddingCollection([TableConfig(10, 4, placement="host", cache_rows=4)],
                                device="cpu")
     assert coll.cache_stats()["lookups"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_bad_inputs_change_nothing():
+    """Out-of-range indices and broken offsets on the GPU: the batch's kernels write nothing
+    (host tables, their cache, HBM tables), and check() raises the error naming them."""
+    get_backend("cupy")
+    import cupy
+
+    coll = EmbeddingCollection([TableConfig(10, 4, placement="host", cache_rows=4),
+                                TableConfig(5, 4)], "adam", device="cuda", seed=0)
+    good_idx, off = cupy.asarray([1, 2, 3, 4]), cupy.asarray([0, 1, 2, 3, 4])
+    _, ctx = coll.forward(good_idx, off)
+    coll.backward(ctx, cupy.ones((2, 8), np.float32))
+    before = coll.state_dict()
+    cases = [(cupy.asarray([1, 2, 3, 5]), off, IndexError, "index 5 at position 3"),
+             (cupy.asarray([1, 2, -7, 4]), off, IndexError, "index -7 at position 2"),
+             (good_idx, cupy.asarray([0, 3, 2, 3, 4]), ValueError, "must not decrease"),
+             (good_idx, cupy.asarray([0, 1, 2, 3, 9]), ValueError, r"offsets\[-1\]"),
+             (good_idx, cupy.asarray([2, 1, 2, 3, 4]), ValueError, r"offsets\[0\]")]
+    for idx, offsets, error, message in cases:
+        out, ctx = coll.forward(idx, offsets)
+        coll.backward(ctx, cupy.ones((2, 8), np.float32))
+        with pytest.raises(error, match=message):
+            coll.check()
+        after = coll.state_dict()
+        for k in before:
+            assert after[k].tobytes() == before[k].tobytes(), (message, k)

@@ -236,37 +236,52 @@ _SUM_ARGS = (("const T*", "grad"), ("const K*", "keys"), ("const i64*", "run"),
 SUM_CHUNKS = KernelDecl(
     "coll_sum_chunks", "template <typename T, typename K>", _SUM_ARGS,
     r"""
-    // Pass 1 (as the host tables' sum_chunks): thread (c, e) walks chunk c's COLL_SUM_CHUNK
-    // sorted positions, each lookup's gradient read from the pooled gradient at its
-    // position's source times its factor; a run inside the chunk goes to summed[run], the
-    // segment at the chunk's start to head[c], the one at its end to tail[c]. Columns past
-    // a table's width are skipped. `width`: the widest table (summed's row stride).
+    // Pass 1 (as the host tables' sum_chunks): chunk c's COLL_SUM_CHUNK (= 32) sorted
+    // positions, summed per column in position order; a run inside the chunk goes to
+    // summed[run], the segment at the chunk's start to head[c], the one at its end to
+    // tail[c]. A warp per (chunk, 32 columns): lane k first loads position k's records
+    // (gradient source, factor, width, key, run), then the warp walks the positions with
+    // every record at hand from a shuffle, so the gradient loads of the walk do not wait on
+    // each other. Columns past a table's width are skipped. `width`: the widest table
+    // (summed's row stride).
     if (rejected(verdict)) return;
+    const int lane = threadIdx.x & 31;
     const i64 chunks = (n + COLL_SUM_CHUNK - 1) / COLL_SUM_CHUNK;
-    const i64 total = chunks * width;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const i64 c = i / width, e = i - c * width;
+    const i64 slices = (width + 31) / 32;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < chunks * slices;
+         w += warps) {
+        const i64 c = w / slices, e = (w - c * slices) * 32 + lane;
         const i64 first = c * COLL_SUM_CHUNK;
-        const i64 last = (first + COLL_SUM_CHUNK < n ? first + COLL_SUM_CHUNK : n) - 1;
+        const int count = (int)(first + COLL_SUM_CHUNK < n ? COLL_SUM_CHUNK : n - first);
+        const i64 mine_j = first + (lane < count ? lane : count - 1);
+        const i64 my_src = pos_src[mine_j];
+        const T my_scale = pos_scale[mine_j];
+        const int my_dim = pos_dim[mine_j];
+        const i64 my_run = run[mine_j];
+        // Does a segment end at my position (the next key differs, or the chunk ends)?
+        const bool my_end = lane >= count - 1 || keys[mine_j + 1] != keys[mine_j];
         const bool head_open = first > 0 && keys[first] == keys[first - 1];
-        const bool tail_open = last + 1 < n && keys[last + 1] == keys[last];
+        const bool tail_open = first + count < n && keys[first + count] == keys[first + count - 1];
+        const unsigned ends = __ballot_sync(0xffffffffu, my_end && lane < count);
         T acc = 0;
-        i64 begin = first;
-        for (i64 j = first; j <= last; ++j) {
-            const bool mine = e < pos_dim[j];
-            if (mine) acc += grad[pos_src[j] + e] * pos_scale[j];
-            if (j == last || keys[j + 1] != keys[j]) {  // the segment [begin, j] ends here
-                const bool is_head = begin == first && head_open;
-                const bool is_tail = j == last && tail_open;
-                if (mine) {
+        int begin = 0;
+        for (int k = 0; k < count; ++k) {
+            const i64 src = __shfl_sync(0xffffffffu, my_src, k);
+            const T scale = __shfl_sync(0xffffffffu, my_scale, k);
+            const int dim = __shfl_sync(0xffffffffu, my_dim, k);
+            if (e < dim) acc += grad[src + e] * scale;
+            if ((ends >> k) & 1u) {  // the segment [begin, k] ends here
+                const i64 rk = __shfl_sync(0xffffffffu, my_run, k);
+                const bool is_head = begin == 0 && head_open;
+                const bool is_tail = k == count - 1 && tail_open;
+                if (e < dim) {
                     if (is_head) head[c * width + e] = acc;
                     if (is_tail) tail[c * width + e] = acc;
-                    const i64 rj = run[j];
-                    if (!is_head && !is_tail && rj >= 0 && rj < n) summed[rj * width + e] = acc;
+                    if (!is_head && !is_tail && rk >= 0 && rk < n) summed[rk * width + e] = acc;
                 }
                 acc = 0;
-                begin = j + 1;
+                begin = k + 1;
             }
         }
     }""")

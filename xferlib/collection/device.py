@@ -259,9 +259,10 @@ class CollectionDevice:
             sums = dict(grad=grad, keys=plan.keys, run=plan.run, pos_src=pos_src,
                         pos_scale=pos_scale, pos_dim=pos_dim, n=n, width=width,
                         summed=summed, head=head, tail=tail, verdict=plan.words)
-            grid, block = grid_1d(chunks * width, 256, 65535)
             key = _key(plan.keys)
+            grid, block = launch_config(chunks * -(-width // 32))  # a warp per chunk slice
             SUM_CHUNKS.launch(module, (T, key), grid, block, stream=stream, **sums)
+            grid, block = grid_1d(chunks * width, 256, 65535)
             SUM_SPANS.launch(module, (T, key), grid, block, stream=stream, **sums)
             # The forward's staged weights are current only if no update came between; its
             # cache slots only if no cache pass came between (else located again).
