@@ -167,7 +167,8 @@ class CollectionDevice:
 
         coll = self.coll
         stream = as_cupy_stream(stream)
-        self.checks.poll()
+        if not is_capturing(stream):  # an event query would invalidate a capture
+            self.checks.poll()
         n, bags = int(indices.shape[0]), coll.num_tables * B
         if bags == 0 and n:
             raise ValueError(f"offsets describe no bag (B = 0) but there are {n} indices")
@@ -234,7 +235,8 @@ class CollectionDevice:
 
         coll, plan = self.coll, ctx.plan
         stream = as_cupy_stream(stream)
-        self.checks.poll()
+        if not is_capturing(stream):  # an event query would invalidate a capture
+            self.checks.poll()
         n = plan.n
         if n == 0:
             return
