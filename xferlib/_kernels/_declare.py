@@ -48,17 +48,49 @@ def named(names, values) -> dict:
     return dict(zip(names, values, strict=True))
 
 
-def _convert(ctype: str, value):
+_NULL = np.uint64(0)
+
+
+def _pointer(value):
+    if value is None:
+        return _NULL  # a null pointer: the kernel treats the input as absent
+    if isinstance(value, (int, np.integer)):
+        return np.uint64(value)
+    return value  # a CuPy array: CuPy passes its device pointer
+
+
+def _converter(ctype: str):
+    """The function that turns a Python value into a kernel argument of C type ``ctype``."""
     if "*" in ctype:
-        if value is None:
-            return np.uint64(0)  # a null pointer: the kernel treats the input as absent
-        if isinstance(value, (int, np.integer)):
-            return np.uint64(value)
-        return value  # a CuPy array: CuPy passes its device pointer
+        return _pointer
     base = ctype.replace("const ", "").replace("__restrict__", "").strip()
     if base not in _SCALARS:
         raise TypeError(f"no conversion for a kernel argument of type {ctype!r}")
-    return _SCALARS[base](value)
+    return _SCALARS[base]
+
+
+def _convert(ctype: str, value):
+    return _converter(ctype)(value)
+
+
+def _build_arguments(name: str, args: tuple):
+    """A function taking exactly the declared names (keyword-only) that returns the launch
+    tuple: written out once per kernel, so a launch pays one call and each argument's
+    conversion, not a loop over the declaration."""
+    scope = {"_NULL": _NULL, "_u64": np.uint64, "_ints": (int, np.integer)}
+    items = []
+    for k, (ctype, arg) in enumerate(args):
+        if "*" in ctype:
+            items.append(f"(_NULL if {arg} is None else _u64({arg}) "
+                         f"if isinstance({arg}, _ints) else {arg})")
+        else:
+            scope[f"_c{k}"] = _converter(ctype)
+            items.append(f"_c{k}({arg})")
+    params = ", ".join(arg for _, arg in args)
+    code = (f"def {name}(*, {params}):\n    return ({', '.join(items)},)\n" if args
+            else f"def {name}():\n    return ()\n")
+    exec(code, scope)  # noqa: S102  (our own declaration's names only)
+    return scope[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +106,8 @@ class KernelDecl:
     body: str
     launch_bounds: str = ""
     extern_c: bool = False
+    # the launch tuple's builder, made once from the declaration (_build_arguments)
+    _build: object = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         names = [name for _, name in self.args]
@@ -81,6 +115,11 @@ class KernelDecl:
             raise ValueError(f"{self.name}: an argument name is declared twice: {names}")
         if self.extern_c and self.template:
             raise ValueError(f"{self.name}: a template kernel cannot have C linkage")
+        for ctype, name in self.args:
+            if not name.isidentifier():
+                raise ValueError(f"{self.name}: {name!r} is not an argument name")
+            _converter(ctype)  # a TypeError for a type with no conversion
+        object.__setattr__(self, "_build", _build_arguments(self.name, self.args))
 
     def source(self) -> str:
         params = ", ".join(f"{ctype} {name}" for ctype, name in self.args)
@@ -102,14 +141,17 @@ class KernelDecl:
 
     def arguments(self, **values) -> tuple:
         """The launch tuple, in declaration order, each value converted to its C type."""
-        names = [name for _, name in self.args]
-        missing = [n for n in names if n not in values]
-        unknown = sorted(set(values) - set(names))
-        if missing:
-            raise TypeError(f"{self.name}: missing argument(s) {missing}")
-        if unknown:
-            raise TypeError(f"{self.name}: unknown argument(s) {unknown}")
-        return tuple(_convert(ctype, values[name]) for ctype, name in self.args)
+        try:
+            return self._build(**values)
+        except TypeError:
+            names = [name for _, name in self.args]
+            missing = [n for n in names if n not in values]
+            unknown = sorted(set(values) - set(names))
+            if missing:
+                raise TypeError(f"{self.name}: missing argument(s) {missing}") from None
+            if unknown:
+                raise TypeError(f"{self.name}: unknown argument(s) {unknown}") from None
+            raise  # a value its C type does not take
 
     def function(self, module, *template_args):
         """The compiled instantiation ``template_args`` of this kernel from ``module``, for a

@@ -42,20 +42,31 @@ from __future__ import annotations
 import functools
 import math
 
+from xferlib._kernels._declare import KernelDecl
+from xferlib._kernels._declare import defines as defines_of
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.rules import RULES_KERNEL
-from xferlib._kernels.tt_backward import TT_BACKWARD_KERNEL
-from xferlib._kernels.tt_cache import TT_CACHE_LOOKUP_KERNEL
+from xferlib._kernels.tt_backward import (CORE_ARGS, CORE_PARAMS, HYPER_ARGS,  # noqa: F401
+                                          TT_BACKWARD_KERNEL, TT_BWD_PIECES, TT_REDUCE,
+                                          TT_REDUCE_JOIN, TT_UPDATE)
+from xferlib._kernels.tt_cache import CACHE_CHUNK, TT_CACHE_LOOKUP_KERNEL, TT_COUNT
 
 CHUNK = 16  # sorted positions per block in tt_rows / tt_bwd_pieces
 THREADS = 128
 REDUCE_THREADS = 256
 REDUCE_SPLITS = 8  # blocks per core row in tt_reduce at large batches (see reduce_splits)
-PIECE_BATCH = 8  # PB in the kernel source
+PIECE_BATCH = 8  # pieces staged at once by the 3-core reduction (PB in the kernel source)
 UPDATE_THREADS = 256  # tt_update's block size (its cache blocks are written for it)
-CACHE_CHUNK = 64  # sorted positions per chunk of the cache update (CACHE_CHUNK in tt_cache.py)
+# CACHE_CHUNK: sorted positions per chunk of the cache update (xferlib/_kernels/tt_cache.py)
 
-TT_KERNEL = r"""
+
+def lead_core_of(num_cores: int) -> int:
+    """The core whose digit leads the sort key (LEAD in the kernel source): with three cores
+    the middle one, whose slices are the largest, so rows side by side share them; else 0."""
+    return 1 if num_cores == 3 else 0
+
+
+_SHAPE_HEAD = r"""
 typedef long long i64;
 typedef unsigned long long u64;
 
@@ -81,7 +92,7 @@ __host__ __device__ constexpr i64 ROFF(int k) { return k <= 0 ? 0 : ROFF(k - 1) 
 // with three cores LEAD is the middle core, whose slices are the largest (R x q x R), so rows
 // side by side share them and a block stages each once; otherwise the key is the row itself.
 // Pieces (runs of one prefix, digits 0..D-2) stay contiguous either way.
-constexpr int LEAD = TT_D == 3 ? 1 : 0;
+constexpr int LEAD = TT_LEAD;
 // Every core but LEAD is "keyed": its items (pieces, or lookups for the last core) are sorted
 // by (core, digit) into region REGION(k) of the item keys: key = KOFF(k) + digit.
 __host__ __device__ constexpr int REGION(int k) { return k < LEAD ? k : k - 1; }
@@ -102,7 +113,7 @@ constexpr int MAXBUF = TT_MAXBUF;             // largest chain product (floats)
 constexpr int MAXW = TT_MAXW;                 // largest slice
 constexpr int MAXV = TT_MAXV;                 // largest L^T U intermediate
 constexpr int MAXS = TT_MAXS;                 // largest staged right-hand slice (padded)
-constexpr int PB = 8;                         // pieces staged at once by the 3-core reduction
+constexpr int PB = TT_PB;                     // pieces staged at once by the 3-core reduction
 constexpr int REDUCE_THREADS = TT_REDUCE_THREADS;
 constexpr int BWD_THREADS = TT_THREADS;  // tt_bwd_pieces' block size
 
@@ -142,7 +153,9 @@ __device__ __forceinline__ i64 row_of_key(i64 key) {
         return (key / P(2)) % P(0) * STRIDE(0) + (key / SPAN) * STRIDE(1) + key % P(2);
     }
 }
-""" + TT_CACHE_LOOKUP_KERNEL + r"""
+"""
+
+_BLOCK_HELPERS = r"""
 
 // out (M x N) (+)= op(a) (M x K) op(b) (K x N), row-major; TA: a is stored (K x M); TB: b is
 // stored (N x K); LDB: b's row stride (a padded staging). Where there are outputs enough, a
@@ -262,22 +275,25 @@ __device__ const float* chain(const float* const* cores, const i64* dig, float* 
     }
 }
 
-#define CORE_ARGS const float* c0, const float* c1, const float* c2, const float* c3
 #define CORES const float* cores[4] = {c0, c1, c2, c3}
 
-// The batch's first kernel. Block 0 sets the verdict clean, then checks the offsets
-// (verdict[1] <- first bad offset position); the tile sort that follows reports the first
-// bad index position into verdict[0]. No memset precedes it, and only block 0 writes the
-// verdict, so its reset cannot race with the offset check. keys[t] = key_of(idx[t]), or
-// NUM_ROWS (which the sort rejects) where idx[t] is outside [0, bound); keys == nullptr:
-// the indices are the sort keys. slot (NULL without an active row cache): each lookup's slot
-// among the capacity sorted cached rows crow, -1 where it is not cached or out of range (a
-// binary search per lookup, every thread of the grid at once; tt_rows, tt_pool and the
-// backward read the slots). idx is read only where keys or slot are given.
-extern "C" __global__ void tt_prepare(const i64* idx, i64 n, i64 bound, i64* keys,
-                                      const i64* offsets, i64 n_off, int include_last,
-                                      const i64* crow, i64 capacity, i64* slot,
-                                      u64* verdict) {
+"""
+
+# The batch's first kernel. Block 0 sets the verdict clean, then checks the offsets
+# (verdict[1] <- first bad offset position); the tile sort that follows reports the first
+# bad index position into verdict[0]. No memset precedes it, and only block 0 writes the
+# verdict, so its reset cannot race with the offset check. keys[t] = key_of(idx[t]), or
+# NUM_ROWS (which the sort rejects) where idx[t] is outside [0, bound); keys == nullptr:
+# the indices are the sort keys. slot (NULL without an active row cache): each lookup's slot
+# among the capacity sorted cached rows crow, -1 where it is not cached or out of range (a
+# binary search per lookup, every thread of the grid at once; tt_rows, tt_pool and the
+# backward read the slots). idx is read only where keys or slot are given.
+TT_PREPARE = KernelDecl(
+    "tt_prepare", "",
+    (("const i64*", "idx"), ("i64", "n"), ("i64", "bound"), ("i64*", "keys"),
+     ("const i64*", "offsets"), ("i64", "n_off"), ("int", "include_last"),
+     ("const i64*", "crow"), ("i64", "capacity"), ("i64*", "slot"), ("u64*", "verdict")),
+    r"""
     if (blockIdx.x == 0) {
         if (threadIdx.x == 0) verdict[0] = verdict[1] = ~0ull;
         __syncthreads();
@@ -297,17 +313,18 @@ extern "C" __global__ void tt_prepare(const i64* idx, i64 n, i64 bound, i64* key
         if (keys != nullptr) keys[t] = valid ? key_of(row) : NUM_ROWS;
         if (slot != nullptr)
             slot[t] = (valid && crow != nullptr) ? cache_slot_of(row, crow, capacity) : -1;
-    }
-}
+    }""", extern_c=True)
 
-// The last round of the small sort (xferlib/tt/plan.py): runs of `width` sorted positions
-// (the last may be shorter), each sorted stably, joined in ONE launch, where pairwise merges
-// take one launch per doubling. A position's place is its rank in its own run plus, in every
-// other run, the keys that go before it: those <= its key in an earlier run, < in a later
-// one, so equal keys keep batch order (the result equals the pairwise merges').
-extern "C" __global__ void tt_merge_all(const int* __restrict__ keys,
-                                        const i64* __restrict__ perm, i64 n, i64 width,
-                                        int* __restrict__ keys_out, i64* __restrict__ perm_out) {
+# The last round of the small sort (xferlib/tt/plan.py): runs of `width` sorted positions
+# (the last may be shorter), each sorted stably, joined in ONE launch, where pairwise merges
+# take one launch per doubling. A position's place is its rank in its own run plus, in every
+# other run, the keys that go before it: those <= its key in an earlier run, < in a later
+# one, so equal keys keep batch order (the result equals the pairwise merges').
+TT_MERGE_ALL = KernelDecl(
+    "tt_merge_all", "",
+    (("const int* __restrict__", "keys"), ("const i64* __restrict__", "perm"), ("i64", "n"),
+     ("i64", "width"), ("int* __restrict__", "keys_out"), ("i64* __restrict__", "perm_out")),
+    r"""
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const i64 run = i / width;
@@ -326,9 +343,9 @@ extern "C" __global__ void tt_merge_all(const int* __restrict__ keys,
         }
         keys_out[dest] = key;
         perm_out[dest] = perm[i];
-    }
-}
+    }""", extern_c=True)
 
+_CHUNK_HELPERS = r"""
 // The block's CHUNK sorted positions: rows and batch positions, then every position's
 // last-core slice (ls[t * CW ...]), loaded once with independent loads, so the per-row loop
 // never waits on global memory for them.
@@ -354,17 +371,21 @@ __device__ __forceinline__ i64 load_chunk(const float* last_core, const K* rows,
     return start;
 }
 
-// y[perm[j]] = row rows[j] of the table, for the CHUNK sorted positions of this block.
-// Lookups the row cache serves (slot[m] in [0, capacity), as tt_prepare found them and
-// tt_pool tests them; slot may be NULL) are skipped: tt_pool reads their dense rows, so their
-// y rows are never read. A prefix product is computed only when a lookup that is not skipped
-// needs it, so a piece whose lookups are all cached costs nothing. keys (NULL: no counting):
-// each run of one row within the block is added once to the cache's frequency table (keys,
-// counts, size). A rejected batch writes nothing (its lookups are not counted).
-template <typename K>
-__global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float* y,
-                        const i64* slot, i64 capacity, i64* keys, long long* counts, i64 size,
-                        const u64* verdict) {
+"""
+
+# y[perm[j]] = row rows[j] of the table, for the CHUNK sorted positions of this block.
+# Lookups the row cache serves (slot[m] in [0, capacity), as tt_prepare found them and
+# tt_pool tests them; slot may be NULL) are skipped: tt_pool reads their dense rows, so their
+# y rows are never read. A prefix product is computed only when a lookup that is not skipped
+# needs it, so a piece whose lookups are all cached costs nothing. keys (NULL: no counting):
+# each run of one row within the block is added once to the cache's frequency table (keys,
+# counts, size). A rejected batch writes nothing (its lookups are not counted).
+TT_ROWS = KernelDecl(
+    "tt_rows", "template <typename K>",
+    (*CORE_PARAMS, ("const K*", "rows"), ("const i64*", "perm"), ("i64", "n"), ("float*", "y"),
+     ("const i64*", "slot"), ("i64", "capacity"), ("i64*", "keys"), ("long long*", "counts"),
+     ("i64", "size"), ("const u64*", "verdict")),
+    r"""
     if (rejected(verdict)) return;
     __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], ls[CHUNK * CW];
     __shared__ i64 srow[CHUNK], sperm[CHUNK];
@@ -397,16 +418,18 @@ __global__ void tt_rows(CORE_ARGS, const K* rows, const i64* perm, i64 n, float*
             prefix = pre;
         }
         block_matmul<A_LAST, R_LAST, QL, false, false, false>(lp, ls + t * CW, y + sperm[t] * DIM);
-    }
-}
+    }""")
 
-// out[b] = sum over bag b of w * y[m]; bag_of[m] = b. A rejected batch gives zeros. With
-// y == nullptr only bag_of is written (a backward that rebuilds its plan).
-// Lookups with slot[m] >= 0 read row slot[m] of the dense row cache cache_w instead.
-extern "C" __global__ void tt_pool(const float* y, const i64* offsets, i64 n_off,
-                                   int include_last, i64 n, const float* psw, int mean,
-                                   const i64* slot, const float* cache_w, i64 cache_rows,
-                                   float* out, i64* bag_of, const u64* verdict) {
+# out[b] = sum over bag b of w * y[m]; bag_of[m] = b. A rejected batch gives zeros. With
+# y == nullptr only bag_of is written (a backward that rebuilds its plan).
+# Lookups with slot[m] >= 0 read row slot[m] of the dense row cache cache_w instead.
+TT_POOL = KernelDecl(
+    "tt_pool", "",
+    (("const float*", "y"), ("const i64*", "offsets"), ("i64", "n_off"),
+     ("int", "include_last"), ("i64", "n"), ("const float*", "psw"), ("int", "mean"),
+     ("const i64*", "slot"), ("const float*", "cache_w"), ("i64", "cache_rows"),
+     ("float*", "out"), ("i64*", "bag_of"), ("const u64*", "verdict")),
+    r"""
     const i64 bags = (include_last ? n_off : n_off + 1) - 1;
     const bool bad = rejected(verdict);
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < bags * DIM;
@@ -427,19 +450,23 @@ extern "C" __global__ void tt_pool(const float* y, const i64* offsets, i64 n_off
             }
         }
         if (out != nullptr) out[t] = s;
-    }
-}
+    }""", extern_c=True)
 
-""" + TT_BACKWARD_KERNEL
+TT_KERNEL = (_SHAPE_HEAD + TT_CACHE_LOOKUP_KERNEL + _BLOCK_HELPERS + TT_PREPARE.source()
+             + TT_MERGE_ALL.source() + _CHUNK_HELPERS + TT_ROWS.source() + TT_POOL.source()
+             + TT_BACKWARD_KERNEL)
 
+# Argument groups of tt_rows (its row cache: slots, cached rows, frequency table), of
+# tt_bwd_pieces (its cache sums) and of tt_update (state pointers per core; its cache tail).
+ROWS_CACHE_ARGS = ("slot", "capacity", "keys", "counts", "size")
+BWD_CACHE_ARGS = ("slot", "capacity", "cseg")
+UPDATE_POINTER_ARGS = TT_UPDATE.names[:20]
+UPDATE_CACHE_ARGS = TT_UPDATE.names[TT_UPDATE.names.index("rows"):]
+CACHE_STATE_ARGS = ("cw", "ce1", "ce2", "crs", "cst")
 
 KEY_TYPES = ("int", "long long")
-ROWS_NAMES = {key: f"tt_rows<{key}>" for key in KEY_TYPES}
-BWD_NAMES = {key: f"tt_bwd_pieces<{key}>" for key in KEY_TYPES}
-REDUCE_NAMES = {key: f"tt_reduce<{key}>" for key in KEY_TYPES}
-JOIN_NAMES = {key: f"tt_reduce_join<{key}>" for key in KEY_TYPES}
-UPDATE_NAMES = {key: f"tt_update<{key}>" for key in KEY_TYPES}
-PLAIN_NAMES = ("tt_prepare", "tt_merge_all", "tt_pool", "tt_count")
+_TEMPLATED = (TT_ROWS, TT_BWD_PIECES, TT_REDUCE, TT_REDUCE_JOIN, TT_UPDATE)
+_PLAIN = (TT_PREPARE, TT_MERGE_ALL, TT_POOL, TT_COUNT)
 
 
 def _chain_sizes(p, q, ranks):
@@ -493,9 +520,10 @@ def tt_module(p: tuple, q: tuple, ranks: tuple) -> KernelModule:
                 f"#define TT_MAXW {maxw}", f"#define TT_MAXV {maxv}", f"#define TT_MAXS {maxs}",
                 f"#define TT_REDUCE_THREADS {REDUCE_THREADS}", f"#define TT_THREADS {THREADS}",
                 f"#define TT_UPDATE_THREADS {UPDATE_THREADS}"]
-    names = (list(ROWS_NAMES.values()) + list(BWD_NAMES.values())
-             + list(REDUCE_NAMES.values()) + list(JOIN_NAMES.values())
-             + list(UPDATE_NAMES.values()) + list(PLAIN_NAMES))
+    defines += [defines_of(TT_PB=PIECE_BATCH, TT_LEAD=lead_core_of(len(p)),
+                           TT_CACHE_CHUNK=CACHE_CHUNK).rstrip("\n")]
+    names = ([d.instance(key) for d in _TEMPLATED for key in KEY_TYPES]
+             + [d.instance() for d in _PLAIN])
     label = "x".join(map(str, p)) + "_" + "x".join(map(str, q)) + "_r" + "x".join(map(str, ranks))
     return KernelModule(f"tt_{label}", RULES_KERNEL + "\n".join(defines) + "\n" + TT_KERNEL,
                         names)

@@ -5,9 +5,27 @@ Spliced after the forward's source by :mod:`xferlib._kernels.tt`, whose constant
 and compiled shape it uses; the pipeline is described there.
 """
 
+from xferlib._kernels._declare import KernelDecl
 from xferlib._kernels.tt_cache import TT_CACHE_UPDATE_KERNEL
 
-TT_BACKWARD_KERNEL = r"""// A finished piece (its upstream U in u): U goes to ubuf[piece] (middle cores read it), and
+# Argument groups several TT kernels declare: the four core pointers (NULL past the table's
+# cores); one pointer per core to a state slot (tt_update's e, f, r: two elementwise slots
+# and the per-row one); the optimizer's scalars (iter: the global step on the device, read
+# when the kernel runs, so a captured CUDA graph's replays see the current step; NULL for 1).
+CORE_ARGS = ("c0", "c1", "c2", "c3")
+CORE_PARAMS = tuple(("const float*", name) for name in CORE_ARGS)
+HYPER_PARAMS = (("int", "opt"), ("float", "lr"), ("float", "eps"), ("double", "beta1"),
+                ("double", "beta2"), ("float", "wd"), ("float", "eta"), ("float", "mom"),
+                ("const i64*", "iter"))
+HYPER_ARGS = tuple(name for _, name in HYPER_PARAMS)
+
+
+def state_params(slot: str) -> tuple:
+    return tuple(("float*", f"{slot}{k}") for k in range(4))
+
+
+_PIECE_HELPERS = r"""
+// A finished piece (its upstream U in u): U goes to ubuf[piece] (middle cores read it), and
 // core 0's slice gradient U S^T (S: the slices of cores 1..D-2) to c0buf[piece]. With three
 // cores S is slice 1, still staged (padded) in sb by the piece's prefix product.
 __device__ __forceinline__ void flush_piece(const float* const* cores, const i64* dig,
@@ -50,20 +68,24 @@ __device__ __forceinline__ void flush_piece(const float* const* cores, const i64
     }
 }
 
-// Per piece (a run of one prefix within the block's CHUNK sorted positions, slot = its first
-// position): U = sum_n g_n G_last[i_d]^T, then flush_piece. Per position j: C[j] = Left^T g_n,
-// and the sort keys of its items in region REGION(k) of keys for every keyed core k: the
-// last core's for every position, the others' at piece starts (SENTINEL elsewhere).
-// Row cache (cseg != NULL): at the last position j of each run of a cached row within the
-// block (slot[m] in [0, capacity)), the run's gradients summed in position order go to
-// cseg[j * DIM ...], which tt_update's cache blocks add up per cached row.
-template <typename K>
-__global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
-                              const i64* bag_of, const i64* offsets, i64 n_off,
-                              int include_last, const float* psw, int mean,
-                              const float* grad_out, float* ubuf, float* cbuf, float* c0buf,
-                              int* keys, const i64* slot, i64 capacity, float* cseg,
-                              const u64* verdict) {
+"""
+
+# Per piece (a run of one prefix within the block's CHUNK sorted positions, slot = its first
+# position): U = sum_n g_n G_last[i_d]^T, then flush_piece. Per position j: C[j] = Left^T g_n,
+# and the sort keys of its items in region REGION(k) of keys for every keyed core k: the
+# last core's for every position, the others' at piece starts (SENTINEL elsewhere).
+# Row cache (cseg != NULL): at the last position j of each run of a cached row within the
+# block (slot[m] in [0, capacity)), the run's gradients summed in position order go to
+# cseg[j * DIM ...], which tt_update's cache blocks add up per cached row.
+TT_BWD_PIECES = KernelDecl(
+    "tt_bwd_pieces", "template <typename K>",
+    (*CORE_PARAMS, ("const K*", "rows"), ("const i64*", "perm"), ("i64", "n"),
+     ("const i64*", "bag_of"), ("const i64*", "offsets"), ("i64", "n_off"),
+     ("int", "include_last"), ("const float*", "psw"), ("int", "mean"),
+     ("const float*", "grad_out"), ("float*", "ubuf"), ("float*", "cbuf"), ("float*", "c0buf"),
+     ("int*", "keys"), ("const i64*", "slot"), ("i64", "capacity"), ("float*", "cseg"),
+     ("const u64*", "verdict")),
+    r"""
     if (rejected(verdict)) return;
     __shared__ __align__(16) float left[MAXBUF], tmp[MAXBUF], sb[MAXS], ls[CHUNK * CW], u[UW],
         g[CHUNK * DIM], part[D == 3 ? BWD_THREADS * Q(0) : 1];
@@ -148,9 +170,9 @@ __global__ void tt_bwd_pieces(CORE_ARGS, const K* rows, const i64* perm, i64 n,
     if (piece >= 0) {
         __syncthreads();
         flush_piece(cores, pdig, u, piece, ubuf, c0buf, left, tmp, sb, part);
-    }
-}
+    }""")
 
+_REDUCE_HELPERS = r"""
 // Slice gradient of middle core KC (four cores: KC = 1, 2; with three the middle core leads the
 // sort and reduce_lead_middle handles it) from one piece's upstream U (global,
 // A_LAST x R_LAST): acc += (L^T U) S^T, L the product of the slices before KC and S of those
@@ -353,18 +375,23 @@ __device__ __forceinline__ void clear_row(i64 b, float* grad, int* touched, int 
     if (threadIdx.x == 0) touched[b] = 0;
 }
 
-// One block per core row (all cores): its gradient row, summed in sorted order, and its flag
-// (1: touched, 0: not; every flag is written). dense: untouched rows get zeros, else they are
-// left unwritten. counter (may be NULL): the step counter, incremented once by block 0 (the
-// update kernels that follow read it), whatever the verdict, as a step counts every call.
-// splits > 1 (large batches): the grid has splits blocks per core row (block b + s * rows
-// takes part s); a row whose list is long is summed by up to splits blocks into partials
-// (part: splits floats per gradient float) that tt_reduce_join adds in order.
-template <typename K>
-__global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, const i64* items,
-                          i64 n_items, const float* ubuf, const float* cbuf, const float* c0buf,
-                          float* grad, int* touched, int dense, i64* counter, float* part,
-                          int splits, const u64* verdict) {
+"""
+
+# One block per core row (all cores): its gradient row, summed in sorted order, and its flag
+# (1: touched, 0: not; every flag is written). dense: untouched rows get zeros, else they are
+# left unwritten. counter (may be NULL): the step counter, incremented once by block 0 (the
+# update kernels that follow read it), whatever the verdict, as a step counts every call.
+# splits > 1 (large batches): the grid has splits blocks per core row (block b + s * rows
+# takes part s); a row whose list is long is summed by up to splits blocks into partials
+# (part: splits floats per gradient float) that tt_reduce_join adds in order.
+TT_REDUCE = KernelDecl(
+    "tt_reduce", "template <typename K>",
+    (*CORE_PARAMS, ("const K*", "rows"), ("i64", "n"), ("const int*", "skeys"),
+     ("const i64*", "items"), ("i64", "n_items"), ("const float*", "ubuf"),
+     ("const float*", "cbuf"), ("const float*", "c0buf"), ("float*", "grad"),
+     ("int*", "touched"), ("int", "dense"), ("i64*", "counter"), ("float*", "part"),
+     ("int", "splits"), ("const u64*", "verdict")),
+    r"""
     if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) counter[0] += 1;
     const i64 b = blockIdx.x % ROFF(D);
     const int s = (int)(blockIdx.x / ROFF(D));
@@ -393,9 +420,9 @@ __global__ void tt_reduce(CORE_ARGS, const K* rows, i64 n, const int* skeys, con
         } else if constexpr (D > 3) {
             if (b < ROFF(4)) reduce_row<(D > 3 ? 3 : 1)>(REDUCE_ARGS, b - ROFF(3), REDUCE_BUFS);
         }
-    }
-}
+    }""")
 
+_JOIN_HELPERS = r"""
 // A split row's gradient: its partials added in split order (deterministic), and its flag.
 template <int KC, typename K>
 __device__ void join_row(const K* rows, i64 n, const int* skeys, i64 n_items, i64 i,
@@ -413,11 +440,15 @@ __device__ void join_row(const K* rows, i64 n, const int* skeys, i64 n_items, i6
     if (threadIdx.x == 0) touched[ROFF(KC) + i] = 1;
 }
 
-// After tt_reduce with splits > 1: one block per core row.
-template <typename K>
-__global__ void tt_reduce_join(const K* rows, i64 n, const int* skeys, i64 n_items,
-                               float* grad, int* touched, const float* part, int splits,
-                               const u64* verdict) {
+"""
+
+# After tt_reduce with splits > 1: one block per core row.
+TT_REDUCE_JOIN = KernelDecl(
+    "tt_reduce_join", "template <typename K>",
+    (("const K*", "rows"), ("i64", "n"), ("const int*", "skeys"), ("i64", "n_items"),
+     ("float*", "grad"), ("int*", "touched"), ("const float*", "part"), ("int", "splits"),
+     ("const u64*", "verdict")),
+    r"""
     if (rejected(verdict) || part == nullptr) return;
     const i64 b = blockIdx.x;
 #define JOIN_ARGS rows, n, skeys, n_items
@@ -432,9 +463,9 @@ __global__ void tt_reduce_join(const K* rows, i64 n, const int* skeys, i64 n_ite
         } else if constexpr (D > 3) {
             if (b < ROFF(4)) join_row<(D > 3 ? 3 : 1)>(JOIN_ARGS, b - ROFF(3), JOIN_BUFS);
         }
-    }
-}
-// A block-wide sum, returned to every thread (blockDim a multiple of 32; red: 33 floats).
+    }""")
+
+_UPDATE_HELPERS = r"""// A block-wide sum, returned to every thread (blockDim a multiple of 32; red: 33 floats).
 __device__ float block_sum(float v, float* red) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
     __syncthreads();  // red may still be read from the previous call
@@ -552,24 +583,23 @@ __device__ void update_row(float* w, float* g, int width, float* e1, float* e2, 
     for (int o = threadIdx.x; o < width; o += blockDim.x) xf_descend(w[o], g[o], h.lr * ratio);
 }
 
-#define STATE_ARGS(name) float* name##0, float* name##1, float* name##2, float* name##3
-// iter: the global step on the device (read when the kernel runs, so a captured CUDA graph's
-// replays see the current step), NULL for 1.
-#define HYPER_ARGS int opt, float lr, float eps, double beta1, double beta2, float wd, \
-    float eta, float mom, const i64* iter
 #define HYPER {opt, lr, eps, beta1, beta2, wd, eta, mom, iter != nullptr ? *iter : 1}
-""" + TT_CACHE_UPDATE_KERNEL + r"""
-// The fused optimizer on every touched core row (one block per core row) and, in the blocks
-// past them, on the row cache's hit rows (tt_cache_update; cseg == NULL: no cache). The cache
-// arguments: the sorted batch (rows, perm, n), each lookup's slot among capacity cached rows,
-// tt_bwd_pieces' segment sums, the dense rows cw and their state, the batch's verdict.
-template <typename K>
-__global__ void __launch_bounds__(UPDATE_THREADS)
-tt_update(float* c0, float* c1, float* c2, float* c3, STATE_ARGS(e), STATE_ARGS(f),
-          STATE_ARGS(r), i64* s0, i64* s1, i64* s2, i64* s3, float* grad, const int* touched,
-          HYPER_ARGS, const K* rows, const i64* perm, i64 n, const i64* slot, i64 capacity,
-          const float* cseg, float* cw, float* ce1, float* ce2, float* crs, i64* cst,
-          const u64* verdict) {
+"""
+
+# The fused optimizer on every touched core row (one block per core row) and, in the blocks
+# past them, on the row cache's hit rows (tt_cache_update; cseg == NULL: no cache). The cache
+# arguments: the sorted batch (rows, perm, n), each lookup's slot among capacity cached rows,
+# tt_bwd_pieces' segment sums, the dense rows cw and their state, the batch's verdict.
+TT_UPDATE = KernelDecl(
+    "tt_update", "template <typename K>",
+    (("float*", "c0"), ("float*", "c1"), ("float*", "c2"), ("float*", "c3"),
+     *state_params("e"), *state_params("f"), *state_params("r"), ("i64*", "s0"),
+     ("i64*", "s1"), ("i64*", "s2"), ("i64*", "s3"), ("float*", "grad"),
+     ("const int*", "touched"), *HYPER_PARAMS, ("const K*", "rows"), ("const i64*", "perm"),
+     ("i64", "n"), ("const i64*", "slot"), ("i64", "capacity"), ("const float*", "cseg"),
+     ("float*", "cw"), ("float*", "ce1"), ("float*", "ce2"), ("float*", "crs"),
+     ("i64*", "cst"), ("const u64*", "verdict")),
+    r"""
     __shared__ float red[33];
     const i64 b = blockIdx.x;
     if (b >= ROFF(D)) {  // a cache block (block-uniform)
@@ -595,6 +625,9 @@ tt_update(float* c0, float* c1, float* c2, float* c3, STATE_ARGS(e), STATE_ARGS(
     const Hyper h = HYPER;
     update_row(cores[k] + i * width, grad + GOFF(k) + i * width, width,
                elem[k] ? elem[k] + i * width : nullptr, elem2[k] ? elem2[k] + i * width : nullptr,
-               rowst[k] ? rowst[k] + i : nullptr, steps[k] ? steps[k] + i : nullptr, h, red);
-}
-"""
+               rowst[k] ? rowst[k] + i : nullptr, steps[k] ? steps[k] + i : nullptr, h, red);""",
+    launch_bounds="__launch_bounds__(UPDATE_THREADS)")
+
+TT_BACKWARD_KERNEL = (_PIECE_HELPERS + TT_BWD_PIECES.source() + _REDUCE_HELPERS
+                      + TT_REDUCE.source() + _JOIN_HELPERS + TT_REDUCE_JOIN.source()
+                      + _UPDATE_HELPERS + TT_CACHE_UPDATE_KERNEL + TT_UPDATE.source())

@@ -16,7 +16,9 @@ gradient sums inside ``tt_bwd_pieces`` and its optimizer step inside ``tt_update
 
 from __future__ import annotations
 
-TT_CACHE_LOOKUP_KERNEL = r"""
+from xferlib._kernels._declare import KernelDecl
+
+_COUNT_ROW = r"""
 // Row access frequencies in an open-addressing table (key -1 = empty): a row is counted in
 // one of the 32 slots after its hash, or not at all when those are taken by other rows.
 // amount: the accesses added at once (a run of one row in a sorted batch: one atomic).
@@ -35,14 +37,19 @@ __device__ __forceinline__ void count_row(i64 row, i64* keys, long long* counts,
     }
 }
 
-extern "C" __global__ void tt_count(const i64* idx, i64 n, i64* keys, long long* counts,
-                                    i64 size) {
+"""
+
+TT_COUNT = KernelDecl(
+    "tt_count", "",
+    (("const i64*", "idx"), ("i64", "n"), ("i64*", "keys"), ("long long*", "counts"),
+     ("i64", "size")),
+    r"""
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < n;
          t += (i64)gridDim.x * blockDim.x) {
         if (idx[t] >= 0) count_row(idx[t], keys, counts, size, 1);
-    }
-}
+    }""", extern_c=True)
 
+_CACHE_SLOT_OF = r"""
 // A row's slot in the sorted cached rows crow[0..capacity) (NO_ROW in empty slots), -1 if
 // it is not cached.
 __device__ __forceinline__ i64 cache_slot_of(i64 row, const i64* crow, i64 capacity) {
@@ -54,6 +61,11 @@ __device__ __forceinline__ i64 cache_slot_of(i64 row, const i64* crow, i64 capac
     return (lo < capacity && crow[lo] == row) ? lo : -1;
 }
 """
+
+TT_CACHE_LOOKUP_KERNEL = _COUNT_ROW + TT_COUNT.source() + _CACHE_SLOT_OF
+
+# Sorted positions per chunk of the cache update (TT_CACHE_CHUNK in the TT module's defines).
+CACHE_CHUNK = 64
 
 TT_CACHE_UPDATE_KERNEL = r"""
 // The row cache's optimizer step, run by tt_update's blocks past the core rows, each taking
@@ -67,7 +79,7 @@ TT_CACHE_UPDATE_KERNEL = r"""
 // update distinct rows. Every index is bounded by n and capacity; a rejected batch changes
 // nothing (tt_update tests its verdict first).
 constexpr int UPDATE_THREADS = TT_UPDATE_THREADS;  // tt_update's block size
-constexpr int CACHE_CHUNK = 64;
+constexpr int CACHE_CHUNK = TT_CACHE_CHUNK;
 constexpr int CACHE_EW = DIM < UPDATE_THREADS ? DIM : UPDATE_THREADS;  // elements per pass
 constexpr int CACHE_G = UPDATE_THREADS / CACHE_EW;                     // groups along a run
 

@@ -7,8 +7,9 @@ import numpy as np
 
 from xferlib._backend import array_module, as_cupy_stream
 from xferlib._kernels import grid_1d
+from xferlib._kernels.tt import TT_COUNT
 from xferlib.tt.lookup import lookup_weights, scatter_add, to_host, tt_rows
-from xferlib.tt.plan import TTBagPlan, launch
+from xferlib.tt.plan import TTBagPlan, module_of
 from xferlib.tt.rules import row_state
 from xferlib.tt.shape import TTShape
 
@@ -134,9 +135,10 @@ class TTRowCache:
                 indices = xp.asarray(indices, dtype=np.int64)
                 # the counting kernel does not depend on the shape: a small module's copy
                 # serves shapes too large for the TT kernels as well
-                launch(_COUNT_SHAPE, "tt_count", *grid_1d(indices.size, 256, 4096),
-                       (indices, np.int64(indices.size), self.freq_keys, self.freq_counts,
-                        np.int64(self.freq_keys.size)), stream)
+                TT_COUNT.launch(module_of(_COUNT_SHAPE), (), *grid_1d(indices.size, 256, 4096),
+                                stream=stream, idx=indices, n=indices.size,
+                                keys=self.freq_keys, counts=self.freq_counts,
+                                size=self.freq_keys.size)
             return
         indices = xp.asarray(indices, dtype=np.int64)
         _count_host(self.freq_keys, self.freq_counts, indices)

@@ -9,10 +9,12 @@ import math
 import numpy as np
 
 from xferlib._backend import array_module, as_cupy_stream
-from xferlib._kernels import grid_1d
-from xferlib._kernels.tt import CHUNK, REDUCE_SPLITS, REDUCE_THREADS, THREADS
+from xferlib._kernels import grid_1d, named
+from xferlib._kernels.tt import (BWD_CACHE_ARGS, CHUNK, CORE_ARGS, REDUCE_SPLITS,
+                                 REDUCE_THREADS, THREADS, TT_BWD_PIECES, TT_REDUCE,
+                                 TT_REDUCE_JOIN)
 from xferlib.tt.lookup import prefix_products, scatter_add, suffix_products
-from xferlib.tt.plan import TTBagPlan, core_pointers, key_type, launch, sort_keys
+from xferlib.tt.plan import TTBagPlan, core_pointers, key_type, module_of, sort_keys
 from xferlib.tt.shape import TTShape, grad_spans, lead_core, total_core_rows
 
 __all__ = ["tt_embedding_bag_bwd", "tt_core_grads"]
@@ -147,15 +149,15 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
     keys = empty("keys", (d - 1) * n, np.int32)
     key_name = key_type(plan.rows)
     weights = plan.per_sample_weights
-    pointers = core_pointers(cores)
-    launch(shape, f"tt_bwd_pieces<{key_name}>", grid_1d(n, CHUNK)[0], (THREADS,),
-           pointers + [
-                plan.rows, plan.perm, np.int64(n), plan.bag_of, plan.offsets,
-                np.int64(plan.offsets.size), np.int32(plan.include_last_offset),
-                weights if weights is not None else _NULL, np.int32(plan.mean),
-                grad_bags, ubuf, cbuf, c0buf, keys]
-           + (list(cache_sums) if cache_sums is not None else _NO_CACHE)
-           + [plan.verdict.words], stream)
+    pointers = named(CORE_ARGS, core_pointers(cores))
+    module = module_of(shape)
+    TT_BWD_PIECES.launch(
+        module, (key_name,), grid_1d(n, CHUNK)[0], (THREADS,), stream=stream, **pointers,
+        rows=plan.rows, perm=plan.perm, n=n, bag_of=plan.bag_of, offsets=plan.offsets,
+        n_off=plan.offsets.size, include_last=plan.include_last_offset, psw=weights,
+        mean=plan.mean, grad_out=grad_bags, ubuf=ubuf, cbuf=cbuf, c0buf=c0buf, keys=keys,
+        **named(BWD_CACHE_ARGS, cache_sums if cache_sums is not None else _NO_CACHE),
+        verdict=plan.verdict.words)
     keyed = sum(shape.p_shapes) - shape.p_shapes[lead_core(shape)]
     # The keys are in range by construction (a rejected batch's are never read), so the
     # sort's words are not reset nor read.
@@ -168,17 +170,16 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
     # large batches: long lists of a core row summed by several blocks, joined in order
     splits = REDUCE_SPLITS if n >= _SPLIT_BATCH else 1
     part = empty("part", size * splits, np.float32) if splits > 1 else None
-    launch(shape, f"tt_reduce<{key_name}>", (total_core_rows(shape) * splits,),
-           (REDUCE_THREADS,),
-           pointers + [plan.rows, np.int64(n), skeys, items, np.int64(keys.size), ubuf, cbuf,
-                       c0buf, grad, touched, np.int32(dense),
-                       counter if counter is not None else _NULL,
-                       part if part is not None else _NULL, np.int32(splits),
-                       plan.verdict.words], stream)
+    TT_REDUCE.launch(module, (key_name,), (total_core_rows(shape) * splits,),
+                     (REDUCE_THREADS,), stream=stream, **pointers, rows=plan.rows, n=n,
+                     skeys=skeys, items=items, n_items=keys.size, ubuf=ubuf, cbuf=cbuf,
+                     c0buf=c0buf, grad=grad, touched=touched, dense=dense, counter=counter,
+                     part=part, splits=splits, verdict=plan.verdict.words)
     if part is not None:
-        launch(shape, f"tt_reduce_join<{key_name}>", (total_core_rows(shape),),
-               (REDUCE_THREADS,), [plan.rows, np.int64(n), skeys, np.int64(keys.size), grad,
-                                   touched, part, np.int32(splits), plan.verdict.words], stream)
+        TT_REDUCE_JOIN.launch(module, (key_name,), (total_core_rows(shape),),
+                              (REDUCE_THREADS,), stream=stream, rows=plan.rows, n=n,
+                              skeys=skeys, n_items=keys.size, grad=grad, touched=touched,
+                              part=part, splits=splits, verdict=plan.verdict.words)
     return grad, touched
 
 

@@ -12,9 +12,11 @@ import functools
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_cupy_array
-from xferlib._kernels import grid_1d
-from xferlib._kernels.tt import CHUNK, THREADS
-from xferlib._kernels.rows import SMALL_SORT_ITEMS, SMALL_SORT_THREADS, tile_sort_kernels
+from xferlib._kernels import grid_1d, named
+from xferlib._kernels.rows import (CHECK_AND_SORT_SMALL, MERGE_SORTED_RUNS, SMALL_SORT_ITEMS,
+                                   SMALL_SORT_THREADS, tile_sort_kernels)
+from xferlib._kernels.tt import (CHUNK, CORE_ARGS, ROWS_CACHE_ARGS, THREADS, TT_MERGE_ALL,
+                                 TT_POOL, TT_PREPARE, TT_ROWS)
 from xferlib.batch import NO_BAD, Verdict, host_values, sort_positions
 from xferlib.perf import warn_tt_fallback
 from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core, row_bound
@@ -106,25 +108,18 @@ def _shared_need(shape: TTShape) -> int:
     return max(shared_bytes(shape.p_shapes, shape.q_shapes, shape.ranks).values())
 
 
-_FUNCTIONS = {}  # (device, shape, name) -> compiled kernel: a launch is one dict lookup
+_MODULES = {}  # shape -> its kernel module: a launch finds it with one dict lookup
 
 
-def _kernel(shape: TTShape, name: str):
-    import cupy
-
-    key = (cupy.cuda.runtime.getDevice(), shape, name)
-    function = _FUNCTIONS.get(key)
-    if function is None:
+def module_of(shape: TTShape):
+    """The kernel module compiled for ``shape`` (``xferlib/_kernels/tt.py``; its kernels are
+    launched by name: ``TT_ROWS.launch(module_of(shape), (key,), grid, block, ...)``)."""
+    module = _MODULES.get(shape)
+    if module is None:
         from xferlib._kernels.tt import tt_module
 
-        function = _FUNCTIONS[key] = tt_module(
-            shape.p_shapes, shape.q_shapes, shape.ranks).get_function(name)
-    return function
-
-
-def launch(shape: TTShape, name: str, grid, block, args, stream) -> None:
-    """Launch kernel ``name`` of ``shape``'s module on ``stream`` (a CuPy stream)."""
-    _kernel(shape, name)(grid, block, tuple(args), stream=stream)
+        module = _MODULES[shape] = tt_module(shape.p_shapes, shape.q_shapes, shape.ranks)
+    return module
 
 
 # Sorted tiles joined by one tt_merge_all launch at most this many at a time (more are first
@@ -186,19 +181,21 @@ def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
     rows, perm = pairs[0]
     bits = max(1, int(num_keys - 1).bit_length())
     kernel(grid_1d(n, tile)[0], (SMALL_SORT_THREADS,),
-           (keys, np.int64(n), np.int64(num_keys), np.int32(bits), rows, perm, words),
+           CHECK_AND_SORT_SMALL.arguments(idx=keys, n_total=n, n_rows=num_keys, bits=bits,
+                                          rows_out=rows, perm_out=perm, first_bad=words),
            shared_mem=shared, stream=stream)
     if rounds:
         grid, block = grid_1d(n, 256, 65535)
-        n64 = np.int64(n)
         for j, width in enumerate(rounds):
             out_rows, out_perm = pairs[j + 1]
             if width > 0:
-                merge(grid, block, (rows, perm, n64, np.int64(width), out_rows, out_perm),
-                      stream=stream)
+                merge(grid, block, MERGE_SORTED_RUNS.arguments(
+                    keys=rows, perm=perm, n=n, width=width, keys_out=out_rows,
+                    perm_out=out_perm), stream=stream)
             else:
-                _kernel(shape, "tt_merge_all")(grid, block, (
-                    rows, perm, n64, np.int64(-width), out_rows, out_perm), stream=stream)
+                TT_MERGE_ALL.launch(module_of(shape), (), grid, block, stream=stream,
+                                    keys=rows, perm=perm, n=n, width=-width,
+                                    keys_out=out_rows, perm_out=out_perm)
             rows, perm = out_rows, out_perm
     return rows, perm
 
@@ -289,11 +286,12 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
     if lead:
         keys = (cupy.empty(n, dtype=np.int64) if scratch is None
                 else scratch.empty("keys", n, np.int64))
-    launch(shape, "tt_prepare", *grid_1d(n, 256, 4096),
-           (wide, np.int64(n), np.int64(bound), keys if lead else _NULL, offsets,
-            np.int64(n_off), np.int32(include_last_offset),
-            cache.rows if lookup else _NULL, cache.capacity64 if lookup else _ZERO,
-            slot if lookup else _NULL, words), stream)
+    module = module_of(shape)
+    TT_PREPARE.launch(module, (), *grid_1d(n, 256, 4096), stream=stream, idx=wide, n=n,
+                      bound=bound, keys=keys if lead else None, offsets=offsets, n_off=n_off,
+                      include_last=include_last_offset, crow=cache.rows if lookup else None,
+                      capacity=cache.capacity64 if lookup else 0,
+                      slot=slot if lookup else None, verdict=words)
     # the sort's working buffers (its result is the plan's: carved above)
     sort_scratch = None if scratch is None else scratch.named("sort.")
     result = sorted_keys, perm
@@ -310,23 +308,23 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
              else rows_scratch(top_scratch, n, shape.dim))
         # the row cache rides in tt_prepare (slots), tt_rows (skips, counting) and tt_pool
         # (its dense rows)
-        launch(shape, f"tt_rows<{key_type(rows)}>", grid_1d(n, CHUNK)[0], (THREADS,),
-               core_pointers(cores) + [rows, perm, np.int64(n), y]
-               + _cache_row_args(cache, slot if lookup else None,
-                                 cache is not None and cache_count)
-               + [verdict.words], stream)
+        TT_ROWS.launch(module, (key_type(rows),), grid_1d(n, CHUNK)[0], (THREADS,),
+                       stream=stream, **named(CORE_ARGS, core_pointers(cores)), rows=rows,
+                       perm=perm, n=n, y=y,
+                       **named(ROWS_CACHE_ARGS, _cache_row_args(
+                           cache, slot if lookup else None, cache is not None and cache_count)),
+                       verdict=verdict.words)
         if out is None:
             out = cupy.empty((num_bags, shape.dim), dtype=np.float32)
     else:
         out = None
     total = num_bags * shape.dim
-    launch(shape, "tt_pool", *grid_1d(total, 256, 65535),
-           (y if y is not None else _NULL, offsets, np.int64(n_off),
-            np.int32(include_last_offset), np.int64(n),
-            weights if weights is not None else _NULL, np.int32(mode == "mean"),
-            slot if lookup else _NULL, cache.weight if lookup else _NULL,
-            cache.capacity64 if lookup else _ZERO,
-            out if out is not None else _NULL, bag_of, verdict.words), stream)
+    TT_POOL.launch(module, (), *grid_1d(total, 256, 65535), stream=stream, y=y,
+                   offsets=offsets, n_off=n_off, include_last=include_last_offset, n=n,
+                   psw=weights, mean=mode == "mean", slot=slot if lookup else None,
+                   cache_w=cache.weight if lookup else None,
+                   cache_rows=cache.capacity64 if lookup else 0, out=out, bag_of=bag_of,
+                   verdict=verdict.words)
     plan = TTBagPlan(indices=indices, offsets=offsets, include_last_offset=include_last_offset,
                      per_sample_weights=weights, mean=mode == "mean", rows=rows, perm=perm,
                      bag_of=bag_of, verdict=verdict, num_bags=num_bags, slot=slot,

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from xferlib._backend import array_module, is_cupy_array
+from xferlib._kernels.tt import lead_core_of
 from xferlib.sizes import integral_size, integral_sizes
 
 __all__ = ["TTShape", "suggest_tt_shapes"]
@@ -197,5 +198,6 @@ def grad_spans(shape: TTShape) -> tuple[tuple[int, int], ...]:
 
 
 def lead_core(shape: TTShape) -> int:
-    """The core whose digit leads the kernels' sort key (LEAD in xferlib/_kernels/tt.py)."""
-    return 1 if shape.d == 3 else 0
+    """The core whose digit leads the kernels' sort key (LEAD in xferlib/_kernels/tt.py,
+    generated from :func:`xferlib._kernels.tt.lead_core_of`)."""
+    return lead_core_of(shape.d)

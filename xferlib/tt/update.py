@@ -7,12 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 from xferlib._backend import array_module, as_cupy_stream
-from xferlib._kernels.tt import CACHE_CHUNK, UPDATE_THREADS
+from xferlib._kernels import named
+from xferlib._kernels.tt import (CACHE_CHUNK, CACHE_STATE_ARGS, HYPER_ARGS, TT_UPDATE,
+                                 UPDATE_CACHE_ARGS, UPDATE_POINTER_ARGS, UPDATE_THREADS)
 from xferlib.optim.rules import OptId
 from xferlib.tt.cache import TTRowCache, tt_cache_grad
 from xferlib.tt.grads import gpu_core_grads, tt_embedding_bag_bwd
 from xferlib.tt.lookup import to_host
-from xferlib.tt.plan import TTBagPlan, key_type, launch, rows_scratch, uses_kernels
+from xferlib.tt.plan import TTBagPlan, key_type, module_of, rows_scratch, uses_kernels
 from xferlib.tt.rules import (LAZY_OPTIMIZERS, STATE_SLOTS, check_sparse_args, tt_sparse_update,
                               update_rows)
 from xferlib.tt.shape import TTShape, grad_spans, total_core_rows
@@ -80,15 +82,20 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     with stream:
         args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
         blocks = total_core_rows(shape)
+        pointers = named(UPDATE_POINTER_ARGS, _update_pointers(cores, states, optimizer))
         if cached:  # blocks past the core rows step the cache's hit rows
             blocks += min(-(-n // CACHE_CHUNK), _MAX_CACHE_BLOCKS)
-            tail = [plan.rows, plan.perm, np.int64(n), plan.slot, cache.capacity64, sums] + \
-                cache.update_args(optimizer) + [plan.verdict.words]
+            TT_UPDATE.launch(module_of(shape), (key_type(plan.rows),), (blocks,),
+                             (UPDATE_THREADS,), stream=stream, **pointers, grad=grad,
+                             touched=touched, **named(HYPER_ARGS, args), rows=plan.rows,
+                             perm=plan.perm, n=n, slot=plan.slot, capacity=cache.capacity64,
+                             cseg=sums, **named(CACHE_STATE_ARGS, cache.update_args(optimizer)),
+                             verdict=plan.verdict.words)
         else:
-            tail = _NO_CACHE
-        launch(shape, f"tt_update<{key_type(plan.rows)}>", (blocks,), (UPDATE_THREADS,),
-               _update_pointers(cores, states, optimizer) + [grad, touched] + args + tail,
-               stream)
+            TT_UPDATE.launch(module_of(shape), (key_type(plan.rows),), (blocks,),
+                             (UPDATE_THREADS,), stream=stream, **pointers, grad=grad,
+                             touched=touched, **named(HYPER_ARGS, args),
+                             **named(UPDATE_CACHE_ARGS, _NO_CACHE))
     # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
     # flagged as touched), and the host waited for nothing while the step was being queued.
     if checks is not None and not residuals.checked:
@@ -121,9 +128,11 @@ def tt_apply_core_grads(cores, shape: TTShape, grad, touched, states, optimizer:
             grad = cupy.ascontiguousarray(grad, dtype=np.float32)
             touched = cupy.ascontiguousarray(touched, dtype=np.int32)
             args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
-            launch(shape, "tt_update<int>", (total,), (UPDATE_THREADS,),
-                   _update_pointers(cores, states, optimizer) + [grad, touched] + args
-                   + _NO_CACHE, stream)
+            TT_UPDATE.launch(
+                module_of(shape), ("int",), (total,), (UPDATE_THREADS,), stream=stream,
+                **named(UPDATE_POINTER_ARGS, _update_pointers(cores, states, optimizer)),
+                grad=grad, touched=touched, **named(HYPER_ARGS, args),
+                **named(UPDATE_CACHE_ARGS, _NO_CACHE))
         return
     hyper = _host_step(hyper)
     xp = array_module(grad)
