@@ -149,12 +149,12 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
     keys = empty("keys", (d - 1) * n, np.int32)
     key_name = key_type(plan.rows)
     weights = plan.per_sample_weights
-    pointers = named(CORE_ARGS, core_pointers(cores))
+    pointers = core_pointers(cores)
     module = module_of(shape)
     TT_BWD_PIECES.launch(
-        module, (key_name,), grid_1d(n, CHUNK)[0], (THREADS,), stream=stream, **pointers,
-        rows=plan.rows, perm=plan.perm, n=n, bag_of=plan.bag_of, offsets=plan.offsets,
-        n_off=plan.offsets.size, include_last=plan.include_last_offset, psw=weights,
+        module, (key_name,), grid_1d(n, CHUNK)[0], (THREADS,), stream=stream,
+        **named(CORE_ARGS, pointers), rows=plan.rows, perm=plan.perm, n=n,
+        bag_of=plan.bag_of, offsets=plan.offsets, n_off=plan.offsets.size, include_last=plan.include_last_offset, psw=weights,
         mean=plan.mean, grad_out=grad_bags, ubuf=ubuf, cbuf=cbuf, c0buf=c0buf, keys=keys,
         **named(BWD_CACHE_ARGS, cache_sums if cache_sums is not None else _NO_CACHE),
         verdict=plan.verdict.words)
@@ -171,9 +171,9 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
     splits = REDUCE_SPLITS if n >= _SPLIT_BATCH else 1
     part = empty("part", size * splits, np.float32) if splits > 1 else None
     TT_REDUCE.launch(module, (key_name,), (total_core_rows(shape) * splits,),
-                     (REDUCE_THREADS,), stream=stream, **pointers, rows=plan.rows, n=n,
-                     skeys=skeys, items=items, n_items=keys.size, ubuf=ubuf, cbuf=cbuf,
-                     c0buf=c0buf, grad=grad, touched=touched, dense=dense, counter=counter,
+                     (REDUCE_THREADS,), stream=stream, **named(CORE_ARGS, pointers),
+                     rows=plan.rows, n=n, skeys=skeys, items=items, n_items=keys.size,
+                     ubuf=ubuf, cbuf=cbuf, c0buf=c0buf, grad=grad, touched=touched, dense=dense, counter=counter,
                      part=part, splits=splits, verdict=plan.verdict.words)
     if part is not None:
         TT_REDUCE_JOIN.launch(module, (key_name,), (total_core_rows(shape),),

@@ -82,18 +82,20 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     with stream:
         args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
         blocks = total_core_rows(shape)
-        pointers = named(UPDATE_POINTER_ARGS, _update_pointers(cores, states, optimizer))
+        pointers = _update_pointers(cores, states, optimizer)
         if cached:  # blocks past the core rows step the cache's hit rows
             blocks += min(-(-n // CACHE_CHUNK), _MAX_CACHE_BLOCKS)
             TT_UPDATE.launch(module_of(shape), (key_type(plan.rows),), (blocks,),
-                             (UPDATE_THREADS,), stream=stream, **pointers, grad=grad,
+                             (UPDATE_THREADS,), stream=stream,
+                             **named(UPDATE_POINTER_ARGS, pointers), grad=grad,
                              touched=touched, **named(HYPER_ARGS, args), rows=plan.rows,
                              perm=plan.perm, n=n, slot=plan.slot, capacity=cache.capacity64,
                              cseg=sums, **named(CACHE_STATE_ARGS, cache.update_args(optimizer)),
                              verdict=plan.verdict.words)
         else:
             TT_UPDATE.launch(module_of(shape), (key_type(plan.rows),), (blocks,),
-                             (UPDATE_THREADS,), stream=stream, **pointers, grad=grad,
+                             (UPDATE_THREADS,), stream=stream,
+                             **named(UPDATE_POINTER_ARGS, pointers), grad=grad,
                              touched=touched, **named(HYPER_ARGS, args),
                              **named(UPDATE_CACHE_ARGS, _NO_CACHE))
     # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
