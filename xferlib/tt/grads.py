@@ -154,8 +154,9 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
     TT_BWD_PIECES.launch(
         module, (key_name,), grid_1d(n, CHUNK)[0], (THREADS,), stream=stream,
         **named(CORE_ARGS, pointers), rows=plan.rows, perm=plan.perm, n=n,
-        bag_of=plan.bag_of, offsets=plan.offsets, n_off=plan.offsets.size, include_last=plan.include_last_offset, psw=weights,
-        mean=plan.mean, grad_out=grad_bags, ubuf=ubuf, cbuf=cbuf, c0buf=c0buf, keys=keys,
+        bag_of=plan.bag_of, offsets=plan.offsets, n_off=plan.offsets.size,
+        include_last=plan.include_last_offset, psw=weights, mean=plan.mean,
+        grad_out=grad_bags, ubuf=ubuf, cbuf=cbuf, c0buf=c0buf, keys=keys,
         **named(BWD_CACHE_ARGS, cache_sums if cache_sums is not None else _NO_CACHE),
         verdict=plan.verdict.words)
     keyed = sum(shape.p_shapes) - shape.p_shapes[lead_core(shape)]
@@ -173,8 +174,9 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
     TT_REDUCE.launch(module, (key_name,), (total_core_rows(shape) * splits,),
                      (REDUCE_THREADS,), stream=stream, **named(CORE_ARGS, pointers),
                      rows=plan.rows, n=n, skeys=skeys, items=items, n_items=keys.size,
-                     ubuf=ubuf, cbuf=cbuf, c0buf=c0buf, grad=grad, touched=touched, dense=dense, counter=counter,
-                     part=part, splits=splits, verdict=plan.verdict.words)
+                     ubuf=ubuf, cbuf=cbuf, c0buf=c0buf, grad=grad, touched=touched,
+                     dense=dense, counter=counter, part=part, splits=splits,
+                     verdict=plan.verdict.words)
     if part is not None:
         TT_REDUCE_JOIN.launch(module, (key_name,), (total_core_rows(shape),),
                               (REDUCE_THREADS,), stream=stream, rows=plan.rows, n=n,
