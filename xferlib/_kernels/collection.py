@@ -144,11 +144,13 @@ STAGE = KernelDecl(
     (("const T*", "host"), ("const i64*", "meta"), ("const i64*", "run"),
      ("const i64*", "run_off"), ("const int*", "run_tab"), ("i64", "n"), ("const T*", "cache"),
      ("i64", "cache_width"), ("const int*", "slots"), ("T*", "staged"), ("i64", "stage_width"),
-     ("const unsigned long long*", "verdict")),
+     ("int", "full"), ("const unsigned long long*", "verdict")),
     r"""
     // A warp per distinct row: a host table's row copied to staged[r], from its GPU cache
     // slot (slots[r] >= 0) or from host RAM (sorted keys: the link's fast pattern); rows of
-    // HBM tables are read in place and skipped.
+    // HBM tables are read in place and skipped. `full`: the whole stored row (weights, state,
+    // step count, padding: whole host cache lines), so that the update reads it from HBM and
+    // only writes over the link (PCIe keeps a read behind earlier writes); else the weights.
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -157,11 +159,11 @@ STAGE = KernelDecl(
         const i64 off = run_off[r];
         const i64* m = meta + (i64)run_tab[r] * COLL_META;
         if (off < 0 || !m[M_HOST]) continue;
-        const i64 dim = m[M_DIM];
+        const i64 len = full ? m[M_ROW_WIDTH] : m[M_DIM];
         const int slot = slots != nullptr ? slots[r] : -1;
         const T* src = slot >= 0 ? cache + (i64)slot * cache_width : host + off;
         T* dst = staged + r * stage_width;
-        for (i64 e = (i64)V * lane; e < dim; e += 32 * V)
+        for (i64 e = (i64)V * lane; e < len; e += 32 * V)
             *reinterpret_cast<vec<T, V>*>(dst + e) = *reinterpret_cast<const vec<T, V>*>(src + e);
     }""")
 
@@ -339,9 +341,9 @@ UPDATE = KernelDecl(
      ("i64", "hyper_width"), ("const unsigned long long*", "verdict")),
     r"""
     // A warp per distinct row: the table's rule on its summed gradient, where the row lives
-    // (HBM; a host table's GPU cache slot, then marked dirty; or host RAM with the weights
-    // read from the forward's staged copy when given), with its table's hyperparameters and
-    // its own step count.
+    // (HBM; a host table's GPU cache slot, then marked dirty; or host RAM, the row then read
+    // from the forward's whole staged copy when given, and only written over the link), with
+    // its table's hyperparameters and its own step count.
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -355,15 +357,17 @@ UPDATE = KernelDecl(
         const bool on_host = m[M_HOST] != 0 && slot < 0;
         T* w = slot >= 0 ? cache + (i64)slot * cache_width : (m[M_HOST] ? host : hbm) + off;
         T* s = w + m[M_STATE_OFFSET];
-        const T* wsrc = on_host && staged != nullptr ? staged + r * stage_width : w;
+        const bool from_copy = on_host && staged != nullptr;
+        const T* wsrc = from_copy ? staged + r * stage_width : w;
+        const T* ssrc = from_copy ? wsrc + m[M_STATE_OFFSET] : s;
         const i64 dim = m[M_DIM], step_off = m[M_STEP_OFF];
-        const i64 t = *reinterpret_cast<const i64*>(s + step_off) + 1;
+        const i64 t = *reinterpret_cast<const i64*>(ssrc + step_off) + 1;
         const XfScalars<T> c = row_consts<RULE, T>(hyper + tab * hyper_width, t);
         const T* g = summed + r * width;
         if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
-            rowwise_adagrad_row<T>(w, wsrc, s, s, g, dim, n_slots, c, lane);
+            rowwise_adagrad_row<T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane);
         } else {
-            update_row<RULE, V, T>(w, wsrc, s, s, g, dim, n_slots, c, lane);
+            update_row<RULE, V, T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane);
         }
         __syncwarp();
         if (lane == 0) {

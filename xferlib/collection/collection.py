@@ -337,7 +337,8 @@ class EmbeddingCollection:
 
     # ------------------------------------------------------------------ the step
 
-    def forward(self, indices, offsets, per_sample_weights=None, *, out=None, stream=None):
+    def forward(self, indices, offsets, per_sample_weights=None, *, out=None, stream=None,
+                _for_update: bool = True):
         """The pooled lookup of every table: ``(out, ctx)``, ``out`` of shape
         ``(B, total_dim)`` (table ``t`` at columns ``dim_offsets[t]:dim_offsets[t + 1]``) in
         the indices' namespace, ``ctx`` for :meth:`backward`. Bad input raises before
@@ -348,7 +349,7 @@ class EmbeddingCollection:
             raise ValueError(f"out must have shape {(B, self.total_dim)}, got {out.shape}")
         if is_cupy_array(indices):
             return self._gpu_side().forward(indices, offsets, per_sample_weights, B, out,
-                                            stream)
+                                            stream, _for_update)
         if self.device == "cuda":
             # NumPy in, NumPy out on a GPU collection: the inputs cross to the GPU and the
             # pooled rows come back (a copy each way and a sync; pass CuPy arrays to stay
@@ -367,8 +368,10 @@ class EmbeddingCollection:
         return pooled, LookupContext(indices, offsets, per_sample_weights, B)
 
     def lookup(self, indices, offsets, per_sample_weights=None, *, out=None, stream=None):
-        """The pooled lookup alone (no step will follow)."""
-        return self.forward(indices, offsets, per_sample_weights, out=out, stream=stream)[0]
+        """The pooled lookup alone (no step will follow: host rows are read without their
+        optimizer state)."""
+        return self.forward(indices, offsets, per_sample_weights, out=out, stream=stream,
+                            _for_update=False)[0]
 
     def backward(self, ctx: LookupContext, grad_pooled, *, stream=None) -> None:
         """Every looked-up row receives its lookups' gradients from ``grad_pooled``

@@ -112,8 +112,10 @@ class CollectionDevice:
         self.has_host = host is not None
         word = 16 // itemsize
         self.vec = next(v for v in (4, 2, 1) if v <= word and all(d % v == 0 for d in coll.dims))
-        host_dims = [c.dim for c in coll.tables if c.placement == "host"]
-        self.stage_width = -(-max(host_dims, default=0) // word) * word
+        # A staged row holds a host table's whole stored row (the update reads it there).
+        host_widths = [b.layout.row_width for c, b in zip(coll.tables, coll.blocks)
+                       if c.placement == "host"]
+        self.stage_width = -(-max(host_widths, default=0) // word) * word
         self.width = -(-max(coll.dims) // self.vec) * self.vec  # summed's row stride
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Kernels that reach host RAM: four blocks per SM at most (the host tables' measure).
@@ -160,7 +162,7 @@ class CollectionDevice:
 
     # ---------------------------------------------------------------- forward
 
-    def forward(self, indices, offsets, psw, B, out, stream):
+    def forward(self, indices, offsets, psw, B, out, stream, for_update: bool = True):
         import cupy
 
         from xferlib.collection.collection import LookupContext
@@ -212,7 +214,10 @@ class CollectionDevice:
                                  stream=stream, host=self.host_ptr, meta=self.meta,
                                  run=plan.run, run_off=plan.run_off, run_tab=plan.run_tab,
                                  n=n, **self._cache_args(plan.slots), staged=plan.staged,
-                                 stage_width=self.stage_width, verdict=words)
+                                 stage_width=self.stage_width, full=int(for_update),
+                                 verdict=words)
+                    if not for_update:
+                        plan.writes = -1  # weights only: no update may read this copy
                     inv = cupy.empty(n, dtype=np.int64)
                     inv[plan.perm] = plan.run  # each lookup's run: its staged row
                 grid, block = launch_config(bags)  # a warp per bag
