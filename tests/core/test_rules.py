@@ -373,3 +373,49 @@ def test_constants_come_from_the_rules():
     table = _family_bodies()["table"]
     assert "XF_MAX_SLOTS" in table
     assert not re.search(r"\b(?:sv|st)\[\d\]\s*[;=]", table)  # no slot count written by hand
+
+
+def test_one_optimizer_vocabulary():
+    """Every family's optimizer names come from the one rule table, a name meaning one rule:
+    the host tables', TT's and the flat step's lists are its parts (``Rule.families``)."""
+    import xferlib
+    import xferlib.tt
+    from xferlib.optim.rules import FLAT, TABLE, TT, optimizers_for
+    from xferlib.table.rules import _RULES
+    from xferlib.tt.rules import LAZY_OPTIMIZERS, STATE_SLOTS
+
+    assert set(xferlib.SPARSE_OPTIMIZERS) == set(optimizers_for(TABLE)) == set(_RULES)
+    assert xferlib.tt.SPARSE_OPTIMIZERS == optimizers_for(TT) == tuple(STATE_SLOTS)
+    assert set(LAZY_OPTIMIZERS) <= set(optimizers_for(TT))
+    assert optim.OPTIMIZERS == optimizers_for(FLAT)
+    assert {n for n, r in RULES.items() if r.flat} == set(optimizers_for(FLAT))
+    for name in optimizers_for(TT):
+        assert RULES[name].slots == tuple(s for s, _ in STATE_SLOTS[name]) or \
+            RULES[name].kind in (OptId.SGD, OptId.ADAGRAD, OptId.ROWWISE_ADAGRAD), name
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        optimizers_for("jax")
+
+
+def test_no_other_optimizer_name_list():
+    """No module writes a list of optimizer names of its own (three or more rule names in one
+    literal): lists come from xferlib.optim.rules."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    allowed = {("xferlib/tt/rules.py", "LAZY_OPTIMIZERS")}  # TT's lazy subset, not a vocabulary
+    found = []
+    for path in sorted((root / "xferlib").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "xferlib/optim/rules.py":
+            continue
+        tree = ast.parse(path.read_text())
+        skip = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and ((rel, t.id) in allowed or t.id == "__all__")
+                        for t in node.targets)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and id(node) not in skip:
+                names = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+                if sum(isinstance(n, str) and n in RULES for n in names) >= 3:
+                    found.append(f"{rel}:{node.lineno}")
+    assert not found, found

@@ -19,7 +19,8 @@ from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.cache import CACHE_MODULE  # noqa: F401  (registered with the table's)
 from xferlib._kernels.cache import HOST_ARGS  # noqa: F401  (the table kernels' too)
 from xferlib._kernels.rules import RULES_KERNEL
-from xferlib.optim.rules import OptId
+from xferlib.optim.rules import RULES as _SHARED_RULES
+from xferlib.optim.rules import TABLE, OptId, optimizers_for
 
 SUM_CHUNK = 32  # sorted positions per thread in the gradient sums' first pass
 
@@ -486,9 +487,10 @@ TABLE_KERNEL = (_HEAD + "".join(d.source() for d in (RUN_STARTS, RUN_FIRSTS, RUN
                 + "".join(d.source() for d in (GATHER_UNIQUE, EXPAND_ROWS, SUM_CHUNKS, SUM_SPANS))
                 + _UPDATE_RULES + SPARSE_UPDATE.source())
 
-# The rules this family compiles, and their ids (adamw runs adam's rule).
-RULES = ("sgd", "adam", "adagrad", "rowwise_adagrad", "adamax", "rmsprop", "adadelta")
-RULE_IDS = tuple(int(OptId[name.upper()]) for name in RULES)
+# The rules this family compiles, and their ids: one per id of the host tables' optimizers
+# (adamw runs adam's rule).
+RULE_IDS = tuple(dict.fromkeys(int(_SHARED_RULES[name].kind) for name in optimizers_for(TABLE)))
+RULES = tuple(OptId(kind).name.lower() for kind in RULE_IDS)
 _TYPES = {"float32": "float", "float64": "double"}
 _KEYS = {4: "int", 8: "long long"}
 

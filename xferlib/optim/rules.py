@@ -45,7 +45,13 @@ import numpy as np
 
 __all__ = ["OptId", "Rule", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON", "SCALARS", "get_rule",
            "resolve_hyper", "adam_hyper_row", "common_scalars", "preamble_numpy",
-           "check_common", "cuda_defines", "cuda_constants"]
+           "check_common", "cuda_defines", "cuda_constants", "FLAT", "TABLE", "TT",
+           "optimizers_for"]
+
+# The kernel families a rule runs in: the flat step (xferlib.optim), host tables
+# (xferlib.table), TT tables (xferlib.tt). One vocabulary: a name means one rule in every
+# family that runs it (each family takes the hyperparameters it has; see Rule.families).
+FLAT, TABLE, TT = "flat", "table", "tt"
 
 
 class OptId(enum.IntEnum):
@@ -333,7 +339,12 @@ class Rule:
     ``decoupled_weight_decay``, "none"). ``scalars(h, step, extra, xp)`` and ``numpy(c, p, g,
     b)``: the flat per-step scalars and NumPy elementwise update (None for rules without a
     flat kernel: their family computes its scalars itself; the CUDA per-element math of every
-    rule is in ``xferlib/_kernels/rules.py``)."""
+    rule is in ``xferlib/_kernels/rules.py``). ``families``: the kernel families that run the
+    rule (:data:`FLAT`, :data:`TABLE`, :data:`TT`). TT runs a rule with the hyperparameters
+    FBGEMM gives it (``lr``, ``eps``, ``betas``, ``weight_decay``, ``eta``, ``momentum``, the
+    global ``step``: :func:`xferlib.tt.tt_sparse_update`), the others at their defaults: TT's
+    ``sgd`` is torch's without momentum, its ``adagrad`` torch's without ``lr_decay``, weight
+    decay or an initial accumulator."""
 
     name: str
     kind: OptId
@@ -344,6 +355,7 @@ class Rule:
     decay: str
     scalars: Callable | None = None
     numpy: Callable | None = None
+    families: tuple = ()
 
     @property
     def flat(self) -> bool:
@@ -361,55 +373,96 @@ def _rmsprop_buffers(h):
 
 
 _ADAM_SLOTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# tt_sparse_update's defaults (every TT rule takes them; each reads the ones it uses)
+_TT_DEFAULTS = dict(eps=1e-10, betas=(0.9, 0.999), weight_decay=0.0, eta=0.001, momentum=0.9)
+
+
+def _tt_check(h):
+    if h.get("lr", 0.0) < 0:
+        raise ValueError(f"Invalid learning rate: {h['lr']}")
 
 RULES = {r.name: r for r in (
     Rule("sgd", OptId.SGD, dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                                 nesterov=False, maximize=False),
          _sgd_check, ("momentum_buffer",),
          lambda h: ["momentum_buffer"] if h["momentum"] else [], "l2",
-         _sgd_scalars, _sgd_numpy),
+         _sgd_scalars, _sgd_numpy, families=(FLAT, TABLE, TT)),
     Rule("adam", OptId.ADAM, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                   amsgrad=False, maximize=False),
-         check_common, _ADAM_SLOTS, _adam_buffers, "l2", _adam_scalars, _adam_numpy),
+         check_common, _ADAM_SLOTS, _adam_buffers, "l2", _adam_scalars, _adam_numpy,
+         families=(FLAT, TABLE)),
     Rule("adamw", OptId.ADAM, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                                    amsgrad=False, maximize=False),
-         check_common, _ADAM_SLOTS, _adam_buffers, "decoupled", _adam_scalars, _adam_numpy),
+         check_common, _ADAM_SLOTS, _adam_buffers, "decoupled", _adam_scalars, _adam_numpy,
+         families=(FLAT, TABLE)),
     Rule("adagrad", OptId.ADAGRAD, dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0,
                                         initial_accumulator_value=0.0, eps=1e-10,
                                         maximize=False),
-         _adagrad_check, ("sum",), lambda h: ["sum"], "l2", _adagrad_scalars, _adagrad_numpy),
+         _adagrad_check, ("sum",), lambda h: ["sum"], "l2", _adagrad_scalars, _adagrad_numpy,
+         families=(FLAT, TABLE, TT)),
     Rule("rmsprop", OptId.RMSPROP, dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0,
                                         momentum=0.0, centered=False, maximize=False),
          _rmsprop_check, ("square_avg", "momentum_buffer", "grad_avg"), _rmsprop_buffers, "l2",
-         _rmsprop_scalars, _rmsprop_numpy),
+         _rmsprop_scalars, _rmsprop_numpy, families=(FLAT, TABLE)),
     Rule("adamax", OptId.ADAMAX, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                       maximize=False),
          check_common, ("exp_avg", "exp_inf"), lambda h: ["exp_avg", "exp_inf"], "l2",
-         _adamax_scalars, _adamax_numpy),
+         _adamax_scalars, _adamax_numpy, families=(FLAT, TABLE)),
     Rule("nadam", OptId.NADAM, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                     momentum_decay=4e-3, decoupled_weight_decay=False,
                                     maximize=False),
          _nadam_check, ("exp_avg", "exp_avg_sq"), lambda h: ["exp_avg", "exp_avg_sq"], "flag",
-         _nadam_scalars, _nadam_numpy),
+         _nadam_scalars, _nadam_numpy, families=(FLAT,)),
     Rule("radam", OptId.RADAM, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                     decoupled_weight_decay=False, maximize=False),
          check_common, ("exp_avg", "exp_avg_sq"), lambda h: ["exp_avg", "exp_avg_sq"], "flag",
-         _radam_scalars, _radam_numpy),
+         _radam_scalars, _radam_numpy, families=(FLAT,)),
     Rule("lion", OptId.LION, dict(learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=1e-3),
-         check_common, ("exp_avg",), lambda h: ["exp_avg"], "none", _lion_scalars, _lion_numpy),
-    # Host tables only (their row math lives in xferlib/table/rules.py and its kernels).
+         check_common, ("exp_avg",), lambda h: ["exp_avg"], "none", _lion_scalars, _lion_numpy,
+         families=(FLAT,)),
+    # No flat kernel: host tables' row math lives in xferlib/table/rules.py and its kernels,
+    # TT's in xferlib/tt/rules.py and its kernels.
     # FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row (a row scalar, not a slot).
     Rule("rowwise_adagrad", OptId.ROWWISE_ADAGRAD,
          dict(lr=1e-2, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-8,
               maximize=False),
-         _range_check("initial_accumulator_value"), (), lambda h: [], "l2"),
+         _range_check("initial_accumulator_value"), (), lambda h: [], "l2",
+         families=(TABLE, TT)),
     Rule("adadelta", OptId.ADADELTA, dict(lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0,
                                           maximize=False),
          _range_check("rho", upper=1.0), ("square_avg", "acc_delta"),
-         lambda h: ["square_avg", "acc_delta"], "l2"),
+         lambda h: ["square_avg", "acc_delta"], "l2", families=(TABLE,)),
+    # FBGEMM's rules of these names, TT only; their defaults are tt_sparse_update's (lr has
+    # none), their state xferlib.tt.rules.STATE_SLOTS'.
+    Rule("rowwise_adam", OptId.ROWWISE_ADAM, dict(_TT_DEFAULTS), _tt_check,
+         ("exp_avg", "exp_avg_sq", "step"), lambda h: ["exp_avg", "exp_avg_sq", "step"], "l2",
+         families=(TT,)),
+    Rule("lamb", OptId.LAMB, dict(_TT_DEFAULTS), _tt_check, ("exp_avg", "exp_avg_sq"),
+         lambda h: ["exp_avg", "exp_avg_sq"], "l2", families=(TT,)),
+    Rule("lars_sgd", OptId.LARS_SGD, dict(_TT_DEFAULTS), _tt_check, ("momentum",),
+         lambda h: ["momentum"], "l2", families=(TT,)),
+    Rule("partial_rowwise_adam", OptId.PARTIAL_ROWWISE_ADAM, dict(_TT_DEFAULTS), _tt_check,
+         ("exp_avg", "exp_avg_sq"), lambda h: ["exp_avg", "exp_avg_sq"], "l2",
+         families=(TT,)),
+    Rule("partial_rowwise_lamb", OptId.PARTIAL_ROWWISE_LAMB, dict(_TT_DEFAULTS), _tt_check,
+         ("exp_avg", "exp_avg_sq"), lambda h: ["exp_avg", "exp_avg_sq"], "l2",
+         families=(TT,)),
 )}
 
-FLAT_RULES = {name: r for name, r in RULES.items() if r.flat}
+
+def optimizers_for(family: str) -> tuple:
+    """The names of the rules ``family`` (:data:`FLAT`, :data:`TABLE` or :data:`TT`) runs, in
+    :data:`RULES` order: each family's list is a part of the one vocabulary.
+
+    >>> optimizers_for(TT)[:3]
+    ('sgd', 'adagrad', 'rowwise_adagrad')
+    """
+    if family not in (FLAT, TABLE, TT):
+        raise ValueError(f"unknown kernel family {family!r}; one of {(FLAT, TABLE, TT)}")
+    return tuple(name for name, r in RULES.items() if family in r.families)
+
+
+FLAT_RULES = {name: RULES[name] for name in optimizers_for(FLAT)}
 OPTIMIZERS = tuple(FLAT_RULES)
 
 

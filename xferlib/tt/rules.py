@@ -6,16 +6,17 @@ from __future__ import annotations
 import numpy as np
 
 from xferlib._backend import array_module
+from xferlib.optim.rules import TT, optimizers_for
 from xferlib.tt.plan import TTBagPlan
 from xferlib.tt.shape import TTShape
 
 __all__ = ["SPARSE_OPTIMIZERS", "tt_sparse_state", "tt_sparse_update"]
 
 
-# FBGEMM's rules (not torch.optim's: no momentum, weight decay or maximize where FBGEMM has
+# The rules TT runs (xferlib.optim.rules: one vocabulary for every family), with the
+# hyperparameters FBGEMM gives them (no momentum, weight decay or maximize where FBGEMM has
 # none); the kernels dispatch on their xferlib.optim.rules.OptId ids.
-SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "rowwise_adam", "lamb", "lars_sgd",
-                     "partial_rowwise_adam", "partial_rowwise_lamb")
+SPARSE_OPTIMIZERS = optimizers_for(TT)
 # Optimizers that update only the rows a batch touched (a zero gradient still moves their
 # state or weights): the others update whole cores at once.
 LAZY_OPTIMIZERS = ("rowwise_adam", "lamb", "lars_sgd", "partial_rowwise_adam",
