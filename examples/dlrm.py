@@ -1,14 +1,18 @@
 """A DLRM-style click model trained with xferlib, in PyTorch or inside one ``jax.jit`` step.
 
 Synthetic click log with a known oracle (26 categorical features, Zipf popularity, 13 dense
-features), embedding tables placed by size in HBM, pinned host RAM (with a GPU cache of hot
-rows) or TT cores under a GPU memory budget, MLPs trained by xferlib's flat Adam. Both
-frameworks start from the same initial values (handed over by ``xferlib.handoff``), and
-``--compare`` trains the plain-torch setup beside them. See docs/dlrm.md.
+features). All 26 tables are ONE embedding collection (xferlib's ``EmbeddingBagCollection`` /
+``embedding_bag_collection``), each table placed by size in HBM or pinned host RAM (with a
+GPU cache of hot rows) under a GPU memory budget: one pooled lookup and one fused backward +
+Adagrad update per step. MLPs trained by xferlib's flat Adam; on a GPU the whole torch step
+is one CUDA graph, the JAX step one ``jax.jit``. Both frameworks start from the same initial
+values, and ``--compare`` trains the plain-torch setup (and FBGEMM's TBE where ``fbgemm_gpu``
+imports) beside them. See docs/dlrm.md.
 
     python examples/dlrm.py                                   # tiny preset, CPU, torch
     python examples/dlrm.py --framework jax
     python examples/dlrm.py --preset medium --framework both --compare --plot medium.png
+    python examples/dlrm.py --preset medium --profile          # where a step's time goes
     torchrun --nproc_per_node=2 examples/dlrm.py --preset medium   # two GPUs (global batch)
 """
 
@@ -55,7 +59,12 @@ def parse_args(argv=None):
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
                    help="GPU memory budget for tables, caches and TT cores (default: preset's)")
     p.add_argument("--compare", action="store_true",
-                   help="also train the plain-torch baseline (all tables in HBM) if it fits")
+                   help="also train the plain-torch baseline (all tables in HBM) if it fits, "
+                        "and, where fbgemm_gpu imports, FBGEMM's TBE beside xferlib with "
+                        "row-wise Adagrad on both")
+    p.add_argument("--profile", action="store_true",
+                   help="after training, print where a step's time goes (a profiled window "
+                        "of 20 more steps)")
     p.add_argument("--steps", type=_int_at_least(0), default=None,
                    help="steps this invocation runs (default: preset's; 0: evaluate only)")
     p.add_argument("--batch-size", type=_int_at_least(1), default=None,
@@ -75,9 +84,9 @@ def parse_args(argv=None):
                    help="checkpoint directory written at the end (one run: not with --compare "
                         "or --framework both)")
     p.add_argument("--load", metavar="PATH", help="checkpoint directory to continue from")
-    p.add_argument("--no-graph", action="store_true", help="no CUDA graph for the Adam step")
-    p.add_argument("--no-prefetch", action="store_true",
-                   help="torch: no prefetch of the next batch's host-table rows")
+    p.add_argument("--no-graph", action="store_true",
+                   help="torch: run every step eagerly (default on a GPU: the whole step in "
+                        "one CUDA graph after warm-up)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--devices", type=_int_at_least(1), default=1,
                    help="jax: train on N devices of this host (a mesh; the batch sharded)")
@@ -101,6 +110,54 @@ def _run_config(args, preset, plan, framework, batch_size, pooling):
     return {"preset": preset.name, "framework": framework, "placement": args.placement,
             "tables": [t.where for t in plan.tables], "cardinalities": list(preset.cardinalities),
             "dim": preset.dim, "batch_size": batch_size, "pooling": pooling, "seed": args.seed}
+
+
+PROFILE_STEPS = 20
+
+
+class Job:
+    """One run of the invocation: a framework, an embedding engine (``xferlib``, the
+    plain-torch baseline ``torch``, or ``fbgemm``) and the tables' optimizer."""
+
+    def __init__(self, framework, engine, optimizer=None):
+        self.framework, self.engine = framework, engine
+        self.optimizer = optimizer or ("rowwise_adagrad" if engine == "fbgemm" else "adagrad")
+
+    @property
+    def label(self):
+        return {"torch": "torch-baseline", "fbgemm": "torch-fbgemm"}.get(self.engine,
+                                                                        self.framework)
+
+    def name(self, placement):
+        if self.engine == "torch":
+            return "torch baseline (all HBM)"
+        if self.engine == "fbgemm":
+            return f"torch + FBGEMM TBE ({placement}, rowwise_adagrad)"
+        extra = "" if self.optimizer == "adagrad" else f", {self.optimizer}"
+        return f"{self.framework} xferlib ({placement}{extra})"
+
+
+def fbgemm_available() -> bool:
+    try:
+        from xferlib.adapters.bench.fbgemm import available
+    except ImportError:
+        return False
+    return available()
+
+
+def _make_run(job, args, preset, plan, device, xp, ranks):
+    if job.framework == "torch":
+        from dlrm_parts.torch_run import TorchRun
+
+        return TorchRun(preset, plan, args.seed, device, engine=job.engine,
+                        graph=not args.no_graph, optimizer=job.optimizer, ranks=ranks)
+    if args.devices > 1:  # the mesh keeps the per-table design until the sharding plan
+        from dlrm_parts.jax_mesh_run import JaxMeshRun
+
+        return JaxMeshRun(preset, plan, args.seed, device, xp=xp, devices=args.devices)
+    from dlrm_parts.jax_run import JaxRun
+
+    return JaxRun(preset, plan, args.seed, device, xp=xp, optimizer=job.optimizer)
 
 
 def _free():
@@ -142,6 +199,9 @@ def _prepare(args):
     if missing:
         raise ValueError(f"--framework {args.framework} needs {missing} installed "
                          f"(pip install -e \".[bench,jax]\" torch)")
+    if args.profile and (args.save or dist.launched()):
+        raise ValueError("--profile trains 20 more steps after the run: not with --save or "
+                         "torchrun")
     if (args.save or args.load) and len(frameworks) > 1:
         raise ValueError("--save/--load hold one run: pick --framework torch or jax")
     if args.load and args.compare:
@@ -193,6 +253,11 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
         import cupy as xp
     else:
         import numpy as xp
+    if device.startswith("cuda"):
+        import torch
+
+        # TF32 matmuls for every torch run, as XLA's default precision runs JAX's
+        torch.set_float32_matmul_precision("high")
     log = ClickLog(preset.cardinalities, seed=args.seed, pooling=pooling)
     eval_set = loop.EvalSet(log, args.eval_samples or preset.eval_samples, xp)
     budget = plan.budget_bytes / 2**30
@@ -206,18 +271,25 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
           flush=True)
 
     results = []
-    jobs = [(fw, False) for fw in frameworks] + ([("torch", True)] if args.compare else [])
+    jobs = [Job(fw, "xferlib") for fw in frameworks]
+    if args.compare:
+        jobs.append(Job("torch", "torch"))  # the plain-torch baseline, every table in HBM
+        if device.startswith("cuda") and fbgemm_available():
+            # FBGEMM's TBE runs row-wise Adagrad: xferlib runs it too for that pair
+            jobs += [Job("torch", "xferlib", "rowwise_adagrad"), Job("torch", "fbgemm")]
+        else:
+            print("FBGEMM TBE comparison: skipped (needs fbgemm_gpu and a GPU)")
     failed, run = [], None
-    for fw, baseline in jobs:
-        name = "torch baseline (all HBM)" if baseline else f"{fw} xferlib ({args.placement})"
+    for job in jobs:
+        name = job.name(args.placement)
         if ranks.world > 1:
             name += f" x {ranks.world} ranks"
-        if fw == "jax" and args.devices > 1:
+        if job.framework == "jax" and args.devices > 1:
             name += f" x {args.devices} devices"
         try:  # one failing run (say, out of memory) must not lose the others' figures
             table_bytes = {"host": plan.bytes_host, "hbm": plan.bytes_hbm, "tt": plan.bytes_tt,
                            "cache": plan.bytes_cache}
-            if baseline:
+            if job.engine == "torch":
                 table_bytes = {"host": 0, "tt": 0, "cache": 0,
                                "hbm": sum(config.table_bytes(n, preset.dim)
                                           for n in preset.cardinalities)}
@@ -230,19 +302,10 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
                               f"{table_bytes['hbm'] / 2**30:.1f} GB and the GPU has "
                               f"{free / 2**30:.1f} GB free")
                         continue
-            if fw == "torch":
-                from dlrm_parts.torch_run import TorchRun
-
-                run = TorchRun(preset, plan, args.seed, device, baseline=baseline,
-                               graph=not args.no_graph, xp=xp,
-                               prefetch=not args.no_prefetch, ranks=ranks)
-            else:
-                from dlrm_parts.jax_run import JaxRun
-
-                run = JaxRun(preset, plan, args.seed, device, xp=xp, devices=args.devices)
+            run = _make_run(job, args, preset, plan, device, xp, ranks)
             history, start = [], 0
             if meta is not None:
-                checkpoint.load(args.load, run, fw)
+                checkpoint.load(args.load, run, job.framework)
                 history, start = list(meta["history"]), int(meta["step"])
             seconds, timed_steps = loop.train(
                 run, log, eval_set, name=name, start_step=start, steps=steps,
@@ -253,26 +316,43 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
                 history.append({"step": start + steps, "samples": (start + steps) * batch_size,
                                 "auc": a, "logloss": ll, "train_loss": None})
             final = history[-1]
-            results.append({
-                "name": name, "framework": "torch-baseline" if baseline else fw,
-                "preset": preset.name, "placement": "hbm" if baseline else args.placement,
+            result = {
+                "name": name, "framework": job.label, "engine": job.engine,
+                "optimizer": job.optimizer, "preset": preset.name,
+                "placement": "hbm" if job.engine == "torch" else args.placement,
                 "device": device, "ranks": ranks.world, "steps": steps,
-                "devices": args.devices if fw == "jax" else 1,
+                "devices": args.devices if job.framework == "jax" else 1,
                 "total_steps": start + steps,
                 "batch_size": batch_size, "samples_per_s": timed_steps * batch_size / seconds
                 if seconds > 0 else 0.0, "auc": final["auc"], "logloss": final["logloss"],
                 "oracle_auc": eval_set.oracle_auc, "oracle_logloss": eval_set.oracle_logloss,
                 "peak_gpu_bytes": run.peak_gpu_bytes(), "table_bytes": table_bytes,
                 "cache_hit_rate": run.cache_hit_rate(), "notes": getattr(run, "graph_note", ""),
-                "history": history})
-            if args.save and not baseline:
-                checkpoint.save(args.save, run, fw, run_config[fw], start + steps, history)
+                "history": history}
+            if args.save:
+                checkpoint.save(args.save, run, job.framework, run_config[job.framework],
+                                start + steps, history)
                 print(f"saved {args.save} at step {start + steps}")
-            del run
-            _free()
+            if args.profile and hasattr(run, "profile"):
+                feed = loop.Feed(run, log, batch_size, xp)
+                stop = start + steps
+                breakdown = run.profile([feed(stop + i) for i in range(PROFILE_STEPS)])
+                if breakdown:
+                    breakdown["step (timed run: 1 / steps per s)"] = (
+                        1e3 * batch_size / result["samples_per_s"] if result["samples_per_s"]
+                        else 0.0)
+                    result["profile_ms"] = breakdown
+                    print(metrics.profile_table(name, breakdown))
+            results.append(result)
         except Exception:
             traceback.print_exc()
             failed.append(name)
+        finally:  # the next run allocates only once this one's memory is released
+            if run is not None and hasattr(run, "close"):
+                try:
+                    run.close()
+                except Exception:
+                    traceback.print_exc()
             run = None
             _free()
 
@@ -283,11 +363,17 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
     print(metrics.table(results))
     main_run = results[0]
     print(metrics.target_line(main_run["auc"], main_run["oracle_auc"]))
-    base = [r for r in results if r["framework"] == "torch-baseline"]
+    base = [r for r in results if r["engine"] == "torch"]
     for r in results:
         if base and r is not base[0] and base[0]["samples_per_s"]:
             print(f"{r['name']}: {r['samples_per_s'] / base[0]['samples_per_s']:.2f}x the "
                   f"baseline's samples/s, AUC {r['auc'] - base[0]['auc']:+.4f}")
+    tbe = [r for r in results if r["engine"] == "fbgemm"]
+    pair = [r for r in results if r["engine"] == "xferlib" and r["optimizer"] == "rowwise_adagrad"]
+    if tbe and pair and tbe[0]["samples_per_s"]:
+        print(f"{pair[0]['name']}: {pair[0]['samples_per_s'] / tbe[0]['samples_per_s']:.2f}x "
+              f"FBGEMM TBE's samples/s (same model, optimizer and matmul precision), AUC "
+              f"{pair[0]['auc'] - tbe[0]['auc']:+.4f}")
     if args.json and ranks.main:
         metrics.write_json(args.json, results, {"plan": plan.summary()})
     if args.plot and ranks.main:

@@ -272,3 +272,34 @@ def test_devices_is_refused_for_torch_and_a_batch_it_does_not_divide():
     assert _run("--framework", "torch", "--devices", 2).returncode == 2
     result = _run("--framework", "jax", "--devices", 3, "--batch-size", 256)
     assert result.returncode == 2 and "multiple" in result.stderr
+
+
+def test_a_finished_run_releases_its_tables_before_the_next_run(parts, monkeypatch):
+    """The large preset's baseline crashed in a CuPy malloc (cudaErrorAlreadyMapped) after
+    the xferlib run: that run's pinned host tables (cudaHostRegister'ed, mapped into the
+    GPU's address space) were still alive and registered when the baseline allocated. A run
+    is now closed before the next starts: its host buffer is unpinned at once and nothing
+    keeps its tables alive."""
+    import gc
+    import weakref
+
+    pytest.importorskip("torch")
+    import xferlib
+    from dlrm_parts import torch_run
+
+    preset = parts.config.get_preset("tiny")
+    plan = parts.config.plan_tables(preset, "auto", None)
+    run = torch_run.TorchRun(preset, plan, 0, "cpu")
+    core = run.model.embeddings.collection.collection
+    host = core.buffers["host"]
+    unpinned = []
+    # on a GPU machine the buffer is pinned; here pretend it is, and see close() unpin it
+    monkeypatch.setattr(xferlib, "is_pinned", lambda a: a is host)
+    monkeypatch.setattr(xferlib, "unpin", lambda a: unpinned.append(a))
+    alive = weakref.ref(core)
+    del core
+    run.close()
+    assert len(unpinned) == 1 and unpinned[0] is host
+    del host, unpinned
+    gc.collect()
+    assert alive() is None and run.model is None

@@ -1,9 +1,10 @@
 """Checkpoints: a directory holding everything a run needs to continue as if never stopped.
 
     PATH/meta.json              configuration, the data stream's position (steps done), history
-    PATH/state.pt | state.npz   MLPs + flat optimizer state, HBM tables + Adagrad state, TT
+    PATH/state.pt | state.npz   MLPs + flat optimizer state, the embedding collection (every
+                                table's weights and Adagrad state, host tables included), TT
                                 cores + their optimizer state (torch: torch.save; JAX: npz)
-    PATH/host<f>.<name>.npy     each host table's weights and every optimizer state array
+    PATH/host<f>.<name>.npy     a ``--devices`` JAX run's host tables (HostTable)
 
 The click log is a pure function of ``(seed, step)``, so the stream's position is the step.
 A checkpoint is written to a temporary directory and renamed into place (an old one is
@@ -19,7 +20,7 @@ import shutil
 
 import numpy as np
 
-FORMAT = "xferlib-dlrm-1"
+FORMAT = "xferlib-dlrm-2"  # 2: the tables are one embedding collection
 
 
 def _state_file(framework):

@@ -61,7 +61,8 @@ def _key(*parts) -> int:
 
 def hash_uniform(key, counters, xp):
     """U(0, 1) float32, never 0 or 1, one per uint64 counter."""
-    h = _mix(counters * _GOLDEN ^ xp.uint64(key), xp)
+    key = xp.uint64(key) if isinstance(key, int) else key  # one key, or one per step
+    h = _mix(counters * _GOLDEN ^ key, xp)
     return ((h >> np.uint64(40)).astype(xp.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
 
 
@@ -126,13 +127,12 @@ class ClickLog:
                 n=self._n, a=self._a, b=self._b, span=self._span, w=self._w).items()}
         return self._consts[xp]
 
-    def _rows(self, step: int, B: int, xp, purpose: int, lo: int = 0, hi: int | None = None):
+    def _rows(self, keys, B: int, xp, lo: int, hi: int):
         c, F, L = self._on(xp), len(self.cardinalities), self.pooling
-        hi = B if hi is None else hi
-        # element (f, b, l) of the whole batch, for samples lo <= b < hi
+        # element (f, b, l) of the whole batch, for samples lo <= b < hi; one key per step
         counters = (xp.arange(F, dtype=xp.uint64)[:, None, None] * np.uint64(B * L)
                     + xp.arange(lo * L, hi * L, dtype=xp.uint64).reshape(1, hi - lo, L))
-        u = hash_uniform(_key(self.seed, purpose, _CAT, step), counters, xp).astype(xp.float64)
+        u = hash_uniform(keys[:, None, None, None], counters, xp).astype(xp.float64)
         span = c["span"][:, None, None]
         rank = xp.floor((span * u + 1.0) ** (1.0 / (1.0 - self.alpha))) - 1.0
         n = c["n"][:, None, None]
@@ -147,27 +147,42 @@ class ClickLog:
         counters = rows.astype(xp.uint64)[..., None] * np.uint64(k) + xp.arange(k, dtype=xp.uint64)
         return hash_normal(_key(self.seed, _LATENT, f), counters, xp)
 
-    def _make(self, step: int, B: int, xp, purpose: int, lo: int = 0,
+    def _keys(self, steps, purpose: int, what: int, xp):
+        return xp.asarray(np.array([_key(self.seed, purpose, what, s) for s in steps],
+                                   np.uint64))
+
+    def _make(self, steps, B: int, xp, purpose: int, lo: int = 0,
               hi: int | None = None) -> Batch:
+        """The batches of ``steps`` (a list), stacked on a leading axis: one set of kernels
+        for all of them."""
         c = self._on(xp)
         hi = B if hi is None else hi
         counters = xp.arange(lo * NUM_DENSE, hi * NUM_DENSE,
                              dtype=xp.uint64).reshape(hi - lo, NUM_DENSE)
-        dense = hash_normal(_key(self.seed, purpose, _DENSE, step), counters, xp)
-        cat = self._rows(step, B, xp, purpose, lo, hi)
-        logit = dense @ c["w"] + np.float32(0.5) * dense[:, 0] * dense[:, 1] - np.float32(1.0)
+        dense = hash_normal(self._keys(steps, purpose, _DENSE, xp)[:, None, None], counters, xp)
+        cat = self._rows(self._keys(steps, purpose, _CAT, xp), B, xp, lo, hi)  # (S, F, B, L)
+        logit = (dense @ c["w"] + np.float32(0.5) * dense[..., 0] * dense[..., 1]
+                 - np.float32(1.0))
         for f in self.bias_features:
-            logit = logit + self._bias_scale * self.row_bias(f, cat[f], xp).mean(axis=1)
+            logit = logit + self._bias_scale * self.row_bias(f, cat[:, f], xp).mean(axis=-1)
         if len(self.latent_features) > 1:
-            z = xp.stack([self.row_latent(f, cat[f], xp).mean(axis=1)
-                          for f in self.latent_features], axis=1)  # (B, S, k)
-            total = z.sum(axis=1)
-            pairs = ((total * total).sum(-1) - (z * z).sum(axis=(1, 2))) * np.float32(0.5)
+            z = xp.stack([self.row_latent(f, cat[:, f], xp).mean(axis=-2)
+                          for f in self.latent_features], axis=-2)  # (S, B, features, k)
+            total = z.sum(axis=-2)
+            pairs = ((total * total).sum(-1) - (z * z).sum(axis=(-2, -1))) * np.float32(0.5)
             logit = logit + self._pair_scale * pairs / np.float32(math.sqrt(self.latent_dim))
-        u = hash_uniform(_key(self.seed, purpose, _LABEL, step),
+        u = hash_uniform(self._keys(steps, purpose, _LABEL, xp)[:, None],
                          xp.arange(lo, hi, dtype=xp.uint64), xp)
         label = (u < 1.0 / (1.0 + xp.exp(-logit))).astype(xp.float32)
         return Batch(dense.astype(xp.float32), cat, label, logit.astype(xp.float32))
+
+    def batches(self, first_step: int, count: int, batch_size: int, xp=np) -> Batch:
+        """Training batches ``first_step .. first_step + count - 1`` made together (each
+        array with a leading axis of ``count``): the kernels of one batch, launched once for
+        ``count`` steps. ``batches(s, n, B)`` and ``batch(s + i, B)`` draw the same samples
+        (equal up to float rounding in the labels' logits)."""
+        return self._make(list(range(int(first_step), int(first_step) + int(count))),
+                          int(batch_size), xp, 0)
 
     def batch(self, step: int, batch_size: int, xp=np, part=None) -> Batch:
         """Training batch ``step`` (any step, in any order: a pure function). ``part=(rank,
@@ -175,18 +190,22 @@ class ClickLog:
         global batch and a multiple of ``world``), equal to that slice of the whole batch."""
         B = int(batch_size)
         if part is None:
-            return self._make(int(step), B, xp, 0)
+            return _first(self._make([int(step)], B, xp, 0))
         rank, world = (int(v) for v in part)
         if world < 1 or not 0 <= rank < world or B % world:
             raise ValueError(f"part=(rank, world) needs 0 <= rank < world and a batch size "
                              f"divisible by world; got {part} for batch {B}")
         share = B // world
-        return self._make(int(step), B, xp, 0, rank * share, (rank + 1) * share)
+        return _first(self._make([int(step)], B, xp, 0, rank * share, (rank + 1) * share))
 
     def eval_batch(self, i: int, batch_size: int, xp=np) -> Batch:
         """The ``i``-th batch of the held-out evaluation set (a stream no training step
         draws)."""
-        return self._make(EVAL_STEP_BASE + int(i), int(batch_size), xp, _EVAL)
+        return _first(self._make([EVAL_STEP_BASE + int(i)], int(batch_size), xp, _EVAL))
+
+
+def _first(batch: Batch) -> Batch:
+    return Batch(*(a[0] for a in (batch.dense, batch.cat, batch.label, batch.logit)))
 
 
 def init_rows(seed: int, table: int, start: int, stop: int, dim: int, scale: float, xp=np):

@@ -3,8 +3,10 @@ framework with ``xferlib.handoff``, so torch, JAX and the baseline start from th
 
 - MLP layers: torch.nn.Linear's default, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), drawn from a
   seeded NumPy generator (``weight`` is ``(out, in)``, as torch stores it).
-- Tables: U(-s, s) per row, a pure function of ``(seed, table, row, column)``
-  (:func:`dlrm_parts.data.init_rows`), made in chunks on the device that will hold them.
+- Tables: U(-s, s), a pure function of ``(seed, table position, row, column)``: the embedding
+  collection's own counter-based initializer (``TableConfig(init=("uniform", -s, s))``, the
+  same values on the CPU and the GPU); :func:`collection_rows` makes the same rows for the
+  baseline's ``nn.EmbeddingBag`` tables, FBGEMM's TBE and the ``--devices`` JAX run.
 - TT cores: FBTT's ``approx-normal`` draw (``xferlib.tt.init_tt_cores``) from a seeded
   generator.
 """
@@ -66,3 +68,32 @@ def tt_cores(plan_table, seed: int):
     shape = tt.TTShape(plan_table.tt_p, plan_table.tt_q, plan_table.tt_ranks)
     return tt.init_tt_cores(shape, "approx-normal", plan_table.rows,
                             rng=np.random.default_rng([seed, 11, plan_table.index]))
+
+
+def table_init_spec(preset):
+    """The collection's initializer for every table: U(-init_scale, init_scale)."""
+    return ("uniform", -preset.init_scale, preset.init_scale)
+
+
+def collection_rows(preset, seed: int, position: int, rows: int, xp=np):
+    """The initial ``(rows, dim)`` weights of the table at ``position`` of an
+    ``EmbeddingCollection(seed=seed)`` built with :func:`table_init_spec`: the collection's
+    initializer run on a weights-only row layout (NumPy, or a kernel on the GPU)."""
+    from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
+    from xferlib.table.layout import RowLayout
+
+    layout = RowLayout(preset.dim, 4, (), ())
+    block = xp.empty((rows, layout.row_width), xp.float32)
+    args = (block, layout, table_init_spec(preset), table_stream(seed, position), 0.0)
+    if xp is np:
+        fill_rows_numpy(*args)
+    else:
+        fill_rows_gpu(*args, "float32")
+    return xp.ascontiguousarray(block[:, :preset.dim])
+
+
+def fill_host_table_like_collection(table, preset, seed: int, position: int, xp=np) -> None:
+    """Write :func:`collection_rows` into an ``xferlib.HostTable`` (the ``--devices`` run)."""
+    rows = collection_rows(preset, seed, position, table.num_rows, xp)
+    table.scatter(xp.arange(table.num_rows, dtype=xp.int64), rows)
+    table.flush()

@@ -1,4 +1,7 @@
-"""The DLRM in JAX: one ``jax.jit`` training step.
+"""The DLRM in JAX on N devices of one host (``--devices N``): the per-table data-parallel
+design, kept for the mesh until the sharding plan replaces it (one device runs
+``jax_run.py``: every table in one embedding collection). It starts from the same initial
+values as the collection run (``init.collection_rows``) and trains the same model.
 
 Inside the step, host tables are read with ``host_lookup`` and trained with ``host_update``
 (xferlib's fused Adagrad, on XLA's stream), TT tables go through ``tt_embedding_bag`` (a
@@ -52,7 +55,7 @@ def _adagrad(w, acc, g, lr):
 AXIS = "batch"
 
 
-class JaxRun:
+class JaxMeshRun:
     def __init__(self, preset, plan, seed, device, xp=np, devices=1):
         self.xp, self.gpu = xp, device != "cpu"
         self.preset, self.plan = preset, plan
@@ -93,10 +96,12 @@ class JaxRun:
         lr = preset.lr_embedding
         self.hbm, self.hbm_acc, self.tt, self.tt_acc, self.host = [], [], [], [], []
         self.tt_shapes = []
+        position = 0  # a table's position in the single-device run's collection (its init)
         for t in plan.tables:
+            if t.where != "tt":
+                position += 1
             if t.where == "hbm":
-                w = to(initial.table_init(seed, t.index, t.rows, preset.dim, preset.init_scale,
-                                          xp))
+                w = to(initial.collection_rows(preset, seed, position - 1, t.rows, xp))
                 self.hbm.append(w)
                 self.hbm_acc.append(self._zeros(w.shape))
             elif t.where == "host":
@@ -104,7 +109,7 @@ class JaxRun:
                 cache = t.cache_rows if self.gpu and self.mesh is None else 0
                 table = xferlib.HostTable(t.rows, preset.dim, "float32", "adagrad", {"lr": lr},
                                           cache, init="zeros")
-                initial.fill_host_table(table, seed, t.index, preset.init_scale, xp)
+                initial.fill_host_table_like_collection(table, preset, seed, position - 1, xp)
                 self.host.append(table)
             else:
                 cores = tuple(to(c) for c in initial.tt_cores(t, seed))

@@ -64,6 +64,14 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
+def profile_table(name, breakdown) -> str:
+    """``--profile``'s breakdown: milliseconds per step by phase."""
+    width = max(len(k) for k in breakdown)
+    lines = [f"profile of {name}: ms per step"]
+    lines += [f"  {k.ljust(width)}  {v:8.3f}" for k, v in breakdown.items()]
+    return "\n".join(lines)
+
+
 def write_json(path, results, extra) -> None:
     main = results[0]
     doc = {k: main[k] for k in ("framework", "preset", "steps", "samples_per_s", "auc",

@@ -1,23 +1,37 @@
-"""The DLRM in PyTorch: xferlib's placement (HBM / host tables / TT, FlatAdam for the MLPs)
-or the plain-torch baseline (every table an ``nn.EmbeddingBag`` in HBM, torch's sparse
-Adagrad, fused Adam).
+"""The DLRM in PyTorch, with one of three embedding engines:
 
-Embedding tables train with Adagrad everywhere (torch's rule; xferlib's host tables and TT
-cores run the same rule fused into backward), so every placement learns the same model: a
-row the batch does not touch is unchanged by Adagrad, sparse or dense.
+- ``xferlib`` (the main job): every table in ONE ``EmbeddingBagCollection``, each at its
+  planned placement (``hbm``, or ``host`` with a GPU cache of hot rows): one pooled lookup
+  of all tables and one fused backward + Adagrad update inside ``loss.backward()``, the MLPs
+  trained by a capturable ``FlatAdam``, and on a GPU the whole step captured in one CUDA
+  graph after warm-up. TT tables (``--placement tt``) stay ``TTEmbeddingBag`` modules
+  beside the collection (it has no TT placement yet).
+- ``torch`` (the plain-torch baseline): one ``nn.EmbeddingBag(sparse=True)`` per table in
+  HBM, torch's sparse Adagrad, fused Adam, eager.
+- ``fbgemm`` (``--compare`` where ``fbgemm_gpu`` imports): FBGEMM's table-batched
+  embeddings (``DEVICE`` for HBM tables, ``MANAGED_CACHING`` with the same cache for host
+  tables, its fused row-wise Adagrad), fused Adam, the whole step in one CUDA graph.
+
+Every engine starts from the same initial rows (the collection's counter-based initializer,
+``init.collection_rows``) and the same MLPs, so the runs learn the same model.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import xferlib
-from xferlib.adapters.torch import FlatAdam, HostEmbeddingBag, OptimType, TTEmbeddingBag
+from xferlib.adapters.torch import (EmbeddingBagCollection, FlatAdam, OptimType, TableConfig,
+                                    TTEmbeddingBag)
 
 from . import dist as ranks_
 from . import init as initial
+
+WARMUP_STEPS = 2  # eager steps (on a side stream) before the step is captured
 
 
 def _mlp(sizes, weights, prefix, device):
@@ -31,86 +45,192 @@ def _mlp(sizes, weights, prefix, device):
     return torch.nn.ModuleList(layers)
 
 
+# ---------------------------------------------------------------------- embedding engines
+
+class XferlibEmbeddings(torch.nn.Module):
+    """Every collection table in one ``EmbeddingBagCollection`` (FBGEMM's input layout: the
+    batch's ``cat`` of shape (tables, B, pooling) IS the flat ``indices``, table after table,
+    bag after bag), TT tables as ``TTEmbeddingBag`` modules. ``forward(cat)`` gives
+    ``(B, tables, dim)`` in table order."""
+
+    def __init__(self, preset, plan, seed, device, optimizer):
+        super().__init__()
+        lr, dim = preset.lr_embedding, preset.dim
+        self.coll_tables = [t.index for t in plan.tables if t.where != "tt"]
+        self.tt_tables = [t.index for t in plan.tables if t.where == "tt"]
+        configs = [TableConfig(t.rows, dim, name=f"t{t.index}", placement=t.where,
+                               cache_rows=t.cache_rows if device.type == "cuda" else 0,
+                               init=initial.table_init_spec(preset))
+                   for t in plan.tables if t.where != "tt"]
+        self.collection = EmbeddingBagCollection(configs, optimizer, {"lr": lr},
+                                                 device=device, seed=seed)
+        self.tt = torch.nn.ModuleList()
+        for t in plan.tables:
+            if t.where != "tt":
+                continue
+            module = TTEmbeddingBag(t.rows, dim, list(t.tt_ranks), list(t.tt_p), list(t.tt_q),
+                                    optimizer=OptimType.EXACT_ADAGRAD, learning_rate=lr,
+                                    sparse=True, mode="sum", include_last_offset=True)
+            with torch.no_grad():
+                for param, value in zip(module.tt_cores, initial.tt_cores(t, seed)):
+                    param.copy_(xferlib.to_torch(value)[None])
+            self.tt.append(module.to(device))
+        self._offsets = {}
+        self.num_tables, self.dim = len(plan.tables), dim
+
+    def offsets(self, tables, B, L, device):
+        key = (tables, B, L)
+        if key not in self._offsets:  # made once per shape: a captured step reuses it
+            self._offsets[key] = torch.arange(0, tables * B * L + 1, L, device=device)
+        return self._offsets[key]
+
+    def forward(self, cat):
+        T, B, L = cat.shape
+        if not self.tt_tables:  # the common case: no copy, cat is the flat indices
+            pooled = self.collection(cat.reshape(-1), self.offsets(T, B, L, cat.device))
+            return pooled.view(B, T, self.dim)
+        coll = cat[self.coll_tables]
+        pooled = self.collection(coll.reshape(-1),
+                                 self.offsets(len(self.coll_tables), B, L, cat.device))
+        vectors = dict(zip(self.coll_tables, pooled.view(B, -1, self.dim).unbind(1)))
+        per_bag = self.offsets(1, B, L, cat.device)
+        for f, module in zip(self.tt_tables, self.tt):
+            vectors[f] = module(cat[f].reshape(-1), per_bag)
+        return torch.stack([vectors[f] for f in range(self.num_tables)], dim=1)
+
+    def cache_hit_rate(self):
+        """Cache hits over the distinct rows the batches looked up (HBM tables' rows count
+        as lookups that never hit: xferlib's ``cache_stats``)."""
+        stats = self.collection.collection.cache_stats()
+        return stats["hits"] / stats["lookups"] if stats.get("lookups") else None
+
+
+class TorchEmbeddings(torch.nn.Module):
+    """The baseline: one ``nn.EmbeddingBag(sparse=True)`` per table in HBM."""
+
+    def __init__(self, preset, plan, seed, device):
+        super().__init__()
+        xp = _array_module(device)
+        self.bags = torch.nn.ModuleList(
+            torch.nn.EmbeddingBag.from_pretrained(
+                xferlib.to_torch(initial.collection_rows(preset, seed, k, t.rows, xp)),
+                freeze=False, mode="sum", sparse=True)
+            for k, t in enumerate(plan.tables))
+
+    def forward(self, cat):
+        _, B, L = cat.shape
+        return torch.stack([bag(cat[f]) for f, bag in enumerate(self.bags)], dim=1)
+
+
+class FbgemmEmbeddings(torch.nn.Module):
+    """FBGEMM's TBE over every table: ``DEVICE`` for the plan's HBM tables,
+    ``MANAGED_CACHING`` (LRU, the plan's cache size) for its host tables, exact row-wise
+    Adagrad fused into the backward (the configuration adapters/bench/fbgemm.py measures)."""
+
+    def __init__(self, preset, plan, seed, device):
+        super().__init__()
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            SplitTableBatchedEmbeddingBagsCodegen)
+
+        from xferlib.adapters.bench.fbgemm import _enums
+
+        EmbOptimType, CacheAlgorithm, EmbeddingLocation, PoolingMode, ComputeDevice = _enums()
+        host = [t for t in plan.tables if t.where != "hbm"]
+        cache_rows = sum(t.cache_rows for t in host)
+        load = cache_rows / max(1, sum(t.rows for t in host))
+        specs = [(t.rows, preset.dim, EmbeddingLocation.DEVICE if t.where == "hbm"
+                  else EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)
+                 for t in plan.tables]
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=preset.lr_embedding, eps=1e-10, pooling_mode=PoolingMode.SUM,
+            cache_load_factor=max(load, 1e-6), cache_algorithm=CacheAlgorithm.LRU,
+            device=device)
+        xp = _array_module(device)
+        with torch.no_grad():
+            for k, (t, w) in enumerate(zip(plan.tables, self.tbe.split_embedding_weights())):
+                w.copy_(xferlib.to_torch(initial.collection_rows(preset, seed, k, t.rows, xp)))
+        self._offsets, self.dim = {}, preset.dim
+
+    def forward(self, cat):
+        T, B, L = cat.shape
+        key = (T, B, L)
+        if key not in self._offsets:
+            self._offsets[key] = torch.arange(0, T * B * L + 1, L, device=cat.device)
+        return self.tbe(cat.reshape(-1), self._offsets[key]).view(B, T, self.dim)
+
+
+def _array_module(device):
+    if device.type == "cuda":
+        import cupy
+
+        return cupy
+    return np
+
+
+class _RankSlice(torch.autograd.Function):
+    """Under torchrun the tables are replicated and every rank looks up the whole global
+    batch: forward keeps this rank's samples; backward all-gathers every rank's gradient
+    rows, so each rank's collection takes the same update (that of one process on the
+    global batch). The sharding plan (table-wise / row-wise) will replace this."""
+
+    @staticmethod
+    def forward(ctx, x, ranks):
+        ctx.ranks = ranks
+        share = x.shape[0] // ranks.world
+        return x[ranks.rank * share:(ranks.rank + 1) * share]
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.empty_like(grad) for _ in range(ctx.ranks.world)]
+        torch.distributed.all_gather(parts, grad.contiguous(), group=ctx.ranks.group)
+        return torch.cat(parts), None
+
+
+# ---------------------------------------------------------------------- the model
+
 class DLRM(torch.nn.Module):
     """Bottom MLP on the dense features, one pooled embedding per table, dot products of
     every pair among them (and the bottom output), top MLP to a logit."""
 
-    def __init__(self, preset, plan, seed, device, baseline=False, xp=np, ranks=None):
+    def __init__(self, preset, plan, seed, device, engine="xferlib", optimizer="adagrad",
+                 ranks=None):
         super().__init__()
-        ranks = ranks or ranks_.Ranks()
-        # one table per host shared by the ranks (host, TT): the group sums their gradients
-        shared = {"process_group": ranks.group} if ranks.world > 1 else {}
-        self.device, self.dim = device, preset.dim
+        self.ranks = ranks or ranks_.Ranks()
         num_tables = len(plan.tables)
         dense = initial.dense_params(preset, num_tables, seed)
         bottom, top = initial.mlp_sizes(preset, num_tables)
         self.bottom = _mlp(bottom, dense, "bottom", device)
         self.top = _mlp(top, dense, "top", device)
-        self.tables = torch.nn.ModuleList()
-        self.kinds = []
-        lr = preset.lr_embedding
-        for t in plan.tables:
-            where = "hbm" if baseline else t.where
-            if where == "hbm":
-                w = xferlib.to_torch(initial.table_init(seed, t.index, t.rows, preset.dim,
-                                                        preset.init_scale, xp)).to(device)
-                module = torch.nn.EmbeddingBag.from_pretrained(
-                    w, freeze=False, mode="sum", sparse=True, include_last_offset=True)
-            elif where == "host":
-                module = HostEmbeddingBag(t.rows, preset.dim, mode="sum", optimizer="adagrad",
-                                          optimizer_kwargs={"lr": lr},
-                                          # a table shared by ranks has no GPU cache
-                                          cache_rows=t.cache_rows if ranks.world == 1 else 0,
-                                          include_last_offset=True, device=device, init="zeros",
-                                          **shared)
-                if ranks.local_rank == 0:  # the host's one copy, written once
-                    initial.fill_host_table(module.table, seed, t.index, preset.init_scale, xp)
-            else:
-                module = TTEmbeddingBag(t.rows, preset.dim, list(t.tt_ranks), list(t.tt_p),
-                                        list(t.tt_q), optimizer=OptimType.EXACT_ADAGRAD,
-                                        learning_rate=lr, sparse=True, mode="sum",
-                                        include_last_offset=True, **shared)
-                with torch.no_grad():
-                    for param, value in zip(module.tt_cores, initial.tt_cores(t, seed)):
-                        param.copy_(xferlib.to_torch(value)[None])
-                module = module.to(device)
-            self.tables.append(module)
-            self.kinds.append(where)
+        if engine == "xferlib":
+            self.embeddings = XferlibEmbeddings(preset, plan, seed, device, optimizer)
+        elif engine == "torch":
+            self.embeddings = TorchEmbeddings(preset, plan, seed, device)
+        else:
+            self.embeddings = FbgemmEmbeddings(preset, plan, seed, device)
+        # the pairs i < j of the (tables + 1)^2 dot products, as flat positions: index_select
+        # (its backward an index_add) instead of [:, li, lj] (a sorting index_put backward)
         n = num_tables + 1
         li, lj = np.triu_indices(n, 1)
-        self.register_buffer("li", torch.from_numpy(li).to(device), persistent=False)
-        self.register_buffer("lj", torch.from_numpy(lj).to(device), persistent=False)
-        self._offsets = {}
+        self.register_buffer("pairs", torch.from_numpy(li * n + lj).to(device),
+                             persistent=False)
 
     def dense_parameters(self):
         return [*self.bottom.parameters(), *self.top.parameters()]
 
-    def hbm_parameters(self):
-        return [m.weight for m, k in zip(self.tables, self.kinds) if k == "hbm"]
+    def embed(self, cat):
+        """``(B, tables, dim)`` pooled rows (this rank's samples while training)."""
+        pooled = self.embeddings(cat)
+        if self.ranks.world > 1 and self.training and torch.is_grad_enabled():
+            pooled = _RankSlice.apply(pooled, self.ranks)
+        return pooled
 
-    def prefetch(self, cat):
-        """Start moving the host-table rows of the next batch ``cat`` (the same tensor the
-        next forward gets) to the GPU while this step computes."""
-        for f, (table, kind) in enumerate(zip(self.tables, self.kinds)):
-            if kind == "host":
-                table.prefetch(cat[f].reshape(-1))
-
-    def offsets(self, B, L):
-        key = (B, L)
-        if key not in self._offsets:
-            self._offsets[key] = torch.arange(0, B * L + 1, L, device=self.device)
-        return self._offsets[key]
-
-    def forward(self, dense, cat):
-        _, B, L = cat.shape
+    def interact(self, dense, pooled):
         x = dense
         for lin in self.bottom:
             x = torch.relu(lin(x))
-        offsets = self.offsets(B, L)
-        vectors = [x] + [table(cat[f].reshape(-1), offsets)
-                         for f, table in enumerate(self.tables)]
-        T = torch.stack(vectors, dim=1)
-        dots = torch.bmm(T, T.transpose(1, 2))[:, self.li, self.lj]
+        T = torch.cat([x[:, None], pooled], dim=1)
+        dots = torch.bmm(T, T.transpose(1, 2)).flatten(1).index_select(1, self.pairs)
         h = torch.cat([x, dots], dim=1)
         for i, lin in enumerate(self.top):
             h = lin(h)
@@ -118,38 +238,46 @@ class DLRM(torch.nn.Module):
                 h = torch.relu(h)
         return h.squeeze(1)
 
+    def forward(self, dense, cat):
+        return self.interact(dense, self.embed(cat))
+
+
+# ---------------------------------------------------------------------- one training run
 
 class TorchRun:
-    """One training run: model, optimizers, step, predict, checkpoint."""
+    """One training run: model, optimizers, step (eager or one CUDA graph), predict,
+    profile, checkpoint."""
 
-    def __init__(self, preset, plan, seed, device, baseline=False, graph=True, xp=np,
-                 prefetch=True, ranks=None):
-        self.device, self.baseline, self.xp = torch.device(device), baseline, xp
+    def __init__(self, preset, plan, seed, device, engine="xferlib", graph=True,
+                 optimizer="adagrad", ranks=None):
+        self.device, self.engine = torch.device(device), engine
         self.ranks = ranks or ranks_.Ranks()
-        self.part = self.ranks.part  # this rank's share of each global batch
         cuda = self.device.type == "cuda"
-        # host tables on the GPU move the next batch's rows behind this step's compute
-        self.prefetches = prefetch and cuda and not baseline and "host" in [
-            t.where for t in plan.tables]
-        # torch's sparse Adagrad builds COO gradients it knows to be valid: no invariant checks
-        torch.sparse.check_sparse_tensor_invariants.disable()
         if not cuda:  # small CPU batches: one thread beats an OpenMP pool on shared cores
             torch.set_num_threads(1)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self.model = DLRM(preset, plan, seed, self.device, baseline, xp, self.ranks)
-        if self.ranks.world > 1:
-            torch.distributed.barrier(group=self.ranks.group)  # shared tables filled
-        if baseline:  # what one writes when the tables fit: torch's fused Adam
-            self.dense_opt = torch.optim.Adam(self.model.dense_parameters(), lr=preset.lr_dense,
-                                              **({"fused": True} if cuda else {}))
         else:
-            self.dense_opt = FlatAdam(self.model.dense_parameters(), lr=preset.lr_dense,
-                                      capturable=cuda)
-        hbm = self.model.hbm_parameters()
-        self.sparse_opt = torch.optim.Adagrad(hbm, lr=preset.lr_embedding) if hbm else None
-        self.graph, self.use_graph, self.graph_note = None, graph and cuda and not baseline, ""
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.model = DLRM(preset, plan, seed, self.device, engine, optimizer, self.ranks)
+        params = self.model.dense_parameters()
+        if engine == "xferlib":
+            self.dense_opt = FlatAdam(params, lr=preset.lr_dense, capturable=cuda)
+        else:  # what one writes with torch: its fused Adam (capturable for FBGEMM's graph)
+            self.dense_opt = torch.optim.Adam(params, lr=preset.lr_dense, **(
+                {"fused": True, "capturable": engine == "fbgemm"} if cuda else {}))
+        self.sparse_opt = None
+        if engine == "torch":  # the baseline's tables: torch's sparse Adagrad
+            torch.sparse.check_sparse_tensor_invariants.disable()  # COO grads torch built
+            self.sparse_opt = torch.optim.Adagrad(self.model.embeddings.parameters(),
+                                                  lr=preset.lr_embedding)
+        self.use_graph = graph and cuda and engine != "torch" and self.ranks.world == 1
+        self.graph_note = ""
+        if self.use_graph and plan.bytes_tt and engine == "xferlib":
+            self.use_graph, self.graph_note = False, "eager: TT tables are not captured"
+        if not self.use_graph and not self.graph_note:
+            self.graph_note = "eager"
+        self.graph, self.static, self._loss = None, None, None
         self.steps_done = 0
+        self.part = None  # every rank gets the global batch (see _RankSlice)
 
     # ------------------------------------------------------------------ data
     def to_framework(self, batch):
@@ -157,48 +285,64 @@ class TorchRun:
                 xferlib.to_torch(batch.label))
 
     # ------------------------------------------------------------------ step
-    def _dense_step(self):
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        self.dense_opt.step()
-        if self.use_graph and self.steps_done >= 1:
-            # After a warm-up step, the flat Adam step (capturable) is captured once and
-            # replayed: a few microseconds of host time instead of a launch sequence.
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self.dense_opt.step()
-                self.graph = graph
-                self.graph_note = "FlatAdam step in a CUDA graph"
-            except Exception as err:  # keep training eagerly; say why
-                self.use_graph, self.graph_note = False, f"no CUDA graph: {err}"[:200]
+    def _share(self, dense, label):
+        """This rank's samples of the global batch's dense features and labels."""
+        if self.ranks.world == 1:
+            return dense, label
+        share = label.shape[0] // self.ranks.world
+        part = slice(self.ranks.rank * share, (self.ranks.rank + 1) * share)
+        return dense[part], label[part]
 
-    def step(self, data, next_data=None):
-        dense, cat, label = data
+    def _body(self, dense, cat, label):
+        """One training step; the embedding update runs inside backward."""
         self.model.train()
-        self.dense_opt.zero_grad()
+        self.dense_opt.zero_grad(set_to_none=not self.use_graph)
         if self.sparse_opt is not None:
             self.sparse_opt.zero_grad()
+        dense, label = self._share(dense, label)
         logits = self.model(dense, cat)
-        if next_data is not None:  # after this step's lookups, before its updates
-            self.model.prefetch(next_data[1])
         world = self.ranks.world
-        if world == 1:
-            loss = F.binary_cross_entropy_with_logits(logits, label)
-        else:  # this rank's part of the global batch's mean: the ranks' gradients add up
-            loss = F.binary_cross_entropy_with_logits(logits, label, reduction="sum") / (
-                label.numel() * world)
-        loss.backward()  # host tables and TT cores take their Adagrad step here
+        # under torchrun: this rank's part of the global batch's mean (gradients add up)
+        loss = F.binary_cross_entropy_with_logits(logits, label, reduction="sum") / (
+            label.numel() * world)
+        loss.backward()
         if world > 1:
             ranks_.sum_dense_grads(self.model.dense_parameters(), self.ranks)
-            ranks_.gather_sparse_grads(self.model.hbm_parameters(), self.ranks)
             loss = loss * world  # the running loss shows this rank's samples' mean
-        self._dense_step()
+        self.dense_opt.step()
         if self.sparse_opt is not None:
             self.sparse_opt.step()
-        self.steps_done += 1
         return loss.detach()
+
+    def step(self, data):
+        self.steps_done += 1
+        if not self.use_graph:
+            return self._body(*data)
+        if self.static is None:  # the graph's inputs: every batch is copied into these
+            self.static = tuple(t.clone() for t in data)
+        for dst, src in zip(self.static, data):
+            dst.copy_(src, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+            return self._loss.clone()
+        if self.steps_done <= WARMUP_STEPS:  # warm-up on a side stream, as torch advises
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                loss = self._body(*self.static)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            return loss
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._loss = self._body(*self.static)
+        except Exception as err:  # train eagerly from here on; say why
+            self.use_graph, self.graph_note = False, f"eager (no CUDA graph: {err})"[:200]
+            torch.cuda.synchronize(self.device)
+            return self._body(*data)
+        self.graph, self.graph_note = graph, "whole step in one CUDA graph"
+        graph.replay()  # capturing ran nothing: this step's batch trains now
+        return self._loss.clone()
 
     @torch.no_grad()
     def predict(self, data):
@@ -209,7 +353,51 @@ class TorchRun:
     def sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.engine == "xferlib":
+            self.model.embeddings.collection.check()  # a bad batch would raise here
 
+    # ------------------------------------------------------------------ profile
+    def profile(self, batches):
+        """Per-phase GPU milliseconds of eager steps on ``batches`` (torch's data), from CUDA
+        events around each phase, plus the host time to issue a step. Trains on them."""
+        if self.device.type != "cuda":
+            return None
+        m, names = self.model, ("embedding forward", "dense forward", "dense backward",
+                                "embedding update", "optimizer")
+        times, host = {n: [] for n in names}, []
+        for data in batches:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+            t0 = time.perf_counter()
+            dense, cat, label = data
+            m.train()
+            self.dense_opt.zero_grad(set_to_none=False)
+            if self.sparse_opt is not None:
+                self.sparse_opt.zero_grad()
+            ev[0].record()
+            pooled = m.embed(cat)
+            ev[1].record()
+            loss = F.binary_cross_entropy_with_logits(m.interact(dense, pooled), label)
+            ev[2].record()
+            if pooled.requires_grad:  # the pooled gradient is ready: the update starts
+                pooled.register_hook(lambda g: ev[3].record())
+            loss.backward()
+            if not pooled.requires_grad:
+                ev[3].record()
+            ev[4].record()
+            self.dense_opt.step()
+            if self.sparse_opt is not None:
+                self.sparse_opt.step()
+            ev[5].record()
+            host.append(time.perf_counter() - t0)
+            self.steps_done += 1
+            torch.cuda.synchronize(self.device)
+            for k, n in enumerate(names):
+                times[n].append(ev[k].elapsed_time(ev[k + 1]))
+        out = {n: float(np.median(v)) for n, v in times.items()}
+        out["host (issue an eager step)"] = 1e3 * float(np.median(host))
+        return out
+
+    # ------------------------------------------------------------------ figures
     def peak_gpu_bytes(self) -> int:
         if self.device.type != "cuda":
             return 0
@@ -219,28 +407,32 @@ class TorchRun:
                    + cupy.get_default_memory_pool().total_bytes())
 
     def cache_hit_rate(self):
-        rates = [m.table.cache_stats()["hit_rate"] for m, k in
-                 zip(self.model.tables, self.model.kinds) if k == "host" and m.table.cache_rows]
-        return float(np.mean(rates)) if rates else None
+        if self.engine != "xferlib" or self.device.type != "cuda":
+            return None
+        return self.model.embeddings.cache_hit_rate()
+
+    def close(self):
+        """Free the run's memory now, in order: queued GPU work finished, the graph and its
+        memory pool dropped, pinned host tables unregistered (xferlib.unpin) before their
+        pages go back to the allocator. A later run (the baseline) then allocates into a
+        clean address space (docs/dlrm.md, "the baseline's crash")."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graph = self.static = self._loss = None
+        if self.engine == "xferlib":
+            release_collection(self.model.embeddings.collection.collection)
+        self.model = self.dense_opt = self.sparse_opt = None
 
     # ------------------------------------------------------------------ checkpoint
     def host_tables(self):
-        return {f: m.table for f, (m, k) in enumerate(zip(self.model.tables, self.model.kinds))
-                if k == "host"}
+        return {}  # the collection's tables travel in state.pt
 
     def save_state(self, path):
         self.sync()
         m = self.model
-        state = {
-            "dense": {"bottom": m.bottom.state_dict(), "top": m.top.state_dict()},
-            "dense_opt": self.dense_opt.state_dict(),
-            "sparse_opt": None if self.sparse_opt is None else self.sparse_opt.state_dict(),
-            "hbm": {f: t.weight.detach() for f, (t, k) in enumerate(zip(m.tables, m.kinds))
-                    if k == "hbm"},
-            "tt": {f: t.state_dict() for f, (t, k) in enumerate(zip(m.tables, m.kinds))
-                   if k == "tt"},
-            "steps_done": self.steps_done,
-        }
+        state = {"dense": {"bottom": m.bottom.state_dict(), "top": m.top.state_dict()},
+                 "dense_opt": self.dense_opt.state_dict(),
+                 "embeddings": m.embeddings.state_dict(), "steps_done": self.steps_done}
         torch.save(state, path)
 
     def load_state(self, path):
@@ -249,11 +441,16 @@ class TorchRun:
         with torch.no_grad():
             m.bottom.load_state_dict(state["dense"]["bottom"])
             m.top.load_state_dict(state["dense"]["top"])
-            for f, w in state["hbm"].items():
-                m.tables[f].weight.copy_(w)
-            for f, sd in state["tt"].items():
-                m.tables[f].load_state_dict(sd)
+        m.embeddings.load_state_dict(state["embeddings"])
         self.dense_opt.load_state_dict(state["dense_opt"])
-        if self.sparse_opt is not None:
-            self.sparse_opt.load_state_dict(state["sparse_opt"])
         self.steps_done = state["steps_done"]
+
+
+def release_collection(coll) -> None:
+    """Unregister a core collection's pinned host buffer now (its pages stay readable as
+    ordinary memory until the collection is freed): nothing of a finished run stays mapped
+    into the GPU's address space while the next run allocates."""
+    coll.synchronize()
+    host = coll.buffers.get("host")
+    if host is not None and xferlib.is_pinned(host):
+        xferlib.unpin(host)

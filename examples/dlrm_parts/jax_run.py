@@ -1,0 +1,261 @@
+"""The DLRM in JAX: one ``jax.jit`` training step with donated buffers.
+
+Every table of the plan (HBM, or host RAM with a GPU cache of hot rows) is one
+``xferlib.collection.EmbeddingCollection``, read inside the step by
+``embedding_bag_collection`` (one pooled lookup of all tables) and trained when the step takes
+gradients with respect to ``collection_anchor()`` (one fused backward + Adagrad update, on
+XLA's stream). The MLPs live in one flat buffer trained by ``flat_step(flat_adam)``. TT
+tables (``--placement tt``) go through ``tt_embedding_bag`` with Adagrad in ``jax.numpy``
+(the collection has no TT placement yet). The same initial values as the torch run.
+
+``--devices N`` runs ``jax_mesh_run.py`` (the per-table data-parallel design) instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
+
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import xferlib  # noqa: E402
+from xferlib.adapters.jax import (collection_anchor, embedding_bag_collection,  # noqa: E402
+                                  flat_adam, flat_step, ravel, tt_embedding_bag)
+from xferlib.collection import EmbeddingCollection, TableConfig  # noqa: E402
+
+from . import init as initial  # noqa: E402
+
+EPS = 1e-10  # torch.optim.Adagrad's default, as the collection's Adagrad uses
+
+
+def _bce(logit, label):
+    return jnp.mean(jnp.maximum(logit, 0) - logit * label + jnp.log1p(jnp.exp(-jnp.abs(logit))))
+
+
+def _adagrad(w, acc, g, lr):
+    acc = acc + g * g
+    return w - lr * g / (jnp.sqrt(acc) + EPS), acc
+
+
+class JaxRun:
+    def __init__(self, preset, plan, seed, device, xp=np, optimizer="adagrad"):
+        self.xp, self.gpu = xp, device != "cpu"
+        self.preset, self.plan, self.dim = preset, plan, preset.dim
+        num_tables = len(plan.tables)
+        # --device cpu on a GPU machine: JAX's default device is the GPU, so name the CPU.
+        self.device = jax.devices("cpu" if device == "cpu" else None)[0]
+
+        def to(a):  # NumPy/CuPy values to a JAX-owned (donatable) array on the run's device
+            return jax.device_put(xferlib.to_jax(xp.asarray(a), copy=True), self.device)
+
+        dense = initial.dense_params(preset, num_tables, seed)
+        params = {name: [(to(dense[f"{name}.{i}.weight"]), to(dense[f"{name}.{i}.bias"]))
+                         for i in range(len(sizes) - 1)]
+                  for name, sizes in zip(("bottom", "top"), initial.mlp_sizes(preset, num_tables))}
+        self.flat, self.unravel = ravel(params)
+        self.tx = flat_adam(preset.lr_dense)
+        # Every array committed to the device up front: an uncommitted one (the step count
+        # from tx.init) would make the second call of the step compile again.
+        self.opt_state = jax.device_put(self.tx.init(self.flat), self.device)
+        self.coll_tables = [t.index for t in plan.tables if t.where != "tt"]
+        self.tt_tables = [t.index for t in plan.tables if t.where == "tt"]
+        self.collection = EmbeddingCollection(
+            [TableConfig(t.rows, preset.dim, name=f"t{t.index}", placement=t.where,
+                         cache_rows=t.cache_rows if self.gpu else 0,
+                         init=initial.table_init_spec(preset))
+             for t in plan.tables if t.where != "tt"],
+            optimizer, {"lr": preset.lr_embedding}, device="cuda" if self.gpu else "cpu",
+            seed=seed)
+        self.anchor = collection_anchor()
+        self.tt, self.tt_acc, self.tt_shapes = [], [], []
+        for t in plan.tables:
+            if t.where == "tt":
+                cores = tuple(to(c) for c in initial.tt_cores(t, seed))
+                self.tt.append(cores)
+                self.tt_acc.append(tuple(to(np.zeros(c.shape, np.float32)) for c in cores))
+                self.tt_shapes.append((t.tt_p, t.tt_q, t.tt_ranks))
+        self.li, self.lj = np.triu_indices(num_tables + 1, 1)
+        self.steps_done = 0
+        self.graph_note = "one jax.jit step, buffers donated"
+        self._build()
+
+    # ------------------------------------------------------------------ the model
+    def _embed(self, anchor, tt, cat):
+        """``(B, tables, dim)``: the collection's pooled lookup (FBGEMM's layout: ``cat`` of
+        shape (tables, B, pooling) flattened is the indices) and the TT tables."""
+        T, B, L = cat.shape
+        coll = cat if not self.tt_tables else cat[np.array(self.coll_tables)]
+        offsets = jnp.arange(0, coll.shape[0] * B * L + 1, L, dtype=jnp.int32)
+        pooled = embedding_bag_collection(self.collection, coll.reshape(-1), offsets,
+                                          anchor=anchor).reshape(B, -1, self.dim)
+        if not self.tt_tables:
+            return pooled
+        vectors = dict(zip(self.coll_tables, (pooled[:, k] for k in range(pooled.shape[1]))))
+        per_bag = jnp.arange(0, B * L + 1, L, dtype=jnp.int32)
+        for f, cores, (p, q, r) in zip(self.tt_tables, tt, self.tt_shapes):
+            vectors[f] = tt_embedding_bag(cores, cat[f].reshape(-1), per_bag, p_shapes=p,
+                                          q_shapes=q, ranks=r, mode="sum",
+                                          include_last_offset=True)
+        return jnp.stack([vectors[f] for f in range(T)], axis=1)
+
+    def _interact(self, flat, dense, pooled):
+        p = self.unravel(flat)
+        x = dense
+        for w, b in p["bottom"]:
+            x = jax.nn.relu(x @ w.T + b)
+        T = jnp.concatenate([x[:, None], pooled], axis=1)
+        dots = jnp.einsum("bid,bjd->bij", T, T)[:, self.li, self.lj]
+        h = jnp.concatenate([x, dots], axis=1)
+        top = p["top"]
+        for i, (w, b) in enumerate(top):
+            h = h @ w.T + b
+            if i + 1 < len(top):
+                h = jax.nn.relu(h)
+        return h[:, 0]
+
+    def _build(self):
+        lr, tx = self.preset.lr_embedding, self.tx
+
+        def loss_fn(flat, anchor, tt, dense, cat, label):
+            return _bce(self._interact(flat, dense, self._embed(anchor, tt, cat)), label)
+
+        def step(flat, opt_state, tt, tt_acc, anchor, dense, cat, label):
+            # the collection's tables take their Adagrad step while the gradient is taken
+            loss, (g_flat, _, g_tt) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
+                flat, anchor, tt, dense, cat, label)
+            flat, opt_state = flat_step(tx, g_flat, opt_state, flat)
+            new_tt = [[_adagrad(w, a, g, lr) for w, a, g in zip(*c)]
+                      for c in zip(tt, tt_acc, g_tt)]
+            tt = [tuple(w for w, _ in c) for c in new_tt]
+            tt_acc = [tuple(a for _, a in c) for c in new_tt]
+            return flat, opt_state, tt, tt_acc, loss
+
+        self._train_step = jax.jit(step, donate_argnums=(0, 1, 2, 3))
+        self._predict = jax.jit(lambda flat, tt, dense, cat: self._interact(
+            flat, dense, self._embed(None, tt, cat)))
+        # --profile's pieces, each its own jit
+        self._p_embed = jax.jit(lambda tt, cat: self._embed(None, tt, cat))
+        self._p_dense = jax.jit(jax.value_and_grad(
+            lambda flat, pooled, dense, label: _bce(self._interact(flat, dense, pooled), label),
+            argnums=(0, 1)))
+        self._p_opt = jax.jit(lambda g, s, f: flat_step(tx, g, s, f))
+
+    # ------------------------------------------------------------------ runner interface
+    def to_framework(self, batch):
+        # int32 rows: JAX runs without x64, and every preset's tables have < 2^31 rows
+        to = xferlib.to_jax
+        return to(batch.dense), to(batch.cat.astype(self.xp.int32)), to(batch.label)
+
+    def step(self, data):
+        dense, cat, label = data
+        self.flat, self.opt_state, self.tt, self.tt_acc, loss = self._train_step(
+            self.flat, self.opt_state, self.tt, self.tt_acc, self.anchor, dense, cat, label)
+        self.steps_done += 1
+        return loss
+
+    def predict(self, data):
+        dense, cat, _ = data
+        return self._predict(self.flat, self.tt, dense, cat)
+
+    def sync(self):
+        # the collection's kernels run on XLA's stream: the step's outputs cover them
+        jax.block_until_ready((self.flat, self.tt))
+        self.collection.check()
+
+    def profile(self, batches):
+        """Milliseconds per phase, each phase its own jitted function timed alone (inside the
+        one training step XLA fuses and overlaps them): data, embedding forward, dense
+        forward + backward, optimizer; the embedding backward + update is the full step's
+        time minus the others. Trains on ``batches`` (full steps)."""
+        def ms(fn, n=len(batches)):
+            out = fn(0)
+            jax.block_until_ready(out)
+            t0 = time.perf_counter()
+            for i in range(n):
+                out = fn(i)
+            jax.block_until_ready(out)
+            return 1e3 * (time.perf_counter() - t0) / n
+
+        pooled = self._p_embed(self.tt, batches[0][1])
+        grads = self._p_dense(self.flat, pooled, batches[0][0], batches[0][2])[1][0]
+        opt_state = jax.tree_util.tree_map(jnp.copy, self.opt_state)
+        flat = jnp.copy(self.flat)
+        out = {"embedding forward": ms(lambda i: self._p_embed(self.tt, batches[i][1])),
+               "dense forward + backward": ms(lambda i: self._p_dense(
+                   self.flat, pooled, batches[i][0], batches[i][2])),
+               "optimizer": ms(lambda i: self._p_opt(grads, opt_state, flat))}
+        t0 = time.perf_counter()
+        host = []
+        for data in batches:
+            h0 = time.perf_counter()
+            self.step(data)
+            host.append(time.perf_counter() - h0)
+        self.sync()
+        step = 1e3 * (time.perf_counter() - t0) / len(batches)
+        out["embedding backward + update (step - the rest)"] = max(
+            0.0, step - sum(out.values()))
+        out["whole step (one jit)"] = step
+        out["host (dispatch a step)"] = 1e3 * float(np.median(host))
+        return out
+
+    def peak_gpu_bytes(self) -> int:
+        if not self.gpu:
+            return 0
+        import cupy
+
+        stats = self.device.memory_stats() or {}
+        return int(stats.get("peak_bytes_in_use", 0)
+                   + cupy.get_default_memory_pool().total_bytes())
+
+    def cache_hit_rate(self):
+        if not self.gpu:
+            return None
+        stats = self.collection.cache_stats()
+        return stats["hits"] / stats["lookups"] if stats.get("lookups") else None
+
+    def close(self):
+        """Free the run's memory now (see ``TorchRun.close``)."""
+        from .torch_run import release_collection
+
+        self.sync()
+        release_collection(self.collection)
+        self.collection = self.flat = self.opt_state = self.tt = self.tt_acc = None
+        self._train_step = self._predict = None
+
+    # ------------------------------------------------------------------ checkpoint
+    def host_tables(self):
+        return {}  # the collection's tables travel in state.npz
+
+    def save_state(self, path):
+        self.sync()
+        arrays = {"flat": self.flat, "count": self.opt_state.count,
+                  "steps_done": np.array(self.steps_done)}
+        arrays.update({f"opt.{i}": b for i, b in enumerate(self.opt_state.buffers)})
+        for i, (cores, accs) in enumerate(zip(self.tt, self.tt_acc)):
+            for k, (c, a) in enumerate(zip(cores, accs)):
+                arrays[f"tt.{i}.{k}"], arrays[f"tt_acc.{i}.{k}"] = c, a
+        arrays.update({f"coll.{k}": v for k, v in self.collection.state_dict().items()})
+        np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
+
+    def load_state(self, path):
+        with np.load(path) as z:
+            a = {k: z[k] for k in z.files}
+
+        def to(v):
+            return jax.device_put(v, self.device)
+
+        self.flat = to(a["flat"])
+        self.opt_state = type(self.opt_state)(
+            to(a["count"]), tuple(to(a[f"opt.{i}"]) for i in range(len(self.opt_state.buffers))))
+        self.tt = [tuple(to(a[f"tt.{i}.{k}"]) for k in range(len(c)))
+                   for i, c in enumerate(self.tt)]
+        self.tt_acc = [tuple(to(a[f"tt_acc.{i}.{k}"]) for k in range(len(c)))
+                       for i, c in enumerate(self.tt)]
+        self.collection.load_state_dict({k[5:]: v for k, v in a.items()
+                                         if k.startswith("coll.")})
+        self.steps_done = int(a["steps_done"])
