@@ -5,6 +5,7 @@ The core imports NumPy only; CuPy, torch and JAX are imported lazily, where they
 
 from xferlib import batch, collection, optim, tt
 from xferlib._backend import cupy_available
+from xferlib.atomic import atomic_write
 from xferlib.collection import EmbeddingCollection, TableConfig
 from xferlib.batch import BatchPlan, PendingChecks, Verdict, plan_batch
 from xferlib.handoff import array_kind, data_pointer, to_cupy, to_jax, to_numpy, to_torch
@@ -41,6 +42,7 @@ __all__ = [
     "PinnedArray",
     "SPARSE_OPTIMIZERS",
     "array_kind",
+    "atomic_write",
     "check_rows",
     "cupy_available",
     "data_pointer",

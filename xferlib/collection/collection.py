@@ -437,6 +437,28 @@ class EmbeddingCollection:
         return (f"EmbeddingCollection([{tables}], optimizer={self.optimizer!r}, "
                 f"pooling={self.pooling!r}, device={self.device!r})")
 
+    # ------------------------------------------------------------------ save / load
+
+    def save(self, path) -> None:
+        """Write the configuration, hyperparameters and every table's weights and optimizer
+        state to ``path`` in one file (``xferlib/collection/io.py``: the host tables'
+        checksummed format), crash-safely: a temporary file, synced, renamed over ``path``,
+        the directory synced (:func:`xferlib.atomic_write`). Cached rows are written back
+        first; GPU rows stream through small buffers."""
+        from xferlib.collection.io import save_collection
+
+        save_collection(self, path)
+
+    @classmethod
+    def load(cls, path, *, device: str | None = None) -> "EmbeddingCollection":
+        """A collection saved by :meth:`save`, on ``device`` (default as the constructor's;
+        a file saved on the GPU loads on the CPU and back), streamed into its memory.
+        ValueError naming ``path`` and what differs for a truncated, corrupt or foreign
+        file."""
+        from xferlib.collection.io import load_collection
+
+        return load_collection(path, cls, device=device)
+
 
 def _namespace(array):
     if is_cupy_array(array):
