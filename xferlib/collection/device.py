@@ -178,7 +178,8 @@ class CollectionDevice:
         with stream:
             if out is None:
                 out = cupy.empty((B, coll.total_dim), dtype=coll.dtype)
-            offsets64 = offsets.astype(np.int64)
+            offsets64 = offsets if offsets.dtype == np.int64 and offsets.flags.c_contiguous \
+                else offsets.astype(np.int64)
             psw_c = None if psw is None else cupy.ascontiguousarray(psw, dtype=coll.dtype)
             words = cupy.empty(2, dtype=np.uint64)
             words.data.memset_async(0xFF, 16, stream)
