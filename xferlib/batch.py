@@ -198,6 +198,15 @@ class BatchPlan:
     def n(self) -> int:
         return int(self.keys.size)
 
+    def set_slots(self, slots) -> None:
+        """Where the table's cache put each run's row (int32, -1: host RAM)."""
+        self.slots = slots
+
+    def keep_staged(self, staged, writes) -> None:
+        """The lookup's copy of the distinct rows and the table's write stamp when it was
+        made (an update reads the copy while the stamp is current)."""
+        self.staged, self.writes = staged, writes
+
 
 def plan_batch(idx, num_rows: int, *, stream=None, presorted: bool = False,
                runs: bool = False, caller: str | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import numpy as np
@@ -127,3 +128,54 @@ def fresh_row_state(optimizer: torch.optim.Optimizer, param, state: dict, width:
     fresh = probe_row_state(optimizer, param, width)
     return {name: fresh[name] for name, value in state.items()
             if isinstance(value, torch.Tensor) and value.shape == param.shape and name in fresh}
+
+
+def array_of(t: torch.Tensor):
+    """A zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor."""
+    if t.is_cuda and not t.requires_grad:  # the step's path: no detach, no device object
+        return cuda_view(t)
+    if t.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"TT embedding bags run on CPU or CUDA tensors, got {t.device}")
+    return as_core_array(t)
+
+
+def on_stream(t: torch.Tensor, capturing=None, stream=None):
+    """torch's current stream as a context for CuPy work (nothing on the CPU). While torch
+    captures a CUDA graph, CuPy also allocates from torch's caching allocator, so the step's
+    scratch memory comes from the graph's pool and stays reserved for its replays.
+    ``stream``: torch's current stream as a CuPy stream, where the caller has it."""
+    if t.device.type != "cuda":
+        return contextlib.nullcontext()
+    scope = cupy_stream(t.device) if stream is None else stream
+    if not (stream_capturing() if capturing is None else capturing):
+        return scope
+    import cupy
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(scope)
+    stack.enter_context(cupy.cuda.using_allocator(_torch_allocator().malloc))
+    return stack
+
+
+def stream_capturing() -> bool:
+    """Whether torch's current stream is capturing a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_ALLOCATOR = []
+
+
+def _torch_allocator():
+    """A CuPy allocator over torch's caching allocator (on torch's current stream)."""
+    if not _ALLOCATOR:
+        import cupy
+
+        def malloc(size, device):
+            return torch.cuda.caching_allocator_alloc(
+                max(int(size), 1), device, torch.cuda.current_stream(device))
+
+        def free(pointer, device):
+            torch.cuda.caching_allocator_delete(pointer)
+
+        _ALLOCATOR.append(cupy.cuda.memory.PythonFunctionAllocator(malloc, free))
+    return _ALLOCATOR[0]

@@ -9,7 +9,6 @@ run as one batch through one set of kernel launches (and one NumPy pass on the C
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -18,7 +17,8 @@ import torch
 from xferlib import tt as core
 from xferlib.adapters.torch import tt_dist
 from xferlib.adapters.torch import tt_fbtt_compat as compat
-from xferlib.adapters.torch._convert import as_core_array, cuda_view, cupy_stream
+from xferlib.adapters.torch._convert import (array_of, cupy_stream, on_stream,
+                                             stream_capturing)
 from xferlib.adapters.torch.groups import resolve_group
 from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
 from xferlib.batch import PendingChecks
@@ -30,60 +30,10 @@ from xferlib.tt.scratch import ScratchSet
 __all__ = ["TableBatchedTTEmbeddingBag"]
 
 
-def array_of(t: torch.Tensor):
-    """A zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor."""
-    if t.is_cuda and not t.requires_grad:  # the step's path: no detach, no device object
-        return cuda_view(t)
-    if t.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"TT embedding bags run on CPU or CUDA tensors, got {t.device}")
-    return as_core_array(t)
-
-
 def _torch(array) -> torch.Tensor:
     from xferlib.handoff import to_torch
 
     return to_torch(array)
-
-
-def on_stream(t: torch.Tensor, capturing=None, stream=None):
-    """torch's current stream as a context for CuPy work (nothing on the CPU). While torch
-    captures a CUDA graph, CuPy also allocates from torch's caching allocator, so the step's
-    scratch memory comes from the graph's pool and stays reserved for its replays.
-    ``stream``: torch's current stream as a CuPy stream, where the caller has it."""
-    if t.device.type != "cuda":
-        return contextlib.nullcontext()
-    scope = cupy_stream(t.device) if stream is None else stream
-    if not (_capturing() if capturing is None else capturing):
-        return scope
-    import cupy
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(scope)
-    stack.enter_context(cupy.cuda.using_allocator(_torch_allocator().malloc))
-    return stack
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-_ALLOCATOR = []
-
-
-def _torch_allocator():
-    """A CuPy allocator over torch's caching allocator (on torch's current stream)."""
-    if not _ALLOCATOR:
-        import cupy
-
-        def malloc(size, device):
-            return torch.cuda.caching_allocator_alloc(
-                max(int(size), 1), device, torch.cuda.current_stream(device))
-
-        def free(pointer, device):
-            torch.cuda.caching_allocator_delete(pointer)
-
-        _ALLOCATOR.append(cupy.cuda.memory.PythonFunctionAllocator(malloc, free))
-    return _ALLOCATOR[0]
 
 
 class _BufferList(torch.nn.Module):
@@ -117,7 +67,7 @@ class _TTBagFunction(torch.autograd.Function):
         # before any core changes, so the forward never waits on the device.
         device = cores[0]
         gpu = device.is_cuda
-        capturing = gpu and torch.cuda.is_current_stream_capturing()
+        capturing = gpu and torch.cuda.is_current_streamstream_capturing()
         if not capturing:
             module._checks.poll()
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
@@ -176,7 +126,7 @@ class _TTBagFunction(torch.autograd.Function):
                 # verdict is written by every replay and read by check_inputs()
                 defer = ctx.capturing or module.defer_input_check
                 scratch = None if stream is None or ctx.capturing or \
-                    torch.cuda.is_current_stream_capturing() else module._scratch_of(stream)
+                    torch.cuda.is_current_streamstream_capturing() else module._scratch_of(stream)
                 core.tt_fused_update(
                     ctx.arrays, module._cshape, ctx.residuals, grad_bags,
                     module._state_arrays(), module._core_optimizer, lr=module.learning_rate,
@@ -481,7 +431,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
                 c.requires_grad for c in self._cores())):
             return self._forward(indices, offsets, warmup, per_sample_weights)
         device = self.tt_cores[0].device
-        if device.type == "cuda" and _capturing():
+        if device.type == "cuda" and stream_capturing():
             raise RuntimeError("a fused TT step with a process group cannot be captured in a "
                                "CUDA graph; capture it with process_group=None")
         if self._device_checked():  # the backward's collective carries the device verdict

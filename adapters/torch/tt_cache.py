@@ -14,19 +14,9 @@ import torch
 
 from xferlib import tt as core
 from xferlib.adapters.torch import tt_fbtt_compat as compat
+from xferlib.adapters.torch._convert import array_of as _array
 from xferlib.adapters.torch._convert import current_stream
-
-
-def _array(t):
-    from xferlib.adapters.torch.tt_batched import array_of as view
-
-    return view(t)
-
-
-def _on_stream(t):
-    from xferlib.adapters.torch.tt_batched import on_stream as scope
-
-    return scope(t)
+from xferlib.adapters.torch._convert import on_stream as _on_stream
 
 
 def core_cache(self):

@@ -218,7 +218,7 @@ TT_POINTERS = {
 @pytest.mark.parametrize("optimizer", sorted(TT_POINTERS))
 def test_tt_state_and_kernel_pointers_from_one_table(optimizer):
     from xferlib.tt.rules import row_state
-    from xferlib.tt.update import state_pointers
+    from xferlib.tt.rules import state_pointers
 
     state = row_state(3, 4, optimizer)
     shapes = {"sum": None, "exp_avg": (3, 4), "momentum": (3, 4), "step": (3,)}

@@ -41,6 +41,15 @@ class FlatLayout:
     segments: tuple
     total: int
     dtype: np.dtype
+    # What the GPU step derives from the layout alone (chunk tables, scalar-table rings), per
+    # name: made once per layout, never part of its value (not compared, not shown).
+    _derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                       compare=False)
+
+    def derived(self, name: str) -> dict:
+        """The layout's store for the values called ``name`` derived from it (the caller
+        keys them, by device for instance)."""
+        return self._derived.setdefault(name, {})
 
     @classmethod
     def from_shapes(cls, shapes, groups=None, dtype=np.float32) -> "FlatLayout":

@@ -21,7 +21,9 @@ the host per segment, from each segment's own step counter (a segment without a 
 step is skipped, as torch skips a parameter whose ``.grad`` is None); the elementwise work then
 runs in one pass: vectorized NumPy over runs of segments that share their scalars, or one CUDA
 launch over the whole buffer (``xferlib/_kernels/optim.py``) with a per-segment scalar table.
-The rules themselves (defaults, checks, scalars, NumPy update) are in ``rules.py``.
+The rules themselves (defaults, checks, scalars, NumPy update) are in ``rules.py``. The
+kernels (``xferlib._kernels``) are imported inside the functions that launch them: their
+sources are made from this package's rules, so the dependency runs one way at import.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from xferlib._backend import is_cupy_array
-from xferlib._kernels import grid_1d, named
 from xferlib.optim.layout import FlatLayout
 from xferlib.optim.rules import (COMMON, FLAT_RULES, SCALARS, Rule, adam_hyper_row,
                                  common_scalars, get_rule, preamble_numpy, resolve_hyper)
@@ -291,6 +292,7 @@ def apply_adam_device_scalars(layout: FlatLayout, params, grads, buffers: dict, 
     state and step counts stay as they are (GradScaler's contract).
     """
     from xferlib._backend import as_cupy_stream
+    from xferlib._kernels import grid_1d, named
     from xferlib._kernels.optim import (ADVANCE_STEPS, CHUNK_ARGS, FLAT_ADAM_DEVICE_SCALARS,
                                         GRAD_TYPES, OPTIM_MODULE)
 
@@ -323,6 +325,7 @@ def flat_update_arguments(params, grads, slots, table, chunks, ncols: int, updat
     state buffers in its slot order (None where unused, at most three), ``table`` the
     per-step scalar table of ``ncols`` columns, ``chunks`` :func:`chunk_table`'s three
     arrays, ``updates`` / ``lowp`` or None. Arrays or raw device addresses."""
+    from xferlib._kernels import named
     from xferlib._kernels.optim import CHUNK_ARGS, FLAT_UPDATE
 
     s0, s1, s2 = tuple(slots) + (None,) * (3 - len(slots))
@@ -380,7 +383,7 @@ def _update_cuda(rule, layout, params, grads, buffers, table, updates, stream, p
 def _table_ring(layout, shape):
     import cupy
 
-    cache = layout.__dict__.setdefault("_tables", {})
+    cache = layout.derived("tables")
     key = (cupy.cuda.runtime.getDevice(), tuple(shape))
     ring = cache.get(key)
     if ring is None:
@@ -539,7 +542,7 @@ def chunk_table(layout: FlatLayout):
     """(segment id, start, end) per block, cached per layout and device."""
     import cupy
 
-    cache = layout.__dict__.setdefault("_chunks", {})
+    cache = layout.derived("chunks")
     device = cupy.cuda.runtime.getDevice()
     cached = cache.get(device)
     if cached is None:

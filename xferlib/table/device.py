@@ -235,14 +235,11 @@ class DeviceSide:
             else:
                 plan = self.plan(idx, stream)
                 if self.cache is not None:
-                    plan.slots = self.cache.insert(plan, stream)
-                    self.last_pass = plan
+                    self.cache_pass(plan, stream)
                 uniq = self.gather_unique(plan, stream, full=for_update)
             rows = self.expand(plan, uniq, out, stream)
             if self.table.shared_name is None:  # other processes may write a shared table
-                # The table's write counter (the list itself: its device views share it, and
-                # another table's batch never matches) and its count now.
-                plan.staged, plan.writes = uniq, (self.table._writes, self.table._writes[0])
+                plan.keep_staged(uniq, self.table.write_stamp())
             self.defer_check(plan, stream)
             self.record(stream)
         return rows, plan
@@ -276,9 +273,8 @@ class DeviceSide:
             # The lookup's copy of the weights is current when nothing wrote to the table
             # since: the update then reads rows in host RAM from HBM and only writes them.
             staged = (plan.staged if not fresh and plan.staged is not None
-                      and plan.writes[0] is table._writes
-                      and plan.writes[1] == table._writes[0] else None)
-            table._writes[0] += 1
+                      and table.stamp_current(plan.writes) else None)
+            table.note_write()
             pending = self.pending
             slots = None
             if self.cache is not None:
@@ -336,14 +332,42 @@ class DeviceSide:
         if self.pending is not None:
             stream.wait_event(self.pending.done)
 
+    def drop_prefetch(self, stream) -> None:
+        """Make ``stream`` wait for the prefetch in flight, then forget it (a write of rows
+        follows: its staged rows would be stale)."""
+        self.join_prefetch(stream)
+        self.pending = None
+
+    # -------------------------------------------------------------- prefetch state
+    # (xferlib/table/prefetch.py drives the prefetch through these)
+
+    def cache_pass(self, plan: BatchPlan, stream, protect_prev: bool = False) -> None:
+        """The cache's find/admit/evict pass over ``plan``: its runs' slots, and the batch
+        the next prefetch's pass must not evict."""
+        plan.set_slots(self.cache.insert(plan, stream, protect_prev=protect_prev))
+        self.last_pass = plan
+
+    def prefetch_stream(self, make):
+        """The stream prefetches run on, made by ``make()`` on first use."""
+        if self.side_stream is None:
+            self.side_stream = make()
+        return self.side_stream
+
+    def set_pending(self, pending) -> None:
+        self.pending = pending
+
+    def take_pending(self):
+        """The prefetch in flight (or None), forgotten here."""
+        pending, self.pending = self.pending, None
+        return pending
+
     def flush(self, drop_cache: bool) -> None:
         """Queued work done, dirty cached rows written back (``drop_cache``: the cache
         emptied), every pending input check read."""
         import cupy
 
         stream = cupy.cuda.get_current_stream()
-        self.join_prefetch(stream)
-        self.pending = None
+        self.drop_prefetch(stream)
         if self.last_event is not None:
             stream.wait_event(self.last_event)
         if self.cache is not None:

@@ -127,6 +127,19 @@ class HostTable:
         # only when no write came between (xferlib/table/device.py, DeviceSide.apply).
         self._writes = [0]
 
+    def write_stamp(self) -> tuple:
+        """The table's write counter (the list itself: its device views share it, and another
+        table's stamp never matches) and its count now."""
+        return self._writes, self._writes[0]
+
+    def stamp_current(self, stamp) -> bool:
+        """Whether no write of rows was queued since :meth:`write_stamp` gave ``stamp``."""
+        return stamp is not None and stamp[0] is self._writes and stamp[1] == self._writes[0]
+
+    def note_write(self) -> None:
+        """Count a write of rows (an update, a scatter, a restore) about to be queued."""
+        self._writes[0] += 1
+
     # ------------------------------------------------------------------ storage
 
     def _allocate(self, init, rng) -> None:
@@ -328,7 +341,7 @@ class HostTable:
                 raise ValueError(f"state {name!r} must have shape {view.shape}, got "
                                  f"{np.shape(state[name])}")
         self._flush(drop_cache=True)
-        self._writes[0] += 1
+        self.note_write()
         self._weights.view(np.ndarray)[...] = weights
         for name, view in views.items():
             view[...] = np.asarray(state[name])
@@ -429,7 +442,7 @@ class HostTable:
 
     def _update_numpy(self, idx, grads) -> None:
         self._follow()
-        self._writes[0] += 1
+        self.note_write()
         rows, g = sum_duplicates(np.asarray(idx), np.asarray(grads, dtype=self.dtype))
         weights = self._weights.view(np.ndarray)
         state = self._state.view(np.ndarray)
@@ -455,10 +468,9 @@ class HostTable:
             gpu = self._gpu_state()
             stream = as_cupy_stream(stream)
             gpu.resolve_checks()
-            self._writes[0] += 1
+            self.note_write()
             with stream:
-                gpu.join_prefetch(stream)
-                gpu.pending = None
+                gpu.drop_prefetch(stream)
                 scatter_rows(self._weights, idx, rows.astype(self.dtype, copy=False),
                              stream=stream)
                 gpu.record(stream)
@@ -469,7 +481,7 @@ class HostTable:
             rows = rows.get() if is_cupy_array(rows) else rows
         check_host_indices(idx, self.num_rows)
         self._flush(drop_cache=True)
-        self._writes[0] += 1
+        self.note_write()
         self._weights.view(np.ndarray)[idx] = np.asarray(rows, dtype=self.dtype)
 
     def prefetch(self, idx, *, stream=None) -> None:

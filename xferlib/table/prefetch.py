@@ -75,10 +75,8 @@ def prefetch(side, idx, stream) -> None:
 
     main = as_cupy_stream(stream)
     side.resolve_checks()
-    if side.side_stream is None:
-        side.side_stream = _high_priority_stream()
+    other = side.prefetch_stream(_high_priority_stream)
     side.join_prefetch(main)  # one prefetch in flight at a time
-    other = side.side_stream
     ready = cupy.cuda.Event(disable_timing=True)
     ready.record(main)
     other.wait_event(ready)  # after every lookup and update queued so far
@@ -86,19 +84,18 @@ def prefetch(side, idx, stream) -> None:
     with other:
         plan = side.plan(idx, other)
         if side.cache is not None and plan.n:
-            plan.slots = side.cache.insert(plan, other, protect_prev=True)
-            side.last_pass = plan
+            side.cache_pass(plan, other, protect_prev=True)
         staged = side.gather_unique(plan, other, which=1, prefetch=True)
         side.defer_check(plan, other)
         done = cupy.cuda.Event(disable_timing=True)
         done.record(other)
-    side.pending = Pending(idx, plan, staged, done, protects)
+    side.set_pending(Pending(idx, plan, staged, done, protects))
 
 
 def take_prefetch(side, idx, stream):
     """``(plan, staged)`` when the prefetch in flight is for this ``idx`` object (the caller's
     stream then waits for it), else None (after waiting for any prefetch in flight)."""
-    pending, side.pending = side.pending, None
+    pending = side.take_pending()
     if pending is None:
         return None
     stream.wait_event(pending.done)

@@ -10,7 +10,7 @@ from xferlib._kernels import grid_1d
 from xferlib._kernels.tt import TT_COUNT
 from xferlib.tt.lookup import lookup_weights, scatter_add, to_host, tt_rows
 from xferlib.tt.plan import TTBagPlan, module_of
-from xferlib.tt.rules import row_state
+from xferlib.tt.rules import row_state, state_pointers
 from xferlib.tt.shape import TTShape
 
 __all__ = ["NO_ROW", "TTRowCache", "tt_cache_grad"]
@@ -107,8 +107,6 @@ class TTRowCache:
         key = ("update", optimizer)
         args = self._args.get(key)
         if args is None:
-            from xferlib.tt.update import state_pointers
-
             args = self._args[key] = [self.weight] + state_pointers(self.state, optimizer)
         return args
 

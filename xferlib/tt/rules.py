@@ -54,6 +54,22 @@ def row_state(rows: int, width: int, optimizer: str, xp=np) -> dict:
     return {name: xp.zeros(*shapes[where]) for name, where in STATE_SLOTS[optimizer]}
 
 
+def state_pointers(state: dict, optimizer: str) -> list:
+    """``[elementwise, second elementwise, per row, per-row steps]`` state of one parameter
+    (NULL where the optimizer has none), as the kernels' ``update_row`` takes them."""
+    pointers = [np.uint64(0)] * 4  # NULL
+    elem = 0
+    for name, where in STATE_SLOTS[optimizer]:
+        if where == "elem":
+            position, elem = elem, elem + 1
+        else:
+            position = 2 if where == "row" else 3
+        # a step count may be absent (the kernel then reads none); other state may not
+        pointers[position] = state.get(name, pointers[position]) if where == "step" else \
+            state[name]
+    return pointers
+
+
 def tt_sparse_update(cores, shape: TTShape, residuals, grads, states, optimizer: str, *,
                      lr: float, eps: float = 1e-10, betas=(0.9, 0.999), **hyper) -> None:
     """Apply ``optimizer`` in place to every core row the batch touched (all of them: no row

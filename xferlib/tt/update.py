@@ -15,8 +15,8 @@ from xferlib.tt.cache import TTRowCache, tt_cache_grad
 from xferlib.tt.grads import gpu_core_grads, tt_embedding_bag_bwd
 from xferlib.tt.lookup import to_host
 from xferlib.tt.plan import TTBagPlan, key_type, module_of, rows_scratch, uses_kernels
-from xferlib.tt.rules import (LAZY_OPTIMIZERS, STATE_SLOTS, check_sparse_args, tt_sparse_update,
-                              update_rows)
+from xferlib.tt.rules import (LAZY_OPTIMIZERS, check_sparse_args, state_pointers,
+                              tt_sparse_update, update_rows)
 from xferlib.tt.shape import TTShape, grad_spans, total_core_rows
 
 __all__ = ["tt_fused_update", "tt_apply_core_grads", "tt_cache_apply"]
@@ -195,22 +195,6 @@ def _update_pointers(cores, states, optimizer: str) -> list:
     pointers = [state_pointers(st, optimizer) for st in states]
     return list(cores) + pad + [x for j in range(4) for x in
                                 ([p[j] for p in pointers] + pad)]
-
-
-def state_pointers(state: dict, optimizer: str) -> list:
-    """``[elementwise, second elementwise, per row, per-row steps]`` state of one parameter
-    (NULL where the optimizer has none), as the kernels' ``update_row`` takes them."""
-    pointers = [_NULL] * 4
-    elem = 0
-    for name, where in STATE_SLOTS[optimizer]:
-        if where == "elem":
-            position, elem = elem, elem + 1
-        else:
-            position = 2 if where == "row" else 3
-        # a step count may be absent (the kernel then reads none); other state may not
-        pointers[position] = state.get(name, pointers[position]) if where == "step" else \
-            state[name]
-    return pointers
 
 
 def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, momentum=0.9,
