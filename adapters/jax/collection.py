@@ -12,11 +12,12 @@ input (unread), so XLA runs it after the lookup even where the pooled gradient d
 depend on the lookup; a later step's (or ``lax.scan`` iteration's) lookup sees it.
 
 The core keeps a ``LookupContext`` (the batch's plan) from a forward for its backward. A JAX
-residual must be an array, so the backward makes its own: it runs the core's forward again
-on the same ``indices`` / ``offsets`` (held as residuals) into a scratch output, then the
-update. That costs about one more forward per training step (the plan, the sort and, for host
-tables, staging the batch's distinct rows; the pooled rows are written and dropped), and
-needs nothing the core does not offer.
+residual must be an array, so the training forward leaves its context with the collection
+(``keep_context``), keyed by the addresses of its index buffers, and the backward, which
+receives the same buffers as residuals, takes it back (``take_context``). Where it finds
+none (XLA moved the buffers, or more forwards than the collection keeps came between), it
+runs the core's forward again on the same ``indices`` / ``offsets`` into a scratch output:
+the same update, for about one more forward's time.
 
 Gradients reach the collection only through a differentiated input: the lookup's output
 depends on no parameter of the model, so ``jax.grad`` of a loss would never ask for its
@@ -117,23 +118,34 @@ def _make(ref, weighted: bool):
                                        stream=xla_stream(ctx, gpu))
 
     @reporting
+    def training_forward_callback(ctx, out, *buffers):
+        gpu = is_gpu_buffer(out)
+        with device_scope(gpu, out, buffers[0]):
+            indices, offsets, weights = core_inputs(buffers, gpu)
+            coll = collection_for(gpu)
+            _, lookup = coll.forward(indices, offsets, weights, out=as_core_array(out, gpu),
+                                     stream=xla_stream(ctx, gpu))
+            coll.keep_context(_buffer_key(indices, offsets, weights), lookup)
+
+    @reporting
     def update_callback(ctx, token, *buffers):
         # buffers: indices, offsets, [weights], the forward's output (unread), the gradient
         gpu = is_gpu_buffer(token)
         with device_scope(gpu, token, buffers[0]):
             coll, stream = collection_for(gpu), xla_stream(ctx, gpu)
             indices, offsets, weights = core_inputs(buffers[:-2], gpu)
-            # The forward's context is gone (see the module docstring): plan the batch again.
-            _, lookup = coll.forward(indices, offsets, weights, stream=stream)
+            lookup = coll.take_context(_buffer_key(indices, offsets, weights))
+            if lookup is None:  # the forward's context is gone: plan the batch again
+                _, lookup = coll.forward(indices, offsets, weights, stream=stream)
             coll.backward(lookup, as_core_array(buffers[-1], gpu), stream=stream)
             fill_token(ctx, token, gpu)
 
-    def pooled(indices, offsets, weights):
+    def pooled(indices, offsets, weights, callback=forward_callback):
         coll = ref()
         B = (offsets.shape[0] - 1) // coll.num_tables
         out_type = jax.ShapeDtypeStruct((B, coll.total_dim), coll.dtype)
         extra = (weights,) if weighted else ()
-        return buffer_callback(forward_callback, out_type, has_side_effect=True)(
+        return buffer_callback(callback, out_type, has_side_effect=True)(
             indices, offsets, *extra)
 
     @jax.custom_vjp
@@ -141,7 +153,7 @@ def _make(ref, weighted: bool):
         return pooled(indices, offsets, weights)
 
     def fwd(anchor, indices, offsets, weights):
-        out = pooled(indices, offsets, weights)
+        out = pooled(indices, offsets, weights, training_forward_callback)
         return out, (anchor, indices, offsets, weights, out)
 
     def bwd(residuals, g):
@@ -160,6 +172,16 @@ def _make(ref, weighted: bool):
 
     function.defvjp(fwd, bwd)
     return function
+
+
+def _buffer_key(indices, offsets, weights) -> tuple:
+    """A batch's key between its forward and backward callbacks: where its input buffers
+    lie, and their lengths (a residual keeps them alive, so no other batch has these)."""
+    def address(a):
+        if a is None:
+            return None
+        return (a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data), a.shape[0]
+    return address(indices), address(offsets), address(weights)
 
 
 def embedding_bag_collection(coll: EmbeddingCollection, indices, offsets,

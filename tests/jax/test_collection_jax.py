@@ -252,3 +252,37 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(collection, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_backward_takes_the_forwards_context():
+    """A jitted training step plans its batch once: the backward takes the context its
+    forward kept, instead of running the forward again."""
+    import jax
+    import jax.numpy as jnp
+
+    from xferlib.adapters.jax import collection_anchor, embedding_bag_collection
+    from xferlib.collection import EmbeddingCollection, TableConfig
+
+    coll = EmbeddingCollection([TableConfig(50, 4), TableConfig(30, 4, placement="host")],
+                               "sgd", {"lr": 0.1}, device="cpu", seed=0)
+    calls = []
+    forward = coll.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    coll.forward = counting
+
+    @jax.jit
+    def step(anchor, idx, off):
+        return jax.grad(lambda a: embedding_bag_collection(coll, idx, off, anchor=a).sum())(
+            anchor)
+
+    idx = jnp.asarray(np.array([1, 2, 3, 4, 5, 6], np.int32))
+    off = jnp.asarray(np.array([0, 2, 3, 5, 6], np.int32))
+    before = coll.weights(0).copy()
+    for _ in range(3):
+        jax.block_until_ready(step(collection_anchor(), idx, off))
+    assert len(calls) == 3  # one forward per step
+    np.testing.assert_allclose(coll.weights(0)[1], before[1] - 0.3, rtol=1e-6)

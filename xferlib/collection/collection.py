@@ -34,6 +34,7 @@ from xferlib.table.rules import resolve_hyper, sparse_rule
 __all__ = ["EmbeddingCollection", "LookupContext"]
 
 DEVICES = ("cpu", "cuda")
+_KEPT_CONTEXTS = 4
 
 
 class LookupContext:
@@ -121,6 +122,7 @@ class EmbeddingCollection:
                              f"width; host tables have widths {sorted(host_dims)}")
         self.blocks, self.buffers = self._allocate(seed)
         self._gpu = None  # the GPU side (xferlib/collection/device.py), made on first use
+        self._kept = {}  # contexts kept for a later backward (keep_context)
 
     @property
     def num_tables(self) -> int:
@@ -395,6 +397,19 @@ class EmbeddingCollection:
         if is_cupy_array(grad_pooled):
             raise TypeError("grad_pooled must be a NumPy array, as the forward's indices were")
         update_numpy(self, ctx, grad_pooled)
+
+    def keep_context(self, key, ctx: LookupContext) -> None:
+        """Keep a forward's context for a backward that cannot carry it (a JAX residual must
+        be an array): the backward takes it back by the same ``key`` with
+        :meth:`take_context`. The latest few are kept; a backward that finds none plans its
+        batch again."""
+        self._kept[key] = ctx
+        while len(self._kept) > _KEPT_CONTEXTS:
+            self._kept.pop(next(iter(self._kept)))
+
+    def take_context(self, key):
+        """The context kept under ``key`` (removed), or None."""
+        return self._kept.pop(key, None)
 
     def check(self) -> None:
         """Wait for the input checks of every GPU batch queued so far and raise for the
