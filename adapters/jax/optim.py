@@ -305,14 +305,20 @@ def _adam_row(name, decoupled_wd):
     return row
 
 
+def _moment(x, new, b):
+    """optax's moment update (``update_moment``), written once for jax.numpy: ``(1 - b) new +
+    b x``, in that order (the NumPy rules follow torch's order instead)."""
+    return (1 - b) * new + b * x
+
+
 def _adam_xla(h, weight_decay):
     """optax.scale_by_adam (+ add_decayed_weights) + scale_by_learning_rate, op for op."""
     b1, b2, eps, eps_root, nesterov = h["b1"], h["b2"], h["eps"], h["eps_root"], h["nesterov"]
 
     def rule(g, buffers, p, count_before, count):
         mu, nu = buffers
-        mu = (1 - b1) * g + b1 * mu
-        nu = (1 - b2) * g ** 2 + b2 * nu
+        mu = _moment(mu, g, b1)
+        nu = _moment(nu, g ** 2, b2)
         if nesterov:  # Dozat 2016, as optax: the next step's bias correction on mu
             mu_hat = (b1 * _bias_correction(mu, b1, _safe_increment(count))
                       + (1 - b1) * _bias_correction(g, b1, count))
@@ -400,8 +406,8 @@ def flat_lion(learning_rate, b1=0.9, b2=0.99, weight_decay=1e-3, *, impl="xla"):
 
     def xla_rule(g, buffers, p, count_before, count):
         (mu,) = buffers
-        direction = jnp.sign((1.0 - b1) * g + b1 * mu)
-        mu = (1 - b2) * g + b2 * mu
+        direction = jnp.sign(_moment(mu, g, b1))
+        mu = _moment(mu, g, b2)
         if weight_decay:
             direction = direction + weight_decay * p
         return _scale_by_lr(direction, learning_rate, count_before), (mu,)

@@ -419,3 +419,40 @@ def test_no_other_optimizer_name_list():
                 if sum(isinstance(n, str) and n in RULES for n in names) >= 3:
                     found.append(f"{rel}:{node.lineno}")
     assert not found, found
+
+
+def test_flat_scalars_are_named_records():
+    """Each flat rule's scalars are one NamedTuple made by its scalars function; the kernel
+    reads their columns by the names generated from the record's fields."""
+    from xferlib._kernels.optim import OPTIM_MODULE
+    from xferlib.optim.rules import (SCALARS, adam_hyper_defines, flat_scalar_defines,
+                                     resolve_hyper)
+
+    for name, rule in FLAT_RULES.items():
+        record = rule.scalars(resolve_hyper(name), 3, {"mu_product": 1.0}, np)
+        assert type(record) is rule.record, name
+        assert len(record) <= SCALARS
+        row = rule.row(record)
+        assert len(row) == SCALARS and rule.read_row(np.asarray(row)) == record
+        for k, field in enumerate(record._fields):
+            prefix = OptId(rule.kind).name
+            assert f"#define XF_{prefix}_{field.upper()} {k}\n" in flat_scalar_defines()
+    source = OPTIM_MODULE.source
+    assert flat_scalar_defines() in source and adam_hyper_defines() in source
+    body = _function_body(source, "flat_scalars")
+    assert set(re.findall(r"\bc\[(\w+)\]", body)) - {"0"} <= {
+        line.split()[1] for line in flat_scalar_defines().splitlines()[2:]}
+    assert not re.search(r"\bh\[\d", _function_body(source, "flat_adam_device_scalars"))
+
+
+def test_moment_updates_written_once_per_language():
+    """NumPy's first and second moments come from xferlib.optim.rules, jax.numpy's from the
+    adapter's one helper: no rule writes `(g - m) * (1 - b)` or `(1 - b) * g + b * m` itself."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    for rel in ("xferlib/optim/rules.py", "xferlib/table/rules.py", "adapters/jax/optim.py"):
+        text = (root / rel).read_text()
+        lerps = re.findall(r"\+= *\(g - \w+\) \*|\+= *f\(1\.0 - \w+\) \* \(g - \w+\)", text)
+        emas = re.findall(r"\(1(?:\.0)? - b\d\) \* g(?: \*\* 2)? \+ b\d \* \w+", text)
+        assert len(lerps) <= 1 and len(emas) <= 1, (rel, lerps, emas)

@@ -14,9 +14,9 @@ vectors: segments start on 16-byte boundaries, so every access is a whole aligne
 from xferlib._kernels._declare import KernelDecl
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.rules import RULES_KERNEL
-from xferlib.optim.rules import FLAT_RULES
+from xferlib.optim.rules import FLAT_RULES, adam_hyper_defines, flat_scalar_defines
 
-_HEAD = RULES_KERNEL + r"""
+_HEAD = RULES_KERNEL + flat_scalar_defines() + adam_hyper_defines() + r"""
 typedef long long i64;
 
 // Low-precision gradients / parameter copies (mixed precision with float32 master weights),
@@ -62,8 +62,9 @@ __device__ __forceinline__ void store4(T* ptr, i64 i, const float* a) {
 #define STORE4(ptr, i, a) { *reinterpret_cast<float4*>((ptr) + (i)) = \
     make_float4(a[0], a[1], a[2], a[3]); }
 
-// The flat table's eight rule scalars c (xferlib/optim/rules.py, Rule.scalars) as the
-// shared rules read them; 1 - beta is rounded here, in float, as torch's float32 step does.
+// A segment's rule record c (xferlib/optim/rules.py: each rule's NamedTuple, its columns
+// XF_<RULE>_<FIELD>) as the shared rules read it; every record starts with the step's size.
+// 1 - beta is rounded here, in float, as torch's float32 step does.
 template <int KIND>
 __device__ __forceinline__ XfScalars<float> flat_scalars(const float* c, float sign, float l2,
                                                          float decay) {
@@ -72,27 +73,33 @@ __device__ __forceinline__ XfScalars<float> flat_scalars(const float* c, float s
     s.l2 = l2;
     s.decay = decay;
     s.lr = c[0];
-    if (KIND == XF_OPT_SGD) {  // lr, momentum, keep, take, use_momentum, nesterov
-        s.mom = c[1]; s.keep = c[2]; s.take = c[3];
-        s.momentum = c[4] != 0.0f; s.nesterov = c[5] != 0.0f;
-    } else if (KIND == XF_OPT_ADAM) {  // step_size, b1, b2, eps, sqrt(bc2), amsgrad
-        s.b1 = c[1]; s.omb1 = 1.0f - c[1]; s.b2 = c[2]; s.omb2 = 1.0f - c[2];
-        s.eps = c[3]; s.bc2 = c[4]; s.amsgrad = c[5] != 0.0f;
-    } else if (KIND == XF_OPT_ADAGRAD) {  // clr, eps
-        s.eps = c[1];
-    } else if (KIND == XF_OPT_RMSPROP) {  // lr, alpha, eps, momentum, centered
-        s.b2 = c[1]; s.omb2 = 1.0f - c[1]; s.eps = c[2]; s.mom = c[3];
-        s.momentum = c[3] > 0.0f; s.centered = c[4] != 0.0f;
-    } else if (KIND == XF_OPT_ADAMAX) {  // clr, b1, b2, eps
-        s.b1 = c[1]; s.omb1 = 1.0f - c[1]; s.b2 = c[2]; s.eps = c[3];
-    } else if (KIND == XF_OPT_NADAM) {  // coef_grad, coef_avg, b1, b2, bc2, eps
-        s.lr2 = c[1]; s.b1 = c[2]; s.omb1 = 1.0f - c[2]; s.b2 = c[3]; s.omb2 = 1.0f - c[3];
-        s.bc2 = c[4]; s.eps = c[5];
-    } else if (KIND == XF_OPT_RADAM) {  // lr/bc1, b1, b2, eps, sqrt(bc2), rect, rectified
-        s.b1 = c[1]; s.omb1 = 1.0f - c[1]; s.b2 = c[2]; s.omb2 = 1.0f - c[2]; s.eps = c[3];
-        s.bc2 = c[4]; s.rect = c[5]; s.rectified = c[6] != 0.0f;
-    } else if (KIND == XF_OPT_LION) {  // lr, b1, b2, weight decay
-        s.b1 = c[1]; s.omb1 = 1.0f - c[1]; s.b2 = c[2]; s.omb2 = 1.0f - c[2]; s.wd = c[3];
+    if (KIND == XF_OPT_SGD) {
+        s.mom = c[XF_SGD_MOMENTUM]; s.keep = c[XF_SGD_KEEP]; s.take = c[XF_SGD_TAKE];
+        s.momentum = c[XF_SGD_USE_MOMENTUM] != 0.0f; s.nesterov = c[XF_SGD_NESTEROV] != 0.0f;
+    } else if (KIND == XF_OPT_ADAM) {
+        s.b1 = c[XF_ADAM_B1]; s.omb1 = 1.0f - c[XF_ADAM_B1]; s.b2 = c[XF_ADAM_B2];
+        s.omb2 = 1.0f - c[XF_ADAM_B2]; s.eps = c[XF_ADAM_EPS]; s.bc2 = c[XF_ADAM_BC2_SQRT];
+        s.amsgrad = c[XF_ADAM_AMSGRAD] != 0.0f;
+    } else if (KIND == XF_OPT_ADAGRAD) {
+        s.eps = c[XF_ADAGRAD_EPS];
+    } else if (KIND == XF_OPT_RMSPROP) {
+        s.b2 = c[XF_RMSPROP_ALPHA]; s.omb2 = 1.0f - c[XF_RMSPROP_ALPHA];
+        s.eps = c[XF_RMSPROP_EPS]; s.mom = c[XF_RMSPROP_MOMENTUM];
+        s.momentum = c[XF_RMSPROP_MOMENTUM] > 0.0f; s.centered = c[XF_RMSPROP_CENTERED] != 0.0f;
+    } else if (KIND == XF_OPT_ADAMAX) {
+        s.b1 = c[XF_ADAMAX_B1]; s.omb1 = 1.0f - c[XF_ADAMAX_B1]; s.b2 = c[XF_ADAMAX_B2];
+        s.eps = c[XF_ADAMAX_EPS];
+    } else if (KIND == XF_OPT_NADAM) {
+        s.lr2 = c[XF_NADAM_COEF_AVG]; s.b1 = c[XF_NADAM_B1]; s.omb1 = 1.0f - c[XF_NADAM_B1];
+        s.b2 = c[XF_NADAM_B2]; s.omb2 = 1.0f - c[XF_NADAM_B2]; s.bc2 = c[XF_NADAM_BC2];
+        s.eps = c[XF_NADAM_EPS];
+    } else if (KIND == XF_OPT_RADAM) {
+        s.b1 = c[XF_RADAM_B1]; s.omb1 = 1.0f - c[XF_RADAM_B1]; s.b2 = c[XF_RADAM_B2];
+        s.omb2 = 1.0f - c[XF_RADAM_B2]; s.eps = c[XF_RADAM_EPS]; s.bc2 = c[XF_RADAM_BC2_SQRT];
+        s.rect = c[XF_RADAM_RECT]; s.rectified = c[XF_RADAM_RECTIFIED] != 0.0f;
+    } else if (KIND == XF_OPT_LION) {
+        s.b1 = c[XF_LION_B1]; s.omb1 = 1.0f - c[XF_LION_B1]; s.b2 = c[XF_LION_B2];
+        s.omb2 = 1.0f - c[XF_LION_B2]; s.wd = c[XF_LION_WEIGHT_DECAY];
     }
     return s;
 }
@@ -192,21 +199,22 @@ FLAT_ADAM_DEVICE_SCALARS = KernelDecl(
     if (!active[seg]) return;
     float gmul = grad_mul != nullptr ? *grad_mul : 1.0f;
     if (grad_scale != nullptr) gmul *= 1.0f / *grad_scale;
-    const float* h = hyper + 8 * seg_group[seg];
-    const float lr = h[0], b1 = h[1], b2 = h[2], eps = h[3], wd = h[4];
-    const bool decoupled = h[5] != 0.0f;
+    const float* h = hyper + XF_AH_WIDTH * seg_group[seg];
+    const float lr = h[XF_AH_LR], b1 = h[XF_AH_BETA1], b2 = h[XF_AH_BETA2], eps = h[XF_AH_EPS],
+                wd = h[XF_AH_WEIGHT_DECAY];
+    const bool decoupled = h[XF_AH_DECOUPLED] != 0.0f;
     const float t = steps[seg] + 1.0f;
-    float c[8];
-    c[0] = lr / (1.0f - powf(b1, t));
-    c[1] = b1;
-    c[2] = b2;
-    c[3] = eps;
-    c[4] = sqrtf(1.0f - powf(b2, t));
-    c[5] = h[6];
+    float c[XF_SCALARS];  // Adam's record (AdamScalars), computed here on the device
+    c[XF_ADAM_STEP_SIZE] = lr / (1.0f - powf(b1, t));
+    c[XF_ADAM_B1] = b1;
+    c[XF_ADAM_B2] = b2;
+    c[XF_ADAM_EPS] = eps;
+    c[XF_ADAM_BC2_SQRT] = sqrtf(1.0f - powf(b2, t));
+    c[XF_ADAM_AMSGRAD] = h[XF_AH_AMSGRAD];
     c[6] = 0.0f;
     c[7] = 0.0f;
     const XfScalars<float> s = flat_scalars<XF_OPT_ADAM>(
-        c, (h[7] != 0.0f ? -1.0f : 1.0f) * gmul, decoupled ? 0.0f : wd,
+        c, (h[XF_AH_MAXIMIZE] != 0.0f ? -1.0f : 1.0f) * gmul, decoupled ? 0.0f : wd,
         decoupled ? 1.0f - lr * wd : 1.0f);
     update_chunk<XF_OPT_ADAM, G>(params, grads, s0, s1, s2, s, chunk_start[blockIdx.x],
                                  chunk_end[blockIdx.x], nullptr, lowp);""")

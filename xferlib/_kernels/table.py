@@ -20,11 +20,11 @@ from xferlib._kernels.cache import CACHE_MODULE  # noqa: F401  (registered with 
 from xferlib._kernels.cache import HOST_ARGS  # noqa: F401  (the table kernels' too)
 from xferlib._kernels.rules import RULES_KERNEL
 from xferlib.optim.rules import RULES as _SHARED_RULES
-from xferlib.optim.rules import TABLE, OptId, optimizers_for
+from xferlib.optim.rules import TABLE, OptId, adam_hyper_defines, optimizers_for
 
 SUM_CHUNK = 32  # sorted positions per thread in the gradient sums' first pass
 
-_HEAD = RULES_KERNEL + defines(SUM_CHUNK=SUM_CHUNK) + r"""
+_HEAD = RULES_KERNEL + adam_hyper_defines() + defines(SUM_CHUNK=SUM_CHUNK) + r"""
 typedef long long i64;
 
 __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
@@ -325,15 +325,17 @@ __device__ __forceinline__ XfScalars<T> row_consts(const double* h, i64 t) {
         s.take = t == 1 ? 1.0 : 1.0 - h[2];
         s.momentum = (T)h[1] != (T)0; s.nesterov = (T)h[4] != (T)0;
         s.sign = (T)h[5] != (T)0 ? -1.0 : 1.0;
-    } else if (RULE == XF_OPT_ADAM) {  // adam(w): lr, b1, b2, eps, wd, decoupled, amsgrad, maximize
-        const double bc1 = 1.0 - pow(h[1], (double)t), bc2 = 1.0 - pow(h[2], (double)t);
-        s.lr = h[0] / bc1; s.bc2 = sqrt(bc2); s.omb1 = 1.0 - h[1]; s.b2 = h[2];
-        s.omb2 = 1.0 - h[2]; s.eps = h[3];
-        if ((T)h[4] != (T)0) {
-            if ((T)h[5] != (T)0) s.decay = 1.0 - h[0] * h[4]; else s.l2 = h[4];
+    } else if (RULE == XF_OPT_ADAM) {  // adam(w): the AdamHyper row (XF_AH_*)
+        const double bc1 = 1.0 - pow(h[XF_AH_BETA1], (double)t),
+                     bc2 = 1.0 - pow(h[XF_AH_BETA2], (double)t);
+        s.lr = h[XF_AH_LR] / bc1; s.bc2 = sqrt(bc2); s.omb1 = 1.0 - h[XF_AH_BETA1];
+        s.b2 = h[XF_AH_BETA2]; s.omb2 = 1.0 - h[XF_AH_BETA2]; s.eps = h[XF_AH_EPS];
+        if ((T)h[XF_AH_WEIGHT_DECAY] != (T)0) {
+            if ((T)h[XF_AH_DECOUPLED] != (T)0) s.decay = 1.0 - h[XF_AH_LR] * h[XF_AH_WEIGHT_DECAY];
+            else s.l2 = h[XF_AH_WEIGHT_DECAY];
         }
-        s.amsgrad = (T)h[6] != (T)0;
-        s.sign = (T)h[7] != (T)0 ? -1.0 : 1.0;
+        s.amsgrad = (T)h[XF_AH_AMSGRAD] != (T)0;
+        s.sign = (T)h[XF_AH_MAXIMIZE] != (T)0 ? -1.0 : 1.0;
     } else if (RULE == XF_OPT_ADAGRAD) {  // adagrad: lr, lr_decay, wd, eps, maximize
         s.lr = h[0] / (1.0 + (double)(t - 1) * h[1]); s.l2 = h[2]; s.eps = h[3];
         s.sign = (T)h[4] != (T)0 ? -1.0 : 1.0;

@@ -39,14 +39,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 __all__ = ["OptId", "Rule", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON", "SCALARS", "get_rule",
            "resolve_hyper", "adam_hyper_row", "common_scalars", "preamble_numpy",
            "check_common", "cuda_defines", "cuda_constants", "FLAT", "TABLE", "TT",
-           "optimizers_for"]
+           "optimizers_for", "SgdScalars", "AdamScalars", "AdagradScalars", "RmspropScalars",
+           "AdamaxScalars", "NadamScalars", "RadamScalars", "LionScalars", "AdamHyper",
+           "flat_scalar_defines", "adam_hyper_defines", "first_moment", "second_moment"]
 
 # The kernel families a rule runs in: the flat step (xferlib.optim), host tables
 # (xferlib.table), TT tables (xferlib.tt). One vocabulary: a name means one rule in every
@@ -155,42 +157,134 @@ def _sqrt(xp, x):
     return math.sqrt(x) if isinstance(x, float) else xp.sqrt(x)
 
 
+# Each flat rule's per-step scalars as a named record (optax names its states alike), made
+# by the rule's one scalars function from the hyperparameters and the step. The first field
+# is always the step's size (the kernels' s.lr); flags are 0.0 / 1.0. The flat kernel reads a
+# record from its segment's row of the scalar table (Rule.row): the columns' names and order
+# are the record's fields, generated into the CUDA source (flat_scalar_defines).
+
+
+class SgdScalars(NamedTuple):
+    """torch.optim.SGD: ``keep`` and ``take``, what the momentum buffer keeps of itself and
+    takes of the gradient (0 and 1 on torch's first step, which copies the gradient)."""
+    lr: float
+    momentum: float
+    keep: float
+    take: float
+    use_momentum: float
+    nesterov: float
+
+
+class AdamScalars(NamedTuple):
+    """Adam / AdamW: ``step_size = lr / (1 - b1^t)``, ``bc2_sqrt = sqrt(1 - b2^t)``."""
+    step_size: float
+    b1: float
+    b2: float
+    eps: float
+    bc2_sqrt: float
+    amsgrad: float
+
+
+class AdagradScalars(NamedTuple):
+    """Adagrad: ``clr = lr / (1 + (t - 1) lr_decay)``."""
+    clr: float
+    eps: float
+
+
+class RmspropScalars(NamedTuple):
+    lr: float
+    alpha: float
+    eps: float
+    momentum: float
+    centered: float
+
+
+class AdamaxScalars(NamedTuple):
+    """Adamax: ``clr = lr / (1 - b1^t)``."""
+    clr: float
+    b1: float
+    b2: float
+    eps: float
+
+
+class NadamScalars(NamedTuple):
+    """NAdam: the gradient's and the first moment's coefficients (negative: added to the
+    parameter), ``bc2 = 1 - b2^t``."""
+    coef_grad: float
+    coef_avg: float
+    b1: float
+    b2: float
+    bc2: float
+    eps: float
+
+
+class RadamScalars(NamedTuple):
+    """RAdam: ``lr_bc1 = lr / (1 - b1^t)``, the rectification term and whether it applies."""
+    lr_bc1: float
+    b1: float
+    b2: float
+    eps: float
+    bc2_sqrt: float
+    rect: float
+    rectified: float
+
+
+class LionScalars(NamedTuple):
+    lr: float
+    b1: float
+    b2: float
+    weight_decay: float
+
+
+# The moment updates, written once for NumPy (in place, in the arrays' dtype, 1 - beta
+# rounded from float64; torch's op order): the flat rules and the host tables' rows use them.
+
+def first_moment(m, g, b1) -> None:
+    """``m <- m + (g - m)(1 - b1)``: torch's ``exp_avg.lerp_(grad, 1 - beta1)``."""
+    m += (g - m) * m.dtype.type(1.0 - b1)
+
+
+def second_moment(v, g, b2) -> None:
+    """``v <- b2 v + (1 - b2) g^2``: torch's ``exp_avg_sq.mul_(beta2).addcmul_(grad, grad,
+    value=1 - beta2)``."""
+    f = v.dtype.type
+    v *= f(b2)
+    v += f(1.0 - b2) * g * g
+
+
 def _sgd_scalars(h, step, extra, xp=np):
     first = step == 1  # torch's first step copies the gradient into the momentum buffer
     keep = _select(xp, first, 0.0, h["momentum"])
     take = _select(xp, first, 1.0, 1.0 - h["dampening"])
-    return [h["lr"], h["momentum"], keep, take, float(h["momentum"] != 0),
-            float(h["nesterov"]), 0.0, 0.0]
+    return SgdScalars(h["lr"], h["momentum"], keep, take, float(h["momentum"] != 0),
+                      float(h["nesterov"]))
 
 
 def _sgd_numpy(c, p, g, b):
-    lr, mom, keep, take, use_momentum, nesterov = c[:6]
-    if use_momentum:
+    if c.use_momentum:
         buf = b["momentum_buffer"]
-        buf *= _f32(keep)
-        buf += _f32(take) * g
-        g = g + _f32(mom) * buf if nesterov else buf
-    p -= _f32(lr) * g
+        buf *= _f32(c.keep)
+        buf += _f32(c.take) * g
+        g = g + _f32(c.momentum) * buf if c.nesterov else buf
+    p -= _f32(c.lr) * g
 
 
 def _adam_scalars(h, step, extra, xp=np):
     b1, b2 = h["betas"]
     bc1 = 1.0 - b1 ** step
-    return [h["lr"] / bc1, b1, b2, h["eps"], _sqrt(xp, 1.0 - b2 ** step),
-            float(h["amsgrad"]), 0.0, 0.0]
+    return AdamScalars(h["lr"] / bc1, b1, b2, h["eps"], _sqrt(xp, 1.0 - b2 ** step),
+                       float(h["amsgrad"]))
 
 
 def _adam_numpy(c, p, g, b):
-    step_size, b1, b2, eps, bc2_sqrt, amsgrad = c[:6]
     m, v = b["exp_avg"], b["exp_avg_sq"]
-    m += (g - m) * _f32(1.0 - b1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
-    v *= _f32(b2)
-    v += _f32(1.0 - b2) * g * g
-    if amsgrad:
+    first_moment(m, g, c.b1)
+    second_moment(v, g, c.b2)
+    if c.amsgrad:
         np.maximum(b["max_exp_avg_sq"], v, out=b["max_exp_avg_sq"])
         v = b["max_exp_avg_sq"]
-    denom = np.sqrt(v) / _f32(bc2_sqrt) + _f32(eps)
-    p -= _f32(step_size) * (m / denom)
+    denom = np.sqrt(v) / _f32(c.bc2_sqrt) + _f32(c.eps)
+    p -= _f32(c.step_size) * (m / denom)
 
 
 def _adagrad_check(h):
@@ -198,14 +292,13 @@ def _adagrad_check(h):
 
 
 def _adagrad_scalars(h, step, extra, xp=np):
-    return [h["lr"] / (1.0 + (step - 1) * h["lr_decay"]), h["eps"], 0, 0, 0, 0, 0, 0]
+    return AdagradScalars(h["lr"] / (1.0 + (step - 1) * h["lr_decay"]), h["eps"])
 
 
 def _adagrad_numpy(c, p, g, b):
-    clr, eps = c[:2]
     s = b["sum"]
     s += g * g
-    p -= _f32(clr) * (g / (np.sqrt(s) + _f32(eps)))
+    p -= _f32(c.clr) * (g / (np.sqrt(s) + _f32(c.eps)))
 
 
 def _rmsprop_check(h):
@@ -213,40 +306,37 @@ def _rmsprop_check(h):
 
 
 def _rmsprop_scalars(h, step, extra, xp=np):
-    return [h["lr"], h["alpha"], h["eps"], h["momentum"], float(h["centered"]), 0, 0, 0]
+    return RmspropScalars(h["lr"], h["alpha"], h["eps"], h["momentum"], float(h["centered"]))
 
 
 def _rmsprop_numpy(c, p, g, b):
-    lr, alpha, eps, mom, centered = c[:5]
     sq = b["square_avg"]
-    sq *= _f32(alpha)
-    sq += _f32(1.0 - alpha) * g * g
-    if centered:
+    second_moment(sq, g, c.alpha)
+    if c.centered:
         ga = b["grad_avg"]
-        ga += (g - ga) * _f32(1.0 - alpha)
-        avg = np.sqrt(sq - ga * ga) + _f32(eps)
+        first_moment(ga, g, c.alpha)
+        avg = np.sqrt(sq - ga * ga) + _f32(c.eps)
     else:
-        avg = np.sqrt(sq) + _f32(eps)
-    if mom > 0:
+        avg = np.sqrt(sq) + _f32(c.eps)
+    if c.momentum > 0:
         buf = b["momentum_buffer"]
-        buf *= _f32(mom)
+        buf *= _f32(c.momentum)
         buf += g / avg
-        p -= _f32(lr) * buf
+        p -= _f32(c.lr) * buf
     else:
-        p -= _f32(lr) * (g / avg)
+        p -= _f32(c.lr) * (g / avg)
 
 
 def _adamax_scalars(h, step, extra, xp=np):
     b1, b2 = h["betas"]
-    return [h["lr"] / (1.0 - b1 ** step), b1, b2, h["eps"], 0, 0, 0, 0]
+    return AdamaxScalars(h["lr"] / (1.0 - b1 ** step), b1, b2, h["eps"])
 
 
 def _adamax_numpy(c, p, g, b):
-    clr, b1, b2, eps = c[:4]
     m, u = b["exp_avg"], b["exp_inf"]
-    m += (g - m) * _f32(1.0 - b1)
-    np.maximum(u * _f32(b2), np.abs(g) + _f32(eps), out=u)
-    p -= _f32(clr) * (m / u)
+    first_moment(m, g, c.b1)
+    np.maximum(u * _f32(c.b2), np.abs(g) + _f32(c.eps), out=u)
+    p -= _f32(c.clr) * (m / u)
 
 
 def _nadam_check(h):
@@ -260,20 +350,18 @@ def _nadam_scalars(h, step, extra, xp=np):
     mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1) * h["momentum_decay"]))
     mu_product = extra["mu_product"] * mu
     extra["mu_product"] = mu_product  # stored back per segment by the caller
-    return [-h["lr"] * (1.0 - mu) / (1.0 - mu_product),
-            -h["lr"] * mu_next / (1.0 - mu_product * mu_next),
-            b1, b2, 1.0 - b2 ** step, h["eps"], 0, 0]
+    return NadamScalars(-h["lr"] * (1.0 - mu) / (1.0 - mu_product),
+                        -h["lr"] * mu_next / (1.0 - mu_product * mu_next),
+                        b1, b2, 1.0 - b2 ** step, h["eps"])
 
 
 def _nadam_numpy(c, p, g, b):
-    coef_grad, coef_avg, b1, b2, bc2, eps = c[:6]
     m, v = b["exp_avg"], b["exp_avg_sq"]
-    m += (g - m) * _f32(1.0 - b1)
-    v *= _f32(b2)
-    v += _f32(1.0 - b2) * g * g
-    denom = np.sqrt(v / _f32(bc2)) + _f32(eps)
-    p += _f32(coef_grad) * (g / denom)
-    p += _f32(coef_avg) * (m / denom)
+    first_moment(m, g, c.b1)
+    second_moment(v, g, c.b2)
+    denom = np.sqrt(v / _f32(c.bc2)) + _f32(c.eps)
+    p += _f32(c.coef_grad) * (g / denom)
+    p += _f32(c.coef_avg) * (m / denom)
 
 
 def _radam_scalars(h, step, extra, xp=np):
@@ -286,37 +374,34 @@ def _radam_scalars(h, step, extra, xp=np):
     if rho_t > 5.0:  # variance is tractable: rectified adaptive step
         rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf
                          / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-        return [h["lr"] / bc1, b1, b2, h["eps"], math.sqrt(bc2), rect, 1.0, 0.0]
-    return [h["lr"] / bc1, b1, b2, h["eps"], math.sqrt(bc2), 0.0, 0.0, 0.0]
+        return RadamScalars(h["lr"] / bc1, b1, b2, h["eps"], math.sqrt(bc2), rect, 1.0)
+    return RadamScalars(h["lr"] / bc1, b1, b2, h["eps"], math.sqrt(bc2), 0.0, 0.0)
 
 
 def _radam_numpy(c, p, g, b):
-    lr_bc1, b1, b2, eps, bc2_sqrt, rect, rectified = c[:7]
     m, v = b["exp_avg"], b["exp_avg_sq"]
-    m += (g - m) * _f32(1.0 - b1)
-    v *= _f32(b2)
-    v += _f32(1.0 - b2) * g * g
-    if rectified:
-        adaptive = _f32(bc2_sqrt) / (np.sqrt(v) + _f32(eps))
-        p -= _f32(lr_bc1) * m * adaptive * _f32(rect)
+    first_moment(m, g, c.b1)
+    second_moment(v, g, c.b2)
+    if c.rectified:
+        adaptive = _f32(c.bc2_sqrt) / (np.sqrt(v) + _f32(c.eps))
+        p -= _f32(c.lr_bc1) * m * adaptive * _f32(c.rect)
     else:
-        p -= _f32(lr_bc1) * m
+        p -= _f32(c.lr_bc1) * m
 
 
 def _lion_scalars(h, step, extra, xp=np):
-    return [h["learning_rate"], h["b1"], h["b2"], h["weight_decay"], 0, 0, 0, 0]
+    return LionScalars(h["learning_rate"], h["b1"], h["b2"], h["weight_decay"])
 
 
 def _lion_numpy(c, p, g, b):
     # optax.lion: update = sign(b1 m + (1 - b1) g) + wd p;  m <- b2 m + (1 - b2) g
-    lr, b1, b2, wd = c[:4]
     m = b["exp_avg"]
-    update = np.sign(_f32(b1) * m + _f32(1.0 - b1) * g)
-    m *= _f32(b2)
-    m += _f32(1.0 - b2) * g
-    if wd:
-        update += _f32(wd) * p
-    p -= _f32(lr) * update
+    update = np.sign(_f32(c.b1) * m + _f32(1.0 - c.b1) * g)
+    m *= _f32(c.b2)
+    m += _f32(1.0 - c.b2) * g
+    if c.weight_decay:
+        update += _f32(c.weight_decay) * p
+    p -= _f32(c.lr) * update
 
 
 def _range_check(*keys, upper=None):
@@ -356,6 +441,15 @@ class Rule:
     scalars: Callable | None = None
     numpy: Callable | None = None
     families: tuple = ()
+    record: type | None = None  # the NamedTuple ``scalars`` returns (flat rules)
+
+    def row(self, scalars) -> list:
+        """``scalars`` (this rule's record) as the flat kernel's :data:`SCALARS` columns."""
+        return list(scalars) + [0.0] * (SCALARS - len(scalars))
+
+    def read_row(self, row):
+        """The record in the first columns of a scalar-table row (``row[COMMON:]``)."""
+        return self.record(*row[:len(self.record._fields)])
 
     @property
     def flat(self) -> bool:
@@ -386,40 +480,40 @@ RULES = {r.name: r for r in (
                                 nesterov=False, maximize=False),
          _sgd_check, ("momentum_buffer",),
          lambda h: ["momentum_buffer"] if h["momentum"] else [], "l2",
-         _sgd_scalars, _sgd_numpy, families=(FLAT, TABLE, TT)),
+         _sgd_scalars, _sgd_numpy, families=(FLAT, TABLE, TT), record=SgdScalars),
     Rule("adam", OptId.ADAM, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                   amsgrad=False, maximize=False),
          check_common, _ADAM_SLOTS, _adam_buffers, "l2", _adam_scalars, _adam_numpy,
-         families=(FLAT, TABLE)),
+         families=(FLAT, TABLE), record=AdamScalars),
     Rule("adamw", OptId.ADAM, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                                    amsgrad=False, maximize=False),
          check_common, _ADAM_SLOTS, _adam_buffers, "decoupled", _adam_scalars, _adam_numpy,
-         families=(FLAT, TABLE)),
+         families=(FLAT, TABLE), record=AdamScalars),
     Rule("adagrad", OptId.ADAGRAD, dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0,
                                         initial_accumulator_value=0.0, eps=1e-10,
                                         maximize=False),
          _adagrad_check, ("sum",), lambda h: ["sum"], "l2", _adagrad_scalars, _adagrad_numpy,
-         families=(FLAT, TABLE, TT)),
+         families=(FLAT, TABLE, TT), record=AdagradScalars),
     Rule("rmsprop", OptId.RMSPROP, dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0,
                                         momentum=0.0, centered=False, maximize=False),
          _rmsprop_check, ("square_avg", "momentum_buffer", "grad_avg"), _rmsprop_buffers, "l2",
-         _rmsprop_scalars, _rmsprop_numpy, families=(FLAT, TABLE)),
+         _rmsprop_scalars, _rmsprop_numpy, families=(FLAT, TABLE), record=RmspropScalars),
     Rule("adamax", OptId.ADAMAX, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                       maximize=False),
          check_common, ("exp_avg", "exp_inf"), lambda h: ["exp_avg", "exp_inf"], "l2",
-         _adamax_scalars, _adamax_numpy, families=(FLAT, TABLE)),
+         _adamax_scalars, _adamax_numpy, families=(FLAT, TABLE), record=AdamaxScalars),
     Rule("nadam", OptId.NADAM, dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                     momentum_decay=4e-3, decoupled_weight_decay=False,
                                     maximize=False),
          _nadam_check, ("exp_avg", "exp_avg_sq"), lambda h: ["exp_avg", "exp_avg_sq"], "flag",
-         _nadam_scalars, _nadam_numpy, families=(FLAT,)),
+         _nadam_scalars, _nadam_numpy, families=(FLAT,), record=NadamScalars),
     Rule("radam", OptId.RADAM, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                     decoupled_weight_decay=False, maximize=False),
          check_common, ("exp_avg", "exp_avg_sq"), lambda h: ["exp_avg", "exp_avg_sq"], "flag",
-         _radam_scalars, _radam_numpy, families=(FLAT,)),
+         _radam_scalars, _radam_numpy, families=(FLAT,), record=RadamScalars),
     Rule("lion", OptId.LION, dict(learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=1e-3),
          check_common, ("exp_avg",), lambda h: ["exp_avg"], "none", _lion_scalars, _lion_numpy,
-         families=(FLAT,)),
+         families=(FLAT,), record=LionScalars),
     # No flat kernel: host tables' row math lives in xferlib/table/rules.py and its kernels,
     # TT's in xferlib/tt/rules.py and its kernels.
     # FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row (a row scalar, not a slot).
@@ -476,15 +570,56 @@ def get_rule(name: str, family: dict | None = None, what: str = "optimizer") -> 
         raise ValueError(f"unknown {what} {name!r}; known: {sorted(family)}") from None
 
 
-def adam_hyper_row(rule: Rule, h: dict) -> list:
+class AdamHyper(NamedTuple):
     """Adam/AdamW's hyperparameters as the kernels that derive the step's scalars on the
-    device read them (the flat device-scalar step, the host-table rows): lr, beta1, beta2,
-    eps, weight_decay, decoupled, amsgrad, maximize."""
+    device read them (the flat device-scalar step, the host-table rows); flags 0.0 / 1.0."""
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: float
+    amsgrad: float
+    maximize: float
+
+
+def adam_hyper_row(rule: Rule, h: dict) -> list:
+    """:class:`AdamHyper` of ``rule`` (adam or adamw) and its hyperparameters ``h``, as the
+    kernels' row of floats."""
     if rule.kind != OptId.ADAM:
         raise ValueError(f"device-side step scalars exist for adam and adamw, not {rule.name}")
     b1, b2 = h["betas"]
-    return [h["lr"], b1, b2, h["eps"], h["weight_decay"], float(rule.decay == "decoupled"),
-            float(h["amsgrad"]), float(h["maximize"])]
+    return list(AdamHyper(h["lr"], b1, b2, h["eps"], h["weight_decay"],
+                          float(rule.decay == "decoupled"), float(h["amsgrad"]),
+                          float(h["maximize"])))
+
+
+def _columns(prefix: str, record: type) -> list:
+    return [f"#define XF_{prefix}_{field.upper()} {k}" for k, field in enumerate(record._fields)]
+
+
+def adam_hyper_defines() -> str:
+    """``#define XF_AH_<FIELD> <column>`` for :class:`AdamHyper`: where the kernels find each
+    of Adam's hyperparameters in its row (generated, never copied)."""
+    lines = ["// Adam's hyperparameter row, generated from xferlib.optim.rules.AdamHyper.",
+             f"#define XF_AH_WIDTH {len(AdamHyper._fields)}"]
+    return "\n".join(lines + _columns("AH", AdamHyper)) + "\n"
+
+
+def flat_scalar_defines() -> str:
+    """``#define XF_<RULE>_<FIELD> <column>`` for every flat rule's scalar record, and
+    ``XF_SCALARS``: where the flat kernel finds each scalar in a segment's row (the record's
+    fields, in order, after the :data:`COMMON` columns).
+
+    >>> flat_scalar_defines().splitlines()[3]
+    '#define XF_SGD_MOMENTUM 1'
+    """
+    lines = ["// Flat scalar-table columns, generated from xferlib.optim.rules' records.",
+             f"#define XF_SCALARS {SCALARS}"]
+    records = {OptId(r.kind).name: r.record for r in FLAT_RULES.values()}
+    for prefix, record in records.items():
+        lines += _columns(prefix, record)
+    return "\n".join(lines) + "\n"
 
 
 def common_scalars(rule: Rule, h: dict) -> list:

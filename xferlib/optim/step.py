@@ -187,7 +187,7 @@ def _mixed_step_scalars(rule, layout, state, hypers, active):
         for u, key in enumerate(unique):
             extra = dict(zip(state.scalars, key[1:]))
             rows[u, :COMMON] = common
-            rows[u, COMMON:] = rule.scalars(h, int(key[0]), extra)
+            rows[u, COMMON:] = rule.row(rule.scalars(h, int(key[0]), extra))
             for k in state.scalars:
                 new_extra[k][u] = extra[k]
         inverse = inverse.reshape(-1)
@@ -215,7 +215,7 @@ def _uniform_rows(rule, layout, state, hypers):
         h = hypers[group]
         extra = {k: v[first] for k, v in state.scalars.items()}
         rows[group, :COMMON] = common_scalars(rule, h)
-        rows[group, COMMON:] = rule.scalars(h, step, extra)
+        rows[group, COMMON:] = rule.row(rule.scalars(h, step, extra))
         for k, v in extra.items():
             state.scalars[k][members] = v
     return rows
@@ -237,7 +237,8 @@ def _update_numpy(rule, layout, params, grads, buffers, table):
         end = segments[j].offset if j < len(segments) else layout.total
         p = params[start:end]
         g = preamble_numpy(table[i, :COMMON], p, grads[start:end])
-        rule.numpy(table[i, COMMON:], p, g, {n: b[start:end] for n, b in buffers.items()})
+        rule.numpy(rule.read_row(table[i, COMMON:]), p, g,
+                   {n: b[start:end] for n, b in buffers.items()})
         i = j
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from xferlib.optim.rules import RULES, adam_hyper_row
+from xferlib.optim.rules import RULES, adam_hyper_row, first_moment, second_moment
 from xferlib.table.layout import split_state
 
 __all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
@@ -24,7 +24,8 @@ __all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
 
 
 def _row_scalars(name, h, t):
-    """The shared rule's per-step scalars with each row's step count (float64 arrays)."""
+    """The shared rule's per-step scalars (its named record) with each row's step count
+    (float64 arrays)."""
     return RULES[name].scalars(h, t.astype(np.float64), {}, np)
 
 
@@ -56,14 +57,13 @@ def _adam(h, w, s, r, g, t, decoupled=False):
         else:
             g = g + f(h["weight_decay"]) * w
     m, v = s["exp_avg"], s["exp_avg_sq"]
-    m += f(1.0 - b1) * (g - m)
-    v *= f(b2)
-    v += f(1.0 - b2) * g * g
+    first_moment(m, g, b1)
+    second_moment(v, g, b2)
     if h["amsgrad"]:
         np.maximum(s["max_exp_avg_sq"], v, out=s["max_exp_avg_sq"])
         v = s["max_exp_avg_sq"]
-    c = _row_scalars("adam", h, t)  # the flat rule's: lr / bc1, ..., sqrt(bc2) per row
-    step_size, bc2_sqrt = c[0].astype(w.dtype), c[4].astype(w.dtype)
+    c = _row_scalars("adam", h, t)  # the flat rule's scalars, one per row
+    step_size, bc2_sqrt = c.step_size.astype(w.dtype), c.bc2_sqrt.astype(w.dtype)
     w -= step_size * (m / (np.sqrt(v) / bc2_sqrt + f(h["eps"])))
 
 
@@ -74,7 +74,7 @@ def _adamw(h, w, s, r, g, t):
 def _adagrad(h, w, s, r, g, t):
     f = w.dtype.type
     g = _l2(h, w, _signed(h, g))
-    clr = _row_scalars("adagrad", h, t)[0].astype(w.dtype)
+    clr = _row_scalars("adagrad", h, t).clr.astype(w.dtype)
     total = s["sum"]
     total += g * g
     w -= clr * (g / (np.sqrt(total) + f(h["eps"])))
@@ -93,9 +93,9 @@ def _adamax(h, w, s, r, g, t):
     b1, b2 = h["betas"]
     g = _l2(h, w, _signed(h, g))
     m, u = s["exp_avg"], s["exp_inf"]
-    m += f(1.0 - b1) * (g - m)
+    first_moment(m, g, b1)
     np.maximum(u * f(b2), np.abs(g) + f(h["eps"]), out=u)
-    w -= _row_scalars("adamax", h, t)[0].astype(w.dtype) * (m / u)
+    w -= _row_scalars("adamax", h, t).clr.astype(w.dtype) * (m / u)
 
 
 def _rmsprop(h, w, s, r, g, t):
@@ -103,11 +103,10 @@ def _rmsprop(h, w, s, r, g, t):
     alpha = h["alpha"]
     g = _l2(h, w, _signed(h, g))
     sq = s["square_avg"]
-    sq *= f(alpha)
-    sq += f(1.0 - alpha) * g * g
+    second_moment(sq, g, alpha)
     if h["centered"]:
         ga = s["grad_avg"]
-        ga += f(1.0 - alpha) * (g - ga)
+        first_moment(ga, g, alpha)
         avg = np.sqrt(sq - ga * ga) + f(h["eps"])
     else:
         avg = np.sqrt(sq) + f(h["eps"])
@@ -122,14 +121,12 @@ def _rmsprop(h, w, s, r, g, t):
 
 def _adadelta(h, w, s, r, g, t):
     f = w.dtype.type
-    rho, eps = f(h["rho"]), f(h["eps"])
+    eps = f(h["eps"])
     g = _l2(h, w, _signed(h, g))
     sq, acc = s["square_avg"], s["acc_delta"]
-    sq *= rho
-    sq += f(1.0 - h["rho"]) * g * g
+    second_moment(sq, g, h["rho"])
     delta = np.sqrt(acc + eps) / np.sqrt(sq + eps) * g
-    acc *= rho
-    acc += f(1.0 - h["rho"]) * delta * delta
+    second_moment(acc, delta, h["rho"])
     w -= f(h["lr"]) * delta
 
 
