@@ -55,7 +55,7 @@ from xferlib.checks import (NO_BAD, PENDING, PendingChecks, RowsReport,  # noqa:
 
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
            "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values",
-           "run_ids"]
+           "run_ids", "tile_sort"]
 
 # Up to this many positions the tile sort + merges runs (no host sync, no device-wide sort);
 # above it, CuPy's radix argsort, faster there (measured on the H200: equal at 65k, the
@@ -79,51 +79,78 @@ def _identity_permutation(n: int):
     return cached[:n]
 
 
-def _sort_tiled(idx, num_rows: int, stream, scratch=None, scratch_result=False):
-    """:func:`sort_positions` without a device-wide sort or a host sync: tiles of up to
-    2,048 positions are checked, narrowed and sorted by one block each (one launch), then
-    merged pairwise (one launch per doubling). A single tile is one launch. ``scratch``:
-    see :func:`sort_positions`."""
-    import cupy
+def tile_sort(keys, num_keys: int, stream, words, pairs, *, join_limit: int = 1,
+              join_all=None):
+    """``(sorted int32 keys, positions)``: the stable sort of ``keys`` (all below
+    ``num_keys``) on ``stream`` without a device-wide sort or a host sync, the one tile sort
+    of the batch plans (:func:`sort_positions`) and the TT plans (``xferlib.tt.plan``).
 
-    n = idx.size
+    Tiles of up to 2,048 positions are checked and sorted by one block each (one launch; a
+    key outside ``[0, num_keys)`` is reported by an atomic minimum into ``words[0]``), then
+    merged pairwise (one launch per doubling) while more than ``join_limit`` runs remain; the
+    runs left are joined by ``join_all(grid, block, rows, perm, width, out_rows, out_perm)``
+    in one launch where it is given (TT's ``tt_merge_all``), else merged on down to one.
+    ``pairs(count)``: ``count`` pairs of ``(int32 keys, int64 positions)`` buffers of
+    ``keys.size``, the tile sort's output first and the result last, neighbours distinct
+    (each round writes to the pair after the one it reads)."""
+    n = int(keys.size)
     items = next((i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n),
                  SMALL_SORT_ITEMS[-1])
     tile = items * SMALL_SORT_THREADS
-    merges, width = 0, tile
-    while width < n:
-        merges, width = merges + 1, width * 2
+    runs, width, rounds = -(-n // tile), tile, []
+    while runs > join_limit:  # pairwise rounds first
+        rounds.append(width)
+        runs, width = -(-runs // 2), width * 2
+    if runs > 1:
+        rounds.append(-width)  # the final round joins every run (join_all)
+    buffers = pairs(len(rounds) + 1)
+    kernel, shared, merge = tile_sort_kernels(keys.dtype.name, items)
+    rows, perm = buffers[0]
+    bits = max(1, int(num_keys - 1).bit_length())
+    kernel(grid_1d(n, tile)[0], (SMALL_SORT_THREADS,),  # one block per tile
+           CHECK_AND_SORT_SMALL.arguments(idx=keys, n_total=n, n_rows=num_keys, bits=bits,
+                                          rows_out=rows, perm_out=perm, first_bad=words),
+           shared_mem=shared, stream=stream)
+    if rounds:
+        grid, block = grid_1d(n, 256, 65535)
+        for j, width in enumerate(rounds):
+            out_rows, out_perm = buffers[j + 1]
+            if width > 0:
+                merge(grid, block, MERGE_SORTED_RUNS.arguments(
+                    keys=rows, perm=perm, n=n, width=width, keys_out=out_rows,
+                    perm_out=out_perm), stream=stream)
+            else:
+                join_all(grid, block, rows, perm, -width, out_rows, out_perm)
+            rows, perm = out_rows, out_perm
+    return rows, perm
+
+
+def _sort_tiled(idx, num_rows: int, stream, scratch=None, scratch_result=False):
+    """:func:`sort_positions` by :func:`tile_sort`, merged pairwise down to one run (a
+    single tile is one launch). ``scratch``: see :func:`sort_positions`."""
+    import cupy
+
+    n = idx.size
     # The merges ping-pong between two pairs of buffers: the pair that ends up holding the
     # result comes from the scratch only if the caller lets the result be scratch.
     fresh = lambda name, dtype: cupy.empty(n, dtype=dtype)  # noqa: E731
-    first = second = fresh
-    if scratch is not None:
-        reused = lambda name, dtype: scratch.empty(name, n, dtype)  # noqa: E731
-        result_pair = reused if scratch_result else fresh
-        first, second = (result_pair, reused) if merges % 2 == 0 else (reused, result_pair)
-    rows = first("rows", np.int32)
-    perm = first("perm", np.int64)
+    reused = None if scratch is None else (
+        lambda name, dtype: scratch.empty(name, n, dtype))  # noqa: E731
+
+    def pairs(count):
+        first = second = fresh
+        if scratch is not None:
+            result_pair = reused if scratch_result else fresh
+            first, second = (result_pair, reused) if count % 2 == 1 else (reused, result_pair)
+        out = [(first("rows", np.int32), first("perm", np.int64))]
+        if count > 1:
+            out.append((second("rows_b", np.int32), second("perm_b", np.int64)))
+        return [out[k % 2] for k in range(count)]
+
     words = (cupy.empty(2, dtype=np.uint64) if scratch is None
              else scratch.empty("words", 2, np.uint64))
     words.data.memset_async(0xFF, 16, stream)
-    kernel, shared, merge = tile_sort_kernels(idx.dtype.name, items)
-    bits = max(1, int(num_rows - 1).bit_length())
-    grid, _ = grid_1d(n, tile)  # one block per tile
-    kernel(grid, (SMALL_SORT_THREADS,),
-           CHECK_AND_SORT_SMALL.arguments(idx=idx, n_total=n, n_rows=num_rows, bits=bits,
-                                          rows_out=rows, perm_out=perm, first_bad=words),
-           shared_mem=shared, stream=stream)
-    width = tile
-    if width < n:
-        rows_b, perm_b = second("rows_b", np.int32), second("perm_b", np.int64)
-        grid, block = grid_1d(n, 256, 65535)
-        while width < n:
-            merge(grid, block, MERGE_SORTED_RUNS.arguments(keys=rows, perm=perm, n=n,
-                                                           width=width, keys_out=rows_b,
-                                                           perm_out=perm_b),
-                  stream=stream)
-            rows, rows_b, perm, perm_b = rows_b, rows, perm_b, perm
-            width *= 2
+    rows, perm = tile_sort(idx, num_rows, stream, words, pairs)
     return rows, perm, words
 
 

@@ -193,3 +193,75 @@ def test_tt_fused_update_names_the_replacement_of_defer_check():
     cores = tt.init_tt_cores(shape, "normal", rng=np.random.default_rng(0))
     with pytest.raises(TypeError, match="checks="):
         tt.tt_fused_update(cores, shape, None, None, None, "sgd", lr=0.1, defer_check=True)
+
+
+# The one tile sort's schedule, on the CPU: its kernels replaced by NumPy stand-ins that do
+# what the CUDA ones do (a stable sort per tile, a stable merge of run pairs, one join of all
+# runs), so the rounds, their widths and the buffers each reads and writes are checked here.
+
+def _fake_kernels(monkeypatch, log):
+    import xferlib.batch as batch
+
+    tile = batch.SMALL_SORT_THREADS * batch.SMALL_SORT_ITEMS[-1]
+
+    def tile_kernel(grid, block, args, shared_mem, stream):
+        idx, n, n_rows, bits, rows_out, perm_out, words = args
+        for lo in range(0, int(n), tile):
+            order = np.argsort(idx[lo:lo + tile], kind="stable")
+            rows_out[lo:lo + tile] = idx[lo:lo + tile][order]
+            perm_out[lo:lo + tile] = lo + order
+        log.append(("tile", id(rows_out)))
+
+    def join(keys, perm, n, width, keys_out, perm_out):
+        for lo in range(0, n, width):
+            order = np.argsort(keys[lo:lo + width], kind="stable")  # runs are sorted already
+            keys_out[lo:lo + width], perm_out[lo:lo + width] = keys[lo:lo + width][order], \
+                perm[lo:lo + width][order]
+
+    def merge(grid, block, args, stream):
+        keys, perm, n, width, keys_out, perm_out = args
+        assert id(keys) != id(keys_out), "a round writes to the buffers it reads"
+        join(keys, perm, int(n), 2 * int(width), keys_out, perm_out)
+        log.append(("merge", int(width)))
+
+    monkeypatch.setattr(batch, "tile_sort_kernels", lambda dtype, items: (tile_kernel, 0, merge))
+
+    def join_all(grid, block, rows, perm, width, out_rows, out_perm):
+        assert rows is not out_rows
+        join(rows, perm, rows.size, rows.size, out_rows, out_perm)
+        log.append(("join_all", width))
+
+    return tile, join_all
+
+
+@pytest.mark.parametrize("n", [1, 2048, 2049, 10_000, 40_000, 70_000])
+@pytest.mark.parametrize("limit", [1, 4, 16])
+def test_tile_sort_schedule(monkeypatch, rng, n, limit):
+    from xferlib.batch import tile_sort
+
+    log = []
+    tile, join_all = _fake_kernels(monkeypatch, log)
+    keys = rng.integers(0, 500, n).astype(np.int32)
+    made = []
+
+    def pairs(count):
+        made.append(count)
+        a = (np.empty(n, np.int32), np.empty(n, np.int64))
+        b = (np.empty(n, np.int32), np.empty(n, np.int64))
+        result = (np.empty(n, np.int32), np.empty(n, np.int64))
+        out = [a if k % 2 == 0 else b for k in range(count - 1)] + [result]
+        return out
+
+    rows, perm = tile_sort(keys, 500, None, np.zeros(2, np.uint64), pairs, join_limit=limit,
+                           join_all=join_all if limit > 1 else None)
+    expect = np.argsort(keys, kind="stable")
+    np.testing.assert_array_equal(perm, expect)
+    np.testing.assert_array_equal(rows, keys[expect])
+    runs, widths = -(-n // tile), []
+    width = tile
+    while runs > limit:
+        widths.append(("merge", width))
+        runs, width = -(-runs // 2), width * 2
+    joins = [("join_all", width)] if runs > 1 else []
+    assert log[0][0] == "tile" and log[1:] == widths + joins
+    assert made == [len(widths) + len(joins) + 1]

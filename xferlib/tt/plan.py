@@ -13,11 +13,9 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_cupy_array
 from xferlib._kernels import grid_1d, named
-from xferlib._kernels.rows import (CHECK_AND_SORT_SMALL, MERGE_SORTED_RUNS, SMALL_SORT_ITEMS,
-                                   SMALL_SORT_THREADS, tile_sort_kernels)
 from xferlib._kernels.tt import (CHUNK, CORE_ARGS, ROWS_CACHE_ARGS, THREADS, TT_MERGE_ALL,
                                  TT_POOL, TT_PREPARE, TT_ROWS)
-from xferlib.batch import NO_BAD, Verdict, host_values, sort_positions
+from xferlib.batch import NO_BAD, BatchPlan, Verdict, host_values, sort_positions, tile_sort
 from xferlib.perf import warn_tt_fallback
 from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core, row_bound
 
@@ -49,23 +47,36 @@ class TTReport:
 
 
 class TTBagPlan:
-    """Residuals of the GPU kernel path: the batch sorted by row (``rows``, ``perm``), the
-    bag of each lookup, its offsets and weights, the stream it was planned on, and the
-    device verdict of the input check (a :class:`xferlib.batch.Verdict`: ``raise_now()``
-    reads it, ``defer(queue)`` queues it)."""
+    """Residuals of the GPU kernel path: the batch sorted by row (``batch``, the one
+    :class:`xferlib.batch.BatchPlan`: its ``keys`` are ``rows``, with ``perm`` and the device
+    verdict of the input check, a :class:`xferlib.batch.Verdict`: ``raise_now()`` reads it,
+    ``defer(queue)`` queues it), the bag of each lookup, its offsets and weights, and the
+    stream it was planned on."""
 
     __slots__ = ("indices", "offsets", "include_last_offset", "per_sample_weights", "mean",
-                 "rows", "perm", "bag_of", "verdict", "num_bags", "slot", "stream")
+                 "batch", "bag_of", "num_bags", "slot", "stream")
 
     def __init__(self, indices=None, offsets=None, include_last_offset=None,
                  per_sample_weights=None, mean=None, rows=None, perm=None, bag_of=None,
                  verdict=None, num_bags=None, slot=None, stream=None):
         self.indices, self.offsets, self.include_last_offset = indices, offsets, \
             include_last_offset
-        self.per_sample_weights, self.mean, self.rows, self.perm = per_sample_weights, mean, \
-            rows, perm
-        self.bag_of, self.verdict, self.num_bags, self.slot, self.stream = bag_of, verdict, \
-            num_bags, slot, stream
+        self.per_sample_weights, self.mean = per_sample_weights, mean
+        self.batch = BatchPlan(indices, rows, perm, verdict)
+        self.bag_of, self.num_bags, self.slot, self.stream = bag_of, num_bags, slot, stream
+
+    @property
+    def rows(self):
+        """The sorted rows (int32 or int64 keys; with three cores, keyed by the lead core)."""
+        return self.batch.keys
+
+    @property
+    def perm(self):
+        return self.batch.perm
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.batch.verdict
 
     @property
     def n(self) -> int:
@@ -148,16 +159,7 @@ def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
         rows, perm, sort_words = sort_positions(keys, num_keys, stream=stream, tiled_max=0)
         words[:1] = sort_words[:1]
         return rows, perm
-    items = next((i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n),
-                 SMALL_SORT_ITEMS[-1])
-    tile = items * SMALL_SORT_THREADS
-    runs, width, rounds = -(-n // tile), tile, []
     limit = _MERGE_ALL_RUNS_SMALL if n <= _SMALL_BATCH else _MERGE_ALL_RUNS
-    while runs > limit:  # pairwise rounds first
-        rounds.append(width)
-        runs, width = -(-runs // 2), width * 2
-    if runs > 1:
-        rounds.append(-width)  # the final round joins every run
     # Each write goes to the buffers its round does not read: the last to the result, the
     # earlier ones alternate between two working pairs.
     if scratch is None:
@@ -167,37 +169,25 @@ def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
         def buffers(name):
             return scratch.empty(name + "rows", n, np.int32), scratch.empty(name + "perm", n,
                                                                             np.int64)
-    if out is not None:
-        result = out
-    elif scratch_result or scratch is None:
-        result = buffers("result.")
-    else:
-        result = cupy.empty(n, dtype=np.int32), cupy.empty(n, dtype=np.int64)
-    pairs = [result]
-    for j in range(len(rounds)):
-        pairs.append(buffers("a." if j % 2 == 0 else "b."))
-    pairs.reverse()  # pairs[0]: the tile sort's output; pairs[-1]: the result
-    kernel, shared, merge = tile_sort_kernels(keys.dtype.name, items)
-    rows, perm = pairs[0]
-    bits = max(1, int(num_keys - 1).bit_length())
-    kernel(grid_1d(n, tile)[0], (SMALL_SORT_THREADS,),
-           CHECK_AND_SORT_SMALL.arguments(idx=keys, n_total=n, n_rows=num_keys, bits=bits,
-                                          rows_out=rows, perm_out=perm, first_bad=words),
-           shared_mem=shared, stream=stream)
-    if rounds:
-        grid, block = grid_1d(n, 256, 65535)
-        for j, width in enumerate(rounds):
-            out_rows, out_perm = pairs[j + 1]
-            if width > 0:
-                merge(grid, block, MERGE_SORTED_RUNS.arguments(
-                    keys=rows, perm=perm, n=n, width=width, keys_out=out_rows,
-                    perm_out=out_perm), stream=stream)
-            else:
-                TT_MERGE_ALL.launch(module_of(shape), (), grid, block, stream=stream,
-                                    keys=rows, perm=perm, n=n, width=-width,
-                                    keys_out=out_rows, perm_out=out_perm)
-            rows, perm = out_rows, out_perm
-    return rows, perm
+
+    def pairs(count):
+        if out is not None:
+            result = out
+        elif scratch_result or scratch is None:
+            result = buffers("result.")
+        else:
+            result = cupy.empty(n, dtype=np.int32), cupy.empty(n, dtype=np.int64)
+        found = [result]
+        for j in range(count - 1):
+            found.append(buffers("a." if j % 2 == 0 else "b."))
+        found.reverse()  # found[0]: the tile sort's output; found[-1]: the result
+        return found
+
+    def join_all(grid, block, rows, perm, width, out_rows, out_perm):
+        TT_MERGE_ALL.launch(module_of(shape), (), grid, block, stream=stream, keys=rows,
+                            perm=perm, n=n, width=width, keys_out=out_rows, perm_out=out_perm)
+
+    return tile_sort(keys, num_keys, stream, words, pairs, join_limit=limit, join_all=join_all)
 
 
 _NULL = np.uint64(0)  # a NULL pointer argument
