@@ -456,3 +456,36 @@ def test_moment_updates_written_once_per_language():
         lerps = re.findall(r"\+= *\(g - \w+\) \*|\+= *f\(1\.0 - \w+\) \* \(g - \w+\)", text)
         emas = re.findall(r"\(1(?:\.0)? - b\d\) \* g(?: \*\* 2)? \+ b\d \* \w+", text)
         assert len(lerps) <= 1 and len(emas) <= 1, (rel, lerps, emas)
+
+
+def test_host_table_hyper_rows_are_named_records():
+    """The host-table kernel's row of hyperparameters per rule is one record made by
+    device_hyper, in the order the kernel has always read it, its columns generated."""
+    from xferlib._kernels.table import TABLE_MODULE
+    from xferlib.optim.rules import adam_hyper_defines, device_hyper, hyper_defines
+    from xferlib.table.rules import optimizer_defaults
+
+    def old(name, h):  # the lists the table family wrote by hand before
+        return {"sgd": lambda: [h["lr"], h["momentum"], h["dampening"], h["weight_decay"],
+                                h["nesterov"], h["maximize"]],
+                "adagrad": lambda: [h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
+                                    h["maximize"]],
+                "rowwise_adagrad": lambda: [h["lr"], h["weight_decay"], h["eps"], h["maximize"]],
+                "adamax": lambda: [h["lr"], *h["betas"], h["eps"], h["weight_decay"],
+                                   h["maximize"]],
+                "rmsprop": lambda: [h["lr"], h["alpha"], h["eps"], h["weight_decay"],
+                                    h["momentum"], h["centered"], h["maximize"]],
+                "adadelta": lambda: [h["lr"], h["rho"], h["eps"], h["weight_decay"],
+                                     h["maximize"]]}[name]()
+
+    for name in ("sgd", "adagrad", "rowwise_adagrad", "adamax", "rmsprop", "adadelta"):
+        h = dict(optimizer_defaults(name), lr=0.5, weight_decay=0.25, maximize=True)
+        row = device_hyper(name, h)
+        assert [float(v) for v in row] == [float(v) for v in old(name, h)], name
+        for k, field in enumerate(row._fields):
+            assert f"#define XF_H_{OptId(RULES[name].kind).name}_{field.upper()} {k}\n" \
+                in hyper_defines()
+    assert device_hyper("adamw", dict(optimizer_defaults("adamw"))).decoupled == 1.0
+    source = TABLE_MODULE.source
+    assert hyper_defines() in source and adam_hyper_defines() in source
+    assert not re.search(r"\bh\[\d", _function_body(source, "row_consts"))

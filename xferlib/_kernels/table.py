@@ -20,11 +20,13 @@ from xferlib._kernels.cache import CACHE_MODULE  # noqa: F401  (registered with 
 from xferlib._kernels.cache import HOST_ARGS  # noqa: F401  (the table kernels' too)
 from xferlib._kernels.rules import RULES_KERNEL
 from xferlib.optim.rules import RULES as _SHARED_RULES
-from xferlib.optim.rules import TABLE, OptId, adam_hyper_defines, optimizers_for
+from xferlib.optim.rules import (TABLE, OptId, adam_hyper_defines, hyper_defines,
+                                 optimizers_for)
 
 SUM_CHUNK = 32  # sorted positions per thread in the gradient sums' first pass
 
-_HEAD = RULES_KERNEL + adam_hyper_defines() + defines(SUM_CHUNK=SUM_CHUNK) + r"""
+_DEFINES = adam_hyper_defines() + hyper_defines() + defines(SUM_CHUNK=SUM_CHUNK)
+_HEAD = RULES_KERNEL + _DEFINES + r"""
 typedef long long i64;
 
 __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
@@ -303,7 +305,8 @@ _UPDATE_RULES = r"""
 // ------------------------------------------------------------------------ update rules
 // RULE: an XF_OPT_* id (xferlib.optim.rules.OptId): sgd, adam (adamw too), adagrad,
 // rowwise_adagrad, adamax, rmsprop, adadelta.
-// h: the rule's hyperparameters (xferlib/table/rules.py, kernel_hyper); a row's state slot k sits at
+// h: the rule's device row of hyperparameters (xferlib.optim.rules.device_hyper: a record
+// per rule, columns XF_H_<RULE>_<FIELD> / XF_AH_<FIELD>); a row's state slot k sits at
 // s + k * dim, row scalars after the slots; t: the row's step count after this step.
 // row_consts turns h and t into the row's scalars (bias corrections and 1 - beta in double,
 // as torch's Python scalars, then rounded to T); elem applies the shared rule
@@ -319,12 +322,13 @@ __device__ __forceinline__ T warp_sum(T x) {
 template <int RULE, typename T>
 __device__ __forceinline__ XfScalars<T> row_consts(const double* h, i64 t) {
     XfScalars<T> s = xf_neutral<T>();
-    if (RULE == XF_OPT_SGD) {  // sgd: lr, momentum, dampening, weight_decay, nesterov, maximize
-        s.lr = h[0]; s.mom = h[1]; s.l2 = h[3];
-        s.keep = t == 1 ? 0.0 : h[1];  // torch's first step copies the gradient
-        s.take = t == 1 ? 1.0 : 1.0 - h[2];
-        s.momentum = (T)h[1] != (T)0; s.nesterov = (T)h[4] != (T)0;
-        s.sign = (T)h[5] != (T)0 ? -1.0 : 1.0;
+    if (RULE == XF_OPT_SGD) {
+        s.lr = h[XF_H_SGD_LR]; s.mom = h[XF_H_SGD_MOMENTUM]; s.l2 = h[XF_H_SGD_WEIGHT_DECAY];
+        s.keep = t == 1 ? 0.0 : h[XF_H_SGD_MOMENTUM];  // torch's first step copies the gradient
+        s.take = t == 1 ? 1.0 : 1.0 - h[XF_H_SGD_DAMPENING];
+        s.momentum = (T)h[XF_H_SGD_MOMENTUM] != (T)0;
+        s.nesterov = (T)h[XF_H_SGD_NESTEROV] != (T)0;
+        s.sign = (T)h[XF_H_SGD_MAXIMIZE] != (T)0 ? -1.0 : 1.0;
     } else if (RULE == XF_OPT_ADAM) {  // adam(w): the AdamHyper row (XF_AH_*)
         const double bc1 = 1.0 - pow(h[XF_AH_BETA1], (double)t),
                      bc2 = 1.0 - pow(h[XF_AH_BETA2], (double)t);
@@ -336,24 +340,31 @@ __device__ __forceinline__ XfScalars<T> row_consts(const double* h, i64 t) {
         }
         s.amsgrad = (T)h[XF_AH_AMSGRAD] != (T)0;
         s.sign = (T)h[XF_AH_MAXIMIZE] != (T)0 ? -1.0 : 1.0;
-    } else if (RULE == XF_OPT_ADAGRAD) {  // adagrad: lr, lr_decay, wd, eps, maximize
-        s.lr = h[0] / (1.0 + (double)(t - 1) * h[1]); s.l2 = h[2]; s.eps = h[3];
-        s.sign = (T)h[4] != (T)0 ? -1.0 : 1.0;
-    } else if (RULE == XF_OPT_ADAMAX) {  // adamax: lr, b1, b2, eps, wd, maximize
-        s.lr = h[0] / (1.0 - pow(h[1], (double)t)); s.omb1 = 1.0 - h[1]; s.b2 = h[2];
-        s.eps = h[3]; s.l2 = h[4];
-        s.sign = (T)h[5] != (T)0 ? -1.0 : 1.0;
-    } else if (RULE == XF_OPT_RMSPROP) {  // rmsprop: lr, alpha, eps, wd, momentum, centered,
-                                          // maximize
-        s.lr = h[0]; s.b2 = h[1]; s.omb2 = 1.0 - h[1]; s.eps = h[2]; s.l2 = h[3]; s.mom = h[4];
-        s.momentum = (T)h[4] > (T)0; s.centered = (T)h[5] != (T)0;
-        s.sign = (T)h[6] != (T)0 ? -1.0 : 1.0;
-    } else if (RULE == XF_OPT_ADADELTA) {  // adadelta: lr, rho, eps, wd, maximize
-        s.lr = h[0]; s.b2 = h[1]; s.omb2 = 1.0 - h[1]; s.eps = h[2]; s.l2 = h[3];
-        s.sign = (T)h[4] != (T)0 ? -1.0 : 1.0;
-    } else if (RULE == XF_OPT_ROWWISE_ADAGRAD) {  // rowwise_adagrad: lr, wd, eps, maximize
-        s.lr = h[0]; s.l2 = h[1]; s.eps = h[2];
-        s.sign = h[3] != 0.0 ? -1.0 : 1.0;
+    } else if (RULE == XF_OPT_ADAGRAD) {
+        s.lr = h[XF_H_ADAGRAD_LR] / (1.0 + (double)(t - 1) * h[XF_H_ADAGRAD_LR_DECAY]);
+        s.l2 = h[XF_H_ADAGRAD_WEIGHT_DECAY]; s.eps = h[XF_H_ADAGRAD_EPS];
+        s.sign = (T)h[XF_H_ADAGRAD_MAXIMIZE] != (T)0 ? -1.0 : 1.0;
+    } else if (RULE == XF_OPT_ADAMAX) {
+        s.lr = h[XF_H_ADAMAX_LR] / (1.0 - pow(h[XF_H_ADAMAX_BETA1], (double)t));
+        s.omb1 = 1.0 - h[XF_H_ADAMAX_BETA1]; s.b2 = h[XF_H_ADAMAX_BETA2];
+        s.eps = h[XF_H_ADAMAX_EPS]; s.l2 = h[XF_H_ADAMAX_WEIGHT_DECAY];
+        s.sign = (T)h[XF_H_ADAMAX_MAXIMIZE] != (T)0 ? -1.0 : 1.0;
+    } else if (RULE == XF_OPT_RMSPROP) {
+        s.lr = h[XF_H_RMSPROP_LR]; s.b2 = h[XF_H_RMSPROP_ALPHA];
+        s.omb2 = 1.0 - h[XF_H_RMSPROP_ALPHA]; s.eps = h[XF_H_RMSPROP_EPS];
+        s.l2 = h[XF_H_RMSPROP_WEIGHT_DECAY]; s.mom = h[XF_H_RMSPROP_MOMENTUM];
+        s.momentum = (T)h[XF_H_RMSPROP_MOMENTUM] > (T)0;
+        s.centered = (T)h[XF_H_RMSPROP_CENTERED] != (T)0;
+        s.sign = (T)h[XF_H_RMSPROP_MAXIMIZE] != (T)0 ? -1.0 : 1.0;
+    } else if (RULE == XF_OPT_ADADELTA) {
+        s.lr = h[XF_H_ADADELTA_LR]; s.b2 = h[XF_H_ADADELTA_RHO];
+        s.omb2 = 1.0 - h[XF_H_ADADELTA_RHO]; s.eps = h[XF_H_ADADELTA_EPS];
+        s.l2 = h[XF_H_ADADELTA_WEIGHT_DECAY];
+        s.sign = (T)h[XF_H_ADADELTA_MAXIMIZE] != (T)0 ? -1.0 : 1.0;
+    } else if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
+        s.lr = h[XF_H_ROWWISE_ADAGRAD_LR]; s.l2 = h[XF_H_ROWWISE_ADAGRAD_WEIGHT_DECAY];
+        s.eps = h[XF_H_ROWWISE_ADAGRAD_EPS];
+        s.sign = h[XF_H_ROWWISE_ADAGRAD_MAXIMIZE] != 0.0 ? -1.0 : 1.0;
     }
     return s;
 }

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from xferlib.optim.rules import RULES, adam_hyper_row, first_moment, second_moment
+from xferlib.optim.rules import RULES, device_hyper, first_moment, second_moment
 from xferlib.table.layout import split_state
 
 __all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
@@ -146,44 +146,27 @@ def _zero(h):
     return 0.0
 
 
-def _sparse(name: str, kernel_hyper, update, row_scalars=(), initial=_zero) -> _SparseRule:
-    """The host-table form of the shared rule ``name``: its id, defaults, argument check and
-    state slots come from ``xferlib.optim.rules``; the row math is this family's."""
+def _sparse(name: str, update, row_scalars=(), initial=_zero) -> _SparseRule:
+    """The host-table form of the shared rule ``name``: its id, defaults, argument check,
+    state slots and device row of hyperparameters (``device_hyper``: Adam and AdamW share
+    the kernel rule, AdamW's row flags its decoupled decay) come from
+    ``xferlib.optim.rules``; the row math is this family's."""
     shared = RULES[name]
     return _SparseRule(shared.kind, shared.defaults, shared.buffers, row_scalars, initial,
-                       kernel_hyper, update, shared.check)
-
-
-def _adam_hyper(name: str):
-    """Adam and AdamW share the kernel rule; AdamW decays the weight apart from the gradient
-    (the kernel reads the flag). The row is the flat device-scalar step's."""
-    return lambda h: adam_hyper_row(RULES[name], h)
+                       lambda h: device_hyper(name, h), update, shared.check)
 
 
 _RULES = {
-    "sgd": _sparse(
-        "sgd", lambda h: [h["lr"], h["momentum"], h["dampening"], h["weight_decay"],
-                          h["nesterov"], h["maximize"]], _sgd),
-    "adam": _sparse("adam", _adam_hyper("adam"), _adam),
-    "adamw": _sparse("adamw", _adam_hyper("adamw"), _adamw),
-    "adagrad": _sparse(
-        "adagrad", lambda h: [h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
-                              h["maximize"]],
-        _adagrad, initial=lambda h: h["initial_accumulator_value"]),
+    "sgd": _sparse("sgd", _sgd),
+    "adam": _sparse("adam", _adam),
+    "adamw": _sparse("adamw", _adamw),
+    "adagrad": _sparse("adagrad", _adagrad, initial=lambda h: h["initial_accumulator_value"]),
     # FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, fed the mean squared gradient.
-    "rowwise_adagrad": _sparse(
-        "rowwise_adagrad", lambda h: [h["lr"], h["weight_decay"], h["eps"], h["maximize"]],
-        _rowwise_adagrad, row_scalars=("sum",),
-        initial=lambda h: h["initial_accumulator_value"]),
-    "adamax": _sparse(
-        "adamax", lambda h: [h["lr"], *h["betas"], h["eps"], h["weight_decay"], h["maximize"]],
-        _adamax),
-    "rmsprop": _sparse(
-        "rmsprop", lambda h: [h["lr"], h["alpha"], h["eps"], h["weight_decay"], h["momentum"],
-                              h["centered"], h["maximize"]], _rmsprop),
-    "adadelta": _sparse(
-        "adadelta", lambda h: [h["lr"], h["rho"], h["eps"], h["weight_decay"], h["maximize"]],
-        _adadelta),
+    "rowwise_adagrad": _sparse("rowwise_adagrad", _rowwise_adagrad, row_scalars=("sum",),
+                               initial=lambda h: h["initial_accumulator_value"]),
+    "adamax": _sparse("adamax", _adamax),
+    "rmsprop": _sparse("rmsprop", _rmsprop),
+    "adadelta": _sparse("adadelta", _adadelta),
 }
 
 SPARSE_OPTIMIZERS = tuple(_RULES)
