@@ -303,3 +303,40 @@ def test_a_finished_run_releases_its_tables_before_the_next_run(parts, monkeypat
     del host, unpinned
     gc.collect()
     assert alive() is None and run.model is None
+
+
+def test_checkpoint_switch_is_atomic(tmp_path, monkeypatch, parts):
+    """A save that dies before its LATEST pointer is replaced leaves the previous checkpoint
+    the one that loads; a complete save switches to the new one and removes the old step."""
+    import xferlib
+    from dlrm_parts import checkpoint
+
+    class FakeRun:
+        def __init__(self, value):
+            self.value = value
+
+        def save_state(self, path):
+            with open(path, "w") as fh:
+                fh.write(self.value)
+
+        def host_tables(self):
+            return {}
+
+    config = {"preset": "tiny"}
+    ckpt = tmp_path / "ckpt"
+    checkpoint.save(ckpt, FakeRun("one"), "torch", config, 1, [])
+    assert checkpoint.read_meta(ckpt, config)["step"] == 1
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt("killed before the switch")
+
+    monkeypatch.setattr(xferlib, "atomic_write", dies)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(ckpt, FakeRun("two"), "torch", config, 2, [])
+    monkeypatch.undo()
+    assert checkpoint.read_meta(ckpt, config)["step"] == 1
+    assert open(os.path.join(checkpoint.current(ckpt), "state.pt")).read() == "one"
+    checkpoint.save(ckpt, FakeRun("two"), "torch", config, 2, [])
+    assert checkpoint.read_meta(ckpt, config)["step"] == 2
+    assert open(os.path.join(checkpoint.current(ckpt), "state.pt")).read() == "two"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["LATEST", "step-000000002"]

@@ -387,3 +387,12 @@ def test_memory_holds_the_table_and_small_buffers(tmp_path, monkeypatch):
     assert after - before > 0.9 * table_bytes  # the new table, traced (the test sees numpy)
     assert peak - after < 4 << 20, peak - after  # above the table: the two buffers
     _assert_same(loaded, table)
+
+
+def test_a_collection_file_is_refused_by_name(tmp_path):
+    from xferlib.collection import EmbeddingCollection, TableConfig
+
+    path = tmp_path / "coll.bin"
+    EmbeddingCollection([TableConfig(5, 4)], "sgd", device="cpu").save(path)
+    with pytest.raises(ValueError, match=r"holds a xferlib.EmbeddingCollection, not a HostTable"):
+        xferlib.HostTable.load(path)

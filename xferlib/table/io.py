@@ -167,6 +167,10 @@ def load_table(path, build):
         if head.startswith(b"PK"):  # a zip archive: format 1 (.npz)
             return _load_npz(path, build)
         meta = read_header(fd, path)
+        kind = meta["config"].get("kind")
+        if kind is not None:  # the same file format holds other objects (a collection)
+            raise ValueError(f"{path} holds a {kind}, not a HostTable: load it with "
+                             f"{kind}.load")
         table, arrays = build(dict(meta["config"]))
         try:
             io_format.check_arrays(meta, arrays, path)
