@@ -1,6 +1,8 @@
 """PyTorch adapter: xferlib's ops as torch autograd functions, on CPU and CUDA tensors."""
 
 from xferlib.adapters.torch.collection import EmbeddingBagCollection, TableConfig
+from xferlib.adapters.torch.collection_dist import (ShardedEmbeddingBagCollection,
+                                                    load_sharded, save_sharded)
 from xferlib.adapters.torch.contiguous import ContiguousParams
 from xferlib.adapters.torch.optim import (
     FlatAdagrad,
@@ -26,6 +28,7 @@ from xferlib.adapters.torch.tt import (OptimType, TableBatchedTTEmbeddingBag, TT
 __all__ = ["ContiguousParams", "EmbeddingBagCollection", "FlatAdagrad", "FlatAdam", "FlatAdamax", "FlatAdamW", "FlatLion", "FlatNAdam",
            "FlatRAdam", "FlatRMSprop", "FlatSGD", "HostEmbedding", "HostEmbeddingBag", "OptimType", "ShardedFlatAdagrad", "ShardedFlatAdam", "ShardedFlatAdamax",
            "ShardedFlatAdamW", "ShardedFlatLion", "ShardedFlatNAdam", "ShardedFlatRAdam",
-           "ShardedFlatRMSprop", "ShardedFlatSGD", "TTEmbeddingBag", "TableBatchedTTEmbeddingBag",
+           "ShardedFlatRMSprop", "ShardedFlatSGD", "ShardedEmbeddingBagCollection",
+           "load_sharded", "save_sharded", "TTEmbeddingBag", "TableBatchedTTEmbeddingBag",
            "TableConfig", "gather_rows",
            "suggested_tt_shapes", "tt_matrix_to_full"]

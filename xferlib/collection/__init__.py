@@ -7,7 +7,8 @@ from xferlib.collection.collection import EmbeddingCollection, LookupContext
 from xferlib.collection.config import PLACEMENTS, POOLINGS, TableConfig
 from xferlib.collection.reference import (collection_step_reference,
                                           lookup_gradients_reference, pooled_lookup_reference)
+from xferlib.collection.sharding import Shard, ShardingPlan, plan_sharding
 
 __all__ = ["EmbeddingCollection", "LookupContext", "TableConfig", "PLACEMENTS", "POOLINGS",
            "pooled_lookup_reference", "lookup_gradients_reference",
-           "collection_step_reference"]
+           "collection_step_reference", "Shard", "ShardingPlan", "plan_sharding"]

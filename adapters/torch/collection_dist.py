@@ -1,0 +1,581 @@
+"""``ShardedEmbeddingBagCollection``: a collection's tables sharded over a process group.
+
+Model-parallel embeddings (TorchRec's design, written for xferlib's collection): a
+:class:`~xferlib.collection.ShardingPlan` puts each table on one rank, or its rows in ranges
+over the ranks; each rank holds a core collection of its shards only (a row range is a table
+of its rows). A step, on every rank at once:
+
+1. The rank's local batch (FBGEMM's layout: every table's bags for its ``B_local`` samples)
+   is routed: each lookup goes to the shard holding its row (its index made local to the
+   shard), lookups sorted stably by (owner, shard), so each shard's lookups keep their bag
+   order.
+2. A fixed-size header goes to every rank by ``all_to_all_single`` (this rank's ``B_local``,
+   how many indices it sends there, whether weights follow, whether its input was refused),
+   and is read on the host: the one host sync of the step. ``all_to_all`` of variable
+   lengths needs its split sizes on the host, so this sync is forced; a fixed-capacity
+   variant (every message padded to a capacity agreed beforehand, the true counts inside
+   it, the owners' lookups masked past them) would need none, at the price of padding and
+   of a capacity overflow check.
+3. Bag lengths and local indices (one int64 message per pair), and per-sample weights when
+   any rank has them (``mean`` pooling sends ``1 / bag length`` as weights, so a row-wise
+   shard divides by the whole bag's length), go to the owners by ``all_to_all_single``.
+4. Each owner lays its received bags out as one batch (table by table, ranks in order: the
+   same order the global batch has in one process) and runs its collection's pooled lookup.
+5. The pooled rows go back by a second ``all_to_all_single``; each rank writes them into its
+   ``(B_local, total_dim)`` output at its tables' columns (a row-wise table's partial sums
+   added, owners in rank order).
+
+Backward reverses 5: each rank sends the pooled gradient of each owner's columns, and each
+owner runs its collection's fused backward + update, which sums every row's gradients in
+the global batch's order. So ranks train what one process trains on the same global batch:
+the same bits for table-wise plans, the same weights and state for row-wise plans when the
+gradients are (their pooled outputs add partial sums, equal to float32 rounding).
+
+The dense part of a model stays data-parallel (DistributedDataParallel beside this module:
+it has no parameters, so DDP leaves it alone). Gloo on the CPU, NCCL on GPUs (each rank on
+its own GPU, ``torch.cuda.set_device(rank)`` before building).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from xferlib.adapters.torch.collection import EmbeddingBagCollection
+from xferlib.collection import TableConfig
+from xferlib.collection.numpy_path import check_offsets
+from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_sharding,
+                                         read_manifest, read_rows, save_shard_files,
+                                         write_manifest)
+
+__all__ = ["ShardedEmbeddingBagCollection", "save_sharded", "load_sharded"]
+
+_STATE = "embedding_bags."
+# Input errors travel in the header as codes, so every rank raises (none waits forever in a
+# collective for a rank that gave up).
+_ERRORS = {1: TypeError, 2: ValueError, 3: IndexError}
+_CODES = {v: k for k, v in _ERRORS.items()}
+_HEADER = 5  # B_local, indices sent, weights follow, input error code, bad values
+
+
+class _ShardedLookup(torch.autograd.Function):
+    """Forward: the routed, pooled lookup; backward: the pooled gradients back to the owners,
+    whose collections update in place (no gradient flows to the inputs)."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, indices, offsets, per_sample_weights):
+        out, ctx.step = module._exchange(indices, offsets, per_sample_weights, train=True)
+        ctx.module = module
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        step, ctx.step = ctx.step, None
+        if step is None:
+            raise RuntimeError("the sharded collection's update already ran for this forward")
+        ctx.module._backward(step, grad)
+        return None, None, None, None, None
+
+
+@dataclasses.dataclass
+class _Step:
+    """What a forward leaves for its backward: split sizes and the owner's context."""
+
+    batch: int                 # this rank's B_local
+    batches: list              # every rank's B_local
+    lookup: object             # the local collection's LookupContext (None: no shards)
+
+
+class ShardedEmbeddingBagCollection(torch.nn.Module):
+    """The tables of an :class:`EmbeddingBagCollection`, sharded over a process group.
+
+    Args:
+      tables: :class:`~xferlib.collection.TableConfig` per table, the same on every rank.
+      optimizer, optimizer_kwargs: the collection's optimizer, fused into the backward.
+      plan: a :class:`~xferlib.collection.ShardingPlan` for the group's size; default
+        ``plan_sharding(tables, world_size, optimizer=..., ...)`` (table-wise, balanced).
+      process_group: the group (default: the default group; torch.distributed must be
+        initialized).
+      pooling, dtype, device: as :class:`EmbeddingBagCollection`'s (``device`` default:
+        this rank's current GPU with NCCL, else the CPU).
+      seed: the tables' initializer seed: each shard starts with the rows an unsharded
+        collection of the same seed starts with. None: rank 0 draws one for all.
+
+    ``forward(indices, offsets, per_sample_weights=None)`` takes this rank's batch in
+    FBGEMM's layout (every table's bags for its ``B_local`` samples; ranks may have
+    different ``B_local``, 0 included) or the dict form ``{name: (indices, offsets[,
+    weights])}``, and returns ``(B_local, total_dim)`` pooled rows, tables at the columns an
+    unsharded collection gives them. Every rank of the group must call forward (and, when
+    training, backward) together: they are collectives. Bad input on any rank raises on
+    every rank (its own error there; the same type elsewhere) before any table changes.
+
+    ``state_dict()`` holds this rank's shards (``embedding_bags.<shard>.weight`` and its
+    optimizer state; a row range is named ``"<table>[start:stop]"``); :func:`save_sharded`
+    and :func:`load_sharded` write and read checkpoints that load onto any plan and group
+    size, or into one process.
+    """
+
+    def __init__(self, tables, optimizer: str = "sgd", optimizer_kwargs=None, *,
+                 plan: ShardingPlan | None = None, process_group=None, pooling: str = "sum",
+                 dtype=torch.float32, device=None, seed: int | None = 0):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("a ShardedEmbeddingBagCollection needs torch.distributed "
+                               "initialized (init_process_group); in one process use "
+                               "EmbeddingBagCollection")
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        configs = [t if isinstance(t, TableConfig) else TableConfig(*t) for t in tables]
+        configs = [c.named(k) for k, c in enumerate(configs)]
+        if plan is None:
+            plan = plan_sharding(configs, self.world_size, optimizer=optimizer,
+                                 optimizer_kwargs=optimizer_kwargs,
+                                 dtype=str(dtype).replace("torch.", ""))
+        if plan.world_size != self.world_size:
+            raise ValueError(f"the plan is for {plan.world_size} ranks; the group has "
+                             f"{self.world_size}")
+        if [(c.name, c.num_rows, c.dim) for c in plan.tables] != \
+                [(c.name, c.num_rows, c.dim) for c in configs]:
+            raise ValueError("the plan was made for other tables (names, rows or widths "
+                             "differ)")
+        self.plan, self.tables = plan, tuple(configs)
+        self.pooling, self.dtype = pooling, dtype
+        self.optimizer, self.optimizer_kwargs = optimizer, dict(optimizer_kwargs or {})
+        backend = dist.get_backend(self.group)
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if backend == "nccl" else torch.device("cpu"))
+        self.device = torch.device(device)
+        if seed is None:  # every rank must initialize its shards from one seed
+            box = [int(np.random.SeedSequence().entropy) & ((1 << 63) - 1)]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0),
+                                       group=self.group)
+            seed = box[0]
+        self.names = tuple(c.name for c in configs)
+        self.dims = tuple(c.dim for c in configs)
+        self.dim_offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.dims)]))
+        self.total_dim = self.dim_offsets[-1]
+        self._build_local(seed)
+        self._build_routes()
+
+    # ------------------------------------------------------------------ construction
+
+    def _build_local(self, seed: int) -> None:
+        """This rank's collection of its shards, zero-built, then filled with the rows an
+        unsharded collection seeded ``seed`` starts with. Mean pooling is done by weights
+        (``1 / bag length``, from the requesting rank), so the shards pool by sums."""
+        self.shards = self.plan.shards_of(self.rank)
+        local = None
+        if self.shards:
+            configs = [dataclasses.replace(c, init="zeros")
+                       for c in self.plan.local_configs(self.rank)]
+            local = EmbeddingBagCollection(
+                configs, self.optimizer, self.optimizer_kwargs,
+                pooling="sum", dtype=self.dtype, device=self.device, seed=0)
+            with local._on_device():
+                for k, s in enumerate(self.shards):
+                    fill_shard_weights(local.collection, k, self.tables[s.table_index].init,
+                                       seed, s.table_index, s.row_start)
+        # Not a registered submodule: this module's state_dict names the shards itself.
+        self.__dict__["local"] = local
+
+    def _build_routes(self) -> None:
+        """Device tensors that route a lookup: a table's global row number (``base[t] +
+        row``) finds its shard, whose owner, slot in the owner's collection and first row
+        make the destination and the local index."""
+        plan, dev, world = self.plan, self.device, self.world_size
+        rows = [c.num_rows for c in self.tables]
+        base = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+        slots = {s: k for r in range(world) for k, s in enumerate(plan.shards_of(r))}
+        self._max_slots = max(1, max(len(plan.shards_of(r)) for r in range(world)))
+        as_long = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        self._table_rows, self._table_base = as_long(rows), as_long(base)
+        self._shard_start = as_long([base[s.table_index] + s.row_start for s in plan.shards])
+        self._shard_owner = as_long([s.rank for s in plan.shards])
+        self._shard_slot = as_long([slots[s] for s in plan.shards])
+        self._shard_first = as_long([s.row_start for s in plan.shards])
+        # Per owner: its slots' rows of the count table, and its shards' output columns.
+        self._owner_slots, self._owner_cols, self._owner_dim = [], [], []
+        for r in range(world):
+            mine = plan.shards_of(r)
+            self._owner_slots.append(as_long([r * self._max_slots + k
+                                              for k in range(len(mine))]))
+            cols = [c for s in mine for c in range(self.dim_offsets[s.table_index],
+                                                   self.dim_offsets[s.table_index + 1])]
+            self._owner_cols.append(as_long(cols))
+            self._owner_dim.append(len(cols))
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, indices, offsets=None, per_sample_weights=None) -> torch.Tensor:
+        if isinstance(indices, dict):
+            if offsets is not None or per_sample_weights is not None:
+                raise ValueError("the dict form {name: (indices, offsets[, weights])} carries "
+                                 "each table's offsets and weights: pass nothing else")
+            indices, offsets, per_sample_weights = self._pack(indices)
+        elif offsets is None:
+            raise ValueError("offsets are needed with flat indices (FBGEMM's layout: "
+                             "T * B + 1 bag boundaries)")
+        if per_sample_weights is not None and per_sample_weights.requires_grad \
+                and torch.is_grad_enabled():
+            raise NotImplementedError("the collection computes no gradient for "
+                                      "per_sample_weights; pass per_sample_weights.detach()")
+        if not (torch.is_grad_enabled() and self.training):
+            return self._exchange(indices, offsets, per_sample_weights, train=False)[0]
+        anchor = torch.empty(0, device=self.device, requires_grad=True)
+        return _ShardedLookup.apply(anchor, self, indices, offsets, per_sample_weights)
+
+    def _pack(self, features: dict):
+        """FBGEMM's layout from the per-table dict form (tables in this module's order)."""
+        missing = [n for n in self.names if n not in features]
+        extra = sorted(set(features) - set(self.names))
+        if missing or extra:
+            raise KeyError(f"features must name every table once: missing {missing}, "
+                           f"unknown {extra}")
+        parts = [features[n] for n in self.names]
+        if len({len(p) for p in parts}) != 1 or len(parts[0]) not in (2, 3):
+            raise ValueError("every table's entry must be (indices, offsets) or, for all of "
+                             "them, (indices, offsets, per_sample_weights)")
+        starts = np.cumsum([0] + [int(p[0].shape[0]) for p in parts])
+        indices = torch.cat([p[0].to(self.device, torch.int64) for p in parts])
+        offsets = torch.cat([p[1][:-1].to(self.device, torch.int64) + int(s)
+                             for p, s in zip(parts, starts)]
+                            + [torch.tensor([starts[-1]], device=self.device)])
+        weights = torch.cat([p[2].to(self.device) for p in parts]) if len(parts[0]) == 3 \
+            else None
+        return indices, offsets, weights
+
+    def _check_types(self, indices, offsets, per_sample_weights) -> int:
+        """Dtypes and shapes (the host knows them: no sync); returns B_local."""
+        for name, t in (("indices", indices), ("offsets", offsets)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
+            if t.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
+            if t.dim() != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        T = len(self.tables)
+        if offsets.shape[0] < 1 or (offsets.shape[0] - 1) % T:
+            raise ValueError(f"offsets must have T * B + 1 entries for T = {T} tables, got "
+                             f"{offsets.shape[0]}")
+        if per_sample_weights is not None:
+            if not isinstance(per_sample_weights, torch.Tensor) \
+                    or not per_sample_weights.is_floating_point():
+                raise TypeError("per_sample_weights must be a floating point tensor")
+            if per_sample_weights.shape != indices.shape:
+                raise ValueError(f"per_sample_weights must have shape {tuple(indices.shape)} "
+                                 f"(one per index), got {tuple(per_sample_weights.shape)}")
+        return (offsets.shape[0] - 1) // T
+
+    def _route(self, indices, offsets, B):
+        """Where each lookup goes, on the device without a sync: ``(send_indices sorted by
+        (owner, slot), counts per (owner, slot, bag), indices per owner, bad-value flag,
+        bag lengths)``."""
+        dev, T, world = self.device, len(self.tables), self.world_size
+        idx, off = indices.to(dev, torch.int64), offsets.to(dev, torch.int64)
+        n, bags = idx.shape[0], T * B
+        # Offsets as FBGEMM's contract has them (start 0, never decrease, end at n).
+        bad = (off[0] != 0) | (off[-1] != n)
+        if bags:
+            bad = bad | (off[1:] < off[:-1]).any()
+        # Each index's bag from the offsets, clamped so garbage offsets route harmlessly
+        # (they are refused before anything is sent).
+        bag = torch.searchsorted(off[1:], torch.arange(n, device=dev), right=True)
+        bag = bag.clamp_(max=max(bags - 1, 0))
+        table, sample = bag // max(B, 1), bag % max(B, 1)
+        limit = self._table_rows[table]
+        bad = bad | ((idx < 0) | (idx >= limit)).any()
+        row = self._table_base[table] + torch.minimum(idx.clamp(min=0), limit - 1)
+        shard = torch.searchsorted(self._shard_start, row, right=True) - 1
+        owner = self._shard_owner[shard]
+        slot = owner * self._max_slots + self._shard_slot[shard]
+        local = row - self._table_base[table] - self._shard_first[shard]
+        order = torch.sort(slot, stable=True).indices
+        counts = torch.zeros(world * self._max_slots * max(B, 1), dtype=torch.int64,
+                             device=dev)
+        counts.index_add_(0, slot * B + sample, torch.ones_like(slot))
+        per_owner = torch.zeros(world, dtype=torch.int64, device=dev)
+        per_owner.index_add_(0, owner, torch.ones_like(owner))
+        lengths = off[1:] - off[:-1] if bags else off[:0]
+        return local[order], order, counts, per_owner, bad, lengths, bag
+
+    def _a2a(self, send, out_splits, in_splits, dtype):
+        out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
+        dist.all_to_all_single(out, send.contiguous(), out_splits, in_splits,
+                               group=self.group)
+        return out
+
+    def _exchange(self, indices, offsets, per_sample_weights, train: bool):
+        """The forward's collectives (header, lookups, pooled rows) and the owner's lookup:
+        ``(out, step)``."""
+        dev, world, me = self.device, self.world_size, self.rank
+        own_error, routed, B = None, None, 0
+        try:
+            B = self._check_types(indices, offsets, per_sample_weights)
+            routed = self._route(indices, offsets, B)
+        except (TypeError, ValueError, IndexError) as err:
+            own_error = err
+        weighted = per_sample_weights is not None or self.pooling == "mean"
+        header = torch.zeros((world, _HEADER), dtype=torch.int64, device=dev)
+        header[:, 0] = B
+        header[:, 2] = int(weighted)
+        if own_error is not None:
+            header[:, 3] = _CODES[type(own_error)]
+        else:
+            header[:, 1] = routed[3]
+            header[:, 4] = routed[4].to(torch.int64)
+        received = self._a2a(header.reshape(-1), [_HEADER] * world, [_HEADER] * world,
+                             torch.int64).reshape(world, _HEADER)
+        # The step's one host sync: all_to_all needs its split sizes on the host.
+        both = torch.stack([header, received]).cpu().numpy()
+        sent, got = both[0], both[1]
+        self._raise_refused(got, own_error, indices, offsets)
+        send_idx, order, counts, per_owner, _, lengths, bag = routed
+        batches = [int(b) for b in got[:, 0]]
+        n_send, n_got = [int(v) for v in sent[:, 1]], [int(v) for v in got[:, 1]]
+        T_me = len(self.shards)
+
+        # Bag lengths and local indices, one int64 message per owner.
+        table_counts = counts[:world * self._max_slots * B].view(world * self._max_slots, B)
+        pieces, at = [], 0
+        for o in range(world):
+            pieces.append(table_counts[self._owner_slots[o]].reshape(-1))
+            pieces.append(send_idx[at:at + n_send[o]])
+            at += n_send[o]
+        ids = self._a2a(torch.cat(pieces),
+                        [T_me * b + n for b, n in zip(batches, n_got)],
+                        [len(self.plan.shards_of(o)) * B + n_send[o] for o in range(world)],
+                        torch.int64)
+        weights = None
+        if got[:, 2].any():  # every rank sends weights when any rank has them
+            w = self._weights(per_sample_weights, lengths, bag, B, send_idx.shape[0])
+            weights = self._a2a(w[order], n_got, n_send, self._dtype_of())
+        idx_own, off_own, w_own = self._owner_batch(ids, weights, batches, n_got, T_me)
+
+        # The owner's pooled lookup, rows in rank order: rank r's bags are one row block.
+        ctx = None
+        if self.local is not None:
+            local = self.local
+            core = lambda t: local._core(t, "x")  # noqa: E731
+            pooled, ctx = local._lookup(core(idx_own), core(off_own),
+                                        None if w_own is None else core(w_own), train=train)
+        else:
+            pooled = torch.zeros((sum(batches), 0), dtype=self.dtype, device=dev)
+        d_me = self._owner_dim[me]
+        back = self._a2a(pooled.reshape(-1), [B * d for d in self._owner_dim],
+                         [b * d_me for b in batches], self.dtype)
+        out = torch.zeros((B, self.total_dim), dtype=self.dtype, device=dev)
+        at = 0
+        for o in range(world):
+            d = self._owner_dim[o]
+            if d:  # a row-wise table's partial sums add up, owners in rank order
+                out.index_add_(1, self._owner_cols[o], back[at:at + B * d].view(B, d))
+            at += B * d
+        return out, _Step(B, batches, ctx)
+
+    def _dtype_of(self):
+        return self.dtype
+
+    def _weights(self, per_sample_weights, lengths, bag, B, n):
+        """Each lookup's weight: its per-sample weight (ones without), times ``1 / bag
+        length`` for mean pooling, in the table dtype and in the order the one-process
+        collection computes it (so the products round alike)."""
+        w = (torch.ones(n, dtype=self.dtype, device=self.device) if per_sample_weights is None
+             else per_sample_weights.to(self.device, self.dtype))
+        if self.pooling == "mean" and n:
+            inv = 1 / torch.clamp(lengths, min=1).to(self.dtype)
+            w = inv[bag] if per_sample_weights is None else w * inv[bag]
+        return w
+
+    def _owner_batch(self, ids, weights, batches, n_got, T_me):
+        """The received lookups as one batch in FBGEMM's layout: table by table, each
+        table's bags rank after rank (the global batch's order), and their indices
+        permuted from (rank, table) order to (table, rank) order without a sync."""
+        dev, world = self.device, self.world_size
+        lens, idx_parts, at = [], [], 0
+        for b, n in zip(batches, n_got):
+            lens.append(ids[at:at + T_me * b].view(T_me, b))
+            idx_parts.append(ids[at + T_me * b:at + T_me * b + n])
+            at += T_me * b + n
+        if not T_me:
+            return None, None, None
+        lengths = torch.cat(lens, dim=1)  # (T_me, sum of B)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev),
+                             torch.cumsum(lengths.reshape(-1), 0)])
+        received = torch.cat(idx_parts)
+        total = sum(n_got)
+        per = torch.stack([x.sum(dim=1) for x in lens])  # (world, T_me) lookups per segment
+        rank_base = torch.tensor(np.concatenate([[0], np.cumsum(n_got)[:-1]]),
+                                 dtype=torch.int64, device=dev)
+        src_start = (rank_base[:, None] + torch.cumsum(per, 1) - per).t().reshape(-1)
+        seg_len = per.t().reshape(-1)  # segments in (table, rank) order
+        dst_start = torch.cumsum(seg_len, 0) - seg_len
+        seg = torch.repeat_interleave(torch.arange(T_me * world, device=dev), seg_len,
+                                      output_size=total)
+        src = src_start[seg] + torch.arange(total, device=dev) - dst_start[seg]
+        return received[src], offsets, None if weights is None else weights[src]
+
+    def _raise_refused(self, got, own_error, indices, offsets) -> None:
+        """Raise on every rank when any rank's input was refused (nothing was sent yet)."""
+        refused = [r for r in range(self.world_size) if got[r, 3] or got[r, 4]]
+        if not refused:
+            return
+        if own_error is not None:
+            raise own_error
+        if self.rank in refused:
+            raise self._value_error(indices, offsets)
+        r = refused[0]
+        kind = _ERRORS.get(int(got[r, 3]), IndexError if got[r, 4] else ValueError)
+        if got[r, 4]:  # bad values: bad offsets raise ValueError there, indices IndexError
+            kind = IndexError
+        raise kind(f"rank {r} of the group passed a batch the sharded collection refused "
+                   f"(index out of range or bad offsets); no table changed on any rank")
+
+    def _value_error(self, indices, offsets):
+        """This rank's own bad values, named as the one-process collection names them."""
+        idx = indices.detach().cpu().numpy().astype(np.int64)
+        off = offsets.detach().cpu().numpy().astype(np.int64)
+        try:
+            check_offsets(off, idx.shape[0])
+        except ValueError as err:
+            return err
+        B = (off.shape[0] - 1) // len(self.tables)
+        for t, c in enumerate(self.tables):
+            lo, hi = int(off[t * B]), int(off[(t + 1) * B])
+            bad = np.flatnonzero((idx[lo:hi] < 0) | (idx[lo:hi] >= c.num_rows))
+            if bad.size:
+                k = lo + int(bad[0])
+                return IndexError(f"index {int(idx[k])} at position {k} is out of range for "
+                                  f"table {c.name!r} of {c.num_rows} rows (valid: 0 <= "
+                                  f"index < {c.num_rows})")
+        return ValueError("the batch was refused")
+
+    # ------------------------------------------------------------------ backward
+
+    def _backward(self, step: _Step, grad: torch.Tensor) -> None:
+        """The pooled gradients of each owner's columns to the owner, whose collection runs
+        its fused backward + update on them (rank order: the forward's batch)."""
+        grad = grad.to(self.device, self.dtype)
+        B, world = step.batch, self.world_size
+        pieces = [grad.index_select(1, self._owner_cols[o]).reshape(-1) for o in range(world)]
+        d_me = self._owner_dim[self.rank]
+        mine = self._a2a(torch.cat(pieces), [b * d_me for b in step.batches],
+                         [B * d for d in self._owner_dim], self.dtype)
+        if self.local is not None:
+            self.local._update(step.lookup, mine.view(sum(step.batches), d_me))
+
+    # ------------------------------------------------------------------ state_dict
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.local is not None:
+            self.local._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if self.local is not None:
+            self.local._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                             missing_keys, unexpected_keys, error_msgs)
+        else:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix + _STATE))
+
+    def _apply(self, fn, recurse=True):
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        if probe.device != self.device or probe.dtype != self.dtype:
+            raise NotImplementedError("a ShardedEmbeddingBagCollection stays on the device "
+                                      "and dtype it was built with; build another (and "
+                                      "load_sharded a checkpoint) to move it")
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        mine = ", ".join(s.local_name for s in self.shards)
+        return (f"rank {self.rank} of {self.world_size}: [{mine}], "
+                f"optimizer={self.optimizer!r}, pooling={self.pooling!r}, "
+                f"device={self.device}")
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _shards_and_collection(module):
+    """``(plan-like shards, core collection)`` of a sharded module or of an unsharded
+    EmbeddingBagCollection (every table one whole shard)."""
+    if isinstance(module, ShardedEmbeddingBagCollection):
+        coll = None if module.local is None else module.local.collection
+        return module.plan.shards_of(module.rank), coll
+    if isinstance(module, EmbeddingBagCollection):
+        plan = plan_sharding(module.tables, 1, optimizer=module.collection.optimizer)
+        return plan.shards, module.collection
+    raise TypeError(f"expected a ShardedEmbeddingBagCollection or an EmbeddingBagCollection, "
+                    f"got {type(module).__name__}")
+
+
+def save_sharded(module: ShardedEmbeddingBagCollection, directory, tag: str = "") -> None:
+    """Write ``module``'s checkpoint into ``directory`` (collective: every rank calls it):
+    each rank writes one file per shard it holds (crash-safe), then rank 0 writes the
+    manifest that names them (last, so an interrupted save leaves the previous manifest
+    and its files whole; give each save its own ``tag``, such as the step, to keep the
+    previous files until the new manifest is in place)."""
+    os.makedirs(directory, exist_ok=True)
+    arrays = {}
+    if module.local is not None:
+        with module.local._on_device():
+            state = module.local.collection.state_dict()
+        for s in module.shards:
+            head = s.local_name + "."
+            arrays[s.local_name] = {k[len(head):]: v for k, v in state.items()
+                                    if k.startswith(head)}
+    error = None
+    try:
+        save_shard_files(directory, module.plan, module.rank, arrays, tag)
+    except OSError as err:
+        error = err
+    ok = [error is None]
+    every = [None] * module.world_size
+    dist.all_gather_object(every, ok, group=module.group)
+    if error is not None:
+        raise error
+    if not all(o[0] for o in every):
+        raise RuntimeError("another rank failed to write its shards; no manifest written")
+    if module.rank == 0:
+        write_manifest(directory, module.plan,
+                       dict(optimizer=module.optimizer, pooling=module.pooling,
+                            dtype=str(module.dtype).replace("torch.", "")), tag)
+    dist.barrier(group=module.group)
+
+
+def load_sharded(module, directory) -> None:
+    """Load the checkpoint in ``directory`` into ``module``: a
+    :class:`ShardedEmbeddingBagCollection` of any plan and group size (each rank reads the
+    rows of its shards from whichever saved shards hold them), or an unsharded
+    :class:`EmbeddingBagCollection` (every table whole, in one process). The tables'
+    names, rows and widths and the optimizer must match. Hyperparameters are the loading
+    module's own."""
+    manifest = read_manifest(directory)
+    saved = manifest["plan"]
+    if isinstance(module, ShardedEmbeddingBagCollection):
+        tables, optimizer = module.tables, module.optimizer
+    else:
+        tables, optimizer = module.tables, module.collection.optimizer
+    theirs = [(c.name, c.num_rows, c.dim) for c in saved.tables]
+    ours = [(c.name, c.num_rows, c.dim) for c in tables]
+    if theirs != ours:
+        raise ValueError(f"the checkpoint in {directory} holds tables {theirs}; this module "
+                         f"has {ours}")
+    if manifest["meta"]["optimizer"] != optimizer:
+        raise ValueError(f"the checkpoint in {directory} holds {manifest['meta']['optimizer']!r}"
+                         f" optimizer state; this module runs {optimizer!r}")
+    shards, coll = _shards_and_collection(module)
+    if coll is None:
+        return
+    state = {}
+    for s in shards:
+        rows = read_rows(directory, manifest, s.table, s.row_start, s.row_stop)
+        state.update({f"{s.local_name}.{k}": v for k, v in rows.items()})
+    device = module.local if isinstance(module, ShardedEmbeddingBagCollection) else module
+    with device._on_device():
+        coll.load_state_dict(state)

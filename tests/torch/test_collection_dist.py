@@ -1,0 +1,237 @@
+"""A collection's tables sharded over ranks (ShardedEmbeddingBagCollection): 2 and 3 gloo
+ranks train, with table-wise and row-wise plans and every optimizer tested, exactly what one
+process trains on the same global batch (weights and optimizer state, bit for bit; the
+pooled outputs bit for bit table-wise, to float32 rounding row-wise); a rank with an empty
+batch and per-sample weights and mean pooling take part; bad input on one rank raises on
+every rank and changes nothing; a checkpoint written by 2 ranks loads onto 3 ranks of
+another plan, and theirs into one process.
+
+Spawning is slow on a small machine, so each spawned run does every check of its size.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from xferlib.adapters.torch import (EmbeddingBagCollection, ShardedEmbeddingBagCollection,  # noqa: E402,E501
+                                    load_sharded, save_sharded)
+from xferlib.collection import TableConfig, plan_sharding  # noqa: E402
+from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
+
+TABLES = [TableConfig(23, 5, name="user"),
+          TableConfig(40, 3, name="item", placement="host", init=("uniform", -0.5, 0.5)),
+          TableConfig(7, 4, name="ad", lr=0.05)]
+B, STEPS, SEED = 6, 3, 11
+OPTIMIZERS = {"sgd": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+              "adam": {"lr": 0.01},
+              "rowwise_adagrad": {"lr": 0.1},
+              "adagrad": {"lr": 0.1}}
+# (name, optimizer, plan kind, pooling)
+RUNS = [(f"{opt}.{kind}", opt, kind, "sum") for opt in OPTIMIZERS for kind in ("table", "row")]
+RUNS.append(("rowwise_adagrad.row.mean", "rowwise_adagrad", "row", "mean"))
+RUNS.append(("adam.table.mean", "adam", "table", "mean"))
+
+
+def _plan(kind, world, optimizer):
+    row_wise = ("user", "item") if kind == "row" else ()
+    return plan_sharding(TABLES, world, optimizer=optimizer, row_wise=row_wise)
+
+
+def _data():
+    """Per step: each table's bags for the B global samples (lengths 0-3, duplicates), the
+    per-sample weights (step 2 only) and the gradient of the pooled output."""
+    rng = np.random.default_rng(SEED)
+    total = sum(t.dim for t in TABLES)
+    steps = []
+    for k in range(STEPS):
+        bags = [[rng.integers(0, t.num_rows, rng.integers(0, 4)) for _ in range(B)]
+                for t in TABLES]
+        bags[0][0] = np.array([3, 3, 3])  # one row repeated within a bag
+        for s in range(B):
+            bags[1][s] = np.append(bags[1][s], 17)  # and in every sample (across ranks)
+        weights = None
+        if k == 2:
+            weights = [[rng.standard_normal(len(b)).astype(np.float32) for b in tb]
+                       for tb in bags]
+        steps.append((bags, weights, rng.standard_normal((B, total)).astype(np.float32)))
+    return steps
+
+
+def _samples(world, rank, step):
+    """Rank ``rank``'s samples at ``step``: the last rank has none at step 1."""
+    if step == 1 and rank == world - 1:
+        return []
+    return list(range(rank * B // world, (rank + 1) * B // world))
+
+
+def _global_samples(world, step):
+    return [s for r in range(world) for s in _samples(world, r, step)]
+
+
+def _batch(step, samples):
+    """FBGEMM's layout of ``samples``' bags of every table."""
+    bags, weights, grad = step
+    idx, offsets, w = [], [0], []
+    for t in range(len(TABLES)):
+        for s in samples:
+            idx.extend(bags[t][s])
+            offsets.append(len(idx))
+            if weights is not None:
+                w.extend(weights[t][s])
+    psw = None if weights is None else torch.tensor(np.array(w, np.float32))
+    return (torch.tensor(idx, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64),
+            psw, torch.from_numpy(grad[samples]))
+
+
+def _train(module, steps, samples_of, device):
+    outs = []
+    for k, step in enumerate(steps):
+        idx, off, psw, grad = _batch(step, samples_of(k))
+        out = module(idx.to(device), off.to(device),
+                     None if psw is None else psw.to(device))
+        out.backward(grad.to(device))
+        outs.append(out.detach().cpu().numpy())
+    return outs
+
+
+def _state(module):
+    return {k: v.numpy().copy() for k, v in module.state_dict().items()}
+
+
+def _worker(rank, world, port, out_dir, backend, ckpt_in, ckpt_out):
+    device = join(rank, world, port, backend)
+    steps = _data()
+    result = {}
+    for name, opt, kind, pooling in RUNS:
+        module = ShardedEmbeddingBagCollection(
+            TABLES, opt, OPTIMIZERS[opt], plan=_plan(kind, world, opt), pooling=pooling,
+            device=device, seed=SEED)
+        outs = _train(module, steps, lambda k: _samples(world, rank, k), device)
+        result.update({f"{name}.out{k}": o for k, o in enumerate(outs)})
+        result.update({f"{name}/{k}": v for k, v in _state(module).items()})
+        if name == "adam.table" and ckpt_out:
+            save_sharded(module, ckpt_out, tag="step3")
+        if name == "adam.table":
+            _bad_input(module, rank, world, device, result)
+    if ckpt_in:  # another plan and group size: adam's rows resharded by row ranges
+        module = ShardedEmbeddingBagCollection(TABLES, "adam", OPTIMIZERS["adam"],
+                                               plan=_plan("row", world, "adam"),
+                                               device=device, seed=99)
+        load_sharded(module, ckpt_in)
+        result.update({f"loaded/{k}": v for k, v in _state(module).items()})
+        if ckpt_out:
+            save_sharded(module, ckpt_out)
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _bad_input(module, rank, world, device, result):
+    """An index out of range on the last rank: IndexError everywhere, nothing changed."""
+    before = _state(module)
+    idx, off, _, _ = _batch(_data()[0], _samples(world, rank, 0))
+    if rank == world - 1:
+        idx[-1] = 40  # the last table, "ad", has 7 rows
+    try:
+        module(idx.to(device), off.to(device)).sum().backward()
+        result["bad_error"] = np.array("")
+    except IndexError as err:
+        result["bad_error"] = np.array(str(err))
+    after = _state(module)
+    result["bad_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
+                                           for k in before))
+
+
+def _single(world, name, opt, pooling, device="cpu"):
+    module = EmbeddingBagCollection(TABLES, opt, OPTIMIZERS[opt], pooling=pooling,
+                                    device=device, seed=SEED)
+    outs = _train(module, _data(), lambda k: _global_samples(world, k), device)
+    return module, outs
+
+
+def _assemble(results, prefix, plan):
+    """Every table's state, put together from the ranks' shards."""
+    full = {}
+    for s in plan.shards:
+        head = f"{prefix}/embedding_bags.{s.local_name}."
+        for key, value in results[s.rank].items():
+            if key.startswith(head):
+                name = f"embedding_bags.{s.table}.{key[len(head):]}"
+                if name not in full:
+                    rows = TABLES[s.table_index].num_rows
+                    full[name] = np.zeros((rows, *value.shape[1:]), value.dtype)
+                full[name][s.row_start:s.row_stop] = value
+    return full
+
+
+def _compare(world, out_dir, device="cpu", exact=True):
+    results = [dict(np.load(os.path.join(out_dir, f"rank{r}.npz"))) for r in range(world)]
+    single_adam = None
+    for name, opt, kind, pooling in RUNS:
+        module, outs = _single(world, name, opt, pooling, device)
+        if name == "adam.table":
+            single_adam = module
+        got = _assemble(results, name, _plan(kind, world, opt))
+        want = _state(module)
+        assert sorted(got) == sorted(want), name
+        for key in want:
+            if exact:
+                np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} {key}")
+            else:
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name} {key}")
+        for k in range(STEPS):
+            out = np.concatenate([results[r][f"{name}.out{k}"] for r in range(world)])
+            if kind == "table" and exact:
+                np.testing.assert_array_equal(out, outs[k], err_msg=f"{name} out{k}")
+            else:  # row-wise: partial sums added; equal to float32 rounding
+                np.testing.assert_allclose(out, outs[k], rtol=1e-5, atol=1e-5,
+                                           err_msg=f"{name} out{k}")
+    for r, res in enumerate(results):
+        assert "out of range" in str(res["bad_error"]), (r, res["bad_error"])
+        assert bool(res["bad_unchanged"]), r
+    assert "position" in str(results[-1]["bad_error"])  # the rank that had it names it
+    return results, single_adam
+
+
+def _spawn(world, backend, out_dir, ckpt_in=None, ckpt_out=None):
+    os.makedirs(out_dir, exist_ok=True)
+    mp.spawn(_worker, args=(world, free_port(), str(out_dir), backend, ckpt_in, ckpt_out),
+             nprocs=world, join=True)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch.distributed without gloo")
+@pytest.mark.slow  # spawns 2 then 3 ranks: about 20 s on two cores
+def test_two_and_three_ranks_equal_one_process_and_reshard(tmp_path):
+    ckpt2, ckpt3 = tmp_path / "ckpt2", tmp_path / "ckpt3"
+    _spawn(2, "gloo", tmp_path / "w2", ckpt_out=str(ckpt2))
+    _, single_adam = _compare(2, tmp_path / "w2")
+    want = _state(single_adam)
+
+    # 2 ranks' table-wise checkpoint onto 3 ranks of a row-wise plan...
+    _spawn(3, "gloo", tmp_path / "w3", ckpt_in=str(ckpt2), ckpt_out=str(ckpt3))
+    results, _ = _compare(3, tmp_path / "w3")
+    loaded = _assemble(results, "loaded", _plan("row", 3, "adam"))
+    for key in want:
+        np.testing.assert_array_equal(loaded[key], want[key], err_msg=f"3 ranks: {key}")
+
+    # ... and theirs into one process.
+    one = EmbeddingBagCollection(TABLES, "adam", OPTIMIZERS["adam"], device="cpu", seed=5)
+    load_sharded(one, ckpt3)
+    for key, value in _state(one).items():
+        np.testing.assert_array_equal(value, want[key], err_msg=f"1 process: {key}")
+
+
+@pytest.mark.gpu
+def test_two_gpus_nccl_equal_one_process(tmp_path):
+    require_two_gpus()
+    _spawn(2, "nccl", tmp_path / "w2", ckpt_out=str(tmp_path / "ckpt"))
+    # The GPU collection sums rows in its own fixed order: equal to float32 rounding.
+    _compare(2, tmp_path / "w2", device="cuda", exact=False)
