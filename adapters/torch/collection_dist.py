@@ -182,7 +182,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                     fill_shard_weights(local.collection, k, self.tables[s.table_index].init,
                                        seed, s.table_index, s.row_start)
         # Not a registered submodule: this module's state_dict names the shards itself.
-        self.__dict__["local"] = local
+        object.__setattr__(self, "local", local)
 
     def _build_routes(self) -> None:
         """Device tensors that route a lookup: a table's global row number (``base[t] +

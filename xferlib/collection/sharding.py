@@ -34,7 +34,7 @@ import os
 import numpy as np
 
 from xferlib.collection.config import PLACEMENTS, TableConfig
-from xferlib.collection.init import INIT_CHUNK_ELEMENTS, _weights, init_kind, table_stream
+from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
 from xferlib.table.layout import RowLayout
 from xferlib.table.rules import resolve_hyper, sparse_rule
 
@@ -46,6 +46,7 @@ KINDS = ("table_wise", "row_wise")
 MANIFEST = "manifest.json"  # names the files of the checkpoint it completes; written last
 _CHECKPOINT_KIND = "xferlib.ShardedCollection"
 _SHARD_KIND = "xferlib.CollectionShard"
+_MASK64 = (1 << 64) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,30 +310,21 @@ def _tuples(value):
 
 def fill_shard_weights(coll, k: int, init, seed: int, table_index: int,
                        first_row: int) -> None:
-    """Write into table ``k`` of ``coll`` (a shard built zero-filled) the initial weights
-    that rows ``first_row:`` of table ``table_index`` get in an unsharded collection seeded
-    ``seed``: the initializer is counter-based (``init.py``), so a row's values depend only
-    on its table's stream and its global row. Generated on the host in chunks; a GPU block
-    is written chunk by chunk."""
-    kind, a, b = init_kind(init)
-    if kind == 0:
-        return
-    block = coll.blocks[k]
-    view = block.weights(coll.buffers[coll.tables[k].placement])
-    dim = block.layout.dim
-    stream = table_stream(seed, table_index)
-    chunk = max(1, INIT_CHUNK_ELEMENTS // dim)
-    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as the kernel's does
-        for start in range(0, block.num_rows, chunk):
-            rows = min(chunk, block.num_rows - start)
-            values = _weights(kind, a, b, stream, first_row + start, rows, dim)
-            values = values.reshape(rows, dim).astype(coll.dtype)
-            if isinstance(view, np.ndarray):
-                view[start:start + rows] = values
-            else:  # CuPy: hbm rows on the GPU
-                import cupy
+    """Write into table ``k`` of ``coll`` (a shard) the initial rows that rows
+    ``first_row:`` of table ``table_index`` get in an unsharded collection seeded ``seed``.
 
-                view[start:start + rows] = cupy.asarray(values)
+    The initializer is counter-based (``init.py``): weight ``(row, col)`` is a function of
+    ``stream + row * dim + col`` (wrapping at 2**64), so a shard's rows are the unsharded
+    table's when its block is filled from row 0 with the stream moved on by
+    ``first_row * dim``. On the GPU the fill runs as the collection's own does (a kernel)."""
+    block = coll.blocks[k]
+    stream = (table_stream(seed, table_index) + first_row * block.layout.dim) & _MASK64
+    rows = block.rows(coll.buffers[coll.tables[k].placement])
+    initial = float(coll.rule.initial(coll.hypers[k]))
+    if coll.device == "cuda":
+        fill_rows_gpu(rows, block.layout, init, stream, initial, coll.dtype.name)
+    else:
+        fill_rows_numpy(rows, block.layout, init, stream, initial)
 
 
 # ------------------------------------------------------------------ checkpoints
