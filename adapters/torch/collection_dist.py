@@ -354,7 +354,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         weights = None
         if got[:, 2].any():  # every rank sends weights when any rank has them
             w = self._weights(per_sample_weights, lengths, bag, B, send_idx.shape[0])
-            weights = self._a2a(w[order], n_got, n_send, self._dtype_of())
+            weights = self._a2a(w[order], n_got, n_send, self.dtype)
         idx_own, off_own, w_own = self._owner_batch(ids, weights, batches, n_got, T_me)
 
         # The owner's pooled lookup, rows in rank order: rank r's bags are one row block.
@@ -377,9 +377,6 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                 out.index_add_(1, self._owner_cols[o], back[at:at + B * d].view(B, d))
             at += B * d
         return out, _Step(B, batches, ctx)
-
-    def _dtype_of(self):
-        return self.dtype
 
     def _weights(self, per_sample_weights, lengths, bag, B, n):
         """Each lookup's weight: its per-sample weight (ones without), times ``1 / bag
