@@ -67,7 +67,7 @@ class _TTBagFunction(torch.autograd.Function):
         # before any core changes, so the forward never waits on the device.
         device = cores[0]
         gpu = device.is_cuda
-        capturing = gpu and torch.cuda.is_current_streamstream_capturing()
+        capturing = gpu and torch.cuda.is_current_stream_capturing()
         if not capturing:
             module._checks.poll()
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
@@ -126,7 +126,7 @@ class _TTBagFunction(torch.autograd.Function):
                 # verdict is written by every replay and read by check_inputs()
                 defer = ctx.capturing or module.defer_input_check
                 scratch = None if stream is None or ctx.capturing or \
-                    torch.cuda.is_current_streamstream_capturing() else module._scratch_of(stream)
+                    torch.cuda.is_current_stream_capturing() else module._scratch_of(stream)
                 core.tt_fused_update(
                     ctx.arrays, module._cshape, ctx.residuals, grad_bags,
                     module._state_arrays(), module._core_optimizer, lr=module.learning_rate,

@@ -257,6 +257,10 @@ _RSS_SCRIPT = textwrap.dedent("""
     from xferlib.collection import EmbeddingCollection
     from xferlib.table import io_format
     io_format.CHUNK_BYTES = 4 << 20
+    if xferlib.cupy_available():  # the CUDA context and pinned-memory setup are not the load's
+        import cupy
+        cupy.zeros(1)
+        xferlib.pinned_empty((1 << 10,), "float32")
 
     def status(key):  # bytes; VmHWM is this process's own peak (ru_maxrss survives exec)
         for line in open("/proc/self/status"):
