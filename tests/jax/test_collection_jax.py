@@ -263,8 +263,9 @@ def test_backward_takes_the_forwards_context():
     from xferlib.adapters.jax import collection_anchor, embedding_bag_collection
     from xferlib.collection import EmbeddingCollection, TableConfig
 
+    device = "cpu" if jax.default_backend() == "cpu" else "cuda"
     coll = EmbeddingCollection([TableConfig(50, 4), TableConfig(30, 4, placement="host")],
-                               "sgd", {"lr": 0.1}, device="cpu", seed=0)
+                               "sgd", {"lr": 0.1}, device=device, seed=0)
     calls = []
     forward = coll.forward
 

@@ -107,6 +107,9 @@ def test_host_jit_raises_a_typed_error(device, op, warm):
 
 def test_without_typed_errors_jit_raises_xla_error():
     """What typed_errors is for: XLA's own error is a JaxRuntimeError, not an IndexError."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("on a GPU a host table reads its input check later (a later call or "
+                    "table.check() raises), so this call itself does not fail")
     table = _table()
     with pytest.raises(jax.errors.JaxRuntimeError) as info:
         jax.block_until_ready(jax.jit(lambda i: host_lookup(table, i))(jnp.asarray(BAD)))
