@@ -57,15 +57,17 @@ class RowsReport:
 
     def __call__(self, bad: int, unsorted: int) -> None:
         idx = self.idx
-        note = "" if self.caller is None else \
-            f"{self.caller} (an earlier call on the GPU; nothing was written): "
+        # The bad index and its position first, where a reader (or a JAX user's handler)
+        # looks; which call queued the batch after it.
+        note = ("; nothing was written" if self.caller is None else
+                f" (in an earlier call of {self.caller} on the GPU; nothing was written)")
         if bad != NO_BAD:
             value, = host_values(idx[bad:bad + 1])
-            raise IndexError(note + str(index_error(bad, value, self.num_rows)))
+            message = str(index_error(bad, value, self.num_rows))
+            raise IndexError(message + (note if self.caller is not None else ""))
         before, value = host_values(idx[unsorted - 1:unsorted + 1])
-        tail = "" if note else "; nothing was written"
-        raise ValueError(f"{note}sorted_indices=True, but index {value} at position "
-                         f"{unsorted} comes after {before}{tail}")
+        raise ValueError(f"sorted_indices=True, but index {value} at position {unsorted} "
+                         f"comes after {before}{note}")
 
 
 class Verdict:

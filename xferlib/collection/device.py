@@ -61,20 +61,20 @@ class CollectionReport:
     def __call__(self, bad: int, bad_bag: int) -> None:
         from xferlib.collection.numpy_path import check_offsets, table_error
 
-        note = "an earlier call of the collection on the GPU (nothing was written): "
+        note = " (in an earlier call of the collection on the GPU; nothing was written)"
         offsets = np.asarray(host_values(self.offsets), dtype=np.int64)
         if bad_bag != NO_BAD:
             try:
                 check_offsets(offsets, int(self.indices.shape[0]))
             except ValueError as err:
-                raise ValueError(note + str(err)) from None
-            raise ValueError(f"{note}offsets of bag {bad_bag} are out of range")
+                raise ValueError(str(err) + note) from None
+            raise ValueError(f"offsets of bag {bad_bag} are out of range{note}")
         value, = host_values(self.indices[bad:bad + 1])
         B = (offsets.size - 1) // self.coll.num_tables
         bag = int(np.searchsorted(offsets, bad, side="right")) - 1
-        raise IndexError(note + str(table_error(self.coll, min(bag // max(B, 1),
-                                                               self.coll.num_tables - 1),
-                                                bad, value)))
+        raise IndexError(str(table_error(self.coll, min(bag // max(B, 1),
+                                                        self.coll.num_tables - 1),
+                                         bad, value)) + note)
 
 
 class CollectionDevice:
