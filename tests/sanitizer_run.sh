@@ -46,7 +46,7 @@ import cupy
 cupy.cuda.set_allocator(None)
 cupy.cuda.set_pinned_memory_allocator(None)
 import pytest
-# CUDA-graph captures need torch's caching allocator (a plain cudaMalloc is refused while a
+# CUDA-graph captures need the torch caching allocator (a plain cudaMalloc is refused while a
 # stream captures), which is off here: they run in the plain GPU suite instead.
 sys.exit(pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider",
                       "-k", "not cuda_graph and not replayed", *sys.argv[1:]]))
