@@ -18,18 +18,16 @@ from __future__ import annotations
 import errno
 import json
 import os
-import secrets
 import stat
 
 import numpy as np
 
+from xferlib.atomic import atomic_write
 from xferlib.table import io_format
 from xferlib.table.io_format import read_header, read_table_file, write_table_file
 
 FORMAT = "xferlib.HostTable/1"  # the .npz format of earlier versions, still read
 
-_NOT_REGULAR = ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
 
 
 def table_config(table) -> dict:
@@ -45,106 +43,17 @@ def table_config(table) -> dict:
 
 def save_table(table, path, arrays: dict) -> None:
     """Write ``table``'s configuration and its named host ``arrays`` (weights, each state
-    array; the table already flushed) to ``path``."""
-    path = os.fspath(path)
-    target = os.path.realpath(path)  # through a symlink, as open(path, "w") writes
-    directory = os.path.dirname(target)
-    try:
-        existing = _check_target(path, target)
-        fd, tmp = _create_temporary(directory, existing)
-    except FileNotFoundError as err:
-        shown = os.path.dirname(os.path.abspath(path))
-        raise FileNotFoundError(err.errno, f"cannot save the table to {path}: the directory "
-                                f"{shown} does not exist", path) from None
-    except OSError as err:
-        raise _naming(err, path) from None
-    try:
-        try:
-            write_table_file(fd, table_config(table), arrays)
-            os.fsync(fd)
-            io_format.drop_cached(fd)  # synced: the pages are clean copies of the table
-        finally:
-            os.close(fd)
-        _check_target(path, target)  # again: the path may have changed while we wrote
-        os.replace(tmp, target)
-    except BaseException as err:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(err, OSError):
-            raise _naming(err, path) from err
-        raise
-    _sync_directory(directory, path)  # the rename itself survives a power cut
+    array; the table already flushed) to ``path``, crash-safely (``xferlib.atomic_write``:
+    a temporary file beside it, synced, renamed over it, the directory synced; devices,
+    FIFOs, sockets and directories refused; every error names ``path``)."""
 
-
-def _check_target(path: str, target: str):
-    """The target's stat if it is a regular file, None if it does not exist; refuses others
-    (``os.replace`` would put a regular file in place of a device node or FIFO)."""
-    try:
-        st = os.stat(target)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISREG(st.st_mode):
-        return st
-    if stat.S_ISDIR(st.st_mode):
-        raise IsADirectoryError(errno.EISDIR, f"cannot save the table to {path}: it is a "
-                                f"directory (give a file name inside it)", path)
-    kind = next((name for test, name in _NOT_REGULAR if test(st.st_mode)), "special file")
-    raise ValueError(f"cannot save the table to {path}: it is a {kind}, not a regular file; "
-                     f"save() replaces a regular file or makes a new one, and never replaces "
-                     f"a device, FIFO, socket or directory")
-
-
-def _create_temporary(directory: str, existing):
-    """``(fd, name)`` of a new file in ``directory``. Created with mode 0o666 so the kernel
-    applies the umask (and a default ACL) as for ``open(path, "w")``; an existing target's
-    mode and owner carry over, as that open would keep them."""
-    for _ in range(100):
-        name = os.path.join(directory, f".xferlib-{os.getpid()}-{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                         | getattr(os, "O_CLOEXEC", 0), 0o666)
-        except FileExistsError:
-            continue
-        if existing is not None:
-            try:
-                os.fchmod(fd, stat.S_IMODE(existing.st_mode))
-                if (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
-                    os.fchown(fd, existing.st_uid, existing.st_gid)
-            except PermissionError:
-                pass  # only root may give a file away; the mode is set by then
-            except BaseException:
-                os.close(fd)
-                os.unlink(name)
-                raise
-        return fd, name
-    raise FileExistsError(errno.EEXIST, f"no free temporary file name in {directory}")
-
-
-def _sync_directory(directory: str, path: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # a directory we may write but not open (mode -wx): nothing more to do
-    try:
+    def write(f) -> None:
+        fd = f.fileno()
+        write_table_file(fd, table_config(table), arrays)
         os.fsync(fd)
-    except OSError as err:
-        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):  # fs without it
-            raise _naming(err, path) from None
-    finally:
-        os.close(fd)
+        io_format.drop_cached(fd)  # synced: the pages are clean copies of the table
 
-
-def _naming(err: OSError, path: str) -> OSError:
-    """``err`` with a message that names ``path`` (a temporary file's name means nothing to
-    the caller)."""
-    if err.filename == path:
-        return err
-    reason = err.strerror or str(err)
-    if err.errno is None:
-        return type(err)(f"cannot save the table to {path}: {reason}")
-    return type(err)(err.errno, f"cannot save the table to {path}: {reason}", path)
+    atomic_write(path, write, what="the table")
 
 
 # ------------------------------------------------------------------ load
