@@ -54,9 +54,33 @@ _NULL = np.uint64(0)
 def _pointer(value):
     if value is None:
         return _NULL  # a null pointer: the kernel treats the input as absent
-    if isinstance(value, (int, np.integer)):
+    if type(value) is int or isinstance(value, np.integer):
         return np.uint64(value)
     return value  # a CuPy array: CuPy passes its device pointer
+
+
+def _scalar(kind):
+    """``kind``'s conversion as a launch makes it many times a step: a value already of the
+    type passes as it is, and small Python ints (sizes, flags, strides) are converted once
+    and kept (``numpy.int64(5)`` costs about as much as a kernel argument's whole packing)."""
+    kept = {}
+
+    def convert(value):
+        if type(value) is kind:
+            return value
+        if type(value) in (int, bool):
+            found = kept.get(value)
+            if found is None:
+                found = kind(value)
+                if len(kept) < 4096:
+                    kept[value] = found
+            return found
+        return kind(value)
+
+    return convert
+
+
+_CONVERTERS = {}
 
 
 def _converter(ctype: str):
@@ -66,7 +90,9 @@ def _converter(ctype: str):
     base = ctype.replace("const ", "").replace("__restrict__", "").strip()
     if base not in _SCALARS:
         raise TypeError(f"no conversion for a kernel argument of type {ctype!r}")
-    return _SCALARS[base]
+    if base not in _CONVERTERS:
+        _CONVERTERS[base] = _scalar(_SCALARS[base])
+    return _CONVERTERS[base]
 
 
 def _convert(ctype: str, value):
@@ -74,21 +100,20 @@ def _convert(ctype: str, value):
 
 
 def _build_arguments(name: str, args: tuple):
-    """A function taking exactly the declared names (keyword-only) that returns the launch
-    tuple: written out once per kernel, so a launch pays one call and each argument's
-    conversion, not a loop over the declaration."""
+    """A function of the dict of named values that returns the launch tuple: written out
+    once per kernel (a lookup of each declared name and its conversion, in order), so a
+    launch pays one call, not a loop over the declaration nor keyword binding. A missing
+    name is a KeyError there; the caller checks the count for unknown ones."""
     scope = {"_NULL": _NULL, "_u64": np.uint64, "_ints": (int, np.integer)}
     items = []
     for k, (ctype, arg) in enumerate(args):
         if "*" in ctype:
-            items.append(f"(_NULL if {arg} is None else _u64({arg}) "
-                         f"if isinstance({arg}, _ints) else {arg})")
+            scope[f"_p{k}"] = _pointer
+            items.append(f"_p{k}(v[{arg!r}])")
         else:
             scope[f"_c{k}"] = _converter(ctype)
-            items.append(f"_c{k}({arg})")
-    params = ", ".join(arg for _, arg in args)
-    code = (f"def {name}(*, {params}):\n    return ({', '.join(items)},)\n" if args
-            else f"def {name}():\n    return ()\n")
+            items.append(f"_c{k}(v[{arg!r}])")
+    code = f"def {name}(v):\n    return ({', '.join(items)}{',' if items else ''})\n"
     exec(code, scope)  # noqa: S102  (our own declaration's names only)
     return scope[name]
 
@@ -108,6 +133,7 @@ class KernelDecl:
     extern_c: bool = False
     # the launch tuple's builder, made once from the declaration (_build_arguments)
     _build: object = dataclasses.field(init=False, repr=False, compare=False)
+    _instances: dict = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         names = [name for _, name in self.args]
@@ -120,6 +146,7 @@ class KernelDecl:
                 raise ValueError(f"{self.name}: {name!r} is not an argument name")
             _converter(ctype)  # a TypeError for a type with no conversion
         object.__setattr__(self, "_build", _build_arguments(self.name, self.args))
+        object.__setattr__(self, "_instances", {})  # template arguments -> name expression
 
     def source(self) -> str:
         params = ", ".join(f"{ctype} {name}" for ctype, name in self.args)
@@ -135,23 +162,29 @@ class KernelDecl:
 
     def instance(self, *template_args) -> str:
         """The name expression of one template instantiation (``axpy<float>``)."""
-        if not template_args:
-            return self.name
-        return f"{self.name}<{', '.join(str(a) for a in template_args)}>"
+        name = self._instances.get(template_args)
+        if name is None:
+            name = self.name if not template_args else \
+                f"{self.name}<{', '.join(str(a) for a in template_args)}>"
+            self._instances[template_args] = name
+        return name
 
     def arguments(self, **values) -> tuple:
         """The launch tuple, in declaration order, each value converted to its C type."""
-        try:
-            return self._build(**values)
-        except TypeError:
-            names = [name for _, name in self.args]
-            missing = [n for n in names if n not in values]
-            unknown = sorted(set(values) - set(names))
-            if missing:
-                raise TypeError(f"{self.name}: missing argument(s) {missing}") from None
-            if unknown:
-                raise TypeError(f"{self.name}: unknown argument(s) {unknown}") from None
-            raise  # a value its C type does not take
+        return self._tuple(values)
+
+    def _tuple(self, values: dict) -> tuple:
+        if len(values) == len(self.args):  # every name, if none is unknown
+            try:
+                return self._build(values)
+            except KeyError:
+                pass  # a name missing (and an unknown one in its place): said below
+        names = [name for _, name in self.args]
+        missing = [n for n in names if n not in values]
+        unknown = sorted(set(values) - set(names))
+        if missing:
+            raise TypeError(f"{self.name}: missing argument(s) {missing}")
+        raise TypeError(f"{self.name}: unknown argument(s) {unknown}")
 
     def function(self, module, *template_args):
         """The compiled instantiation ``template_args`` of this kernel from ``module``, for a
@@ -162,6 +195,6 @@ class KernelDecl:
                **values) -> None:
         """Launch the instantiation ``template_args`` of this kernel from ``module`` (a
         :class:`~xferlib._kernels.KernelModule`) on ``stream`` with named arguments."""
-        arguments = self.arguments(**values)
+        arguments = self._tuple(values)
         function = module.get_function(self.instance(*template_args))
         function(grid, block, arguments, stream=stream, shared_mem=shared_mem)
