@@ -178,3 +178,33 @@ def test_flat_update_arguments_are_the_kernels_order():
     args = flat_update_arguments(1, 2, (3, None), 4, (5, 6, 7), 11, None, 8)
     assert args == (1, 2, 3, 0, 0, 4, 5, 6, 7, 11, 0, 8)
     assert [type(a) for a in args] == [np.uint64] * 9 + [np.int32] + [np.uint64] * 2
+
+
+def test_packing_is_each_argument_converted_to_its_c_type():
+    """Every declaration's launch tuple holds, in declaration order, each value converted to
+    its declared C type: pointers as given (arrays), absent ones as a null uint64, integer
+    addresses as uint64; scalars as the numpy type of their C type, whatever the value came
+    as (a Python int or bool, or already that numpy type), and twice the same."""
+    import numpy as np
+
+    from xferlib._kernels._declare import _SCALARS
+
+    array = np.zeros(3)
+    for decl in _declarations()[0].values():
+        for round_ in range(2):
+            values, expected = {}, []
+            for k, (ctype, name) in enumerate(decl.args):
+                if "*" in ctype:
+                    value = (array, None, 4096)[(k + round_) % 3]
+                    values[name] = value
+                    expected.append(value if value is array else np.uint64(value or 0))
+                else:
+                    kind = _SCALARS[ctype.replace("const ", "").strip()]
+                    value = (7, kind(7), True)[(k + round_) % 3]
+                    values[name] = value
+                    expected.append(kind(value))
+            packed = decl.arguments(**values)
+            assert len(packed) == len(expected), decl.name
+            for got, want, (ctype, name) in zip(packed, expected, decl.args):
+                assert type(got) is type(want), (decl.name, name, type(got), type(want))
+                assert got is want if want is array else got == want, (decl.name, name)
