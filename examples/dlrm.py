@@ -14,6 +14,7 @@ imports) beside them. See docs/dlrm.md.
     python examples/dlrm.py --preset medium --framework both --compare --plot medium.png
     python examples/dlrm.py --preset medium --profile          # where a step's time goes
     torchrun --nproc_per_node=2 examples/dlrm.py --preset medium   # two GPUs (global batch)
+    python examples/dlrm.py --preset medium --plan --world-size 2  # where each table lives
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--devices", type=_int_at_least(1), default=1,
                    help="jax: train on N devices of this host (a mesh; the batch sharded)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the sharding plan (which table lives on which rank, its bytes, "
+                        "each rank's expected share of lookups) and exit")
+    p.add_argument("--world-size", type=_int_at_least(1), default=None,
+                   help="ranks the --plan is for (default: torchrun's WORLD_SIZE, else 1)")
+    p.add_argument("--row-wise", default="", metavar="TABLES",
+                   help="torchrun: comma-separated tables (t0,t9,...) split by rows over the "
+                        "ranks; the others are placed whole (table-wise, the default)")
     return p.parse_args(argv)
 
 
@@ -145,12 +154,24 @@ def fbgemm_available() -> bool:
     return available()
 
 
-def _make_run(job, args, preset, plan, device, xp, ranks):
+def _sharding(args, preset, plan, world, optimizer, pooling, batch_size, device):
+    """xferlib's sharding plan of the collection over ``world`` ranks (None: TT tables,
+    which stay replicated)."""
+    from dlrm_parts.sharding import sharding_plan
+
+    row_wise = [n.strip() for n in args.row_wise.split(",") if n.strip()]
+    return sharding_plan(preset, plan, world, optimizer=optimizer, pooling=pooling,
+                         batch_size=batch_size, device_type=device.split(":")[0],
+                         row_wise=row_wise)
+
+
+def _make_run(job, args, preset, plan, device, xp, ranks, sharding=None):
     if job.framework == "torch":
         from dlrm_parts.torch_run import TorchRun
 
         return TorchRun(preset, plan, args.seed, device, engine=job.engine,
-                        graph=not args.no_graph, optimizer=job.optimizer, ranks=ranks)
+                        graph=not args.no_graph, optimizer=job.optimizer, ranks=ranks,
+                        sharding=sharding if job.engine == "xferlib" else None)
     if args.devices > 1:  # the mesh keeps the per-table design until the sharding plan
         from dlrm_parts.jax_mesh_run import JaxMeshRun
 
@@ -160,15 +181,11 @@ def _make_run(job, args, preset, plan, device, xp, ranks):
     return JaxRun(preset, plan, args.seed, device, xp=xp, optimizer=job.optimizer)
 
 
-def _free():
+def _free(ranks, device):
+    """Release a finished run's memory, touching this rank's GPU only (dist.free_gpu_memory:
+    torch.cuda.empty_cache() crashed a torchrun rank, issue 29)."""
     gc.collect()
-    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
-        sys.modules["torch"].cuda.empty_cache()
-    if "cupy" in sys.modules:
-        try:
-            sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
-        except Exception:
-            pass
+    dist.free_gpu_memory(ranks, device)
 
 
 def main(argv=None) -> int:
@@ -177,11 +194,36 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.devices}")
     try:  # bad input is refused here, before any table is allocated or file written
+        if args.plan:
+            return _print_plan(args)
         setup = _prepare(args)
     except (ValueError, MemoryError) as err:
         print(f"dlrm.py: error: {err}", file=sys.stderr)
         return 2
     return _train(args, *setup)
+
+
+def _print_plan(args) -> int:
+    """``--plan``: the sharding plan for ``--world-size`` (or torchrun's) ranks, on rank 0
+    only; nothing allocated, no process group joined, no GPU touched."""
+    preset = config.get_preset(args.preset)
+    world = args.world_size or dist.world_size()
+    batch_size = preset.batch_size if args.batch_size is None else args.batch_size
+    pooling = preset.pooling if args.pooling is None else args.pooling
+    plan = config.plan_tables(preset, args.placement, args.gpu_memory)
+    sharding = _sharding(args, preset, plan, world, "adagrad", pooling, batch_size,
+                         "cuda" if args.device == "cuda" else "cpu")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if sharding is None:
+        print(f"--placement {args.placement} has TT tables: they are replicated on every "
+              f"rank (no sharding plan)")
+        return 0
+    print(f"preset {preset.name}, placement {args.placement}, global batch {batch_size}, "
+          f"pooling {pooling}: expected lookups per sample = pooling x (1 + the fraction of "
+          f"a batch's Zipf draws that hit distinct rows)")
+    print(sharding.describe())
+    return 0
 
 
 def _prepare(args):
@@ -226,8 +268,14 @@ def _prepare(args):
         if batch_size % world:
             raise ValueError(f"--batch-size {batch_size} (the global batch) must be a "
                              f"multiple of the {world} ranks")
+        if args.world_size not in (None, world):
+            raise ValueError(f"--world-size {args.world_size} is for --plan; torchrun "
+                             f"started {world} ranks")
     plan = config.plan_tables(preset, args.placement, args.gpu_memory)
     config.check_host_ram(plan)  # before any table is allocated
+    if args.row_wise:  # an unknown table name is refused before anything starts
+        _sharding(args, preset, plan, max(dist.world_size(), 1), "adagrad", pooling,
+                  batch_size, "cpu")
     run_config = {fw: _run_config(args, preset, plan, fw, batch_size, pooling)
                   for fw in frameworks}
     meta = checkpoint.read_meta(args.load, run_config[frameworks[0]]) if args.load else None
@@ -279,6 +327,12 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
             jobs += [Job("torch", "xferlib", "rowwise_adagrad"), Job("torch", "fbgemm")]
         else:
             print("FBGEMM TBE comparison: skipped (needs fbgemm_gpu and a GPU)")
+    sharding = None
+    if ranks.world > 1:  # the collection's tables sharded over the ranks
+        sharding = _sharding(args, preset, plan, ranks.world, jobs[0].optimizer, pooling,
+                             batch_size, device)
+        print(sharding.describe() if sharding is not None else
+              "TT tables: every table replicated on every rank (no sharding plan)")
     failed, run = [], None
     for job in jobs:
         name = job.name(args.placement)
@@ -296,13 +350,13 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
                 if device.startswith("cuda"):
                     import torch
 
-                    free = torch.cuda.mem_get_info()[0]
+                    free = torch.cuda.mem_get_info(torch.device(device))[0]
                     if table_bytes["hbm"] * 1.3 > free:
                         print(f"{name}: skipped, its tables need "
                               f"{table_bytes['hbm'] / 2**30:.1f} GB and the GPU has "
                               f"{free / 2**30:.1f} GB free")
                         continue
-            run = _make_run(job, args, preset, plan, device, xp, ranks)
+            run = _make_run(job, args, preset, plan, device, xp, ranks, sharding)
             history, start = [], 0
             if meta is not None:
                 checkpoint.load(args.load, run, job.framework)
@@ -354,7 +408,7 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
                 except Exception:
                     traceback.print_exc()
             run = None
-            _free()
+            _free(ranks, device)
 
     if not results:
         print(f"dlrm.py: every run failed: {failed}", file=sys.stderr)

@@ -9,8 +9,16 @@ world))``) and the ranks stay equal to one process on the whole batch:
   summed across ranks inside their fused updates;
 * the MLPs' gradients are summed with one ``all_reduce`` over a flat copy before the
   (replicated) flat Adam step;
-* the small tables kept in HBM (``nn.EmbeddingBag(sparse=True)``) are replicated: their
-  sparse gradients are all-gathered, so each rank's Adagrad step sees every rank's rows.
+* the embedding collection is sharded (``ShardedEmbeddingBagCollection``, table-wise by
+  default): each rank holds only its shards and looks up only its own samples, each lookup
+  sent to its table's owner and the pooled rows back by ``all_to_all`` (see
+  ``torch_run.sharding_plan``). TT tables (``--placement tt``) and the baseline engines keep
+  the replicated design: every rank looks up the global batch and the gradient rows are
+  all-gathered.
+
+Each rank sets and touches only its own GPU: :func:`local_gpu` picks ``LOCAL_RANK``'s GPU,
+:func:`init` makes it current for torch and CuPy before anything allocates, and nothing
+here calls a CUDA function without naming that device.
 
 NCCL on GPUs, gloo on the CPU (``torchrun --nproc_per_node=2 examples/dlrm.py`` works on a
 laptop).
@@ -44,9 +52,26 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def world_size(default: int = 1) -> int:
+    """``WORLD_SIZE`` from the environment (torchrun's), else ``default``."""
+    return int(os.environ.get("WORLD_SIZE", default))
+
+
+def local_gpu(env, device_count: int) -> int:
+    """The GPU index this rank may use: its ``LOCAL_RANK`` (``RANK`` where torchrun's
+    ``LOCAL_RANK`` is missing), never a default of 0 for every rank. ValueError when the
+    host has no such GPU (more ranks than GPUs: two ranks would share one)."""
+    local = int(env.get("LOCAL_RANK", env.get("RANK", 0)))
+    if not 0 <= local < device_count:
+        raise ValueError(f"local rank {local} has no GPU of its own: this host shows "
+                         f"{device_count} (run at most that many ranks per host)")
+    return local
+
+
 def init(device: str) -> tuple[Ranks, str]:
     """Join the process group ``torchrun`` describes; returns ``(ranks, device)`` with this
-    rank's GPU (``cuda:<local rank>``) made current for torch and CuPy."""
+    rank's GPU (``cuda:<local rank>``) made current for torch and CuPy, before any CUDA
+    context is created (``torch.cuda.is_available`` and CuPy's device count create none)."""
     if not launched():
         return Ranks(), device
     import torch
@@ -55,9 +80,9 @@ def init(device: str) -> tuple[Ranks, str]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     if device == "cuda":
-        if local >= torch.cuda.device_count():
-            raise ValueError(f"local rank {local} has no GPU: this host has "
-                             f"{torch.cuda.device_count()}")
+        local = local_gpu(os.environ, torch.cuda.device_count())
+        # JAX, should anything import it in this rank, would open every GPU it sees
+        os.environ.setdefault("JAX_CUDA_VISIBLE_DEVICES", str(local))
         torch.cuda.set_device(local)
         import cupy
 
@@ -68,6 +93,29 @@ def init(device: str) -> tuple[Ranks, str]:
                                 **({"device_id": torch.device(device)}
                                    if device.startswith("cuda") else {}))
     return Ranks(rank, world, local, dist.group.WORLD), device
+
+
+def free_gpu_memory(ranks: Ranks, device: str) -> None:
+    """Give cached GPU memory back between runs of one invocation, on this rank's GPU only.
+
+    ``torch.cuda.empty_cache()`` walks the caching allocator of every GPU torch knows; under
+    torchrun on GPUs in exclusive-process mode it raised "CUDA-capable device(s) is/are busy
+    or unavailable" (issue 29). torchrun runs one job per invocation, so a rank among several
+    frees nothing of torch's; one process frees its own device's cache, and CuPy's pool of
+    the current (this rank's) device."""
+    import sys
+
+    if not device.startswith("cuda"):
+        return
+    if ranks.world == 1 and "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        with torch.cuda.device(torch.device(device)):
+            torch.cuda.empty_cache()
+    if "cupy" in sys.modules:
+        cupy = sys.modules["cupy"]
+        with cupy.cuda.Device(ranks.local_rank if ranks.world > 1 else
+                              cupy.cuda.runtime.getDevice()):
+            cupy.get_default_memory_pool().free_all_blocks()
 
 
 def finish(ranks: Ranks) -> None:

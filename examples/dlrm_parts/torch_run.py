@@ -5,7 +5,10 @@
   of all tables and one fused backward + Adagrad update inside ``loss.backward()``, the MLPs
   trained by a capturable ``FlatAdam``, and on a GPU the whole step captured in one CUDA
   graph after warm-up. TT tables (``--placement tt``) stay ``TTEmbeddingBag`` modules
-  beside the collection (it has no TT placement yet).
+  beside the collection (it has no TT placement yet). Under ``torchrun`` the collection is
+  a ``ShardedEmbeddingBagCollection`` (each rank holds its shards of the sharding plan and
+  looks up its own samples; eager: the sharded step reads a header on the host, so it is
+  not captured).
 - ``torch`` (the plain-torch baseline): one ``nn.EmbeddingBag(sparse=True)`` per table in
   HBM, torch's sparse Adagrad, fused Adam, eager.
 - ``fbgemm`` (``--compare`` where ``fbgemm_gpu`` imports): FBGEMM's table-batched
@@ -25,11 +28,12 @@ import torch
 import torch.nn.functional as F
 
 import xferlib
-from xferlib.adapters.torch import (EmbeddingBagCollection, FlatAdam, OptimType, TableConfig,
-                                    TTEmbeddingBag)
+from xferlib.adapters.torch import (EmbeddingBagCollection, FlatAdam, OptimType,
+                                    ShardedEmbeddingBagCollection, TTEmbeddingBag)
 
 from . import dist as ranks_
 from . import init as initial
+from .sharding import table_configs
 
 WARMUP_STEPS = 2  # eager steps (on a side stream) before the step is captured
 
@@ -53,17 +57,21 @@ class XferlibEmbeddings(torch.nn.Module):
     bag after bag), TT tables as ``TTEmbeddingBag`` modules. ``forward(cat)`` gives
     ``(B, tables, dim)`` in table order."""
 
-    def __init__(self, preset, plan, seed, device, optimizer):
+    def __init__(self, preset, plan, seed, device, optimizer, sharding=None):
         super().__init__()
         lr, dim = preset.lr_embedding, preset.dim
         self.coll_tables = [t.index for t in plan.tables if t.where != "tt"]
         self.tt_tables = [t.index for t in plan.tables if t.where == "tt"]
-        configs = [TableConfig(t.rows, dim, name=f"t{t.index}", placement=t.where,
-                               cache_rows=t.cache_rows if device.type == "cuda" else 0,
-                               init=initial.table_init_spec(preset))
-                   for t in plan.tables if t.where != "tt"]
-        self.collection = EmbeddingBagCollection(configs, optimizer, {"lr": lr},
-                                                 device=device, seed=seed)
+        configs = table_configs(preset, plan, device.type)
+        self.sharded = sharding is not None
+        if self.sharded:  # this rank's shards only; lookups routed to their owners
+            if self.tt_tables:
+                raise ValueError("the sharded collection holds no TT tables")
+            self.collection = ShardedEmbeddingBagCollection(
+                configs, optimizer, {"lr": lr}, plan=sharding, device=device, seed=seed)
+        else:
+            self.collection = EmbeddingBagCollection(configs, optimizer, {"lr": lr},
+                                                     device=device, seed=seed)
         self.tt = torch.nn.ModuleList()
         for t in plan.tables:
             if t.where != "tt":
@@ -98,10 +106,26 @@ class XferlibEmbeddings(torch.nn.Module):
             vectors[f] = module(cat[f].reshape(-1), per_bag)
         return torch.stack([vectors[f] for f in range(self.num_tables)], dim=1)
 
+    def core(self):
+        """The core collection of this process's tables (a rank's shards when sharded;
+        None for a rank that holds none)."""
+        if self.sharded:
+            local = self.collection.local
+            return None if local is None else local.collection
+        return self.collection.collection
+
+    def check(self):
+        """Raise a deferred input error of the last lookups (an index out of range)."""
+        module = self.collection.local if self.sharded else self.collection
+        if module is not None:
+            module.check()
+
     def cache_hit_rate(self):
         """Cache hits over the distinct rows the batches looked up (HBM tables' rows count
-        as lookups that never hit: xferlib's ``cache_stats``)."""
-        stats = self.collection.collection.cache_stats()
+        as lookups that never hit: xferlib's ``cache_stats``; this rank's shards when
+        sharded)."""
+        core = self.core()
+        stats = core.cache_stats() if core is not None else {}
         return stats["hits"] / stats["lookups"] if stats.get("lookups") else None
 
 
@@ -169,10 +193,10 @@ def _array_module(device):
 
 
 class _RankSlice(torch.autograd.Function):
-    """Under torchrun the tables are replicated and every rank looks up the whole global
-    batch: forward keeps this rank's samples; backward all-gathers every rank's gradient
-    rows, so each rank's collection takes the same update (that of one process on the
-    global batch). The sharding plan (table-wise / row-wise) will replace this."""
+    """Under torchrun with replicated tables (TT placements; the sharded collection needs
+    none of this) every rank looks up the whole global batch: forward keeps this rank's
+    samples; backward all-gathers every rank's gradient rows, so each rank's tables take the
+    same update (that of one process on the global batch)."""
 
     @staticmethod
     def forward(ctx, x, ranks):
@@ -194,7 +218,7 @@ class DLRM(torch.nn.Module):
     every pair among them (and the bottom output), top MLP to a logit."""
 
     def __init__(self, preset, plan, seed, device, engine="xferlib", optimizer="adagrad",
-                 ranks=None):
+                 ranks=None, sharding=None):
         super().__init__()
         self.ranks = ranks or ranks_.Ranks()
         num_tables = len(plan.tables)
@@ -203,7 +227,8 @@ class DLRM(torch.nn.Module):
         self.bottom = _mlp(bottom, dense, "bottom", device)
         self.top = _mlp(top, dense, "top", device)
         if engine == "xferlib":
-            self.embeddings = XferlibEmbeddings(preset, plan, seed, device, optimizer)
+            self.embeddings = XferlibEmbeddings(preset, plan, seed, device, optimizer,
+                                                sharding)
         elif engine == "torch":
             self.embeddings = TorchEmbeddings(preset, plan, seed, device)
         else:
@@ -219,9 +244,19 @@ class DLRM(torch.nn.Module):
         return [*self.bottom.parameters(), *self.top.parameters()]
 
     def embed(self, cat):
-        """``(B, tables, dim)`` pooled rows (this rank's samples while training)."""
+        """``(B, tables, dim)`` pooled rows (this rank's samples while training).
+
+        Sharded: a training step looks up only this rank's samples (its slice of the global
+        batch); evaluation is a collective too, every rank looking up the whole batch it was
+        given (the same on every rank). Replicated (TT tables): every rank looks up the
+        global batch and keeps its slice (``_RankSlice``)."""
+        training = self.ranks.world > 1 and self.training and torch.is_grad_enabled()
+        if training and getattr(self.embeddings, "sharded", False):
+            share = cat.shape[1] // self.ranks.world
+            return self.embeddings(cat[:, self.ranks.rank * share:
+                                       (self.ranks.rank + 1) * share])
         pooled = self.embeddings(cat)
-        if self.ranks.world > 1 and self.training and torch.is_grad_enabled():
+        if training:
             pooled = _RankSlice.apply(pooled, self.ranks)
         return pooled
 
@@ -249,7 +284,7 @@ class TorchRun:
     profile, checkpoint."""
 
     def __init__(self, preset, plan, seed, device, engine="xferlib", graph=True,
-                 optimizer="adagrad", ranks=None):
+                 optimizer="adagrad", ranks=None, sharding=None):
         self.device, self.engine = torch.device(device), engine
         self.ranks = ranks or ranks_.Ranks()
         cuda = self.device.type == "cuda"
@@ -257,7 +292,8 @@ class TorchRun:
             torch.set_num_threads(1)
         else:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.model = DLRM(preset, plan, seed, self.device, engine, optimizer, self.ranks)
+        self.model = DLRM(preset, plan, seed, self.device, engine, optimizer, self.ranks,
+                          sharding if engine == "xferlib" else None)
         params = self.model.dense_parameters()
         if engine == "xferlib":
             self.dense_opt = FlatAdam(params, lr=preset.lr_dense, capturable=cuda)
@@ -275,9 +311,12 @@ class TorchRun:
             self.use_graph, self.graph_note = False, "eager: TT tables are not captured"
         if not self.use_graph and not self.graph_note:
             self.graph_note = "eager"
+            if sharding is not None and engine == "xferlib":
+                self.graph_note = (f"eager: collection sharded over {self.ranks.world} ranks "
+                                   f"(the step reads a header on the host)")
         self.graph, self.static, self._loss = None, None, None
         self.steps_done = 0
-        self.part = None  # every rank gets the global batch (see _RankSlice)
+        self.part = None  # every rank gets the global batch and looks up its slice
 
     # ------------------------------------------------------------------ data
     def to_framework(self, batch):
@@ -354,7 +393,7 @@ class TorchRun:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.engine == "xferlib":
-            self.model.embeddings.collection.check()  # a bad batch would raise here
+            self.model.embeddings.check()  # a bad batch would raise here
 
     # ------------------------------------------------------------------ profile
     def profile(self, batches):
@@ -419,8 +458,8 @@ class TorchRun:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.graph = self.static = self._loss = None
-        if self.engine == "xferlib":
-            release_collection(self.model.embeddings.collection.collection)
+        if self.engine == "xferlib" and self.model.embeddings.core() is not None:
+            release_collection(self.model.embeddings.core())
         self.model = self.dense_opt = self.sparse_opt = None
 
     # ------------------------------------------------------------------ checkpoint

@@ -116,6 +116,7 @@ def _extra_checks(rank, world, device, init, steps, part, result):
     fresh = HostEmbedding(ROWS, DIM, optimizer="adagrad", optimizer_kwargs={"lr": 0.5},
                           padding_idx=2, device=device)
     fresh.load_state_dict(emb.state_dict())
+    _wait_for_fence(device)
     loaded = _snapshot(fresh.table)
     result["load_state_dict_ok"] = np.array(all(np.array_equal(after[k], loaded[k])
                                                 for k in after))
@@ -146,6 +147,19 @@ def _extra_checks(rank, world, device, init, steps, part, result):
     private = HostEmbeddingBag(ROWS, DIM, optimizer="sgd", device=device, process_group=None)
     result["private_has_no_group"] = np.array(private.process_group is None
                                               and private.table.shared_name is None)
+
+
+def _wait_for_fence(device):
+    """Wait on the host for the fence that ended load_state_dict.
+
+    On NCCL the fence is an all_reduce that orders this rank's stream after rank 0's write
+    (rank 0 issues it once ``restore`` has returned) but does not block the host. A rank
+    whose table never ran a GPU lookup (``fresh`` here) reads it with ``table.numpy()``,
+    which then synchronizes nothing, so it could read the rows before rank 0 had written
+    them: the two-GPU run's one ``load_state_dict_ok`` failure (a race, gone when the test
+    ran alone). Gloo's fence is a host barrier: nothing to wait for there."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _single_process(device="cpu"):
