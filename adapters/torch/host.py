@@ -306,6 +306,9 @@ class _HostModule(torch.nn.Module):
                                 for name in self.table.state_names()})
         if self._dist is not None:
             self._dist.fence()
+            # On NCCL the fence only orders the GPU stream: wait for it, so that no rank reads
+            # the shared rows from the host before rank 0's restore is through the fence.
+            self._sync()
         for name in list(getattr(self, "_host_state", {})):
             key = prefix + "optimizer_state." + name
             if key in state_dict:
