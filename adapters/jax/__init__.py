@@ -16,12 +16,14 @@ from xferlib.adapters.jax.optim import (
 )
 from xferlib.adapters.jax.errors import CallbackIndexError, CallbackValueError, typed_errors
 from xferlib.adapters.jax.collection import collection_anchor, embedding_bag_collection
+from xferlib.adapters.jax.collection_dist import ShardedCollection
 from xferlib.adapters.jax.host import host_lookup, host_update
 from xferlib.adapters.jax.rows import gather_rows
 from xferlib.adapters.jax.mesh import mesh_barrier, sharded_host_update
 from xferlib.adapters.jax.tt import tt_embedding_bag
 
-__all__ = ["CallbackIndexError", "CallbackValueError", "FlatState", "collection_anchor",
+__all__ = ["CallbackIndexError", "CallbackValueError", "FlatState", "ShardedCollection",
+           "collection_anchor",
            "embedding_bag_collection", "flat_adam", "flat_adamw",
            "flat_lion", "flat_sgd", "flat_step", "gather_rows", "host_lookup", "host_update",
            "mesh_barrier", "ravel", "ravel_like", "sharded_host_update", "tt_embedding_bag",

@@ -1,0 +1,384 @@
+"""A collection's tables sharded over the devices of a JAX mesh: the sharding plan
+(:func:`xferlib.collection.plan_sharding`) inside ``jax.shard_map``, lookups routed to their
+owners and pooled rows brought back with ``jax.lax.all_to_all``.
+
+Each device of a 1-D mesh holds the shards the plan gives its rank (an
+:class:`~xferlib.collection.EmbeddingCollection` built from ``plan.local_configs(rank)``,
+starting with the rows an unsharded collection of the same ``seed`` starts with). Inside
+``shard_map`` every device passes its own batch in FBGEMM's layout; a step:
+
+1. routes each lookup to the shard holding its row (the index made local to the shard),
+   sorted stably by owner and shard so a shard's lookups keep their bag order;
+2. sends every owner, by one ``all_to_all``, the bag lengths of its shards and the local
+   indices (and weights). ``all_to_all`` needs static shapes, so each (source, destination)
+   message has a fixed capacity: the source's index capacity (the length of its padded
+   ``indices``: every lookup of a batch could go to one owner, so nothing can overflow), and
+   the lookups past the true count are masked off;
+3. each owner lays out what it received as one batch (table by table, each table's bags
+   device after device: the global batch's order) and runs its collection's pooled lookup;
+4. the pooled rows return by a second ``all_to_all``; a row-wise table's partial sums are
+   added.
+
+Differentiating with respect to ``anchor`` runs the reverse: the pooled gradient's columns go
+back to their owners (JAX's transpose of the ``all_to_all``), and each owner's collection runs
+its fused backward + update on the rows it holds. Each row's gradients are summed in the order
+one device sums them on the concatenated global batch.
+
+CPU backend only for now (forced host devices, ``--xla_force_host_platform_device_count``):
+the owner's callback reads its true lookup count from the received offsets on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from xferlib.adapters.jax._callback import as_core_array, is_gpu_buffer, vary_like
+from xferlib.adapters.jax.collection import collection_anchor
+from xferlib.adapters.jax.errors import reporting, typed_errors
+from xferlib.adapters.jax.host import fill_token
+from xferlib.collection import EmbeddingCollection
+from xferlib.collection.config import TableConfig
+from xferlib.collection.numpy_path import check_inputs_numpy
+from xferlib.collection.sharding import ShardingPlan, fill_shard_weights, plan_sharding
+
+__all__ = ["ShardedCollection"]
+
+
+class ShardedCollection:
+    """A collection's tables placed by a sharding plan on the ``plan.world_size`` devices of
+    a 1-D mesh; call it inside ``jax.shard_map`` over that mesh's axis.
+
+    Args:
+      tables: :class:`~xferlib.collection.TableConfig` per table (or ``(rows, dim)``).
+      optimizer, optimizer_kwargs, pooling, dtype, seed: as
+        :class:`~xferlib.collection.EmbeddingCollection` takes them.
+      plan: a :class:`~xferlib.collection.ShardingPlan` of these tables; default
+        ``plan_sharding(tables, world_size, optimizer=...)``.
+      world_size: the mesh axis's size (needed without ``plan``).
+
+    ``shards[rank]`` is rank ``rank``'s collection of its shards (None for a rank without
+    any); :meth:`table_weights` and :meth:`table_state` put a table back together.
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> from xferlib.collection import TableConfig
+    >>> from xferlib.adapters.jax import ShardedCollection, collection_anchor
+    >>> ebc = ShardedCollection([TableConfig(10, 4, init="zeros")], "sgd", {"lr": 1.0},
+    ...                         world_size=1)
+    >>> mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+    >>> def loss(anchor, idx, off):
+    ...     return ebc(idx, off, anchor=anchor, axis_name="x").sum()
+    >>> step = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh,
+    ...                              in_specs=(P(), P("x"), P("x")), out_specs=P()))
+    >>> _ = step(collection_anchor(), jnp.array([1, 1, 3]), jnp.array([0, 2, 3]))
+    >>> ebc.table_weights(0)[[1, 3], 0].tolist()
+    [-2.0, -1.0]
+    """
+
+    def __init__(self, tables, optimizer: str = "sgd", optimizer_kwargs=None, *,
+                 plan: ShardingPlan | None = None, world_size: int | None = None,
+                 pooling: str = "sum", dtype="float32", seed: int = 0):
+        configs = [t if isinstance(t, TableConfig) else TableConfig(*t) for t in tables]
+        configs = [c.named(k) for k, c in enumerate(configs)]
+        if plan is None:
+            if world_size is None:
+                raise ValueError("pass plan= or world_size=")
+            plan = plan_sharding(configs, world_size, optimizer=optimizer,
+                                 optimizer_kwargs=optimizer_kwargs, dtype=dtype)
+        elif world_size is not None and world_size != plan.world_size:
+            raise ValueError(f"world_size={world_size} but the plan is for "
+                             f"{plan.world_size} ranks")
+        if [(c.name, c.num_rows, c.dim) for c in plan.tables] != \
+                [(c.name, c.num_rows, c.dim) for c in configs]:
+            raise ValueError("the plan was made for other tables (names, rows, widths)")
+        if pooling not in ("sum", "mean"):
+            raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
+        self.plan, self.tables, self.world_size = plan, tuple(plan.tables), plan.world_size
+        self.optimizer, self.pooling, self.dtype = optimizer, pooling, np.dtype(dtype)
+        self.dims = tuple(c.dim for c in self.tables)
+        self.dim_offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.dims)]))
+        self.total_dim = self.dim_offsets[-1]
+        # Each rank's collection, zero-built then filled with the unsharded start. Mean
+        # pooling travels as weights (1 / bag length), so the shards pool by sums.
+        self.shards = []
+        for r in range(self.world_size):
+            mine = plan.shards_of(r)
+            if not mine:
+                self.shards.append(None)
+                continue
+            local = EmbeddingCollection(
+                [dataclasses.replace(c, init="zeros") for c in plan.local_configs(r)],
+                optimizer, optimizer_kwargs, pooling="sum", dtype=dtype, device="cpu", seed=0)
+            for k, s in enumerate(mine):
+                fill_shard_weights(local, k, self.tables[s.table_index].init, seed,
+                                   s.table_index, s.row_start)
+            self.shards.append(local)
+        self._routes()
+        self._function = _make(self)
+
+    # ------------------------------------------------------------------ static routes
+
+    def _routes(self) -> None:
+        plan, world = self.plan, self.world_size
+        rows = [c.num_rows for c in self.tables]
+        base = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+        slots = {s: k for r in range(world) for k, s in enumerate(plan.shards_of(r))}
+        self.max_slots = max(1, max(len(plan.shards_of(r)) for r in range(world)))
+        self._rows = np.asarray(rows, np.int64)
+        self._base = base
+        # Shards in plan order (by table, then row start): their first global row.
+        self._shard_start = np.asarray([base[s.table_index] + s.row_start
+                                        for s in plan.shards], np.int64)
+        self._shard_owner = np.asarray([s.rank for s in plan.shards], np.int32)
+        self._shard_slot = np.asarray([slots[s] for s in plan.shards], np.int32)
+        self._shard_first = np.asarray([s.row_start for s in plan.shards], np.int64)
+        self._last_shard = np.asarray([max(i for i, s in enumerate(plan.shards)
+                                           if s.table_index == t)
+                                       for t in range(len(self.tables))], np.int32)
+        # The owners' output columns: owner r's column c holds global column target[r, c]
+        # (total_dim where it holds nothing: dropped).
+        self.max_dim = max(1, max(sum(self.dims[s.table_index] for s in plan.shards_of(r))
+                                  for r in range(world)))
+        target = np.full((world, self.max_dim), self.total_dim, np.int32)
+        for r in range(world):
+            cols = [c for s in plan.shards_of(r)
+                    for c in range(self.dim_offsets[s.table_index],
+                                   self.dim_offsets[s.table_index + 1])]
+            target[r, :len(cols)] = cols
+        self._target = target
+
+    # ------------------------------------------------------------------ the step
+
+    def __call__(self, indices, offsets, per_sample_weights=None, *, axis_name,
+                 anchor=None) -> jax.Array:
+        """This device's pooled rows, ``(B_local, total_dim)``, every table at the columns
+        the unsharded collection gives it. Call inside ``jax.shard_map`` over ``axis_name``
+        (every device together: it is a collective).
+
+        ``indices``: this device's lookups, table-major as FBGEMM lays them out, padded to a
+        fixed length ``L`` (entries at ``offsets[-1]`` and after are ignored); ``L`` is the
+        capacity of every message this device sends. ``offsets``: ``T * B_local + 1``.
+        ``per_sample_weights``: optional, one per index. ``anchor``:
+        :func:`~xferlib.adapters.jax.collection_anchor`'s array, among the parameters you
+        differentiate: its gradient runs every owner's fused backward + update.
+        """
+        indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+        for name, a in (("indices", indices), ("offsets", offsets)):
+            if a.dtype not in (jnp.int32, jnp.int64) or a.ndim != 1:
+                raise TypeError(f"{name} must be a 1-D int32 or int64 array, got "
+                                f"{a.dtype} of shape {a.shape}")
+        T = len(self.tables)
+        if offsets.shape[0] < 1 or (offsets.shape[0] - 1) % T:
+            raise ValueError(f"offsets must have T * B + 1 entries for T = {T} tables, got "
+                             f"{offsets.shape[0]}")
+        n = int(jax.lax.axis_size(axis_name))
+        if n != self.world_size:
+            raise ValueError(f"mesh axis {axis_name!r} has {n} devices but the plan is for "
+                             f"{self.world_size}")
+        if per_sample_weights is not None:
+            per_sample_weights = jnp.asarray(per_sample_weights)
+            if per_sample_weights.shape != indices.shape:
+                raise ValueError(f"per_sample_weights must have shape {indices.shape}, got "
+                                 f"{per_sample_weights.shape}")
+        if anchor is None:
+            anchor = collection_anchor()
+        with typed_errors():
+            return self._step(indices.astype(jnp.int32), offsets.astype(jnp.int32),
+                              per_sample_weights, axis_name, anchor)
+
+    def _step(self, indices, offsets, psw, axis_name, anchor):
+        N, T, S = self.world_size, len(self.tables), self.max_slots
+        L = indices.shape[0]
+        b = (offsets.shape[0] - 1) // T
+        me = jax.lax.axis_index(axis_name)
+        # 1. Route: each lookup's bag, table, shard, owner, slot and local index.
+        pos = jnp.arange(L, dtype=jnp.int32)
+        valid = pos < offsets[-1]
+        bag = jnp.clip(jnp.searchsorted(offsets, pos, side="right").astype(jnp.int32) - 1,
+                       0, max(T * b - 1, 0))
+        t = bag // max(b, 1)
+        j = bag % max(b, 1)
+        rows = jnp.asarray(self._rows)[t]
+        bad = valid & ((indices < 0) | (indices >= rows))
+        grow = jnp.asarray(self._base)[t] + jnp.clip(indices, 0, rows - 1)
+        shard = jnp.searchsorted(jnp.asarray(self._shard_start), grow,
+                                 side="right").astype(jnp.int32) - 1
+        # An index out of range goes to its table's last shard, out of the shard's range:
+        # the owner's collection refuses it (IndexError). Every device learns of it (the
+        # count of bad lookups, summed over the mesh) and raises in the same callback, so
+        # no device is left waiting in a collective and no table changes.
+        last = jnp.asarray(self._last_shard)[t]
+        shard = jnp.where(bad, last, shard)
+        owner = jnp.asarray(self._shard_owner)[shard]
+        slot = jnp.asarray(self._shard_slot)[shard]
+        local = jnp.where(bad, indices - jnp.asarray(self._shard_first)[last].astype(jnp.int32),
+                          grow - jnp.asarray(self._shard_start)[shard]).astype(jnp.int32)
+        n_bad = jax.lax.psum(jnp.sum(bad.astype(jnp.int32)), axis_name)
+        weights = jnp.ones((L,), self.dtype) if psw is None else psw.astype(self.dtype)
+        if self.pooling == "mean":
+            lengths = jnp.diff(offsets)
+            inv = 1 / jnp.maximum(lengths, 1).astype(self.dtype)
+            weights = weights * inv[bag]
+        # Sort stably by (owner, slot): each owner's lookups slot by slot, bags in order.
+        key = jnp.where(valid, owner * S + slot, N * S)
+        order = jnp.argsort(key, stable=True)
+        sorted_owner = jnp.where(valid, owner, N)[order]
+        count = jnp.zeros((N + 1,), jnp.int32).at[sorted_owner].add(1)
+        first = jnp.cumsum(count) - count
+        at = jnp.arange(L, dtype=jnp.int32) - first[sorted_owner]
+        send_idx = jnp.zeros((N, L), jnp.int32).at[sorted_owner, at].set(
+            local[order], mode="drop")
+        send_w = jnp.zeros((N, L), self.dtype).at[sorted_owner, at].set(
+            weights[order], mode="drop")
+        # Lookups per (owner, slot, bag of this device).
+        seg = jnp.where(valid, (owner * S + slot) * b + j, N * S * b)
+        send_len = jnp.zeros((N * S * b + 1,), jnp.int32).at[seg].add(1)[:-1].reshape(
+            N, S, b)
+        # 2. To the owners: recv_*[src] is what device src sent here.
+        recv_len = jax.lax.all_to_all(send_len, axis_name, 0, 0, tiled=True)
+        recv_idx = jax.lax.all_to_all(send_idx, axis_name, 0, 0, tiled=True)
+        recv_w = jax.lax.all_to_all(send_w, axis_name, 0, 0, tiled=True)
+        # 3. One batch: slot by slot, each slot's bags source after source.
+        per = recv_len.sum(axis=2)                                 # (src, slot)
+        src_start = jnp.cumsum(per, axis=1) - per                  # in recv_idx[src]
+        seg_len = per.T.reshape(-1)                                # (slot, src) order
+        dst_start = jnp.cumsum(seg_len) - seg_len
+        total = seg_len.sum()
+        p = jnp.arange(N * L, dtype=jnp.int32)
+        seg_of = jnp.clip(jnp.searchsorted(dst_start, p, side="right").astype(jnp.int32) - 1,
+                          0, S * N - 1)
+        # Equal starts (empty segments) resolve to the last of them, whose start holds.
+        src_pos = src_start.T.reshape(-1)[seg_of] + p - dst_start[seg_of]
+        src_of = seg_of % N
+        take = jnp.where(p < total, src_of * L + src_pos, 0)
+        owner_idx = jnp.where(p < total, recv_idx.reshape(-1)[take], 0)
+        owner_w = jnp.where(p < total, recv_w.reshape(-1)[take], 0)
+        lens = recv_len.transpose(1, 0, 2).reshape(-1)            # (slot, src, bag)
+        owner_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens)])
+        status = jnp.stack([me.astype(jnp.int32), n_bad])
+        pooled = self._function(anchor, status, owner_idx, owner_off, owner_w,
+                                N * b)                              # (N * b, max_dim)
+        # 4. Back to the requesters: back[r] holds owner r's columns of this device's bags.
+        back = jax.lax.all_to_all(pooled.reshape(N, b, self.max_dim), axis_name, 0, 0,
+                                  tiled=True)
+        cols = jnp.asarray(self._target).reshape(-1)
+        flat = back.transpose(1, 0, 2).reshape(b, N * self.max_dim)
+        return jnp.zeros((b, self.total_dim + 1), self.dtype).at[:, cols].add(
+            flat)[:, :self.total_dim]
+
+    # ------------------------------------------------------------------ reading back
+
+    def table_weights(self, table) -> np.ndarray:
+        """Table ``table``'s (index or name) rows, gathered from its shards."""
+        return self._gather(table, lambda coll, k: coll.weights(k))
+
+    def table_state(self, table, name: str) -> np.ndarray:
+        """Table ``table``'s optimizer state ``name``, gathered from its shards."""
+        return self._gather(table, lambda coll, k: coll.state(k, name))
+
+    def state_names(self):
+        coll = next(c for c in self.shards if c is not None)
+        return coll.state_names()
+
+    def _gather(self, table, read) -> np.ndarray:
+        parts = []
+        for s in self.plan.table_shards(table):
+            k = self.plan.shards_of(s.rank).index(s)
+            parts.append(np.array(read(self.shards[s.rank], k)))
+        return np.concatenate(parts)
+
+
+def _make(sharded: ShardedCollection):
+    """The owners' pooled lookup as a custom_vjp: each device's callback runs the collection
+    of its rank (the rank arrives as an input buffer, read on the host)."""
+    shards = sharded.shards
+    S, max_dim = sharded.max_slots, sharded.max_dim
+
+    def core_inputs(rank_b, idx_b, off_b, w_b, B):
+        rank, n_bad = (int(x) for x in np.asarray(rank_b))
+        coll = shards[rank]
+        if n_bad:  # this device's own error first, else the other device's
+            if coll is not None:
+                off = np.array(as_core_array(off_b, False)[:coll.num_tables * B + 1])
+                check_inputs_numpy(coll, np.array(as_core_array(idx_b, False)[:off[-1]]), off)
+            raise IndexError(f"{n_bad} index(es) out of range on another device of the "
+                             f"mesh (an out-of-range lookup is sent to its table's owner); "
+                             f"no table changed")
+        if coll is None:
+            return None, None, None, None
+        T_me = coll.num_tables
+        off = np.array(as_core_array(off_b, False)[:T_me * B + 1])
+        n = int(off[-1])
+        idx = np.array(as_core_array(idx_b, False)[:n])
+        w = np.array(as_core_array(w_b, False)[:n])
+        return coll, idx, off, w
+
+    def key(rank_b, idx_b):
+        return int(np.asarray(rank_b)[0]), np.asarray(idx_b).ctypes.data
+
+    def forward_callback(train):
+        @reporting
+        def callback(ctx, out, rank_b, idx_b, off_b, w_b):
+            if is_gpu_buffer(out):
+                raise TypeError("ShardedCollection runs on JAX's CPU backend for now")
+            out = as_core_array(out, False)
+            out.fill(0)
+            coll, idx, off, w = core_inputs(rank_b, idx_b, off_b, w_b, out.shape[0])
+            if coll is None:
+                return
+            pooled, lookup = coll.forward(idx, off, w, _for_update=train)
+            out[:, :coll.total_dim] = pooled
+            if train:
+                coll.keep_context(key(rank_b, idx_b), lookup)
+        return callback
+
+    @reporting
+    def update_callback(ctx, token, rank_b, idx_b, off_b, w_b, out_b, g_b):
+        fill_token(ctx, token, False)
+        g = as_core_array(g_b, False)
+        coll, idx, off, w = core_inputs(rank_b, idx_b, off_b, w_b, g.shape[0])
+        if coll is None:
+            return
+        lookup = coll.take_context(key(rank_b, idx_b))
+        if lookup is None:  # the forward's context is gone: plan the batch again
+            _, lookup = coll.forward(idx, off, w)
+        coll.backward(lookup, np.ascontiguousarray(g[:, :coll.total_dim]))
+
+    def pooled(rank, idx, off, w, B, callback):
+        out_type = jax.ShapeDtypeStruct((B, max_dim), sharded.dtype)
+        out = buffer_callback(callback, out_type, has_side_effect=True)(rank, idx, off, w)
+        # Typed as differing between devices (it does): JAX types a callback's output as
+        # the same on every device, and would sum its gradient over the mesh.
+        return vary_like(out, idx)
+
+    lookup_cb, train_cb = forward_callback(False), forward_callback(True)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+    def function(anchor, rank, idx, off, w, B):
+        return pooled(rank, idx, off, w, B, lookup_cb)
+
+    def fwd(anchor, rank, idx, off, w, B):
+        out = pooled(rank, idx, off, w, B, train_cb)
+        return out, (anchor, rank, idx, off, w, out)
+
+    def bwd(B, res, g):
+        anchor, rank, idx, off, w, out = res
+        token_type = jax.ShapeDtypeStruct((), np.int32)
+        # The forward's output is an input of the update, unread: the update runs after the
+        # lookup. Nothing reads the token: the side effect keeps the update.
+        token = buffer_callback(update_callback, token_type, has_side_effect=True)(
+            rank, idx, off, w, out, g.astype(sharded.dtype))
+        # The anchor's (zero-size) gradient depends on the token: inside shard_map an
+        # unused side-effecting call would be dropped.
+        f0 = jax.dtypes.float0
+        return (jnp.zeros_like(anchor) + (token * 0).astype(anchor.dtype), np.zeros(rank.shape, f0), np.zeros(idx.shape, f0),
+                np.zeros(off.shape, f0), jnp.zeros_like(w))
+
+    function.defvjp(fwd, bwd)
+    return function

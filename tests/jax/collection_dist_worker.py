@@ -1,0 +1,173 @@
+"""Runs the sharded-collection checks in a fresh process (forced host devices must be set
+before JAX starts its backends) and prints one JSON line: ``{case: max abs error or error
+text}``.
+
+    python tests/jax/collection_dist_worker.py --devices 2
+
+Every case trains a :class:`ShardedCollection` inside ``jax.shard_map`` over N devices (each
+device its own batch) and one unsharded collection on the global batch (the devices' batches
+concatenated, bags device after device), from the same seed, and reports the largest
+difference of the pooled rows, the weights and the optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--devices", type=int, required=True)
+    return p.parse_args()
+
+
+ARGS = _parse()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={ARGS.devices}")
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+from xferlib.adapters.jax import (ShardedCollection, collection_anchor,  # noqa: E402
+                                  embedding_bag_collection)
+from xferlib.collection import EmbeddingCollection, TableConfig, plan_sharding  # noqa: E402
+
+N = ARGS.devices
+DEVICES = jax.devices("cpu")[:N]
+if len(DEVICES) < N:
+    sys.exit(f"needs {N} cpu devices, found {len(DEVICES)}")
+MESH = Mesh(np.array(DEVICES), ("x",))
+TABLES = [TableConfig(11, 4, name="a"), TableConfig(5, 3, name="b", placement="host"),
+          TableConfig(17, 8, name="c"), TableConfig(3, 2, name="d")]
+HYPER = {"sgd": {"lr": 0.3, "momentum": 0.9}, "rowwise_adagrad": {"lr": 0.2},
+         "adam": {"lr": 0.05}, "adagrad": {"lr": 0.1}}
+B_LOCAL, MAX_LEN, PAD, STEPS = 3, 4, 5, 3
+
+
+def _batches(rng, weighted):
+    """Each device's batch (indices padded by PAD, offsets, weights) and the global one."""
+    T = len(TABLES)
+    lengths = rng.integers(0, MAX_LEN + 1, size=(N, T, B_LOCAL))
+    bags = [[[rng.integers(0, TABLES[t].num_rows, lengths[d, t, j])
+              for j in range(B_LOCAL)] for t in range(T)] for d in range(N)]
+    cap = T * B_LOCAL * MAX_LEN + PAD
+    loc_idx = np.zeros((N, cap), np.int32)
+    loc_w = np.zeros((N, cap), np.float32)
+    loc_off = np.zeros((N, T * B_LOCAL + 1), np.int32)
+    weights = [[[rng.uniform(0.5, 2.0, lengths[d, t, j]).astype(np.float32)
+                 for j in range(B_LOCAL)] for t in range(T)] for d in range(N)]
+    for d in range(N):
+        flat = [x for t in range(T) for x in bags[d][t]]
+        flat_w = [x for t in range(T) for x in weights[d][t]]
+        n = sum(len(x) for x in flat)
+        loc_idx[d, :n] = np.concatenate(flat)
+        loc_idx[d, n:] = rng.integers(-5, 50, cap - n)  # padding: ignored whatever it holds
+        loc_w[d, :n] = np.concatenate(flat_w)
+        loc_off[d] = np.concatenate([[0], np.cumsum([len(x) for x in flat])])
+    g_bags = [x for t in range(T) for d in range(N) for x in bags[d][t]]
+    g_w = [x for t in range(T) for d in range(N) for x in weights[d][t]]
+    g_idx = np.concatenate(g_bags).astype(np.int32)
+    g_off = np.concatenate([[0], np.cumsum([len(x) for x in g_bags])]).astype(np.int32)
+    g_wt = np.concatenate(g_w).astype(np.float32)
+    return (loc_idx.reshape(-1), loc_off.reshape(-1), loc_w.reshape(-1),
+            g_idx, g_off, g_wt if weighted else None)
+
+
+def _case(optimizer, row_wise=(), pooling="sum", weighted=False):
+    rng = np.random.default_rng(sum(map(ord, optimizer + pooling)) + len(row_wise))
+    plan = plan_sharding(TABLES, N, optimizer=optimizer, row_wise=row_wise)
+    sharded = ShardedCollection(TABLES, optimizer, HYPER[optimizer], plan=plan,
+                                pooling=pooling, seed=3)
+    one = EmbeddingCollection(TABLES, optimizer, HYPER[optimizer], pooling=pooling,
+                              device="cpu", seed=3)
+    total = one.total_dim
+
+    def mesh_loss(anchor, idx, off, w, target):
+        pooled = sharded(idx, off, w if weighted else None, axis_name="x", anchor=anchor)
+        return jnp.sum(pooled * target), pooled
+
+    def mesh_step(anchor, idx, off, w, target):
+        g, pooled = jax.grad(mesh_loss, has_aux=True)(anchor, idx, off, w, target)
+        return g, pooled
+
+    mesh_f = jax.jit(jax.shard_map(mesh_step, mesh=MESH,
+                                   in_specs=(P(), P("x"), P("x"), P("x"), P("x")),
+                                   out_specs=(P(), P("x"))))
+
+    def one_loss(anchor, idx, off, w, target):
+        pooled = embedding_bag_collection(one, idx, off, w, anchor=anchor)
+        return jnp.sum(pooled * target), pooled
+
+    one_f = jax.jit(jax.grad(one_loss, has_aux=True))
+    err = 0.0
+    anchor = collection_anchor()
+    for _ in range(STEPS):
+        idx, off, w, g_idx, g_off, g_w = _batches(rng, weighted)
+        target = rng.standard_normal((N * B_LOCAL, total)).astype(np.float32)
+        _, pooled = mesh_f(anchor, idx, off, w, target)
+        _, ref = one_f(anchor, g_idx, g_off, g_w, target)
+        err = max(err, float(np.abs(np.asarray(pooled) - np.asarray(ref)).max()))
+    for t in range(len(TABLES)):
+        err = max(err, float(np.abs(sharded.table_weights(t) - one.weights(t)).max()))
+        for name in one.state_names():
+            a = sharded.table_state(t, name).astype(np.float64)
+            err = max(err, float(np.abs(a - one.state(t, name).astype(np.float64)).max()))
+    return err
+
+
+def _bad_index_case():
+    """An index out of range on the last device: an error, and no table changes."""
+    plan = plan_sharding(TABLES, N, optimizer="sgd")
+    sharded = ShardedCollection(TABLES, "sgd", {"lr": 0.1}, plan=plan)
+    before = [sharded.table_weights(t).copy() for t in range(len(TABLES))]
+    rng = np.random.default_rng(0)
+    idx, off, w, *_ = _batches(rng, False)
+    cap = idx.size // N
+    idx = idx.copy()
+    idx[(N - 1) * cap] = 99  # the last device's first lookup (table a)
+
+    def step(anchor, i, o):
+        # The pooled rows come back too: a program whose every output is zero-size (the
+        # anchor's gradient alone) is not run at all.
+        return jax.grad(lambda a: (lambda p: (p.sum(), p))(
+            sharded(i, o, axis_name="x", anchor=a)), has_aux=True)(anchor)
+
+    f = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(P(), P("x"), P("x")),
+                              out_specs=(P(), P("x"))))
+    try:
+        jax.block_until_ready(f(collection_anchor(), idx, off))
+    except Exception as err:
+        if "out of range" not in str(err):
+            return f"wrong error: {err}"[:300]
+    else:
+        return "no error"
+    return max(float(np.abs(sharded.table_weights(t) - before[t]).max())
+               for t in range(len(TABLES)))
+
+
+def main():
+    cases = {}
+    for optimizer in HYPER:
+        cases[f"table_wise-{optimizer}"] = lambda o=optimizer: _case(o)
+    cases["row_wise-sgd"] = lambda: _case("sgd", row_wise=("a", "c"))
+    cases["row_wise-rowwise_adagrad"] = lambda: _case("rowwise_adagrad", row_wise=("c",))
+    cases["table_wise-mean"] = lambda: _case("adam", pooling="mean")
+    cases["table_wise-weighted"] = lambda: _case("rowwise_adagrad", weighted=True)
+    cases["bad-index"] = _bad_index_case
+    results = {}
+    for name, case in cases.items():
+        try:
+            results[name] = case()
+        except Exception as err:  # reported per case, so one failure names itself
+            results[name] = f"{type(err).__name__}: {err}"[:800]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
