@@ -50,7 +50,7 @@ HYPER = {"sgd": {"lr": 0.3, "momentum": 0.9}, "rowwise_adagrad": {"lr": 0.2},
 B_LOCAL, MAX_LEN, PAD, STEPS = 3, 4, 5, 3
 
 
-def _batches(rng, weighted):
+def _batches(rng, weighted, TABLES=TABLES):
     """Each device's batch (indices padded by PAD, offsets, weights) and the global one."""
     T = len(TABLES)
     lengths = rng.integers(0, MAX_LEN + 1, size=(N, T, B_LOCAL))
@@ -79,7 +79,8 @@ def _batches(rng, weighted):
             g_idx, g_off, g_wt if weighted else None)
 
 
-def _case(optimizer, row_wise=(), pooling="sum", weighted=False):
+def _case(optimizer, row_wise=(), pooling="sum", weighted=False, tables=TABLES):
+    TABLES = tables
     rng = np.random.default_rng(sum(map(ord, optimizer + pooling)) + len(row_wise))
     plan = plan_sharding(TABLES, N, optimizer=optimizer, row_wise=row_wise)
     sharded = ShardedCollection(TABLES, optimizer, HYPER[optimizer], plan=plan,
@@ -108,7 +109,7 @@ def _case(optimizer, row_wise=(), pooling="sum", weighted=False):
     err = 0.0
     anchor = collection_anchor()
     for _ in range(STEPS):
-        idx, off, w, g_idx, g_off, g_w = _batches(rng, weighted)
+        idx, off, w, g_idx, g_off, g_w = _batches(rng, weighted, TABLES)
         target = rng.standard_normal((N * B_LOCAL, total)).astype(np.float32)
         _, pooled = mesh_f(anchor, idx, off, w, target)
         _, ref = one_f(anchor, g_idx, g_off, g_w, target)
@@ -159,6 +160,8 @@ def main():
     cases["row_wise-rowwise_adagrad"] = lambda: _case("rowwise_adagrad", row_wise=("c",))
     cases["table_wise-mean"] = lambda: _case("adam", pooling="mean")
     cases["table_wise-weighted"] = lambda: _case("rowwise_adagrad", weighted=True)
+    # One table: every rank but one holds no shard (its callback writes zero columns).
+    cases["ranks-without-shards"] = lambda: _case("adam", tables=TABLES[2:3])
     cases["bad-index"] = _bad_index_case
     results = {}
     for name, case in cases.items():
