@@ -298,7 +298,7 @@ def _make(sharded: ShardedCollection):
     """The owners' pooled lookup as a custom_vjp: each device's callback runs the collection
     of its rank (the rank arrives as an input buffer, read on the host)."""
     shards = sharded.shards
-    S, max_dim = sharded.max_slots, sharded.max_dim
+    max_dim = sharded.max_dim
 
     def core_inputs(rank_b, idx_b, off_b, w_b, B):
         rank, n_bad = (int(x) for x in np.asarray(rank_b))
@@ -372,12 +372,10 @@ def _make(sharded: ShardedCollection):
         token_type = jax.ShapeDtypeStruct((), np.int32)
         # The forward's output is an input of the update, unread: the update runs after the
         # lookup. Nothing reads the token: the side effect keeps the update.
-        token = buffer_callback(update_callback, token_type, has_side_effect=True)(
+        buffer_callback(update_callback, token_type, has_side_effect=True)(
             rank, idx, off, w, out, g.astype(sharded.dtype))
-        # The anchor's (zero-size) gradient depends on the token: inside shard_map an
-        # unused side-effecting call would be dropped.
         f0 = jax.dtypes.float0
-        return (jnp.zeros_like(anchor) + (token * 0).astype(anchor.dtype), np.zeros(rank.shape, f0), np.zeros(idx.shape, f0),
+        return (jnp.zeros_like(anchor), np.zeros(rank.shape, f0), np.zeros(idx.shape, f0),
                 np.zeros(off.shape, f0), jnp.zeros_like(w))
 
     function.defvjp(fwd, bwd)
