@@ -56,23 +56,8 @@ def _checked(coll, indices, offsets, per_sample_weights):
         raise TypeError(f"coll must be an xferlib.collection.EmbeddingCollection, got "
                         f"{type(coll).__name__}")
     indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
-    for name, array in (("indices", indices), ("offsets", offsets)):
-        if array.dtype not in (jnp.int32, jnp.int64):
-            raise TypeError(f"{name} must be an int32 or int64 array, got {array.dtype}")
-        if array.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
-    T = coll.num_tables
-    if offsets.shape[0] < 1 or (offsets.shape[0] - 1) % T:
-        raise ValueError(f"offsets must have T * B + 1 entries for T = {T} tables, got "
-                         f"{offsets.shape[0]}")
-    weights = None
-    if per_sample_weights is not None:
-        weights = jnp.asarray(per_sample_weights)
-        if not jnp.issubdtype(weights.dtype, jnp.floating):
-            raise TypeError(f"per_sample_weights must be floating point, got {weights.dtype}")
-        if weights.shape != indices.shape:
-            raise ValueError(f"per_sample_weights must have shape {indices.shape} (one per "
-                             f"index), got {weights.shape}")
+    weights = None if per_sample_weights is None else jnp.asarray(per_sample_weights)
+    coll.check_shapes(indices, offsets, weights)
     if is_concrete(indices, offsets):
         # An eager call: offsets and every index against its table on the host now, so a bad
         # batch raises the core's ValueError / IndexError before the op runs (under jit the

@@ -312,8 +312,11 @@ class EmbeddingCollection:
             return indices, offsets, xp.concatenate([xp.asarray(p[2]) for p in parts])
         return indices, offsets
 
-    def _check(self, indices, offsets, per_sample_weights):
-        """Dtypes and shapes of the inputs (both paths); returns the batch size B."""
+    def check_shapes(self, indices, offsets, per_sample_weights=None) -> int:
+        """The input checks that need no values: dtypes and shapes of FBGEMM's layout (any
+        array with ``dtype``, ``ndim`` and ``shape``: NumPy, CuPy, or a JAX array an adapter
+        checks before tracing); returns the batch size B. The values (offsets, indices
+        against their tables) are checked by :meth:`forward`."""
         for name, array in (("indices", indices), ("offsets", offsets)):
             if not hasattr(array, "dtype") or array.dtype not in (np.int32, np.int64):
                 raise TypeError(f"{name} must be an int32 or int64 array, got "
@@ -329,7 +332,7 @@ class EmbeddingCollection:
         if per_sample_weights is not None:
             if is_cupy_array(per_sample_weights) != is_cupy_array(indices):
                 raise TypeError("per_sample_weights must be in the same namespace as indices")
-            if per_sample_weights.dtype.kind != "f":
+            if not _floating(per_sample_weights.dtype):
                 raise TypeError(f"per_sample_weights must be floating point, got "
                                 f"{per_sample_weights.dtype}")
             if per_sample_weights.shape != indices.shape:
@@ -346,7 +349,7 @@ class EmbeddingCollection:
         the indices' namespace, ``ctx`` for :meth:`backward`. Bad input raises before
         anything changes (GPU indices: from a later call or :meth:`check`, see
         ``xferlib.batch``)."""
-        B = self._check(indices, offsets, per_sample_weights)
+        B = self.check_shapes(indices, offsets, per_sample_weights)
         if out is not None and out.shape != (B, self.total_dim):
             raise ValueError(f"out must have shape {(B, self.total_dim)}, got {out.shape}")
         if is_cupy_array(indices):
@@ -473,6 +476,11 @@ class EmbeddingCollection:
         from xferlib.collection.io import load_collection
 
         return load_collection(path, cls, device=device)
+
+
+def _floating(dtype) -> bool:
+    """NumPy's floating kinds, and ml_dtypes' (bfloat16, ...: NumPy files them as kind 'V')."""
+    return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float8"))
 
 
 def _namespace(array):

@@ -21,17 +21,15 @@ new collection is returned.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
-import stat
 
 import numpy as np
 
 from xferlib.atomic import atomic_write
 from xferlib.collection.config import TableConfig
 from xferlib.collection.storage import TableBlock
-from xferlib.table.io_format import (check_arrays, read_header, read_table_file,
-                                     write_table_file)
+from xferlib.table.io_format import (check_arrays, open_for_reading, read_header,
+                                     read_table_file, write_table_file)
 
 __all__ = ["KIND", "collection_config", "save_collection", "load_collection"]
 
@@ -129,14 +127,8 @@ def load_collection(path, build, *, device=None):
     hyperparameters are restored. ValueError naming ``path`` for a truncated, corrupt or
     foreign file and for one that does not match the collection its configuration makes."""
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = open_for_reading(path, "a collection", "collection")
     try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, f"cannot load a collection from {path}: it "
-                                    f"is a directory", path)
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"{path} is not an xferlib collection file (not a regular file)")
         meta = read_header(fd, path)
         config = meta["config"]
         if config.get("kind") != KIND:

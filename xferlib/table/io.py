@@ -15,10 +15,8 @@ and a few chunk buffers, never a second copy.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
 
 import numpy as np
 
@@ -64,14 +62,8 @@ def load_table(path, build):
     constructor arguments and returns ``(table, arrays)``, its named host arrays to fill;
     the file is streamed into them. ValueError for a truncated, corrupt or foreign file."""
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = io_format.open_for_reading(path, "a table", "HostTable")
     try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, f"cannot load a table from {path}: it is a "
-                                    f"directory", path)
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"{path} is not an xferlib HostTable file (not a regular file)")
         head = os.read(fd, 8)
         if head.startswith(b"PK"):  # a zip archive: format 1 (.npz)
             return _load_npz(path, build)

@@ -29,7 +29,6 @@ two buffers.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import struct
@@ -103,6 +102,24 @@ def write_table_file(fd: int, config: dict, arrays: dict) -> None:
 def is_table_file(head: bytes) -> bool:
     """Whether a file starting with ``head`` is in this format (any version)."""
     return head[:len(MAGIC)] == MAGIC
+
+
+def open_for_reading(path: str, noun: str, kind: str) -> int:
+    """A read-only descriptor of the regular file at ``path``; IsADirectoryError for a
+    directory and ValueError for any other kind of file, naming ``path`` (``noun``: what is
+    being loaded, "a table"; ``kind``: the files it reads, "HostTable")."""
+    import errno
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, f"cannot load {noun} from {path}: it is a "
+                                f"directory", path)
+    raise ValueError(f"{path} is not an xferlib {kind} file (not a regular file)")
 
 
 def read_header(fd: int, path: str) -> dict:
