@@ -171,8 +171,14 @@ def _make_run(job, args, preset, plan, device, xp, ranks, sharding=None):
 
         return TorchRun(preset, plan, args.seed, device, engine=job.engine,
                         graph=not args.no_graph, optimizer=job.optimizer, ranks=ranks,
-                        sharding=sharding if job.engine == "xferlib" else None)
-    if args.devices > 1:  # the mesh keeps the per-table design until the sharding plan
+                        sharding=sharding if job.engine == "xferlib" and ranks.world > 1
+                        else None)
+    if args.devices > 1 and sharding is not None:  # the collection sharded over the mesh
+        from dlrm_parts.jax_sharded_run import JaxShardedRun
+
+        return JaxShardedRun(preset, plan, args.seed, device, sharding, xp=xp,
+                             devices=args.devices, optimizer=job.optimizer)
+    if args.devices > 1:  # TT tables: the replicated per-table design
         from dlrm_parts.jax_mesh_run import JaxMeshRun
 
         return JaxMeshRun(preset, plan, args.seed, device, xp=xp, devices=args.devices)
@@ -328,11 +334,13 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
         else:
             print("FBGEMM TBE comparison: skipped (needs fbgemm_gpu and a GPU)")
     sharding = None
-    if ranks.world > 1:  # the collection's tables sharded over the ranks
-        sharding = _sharding(args, preset, plan, ranks.world, jobs[0].optimizer, pooling,
+    world = ranks.world if ranks.world > 1 else args.devices  # torchrun's ranks or JAX's mesh
+    if world > 1:  # the collection's tables sharded over the ranks / devices
+        sharding = _sharding(args, preset, plan, world, jobs[0].optimizer, pooling,
                              batch_size, device)
+        where = "rank" if ranks.world > 1 else "device"
         print(sharding.describe() if sharding is not None else
-              "TT tables: every table replicated on every rank (no sharding plan)")
+              f"TT tables: every table replicated on every {where} (no sharding plan)")
     failed, run = [], None
     for job in jobs:
         name = job.name(args.placement)

@@ -429,6 +429,26 @@ def test_jax_on_two_devices_equals_one_device(placement, tmp_path):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-4
 
 
+@pytest.mark.slow
+def test_jax_checkpoint_of_two_devices_continues_on_one(tmp_path):
+    """--devices 2 shards the collection over the mesh; its checkpoint holds every table
+    whole, so one device continues it and ends where an uninterrupted run ends."""
+    pytest.importorskip("torch")
+    pytest.importorskip("optax")
+    common = ("--framework", "jax", "--device", "cpu", "--eval-samples", 2048, "--evals", 1,
+              "--batch-size", 256)
+    _ok(_run(*common, "--steps", 24, "--json", tmp_path / "full.json"))
+    first = _ok(_run(*common, "--steps", 12, "--devices", 2, "--save", tmp_path / "ckpt"))
+    assert "sharding plan over 2 ranks" in first.stdout
+    _ok(_run(*common, "--steps", 12, "--load", tmp_path / "ckpt", "--json",
+             tmp_path / "resumed.json"))
+    full = json.loads((tmp_path / "full.json").read_text())
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["runs"][0]["total_steps"] == 24
+    assert resumed["logloss"] == pytest.approx(full["logloss"], rel=1e-6)
+    assert resumed["auc"] == pytest.approx(full["auc"], abs=1e-6)
+
+
 def test_devices_is_refused_for_torch_and_a_batch_it_does_not_divide():
     assert _run("--framework", "torch", "--devices", 2).returncode == 2
     result = _run("--framework", "jax", "--devices", 3, "--batch-size", 256)

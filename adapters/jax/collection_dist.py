@@ -24,8 +24,11 @@ back to their owners (JAX's transpose of the ``all_to_all``), and each owner's c
 its fused backward + update on the rows it holds. Each row's gradients are summed in the order
 one device sums them on the concatenated global batch.
 
-CPU backend only for now (forced host devices, ``--xla_force_host_platform_device_count``):
-the owner's callback reads its true lookup count from the received offsets on the host.
+On the CPU backend (forced host devices, ``--xla_force_host_platform_device_count``) every
+rank's collection lives in host memory; on GPUs (``device="cuda"``) rank ``r``'s collection
+lives on the ``r``-th device of the mesh and its kernels run on XLA's stream there. Either way
+the owner's callback reads its true lookup count from the received offsets on the host (on a
+GPU: a wait for that device's stream, a few bytes copied; the other devices run on).
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from xferlib.adapters.jax._callback import as_core_array, is_gpu_buffer, vary_like
+from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
+                                            vary_like, xla_stream)
 from xferlib.adapters.jax.collection import collection_anchor
 from xferlib.adapters.jax.errors import reporting, typed_errors
 from xferlib.adapters.jax.host import fill_token
+from xferlib.backend import as_cupy_stream, stream_scope
 from xferlib.collection import EmbeddingCollection
 from xferlib.collection.config import TableConfig
 from xferlib.collection.numpy_path import check_inputs_numpy
@@ -61,6 +66,9 @@ class ShardedCollection:
       plan: a :class:`~xferlib.collection.ShardingPlan` of these tables; default
         ``plan_sharding(tables, world_size, optimizer=...)``.
       world_size: the mesh axis's size (needed without ``plan``).
+      device: ``"cpu"`` (JAX's CPU backend) or ``"cuda"`` (JAX's GPUs).
+      devices: the mesh's devices in axis order (``mesh.devices.ravel()``): rank ``r``'s
+        shards live on ``devices[r]``; default ``jax.devices()`` of that platform.
 
     ``shards[rank]`` is rank ``rank``'s collection of its shards (None for a rank without
     any); :meth:`table_weights` and :meth:`table_state` put a table back together.
@@ -83,7 +91,10 @@ class ShardedCollection:
 
     def __init__(self, tables, optimizer: str = "sgd", optimizer_kwargs=None, *,
                  plan: ShardingPlan | None = None, world_size: int | None = None,
-                 pooling: str = "sum", dtype="float32", seed: int = 0):
+                 pooling: str = "sum", dtype="float32", seed: int = 0,
+                 device: str = "cpu", devices=None):
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         configs = [t if isinstance(t, TableConfig) else TableConfig(*t) for t in tables]
         configs = [c.named(k) for k, c in enumerate(configs)]
         if plan is None:
@@ -99,7 +110,17 @@ class ShardedCollection:
             raise ValueError("the plan was made for other tables (names, rows, widths)")
         if pooling not in ("sum", "mean"):
             raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
+        if devices is None:
+            devices = jax.devices("gpu" if device == "cuda" else "cpu")
+        devices = list(devices)
+        if len(devices) < plan.world_size:
+            raise ValueError(f"the plan is for {plan.world_size} ranks but only "
+                             f"{len(devices)} {device} device(s) were given")
         self.plan, self.tables, self.world_size = plan, tuple(plan.tables), plan.world_size
+        self.device = device
+        # Rank r's collection on the CUDA device behind the mesh's r-th device.
+        self._ordinals = [int(getattr(d, "local_hardware_id", None) or d.id)
+                          if device == "cuda" else None for d in devices[:plan.world_size]]
         self.optimizer, self.pooling, self.dtype = optimizer, pooling, np.dtype(dtype)
         self.dims = tuple(c.dim for c in self.tables)
         self.dim_offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.dims)]))
@@ -112,12 +133,14 @@ class ShardedCollection:
             if not mine:
                 self.shards.append(None)
                 continue
-            local = EmbeddingCollection(
-                [dataclasses.replace(c, init="zeros") for c in plan.local_configs(r)],
-                optimizer, optimizer_kwargs, pooling="sum", dtype=dtype, device="cpu", seed=0)
-            for k, s in enumerate(mine):
-                fill_shard_weights(local, k, self.tables[s.table_index].init, seed,
-                                   s.table_index, s.row_start)
+            with self.shard_scope(r):
+                local = EmbeddingCollection(
+                    [dataclasses.replace(c, init="zeros") for c in plan.local_configs(r)],
+                    optimizer, optimizer_kwargs, pooling="sum", dtype=dtype, device=device,
+                    seed=0)
+                for k, s in enumerate(mine):
+                    fill_shard_weights(local, k, self.tables[s.table_index].init, seed,
+                                       s.table_index, s.row_start)
             self.shards.append(local)
         self._routes()
         self._function = _make(self)
@@ -286,12 +309,114 @@ class ShardedCollection:
         coll = next(c for c in self.shards if c is not None)
         return coll.state_names()
 
+    def shard_scope(self, rank: int):
+        """A ``with`` context making rank ``rank``'s GPU CuPy's current device (a no-op on
+        the CPU backend): where to read or release ``shards[rank]``."""
+        return _on_device(self._ordinals[rank])
+
+    def state_dict(self) -> dict:
+        """Every table whole, as :meth:`EmbeddingCollection.state_dict` gives it
+        (``"<table>.weight"``, ``"<table>.<state>"``, NumPy): loads into a collection of the
+        same tables in one process, or into a :class:`ShardedCollection` of any plan."""
+        out = {}
+        for t, config in enumerate(self.tables):
+            out[f"{config.name}.weight"] = self.table_weights(t)
+            for name in self.state_names():
+                out[f"{config.name}.{name}"] = self.table_state(t, name)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a whole-table state dict (:meth:`state_dict`'s form, or an unsharded
+        collection's): each rank's shards take their rows. KeyError / ValueError before any
+        shard changes when a table or state is missing or has other rows."""
+        local = []
+        for r, coll in enumerate(self.shards):
+            if coll is None:
+                local.append(None)
+                continue
+            part = {}
+            for s in self.plan.shards_of(r):
+                for name in ("weight", *self.state_names()):
+                    key = f"{s.table}.{name}"
+                    if key not in state:
+                        raise KeyError(f"state dict has no {key!r}")
+                    whole = np.asarray(state[key])
+                    if whole.shape[0] != self.tables[s.table_index].num_rows:
+                        raise ValueError(f"{key} has {whole.shape[0]} rows; table "
+                                         f"{s.table!r} has "
+                                         f"{self.tables[s.table_index].num_rows}")
+                    part[f"{s.local_name}.{name}"] = whole[s.row_start:s.row_stop]
+            local.append(part)
+        for r, (coll, part) in enumerate(zip(self.shards, local)):
+            if coll is not None:
+                with self.shard_scope(r):
+                    coll.load_state_dict(part)
+
+    def save(self, directory, tag: str = "") -> None:
+        """Write a checkpoint into ``directory``: one crash-safe file per shard, then the
+        manifest naming them (last). The same files as the torch
+        ``save_sharded`` writes: either framework's sharded or unsharded collection loads
+        them (``load``, ``xferlib.adapters.torch.load_sharded``), on any plan."""
+        import os
+
+        from xferlib.collection.sharding import save_shard_files, write_manifest
+
+        os.makedirs(directory, exist_ok=True)
+        for r, coll in enumerate(self.shards):
+            if coll is None:
+                continue
+            with self.shard_scope(r):
+                state = coll.state_dict()
+            arrays = {}
+            for s in self.plan.shards_of(r):
+                head = s.local_name + "."
+                arrays[s.local_name] = {k[len(head):]: v for k, v in state.items()
+                                        if k.startswith(head)}
+            save_shard_files(directory, self.plan, r, arrays, tag)
+        write_manifest(directory, self.plan, dict(optimizer=self.optimizer,
+                                                  pooling=self.pooling,
+                                                  dtype=self.dtype.name), tag)
+
+    def load(self, directory) -> None:
+        """Load the checkpoint in ``directory`` (saved on any plan, by either framework):
+        each shard reads its rows from whichever saved shards hold them. ValueError when
+        the tables (names, rows, widths) or the optimizer differ."""
+        from xferlib.collection.sharding import read_manifest, read_rows
+
+        manifest = read_manifest(directory)
+        theirs = [(c.name, c.num_rows, c.dim) for c in manifest["plan"].tables]
+        ours = [(c.name, c.num_rows, c.dim) for c in self.tables]
+        if theirs != ours:
+            raise ValueError(f"the checkpoint in {directory} holds tables {theirs}; this "
+                             f"collection has {ours}")
+        if manifest["meta"]["optimizer"] != self.optimizer:
+            raise ValueError(f"the checkpoint in {directory} holds "
+                             f"{manifest['meta']['optimizer']!r} optimizer state; this "
+                             f"collection runs {self.optimizer!r}")
+        state = {}
+        for t, config in enumerate(self.tables):
+            rows = read_rows(directory, manifest, config.name, 0, config.num_rows)
+            state.update({f"{config.name}.{k}": v for k, v in rows.items()})
+        self.load_state_dict(state)
+
     def _gather(self, table, read) -> np.ndarray:
         parts = []
         for s in self.plan.table_shards(table):
             k = self.plan.shards_of(s.rank).index(s)
-            parts.append(np.array(read(self.shards[s.rank], k)))
+            with self.shard_scope(s.rank):
+                parts.append(np.array(read(self.shards[s.rank], k)))
         return np.concatenate(parts)
+
+
+def _on_device(ordinal):
+    """CuPy's current device for a rank's collection (a no-op on the CPU backend)."""
+    if ordinal is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.Device(ordinal)
 
 
 def _make(sharded: ShardedCollection):
@@ -300,55 +425,83 @@ def _make(sharded: ShardedCollection):
     shards = sharded.shards
     max_dim = sharded.max_dim
 
-    def core_inputs(rank_b, idx_b, off_b, w_b, B):
-        rank, n_bad = (int(x) for x in np.asarray(rank_b))
+    def host_ints(buffer, gpu, stream, start, stop):
+        """``buffer[start:stop]`` as host ints; on a GPU once the work XLA queued before on
+        ``stream`` is done (a copy on that stream, waited for)."""
+        array = as_core_array(buffer, gpu)[start:stop]
+        if gpu:
+            array = array.get(stream=as_cupy_stream(stream))
+        return [int(v) for v in array]
+
+    def core_inputs(rank_b, idx_b, off_b, w_b, B, gpu, stream):
+        """This device's collection and its batch: the received lookups cut to their true
+        count (read from the offsets), views of XLA's buffers."""
+        rank, n_bad = host_ints(rank_b, gpu, stream, 0, 2)
         coll = shards[rank]
         if n_bad:  # this device's own error first, else the other device's
             if coll is not None:
-                off = np.array(as_core_array(off_b, False)[:coll.num_tables * B + 1])
-                check_inputs_numpy(coll, np.array(as_core_array(idx_b, False)[:off[-1]]), off)
+                off = np.array(host_ints(off_b, gpu, stream, 0, coll.num_tables * B + 1))
+                idx = np.array(host_ints(idx_b, gpu, stream, 0, int(off[-1])))
+                check_inputs_numpy(coll, idx, off)
             raise IndexError(f"{n_bad} index(es) out of range on another device of the "
                              f"mesh (an out-of-range lookup is sent to its table's owner); "
                              f"no table changed")
         if coll is None:
-            return None, None, None, None
+            return rank, None, None, None, None
         T_me = coll.num_tables
-        off = np.array(as_core_array(off_b, False)[:T_me * B + 1])
-        n = int(off[-1])
-        idx = np.array(as_core_array(idx_b, False)[:n])
-        w = np.array(as_core_array(w_b, False)[:n])
-        return coll, idx, off, w
+        n, = host_ints(off_b, gpu, stream, T_me * B, T_me * B + 1)
+        off = as_core_array(off_b, gpu)[:T_me * B + 1]
+        idx = as_core_array(idx_b, gpu)[:n]
+        w = as_core_array(w_b, gpu)[:n]
+        if not gpu:  # the NumPy path takes its own copies
+            off, idx, w = np.array(off), np.array(idx), np.array(w)
+        return rank, coll, idx, off, w
 
-    def key(rank_b, idx_b):
-        return int(np.asarray(rank_b)[0]), np.asarray(idx_b).ctypes.data
+    def key(rank, idx_b):
+        try:
+            address = idx_b.__cuda_array_interface__["data"][0]
+        except Exception:  # CPU buffers have no CUDA interface
+            address = np.asarray(idx_b).ctypes.data
+        return rank, address
 
     def forward_callback(train):
         @reporting
         def callback(ctx, out, rank_b, idx_b, off_b, w_b):
-            if is_gpu_buffer(out):
-                raise TypeError("ShardedCollection runs on JAX's CPU backend for now")
-            out = as_core_array(out, False)
-            out.fill(0)
-            coll, idx, off, w = core_inputs(rank_b, idx_b, off_b, w_b, out.shape[0])
-            if coll is None:
-                return
-            pooled, lookup = coll.forward(idx, off, w, _for_update=train)
-            out[:, :coll.total_dim] = pooled
-            if train:
-                coll.keep_context(key(rank_b, idx_b), lookup)
+            gpu = is_gpu_buffer(out)
+            with device_scope(gpu, out):
+                stream = xla_stream(ctx, gpu)
+                out = as_core_array(out, gpu)
+                rank, coll, idx, off, w = core_inputs(rank_b, idx_b, off_b, w_b,
+                                                      out.shape[0], gpu, stream)
+                with stream_scope(stream, gpu):
+                    out.fill(0)
+                if coll is None:
+                    return
+                pooled, lookup = coll.forward(idx, off, w, stream=stream, _for_update=train)
+                with stream_scope(stream, gpu):
+                    out[:, :coll.total_dim] = pooled
+                if train:
+                    coll.keep_context(key(rank, idx_b), lookup)
         return callback
 
     @reporting
     def update_callback(ctx, token, rank_b, idx_b, off_b, w_b, out_b, g_b):
-        fill_token(ctx, token, False)
-        g = as_core_array(g_b, False)
-        coll, idx, off, w = core_inputs(rank_b, idx_b, off_b, w_b, g.shape[0])
-        if coll is None:
-            return
-        lookup = coll.take_context(key(rank_b, idx_b))
-        if lookup is None:  # the forward's context is gone: plan the batch again
-            _, lookup = coll.forward(idx, off, w)
-        coll.backward(lookup, np.ascontiguousarray(g[:, :coll.total_dim]))
+        gpu = is_gpu_buffer(token)
+        with device_scope(gpu, token):
+            stream = xla_stream(ctx, gpu)
+            fill_token(ctx, token, gpu)
+            g = as_core_array(g_b, gpu)
+            rank, coll, idx, off, w = core_inputs(rank_b, idx_b, off_b, w_b, g.shape[0],
+                                                  gpu, stream)
+            if coll is None:
+                return
+            lookup = coll.take_context(key(rank, idx_b))
+            if lookup is None:  # the forward's context is gone: plan the batch again
+                _, lookup = coll.forward(idx, off, w, stream=stream)
+            with stream_scope(stream, gpu):
+                grad = g[:, :coll.total_dim]
+                grad = grad if grad.flags.c_contiguous else grad.copy()
+            coll.backward(lookup, grad, stream=stream)
 
     def pooled(rank, idx, off, w, B, callback):
         out_type = jax.ShapeDtypeStruct((B, max_dim), sharded.dtype)

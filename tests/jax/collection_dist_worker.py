@@ -2,12 +2,14 @@
 before JAX starts its backends) and prints one JSON line: ``{case: max abs error or error
 text}``.
 
-    python tests/jax/collection_dist_worker.py --devices 2
+    python tests/jax/collection_dist_worker.py --devices 2 [--platform gpu]
 
 Every case trains a :class:`ShardedCollection` inside ``jax.shard_map`` over N devices (each
 device its own batch) and one unsharded collection on the global batch (the devices' batches
 concatenated, bags device after device), from the same seed, and reports the largest
-difference of the pooled rows, the weights and the optimizer state.
+difference of the pooled rows, the weights and the optimizer state. ``--platform gpu``: the
+mesh's devices are the first N GPUs, each rank's collection on its own GPU, the unsharded one
+on the first.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ import sys
 def _parse():
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
     return p.parse_args()
 
 
 ARGS = _parse()
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={ARGS.devices}")
-os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+if ARGS.platform == "cpu":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={ARGS.devices}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -39,9 +44,10 @@ from xferlib.adapters.jax import (ShardedCollection, collection_anchor,  # noqa:
 from xferlib.collection import EmbeddingCollection, TableConfig, plan_sharding  # noqa: E402
 
 N = ARGS.devices
-DEVICES = jax.devices("cpu")[:N]
+DEVICES = jax.devices(ARGS.platform)[:N]
 if len(DEVICES) < N:
-    sys.exit(f"needs {N} cpu devices, found {len(DEVICES)}")
+    sys.exit(f"needs {N} {ARGS.platform} devices, found {len(DEVICES)}")
+CORE_DEVICE = "cuda" if ARGS.platform == "gpu" else "cpu"
 MESH = Mesh(np.array(DEVICES), ("x",))
 TABLES = [TableConfig(11, 4, name="a"), TableConfig(5, 3, name="b", placement="host"),
           TableConfig(17, 8, name="c"), TableConfig(3, 2, name="d")]
@@ -84,9 +90,9 @@ def _case(optimizer, row_wise=(), pooling="sum", weighted=False, tables=TABLES):
     rng = np.random.default_rng(sum(map(ord, optimizer + pooling)) + len(row_wise))
     plan = plan_sharding(TABLES, N, optimizer=optimizer, row_wise=row_wise)
     sharded = ShardedCollection(TABLES, optimizer, HYPER[optimizer], plan=plan,
-                                pooling=pooling, seed=3)
+                                pooling=pooling, seed=3, device=CORE_DEVICE, devices=DEVICES)
     one = EmbeddingCollection(TABLES, optimizer, HYPER[optimizer], pooling=pooling,
-                              device="cpu", seed=3)
+                              device=CORE_DEVICE, seed=3)
     total = one.total_dim
 
     def mesh_loss(anchor, idx, off, w, target):
@@ -114,18 +120,59 @@ def _case(optimizer, row_wise=(), pooling="sum", weighted=False, tables=TABLES):
         _, pooled = mesh_f(anchor, idx, off, w, target)
         _, ref = one_f(anchor, g_idx, g_off, g_w, target)
         err = max(err, float(np.abs(np.asarray(pooled) - np.asarray(ref)).max()))
-    for t in range(len(TABLES)):
-        err = max(err, float(np.abs(sharded.table_weights(t) - one.weights(t)).max()))
-        for name in one.state_names():
-            a = sharded.table_state(t, name).astype(np.float64)
-            err = max(err, float(np.abs(a - one.state(t, name).astype(np.float64)).max()))
+    err = max(err, _state_error(sharded.state_dict(), one.state_dict()))
     return err
+
+
+def _state_error(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(float(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)).max())
+               for k in a)
+
+
+def _checkpoint_case():
+    """A trained sharded collection saved per shard loads into another plan (row-wise, the
+    ranks reversed) and into one collection, and its state dict into both: equal state."""
+    import tempfile
+
+    TABLES_ = TABLES
+    if N < 2:
+        return 0.0  # a plan over one rank has nothing to reshard
+    rng = np.random.default_rng(5)
+    hyper = HYPER["adam"]
+    plan = plan_sharding(TABLES_, N, optimizer="adam")
+    sharded = ShardedCollection(TABLES_, "adam", hyper, plan=plan, seed=4,
+                                device=CORE_DEVICE, devices=DEVICES)
+    step = jax.jit(jax.shard_map(
+        lambda a, i, o, t: jax.grad(lambda a: jnp.sum(
+            sharded(i, o, axis_name="x", anchor=a) * t))(a),
+        mesh=MESH, in_specs=(P(), P("x"), P("x"), P("x")), out_specs=P()))
+    for _ in range(2):
+        idx, off, *_ = _batches(rng, False, TABLES_)
+        target = rng.standard_normal((N * B_LOCAL, sharded.total_dim)).astype(np.float32)
+        jax.block_until_ready(step(collection_anchor(), idx, off, target))
+    saved = sharded.state_dict()
+    other = ShardedCollection(TABLES_, "adam", hyper, device=CORE_DEVICE, devices=DEVICES,
+                              plan=plan_sharding(TABLES_, N, optimizer="adam",
+                                                 row_wise=("a", "c")))
+    one = EmbeddingCollection(TABLES_, "adam", hyper, device=CORE_DEVICE)
+    with tempfile.TemporaryDirectory() as folder:
+        sharded.save(folder, tag="s1")
+        other.load(folder)
+        err = _state_error(other.state_dict(), saved)
+    one.load_state_dict(saved)  # the sharded state dict loads into one collection
+    err = max(err, _state_error(one.state_dict(), saved))
+    fresh = ShardedCollection(TABLES_, "adam", hyper, device=CORE_DEVICE, devices=DEVICES,
+                              plan=plan)
+    fresh.load_state_dict(one.state_dict())  # and one collection's into a sharded one
+    return max(err, _state_error(fresh.state_dict(), saved))
 
 
 def _bad_index_case():
     """An index out of range on the last device: an error, and no table changes."""
     plan = plan_sharding(TABLES, N, optimizer="sgd")
-    sharded = ShardedCollection(TABLES, "sgd", {"lr": 0.1}, plan=plan)
+    sharded = ShardedCollection(TABLES, "sgd", {"lr": 0.1}, plan=plan, device=CORE_DEVICE,
+                                devices=DEVICES)
     before = [sharded.table_weights(t).copy() for t in range(len(TABLES))]
     rng = np.random.default_rng(0)
     idx, off, w, *_ = _batches(rng, False)
@@ -163,6 +210,7 @@ def main():
     # One table: every rank but one holds no shard (its callback writes zero columns).
     cases["ranks-without-shards"] = lambda: _case("adam", tables=TABLES[2:3])
     cases["bad-index"] = _bad_index_case
+    cases["checkpoint-reshard"] = _checkpoint_case
     results = {}
     for name, case in cases.items():
         try:

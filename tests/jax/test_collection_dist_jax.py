@@ -1,6 +1,7 @@
 """ShardedCollection (a collection's tables sharded by a plan over a JAX mesh, lookups and
 pooled rows moved by all_to_all) trains what one unsharded collection trains on the global
-batch: 2 and 3 forced host devices, table-wise and row-wise plans.
+batch: 2 and 3 forced host devices, table-wise and row-wise plans; on GPUs, a mesh of each
+GPU the machine has (one GPU: a mesh of one, the callbacks' GPU path).
 
 JAX fixes its device count when its backends start, so the checks run in a fresh process
 (``collection_dist_worker.py``, about 10 s each) with N forced host devices."""
@@ -20,15 +21,17 @@ WORKER = Path(__file__).with_name("collection_dist_worker.py")
 TOLERANCE = 2e-5  # float32: a row-wise table's partial sums are added per owner
 CASES = (["table_wise-sgd", "table_wise-rowwise_adagrad", "table_wise-adam",
           "table_wise-adagrad", "row_wise-sgd", "row_wise-rowwise_adagrad",
-          "table_wise-mean", "table_wise-weighted", "ranks-without-shards", "bad-index"])
+          "table_wise-mean", "table_wise-weighted", "ranks-without-shards", "bad-index",
+          "checkpoint-reshard"])
 EXACT = [c for c in CASES if not c.startswith("row_wise")]
 
 
 @functools.lru_cache(maxsize=None)
-def _run(devices: int) -> dict:
+def _run(devices: int, platform: str = "cpu") -> dict:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(WORKER), "--devices", str(devices)],
+    proc = subprocess.run([sys.executable, str(WORKER), "--devices", str(devices),
+                           "--platform", platform],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -45,3 +48,25 @@ def test_sharded_equals_one_collection_on_the_global_batch(devices, case):
     # order, so the pooled rows, weights and optimizer state are bit for bit equal.
     limit = 0.0 if case in EXACT else TOLERANCE
     assert result <= limit, f"{case} on {devices} devices differs by {result}"
+
+
+def _gpus() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sharded_on_gpus_equals_one_collection(devices, case):
+    """Each rank's shards on its own GPU, the kernels on XLA's stream there."""
+    if _gpus() < devices:
+        pytest.skip(f"needs {devices} GPUs, found {_gpus()}")
+    result = _run(devices, "gpu")[case]
+    assert not isinstance(result, str), f"{case} on {devices} GPUs: {result}"
+    limit = 0.0 if case in EXACT else TOLERANCE
+    assert result <= limit, f"{case} on {devices} GPUs differs by {result}"

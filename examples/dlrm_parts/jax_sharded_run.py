@@ -1,0 +1,223 @@
+"""The DLRM in JAX on N devices of one host (``--devices N``): the collection's tables sharded
+by xferlib's plan, the dense part data-parallel.
+
+The tables (HBM, or host RAM with a GPU cache of hot rows) are one
+``xferlib.adapters.jax.ShardedCollection``: each device holds the shards the plan
+(``sharding.sharding_plan``) gives it, in its own GPU's memory or pinned host RAM. The step
+runs inside ``jax.shard_map`` over a 1-D mesh, the global batch sharded: every device sends
+each lookup of its samples to the owner of its table (``all_to_all``), each owner pools its
+rows in one pass, the pooled rows come back; in the backward each owner runs its fused
+backward + Adagrad update on the rows it holds. The MLPs live in one flat buffer, replicated;
+their gradient is summed over the mesh (JAX's transpose of a replicated value) and every
+device applies the same ``flat_step(flat_adam)``.
+
+Each device's loss is its samples' summed BCE over the GLOBAL batch size, so the model trained
+is the one a single device trains on the global batch (``jax_run.py``; the same initial
+values). TT placements (``--placement tt``) keep the replicated design of ``jax_mesh_run.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
+
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import xferlib  # noqa: E402
+from xferlib.adapters.jax import (ShardedCollection, collection_anchor, flat_adam,  # noqa: E402
+                                  flat_step, ravel)
+
+from . import init as initial  # noqa: E402
+from .jax_run import JaxRun  # noqa: E402
+
+AXIS = "batch"
+
+
+def _bce_sum(logit, label):
+    return jnp.sum(jnp.maximum(logit, 0) - logit * label + jnp.log1p(jnp.exp(-jnp.abs(logit))))
+
+
+class JaxShardedRun(JaxRun):
+    """``JaxRun``'s model with its collection sharded over ``devices`` devices by
+    ``sharding`` (a :class:`xferlib.collection.ShardingPlan` of the plan's tables)."""
+
+    def __init__(self, preset, plan, seed, device, sharding, xp=np, devices=2,
+                 optimizer="adagrad"):
+        if any(t.where == "tt" for t in plan.tables):
+            raise ValueError("TT tables are not sharded: use jax_mesh_run.JaxMeshRun")
+        self.xp, self.gpu = xp, device != "cpu"
+        self.preset, self.plan, self.dim = preset, plan, preset.dim
+        num_tables = len(plan.tables)
+        found = jax.devices("cpu" if device == "cpu" else None)
+        if len(found) < devices:
+            raise ValueError(f"--devices {devices}: JAX sees {len(found)} {found[0].platform} "
+                             f"device(s)" + (" (set XLA_FLAGS=--xla_force_host_platform_device_"
+                                             f"count={devices} before jax is imported)"
+                                             if device == "cpu" else ""))
+        if sharding.world_size != devices:
+            raise ValueError(f"the sharding plan is for {sharding.world_size} ranks, not "
+                             f"--devices {devices}")
+        self.device, self.devices = found[0], int(devices)
+        self.mesh = Mesh(np.array(found[:devices]), (AXIS,))
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._batch_specs = (PartitionSpec(AXIS), PartitionSpec(None, AXIS),
+                             PartitionSpec(AXIS))
+        self._batch = tuple(NamedSharding(self.mesh, s) for s in self._batch_specs)
+
+        def to(a):  # NumPy initial values to the device (CuPy), then to JAX, replicated
+            return jax.device_put(xferlib.to_jax(xp.asarray(a), copy=True), self._replicated)
+
+        dense = initial.dense_params(preset, num_tables, seed)
+        params = {name: [(to(dense[f"{name}.{i}.weight"]), to(dense[f"{name}.{i}.bias"]))
+                         for i in range(len(sizes) - 1)]
+                  for name, sizes in zip(("bottom", "top"), initial.mlp_sizes(preset, num_tables))}
+        self.flat, self.unravel = ravel(params)
+        self.tx = flat_adam(preset.lr_dense)
+        self.opt_state = jax.device_put(self.tx.init(self.flat), self._replicated)
+        self.coll_tables, self.tt_tables = [t.index for t in plan.tables], []
+        self.tt, self.tt_acc, self.tt_shapes = [], [], []
+        self.collection = ShardedCollection(
+            sharding.tables, optimizer, {"lr": preset.lr_embedding}, plan=sharding, seed=seed,
+            device="cuda" if self.gpu else "cpu", devices=found[:devices])
+        self.anchor = jax.device_put(collection_anchor(), self._replicated)
+        self.li, self.lj = np.triu_indices(num_tables + 1, 1)
+        self.steps_done = 0
+        self.graph_note = (f"one jax.jit step over {devices} devices (shard_map), the "
+                           f"collection sharded: {sharding.describe().splitlines()[0]}")
+        self._build()
+
+    # ------------------------------------------------------------------ the model
+    def _embed(self, anchor, tt, cat):
+        """This device's ``(b, tables, dim)``: its samples' lookups sent to the owners of
+        their tables, pooled there, and brought back."""
+        T, b, L = cat.shape
+        offsets = jnp.arange(0, T * b * L + 1, L, dtype=jnp.int32)
+        pooled = self.collection(cat.reshape(-1), offsets, axis_name=AXIS, anchor=anchor)
+        return pooled.reshape(b, T, self.dim)
+
+    def _build(self):
+        tx, rep, n_devices = self.tx, PartitionSpec(), self.devices
+
+        def loss_fn(flat, anchor, dense, cat, label):
+            logits = self._interact(flat, dense, self._embed(anchor, (), cat))
+            # this device's share of the global mean: the devices' gradients add up to it
+            return _bce_sum(logits, label) / (label.shape[0] * n_devices)
+
+        def step(flat, opt_state, anchor, dense, cat, label):
+            # the owners' tables take their Adagrad step while the gradient is taken
+            loss, (g_flat, _) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+                flat, anchor, dense, cat, label)
+            flat, opt_state = flat_step(tx, g_flat, opt_state, flat)
+            return flat, opt_state, jax.lax.psum(loss, AXIS)
+
+        self._train_step = jax.jit(jax.shard_map(
+            step, mesh=self.mesh, in_specs=(rep, rep, rep) + self._batch_specs,
+            out_specs=rep), donate_argnums=(0, 1))
+
+        def predict(flat, dense, cat):
+            return self._interact(flat, dense, self._embed(None, (), cat))
+
+        self._predict = jax.jit(jax.shard_map(
+            predict, mesh=self.mesh, in_specs=(rep,) + self._batch_specs[:2],
+            out_specs=PartitionSpec(AXIS)))
+
+    # ------------------------------------------------------------------ runner interface
+    def to_framework(self, batch):
+        # int32 rows (JAX runs without x64); each device gets its slice of the batch
+        to = xferlib.to_jax
+        data = (to(batch.dense), to(batch.cat.astype(self.xp.int32)), to(batch.label))
+        if data[2].shape[0] % self.devices:
+            return data  # an evaluation chunk that does not split: predict pads it
+        return tuple(jax.device_put(a, s) for a, s in zip(data, self._batch))
+
+    def step(self, data):
+        dense, cat, label = data
+        if label.shape[0] % self.devices:
+            raise ValueError(f"--batch-size {label.shape[0]} (the global batch) must be a "
+                             f"multiple of --devices {self.devices}")
+        self.flat, self.opt_state, loss = self._train_step(
+            self.flat, self.opt_state, self.anchor, dense, cat, label)
+        self.steps_done += 1
+        return loss
+
+    def predict(self, data):
+        dense, cat, _ = data
+        B = dense.shape[0]
+        pad = -B % self.devices
+        if pad:  # every device takes an equal slice: pad with copies of the first sample
+            dense = jnp.concatenate([dense, jnp.repeat(dense[:1], pad, axis=0)])
+            cat = jnp.concatenate([cat, jnp.repeat(cat[:, :1], pad, axis=1)], axis=1)
+            dense, cat = (jax.device_put(a, s) for a, s in zip((dense, cat), self._batch))
+        return self._predict(self.flat, dense, cat)[:B]
+
+    def sync(self):
+        jax.block_until_ready((self.flat, self.opt_state))
+        for rank, coll in enumerate(self.collection.shards):
+            if coll is not None:
+                with self.collection.shard_scope(rank):
+                    coll.check()
+
+    def profile(self, batches):
+        """No breakdown: ``--profile`` times one device's pieces (``jax_run.py``)."""
+        return {}
+
+    def peak_gpu_bytes(self) -> int:
+        if not self.gpu:
+            return 0
+        import cupy
+
+        stats = self.device.memory_stats() or {}
+        return int(stats.get("peak_bytes_in_use", 0)
+                   + cupy.get_default_memory_pool().total_bytes())
+
+    def cache_hit_rate(self):
+        if not self.gpu:
+            return None
+        hits = lookups = 0
+        for rank, coll in enumerate(self.collection.shards):
+            if coll is not None:
+                with self.collection.shard_scope(rank):
+                    stats = coll.cache_stats()
+                hits, lookups = hits + stats.get("hits", 0), lookups + stats.get("lookups", 0)
+        return hits / lookups if lookups else None
+
+    def close(self):
+        from .torch_run import release_collection
+
+        self.sync()
+        for rank, coll in enumerate(self.collection.shards):
+            if coll is not None:
+                with self.collection.shard_scope(rank):
+                    release_collection(coll)
+        self.collection = self.flat = self.opt_state = None
+        self._train_step = self._predict = None
+
+    # ------------------------------------------------------------------ checkpoint
+    def save_state(self, path):
+        """The one-device run's file: the collection's tables whole (``coll.*``), so a
+        checkpoint of N devices continues on any number of devices or on one."""
+        self.sync()
+        arrays = {"flat": self.flat, "count": self.opt_state.count,
+                  "steps_done": np.array(self.steps_done)}
+        arrays.update({f"opt.{i}": b for i, b in enumerate(self.opt_state.buffers)})
+        arrays.update({f"coll.{k}": v for k, v in self.collection.state_dict().items()})
+        np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
+
+    def load_state(self, path):
+        with np.load(path) as z:
+            a = {k: z[k] for k in z.files}
+
+        def to(v):
+            return jax.device_put(v, self._replicated)
+
+        self.flat = to(a["flat"])
+        self.opt_state = type(self.opt_state)(
+            to(a["count"]), tuple(to(a[f"opt.{i}"]) for i in range(len(self.opt_state.buffers))))
+        self.collection.load_state_dict({k[5:]: v for k, v in a.items()
+                                         if k.startswith("coll.")})
+        self.steps_done = int(a["steps_done"])
