@@ -344,7 +344,7 @@ def test_each_rank_creates_contexts_on_its_own_gpu_only(tmp_path):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              "--nproc_per_node=2", str(probe), "--quiet", "--device", "cuda",
-                             "--steps", 20, "--evals", 1, "--eval-samples", 4096],
+                             "--steps", "20", "--evals", "1", "--eval-samples", "4096"],
                             capture_output=True, text=True, timeout=600, env=env)
     _ok(result)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
-                                            vary_like, xla_stream)
+from xferlib.adapters.jax._callback import (as_core_array, buffer_device, device_scope,
+                                            is_gpu_buffer, vary_like, xla_stream)
 from xferlib.adapters.jax.collection import collection_anchor
 from xferlib.adapters.jax.errors import reporting, typed_errors
 from xferlib.adapters.jax.host import fill_token
@@ -422,7 +422,7 @@ def _on_device(ordinal):
 def _make(sharded: ShardedCollection):
     """The owners' pooled lookup as a custom_vjp: each device's callback runs the collection
     of its rank (the rank arrives as an input buffer, read on the host)."""
-    shards = sharded.shards
+    shards, ordinals = sharded.shards, sharded._ordinals
     max_dim = sharded.max_dim
 
     def host_ints(buffer, gpu, stream, start, stop):
@@ -432,6 +432,12 @@ def _make(sharded: ShardedCollection):
         if gpu:
             array = array.get(stream=as_cupy_stream(stream))
         return [int(v) for v in array]
+
+    def rank_of(rank_b, gpu, stream) -> int:
+        """This device's rank: on a GPU, from the device its buffers live on (no wait)."""
+        if gpu:
+            return ordinals.index(buffer_device(rank_b))
+        return host_ints(rank_b, gpu, stream, 0, 1)[0]
 
     def core_inputs(rank_b, idx_b, off_b, w_b, B, gpu, stream):
         """This device's collection and its batch: the received lookups cut to their true
@@ -491,12 +497,14 @@ def _make(sharded: ShardedCollection):
             stream = xla_stream(ctx, gpu)
             fill_token(ctx, token, gpu)
             g = as_core_array(g_b, gpu)
-            rank, coll, idx, off, w = core_inputs(rank_b, idx_b, off_b, w_b, g.shape[0],
-                                                  gpu, stream)
+            rank = rank_of(rank_b, gpu, stream)
+            coll = shards[rank]
             if coll is None:
                 return
-            lookup = coll.take_context(key(rank, idx_b))
+            lookup = coll.take_context(key(rank, idx_b))  # the forward's plan: no host read
             if lookup is None:  # the forward's context is gone: plan the batch again
+                _, coll, idx, off, w = core_inputs(rank_b, idx_b, off_b, w_b, g.shape[0],
+                                                   gpu, stream)
                 _, lookup = coll.forward(idx, off, w, stream=stream)
             with stream_scope(stream, gpu):
                 grad = g[:, :coll.total_dim]
