@@ -194,6 +194,53 @@ def test_bad_configs():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
+def test_padded_batches_train_as_their_true_part(backend, optimizer):
+    """``padded=True``: indices past offsets[-1] (any values, out of range included) are
+    ignored; the pooled rows, weights and state equal the unpadded batch's, bit for bit,
+    with host tables, their GPU cache and HBM tables. A batch that is all padding (B = 0)
+    changes nothing."""
+    backend = get_backend(backend)
+    xp = xp_of(backend)
+    rows, dims = [40, 7, 300], [8, 4, 16]
+
+    def build():
+        cache = 16 if backend.gpu else 0
+        return EmbeddingCollection([TableConfig(40, 8, placement="host", cache_rows=cache),
+                                    TableConfig(7, 4), TableConfig(300, 16, placement="host")],
+                                   optimizer, HYPER[optimizer], device=device_of(backend),
+                                   seed=2)
+
+    plain, padded = build(), build()
+    rng = np.random.default_rng(4)
+    for step in range(4):
+        indices, offsets = make_batch(rng, rows, B=6, max_len=5, zipf=step % 2 == 1)
+        psw = rng.uniform(0.5, 2.0, indices.size).astype(np.float32)
+        pad = int(rng.integers(1, 40))
+        junk = rng.integers(-9, 10**6, pad)  # padding: never read as a row
+        p_idx = np.concatenate([indices, junk]).astype(np.int64)
+        p_psw = np.concatenate([psw, np.full(pad, np.nan, np.float32)])
+        grad = rng.standard_normal((6, sum(dims))).astype(np.float32)
+        out_a, ctx_a = plain.forward(xp.asarray(indices), xp.asarray(offsets), xp.asarray(psw))
+        out_b, ctx_b = padded.forward(xp.asarray(p_idx), xp.asarray(offsets), xp.asarray(p_psw),
+                                      padded=True)
+        assert _host(out_a).tobytes() == _host(out_b).tobytes()
+        plain.backward(ctx_a, xp.asarray(grad))
+        padded.backward(ctx_b, xp.asarray(grad))
+    before = padded.state_dict()
+    out, ctx = padded.forward(xp.asarray(np.arange(5, dtype=np.int64)), xp.zeros(1, np.int64),
+                              padded=True)
+    padded.backward(ctx, xp.zeros((0, sum(dims)), np.float32))
+    assert _host(out).shape == (0, sum(dims))
+    a, b = plain.state_dict(), padded.state_dict()
+    for k in a:
+        assert a[k].tobytes() == b[k].tobytes() == before[k].tobytes(), k
+    with pytest.raises(ValueError, match="outside the padded"):
+        EmbeddingCollection([TableConfig(4, 2)]).forward(np.zeros(2, np.int64),
+                                                         np.array([0, 3]), padded=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_two_runs_bitwise_identical(backend):
     backend = get_backend(backend)
     xp = xp_of(backend)

@@ -58,17 +58,27 @@ __device__ __forceinline__ T lookup_scale(const T* psw, i64 l, int mean, i64 len
 PLAN = KernelDecl(
     "coll_plan", "template <typename K>",
     (("const K*", "indices"), ("const i64*", "offsets"), ("i64", "n"), ("i64", "bags"),
-     ("i64", "B"), ("const i64*", "meta"), ("i64*", "keys"), ("i64*", "bag_of"),
-     ("unsigned long long*", "words")),
+     ("i64", "B"), ("const i64*", "meta"), ("int", "padded"), ("i64", "pad_key"),
+     ("i64*", "keys"), ("i64*", "bag_of"), ("unsigned long long*", "words")),
     r"""
-    // A thread per bag: its bounds (the first bag starts at 0, the last ends at n, none
-    // goes back), each index against its own table; every lookup gets its collection-wide
-    // key and its bag. words[0]: first bad lookup; words[1]: first bad bag.
+    // A thread per bag: its bounds (the first bag starts at 0, the last ends at n, or at
+    // most n when `padded`; none goes back), each index against its own table; every lookup
+    // gets its collection-wide key and its bag. A padded batch's tail (from the last bag's
+    // end) gets `pad_key` (past every table's keys) and bag -1. words[0]: first bad lookup;
+    // words[1]: first bad bag.
     const i64 stride = (i64)gridDim.x * blockDim.x;
+    if (padded) {
+        i64 end = offsets[bags];
+        end = end < 0 ? 0 : (end > n ? n : end);
+        for (i64 l = end + (i64)blockIdx.x * blockDim.x + threadIdx.x; l < n; l += stride) {
+            keys[l] = pad_key;
+            bag_of[l] = -1;
+        }
+    }
     for (i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x; b < bags; b += stride) {
         const i64 lo = offsets[b], hi = offsets[b + 1];
         const bool ok = lo >= 0 && hi >= lo && hi <= n && (b > 0 || lo == 0)
-                        && (b < bags - 1 || hi == n);
+                        && (b < bags - 1 || hi == n || padded);
         if (!ok) { atomicMin(&words[1], (unsigned long long)b); continue; }
         const i64* m = meta + (b / B) * COLL_META;
         const i64 rows = m[M_NUM_ROWS], base = m[M_KEY_BASE];
@@ -99,7 +109,7 @@ RUNS = KernelDecl(
         int tab = 0;
         const i64 j = starts[r];
         const i64 l = j >= 0 && j < n ? perm[j] : -1;
-        if (l >= 0 && l < n) {
+        if (l >= 0 && l < n && bag_of[l] >= 0) {  // bag -1: a padded batch's tail
             tab = (int)(bag_of[l] / B);
             const i64* m = meta + (i64)tab * COLL_META;
             const i64 row = (i64)keys[j] - m[M_KEY_BASE];
@@ -125,7 +135,7 @@ POSITIONS = KernelDecl(
         i64 src = 0;
         T scale = (T)0;
         int dim = 0;
-        if (l >= 0 && l < n) {
+        if (l >= 0 && l < n && bag_of[l] >= 0) {  // bag -1: padding, no gradient
             const i64 bag = bag_of[l];
             const i64* m = meta + (bag / B) * COLL_META;
             i64 lo, hi;

@@ -343,18 +343,32 @@ class EmbeddingCollection:
     # ------------------------------------------------------------------ the step
 
     def forward(self, indices, offsets, per_sample_weights=None, *, out=None, stream=None,
-                _for_update: bool = True):
+                padded: bool = False, _for_update: bool = True):
         """The pooled lookup of every table: ``(out, ctx)``, ``out`` of shape
         ``(B, total_dim)`` (table ``t`` at columns ``dim_offsets[t]:dim_offsets[t + 1]``) in
         the indices' namespace, ``ctx`` for :meth:`backward`. Bad input raises before
         anything changes (GPU indices: from a later call or :meth:`check`, see
-        ``xferlib.batch``)."""
+        ``xferlib.batch``).
+
+        ``padded``: ``indices`` (and ``per_sample_weights``) are a fixed-size buffer whose
+        entries from ``offsets[-1]`` on are padding, ignored whatever they hold (FBGEMM's
+        contract, ``offsets[-1] == len(indices)``, relaxed to ``<=``): a batch whose true
+        size is known only on the GPU runs without reading it back (a CUDA graph, a
+        collective's fixed-capacity buffer)."""
         B = self.check_shapes(indices, offsets, per_sample_weights)
         if out is not None and out.shape != (B, self.total_dim):
             raise ValueError(f"out must have shape {(B, self.total_dim)}, got {out.shape}")
         if is_cupy_array(indices):
             return self._gpu_side().forward(indices, offsets, per_sample_weights, B, out,
-                                            stream, _for_update)
+                                            stream, _for_update, padded=padded)
+        if padded:  # NumPy: the true size is at hand
+            n = int(np.asarray(offsets)[-1]) if len(offsets) else 0
+            if not 0 <= n <= indices.shape[0]:
+                raise ValueError(f"offsets[-1] = {n} is outside the padded indices "
+                                 f"(0..{indices.shape[0]})")
+            indices = indices[:n]
+            per_sample_weights = (None if per_sample_weights is None
+                                  else per_sample_weights[:n])
         if self.device == "cuda":
             # NumPy in, NumPy out on a GPU collection: the inputs cross to the GPU and the
             # pooled rows come back (a copy each way and a sync; pass CuPy arrays to stay
@@ -372,11 +386,12 @@ class EmbeddingCollection:
         pooled = pooled_lookup_numpy(self, indices, offsets, per_sample_weights, B, out)
         return pooled, LookupContext(indices, offsets, per_sample_weights, B)
 
-    def lookup(self, indices, offsets, per_sample_weights=None, *, out=None, stream=None):
+    def lookup(self, indices, offsets, per_sample_weights=None, *, out=None, stream=None,
+               padded: bool = False):
         """The pooled lookup alone (no step will follow: host rows are read without their
         optimizer state)."""
         return self.forward(indices, offsets, per_sample_weights, out=out, stream=stream,
-                            _for_update=False)[0]
+                            padded=padded, _for_update=False)[0]
 
     def backward(self, ctx: LookupContext, grad_pooled, *, stream=None) -> None:
         """Every looked-up row receives its lookups' gradients from ``grad_pooled``

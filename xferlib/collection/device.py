@@ -55,8 +55,9 @@ class CollectionReport:
     """Words a collection batch's verdict: word 0 the first lookup out of its table's
     range, word 1 the first bag whose bounds are broken."""
 
-    def __init__(self, coll, indices, offsets):
+    def __init__(self, coll, indices, offsets, padded=False):
         self.coll, self.indices, self.offsets = coll, indices, offsets
+        self.padded = padded
 
     def __call__(self, bad: int, bad_bag: int) -> None:
         from xferlib.collection.numpy_path import check_offsets, table_error
@@ -65,7 +66,8 @@ class CollectionReport:
         offsets = np.asarray(host_values(self.offsets), dtype=np.int64)
         if bad_bag != NO_BAD:
             try:
-                check_offsets(offsets, int(self.indices.shape[0]))
+                n = int(self.indices.shape[0])
+                check_offsets(offsets, min(int(offsets[-1]), n) if self.padded else n)
             except ValueError as err:
                 raise ValueError(str(err) + note) from None
             raise ValueError(f"offsets of bag {bad_bag} are out of range{note}")
@@ -162,7 +164,8 @@ class CollectionDevice:
 
     # ---------------------------------------------------------------- forward
 
-    def forward(self, indices, offsets, psw, B, out, stream, for_update: bool = True):
+    def forward(self, indices, offsets, psw, B, out, stream, for_update: bool = True,
+                padded: bool = False):
         import cupy
 
         from xferlib.collection.collection import LookupContext
@@ -173,7 +176,10 @@ class CollectionDevice:
             self.checks.poll()
         n, bags = int(indices.shape[0]), coll.num_tables * B
         if bags == 0 and n:
-            raise ValueError(f"offsets describe no bag (B = 0) but there are {n} indices")
+            if not padded:
+                raise ValueError(f"offsets describe no bag (B = 0) but there are {n} indices")
+            n, indices = 0, indices[:0]  # all padding
+            psw = None if psw is None else psw[:0]
         module = collection_module()
         with stream:
             if out is None:
@@ -187,13 +193,16 @@ class CollectionDevice:
             bag_of = cupy.empty(n, dtype=np.int64)
             if bags:
                 grid, block = grid_1d(bags, 256, 65535)
+                # A padded batch's tail gets the key past every row (sorted last, one run
+                # that lives nowhere) and no bag.
                 PLAN.launch(module, (_key(indices),), grid, block, stream=stream,
                             indices=indices, offsets=offsets64, n=n, bags=bags, B=B,
-                            meta=self.meta, keys=keys, bag_of=bag_of, words=words)
+                            meta=self.meta, padded=int(padded), pad_key=self.total_rows,
+                            keys=keys, bag_of=bag_of, words=words)
             plan = GpuPlan(None, None, None, None, None, None, bag_of, offsets64, psw_c,
                            None, self.writes, words, n)
             if n:
-                plan.keys, plan.perm, _ = sort_positions(keys, max(self.total_rows, 1),
+                plan.keys, plan.perm, _ = sort_positions(keys, self.total_rows + 1,
                                                          stream=stream, tiled_max=n)
                 plan.run, plan.starts = run_ids(plan.keys, stream)
                 plan.run_off = cupy.empty(n, dtype=np.int64)
@@ -230,7 +239,8 @@ class CollectionDevice:
                             total_dim=coll.total_dim, verdict=words)
             elif out.size:
                 out.fill(0)
-            Verdict(words, CollectionReport(coll, indices, offsets)).defer(self.checks, stream)
+            Verdict(words, CollectionReport(coll, indices, offsets, padded)).defer(
+                self.checks, stream)
             self._record(stream)
         return out, LookupContext(indices, offsets, psw, B, plan)
 
