@@ -27,8 +27,11 @@ one device sums them on the concatenated global batch.
 On the CPU backend (forced host devices, ``--xla_force_host_platform_device_count``) every
 rank's collection lives in host memory; on GPUs (``device="cuda"``) rank ``r``'s collection
 lives on the ``r``-th device of the mesh and its kernels run on XLA's stream there. Either way
-the owner's callback reads its true lookup count from the received offsets on the host (on a
-GPU: a wait for that device's stream, a few bytes copied; the other devices run on).
+on the CPU the owner's callback reads its true lookup count from the received offsets, and on
+a GPU it reads nothing back: the owner's collection takes the received buffers whole as a
+padded batch (``EmbeddingCollection.forward(padded=True)``), and a bad lookup is reported by
+the owner's collection from its next call or :meth:`ShardedCollection.check`, nothing written
+on any device.
 """
 
 from __future__ import annotations
@@ -243,6 +246,9 @@ class ShardedCollection:
         local = jnp.where(bad, indices - jnp.asarray(self._shard_first)[last].astype(jnp.int32),
                           grow - jnp.asarray(self._shard_start)[shard]).astype(jnp.int32)
         n_bad = jax.lax.psum(jnp.sum(bad.astype(jnp.int32)), axis_name)
+        # A bad lookup anywhere: only the bad lookups travel, so no owner gets a batch it
+        # would train on (each owner that gets one refuses its batch: nothing is written).
+        valid = jnp.where(n_bad > 0, bad, valid)
         weights = jnp.ones((L,), self.dtype) if psw is None else psw.astype(self.dtype)
         if self.pooling == "mean":
             lengths = jnp.diff(offsets)
@@ -308,6 +314,14 @@ class ShardedCollection:
     def state_names(self):
         coll = next(c for c in self.shards if c is not None)
         return coll.state_names()
+
+    def check(self) -> None:
+        """Raise for the first bad batch any rank's collection refused on a GPU (reported
+        from the GPU without a wait; on the CPU backend a bad batch raises in the step)."""
+        for rank, coll in enumerate(self.shards):
+            if coll is not None:
+                with self.shard_scope(rank):
+                    coll.check()
 
     def shard_scope(self, rank: int):
         """A ``with`` context making rank ``rank``'s GPU CuPy's current device (a no-op on
@@ -470,6 +484,18 @@ def _make(sharded: ShardedCollection):
             address = np.asarray(idx_b).ctypes.data
         return rank, address
 
+    def gpu_inputs(rank_b, idx_b, off_b, w_b, B):
+        """On a GPU, nothing read back: the received buffers whole, a padded batch (its
+        true size is in the offsets, on the device). A bad lookup comes to its owner alone
+        (see ``_step``): that owner's collection refuses the batch and reports it from its
+        next call or :meth:`ShardedCollection.check`."""
+        rank = rank_of(rank_b, True, None)
+        coll = shards[rank]
+        if coll is None:
+            return rank, None, None, None, None
+        off = as_core_array(off_b, True)[:coll.num_tables * B + 1]
+        return rank, coll, as_core_array(idx_b, True), off, as_core_array(w_b, True)
+
     def forward_callback(train):
         @reporting
         def callback(ctx, out, rank_b, idx_b, off_b, w_b):
@@ -477,13 +503,15 @@ def _make(sharded: ShardedCollection):
             with device_scope(gpu, out):
                 stream = xla_stream(ctx, gpu)
                 out = as_core_array(out, gpu)
-                rank, coll, idx, off, w = core_inputs(rank_b, idx_b, off_b, w_b,
-                                                      out.shape[0], gpu, stream)
+                rank, coll, idx, off, w = (
+                    gpu_inputs(rank_b, idx_b, off_b, w_b, out.shape[0]) if gpu else
+                    core_inputs(rank_b, idx_b, off_b, w_b, out.shape[0], gpu, stream))
                 with stream_scope(stream, gpu):
                     out.fill(0)
                 if coll is None:
                     return
-                pooled, lookup = coll.forward(idx, off, w, stream=stream, _for_update=train)
+                pooled, lookup = coll.forward(idx, off, w, stream=stream, padded=gpu,
+                                              _for_update=train)
                 with stream_scope(stream, gpu):
                     out[:, :coll.total_dim] = pooled
                 if train:
@@ -503,9 +531,10 @@ def _make(sharded: ShardedCollection):
                 return
             lookup = coll.take_context(key(rank, idx_b))  # the forward's plan: no host read
             if lookup is None:  # the forward's context is gone: plan the batch again
-                _, coll, idx, off, w = core_inputs(rank_b, idx_b, off_b, w_b, g.shape[0],
-                                                   gpu, stream)
-                _, lookup = coll.forward(idx, off, w, stream=stream)
+                _, coll, idx, off, w = (
+                    gpu_inputs(rank_b, idx_b, off_b, w_b, g.shape[0]) if gpu else
+                    core_inputs(rank_b, idx_b, off_b, w_b, g.shape[0], gpu, stream))
+                _, lookup = coll.forward(idx, off, w, stream=stream, padded=gpu)
             with stream_scope(stream, gpu):
                 grad = g[:, :coll.total_dim]
                 grad = grad if grad.flags.c_contiguous else grad.copy()

@@ -190,6 +190,7 @@ def _bad_index_case():
                               out_specs=(P(), P("x"))))
     try:
         jax.block_until_ready(f(collection_anchor(), idx, off))
+        sharded.check()  # a GPU reports a refused batch without a wait: here
     except Exception as err:
         if "out of range" not in str(err):
             return f"wrong error: {err}"[:300]
