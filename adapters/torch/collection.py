@@ -220,9 +220,10 @@ class EmbeddingBagCollection(torch.nn.Module):
             packed = self.collection.pack(converted)
         return (*packed, None) if len(packed) == 2 else packed
 
-    def _lookup(self, indices, offsets, per_sample_weights, train: bool):
+    def _lookup(self, indices, offsets, per_sample_weights, train: bool, padded: bool = False):
         """``(out, ctx)``: the pooled lookup written into a tensor torch allocates; ``ctx``
-        (the core's LookupContext) when an update will follow."""
+        (the core's LookupContext) when an update will follow. ``padded``: the core's
+        (indices past ``offsets[-1]`` ignored)."""
         T = self.collection.num_tables
         # B as the core derives it; malformed offsets make no sensible B, and the core
         # raises for them (its input checks come before its check of `out`).
@@ -232,10 +233,11 @@ class EmbeddingBagCollection(torch.nn.Module):
         with self._on_device(), self._on_stream() as stream:
             if not train:
                 self.collection.lookup(indices, offsets, per_sample_weights,
-                                       out=as_core_array(out), stream=stream)
+                                       out=as_core_array(out), stream=stream, padded=padded)
                 return out, None
             _, ctx = self.collection.forward(indices, offsets, per_sample_weights,
-                                             out=as_core_array(out), stream=stream)
+                                             out=as_core_array(out), stream=stream,
+                                             padded=padded)
         return out, ctx
 
     def _update(self, lookup, grad: torch.Tensor) -> None:

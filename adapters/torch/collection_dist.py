@@ -12,10 +12,13 @@ of its rows). A step, on every rank at once:
 2. A fixed-size header goes to every rank by ``all_to_all_single`` (this rank's ``B_local``,
    how many indices it sends there, whether weights follow, whether its input was refused),
    and is read on the host: the one host sync of the step. ``all_to_all`` of variable
-   lengths needs its split sizes on the host, so this sync is forced; a fixed-capacity
-   variant (every message padded to a capacity agreed beforehand, the true counts inside
-   it, the owners' lookups masked past them) would need none, at the price of padding and
-   of a capacity overflow check.
+   lengths needs its split sizes on the host, so this sync is forced. ``capturable=True``
+   trades it for padding: every rank passes the same batch shape, each message has room
+   for all of the sender's lookups (the true ones first, their bag lengths in front), the
+   owner takes what it received as one padded batch (``EmbeddingCollection.forward(
+   padded=True)``), and nothing is read back: a step, its collectives included, can be
+   captured in a CUDA graph. Bad input is then refused on the device (only the bad lookups
+   travel, and their owner writes nothing) and raised by :meth:`check`.
 3. Bag lengths and local indices (one int64 message per pair), and per-sample weights when
    any rank has them (``mean`` pooling sends ``1 / bag length`` as weights, so a row-wise
    shard divides by the whole bag's length), go to the owners by ``all_to_all_single``.
@@ -68,7 +71,7 @@ class _ShardedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, module, indices, offsets, per_sample_weights):
-        out, ctx.step = module._exchange(indices, offsets, per_sample_weights, train=True)
+        out, ctx.step = module._forward(indices, offsets, per_sample_weights, train=True)
         ctx.module = module
         return out
 
@@ -104,6 +107,13 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         this rank's current GPU with NCCL, else the CPU).
       seed: the tables' initializer seed: each shard starts with the rows an unsharded
         collection of the same seed starts with. None: rank 0 draws one for all.
+      capturable: fixed-size messages and no host read in a step (CUDA graphs, NCCL
+        collectives inside them). Every rank must pass the same ``B_local``, number of
+        indices and presence of weights (checked outside a capture, with a small
+        all_reduce); messages carry room for every lookup of the sender, so the owners
+        see ``world_size`` times the lookups as padded slots. Bad input changes nothing
+        and raises from :meth:`check` (the rank that passed it, and the owner its bad
+        index went to) instead of at once on every rank.
 
     ``forward(indices, offsets, per_sample_weights=None)`` takes this rank's batch in
     FBGEMM's layout (every table's bags for its ``B_local`` samples; ranks may have
@@ -121,8 +131,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     def __init__(self, tables, optimizer: str = "sgd", optimizer_kwargs=None, *,
                  plan: ShardingPlan | None = None, process_group=None, pooling: str = "sum",
-                 dtype=torch.float32, device=None, seed: int | None = 0):
+                 dtype=torch.float32, device=None, seed: int | None = 0,
+                 capturable: bool = False):
         super().__init__()
+        self.capturable = bool(capturable)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("a ShardedEmbeddingBagCollection needs torch.distributed "
                                "initialized (init_process_group); in one process use "
@@ -162,6 +174,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         self.total_dim = self.dim_offsets[-1]
         self._build_local(seed)
         self._build_routes()
+        self._refused = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._owner_error = None  # capturable, CPU: a refused batch's error, for check()
 
     # ------------------------------------------------------------------ construction
 
@@ -226,7 +240,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             raise NotImplementedError("the collection computes no gradient for "
                                       "per_sample_weights; pass per_sample_weights.detach()")
         if not (torch.is_grad_enabled() and self.training):
-            return self._exchange(indices, offsets, per_sample_weights, train=False)[0]
+            return self._forward(indices, offsets, per_sample_weights, train=False)[0]
         anchor = torch.empty(0, device=self.device, requires_grad=True)
         return _ShardedLookup.apply(anchor, self, indices, offsets, per_sample_weights)
 
@@ -272,37 +286,196 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                                  f"(one per index), got {tuple(per_sample_weights.shape)}")
         return (offsets.shape[0] - 1) // T
 
-    def _route(self, indices, offsets, B):
-        """Where each lookup goes, on the device without a sync: ``(send_indices sorted by
-        (owner, slot), counts per (owner, slot, bag), indices per owner, bad-value flag,
-        bag lengths)``."""
-        dev, T, world = self.device, len(self.tables), self.world_size
+    def _locate(self, indices, offsets, B):
+        """Each lookup's destination, on the device without a sync: ``(local index, owner,
+        slot (owner * max_slots + shard's place there), sample, bad index?, bad offsets?,
+        bag lengths, bag)``."""
+        dev, T = self.device, len(self.tables)
         idx, off = indices.to(dev, torch.int64), offsets.to(dev, torch.int64)
         n, bags = idx.shape[0], T * B
         # Offsets as FBGEMM's contract has them (start 0, never decrease, end at n).
-        bad = (off[0] != 0) | (off[-1] != n)
+        bad_off = (off[0] != 0) | (off[-1] != n)
         if bags:
-            bad = bad | (off[1:] < off[:-1]).any()
+            bad_off = bad_off | (off[1:] < off[:-1]).any()
         # Each index's bag from the offsets, clamped so garbage offsets route harmlessly
         # (they are refused before anything is sent).
         bag = torch.searchsorted(off[1:], torch.arange(n, device=dev), right=True)
         bag = bag.clamp_(max=max(bags - 1, 0))
         table, sample = bag // max(B, 1), bag % max(B, 1)
         limit = self._table_rows[table]
-        bad = bad | ((idx < 0) | (idx >= limit)).any()
+        bad_each = (idx < 0) | (idx >= limit)
         row = self._table_base[table] + torch.minimum(idx.clamp(min=0), limit - 1)
         shard = torch.searchsorted(self._shard_start, row, right=True) - 1
         owner = self._shard_owner[shard]
         slot = owner * self._max_slots + self._shard_slot[shard]
-        local = row - self._table_base[table] - self._shard_first[shard]
+        # An index out of range stays out of its shard's range (the owner refuses it).
+        local = torch.where(bad_each, idx, row - self._table_base[table]) \
+            - self._shard_first[shard]
+        lengths = off[1:] - off[:-1] if bags else off[:0]
+        return local, owner, slot, sample, bad_each, bad_off, lengths, bag
+
+    def _route(self, indices, offsets, B):
+        """Where each lookup goes, on the device without a sync: ``(send_indices sorted by
+        (owner, slot), counts per (owner, slot, bag), indices per owner, bad-value flag,
+        bag lengths)``."""
+        dev, world = self.device, self.world_size
+        local, owner, slot, sample, bad_each, bad_off, lengths, bag = self._locate(
+            indices, offsets, B)
         order = torch.sort(slot, stable=True).indices
         counts = torch.zeros(world * self._max_slots * max(B, 1), dtype=torch.int64,
                              device=dev)
         counts.index_add_(0, slot * B + sample, torch.ones_like(slot))
         per_owner = torch.zeros(world, dtype=torch.int64, device=dev)
         per_owner.index_add_(0, owner, torch.ones_like(owner))
-        lengths = off[1:] - off[:-1] if bags else off[:0]
+        bad = bad_off | bad_each.any()
         return local[order], order, counts, per_owner, bad, lengths, bag
+
+    def _forward(self, indices, offsets, per_sample_weights, train: bool):
+        if self.capturable:
+            return self._exchange_fixed(indices, offsets, per_sample_weights, train)
+        return self._exchange(indices, offsets, per_sample_weights, train)
+
+    def check(self) -> None:
+        """Raise for a batch refused since the last check: this rank's collection's pending
+        GPU input checks (an index out of range sent here), and, ``capturable``, bad
+        offsets or indices this rank passed (recorded on the device, read here)."""
+        if self.local is not None:
+            self.local.check()
+        error, self._owner_error = self._owner_error, None
+        if error is not None:
+            raise error
+        if self.capturable:
+            bad_offsets, bad_indices = (int(v) for v in self._refused.tolist())
+            if bad_offsets or bad_indices:
+                self._refused.zero_()
+                kind = ValueError if bad_offsets else IndexError
+                raise kind(f"rank {self.rank} passed {bad_offsets} batch(es) with bad offsets "
+                           f"and {bad_indices} with an index out of range since the last "
+                           f"check (refused: no table changed on any rank)")
+
+    def _agree(self, B: int, n: int, weighted: bool) -> None:
+        """``capturable``: every rank must pass the same batch shape (the messages have fixed
+        sizes). Checked on every call outside a CUDA-graph capture (one small all_reduce,
+        read on the host, on every rank alike); a captured step replays shapes checked
+        when it was captured."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        mine = torch.tensor([B, n, int(weighted)], dtype=torch.int64, device=self.device)
+        both = torch.cat([mine, -mine])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = both[:3].tolist(), (-both[3:]).tolist()
+        if high != low:
+            raise ValueError(f"capturable ShardedEmbeddingBagCollection: every rank must pass "
+                             f"the same B_local, number of indices and weights; this rank "
+                             f"passed B = {B}, {n} indices, weights {weighted}; the group's "
+                             f"range is {low} to {high}")
+
+    def _exchange_fixed(self, indices, offsets, per_sample_weights, train: bool):
+        """The forward without a host sync (``capturable``): every message has a size known
+        beforehand. Each rank sends every owner the bag lengths of the owner's shards for
+        its B samples and room for all its n lookups (the true ones first), and the owner
+        takes what it received as one padded batch (``EmbeddingCollection.forward(
+        padded=True)``). A bad offset or index on any rank (learned by a small all_reduce)
+        sends only the bad lookups, which their owner refuses: nothing changes, and
+        :meth:`check` (or the owner's next call) raises."""
+        dev, world, me, S = self.device, self.world_size, self.rank, self._max_slots
+        B = self._check_types(indices, offsets, per_sample_weights)
+        n = int(indices.shape[0])
+        weighted = per_sample_weights is not None or self.pooling == "mean"
+        self._agree(B, n, weighted)
+        local, owner, slot, sample, bad_each, bad_off, lengths, bag = self._locate(
+            indices, offsets, B)
+        refused = torch.stack([bad_off.to(torch.int64), bad_each.any().to(torch.int64)])
+        self._refused += refused
+        any_bad = refused.sum().reshape(1)
+        dist.all_reduce(any_bad, group=self.group)
+        # Bad anywhere: only the bad lookups travel (bad offsets: none of this rank's).
+        send = torch.where(any_bad > 0, bad_each & ~bad_off, torch.ones_like(bad_each))
+        head = S * B
+        # Bag lengths per (owner, slot, sample), the header of each owner's message.
+        counts = torch.zeros(world * head + 1, dtype=torch.int64, device=dev)
+        counts.index_add_(0, torch.where(send, slot * B + sample, world * head),
+                          send.to(torch.int64))
+        # Lookups in (owner, slot) order, bag order kept; each at its place in its owner's
+        # n slots (the unsent ones to a spill slot past the end).
+        order = torch.sort(torch.where(send, slot, world * S), stable=True).indices
+        s_send, s_owner = send[order], owner[order]
+        taken = torch.cumsum(s_send.to(torch.int64), 0) - s_send.to(torch.int64)
+        per_owner = torch.zeros(world, dtype=torch.int64, device=dev).index_add_(
+            0, s_owner, s_send.to(torch.int64))
+        first = torch.cumsum(per_owner, 0) - per_owner
+        dst = torch.where(s_send, s_owner * n + taken - first[s_owner], world * n)
+        message = torch.zeros((world, head + n), dtype=torch.int64, device=dev)
+        message[:, :head] = counts[:world * head].view(world, head)
+        spill = torch.zeros(world * n + 1, dtype=torch.int64, device=dev)
+        spill[dst] = local[order]
+        message[:, head:] = spill[:world * n].view(world, n)
+        received = torch.empty_like(message)
+        dist.all_to_all_single(received, message, group=self.group)
+        w_received = None
+        if weighted:
+            w = self._weights(per_sample_weights, lengths, bag, B, n)
+            w_spill = torch.zeros(world * n + 1, dtype=self.dtype, device=dev)
+            w_spill[dst] = w[order]
+            w_received = torch.empty((world, n), dtype=self.dtype, device=dev)
+            dist.all_to_all_single(w_received, w_spill[:world * n].view(world, n),
+                                   group=self.group)
+        ctx = None
+        T_me = len(self.shards)
+        if self.local is not None:
+            idx_own, off_own, w_own = self._owner_batch_fixed(received, w_received, B, n,
+                                                              T_me)
+            core = lambda t: self.local._core(t, "x")  # noqa: E731
+            try:
+                pooled, ctx = self.local._lookup(core(idx_own), core(off_own),
+                                                 None if w_own is None else core(w_own),
+                                                 train=train, padded=True)
+            except IndexError as err:  # the NumPy path refuses at once: keep in step
+                self._owner_error = err  # with the other ranks, raise from check()
+                pooled = torch.zeros((world * B, self._owner_dim[me]), dtype=self.dtype,
+                                     device=dev)
+        else:
+            pooled = torch.zeros((world * B, 0), dtype=self.dtype, device=dev)
+        d_me = self._owner_dim[me]
+        back = self._a2a(pooled.reshape(-1), [B * d for d in self._owner_dim],
+                         [B * d_me] * world, self.dtype)
+        out = torch.zeros((B, self.total_dim), dtype=self.dtype, device=dev)
+        at = 0
+        for o in range(world):
+            d = self._owner_dim[o]
+            if d:  # a row-wise table's partial sums add up, owners in rank order
+                out.index_add_(1, self._owner_cols[o], back[at:at + B * d].view(B, d))
+            at += B * d
+        return out, _Step(B, [B] * world, ctx)
+
+    def _owner_batch_fixed(self, received, w_received, B: int, n: int, T_me: int):
+        """What the owner received, as one padded batch in FBGEMM's layout: table by table,
+        each table's bags rank after rank (the global batch's order), the true lookups
+        first and the rest of the ``world * n`` slots padding."""
+        dev, world = self.device, self.world_size
+        head = self._max_slots * B
+        lengths = received[:, :head].view(world, self._max_slots, B)[:, :T_me]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev),
+                             torch.cumsum(lengths.permute(1, 0, 2).reshape(-1), 0)])
+        per = lengths.sum(dim=2)                                    # (rank, table)
+        ends = torch.cumsum(per, 1)                                 # in rank r's message
+        src_start = ends - per
+        seg_len = per.t().reshape(-1)                               # (table, rank) order
+        dst_start = (torch.cumsum(seg_len, 0) - seg_len).view(T_me, world).t()
+        p = torch.arange(n, device=dev).expand(world, n).contiguous()
+        k = torch.searchsorted(ends, p, right=True)                 # each slot's table
+        real = k < T_me
+        k = k.clamp_(max=T_me - 1)
+        dst = dst_start.gather(1, k) + p - src_start.gather(1, k)
+        dst = torch.where(real, dst, world * n).reshape(-1)
+        idx = torch.zeros(world * n + 1, dtype=torch.int64, device=dev)
+        idx[dst] = received[:, head:].reshape(-1)
+        w = None
+        if w_received is not None:
+            w = torch.zeros(world * n + 1, dtype=self.dtype, device=dev)
+            w[dst] = w_received.reshape(-1)
+            w = w[:world * n]
+        return idx[:world * n], offsets, w
 
     def _a2a(self, send, out_splits, in_splits, dtype):
         out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
@@ -463,7 +636,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         d_me = self._owner_dim[self.rank]
         mine = self._a2a(torch.cat(pieces), [b * d_me for b in step.batches],
                          [B * d for d in self._owner_dim], self.dtype)
-        if self.local is not None:
+        if self.local is not None and step.lookup is not None:
             self.local._update(step.lookup, mine.view(sum(step.batches), d_me))
 
     # ------------------------------------------------------------------ state_dict

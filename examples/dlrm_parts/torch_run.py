@@ -7,8 +7,8 @@
   graph after warm-up. TT tables (``--placement tt``) stay ``TTEmbeddingBag`` modules
   beside the collection (it has no TT placement yet). Under ``torchrun`` the collection is
   a ``ShardedEmbeddingBagCollection`` (each rank holds its shards of the sharding plan and
-  looks up its own samples; eager: the sharded step reads a header on the host, so it is
-  not captured).
+  looks up its own samples; on GPUs ``capturable``: fixed-size all_to_alls, no host read,
+  so each rank's whole step is one CUDA graph too).
 - ``torch`` (the plain-torch baseline): one ``nn.EmbeddingBag(sparse=True)`` per table in
   HBM, torch's sparse Adagrad, fused Adam, eager.
 - ``fbgemm`` (``--compare`` where ``fbgemm_gpu`` imports): FBGEMM's table-batched
@@ -67,8 +67,11 @@ class XferlibEmbeddings(torch.nn.Module):
         if self.sharded:  # this rank's shards only; lookups routed to their owners
             if self.tt_tables:
                 raise ValueError("the sharded collection holds no TT tables")
+            # capturable on GPUs: fixed-size messages, no host read in a step, so the whole
+            # step (its all_to_alls included) is captured in one CUDA graph
             self.collection = ShardedEmbeddingBagCollection(
-                configs, optimizer, {"lr": lr}, plan=sharding, device=device, seed=seed)
+                configs, optimizer, {"lr": lr}, plan=sharding, device=device, seed=seed,
+                capturable=device.type == "cuda")
         else:
             self.collection = EmbeddingBagCollection(configs, optimizer, {"lr": lr},
                                                      device=device, seed=seed)
@@ -116,9 +119,7 @@ class XferlibEmbeddings(torch.nn.Module):
 
     def check(self):
         """Raise a deferred input error of the last lookups (an index out of range)."""
-        module = self.collection.local if self.sharded else self.collection
-        if module is not None:
-            module.check()
+        self.collection.check()  # sharded: this rank's refusals and its shards' checks
 
     def cache_hit_rate(self):
         """Cache hits over the distinct rows the batches looked up (HBM tables' rows count
@@ -305,15 +306,18 @@ class TorchRun:
             torch.sparse.check_sparse_tensor_invariants.disable()  # COO grads torch built
             self.sparse_opt = torch.optim.Adagrad(self.model.embeddings.parameters(),
                                                   lr=preset.lr_embedding)
-        self.use_graph = graph and cuda and engine != "torch" and self.ranks.world == 1
+        # Under torchrun the step is captured when the collection is sharded (its
+        # all_to_alls have fixed sizes); the replicated designs (TT tables) stay eager.
+        sharded = sharding is not None and engine == "xferlib"
+        self.use_graph = (graph and cuda and engine != "torch"
+                          and (self.ranks.world == 1 or sharded))
         self.graph_note = ""
         if self.use_graph and plan.bytes_tt and engine == "xferlib":
             self.use_graph, self.graph_note = False, "eager: TT tables are not captured"
         if not self.use_graph and not self.graph_note:
             self.graph_note = "eager"
-            if sharding is not None and engine == "xferlib":
-                self.graph_note = (f"eager: collection sharded over {self.ranks.world} ranks "
-                                   f"(the step reads a header on the host)")
+            if sharded:
+                self.graph_note = f"eager: collection sharded over {self.ranks.world} ranks"
         self.graph, self.static, self._loss = None, None, None
         self.steps_done = 0
         self.part = None  # every rank gets the global batch and looks up its slice
@@ -379,7 +383,9 @@ class TorchRun:
             self.use_graph, self.graph_note = False, f"eager (no CUDA graph: {err})"[:200]
             torch.cuda.synchronize(self.device)
             return self._body(*data)
-        self.graph, self.graph_note = graph, "whole step in one CUDA graph"
+        self.graph, self.graph_note = graph, "whole step in one CUDA graph" + (
+            f" on each of {self.ranks.world} ranks (sharded collection, NCCL all_to_alls "
+            f"captured)" if self.ranks.world > 1 else "")
         graph.replay()  # capturing ran nothing: this step's batch trains now
         return self._loss.clone()
 

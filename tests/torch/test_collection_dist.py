@@ -235,3 +235,151 @@ def test_two_gpus_nccl_equal_one_process(tmp_path):
     _spawn(2, "nccl", tmp_path / "w2", ckpt_out=str(tmp_path / "ckpt"))
     # The GPU collection sums rows in its own fixed order: equal to float32 rounding.
     _compare(2, tmp_path / "w2", device="cuda", exact=False)
+
+
+# ------------------------------------------------------------------ capturable
+
+L_FIXED = 3  # every bag's length: each rank passes the same number of indices
+
+
+def _fixed_data():
+    """Like _data, with bags of L_FIXED lookups (repeats within and across bags)."""
+    rng = np.random.default_rng(SEED + 1)
+    total = sum(t.dim for t in TABLES)
+    steps = []
+    for k in range(STEPS):
+        bags = [[rng.integers(0, t.num_rows, L_FIXED) for _ in range(B)] for t in TABLES]
+        bags[1][0][:] = 17
+        weights = None
+        if k == 1:
+            weights = [[rng.standard_normal(L_FIXED).astype(np.float32) for _ in tb]
+                       for tb in bags]
+        steps.append((bags, weights, rng.standard_normal((B, total)).astype(np.float32)))
+    return steps
+
+
+FIXED_RUNS = [("adam.table", "adam", "table", "sum"),
+              ("rowwise_adagrad.row", "rowwise_adagrad", "row", "sum"),
+              ("sgd.row.mean", "sgd", "row", "mean")]
+
+
+def _fixed_worker(rank, world, port, out_dir, backend):
+    device = join(rank, world, port, backend)
+    result = {}
+    share = B // world
+    for name, opt, kind, pooling in FIXED_RUNS:
+        module = ShardedEmbeddingBagCollection(
+            TABLES, opt, OPTIMIZERS[opt], plan=_plan(kind, world, opt), pooling=pooling,
+            device=device, seed=SEED, capturable=True)
+        outs = _train(module, _fixed_data(),
+                      lambda k: list(range(rank * share, (rank + 1) * share)), device)
+        module.check()
+        result.update({f"{name}.out{k}": o for k, o in enumerate(outs)})
+        result.update({f"{name}/{k}": v for k, v in _state(module).items()})
+    # An index out of range on the last rank: no table changes on any rank; that rank's
+    # check() raises (its owner's too, from the collection's pending check).
+    before = _state(module)
+    idx, off, _, _ = _batch(_fixed_data()[0], list(range(rank * share, (rank + 1) * share)))
+    if rank == world - 1:
+        idx[-1] = 40  # the last table, "ad", has 7 rows
+    module(idx.to(device), off.to(device)).sum().backward()
+    try:
+        module.check()
+        result["bad_error"] = np.array("")
+    except (IndexError, ValueError) as err:
+        result["bad_error"] = np.array(str(err))
+    after = _state(module)
+    result["bad_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
+                                           for k in before))
+    # A rank passing another batch shape is refused on every rank, before anything is sent.
+    try:
+        n = L_FIXED * len(TABLES) * (share - (rank == 0))
+        module(torch.zeros(n, dtype=torch.int64, device=device),
+               torch.arange(0, n + 1, L_FIXED, device=device)[:len(TABLES) * share + 1])
+        result["shape_error"] = np.array("")
+    except ValueError as err:
+        result["shape_error"] = np.array(str(err))
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch.distributed without gloo")
+@pytest.mark.slow
+def test_capturable_ranks_equal_one_process(tmp_path):
+    """capturable=True (fixed-size messages, no host sync in a step): 2 gloo ranks train
+    what one process trains on the global batch; bad input changes nothing and check()
+    raises on the rank that passed it; ranks passing different shapes are refused."""
+    world = 2
+    os.makedirs(tmp_path / "w", exist_ok=True)
+    mp.spawn(_fixed_worker, args=(world, free_port(), str(tmp_path / "w"), "gloo"),
+             nprocs=world, join=True)
+    results = [dict(np.load(tmp_path / "w" / f"rank{r}.npz")) for r in range(world)]
+    for name, opt, kind, pooling in FIXED_RUNS:
+        module = EmbeddingBagCollection(TABLES, opt, OPTIMIZERS[opt], pooling=pooling,
+                                        device="cpu", seed=SEED)
+        outs = _train(module, _fixed_data(), lambda k: list(range(B)), "cpu")
+        got, want = _assemble(results, name, _plan(kind, world, opt)), _state(module)
+        assert sorted(got) == sorted(want), name
+        for key in want:
+            if kind == "table":
+                np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} {key}")
+            else:
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name} {key}")
+        for k in range(STEPS):
+            out = np.concatenate([results[r][f"{name}.out{k}"] for r in range(world)])
+            np.testing.assert_allclose(out, outs[k], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} out{k}")
+    assert "out of range" in str(results[-1]["bad_error"]), results[-1]["bad_error"]
+    for r in range(world):
+        assert bool(results[r]["bad_unchanged"]), r
+        assert "same B_local" in str(results[r]["shape_error"]), results[r]["shape_error"]
+
+
+def _graph_worker(rank, world, port, out_dir):
+    """Two modules from one seed on this rank's GPU: one trained eagerly, the other by a
+    CUDA graph of its whole step (forward, the all_to_alls, backward + update) replayed on
+    the same batches. Both end with the same state."""
+    device = join(rank, world, port, "nccl")
+    share = B // world
+    steps = _fixed_data()
+    batches = [_batch(step, list(range(rank * share, (rank + 1) * share))) for step in steps]
+    batches = [(i.to(device), o.to(device), g.to(device)) for i, o, _, g in batches]
+    states = []
+    for graphed in (False, True):
+        module = ShardedEmbeddingBagCollection(
+            TABLES, "adam", OPTIMIZERS["adam"], plan=_plan("row", world, "adam"),
+            device=device, seed=SEED, capturable=True)
+        if not graphed:
+            for idx, off, grad in batches * 2:
+                module(idx, off).backward(grad)
+        else:
+            static = [t.clone() for t in batches[0]]
+            module(*static[:2]).backward(static[2])  # warm-up: shapes agreed, kernels built
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                module(*static[:2]).backward(static[2])
+            # capturing ran nothing: the warm-up was step 0; replay steps 1, 2, then 0-2
+            for idx, off, grad in batches[1:] + batches:
+                for dst, src in zip(static, (idx, off, grad)):
+                    dst.copy_(src)
+                graph.replay()
+        torch.cuda.synchronize(device)
+        module.check()
+        states.append(_state(module))
+    same = all(np.array_equal(states[0][k], states[1][k]) for k in states[0])
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), same=np.array(same))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_two_gpus_capturable_step_in_a_cuda_graph(tmp_path):
+    """capturable=True on NCCL: the whole training step (with its all_to_alls) captured in
+    a CUDA graph and replayed trains what eager steps train, bit for bit."""
+    require_two_gpus()
+    os.makedirs(tmp_path / "g", exist_ok=True)
+    mp.spawn(_graph_worker, args=(2, free_port(), str(tmp_path / "g")), nprocs=2, join=True)
+    for r in range(2):
+        assert bool(np.load(tmp_path / "g" / f"rank{r}.npz")["same"]), r
