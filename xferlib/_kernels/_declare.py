@@ -49,6 +49,9 @@ def named(names, values) -> dict:
 
 
 _NULL = np.uint64(0)
+# Pointer values that are addresses to convert (anything else: an array CuPy passes as is).
+_POINTER_CONVERTS = frozenset({int, bool, type(None), np.int8, np.int16, np.int32, np.int64,
+                               np.uint8, np.uint16, np.uint32, np.uint64, np.intp, np.uintp})
 
 
 def _pointer(value):
@@ -62,7 +65,8 @@ def _pointer(value):
 def _scalar(kind):
     """``kind``'s conversion as a launch makes it many times a step: a value already of the
     type passes as it is, and small Python ints (sizes, flags, strides) are converted once
-    and kept (``numpy.int64(5)`` costs about as much as a kernel argument's whole packing)."""
+    and kept (``numpy.int64(5)`` costs about as much as a kernel argument's whole packing);
+    ``convert.kept`` is that cache (the launch builders look values up in it inline)."""
     kept = {}
 
     def convert(value):
@@ -77,6 +81,7 @@ def _scalar(kind):
             return found
         return kind(value)
 
+    convert.kept = kept
     return convert
 
 
@@ -104,15 +109,21 @@ def _build_arguments(name: str, args: tuple):
     once per kernel (a lookup of each declared name and its conversion, in order), so a
     launch pays one call, not a loop over the declaration nor keyword binding. A missing
     name is a KeyError there; the caller checks the count for unknown ones."""
-    scope = {"_NULL": _NULL, "_u64": np.uint64, "_ints": (int, np.integer)}
+    # Each value's common case inline (an array pointer or a value already of its C type
+    # passes as it is): a call per argument would cost about as much as the rest together.
+    scope = {"_pointer": _pointer, "_to_convert": _POINTER_CONVERTS}
     items = []
     for k, (ctype, arg) in enumerate(args):
         if "*" in ctype:
-            scope[f"_p{k}"] = _pointer
-            items.append(f"_p{k}(v[{arg!r}])")
+            items.append(f"(_pointer(a{k}) if type(a{k} := v[{arg!r}]) in _to_convert "
+                         f"else a{k})")
         else:
-            scope[f"_c{k}"] = _converter(ctype)
-            items.append(f"_c{k}(v[{arg!r}])")
+            kind = _SCALARS[ctype.replace("const ", "").replace("__restrict__", "").strip()]
+            convert = _converter(ctype)
+            scope[f"_c{k}"], scope[f"_k{k}"], scope[f"_kept{k}"] = convert, kind, convert.kept
+            items.append(f"(a{k} if type(a{k} := v[{arg!r}]) is _k{k} else "
+                         f"b{k} if (b{k} := _kept{k}.get(a{k})) is not None "
+                         f"else _c{k}(a{k}))")
     code = f"def {name}(v):\n    return ({', '.join(items)}{',' if items else ''})\n"
     exec(code, scope)  # noqa: S102  (our own declaration's names only)
     return scope[name]
