@@ -253,3 +253,15 @@ def test_fbgemm_rules_match_a_float64_reference(optimizer, rng):
         assert_outputs_match(state, {name: np.stack([st[name] for st in ref_state])
                                      for name in ref_state[0]},
                              rtol=2e-5, atol=1e-7, what=f"step {step} state")
+
+
+def test_tt_hyper_record_names_the_update_kernels_scalars():
+    """The TT update's scalar record is the kernel's declared scalar arguments, by name."""
+    from xferlib._kernels.tt import HYPER_ARGS
+    from xferlib.tt.update import TTHyper, tt_hyper
+
+    assert TTHyper._fields == HYPER_ARGS
+    record = tt_hyper("rowwise_adam", 0.1, 1e-8, (0.9, 0.99), weight_decay=0.01,
+                      step=np.zeros(1, np.int64))
+    assert record.lr == np.float32(0.1) and record.beta2 == np.float64(0.99)
+    assert record.wd == np.float32(0.01) and record.iter.shape == (1,)

@@ -4,11 +4,13 @@ and the arguments the update kernels take."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from xferlib._backend import array_module, as_cupy_stream
 from xferlib._kernels import named
-from xferlib._kernels.tt import (CACHE_CHUNK, CACHE_STATE_ARGS, HYPER_ARGS, TT_UPDATE,
+from xferlib._kernels.tt import (CACHE_CHUNK, CACHE_STATE_ARGS, TT_UPDATE,
                                  UPDATE_CACHE_ARGS, UPDATE_POINTER_ARGS, UPDATE_THREADS)
 from xferlib.optim.rules import OptId
 from xferlib.tt.cache import TTRowCache, tt_cache_grad
@@ -80,7 +82,7 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     if grad is None:  # an empty batch touches nothing
         return
     with stream:
-        args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
+        args = tt_hyper(optimizer, lr, eps, betas, **hyper)
         blocks = total_core_rows(shape)
         pointers = _update_pointers(cores, states, optimizer)
         if cached:  # blocks past the core rows step the cache's hit rows
@@ -88,7 +90,7 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
             TT_UPDATE.launch(module_of(shape), (key_type(plan.rows),), (blocks,),
                              (UPDATE_THREADS,), stream=stream,
                              **named(UPDATE_POINTER_ARGS, pointers), grad=grad,
-                             touched=touched, **named(HYPER_ARGS, args), rows=plan.rows,
+                             touched=touched, **args._asdict(), rows=plan.rows,
                              perm=plan.perm, n=n, slot=plan.slot, capacity=cache.capacity64,
                              cseg=sums, **named(CACHE_STATE_ARGS, cache.update_args(optimizer)),
                              verdict=plan.verdict.words)
@@ -96,7 +98,7 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
             TT_UPDATE.launch(module_of(shape), (key_type(plan.rows),), (blocks,),
                              (UPDATE_THREADS,), stream=stream,
                              **named(UPDATE_POINTER_ARGS, pointers), grad=grad,
-                             touched=touched, **named(HYPER_ARGS, args),
+                             touched=touched, **args._asdict(),
                              **named(UPDATE_CACHE_ARGS, _NO_CACHE))
     # Read the input check only now: a rejected batch's kernels wrote nothing (no row was
     # flagged as touched), and the host waited for nothing while the step was being queued.
@@ -129,11 +131,11 @@ def tt_apply_core_grads(cores, shape: TTShape, grad, touched, states, optimizer:
         with stream:
             grad = cupy.ascontiguousarray(grad, dtype=np.float32)
             touched = cupy.ascontiguousarray(touched, dtype=np.int32)
-            args = _optimizer_args(optimizer, lr, eps, betas, **hyper)
+            args = tt_hyper(optimizer, lr, eps, betas, **hyper)
             TT_UPDATE.launch(
                 module_of(shape), ("int",), (total,), (UPDATE_THREADS,), stream=stream,
                 **named(UPDATE_POINTER_ARGS, _update_pointers(cores, states, optimizer)),
-                grad=grad, touched=touched, **named(HYPER_ARGS, args),
+                grad=grad, touched=touched, **args._asdict(),
                 **named(UPDATE_CACHE_ARGS, _NO_CACHE))
         return
     hyper = _host_step(hyper)
@@ -197,13 +199,29 @@ def _update_pointers(cores, states, optimizer: str) -> list:
                                 ([p[j] for p in pointers] + pad)]
 
 
-def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, momentum=0.9,
-                    step=1) -> list:
-    """The kernels' optimizer arguments (after the state pointers); ``step``: an int or a
-    one-element int64 device array (read by the kernels when they run)."""
-    import cupy
+class TTHyper(NamedTuple):
+    """The TT update kernel's scalar record (its arguments of these names): the rule's id,
+    its hyperparameters in the kernels' precision, and the step counter (a one-element
+    int64 device array, read when the kernel runs: the bias corrections are made there)."""
 
+    opt: np.int32
+    lr: np.float32
+    eps: np.float32
+    beta1: np.float64
+    beta2: np.float64
+    wd: np.float32
+    eta: np.float32
+    mom: np.float32
+    iter: object
+
+
+def tt_hyper(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, momentum=0.9,
+             step=1) -> TTHyper:
+    """The :class:`TTHyper` of one step; ``step``: an int or a one-element int64 device
+    array."""
     if isinstance(step, (int, np.integer)):
+        import cupy
+
         step = cupy.full(1, int(step), dtype=np.int64)
     key = (optimizer, lr, eps, betas[0], betas[1], weight_decay, eta, momentum)
     # Plain numbers only: a tensor or array hyperparameter may change in place (a scheduler)
@@ -215,13 +233,13 @@ def _optimizer_args(optimizer, lr, eps, betas, *, weight_decay=0.0, eta=0.001, m
     if scalars is None:
         if len(_SCALARS) >= 64:  # a schedule changing lr at every step
             _SCALARS.clear()
-        scalars = [
-            np.int32(OptId[optimizer.upper()]), np.float32(lr), np.float32(eps),
-            np.float64(betas[0]), np.float64(betas[1]), np.float32(weight_decay),
-            np.float32(eta), np.float32(momentum)]
+        scalars = TTHyper(np.int32(OptId[optimizer.upper()]), np.float32(lr), np.float32(eps),
+                          np.float64(betas[0]), np.float64(betas[1]),
+                          np.float32(weight_decay), np.float32(eta), np.float32(momentum),
+                          None)
         if key is not None:
             _SCALARS[key] = scalars
-    return scalars + [step]
+    return scalars._replace(iter=step)
 
 
 _SCALARS = {}  # the kernels' scalar arguments per hyperparameter set
