@@ -439,14 +439,21 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         d_me = self._owner_dim[me]
         back = self._a2a(pooled.reshape(-1), [B * d for d in self._owner_dim],
                          [B * d_me] * world, self.dtype)
-        out = torch.zeros((B, self.total_dim), dtype=self.dtype, device=dev)
+        out = self._place_columns(back, B)
+        return out, _Step(B, [B] * world, ctx)
+
+    def _place_columns(self, back, B: int) -> torch.Tensor:
+        """The pooled rows the owners sent back (owner after owner, ``B`` rows of its
+        columns each) at their tables' columns of a ``(B, total_dim)`` output; a row-wise
+        table's partial sums add up, owners in rank order."""
+        out = torch.zeros((B, self.total_dim), dtype=self.dtype, device=self.device)
         at = 0
-        for o in range(world):
+        for o in range(self.world_size):
             d = self._owner_dim[o]
-            if d:  # a row-wise table's partial sums add up, owners in rank order
+            if d:
                 out.index_add_(1, self._owner_cols[o], back[at:at + B * d].view(B, d))
             at += B * d
-        return out, _Step(B, [B] * world, ctx)
+        return out
 
     def _owner_batch_fixed(self, received, w_received, B: int, n: int, T_me: int):
         """What the owner received, as one padded batch in FBGEMM's layout: table by table,
@@ -542,13 +549,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         d_me = self._owner_dim[me]
         back = self._a2a(pooled.reshape(-1), [B * d for d in self._owner_dim],
                          [b * d_me for b in batches], self.dtype)
-        out = torch.zeros((B, self.total_dim), dtype=self.dtype, device=dev)
-        at = 0
-        for o in range(world):
-            d = self._owner_dim[o]
-            if d:  # a row-wise table's partial sums add up, owners in rank order
-                out.index_add_(1, self._owner_cols[o], back[at:at + B * d].view(B, d))
-            at += B * d
+        out = self._place_columns(back, B)
         return out, _Step(B, batches, ctx)
 
     def _weights(self, per_sample_weights, lengths, bag, B, n):

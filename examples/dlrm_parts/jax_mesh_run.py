@@ -55,6 +55,19 @@ def _adagrad(w, acc, g, lr):
 AXIS = "batch"
 
 
+def mesh_devices(device: str, devices: int) -> list:
+    """JAX's devices of the run's platform (``--device cpu`` names the CPU: on a GPU machine
+    JAX's default is the GPU); ValueError, saying how to get more, when fewer than
+    ``devices``."""
+    found = jax.devices("cpu" if device == "cpu" else None)
+    if len(found) < devices:
+        raise ValueError(f"--devices {devices}: JAX sees {len(found)} {found[0].platform} "
+                         f"device(s)" + (" (set XLA_FLAGS=--xla_force_host_platform_device_"
+                                         f"count={devices} before jax is imported)"
+                                         if device == "cpu" else ""))
+    return found
+
+
 class JaxMeshRun:
     def __init__(self, preset, plan, seed, device, xp=np, devices=1):
         self.xp, self.gpu = xp, device != "cpu"
@@ -63,12 +76,7 @@ class JaxMeshRun:
         num_tables = len(plan.tables)
         dense = initial.dense_params(preset, num_tables, seed)
         # --device cpu on a GPU machine: JAX's default device is the GPU, so name the CPU.
-        found = jax.devices("cpu" if device == "cpu" else None)
-        if len(found) < devices:
-            raise ValueError(f"--devices {devices}: JAX sees {len(found)} {found[0].platform} "
-                             f"device(s)" + (" (set XLA_FLAGS=--xla_force_host_platform_device_"
-                                             f"count={devices} before jax is imported)"
-                                             if device == "cpu" else ""))
+        found = mesh_devices(device, devices)
         self.device, self.devices = found[0], int(devices)
         self.mesh = None
         if self.devices > 1:

@@ -49,19 +49,8 @@ class JaxRun:
         num_tables = len(plan.tables)
         # --device cpu on a GPU machine: JAX's default device is the GPU, so name the CPU.
         self.device = jax.devices("cpu" if device == "cpu" else None)[0]
-
-        def to(a):  # NumPy/CuPy values to a JAX-owned (donatable) array on the run's device
-            return jax.device_put(xferlib.to_jax(xp.asarray(a), copy=True), self.device)
-
-        dense = initial.dense_params(preset, num_tables, seed)
-        params = {name: [(to(dense[f"{name}.{i}.weight"]), to(dense[f"{name}.{i}.bias"]))
-                         for i in range(len(sizes) - 1)]
-                  for name, sizes in zip(("bottom", "top"), initial.mlp_sizes(preset, num_tables))}
-        self.flat, self.unravel = ravel(params)
-        self.tx = flat_adam(preset.lr_dense)
-        # Every array committed to the device up front: an uncommitted one (the step count
-        # from tx.init) would make the second call of the step compile again.
-        self.opt_state = jax.device_put(self.tx.init(self.flat), self.device)
+        self.where = self.device  # where the run's values live (load_state puts them there)
+        to = self._dense_state(seed)
         self.coll_tables = [t.index for t in plan.tables if t.where != "tt"]
         self.tt_tables = [t.index for t in plan.tables if t.where == "tt"]
         self.collection = EmbeddingCollection(
@@ -83,6 +72,25 @@ class JaxRun:
         self.steps_done = 0
         self.graph_note = "one jax.jit step, buffers donated"
         self._build()
+
+    def _dense_state(self, seed):
+        """The MLPs in one flat buffer and its Adam state, at ``self.where``; returns the
+        function that puts an initial value there."""
+        preset, num_tables, xp = self.preset, len(self.plan.tables), self.xp
+
+        def to(a):  # NumPy/CuPy values to a JAX-owned (donatable) array at self.where
+            return jax.device_put(xferlib.to_jax(xp.asarray(a), copy=True), self.where)
+
+        dense = initial.dense_params(preset, num_tables, seed)
+        params = {name: [(to(dense[f"{name}.{i}.weight"]), to(dense[f"{name}.{i}.bias"]))
+                         for i in range(len(sizes) - 1)]
+                  for name, sizes in zip(("bottom", "top"), initial.mlp_sizes(preset, num_tables))}
+        self.flat, self.unravel = ravel(params)
+        self.tx = flat_adam(preset.lr_dense)
+        # Every array committed to the device up front: an uncommitted one (the step count
+        # from tx.init) would make the second call of the step compile again.
+        self.opt_state = jax.device_put(self.tx.init(self.flat), self.where)
+        return to
 
     # ------------------------------------------------------------------ the model
     def _embed(self, anchor, tt, cat):
@@ -247,7 +255,7 @@ class JaxRun:
             a = {k: z[k] for k in z.files}
 
         def to(v):
-            return jax.device_put(v, self.device)
+            return jax.device_put(v, self.where)
 
         self.flat = to(a["flat"])
         self.opt_state = type(self.opt_state)(

@@ -29,10 +29,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import xferlib  # noqa: E402
-from xferlib.adapters.jax import (ShardedCollection, collection_anchor, flat_adam,  # noqa: E402
-                                  flat_step, ravel)
+from xferlib.adapters.jax import ShardedCollection, collection_anchor, flat_step  # noqa: E402
 
-from . import init as initial  # noqa: E402
+from .jax_mesh_run import mesh_devices  # noqa: E402
 from .jax_run import JaxRun  # noqa: E402
 
 AXIS = "batch"
@@ -53,12 +52,7 @@ class JaxShardedRun(JaxRun):
         self.xp, self.gpu = xp, device != "cpu"
         self.preset, self.plan, self.dim = preset, plan, preset.dim
         num_tables = len(plan.tables)
-        found = jax.devices("cpu" if device == "cpu" else None)
-        if len(found) < devices:
-            raise ValueError(f"--devices {devices}: JAX sees {len(found)} {found[0].platform} "
-                             f"device(s)" + (" (set XLA_FLAGS=--xla_force_host_platform_device_"
-                                             f"count={devices} before jax is imported)"
-                                             if device == "cpu" else ""))
+        found = mesh_devices(device, devices)
         if sharding.world_size != devices:
             raise ValueError(f"the sharding plan is for {sharding.world_size} ranks, not "
                              f"--devices {devices}")
@@ -68,17 +62,8 @@ class JaxShardedRun(JaxRun):
         self._batch_specs = (PartitionSpec(AXIS), PartitionSpec(None, AXIS),
                              PartitionSpec(AXIS))
         self._batch = tuple(NamedSharding(self.mesh, s) for s in self._batch_specs)
-
-        def to(a):  # NumPy initial values to the device (CuPy), then to JAX, replicated
-            return jax.device_put(xferlib.to_jax(xp.asarray(a), copy=True), self._replicated)
-
-        dense = initial.dense_params(preset, num_tables, seed)
-        params = {name: [(to(dense[f"{name}.{i}.weight"]), to(dense[f"{name}.{i}.bias"]))
-                         for i in range(len(sizes) - 1)]
-                  for name, sizes in zip(("bottom", "top"), initial.mlp_sizes(preset, num_tables))}
-        self.flat, self.unravel = ravel(params)
-        self.tx = flat_adam(preset.lr_dense)
-        self.opt_state = jax.device_put(self.tx.init(self.flat), self._replicated)
+        self.where = self._replicated  # the MLPs and their state on every device
+        self._dense_state(seed)
         self.coll_tables, self.tt_tables = [t.index for t in plan.tables], []
         self.tt, self.tt_acc, self.tt_shapes = [], [], []
         self.collection = ShardedCollection(
@@ -166,15 +151,6 @@ class JaxShardedRun(JaxRun):
         """No breakdown: ``--profile`` times one device's pieces (``jax_run.py``)."""
         return {}
 
-    def peak_gpu_bytes(self) -> int:
-        if not self.gpu:
-            return 0
-        import cupy
-
-        stats = self.device.memory_stats() or {}
-        return int(stats.get("peak_bytes_in_use", 0)
-                   + cupy.get_default_memory_pool().total_bytes())
-
     def cache_hit_rate(self):
         if not self.gpu:
             return None
@@ -197,27 +173,5 @@ class JaxShardedRun(JaxRun):
         self.collection = self.flat = self.opt_state = None
         self._train_step = self._predict = None
 
-    # ------------------------------------------------------------------ checkpoint
-    def save_state(self, path):
-        """The one-device run's file: the collection's tables whole (``coll.*``), so a
-        checkpoint of N devices continues on any number of devices or on one."""
-        self.sync()
-        arrays = {"flat": self.flat, "count": self.opt_state.count,
-                  "steps_done": np.array(self.steps_done)}
-        arrays.update({f"opt.{i}": b for i, b in enumerate(self.opt_state.buffers)})
-        arrays.update({f"coll.{k}": v for k, v in self.collection.state_dict().items()})
-        np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
-
-    def load_state(self, path):
-        with np.load(path) as z:
-            a = {k: z[k] for k in z.files}
-
-        def to(v):
-            return jax.device_put(v, self._replicated)
-
-        self.flat = to(a["flat"])
-        self.opt_state = type(self.opt_state)(
-            to(a["count"]), tuple(to(a[f"opt.{i}"]) for i in range(len(self.opt_state.buffers))))
-        self.collection.load_state_dict({k[5:]: v for k, v in a.items()
-                                         if k.startswith("coll.")})
-        self.steps_done = int(a["steps_done"])
+    # checkpoints: JaxRun's save_state / load_state (every table whole, ``coll.*``), so a
+    # checkpoint of N devices continues on any number of devices or on one
