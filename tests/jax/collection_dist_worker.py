@@ -52,7 +52,9 @@ MESH = Mesh(np.array(DEVICES), ("x",))
 TABLES = [TableConfig(11, 4, name="a"), TableConfig(5, 3, name="b", placement="host"),
           TableConfig(17, 8, name="c"), TableConfig(3, 2, name="d")]
 HYPER = {"sgd": {"lr": 0.3, "momentum": 0.9}, "rowwise_adagrad": {"lr": 0.2},
-         "adam": {"lr": 0.05}, "adagrad": {"lr": 0.1}}
+         "adam": {"lr": 0.05}, "adagrad": {"lr": 0.1}, "adamw": {"lr": 0.05, "weight_decay": 0.1},
+         "adamax": {"lr": 0.05}, "rmsprop": {"lr": 0.01, "centered": True},
+         "adadelta": {"lr": 1.0}}
 B_LOCAL, MAX_LEN, PAD, STEPS = 3, 4, 5, 3
 
 

@@ -20,7 +20,8 @@ pytest.importorskip("jax")
 WORKER = Path(__file__).with_name("collection_dist_worker.py")
 TOLERANCE = 2e-5  # float32: a row-wise table's partial sums are added per owner
 CASES = (["table_wise-sgd", "table_wise-rowwise_adagrad", "table_wise-adam",
-          "table_wise-adagrad", "row_wise-sgd", "row_wise-rowwise_adagrad",
+          "table_wise-adagrad", "table_wise-adamw", "table_wise-adamax", "table_wise-rmsprop",
+          "table_wise-adadelta", "row_wise-sgd", "row_wise-rowwise_adagrad",
           "table_wise-mean", "table_wise-weighted", "ranks-without-shards", "bad-index",
           "checkpoint-reshard"])
 EXACT = [c for c in CASES if not c.startswith("row_wise")]

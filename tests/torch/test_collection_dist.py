@@ -33,8 +33,13 @@ OPTIMIZERS = {"sgd": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
               "adam": {"lr": 0.01},
               "rowwise_adagrad": {"lr": 0.1},
               "adagrad": {"lr": 0.1}}
+# The collection's other rules, table-wise (every optimizer it has: xferlib.SPARSE_OPTIMIZERS)
+MORE_OPTIMIZERS = {"adamw": {"lr": 0.01, "weight_decay": 0.1}, "adamax": {"lr": 0.01},
+                   "rmsprop": {"lr": 0.01, "centered": True}, "adadelta": {"lr": 1.0}}
 # (name, optimizer, plan kind, pooling)
 RUNS = [(f"{opt}.{kind}", opt, kind, "sum") for opt in OPTIMIZERS for kind in ("table", "row")]
+RUNS += [(f"{opt}.table", opt, "table", "sum") for opt in MORE_OPTIMIZERS]
+OPTIMIZERS = {**OPTIMIZERS, **MORE_OPTIMIZERS}
 RUNS.append(("rowwise_adagrad.row.mean", "rowwise_adagrad", "row", "mean"))
 RUNS.append(("adam.table.mean", "adam", "table", "mean"))
 
