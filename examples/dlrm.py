@@ -310,8 +310,13 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
     if device.startswith("cuda"):
         import torch
 
+        from xferlib.warm import fixed_modules, warm_kernels
+
         # TF32 matmuls for every torch run, as XLA's default precision runs JAX's
         torch.set_float32_matmul_precision("high")
+        # The kernels compile (NVRTC, once per machine: CuPy caches them) in the background
+        # while the tables are built, several at once, instead of one by one at first use.
+        warm_kernels(fixed_modules(rules=("adagrad", "rowwise_adagrad")), background=True)
     log = ClickLog(preset.cardinalities, seed=args.seed, pooling=pooling)
     eval_set = loop.EvalSet(log, args.eval_samples or preset.eval_samples, xp)
     budget = plan.budget_bytes / 2**30

@@ -50,8 +50,11 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="xferlib", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="what this machine can use (GPU, CUDA, CuPy/torch/JAX builds, "
-                   "pinned memory, memory settings) and what to install or set")
+    doctor = sub.add_parser("doctor", help="what this machine can use (GPU, CUDA, CuPy/torch/JAX "
+                            "builds, pinned memory, memory settings) and what to install or set")
+    doctor.add_argument("--warm", action="store_true",
+                        help="compile the kernels ahead instead (once per machine: CuPy caches "
+                             "them on disk), so a first run starts at once")
     sub.add_parser("info", help="versions, GPU, CUDA runtime, backends, pinned-memory check")
     bench = sub.add_parser("bench", help="run benchmark suites (all when none is named)")
     bench.add_argument("suites", nargs="*", help=_suites_help(argv))
@@ -62,6 +65,10 @@ def main(argv=None) -> int:
     if args.command == "info":
         return _info()
     if args.command == "doctor":
+        if args.warm:
+            from xferlib.warm import warm_command
+
+            return warm_command()
         from xferlib.doctor import run_doctor
 
         return run_doctor()

@@ -75,3 +75,44 @@ def test_info_still_works():
 def test_unknown_command_is_a_usage_error():
     result = _run("docter")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_doctor_warm_compiles_the_kernels_or_says_why_not():
+    """``xferlib doctor --warm`` compiles every fixed kernel family on a GPU machine and
+    says how long it took; without a GPU it has nothing to compile and says so (exit 0)."""
+    import xferlib
+
+    result = _run("doctor", "--warm")
+    assert result.returncode == 0, result.stderr
+    if xferlib.cupy_available():
+        assert "kernel modules in" in result.stdout and "collection" in result.stdout
+    else:
+        assert "nothing to compile" in result.stdout
+
+
+def test_warm_lists_the_fixed_families_and_the_runs_update_modules():
+    import xferlib
+    from xferlib._kernels import all_modules
+    from xferlib.warm import fixed_modules
+
+    names = [m.name for m in fixed_modules(rules=["adagrad", "rowwise_adagrad"])]
+    assert names[:6] == ["collection", "optim", "rows", "scattered_rows", "table_cache", "table"]
+    assert len(names) == 8 and all(n.startswith("collection-update-") for n in names[6:])
+    every = fixed_modules(rules=xferlib.SPARSE_OPTIMIZERS, dtypes=("float32", "float64"))
+    registered = {m.name for m in all_modules()}
+    assert {m.name for m in every} <= registered  # what the warm-up compiles is registered
+    assert not any(n.startswith("tt_") for n in {m.name for m in every})
+
+
+@pytest.mark.gpu
+def test_warm_kernels_compiles_for_the_current_gpu():
+    import cupy
+
+    from xferlib.warm import fixed_modules, warm_kernels
+
+    modules = fixed_modules(rules=["sgd"])
+    took = warm_kernels(modules, workers=4)
+    assert sorted(took) == sorted(m.name for m in modules)
+    device = cupy.cuda.runtime.getDevice()
+    assert all(device in m._compiled for m in modules)
+    warm_kernels(modules, background=True).join(timeout=120)
