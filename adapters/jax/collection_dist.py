@@ -122,7 +122,8 @@ class ShardedCollection:
         self.plan, self.tables, self.world_size = plan, tuple(plan.tables), plan.world_size
         self.device = device
         # Rank r's collection on the CUDA device behind the mesh's r-th device.
-        self._ordinals = [int(getattr(d, "local_hardware_id", None) or d.id)
+        self._ordinals = [int(d.id if getattr(d, "local_hardware_id", None) is None
+                               else d.local_hardware_id)
                           if device == "cuda" else None for d in devices[:plan.world_size]]
         self.optimizer, self.pooling, self.dtype = optimizer, pooling, np.dtype(dtype)
         self.dims = tuple(c.dim for c in self.tables)

@@ -353,22 +353,32 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                            f"and {bad_indices} with an index out of range since the last "
                            f"check (refused: no table changed on any rank)")
 
-    def _agree(self, B: int, n: int, weighted: bool) -> None:
+    def _agree(self, B: int, n: int, weighted: bool, own_error=None) -> None:
         """``capturable``: every rank must pass the same batch shape (the messages have fixed
         sizes). Checked on every call outside a CUDA-graph capture (one small all_reduce,
         read on the host, on every rank alike); a captured step replays shapes checked
         when it was captured."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if own_error is not None:
+                raise own_error
             return
-        mine = torch.tensor([B, n, int(weighted)], dtype=torch.int64, device=self.device)
+        # A rank whose input was refused on the host still takes part (its flag in the
+        # reduce), so every rank raises together and none waits in a collective.
+        mine = torch.tensor([B, n, int(weighted), int(own_error is not None)],
+                            dtype=torch.int64, device=self.device)
         both = torch.cat([mine, -mine])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        high, low = both[:3].tolist(), (-both[3:]).tolist()
-        if high != low:
+        high, low = both[:4].tolist(), (-both[4:]).tolist()
+        if own_error is not None:
+            raise own_error
+        if high[3]:
+            raise ValueError("another rank of the group passed a batch the sharded collection "
+                             "refused; no table changed on any rank")
+        if high[:3] != low[:3]:
             raise ValueError(f"capturable ShardedEmbeddingBagCollection: every rank must pass "
                              f"the same B_local, number of indices and weights; this rank "
                              f"passed B = {B}, {n} indices, weights {weighted}; the group's "
-                             f"range is {low} to {high}")
+                             f"range is {low[:3]} to {high[:3]}")
 
     def _exchange_fixed(self, indices, offsets, per_sample_weights, train: bool):
         """The forward without a host sync (``capturable``): every message has a size known
@@ -379,10 +389,14 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         sends only the bad lookups, which their owner refuses: nothing changes, and
         :meth:`check` (or the owner's next call) raises."""
         dev, world, me, S = self.device, self.world_size, self.rank, self._max_slots
-        B = self._check_types(indices, offsets, per_sample_weights)
-        n = int(indices.shape[0])
+        B, own_error = 0, None
+        try:
+            B = self._check_types(indices, offsets, per_sample_weights)
+        except (TypeError, ValueError) as err:
+            own_error = err
+        n = int(getattr(indices, "shape", (0,))[0]) if own_error is None else 0
         weighted = per_sample_weights is not None or self.pooling == "mean"
-        self._agree(B, n, weighted)
+        self._agree(B, n, weighted, own_error)
         local, owner, slot, sample, bad_each, bad_off, lengths, bag = self._locate(
             indices, offsets, B)
         refused = torch.stack([bad_off.to(torch.int64), bad_each.any().to(torch.int64)])
@@ -426,12 +440,15 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             idx_own, off_own, w_own = self._owner_batch_fixed(received, w_received, B, n,
                                                               T_me)
             core = lambda t: self.local._core(t, "x")  # noqa: E731
-            try:
-                pooled, ctx = self.local._lookup(core(idx_own), core(off_own),
-                                                 None if w_own is None else core(w_own),
-                                                 train=train, padded=True)
-            except IndexError as err:  # the NumPy path refuses at once: keep in step
-                self._owner_error = err  # with the other ranks, raise from check()
+            args = (core(idx_own), core(off_own), None if w_own is None else core(w_own))
+            pooled = None
+            for _ in range(2):  # a pending check of an earlier batch may raise first
+                try:
+                    pooled, ctx = self.local._lookup(*args, train=train, padded=True)
+                    break
+                except IndexError as err:  # kept for check(), in step with the other ranks
+                    self._owner_error = err
+            if pooled is None:  # this batch refused (the NumPy path refuses at once)
                 pooled = torch.zeros((world * B, self._owner_dim[me]), dtype=self.dtype,
                                      device=dev)
         else:
@@ -638,7 +655,14 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         mine = self._a2a(torch.cat(pieces), [b * d_me for b in step.batches],
                          [B * d for d in self._owner_dim], self.dtype)
         if self.local is not None and step.lookup is not None:
-            self.local._update(step.lookup, mine.view(sum(step.batches), d_me))
+            grad_own = mine.view(sum(step.batches), d_me)
+            try:
+                self.local._update(step.lookup, grad_own)
+            except IndexError as err:  # an earlier batch's pending check: keep it for
+                if not self.capturable:  # check(), stay in step, apply this update
+                    raise
+                self._owner_error = err
+                self.local._update(step.lookup, grad_own)
 
     # ------------------------------------------------------------------ state_dict
 

@@ -304,6 +304,13 @@ def _fixed_worker(rank, world, port, out_dir, backend):
         result["shape_error"] = np.array("")
     except ValueError as err:
         result["shape_error"] = np.array(str(err))
+    # Offsets of a wrong length on rank 0 only: every rank raises, none waits.
+    idx, off, _, _ = _batch(_fixed_data()[0], list(range(rank * share, (rank + 1) * share)))
+    try:
+        module(idx.to(device), (off[:-1] if rank == 0 else off).to(device))
+        result["type_error"] = np.array("")
+    except ValueError as err:
+        result["type_error"] = np.array(str(err))
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
     dist.barrier()
     dist.destroy_process_group()
@@ -340,6 +347,7 @@ def test_capturable_ranks_equal_one_process(tmp_path):
     for r in range(world):
         assert bool(results[r]["bad_unchanged"]), r
         assert "same B_local" in str(results[r]["shape_error"]), results[r]["shape_error"]
+        assert str(results[r]["type_error"]), r  # rank 0 its own error, rank 1 another's
 
 
 def _graph_worker(rank, world, port, out_dir):

@@ -51,7 +51,8 @@ def named(names, values) -> dict:
 _NULL = np.uint64(0)
 # Pointer values that are addresses to convert (anything else: an array CuPy passes as is).
 _POINTER_CONVERTS = frozenset({int, bool, type(None), np.int8, np.int16, np.int32, np.int64,
-                               np.uint8, np.uint16, np.uint32, np.uint64, np.intp, np.uintp})
+                               np.uint8, np.uint16, np.uint32, np.uint64, np.intp, np.uintp,
+                               np.longlong, np.ulonglong})
 
 
 def _pointer(value):
@@ -111,7 +112,8 @@ def _build_arguments(name: str, args: tuple):
     name is a KeyError there; the caller checks the count for unknown ones."""
     # Each value's common case inline (an array pointer or a value already of its C type
     # passes as it is): a call per argument would cost about as much as the rest together.
-    scope = {"_pointer": _pointer, "_to_convert": _POINTER_CONVERTS}
+    scope = {"_pointer": _pointer, "_to_convert": _POINTER_CONVERTS,
+             "_hashable": (int, bool, float)}  # the kept conversions' keys
     items = []
     for k, (ctype, arg) in enumerate(args):
         if "*" in ctype:
@@ -122,8 +124,8 @@ def _build_arguments(name: str, args: tuple):
             convert = _converter(ctype)
             scope[f"_c{k}"], scope[f"_k{k}"], scope[f"_kept{k}"] = convert, kind, convert.kept
             items.append(f"(a{k} if type(a{k} := v[{arg!r}]) is _k{k} else "
-                         f"b{k} if (b{k} := _kept{k}.get(a{k})) is not None "
-                         f"else _c{k}(a{k}))")
+                         f"b{k} if type(a{k}) in _hashable and "
+                         f"(b{k} := _kept{k}.get(a{k})) is not None else _c{k}(a{k}))")
     code = f"def {name}(v):\n    return ({', '.join(items)}{',' if items else ''})\n"
     exec(code, scope)  # noqa: S102  (our own declaration's names only)
     return scope[name]

@@ -202,7 +202,7 @@ class CollectionDevice:
             plan = GpuPlan(None, None, None, None, None, None, bag_of, offsets64, psw_c,
                            None, self.writes, words, n)
             if n:
-                plan.keys, plan.perm, _ = sort_positions(keys, self.total_rows + 1,
+                plan.keys, plan.perm, _ = sort_positions(keys, self.total_rows + int(padded),
                                                          stream=stream, tiled_max=n)
                 plan.run, plan.starts = run_ids(plan.keys, stream)
                 plan.run_off = cupy.empty(n, dtype=np.int64)
