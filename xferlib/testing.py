@@ -35,7 +35,7 @@ import numpy as np
 from xferlib.backend import cupy_available
 
 __all__ = ["Backend", "BACKEND_NAMES", "get_backend", "backend_params", "for_each_backend",
-           "reference_check", "assert_outputs_match", "tolerance", "assert_matches_reference",
+           "gpu_count", "reference_check", "assert_outputs_match", "tolerance", "assert_matches_reference",
            "table_arrays", "random_rows", "GPU_SKIP_REASON"]
 
 BACKEND_NAMES = ("numpy", "cupy", "cupy-pinned")
@@ -173,6 +173,17 @@ def for_each_backend(*names: str):
 
 
 _TOLERANCES = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def gpu_count() -> int:
+    """How many CUDA GPUs CuPy sees (0 without CuPy or a driver): multi-GPU tests skip below
+    what they need."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
 
 
 def tolerance(dtype) -> float:

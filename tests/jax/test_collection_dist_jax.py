@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from xferlib.testing import gpu_count
+
 pytest.importorskip("jax")
 
 WORKER = Path(__file__).with_name("collection_dist_worker.py")
@@ -51,22 +53,13 @@ def test_sharded_equals_one_collection_on_the_global_batch(devices, case):
     assert result <= limit, f"{case} on {devices} devices differs by {result}"
 
 
-def _gpus() -> int:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("devices", [1, 2])
 def test_sharded_on_gpus_equals_one_collection(devices, case):
     """Each rank's shards on its own GPU, the kernels on XLA's stream there."""
-    if _gpus() < devices:
-        pytest.skip(f"needs {devices} GPUs, found {_gpus()}")
+    if gpu_count() < devices:
+        pytest.skip(f"needs {devices} GPUs, found {gpu_count()}")
     result = _run(devices, "gpu")[case]
     assert not isinstance(result, str), f"{case} on {devices} GPUs: {result}"
     # The GPU's gradient sums split each row's sorted run into fixed chunks of positions:

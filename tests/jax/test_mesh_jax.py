@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from xferlib.testing import gpu_count
+
 pytest.importorskip("jax")
 pytest.importorskip("optax")
 
@@ -54,20 +56,11 @@ def test_mesh_equals_one_device_on_the_global_batch(devices, case):
     _check(devices, "cpu", case)
 
 
-def _gpus() -> int:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_two_gpus_equal_one_gpu_on_the_global_batch(case):
-    if _gpus() < 2:
-        pytest.skip(f"needs 2 GPUs, found {_gpus()}")
+    if gpu_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {gpu_count()}")
     _check(2, "gpu", case)
 
 
