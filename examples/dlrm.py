@@ -247,9 +247,8 @@ def _prepare(args):
     if missing:
         raise ValueError(f"--framework {args.framework} needs {missing} installed "
                          f"(pip install -e \".[bench,jax]\" torch)")
-    if args.profile and (args.save or dist.launched()):
-        raise ValueError("--profile trains 20 more steps after the run: not with --save or "
-                         "torchrun")
+    if args.profile and args.save:
+        raise ValueError("--profile trains 20 more steps after the run: not with --save")
     if (args.save or args.load) and len(frameworks) > 1:
         raise ValueError("--save/--load hold one run: pick --framework torch or jax")
     if args.load and args.compare:
@@ -410,6 +409,12 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
                         else 0.0)
                     result["profile_ms"] = breakdown
                     print(metrics.profile_table(name, breakdown))
+                if hasattr(run, "profile_replays"):  # the captured step, kernel by kernel
+                    kinds = run.profile_replays(
+                        [feed(stop + PROFILE_STEPS + i) for i in range(PROFILE_STEPS)])
+                    if kinds:
+                        result["profile_replay_ms"] = kinds
+                        print(metrics.profile_table(f"{name}, replayed step's kernels", kinds))
             results.append(result)
         except Exception:
             traceback.print_exc()

@@ -521,3 +521,31 @@ def test_checkpoint_switch_is_atomic(tmp_path, monkeypatch, parts):
     assert checkpoint.read_meta(ckpt, config)["step"] == 2
     assert open(os.path.join(checkpoint.current(ckpt), "state.pt")).read() == "two"
     assert sorted(p.name for p in ckpt.iterdir()) == ["LATEST", "step-000000002"]
+
+
+def test_kernel_kinds_sort_kernels_by_name(parts):
+    import dlrm_parts.metrics as metrics
+
+    kernels = [("ncclDevKernel_AllReduce_Sum_f32", 30.0), ("coll_pool<float>", 100.0),
+               ("sm90_xmma_gemm_f32f32", 50.0), ("cub::DeviceRadixSortOnesweepKernel", 20.0),
+               ("Memcpy DtoD (Device -> Device)", 10.0), ("vectorized_elementwise_kernel", 40.0)]
+    kinds = metrics.kernel_kinds(kernels * 2, steps=2)
+    assert kinds["collectives (NCCL)"] == pytest.approx(0.030)
+    assert kinds["embedding kernels (xferlib)"] == pytest.approx(0.100)
+    assert kinds["matmuls"] == pytest.approx(0.050)
+    assert kinds["sorts and scans (torch / CUB)"] == pytest.approx(0.020)
+    assert kinds["copies and fills"] == pytest.approx(0.010)
+    assert kinds["other kernels"] == pytest.approx(0.040)
+    assert kinds["kernels per step"] == 6
+
+
+@pytest.mark.gpu
+def test_profile_shows_the_replayed_steps_kernels(tmp_path):
+    out = tmp_path / "run.json"
+    result = _ok(_run("--device", "cuda", "--steps", 30, "--evals", 1, "--profile", "--json",
+                      out))
+    run = json.loads(out.read_text())["runs"][0]
+    kinds = run["profile_replay_ms"]
+    assert kinds["embedding kernels (xferlib)"] > 0 and kinds["matmuls"] > 0
+    assert kinds["kernels per step"] > 10 and kinds["replayed step (events, profiler on)"] > 0
+    assert "replayed step's kernels" in result.stdout

@@ -15,6 +15,7 @@ from xferlib.adapters.torch.optim import (
     FlatRMSprop,
     FlatSGD,
 )
+from xferlib.adapters.torch.grad_sync import GradAllReduce
 from xferlib.adapters.torch.host import HostEmbedding, HostEmbeddingBag
 from xferlib.adapters.torch.optim_sharded import (ShardedFlatAdagrad, ShardedFlatAdam,
                                                   ShardedFlatAdamax, ShardedFlatAdamW,
@@ -26,7 +27,7 @@ from xferlib.adapters.torch.tt import (OptimType, TableBatchedTTEmbeddingBag, TT
                                        suggested_tt_shapes, tt_matrix_to_full)
 
 __all__ = ["ContiguousParams", "EmbeddingBagCollection", "FlatAdagrad", "FlatAdam", "FlatAdamax", "FlatAdamW", "FlatLion", "FlatNAdam",
-           "FlatRAdam", "FlatRMSprop", "FlatSGD", "HostEmbedding", "HostEmbeddingBag", "OptimType", "ShardedFlatAdagrad", "ShardedFlatAdam", "ShardedFlatAdamax",
+           "FlatRAdam", "FlatRMSprop", "FlatSGD", "GradAllReduce", "HostEmbedding", "HostEmbeddingBag", "OptimType", "ShardedFlatAdagrad", "ShardedFlatAdam", "ShardedFlatAdamax",
            "ShardedFlatAdamW", "ShardedFlatLion", "ShardedFlatNAdam", "ShardedFlatRAdam",
            "ShardedFlatRMSprop", "ShardedFlatSGD", "ShardedEmbeddingBagCollection",
            "load_sharded", "save_sharded", "TTEmbeddingBag", "TableBatchedTTEmbeddingBag",

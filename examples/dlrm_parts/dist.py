@@ -7,14 +7,14 @@ world))``) and the ranks stay equal to one process on the whole batch:
   gradients of the ranks add up to the gradient of the global mean loss;
 * host tables and TT tables take ``process_group=``: one shared table per host, gradients
   summed across ranks inside their fused updates;
-* the MLPs' gradients are summed with one ``all_reduce`` over a flat copy before the
-  (replicated) flat Adam step;
+* the MLPs' gradients are summed over the ranks by ``GradAllReduce`` before the
+  (replicated) flat Adam step: slices of FlatAdam's gradient buffer, each starting its
+  ``all_reduce`` as soon as the backward has filled it;
 * the embedding collection is sharded (``ShardedEmbeddingBagCollection``, table-wise by
   default): each rank holds only its shards and looks up only its own samples, each lookup
   sent to its table's owner and the pooled rows back by ``all_to_all`` (see
-  ``torch_run.sharding_plan``). TT tables (``--placement tt``) and the baseline engines keep
-  the replicated design: every rank looks up the global batch and the gradient rows are
-  all-gathered.
+  ``torch_run.sharding_plan``). TT tables (``--placement tt``) keep the replicated design:
+  every rank looks up the global batch, their gradients summed inside their fused updates.
 
 Each rank sets and touches only its own GPU: :func:`local_gpu` picks ``LOCAL_RANK``'s GPU,
 :func:`init` makes it current for torch and CuPy before anything allocates, and nothing
@@ -124,49 +124,3 @@ def finish(ranks: Ranks) -> None:
 
         dist.barrier()  # every rank done with the shared tables before any tears down
         dist.destroy_process_group()
-
-
-def sum_dense_grads(params, ranks: Ranks) -> None:
-    """Sum the gradients of ``params`` over the ranks: one all_reduce of a flat copy."""
-    import torch
-    import torch.distributed as dist
-
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=ranks.group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def gather_sparse_grads(params, ranks: Ranks) -> None:
-    """Replace each sparse gradient of ``params`` by the concatenation of every rank's (in
-    rank order): a replicated table then takes the step of the whole batch on every rank.
-
-    ``nn.EmbeddingBag(sparse=True)`` gives one uncoalesced gradient row per looked-up index,
-    and every rank looks up as many indices (equal shares of the batch), so the pieces have
-    the same size on every rank: two ``all_gather`` calls for all tables together, no
-    size exchange and no host sync."""
-    import torch
-    import torch.distributed as dist
-
-    sparse = [p for p in params if p.grad is not None and p.grad.is_sparse]
-    if not sparse:
-        return
-    idx = [p.grad._indices()[0] for p in sparse]
-    val = [p.grad._values() for p in sparse]
-    sizes = [i.numel() for i in idx]
-    flat_idx, flat_val = torch.cat(idx), torch.cat(val)
-    all_idx = [torch.empty_like(flat_idx) for _ in range(ranks.world)]
-    all_val = [torch.empty_like(flat_val) for _ in range(ranks.world)]
-    dist.all_gather(all_idx, flat_idx, group=ranks.group)
-    dist.all_gather(all_val, flat_val, group=ranks.group)
-    pieces_idx = [torch.split(t, sizes) for t in all_idx]
-    pieces_val = [torch.split(t, sizes) for t in all_val]
-    for k, p in enumerate(sparse):
-        i = torch.cat([pieces[k] for pieces in pieces_idx])
-        v = torch.cat([pieces[k] for pieces in pieces_val])
-        p.grad = torch.sparse_coo_tensor(i[None], v, p.grad.shape)

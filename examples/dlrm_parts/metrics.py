@@ -72,6 +72,32 @@ def profile_table(name, breakdown) -> str:
     return "\n".join(lines)
 
 
+# Kinds of GPU kernel in a replayed DLRM step, by name (first match wins).
+KERNEL_KINDS = (
+    ("collectives (NCCL)", ("nccl",)),
+    ("embedding kernels (xferlib)", ("coll_", "tile_sort", "tile_merge")),
+    ("matmuls", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_")),
+    ("sorts and scans (torch / CUB)", ("radix", "sort", "scan", "cub::")),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill")),
+)
+
+
+def kernel_kinds(kernels, steps: int) -> dict:
+    """``(name, microseconds)`` of every GPU kernel in ``steps`` steps, as milliseconds per
+    step by kind (``KERNEL_KINDS``, the rest "other kernels"), plus the kernel count per
+    step. Kernels of different streams may overlap, so the kinds can add up to more than
+    the step."""
+    out = {kind: 0.0 for kind, _ in KERNEL_KINDS}
+    out["other kernels"] = 0.0
+    for name, us in kernels:
+        low = name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)),
+                    "other kernels")
+        out[kind] += us / 1e3 / steps
+    out["kernels per step"] = len(kernels) / steps
+    return out
+
+
 def write_json(path, results, extra) -> None:
     main = results[0]
     doc = {k: main[k] for k in ("framework", "preset", "steps", "samples_per_s", "auc",

@@ -28,11 +28,12 @@ import torch
 import torch.nn.functional as F
 
 import xferlib
-from xferlib.adapters.torch import (EmbeddingBagCollection, FlatAdam, OptimType,
-                                    ShardedEmbeddingBagCollection, TTEmbeddingBag)
+from xferlib.adapters.torch import (EmbeddingBagCollection, FlatAdam, GradAllReduce,
+                                    OptimType, ShardedEmbeddingBagCollection, TTEmbeddingBag)
 
 from . import dist as ranks_
 from . import init as initial
+from . import metrics
 from .sharding import table_configs
 
 WARMUP_STEPS = 2  # eager steps (on a side stream) before the step is captured
@@ -301,6 +302,11 @@ class TorchRun:
         else:  # what one writes with torch: its fused Adam (capturable for FBGEMM's graph)
             self.dense_opt = torch.optim.Adam(params, lr=preset.lr_dense, **(
                 {"fused": True, "capturable": engine == "fbgemm"} if cuda else {}))
+        # Under torchrun the MLPs train data-parallel: their gradients summed in buckets that
+        # start during the backward (slices of FlatAdam's gradient buffer).
+        self.grad_sync = (GradAllReduce(self.dense_opt if engine == "xferlib" else params,
+                                        process_group=self.ranks.group)
+                          if self.ranks.world > 1 else None)
         self.sparse_opt = None
         if engine == "torch":  # the baseline's tables: torch's sparse Adagrad
             torch.sparse.check_sparse_tensor_invariants.disable()  # COO grads torch built
@@ -350,7 +356,7 @@ class TorchRun:
             label.numel() * world)
         loss.backward()
         if world > 1:
-            ranks_.sum_dense_grads(self.model.dense_parameters(), self.ranks)
+            self.grad_sync.wait()  # the buckets the backward started, and the rest
             loss = loss * world  # the running loss shows this rank's samples' mean
         self.dense_opt.step()
         if self.sparse_opt is not None:
@@ -428,6 +434,8 @@ class TorchRun:
             loss.backward()
             if not pooled.requires_grad:
                 ev[3].record()
+            if self.grad_sync is not None:
+                self.grad_sync.wait()
             ev[4].record()
             self.dense_opt.step()
             if self.sparse_opt is not None:
@@ -440,6 +448,28 @@ class TorchRun:
                 times[n].append(ev[k].elapsed_time(ev[k + 1]))
         out = {n: float(np.median(v)) for n, v in times.items()}
         out["host (issue an eager step)"] = 1e3 * float(np.median(host))
+        return out
+
+    def profile_replays(self, batches):
+        """GPU milliseconds per replayed step by kind of kernel (``metrics.KERNEL_KINDS``),
+        from torch's profiler over replays of the captured step on ``batches``; None when
+        the step is not a CUDA graph. Trains on them."""
+        if self.graph is None:
+            return None
+        from torch.profiler import ProfilerActivity, profile
+
+        self.sync()
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start.record()
+            for data in batches:
+                self.step(data)
+            end.record()
+            self.sync()
+        kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        out = metrics.kernel_kinds(kernels, len(batches))
+        out["replayed step (events, profiler on)"] = start.elapsed_time(end) / len(batches)
         return out
 
     # ------------------------------------------------------------------ figures
