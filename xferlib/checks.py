@@ -164,6 +164,7 @@ class PendingChecks:
         self.device = None
         self.next = 0
         self.next_graph = _RING
+        self.held = None  # the first failure a poll(hold=True) kept for poll(wait=True)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -224,9 +225,13 @@ class PendingChecks:
             event.record(stream)
             self.entries.append(_Entry(verdict, host, slot, event, keep, early))
 
-    def poll(self, wait: bool = False) -> None:
-        """Raise for the oldest bad verdict that is in (see the class docstring)."""
-        if not self.entries and not (wait and self.graph):
+    def poll(self, wait: bool = False, hold: bool = False) -> None:
+        """Raise for the oldest bad verdict that is in (see the class docstring).
+
+        ``hold``: read the verdicts as usual (the queue stays bounded) but keep the first
+        failure instead of raising it; the next ``poll(wait=True)`` raises it. For callers
+        in a collective step, where raising on one rank alone would strand the others."""
+        if not self.entries and not (wait and (self.graph or self.held)):
             return
         with self.lock:
             entries = self.entries
@@ -234,7 +239,16 @@ class PendingChecks:
                                or (entries[0].early and entries[0].event.done)):
                 entry = entries.popleft()
                 entry.event.synchronize()
-                entry.verdict.raise_for(entry.host)
+                if not (hold or self.held):
+                    entry.verdict.raise_for(entry.host)
+                    continue
+                try:
+                    entry.verdict.raise_for(entry.host)
+                except Exception as err:  # noqa: BLE001 - kept, raised by poll(wait=True)
+                    self.held = self.held or err
+            if wait and self.held is not None:
+                error, self.held = self.held, None
+                raise error
             if wait and self.graph and not any(_still_capturing(e.stream) for e in self.graph):
                 # Replays may run on any stream and carry no event: wait for the devices the
                 # graphs were captured on, so a check right after graph.replay() reads that

@@ -145,6 +145,9 @@ class ShardedCollection:
                 for k, s in enumerate(mine):
                     fill_shard_weights(local, k, self.tables[s.table_index].init, seed,
                                        s.table_index, s.row_start)
+            # A refused batch raises from check() only: raised inside one device's callback,
+            # it would leave the other devices waiting in the step's next all_to_all.
+            local.raise_in_calls = False
             self.shards.append(local)
         self._routes()
         self._function = _make(self)
@@ -343,7 +346,7 @@ class ShardedCollection:
     def load_state_dict(self, state: dict) -> None:
         """Load a whole-table state dict (:meth:`state_dict`'s form, or an unsharded
         collection's): each rank's shards take their rows. KeyError / ValueError before any
-        shard changes when a table or state is missing or has other rows."""
+        shard changes when a table or state is missing or has another shape."""
         local = []
         for r, coll in enumerate(self.shards):
             if coll is None:
@@ -362,6 +365,9 @@ class ShardedCollection:
                                          f"{self.tables[s.table_index].num_rows}")
                     part[f"{s.local_name}.{name}"] = whole[s.row_start:s.row_stop]
             local.append(part)
+        for coll, part in zip(self.shards, local):  # every rank's part, before any loads
+            if coll is not None:
+                coll.check_state_dict(part)
         for r, (coll, part) in enumerate(zip(self.shards, local)):
             if coll is not None:
                 with self.shard_scope(r):

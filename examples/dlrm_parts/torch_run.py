@@ -381,12 +381,21 @@ class TorchRun:
                 loss = self._body(*self.static)
             torch.cuda.current_stream(self.device).wait_stream(side)
             return loss
+        failure = None
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._loss = self._body(*self.static)
         except Exception as err:  # train eagerly from here on; say why
-            self.use_graph, self.graph_note = False, f"eager (no CUDA graph: {err})"[:200]
+            failure = f"eager (no CUDA graph: {err})"[:200]
+        if self.ranks.world > 1:  # the ranks replay together or all run eagerly
+            ok = torch.tensor([int(failure is None)], dtype=torch.int32, device=self.device)
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN,
+                                         group=self.ranks.group)
+            if failure is None and not ok.item():
+                failure = "eager (another rank's CUDA-graph capture failed)"
+        if failure is not None:
+            self.use_graph, self.graph_note = False, failure
             torch.cuda.synchronize(self.device)
             return self._body(*data)
         self.graph, self.graph_note = graph, "whole step in one CUDA graph" + (

@@ -407,6 +407,36 @@ def test_cache_config_checks():
 
 
 @pytest.mark.gpu
+def test_gpu_refused_batch_raises_only_from_check_when_asked():
+    """raise_in_calls=False (a sharded step's collections): a refused batch changes nothing,
+    the calls after it do not raise (other ranks would wait in a collective), and check()
+    raises it once; the good batches after it train."""
+    get_backend("cupy")
+    import cupy
+
+    def build():
+        return EmbeddingCollection([TableConfig(10, 4, placement="host", cache_rows=4),
+                                    TableConfig(5, 4)], "adam", device="cuda", seed=0)
+
+    def step(coll, idx):
+        out, ctx = coll.forward(cupy.asarray(idx), cupy.asarray([0, 1, 2, 3, 4]))
+        coll.backward(ctx, cupy.ones((2, 8), np.float32))
+
+    quiet, reference = build(), build()
+    quiet.raise_in_calls = False
+    step(quiet, [1, 2, 3, 9])          # index 9 of the 5-row table: refused
+    for _ in range(8):                 # more than the queue's limit of unread verdicts
+        step(quiet, [1, 2, 3, 4])
+        step(reference, [1, 2, 3, 4])
+    cupy.cuda.Device().synchronize()
+    with pytest.raises(IndexError, match="index 9 at position 3"):
+        quiet.check()
+    quiet.check()                      # reported once
+    for k, v in reference.state_dict().items():
+        assert quiet.state_dict()[k].tobytes() == v.tobytes(), k
+
+
+@pytest.mark.gpu
 def test_gpu_bad_inputs_change_nothing():
     """Out-of-range indices and broken offsets on the GPU: the batch's kernels write nothing
     (host tables, their cache, HBM tables), and check() raises the error naming them."""

@@ -167,6 +167,16 @@ def _checkpoint_case():
     fresh = ShardedCollection(TABLES_, "adam", hyper, device=CORE_DEVICE, devices=DEVICES,
                               plan=plan)
     fresh.load_state_dict(one.state_dict())  # and one collection's into a sharded one
+    err = max(err, _state_error(fresh.state_dict(), saved))
+    # A state dict whose last table is narrower (and whose first differs): refused before
+    # any rank's shards change.
+    first, last = (f"{sharded.tables[t].name}.weight" for t in (0, -1))
+    bad = dict(saved, **{first: saved[first] + 1, last: saved[last][:, :-1]})
+    try:
+        fresh.load_state_dict(bad)
+        return float("inf")
+    except ValueError:
+        pass
     return max(err, _state_error(fresh.state_dict(), saved))
 
 

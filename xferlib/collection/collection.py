@@ -123,6 +123,11 @@ class EmbeddingCollection:
         self.blocks, self.buffers = self._allocate(seed)
         self._gpu = None  # the GPU side (xferlib/collection/device.py), made on first use
         self._kept = {}  # contexts kept for a later backward (keep_context)
+        # A GPU batch refused by its deferred input check raises from the next forward or
+        # backward, or from check(). Collective callers (a sharded step, where one rank
+        # raising alone would leave the others waiting in a collective) set this False:
+        # then only check() raises (the verdicts are still read, the queue stays short).
+        self.raise_in_calls = True
 
     @property
     def num_tables(self) -> int:
@@ -232,20 +237,7 @@ class EmbeddingCollection:
     def load_state_dict(self, state: dict) -> None:
         """Restore every table's weights and state from :meth:`state_dict`'s form. Every
         array's presence and shape is checked before anything is written."""
-        expected = {}
-        for t, name in enumerate(self.names):
-            expected[f"{name}.weight"] = (self.tables[t].num_rows, self.dims[t])
-            for key, view in self._state_views(t, np.empty((1, self.layouts[t].row_width),
-                                                           self.dtype)).items():
-                expected[f"{name}.{key}"] = (self.tables[t].num_rows,) + view.shape[1:]
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"state_dict does not match this collection: missing {missing}, "
-                             f"unexpected {unexpected}")
-        for key, shape in expected.items():
-            if np.shape(state[key]) != shape:
-                raise ValueError(f"{key} must have shape {shape}, got {np.shape(state[key])}")
+        self.check_state_dict(state)
         if self._gpu is not None:
             self._gpu.synchronize(drop_cache=True)  # no cached row may outlive this write
             self._gpu.writes += 1  # staged copies of a forward before this are stale
@@ -260,6 +252,32 @@ class EmbeddingCollection:
                 target.set(rows)
             else:
                 target[...] = rows
+
+    def check_state_dict(self, state: dict) -> None:
+        """ValueError unless ``state`` holds exactly this collection's arrays, each of its
+        shape and numeric (what :meth:`load_state_dict` checks before writing; a sharded
+        collection checks every rank's part before any rank loads)."""
+        expected = {}
+        for t, name in enumerate(self.names):
+            expected[f"{name}.weight"] = (self.tables[t].num_rows, self.dims[t])
+            for key, view in self._state_views(t, np.empty((1, self.layouts[t].row_width),
+                                                           self.dtype)).items():
+                expected[f"{name}.{key}"] = (self.tables[t].num_rows,) + view.shape[1:]
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"state_dict does not match this collection: missing {missing}, "
+                             f"unexpected {unexpected}")
+        for key, shape in expected.items():
+            if np.shape(state[key]) != shape:
+                raise ValueError(f"{key} must have shape {shape}, got {np.shape(state[key])}")
+            dtype = getattr(state[key], "dtype", None)
+            try:
+                dtype = np.asarray(state[key]).dtype if dtype is None else np.dtype(dtype)
+            except TypeError:  # another framework's dtype: converted when loaded
+                continue
+            if dtype.kind not in "fiub":
+                raise ValueError(f"{key} must hold numbers, got dtype {dtype}")
 
     def set_hyper(self, table=None, **changes) -> None:
         """Change hyperparameters (e.g. ``lr`` from a schedule) for the following steps, of

@@ -173,7 +173,7 @@ class CollectionDevice:
         coll = self.coll
         stream = as_cupy_stream(stream)
         if not is_capturing(stream):  # an event query would invalidate a capture
-            self.checks.poll()
+            self.checks.poll(hold=not coll.raise_in_calls)
         n, bags = int(indices.shape[0]), coll.num_tables * B
         if bags == 0 and n:
             if not padded:
@@ -252,7 +252,7 @@ class CollectionDevice:
         coll, plan = self.coll, ctx.plan
         stream = as_cupy_stream(stream)
         if not is_capturing(stream):  # an event query would invalidate a capture
-            self.checks.poll()
+            self.checks.poll(hold=not coll.raise_in_calls)
         n = plan.n
         if n == 0:
             return
