@@ -429,6 +429,7 @@ class TorchRun:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
             t0 = time.perf_counter()
             dense, cat, label = data
+            dense, label = self._share(dense, label)  # under torchrun: this rank's samples
             m.train()
             self.dense_opt.zero_grad(set_to_none=False)
             if self.sparse_opt is not None:
