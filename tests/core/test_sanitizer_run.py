@@ -1,7 +1,8 @@
 """The sanitizer driver's case selection and log reading (the run itself needs a GPU)."""
 import itertools
 
-from tests.sanitizer_run import FAMILIES, cover, pytest_counts, shards, summary_errors
+from tests.sanitizer_run import (FAMILIES, cover, one_each, pytest_counts, shards,
+                                  summary_errors)
 
 
 def test_cover_uses_every_parameter_value_with_fewer_cases():
@@ -45,3 +46,8 @@ def test_families_name_existing_files():
     for files in FAMILIES.values():
         for name in files:
             assert (root / name).is_file(), name
+
+
+def test_one_each_keeps_each_functions_first_case():
+    ids = ["t.py::test_a[1]", "t.py::test_a[2]", "t.py::test_b", "u.py::test_a[1]"]
+    assert one_each(ids) == ["t.py::test_a[1]", "t.py::test_b", "u.py::test_a[1]"]
