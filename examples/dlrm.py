@@ -24,6 +24,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch/CuPy share the GPU
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
@@ -241,6 +242,7 @@ def _prepare(args):
     if batch_size < 1 or steps < 0 or pooling < 1:
         raise ValueError(f"--batch-size and --pooling must be >= 1 and --steps >= 0, got "
                          f"{batch_size}, {pooling}, {steps}")
+    preset = dataclasses.replace(preset, pooling=pooling)  # the runs read it from the preset
     frameworks = ["torch", "jax"] if args.framework == "both" else [args.framework]
     needed = ["torch", "tqdm"] + (["jax", "optax"] if "jax" in frameworks else [])
     missing = [m for m in needed if importlib.util.find_spec(m) is None]

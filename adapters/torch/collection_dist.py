@@ -114,6 +114,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         see ``world_size`` times the lookups as padded slots. Bad input changes nothing
         and raises from :meth:`check` (the rank that passed it, and the owner its bad
         index went to) instead of at once on every rank.
+      max_bag_size: with ``capturable``, a bound on every bag's length: each owner's room
+        from a sender is then ``B_local x max_bag_size`` per table it holds (no padding
+        when every bag has that many lookups). A longer bag is refused like bad offsets.
 
     ``forward(indices, offsets, per_sample_weights=None)`` takes this rank's batch in
     FBGEMM's layout (every table's bags for its ``B_local`` samples; ranks may have
@@ -132,9 +135,17 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def __init__(self, tables, optimizer: str = "sgd", optimizer_kwargs=None, *,
                  plan: ShardingPlan | None = None, process_group=None, pooling: str = "sum",
                  dtype=torch.float32, device=None, seed: int | None = 0,
-                 capturable: bool = False):
+                 capturable: bool = False, max_bag_size: int | None = None):
         super().__init__()
         self.capturable = bool(capturable)
+        if max_bag_size is not None:
+            if not capturable:
+                raise ValueError("max_bag_size sizes capturable=True's fixed messages; "
+                                 "without capturable the messages are sized per batch")
+            if isinstance(max_bag_size, bool) or not isinstance(max_bag_size, int) \
+                    or max_bag_size < 1:
+                raise ValueError(f"max_bag_size must be a positive int, got {max_bag_size!r}")
+        self.max_bag_size = max_bag_size
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("a ShardedEmbeddingBagCollection needs torch.distributed "
                                "initialized (init_process_group); in one process use "
@@ -175,6 +186,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         self._build_local(seed)
         self._build_routes()
         self._refused = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._room_cache = {}  # (B, n) -> each owner's room in a capturable message
         self._owner_error = None  # capturable, CPU: a refused batch's error, for check()
 
     # ------------------------------------------------------------------ construction
@@ -223,6 +235,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                                                    self.dim_offsets[s.table_index + 1])]
             self._owner_cols.append(as_long(cols))
             self._owner_dim.append(len(cols))
+        # Per owner: how many tables have a shard there (max_bag_size bounds its lookups).
+        self._owner_tables = [len({s.table_index for s in plan.shards_of(r)})
+                              for r in range(world)]
 
     # ------------------------------------------------------------------ forward
 
@@ -349,9 +364,11 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             if bad_offsets or bad_indices:
                 self._refused.zero_()
                 kind = ValueError if bad_offsets else IndexError
-                raise kind(f"rank {self.rank} passed {bad_offsets} batch(es) with bad offsets "
-                           f"and {bad_indices} with an index out of range since the last "
-                           f"check (refused: no table changed on any rank)")
+                longer = "" if self.max_bag_size is None else \
+                    f" (or a bag longer than max_bag_size={self.max_bag_size})"
+                raise kind(f"rank {self.rank} passed {bad_offsets} batch(es) with bad offsets"
+                           f"{longer} and {bad_indices} with an index out of range since the "
+                           f"last check (refused: no table changed on any rank)")
 
     def _agree(self, B: int, n: int, weighted: bool, own_error=None) -> None:
         """``capturable``: every rank must pass the same batch shape (the messages have fixed
@@ -399,6 +416,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         self._agree(B, n, weighted, own_error)
         local, owner, slot, sample, bad_each, bad_off, lengths, bag = self._locate(
             indices, offsets, B)
+        if self.max_bag_size is not None and lengths.numel():  # the owners' room assumes it
+            bad_off = bad_off | (lengths > self.max_bag_size).any()
         refused = torch.stack([bad_off.to(torch.int64), bad_each.any().to(torch.int64)])
         self._refused += refused
         any_bad = refused.sum().reshape(1)
@@ -418,27 +437,33 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         per_owner = torch.zeros(world, dtype=torch.int64, device=dev).index_add_(
             0, s_owner, s_send.to(torch.int64))
         first = torch.cumsum(per_owner, 0) - per_owner
-        dst = torch.where(s_send, s_owner * n + taken - first[s_owner], world * n)
-        message = torch.zeros((world, head + n), dtype=torch.int64, device=dev)
-        message[:, :head] = counts[:world * head].view(world, head)
-        spill = torch.zeros(world * n + 1, dtype=torch.int64, device=dev)
+        # Each owner's room: all n lookups, or (max_bag_size) its tables' bags at most that
+        # long; an owner without shards gets none. The same on every rank (same B and n).
+        caps, starts, cap, base = self._rooms(B, n)
+        place = taken - first[s_owner]
+        fits = s_send & (place < cap[s_owner])  # all of them when the bags are in bounds
+        dst = torch.where(fits, base[s_owner] + place, sum(caps))
+        spill = torch.zeros(sum(caps) + 1, dtype=torch.int64, device=dev)
         spill[dst] = local[order]
-        message[:, head:] = spill[:world * n].view(world, n)
-        received = torch.empty_like(message)
-        dist.all_to_all_single(received, message, group=self.group)
+        # Owner after owner: the bag lengths of its slots, then its room of lookups.
+        header = counts[:world * head].view(world, head)
+        message = torch.cat([part for o in range(world) for part in (
+            header[o], spill[starts[o]:starts[o] + caps[o]])])
+        received = self._a2a(message, [head + caps[me]] * world,
+                             [head + c for c in caps], torch.int64).view(world,
+                                                                         head + caps[me])
         w_received = None
         if weighted:
             w = self._weights(per_sample_weights, lengths, bag, B, n)
-            w_spill = torch.zeros(world * n + 1, dtype=self.dtype, device=dev)
+            w_spill = torch.zeros(sum(caps) + 1, dtype=self.dtype, device=dev)
             w_spill[dst] = w[order]
-            w_received = torch.empty((world, n), dtype=self.dtype, device=dev)
-            dist.all_to_all_single(w_received, w_spill[:world * n].view(world, n),
-                                   group=self.group)
+            w_received = self._a2a(w_spill[:sum(caps)], [caps[me]] * world, caps,
+                                   self.dtype).view(world, caps[me])
         ctx = None
         T_me = len(self.shards)
         if self.local is not None:
-            idx_own, off_own, w_own = self._owner_batch_fixed(received, w_received, B, n,
-                                                              T_me)
+            idx_own, off_own, w_own = self._owner_batch_fixed(received, w_received, B,
+                                                              caps[me], T_me)
             core = lambda t: self.local._core(t, "x")  # noqa: E731
             args = (core(idx_own), core(off_own), None if w_own is None else core(w_own))
             pooled = None
@@ -459,6 +484,25 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         out = self._place_columns(back, B)
         return out, _Step(B, [B] * world, ctx)
 
+    def _rooms(self, B: int, n: int):
+        """Lookup slots per owner in a ``capturable`` message: ``n`` (every lookup of the
+        sender may go to one owner), at most ``B x max_bag_size`` per table the owner holds
+        a shard of when ``max_bag_size`` is set; none for an owner without shards. ``(rooms,
+        starts)`` as host ints and as device tensors, made once per batch shape (the
+        warm-up's): no host-to-device copy inside a CUDA-graph capture."""
+        key = (B, n)
+        if key not in self._room_cache:
+            if self.max_bag_size is None:
+                rooms = [n if t else 0 for t in self._owner_tables]
+            else:
+                rooms = [min(n, B * self.max_bag_size * t) for t in self._owner_tables]
+            starts = [int(v) for v in np.cumsum(rooms) - rooms]
+            # Filled on the device (capturable), not copied from the host.
+            tensors = [torch.cat([torch.full((1,), v, dtype=torch.int64, device=self.device)
+                                  for v in values]) for values in (rooms, starts)]
+            self._room_cache[key] = (rooms, starts, *tensors)
+        return self._room_cache[key]
+
     def _place_columns(self, back, B: int) -> torch.Tensor:
         """The pooled rows the owners sent back (owner after owner, ``B`` rows of its
         columns each) at their tables' columns of a ``(B, total_dim)`` output; a row-wise
@@ -472,10 +516,11 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             at += B * d
         return out
 
-    def _owner_batch_fixed(self, received, w_received, B: int, n: int, T_me: int):
+    def _owner_batch_fixed(self, received, w_received, B: int, room: int, T_me: int):
         """What the owner received, as one padded batch in FBGEMM's layout: table by table,
         each table's bags rank after rank (the global batch's order), the true lookups
-        first and the rest of the ``world * n`` slots padding."""
+        first and the rest of the ``world * room`` slots (``room`` from each sender)
+        padding."""
         dev, world = self.device, self.world_size
         head = self._max_slots * B
         lengths = received[:, :head].view(world, self._max_slots, B)[:, :T_me]
@@ -486,20 +531,20 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         src_start = ends - per
         seg_len = per.t().reshape(-1)                               # (table, rank) order
         dst_start = (torch.cumsum(seg_len, 0) - seg_len).view(T_me, world).t()
-        p = torch.arange(n, device=dev).expand(world, n).contiguous()
+        p = torch.arange(room, device=dev).expand(world, room).contiguous()
         k = torch.searchsorted(ends, p, right=True)                 # each slot's table
         real = k < T_me
         k = k.clamp_(max=T_me - 1)
         dst = dst_start.gather(1, k) + p - src_start.gather(1, k)
-        dst = torch.where(real, dst, world * n).reshape(-1)
-        idx = torch.zeros(world * n + 1, dtype=torch.int64, device=dev)
+        dst = torch.where(real, dst, world * room).reshape(-1)
+        idx = torch.zeros(world * room + 1, dtype=torch.int64, device=dev)
         idx[dst] = received[:, head:].reshape(-1)
         w = None
         if w_received is not None:
-            w = torch.zeros(world * n + 1, dtype=self.dtype, device=dev)
+            w = torch.zeros(world * room + 1, dtype=self.dtype, device=dev)
             w[dst] = w_received.reshape(-1)
-            w = w[:world * n]
-        return idx[:world * n], offsets, w
+            w = w[:world * room]
+        return idx[:world * room], offsets, w
 
     def _a2a(self, send, out_splits, in_splits, dtype):
         out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)

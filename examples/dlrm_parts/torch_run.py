@@ -69,10 +69,12 @@ class XferlibEmbeddings(torch.nn.Module):
             if self.tt_tables:
                 raise ValueError("the sharded collection holds no TT tables")
             # capturable on GPUs: fixed-size messages, no host read in a step, so the whole
-            # step (its all_to_alls included) is captured in one CUDA graph
+            # step (its all_to_alls included) is captured in one CUDA graph; every bag holds
+            # `pooling` lookups, so each owner's room is its tables' lookups, no padding
+            capturable = device.type == "cuda"
             self.collection = ShardedEmbeddingBagCollection(
                 configs, optimizer, {"lr": lr}, plan=sharding, device=device, seed=seed,
-                capturable=device.type == "cuda")
+                capturable=capturable, max_bag_size=preset.pooling if capturable else None)
         else:
             self.collection = EmbeddingBagCollection(configs, optimizer, {"lr": lr},
                                                      device=device, seed=seed)

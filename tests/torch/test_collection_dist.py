@@ -263,19 +263,22 @@ def _fixed_data():
     return steps
 
 
-FIXED_RUNS = [("adam.table", "adam", "table", "sum"),
-              ("rowwise_adagrad.row", "rowwise_adagrad", "row", "sum"),
-              ("sgd.row.mean", "sgd", "row", "mean")]
+# name, optimizer, plan, pooling, max_bag_size (None: room for all of a rank's lookups)
+FIXED_RUNS = [("adam.table", "adam", "table", "sum", None),
+              ("rowwise_adagrad.row", "rowwise_adagrad", "row", "sum", None),
+              ("sgd.row.mean", "sgd", "row", "mean", None),
+              ("adam.table.bounded", "adam", "table", "sum", L_FIXED),
+              ("rowwise_adagrad.row.bounded", "rowwise_adagrad", "row", "mean", L_FIXED + 1)]
 
 
 def _fixed_worker(rank, world, port, out_dir, backend):
     device = join(rank, world, port, backend)
     result = {}
     share = B // world
-    for name, opt, kind, pooling in FIXED_RUNS:
+    for name, opt, kind, pooling, max_bag in FIXED_RUNS:
         module = ShardedEmbeddingBagCollection(
             TABLES, opt, OPTIMIZERS[opt], plan=_plan(kind, world, opt), pooling=pooling,
-            device=device, seed=SEED, capturable=True)
+            device=device, seed=SEED, capturable=True, max_bag_size=max_bag)
         outs = _train(module, _fixed_data(),
                       lambda k: list(range(rank * share, (rank + 1) * share)), device)
         module.check()
@@ -296,6 +299,21 @@ def _fixed_worker(rank, world, port, out_dir, backend):
     after = _state(module)
     result["bad_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
                                            for k in before))
+    # Bags longer than max_bag_size: refused, nothing changes on any rank.
+    bounded = ShardedEmbeddingBagCollection(
+        TABLES, "sgd", OPTIMIZERS["sgd"], plan=_plan("table", world, "sgd"), device=device,
+        seed=SEED, capturable=True, max_bag_size=L_FIXED - 1)
+    before = _state(bounded)
+    idx, off, _, _ = _batch(_fixed_data()[0], list(range(rank * share, (rank + 1) * share)))
+    bounded(idx.to(device), off.to(device)).sum().backward()
+    try:
+        bounded.check()
+        result["long_error"] = np.array("")
+    except ValueError as err:
+        result["long_error"] = np.array(str(err))
+    after = _state(bounded)
+    result["long_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
+                                            for k in before))
     # A rank passing another batch shape is refused on every rank, before anything is sent.
     try:
         n = L_FIXED * len(TABLES) * (share - (rank == 0))
@@ -327,7 +345,7 @@ def test_capturable_ranks_equal_one_process(tmp_path):
     mp.spawn(_fixed_worker, args=(world, free_port(), str(tmp_path / "w"), "gloo"),
              nprocs=world, join=True)
     results = [dict(np.load(tmp_path / "w" / f"rank{r}.npz")) for r in range(world)]
-    for name, opt, kind, pooling in FIXED_RUNS:
+    for name, opt, kind, pooling, _ in FIXED_RUNS:
         module = EmbeddingBagCollection(TABLES, opt, OPTIMIZERS[opt], pooling=pooling,
                                         device="cpu", seed=SEED)
         outs = _train(module, _fixed_data(), lambda k: list(range(B)), "cpu")
@@ -346,6 +364,8 @@ def test_capturable_ranks_equal_one_process(tmp_path):
     assert "out of range" in str(results[-1]["bad_error"]), results[-1]["bad_error"]
     for r in range(world):
         assert bool(results[r]["bad_unchanged"]), r
+        assert bool(results[r]["long_unchanged"]), r
+        assert "longer than max_bag_size" in str(results[r]["long_error"]), r
         assert "same B_local" in str(results[r]["shape_error"]), results[r]["shape_error"]
         assert str(results[r]["type_error"]), r  # rank 0 its own error, rank 1 another's
 
@@ -363,7 +383,7 @@ def _graph_worker(rank, world, port, out_dir):
     for graphed in (False, True):
         module = ShardedEmbeddingBagCollection(
             TABLES, "adam", OPTIMIZERS["adam"], plan=_plan("row", world, "adam"),
-            device=device, seed=SEED, capturable=True)
+            device=device, seed=SEED, capturable=True, max_bag_size=L_FIXED)
         if not graphed:
             for idx, off, grad in batches * 2:
                 module(idx, off).backward(grad)
