@@ -138,20 +138,27 @@ def _worker(rank, world, port, out_dir, backend, ckpt_in, ckpt_out):
     dist.destroy_process_group()
 
 
+def _refusal(module, step, errors):
+    """Run ``step`` (a bad batch): ``(its error's message or "", whether every array of the
+    module's state is unchanged)``, as arrays to save."""
+    before = _state(module)
+    message = ""
+    try:
+        step()
+    except errors as err:
+        message = str(err)
+    after = _state(module)
+    return np.array(message), np.array(all(np.array_equal(before[k], after[k])
+                                            for k in before))
+
+
 def _bad_input(module, rank, world, device, result):
     """An index out of range on the last rank: IndexError everywhere, nothing changed."""
-    before = _state(module)
     idx, off, _, _ = _batch(_data()[0], _samples(world, rank, 0))
     if rank == world - 1:
         idx[-1] = 40  # the last table, "ad", has 7 rows
-    try:
-        module(idx.to(device), off.to(device)).sum().backward()
-        result["bad_error"] = np.array("")
-    except IndexError as err:
-        result["bad_error"] = np.array(str(err))
-    after = _state(module)
-    result["bad_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
-                                           for k in before))
+    result["bad_error"], result["bad_unchanged"] = _refusal(
+        module, lambda: module(idx.to(device), off.to(device)).sum().backward(), IndexError)
 
 
 def _single(world, name, opt, pooling, device="cpu"):
@@ -286,34 +293,23 @@ def _fixed_worker(rank, world, port, out_dir, backend):
         result.update({f"{name}/{k}": v for k, v in _state(module).items()})
     # An index out of range on the last rank: no table changes on any rank; that rank's
     # check() raises (its owner's too, from the collection's pending check).
-    before = _state(module)
     idx, off, _, _ = _batch(_fixed_data()[0], list(range(rank * share, (rank + 1) * share)))
     if rank == world - 1:
         idx[-1] = 40  # the last table, "ad", has 7 rows
-    module(idx.to(device), off.to(device)).sum().backward()
-    try:
+
+    def step(module, idx):
+        module(idx.to(device), off.to(device)).sum().backward()
         module.check()
-        result["bad_error"] = np.array("")
-    except (IndexError, ValueError) as err:
-        result["bad_error"] = np.array(str(err))
-    after = _state(module)
-    result["bad_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
-                                           for k in before))
+
+    result["bad_error"], result["bad_unchanged"] = _refusal(
+        module, lambda: step(module, idx), (IndexError, ValueError))
     # Bags longer than max_bag_size: refused, nothing changes on any rank.
     bounded = ShardedEmbeddingBagCollection(
         TABLES, "sgd", OPTIMIZERS["sgd"], plan=_plan("table", world, "sgd"), device=device,
         seed=SEED, capturable=True, max_bag_size=L_FIXED - 1)
-    before = _state(bounded)
     idx, off, _, _ = _batch(_fixed_data()[0], list(range(rank * share, (rank + 1) * share)))
-    bounded(idx.to(device), off.to(device)).sum().backward()
-    try:
-        bounded.check()
-        result["long_error"] = np.array("")
-    except ValueError as err:
-        result["long_error"] = np.array(str(err))
-    after = _state(bounded)
-    result["long_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
-                                            for k in before))
+    result["long_error"], result["long_unchanged"] = _refusal(
+        bounded, lambda: step(bounded, idx), ValueError)
     # A rank passing another batch shape is refused on every rank, before anything is sent.
     try:
         n = L_FIXED * len(TABLES) * (share - (rank == 0))
