@@ -29,8 +29,9 @@ racecheck is far slower than memcheck (it checks every shared-memory access): on
 H100 machine, memcheck over every family (``--select cover``) takes about 2 minutes; racecheck
 with ``--select cover`` finished the kernel, row, scattered-row and flat-optimizer families in
 3 minutes but not the table, TT, collection and reliability families in 9. Shared-memory
-hazards are a property of a kernel's code path, not of the data's values: ``--select one``
-(each test's first case) launches every kernel the family's tests launch, at racecheck's pace.
+hazards are a property of a kernel's code path more than of the data's values: ``--select
+one`` (each test's first case) runs every test once at racecheck's pace, but not every
+specialisation (a dtype or width only a later case uses): use ``cover`` where time allows.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -81,23 +83,26 @@ def collect(files: list[str]) -> list[str]:
                           "-k", SELECT_EXPR, "-p", "no:cacheprovider", *files],
                          capture_output=True, text=True)
     ids = [line.strip() for line in out.stdout.splitlines() if "::" in line]
-    if not ids:
-        raise SystemExit(f"no GPU tests collected from {files}:\n{out.stdout}\n{out.stderr}")
+    if out.returncode != 0 or not ids:  # a file that fails to import must not drop out
+        raise SystemExit(f"collecting {files} failed (pytest exit {out.returncode}):\n"
+                         f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return ids
 
 
 def cover(ids: list[str]) -> list[str]:
     """Of each test function's cases, the fewest that use every parameter value once.
 
-    A greedy set cover over the ``-``-separated parts of the case ids: each round keeps the
-    case that adds the most parts not yet used.
+    A greedy set cover over the ``-``-separated parts of the case ids, each part with its
+    position: each round keeps the case that adds the most (position, value) pairs not yet
+    used.
     """
     by_function: dict[str, list[str]] = {}
     for test_id in ids:
         by_function.setdefault(test_id.split("[", 1)[0], []).append(test_id)
     kept = []
     for cases in by_function.values():
-        parts = {c: set(c.partition("[")[2].rstrip("]").split("-")) for c in cases}
+        parts = {c: set(enumerate(c.partition("[")[2].rstrip("]").split("-")))
+                 for c in cases}
         missing = set().union(*parts.values())
         while missing:
             best = max(cases, key=lambda c: len(parts[c] & missing))
@@ -107,7 +112,8 @@ def cover(ids: list[str]) -> list[str]:
 
 
 def one_each(ids: list[str]) -> list[str]:
-    """The first case of each test function: every kernel its tests launch, once."""
+    """The first case of each test function: every test once (not every parameter value:
+    a kernel specialised for a dtype or width that only a later case uses is not run)."""
     first: dict[str, str] = {}
     for test_id in ids:
         first.setdefault(test_id.split("[", 1)[0], test_id)
@@ -148,13 +154,17 @@ def run_shard(sanitizer: str, tool: str, ids: list[str], log: Path, timeout: flo
                XLA_PYTHON_CLIENT_PREALLOCATE="false", XFERLIB_FUZZ_EXAMPLES=str(fuzz))
     start = time.perf_counter()
     with open(log, "w") as out:
-        try:
-            rc = subprocess.run([sanitizer, "--tool", tool, *extra,
+        # A session of its own: a timeout ends the sanitizer and the Python under it.
+        proc = subprocess.Popen([sanitizer, "--tool", tool, *extra,
                                  "--log-file", f"{log}.sanitizer",
                                  sys.executable, "-c", RUNNER, str(ids_file)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env,
-                                timeout=timeout).returncode
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = "timeout"
     text = log.read_text(errors="replace")
     sanitizer_log = Path(f"{log}.sanitizer")
@@ -208,7 +218,7 @@ def main(argv=None) -> int:
             for k, shard in enumerate(shards(ids, count)):
                 work.append((family, tool, k, shard))
     # The longest shards first, so the last ones to start are short.
-    work.sort(key=lambda w: (w[1] == "memcheck", len(w[3])), reverse=True)
+    work.sort(key=lambda w: (w[1] != "memcheck", len(w[3])), reverse=True)  # racecheck first
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(
             lambda w: (w, run_shard(sanitizer, w[1], w[3], out / f"{w[0]}.{w[1]}.{w[2]}.log",

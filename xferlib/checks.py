@@ -229,8 +229,10 @@ class PendingChecks:
         """Raise for the oldest bad verdict that is in (see the class docstring).
 
         ``hold``: read the verdicts as usual (the queue stays bounded) but keep the first
-        failure instead of raising it; the next ``poll(wait=True)`` raises it. For callers
-        in a collective step, where raising on one rank alone would strand the others."""
+        failure instead of raising it; the next ``poll(wait=True)`` raises it (later
+        failures before that call are read and dropped: every refused batch changed
+        nothing, and the first names the bad input). For callers in a collective step,
+        where raising on one rank alone would strand the others."""
         if not self.entries and not (wait and (self.graph or self.held)):
             return
         with self.lock:

@@ -30,8 +30,8 @@ lives on the ``r``-th device of the mesh and its kernels run on XLA's stream the
 on the CPU the owner's callback reads its true lookup count from the received offsets, and on
 a GPU it reads nothing back: the owner's collection takes the received buffers whole as a
 padded batch (``EmbeddingCollection.forward(padded=True)``), and a bad lookup is reported by
-the owner's collection from its next call or :meth:`ShardedCollection.check`, nothing written
-on any device.
+:meth:`ShardedCollection.check` only (raised inside one device's callback, it would leave the
+other devices waiting in the step's next collective), nothing written on any device.
 """
 
 from __future__ import annotations
@@ -494,8 +494,8 @@ def _make(sharded: ShardedCollection):
     def gpu_inputs(rank_b, idx_b, off_b, w_b, B):
         """On a GPU, nothing read back: the received buffers whole, a padded batch (its
         true size is in the offsets, on the device). A bad lookup comes to its owner alone
-        (see ``_step``): that owner's collection refuses the batch and reports it from its
-        next call or :meth:`ShardedCollection.check`."""
+        (see ``_step``): that owner's collection refuses the batch and keeps the error for
+        :meth:`ShardedCollection.check` (``raise_in_calls`` is off)."""
         rank = rank_of(rank_b, True, None)
         coll = shards[rank]
         if coll is None:

@@ -26,10 +26,11 @@ from xferlib.adapters.torch.rows import gather_rows
 from xferlib.adapters.torch.tt import (OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag,
                                        suggested_tt_shapes, tt_matrix_to_full)
 
-__all__ = ["ContiguousParams", "EmbeddingBagCollection", "FlatAdagrad", "FlatAdam", "FlatAdamax", "FlatAdamW", "FlatLion", "FlatNAdam",
-           "FlatRAdam", "FlatRMSprop", "FlatSGD", "GradAllReduce", "HostEmbedding", "HostEmbeddingBag", "OptimType", "ShardedFlatAdagrad", "ShardedFlatAdam", "ShardedFlatAdamax",
-           "ShardedFlatAdamW", "ShardedFlatLion", "ShardedFlatNAdam", "ShardedFlatRAdam",
-           "ShardedFlatRMSprop", "ShardedFlatSGD", "ShardedEmbeddingBagCollection",
-           "load_sharded", "save_sharded", "TTEmbeddingBag", "TableBatchedTTEmbeddingBag",
-           "TableConfig", "gather_rows",
+__all__ = ["ContiguousParams", "EmbeddingBagCollection", "FlatAdagrad", "FlatAdam", "FlatAdamax",
+           "FlatAdamW", "FlatLion", "FlatNAdam", "FlatRAdam", "FlatRMSprop", "FlatSGD",
+           "GradAllReduce", "HostEmbedding", "HostEmbeddingBag", "OptimType",
+           "ShardedFlatAdagrad", "ShardedFlatAdam", "ShardedFlatAdamax", "ShardedFlatAdamW",
+           "ShardedFlatLion", "ShardedFlatNAdam", "ShardedFlatRAdam", "ShardedFlatRMSprop",
+           "ShardedFlatSGD", "ShardedEmbeddingBagCollection", "load_sharded", "save_sharded",
+           "TTEmbeddingBag", "TableBatchedTTEmbeddingBag", "TableConfig", "gather_rows",
            "suggested_tt_shapes", "tt_matrix_to_full"]

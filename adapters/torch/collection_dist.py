@@ -145,7 +145,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             if isinstance(max_bag_size, bool) or not isinstance(max_bag_size, int) \
                     or max_bag_size < 1:
                 raise ValueError(f"max_bag_size must be a positive int, got {max_bag_size!r}")
-        self.max_bag_size = max_bag_size
+        self._max_bag_size = max_bag_size
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("a ShardedEmbeddingBagCollection needs torch.distributed "
                                "initialized (init_process_group); in one process use "
@@ -381,30 +381,33 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             return
         # A rank whose input was refused on the host still takes part (its flag in the
         # reduce), so every rank raises together and none waits in a collective.
-        mine = torch.tensor([B, n, int(weighted), int(own_error is not None)],
-                            dtype=torch.int64, device=self.device)
+        mine = torch.tensor([B, n, int(weighted), self.max_bag_size or 0,
+                             int(own_error is not None)], dtype=torch.int64, device=self.device)
         both = torch.cat([mine, -mine])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        high, low = both[:4].tolist(), (-both[4:]).tolist()
+        high, low = both[:5].tolist(), (-both[5:]).tolist()
         if own_error is not None:
             raise own_error
-        if high[3]:
+        if high[4]:
             raise ValueError("another rank of the group passed a batch the sharded collection "
                              "refused; no table changed on any rank")
-        if high[:3] != low[:3]:
+        if high[:4] != low[:4]:
             raise ValueError(f"capturable ShardedEmbeddingBagCollection: every rank must pass "
-                             f"the same B_local, number of indices and weights; this rank "
-                             f"passed B = {B}, {n} indices, weights {weighted}; the group's "
-                             f"range is {low[:3]} to {high[:3]}")
+                             f"the same B_local, number of indices and weights, and be built "
+                             f"with the same max_bag_size; this rank passed B = {B}, {n} "
+                             f"indices, weights {weighted}, max_bag_size {self.max_bag_size}; "
+                             f"the group's range is {low[:4]} to {high[:4]}")
 
     def _exchange_fixed(self, indices, offsets, per_sample_weights, train: bool):
         """The forward without a host sync (``capturable``): every message has a size known
         beforehand. Each rank sends every owner the bag lengths of the owner's shards for
-        its B samples and room for all its n lookups (the true ones first), and the owner
+        its B samples and room for its lookups there (all n of them, or what
+        ``max_bag_size`` bounds; the true ones first), and the owner
         takes what it received as one padded batch (``EmbeddingCollection.forward(
         padded=True)``). A bad offset or index on any rank (learned by a small all_reduce)
         sends only the bad lookups, which their owner refuses: nothing changes, and
-        :meth:`check` (or the owner's next call) raises."""
+        :meth:`check` raises (the owner's next call keeps its pending error for
+        :meth:`check`, in step with the other ranks)."""
         dev, world, me, S = self.device, self.world_size, self.rank, self._max_slots
         B, own_error = 0, None
         try:
@@ -484,6 +487,12 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         out = self._place_columns(back, B)
         return out, _Step(B, [B] * world, ctx)
 
+    @property
+    def max_bag_size(self):
+        """The bound on every bag's length the capturable messages are sized by (None: no
+        bound, room for every lookup); fixed when the module is built."""
+        return self._max_bag_size
+
     def _rooms(self, B: int, n: int):
         """Lookup slots per owner in a ``capturable`` message: ``n`` (every lookup of the
         sender may go to one owner), at most ``B x max_bag_size`` per table the owner holds
@@ -492,6 +501,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         warm-up's): no host-to-device copy inside a CUDA-graph capture."""
         key = (B, n)
         if key not in self._room_cache:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # a capture only records the fills: the cached values would be unset
+                raise RuntimeError("capturable ShardedEmbeddingBagCollection: run one "
+                                   "eager step of this batch shape before capturing it")
             if self.max_bag_size is None:
                 rooms = [n if t else 0 for t in self._owner_tables]
             else:

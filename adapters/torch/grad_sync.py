@@ -33,9 +33,10 @@ _OPS = ("sum", "mean")
 class _CommBucket:
     """Parameters whose gradients travel in one ``all_reduce``."""
 
-    def __init__(self, params, flat_slice=None):
+    def __init__(self, params, flat_slice=None, owner=None, index=None):
         self.params = params            # in the order their gradients arrive
         self.flat_slice = flat_slice    # a view of a flat optimizer's gradients, or None
+        self.owner, self.index = owner, index  # that optimizer's bucket, its parameters
         self.ready = set()
         self.packed = None              # plain parameters: the buffer that travelled
         self.work = None
@@ -62,8 +63,12 @@ class GradAllReduce:
         optimizer.step()
 
     Gradient accumulation: run the accumulating backwards under ``with sync.no_sync():``
-    and the last one outside it. A parameter that got no gradient in a backward is summed as
-    zeros (its ``.grad`` becomes zeros), so every rank runs the same collectives.
+    and the last one outside it. Buckets start strictly in their order (collectives pair up
+    by call order across ranks): a bucket waits for the ones before it. A parameter that got
+    no gradient on a rank is summed as zeros there (its ``.grad`` zeros, and a ``Flat*``
+    optimizer steps it like the others), so every rank runs the same collectives and keeps
+    the same weights. After a failed backward (an exception, a failed CUDA-graph capture)
+    call :meth:`reset` on every rank before the next step.
     """
 
     def __init__(self, params, process_group="default", bucket_mb: float = 4.0,
@@ -79,6 +84,9 @@ class GradAllReduce:
         self._syncing = True
         self._error = None
         if isinstance(params, flat.FlatOptimizerBase):
+            if getattr(params, "process_group", None) is not None:
+                raise ValueError(f"{type(params).__name__} sums its gradients itself "
+                                 "(reduce-scatter); GradAllReduce would sum them twice")
             self.buckets = [b for fb in params.buckets for b in self._flat_buckets(fb)]
         else:
             params = [p for p in params if p.requires_grad]
@@ -90,6 +98,7 @@ class GradAllReduce:
         for bucket in self.buckets:
             for p in bucket.params:
                 self._bucket_of[p] = bucket
+        self._next = 0  # the next bucket to start: they start in order
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready)
                        for p in self._bucket_of] if self.group is not None else []
 
@@ -113,7 +122,8 @@ class GradAllReduce:
         for lo, hi in self._cut([s.size * item for s in segments]):
             start, end = segments[lo].offset, segments[hi - 1].offset + segments[hi - 1].size
             # The alignment gaps inside the slice hold zeros on every rank: summed, still 0.
-            out.append(_CommBucket(fb.params[lo:hi][::-1], fb.flat_grads[start:end]))
+            out.append(_CommBucket(fb.params[lo:hi][::-1], fb.flat_grads[start:end], fb,
+                                   slice(lo, hi)))
         return out
 
     def _plain_buckets(self, params):
@@ -132,8 +142,10 @@ class GradAllReduce:
                 "wait(); accumulate gradients under `with sync.no_sync():`")
             return
         bucket.ready.add(param)
-        if len(bucket.ready) == len(bucket.params):
-            self._launch(bucket)
+        while (self._next < len(self.buckets) and len(self.buckets[self._next].ready)
+               == len(self.buckets[self._next].params)):
+            self._launch(self.buckets[self._next])
+            self._next += 1
 
     def _launch(self, bucket) -> None:
         if bucket.flat_slice is not None:
@@ -154,11 +166,13 @@ class GradAllReduce:
         if self.group is None:
             return
         error, self._error = self._error, None
-        for bucket in self.buckets:
-            if bucket.work is None:
-                self._launch(bucket)
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        self._next = 0
         for bucket in self.buckets:
             bucket.work.wait()
+            if bucket.owner is not None:  # a Flat* optimizer: every parameter stepped
+                bucket.owner.has_grad[bucket.index] = True
             if bucket.packed is not None:
                 at = 0
                 for p in bucket.params:
@@ -169,6 +183,14 @@ class GradAllReduce:
             bucket.ready.clear()
         if error is not None:
             raise error
+
+    def reset(self) -> None:
+        """Forget a backward that did not reach :meth:`wait` (an exception, a failed
+        capture): no bucket pending, none started. Call it on every rank alike."""
+        self._error, self._next = None, 0
+        for bucket in self.buckets:
+            bucket.work, bucket.packed = None, None
+            bucket.ready.clear()
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -399,6 +399,8 @@ class TorchRun:
         if failure is not None:
             self.use_graph, self.graph_note = False, failure
             torch.cuda.synchronize(self.device)
+            if self.grad_sync is not None:  # buckets a failed capture may have started
+                self.grad_sync.reset()
             return self._body(*data)
         self.graph, self.graph_note = graph, "whole step in one CUDA graph" + (
             f" on each of {self.ranks.world} ranks (sharded collection, NCCL all_to_alls "
@@ -439,7 +441,10 @@ class TorchRun:
             ev[0].record()
             pooled = m.embed(cat)
             ev[1].record()
-            loss = F.binary_cross_entropy_with_logits(m.interact(dense, pooled), label)
+            # as _body: this rank's part of the global batch's mean (gradients add up)
+            loss = F.binary_cross_entropy_with_logits(m.interact(dense, pooled), label,
+                                                      reduction="sum") / (
+                label.numel() * self.ranks.world)
             ev[2].record()
             if pooled.requires_grad:  # the pooled gradient is ready: the update starts
                 pooled.register_hook(lambda g: ev[3].record())

@@ -21,6 +21,10 @@ def test_cover_uses_every_parameter_value_with_fewer_cases():
         assert used == values
     assert "t.py::test_b" in kept
     assert len(kept) == len(set(kept))
+    # values count per position: [1-3] and [3-1] do not make [1-1] and [3-3] redundant
+    swapped = [f"t.py::test_d[{a}-{b}]" for a, b in ((1, 3), (3, 1), (1, 1), (3, 3))]
+    kept = cover(swapped)
+    assert {c[-4] for c in kept} == {"1", "3"} and {c[-2] for c in kept} == {"1", "3"}
 
 
 def test_shards_deal_every_case_once():
