@@ -164,6 +164,13 @@ def test_a_ranks_part_is_its_slice_of_the_global_batch(parts):
         np.testing.assert_array_equal(part.cat, whole.cat[:, share])
         for name in ("dense", "label", "logit"):
             np.testing.assert_array_equal(getattr(part, name), getattr(whole, name)[share])
+    chunk = log.batches(5, 2, 12)  # several steps at once, as the training loop makes them
+    for rank in range(3):
+        part = log.batches(5, 2, 12, part=(rank, 3))
+        share = slice(4 * rank, 4 * rank + 4)
+        np.testing.assert_array_equal(part.cat, chunk.cat[:, :, share])
+        for name in ("dense", "label", "logit"):
+            np.testing.assert_array_equal(getattr(part, name), getattr(chunk, name)[:, share])
     with pytest.raises(ValueError, match="divisible"):
         log.batch(5, 10, part=(0, 3))
     with pytest.raises(ValueError, match="rank"):

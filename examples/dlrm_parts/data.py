@@ -176,32 +176,40 @@ class ClickLog:
         label = (u < 1.0 / (1.0 + xp.exp(-logit))).astype(xp.float32)
         return Batch(dense.astype(xp.float32), cat, label, logit.astype(xp.float32))
 
-    def batches(self, first_step: int, count: int, batch_size: int, xp=np) -> Batch:
+    def batches(self, first_step: int, count: int, batch_size: int, xp=np,
+                part=None) -> Batch:
         """Training batches ``first_step .. first_step + count - 1`` made together (each
         array with a leading axis of ``count``): the kernels of one batch, launched once for
         ``count`` steps. ``batches(s, n, B)`` and ``batch(s + i, B)`` draw the same samples
-        (equal up to float rounding in the labels' logits)."""
-        return self._make(list(range(int(first_step), int(first_step) + int(count))),
-                          int(batch_size), xp, 0)
+        (equal up to float rounding in the labels' logits). ``part``: as :meth:`batch`."""
+        steps = list(range(int(first_step), int(first_step) + int(count)))
+        return self._make(steps, int(batch_size), xp, 0, *_samples(batch_size, part))
 
     def batch(self, step: int, batch_size: int, xp=np, part=None) -> Batch:
         """Training batch ``step`` (any step, in any order: a pure function). ``part=(rank,
         world)``: only that rank's contiguous share of the samples (``batch_size`` is the
         global batch and a multiple of ``world``), equal to that slice of the whole batch."""
-        B = int(batch_size)
-        if part is None:
-            return _first(self._make([int(step)], B, xp, 0))
-        rank, world = (int(v) for v in part)
-        if world < 1 or not 0 <= rank < world or B % world:
-            raise ValueError(f"part=(rank, world) needs 0 <= rank < world and a batch size "
-                             f"divisible by world; got {part} for batch {B}")
-        share = B // world
-        return _first(self._make([int(step)], B, xp, 0, rank * share, (rank + 1) * share))
+        return _first(self._make([int(step)], int(batch_size), xp, 0,
+                                 *_samples(batch_size, part)))
 
     def eval_batch(self, i: int, batch_size: int, xp=np) -> Batch:
         """The ``i``-th batch of the held-out evaluation set (a stream no training step
         draws)."""
         return _first(self._make([EVAL_STEP_BASE + int(i)], int(batch_size), xp, _EVAL))
+
+
+def _samples(batch_size: int, part) -> tuple:
+    """``(lo, hi)``: the samples of the global batch that ``part=(rank, world)`` makes (all
+    of them for None)."""
+    B = int(batch_size)
+    if part is None:
+        return 0, B
+    rank, world = (int(v) for v in part)
+    if world < 1 or not 0 <= rank < world or B % world:
+        raise ValueError(f"part=(rank, world) needs 0 <= rank < world and a batch size "
+                         f"divisible by world; got {part} for batch {B}")
+    share = B // world
+    return rank * share, (rank + 1) * share
 
 
 def _first(batch: Batch) -> Batch:

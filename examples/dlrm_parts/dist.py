@@ -1,7 +1,8 @@
 """Several GPUs for the torch runner: one process per GPU under ``torchrun``.
 
-Every rank trains on its share of the global batch (``ClickLog.batch(..., part=(rank,
-world))``) and the ranks stay equal to one process on the whole batch:
+Every rank trains on its share of the global batch and the ranks stay equal to one process
+on the whole batch (with the sharded collection each rank makes only its own samples:
+``ClickLog.batches(..., part=(rank, world))``):
 
 * each rank's loss is its samples' summed BCE divided by the GLOBAL batch size, so the
   gradients of the ranks add up to the gradient of the global mean loss;

@@ -65,7 +65,9 @@ class Feed:
     def __call__(self, step: int):
         first = step - step % CHUNK_STEPS
         if first != self._first:
-            self._chunk = self.log.batches(first, CHUNK_STEPS, self.batch_size, self.xp)
+            # under torchrun with a sharded collection: this rank's samples only
+            self._chunk = self.log.batches(first, CHUNK_STEPS, self.batch_size, self.xp,
+                                           part=getattr(self.run, "part", None))
             self._first = first
         i = step - first
         c = self._chunk

@@ -225,6 +225,7 @@ class DLRM(torch.nn.Module):
                  ranks=None, sharding=None):
         super().__init__()
         self.ranks = ranks or ranks_.Ranks()
+        self.local_batches = False  # training batches hold this rank's samples only
         num_tables = len(plan.tables)
         dense = initial.dense_params(preset, num_tables, seed)
         bottom, top = initial.mlp_sizes(preset, num_tables)
@@ -256,6 +257,8 @@ class DLRM(torch.nn.Module):
         global batch and keeps its slice (``_RankSlice``)."""
         training = self.ranks.world > 1 and self.training and torch.is_grad_enabled()
         if training and getattr(self.embeddings, "sharded", False):
+            if self.local_batches:  # the batch is this rank's part already
+                return self.embeddings(cat)
             share = cat.shape[1] // self.ranks.world
             return self.embeddings(cat[:, self.ranks.rank * share:
                                        (self.ranks.rank + 1) * share])
@@ -328,7 +331,11 @@ class TorchRun:
                 self.graph_note = f"eager: collection sharded over {self.ranks.world} ranks"
         self.graph, self.static, self._loss = None, None, None
         self.steps_done = 0
-        self.part = None  # every rank gets the global batch and looks up its slice
+        # Sharded under torchrun: each rank makes and trains on its own samples only (its
+        # part of the global batch); the replicated TT design looks up the global batch.
+        self.part = ((self.ranks.rank, self.ranks.world)
+                     if sharded and self.ranks.world > 1 else None)
+        self.model.local_batches = self.part is not None
 
     # ------------------------------------------------------------------ data
     def to_framework(self, batch):
@@ -337,8 +344,9 @@ class TorchRun:
 
     # ------------------------------------------------------------------ step
     def _share(self, dense, label):
-        """This rank's samples of the global batch's dense features and labels."""
-        if self.ranks.world == 1:
+        """This rank's samples of the global batch's dense features and labels (the data
+        already is this rank's part when ``self.part`` is set)."""
+        if self.ranks.world == 1 or self.part is not None:
             return dense, label
         share = label.shape[0] // self.ranks.world
         part = slice(self.ranks.rank * share, (self.ranks.rank + 1) * share)
