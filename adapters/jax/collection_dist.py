@@ -72,6 +72,12 @@ class ShardedCollection:
       device: ``"cpu"`` (JAX's CPU backend) or ``"cuda"`` (JAX's GPUs).
       devices: the mesh's devices in axis order (``mesh.devices.ravel()``): rank ``r``'s
         shards live on ``devices[r]``; default ``jax.devices()`` of that platform.
+      max_bag_size: a bound on every bag's length: each device's message to an owner then
+        has room for ``B_local x max_bag_size`` lookups per table an owner holds (at most),
+        instead of all of the device's lookups, and the owners' batches carry that much
+        less padding. A batch with a longer bag is refused: nothing travels, no table
+        changes, and a ValueError is raised (in the step on the CPU backend, by
+        :meth:`check` on GPUs).
 
     ``shards[rank]`` is rank ``rank``'s collection of its shards (None for a rank without
     any); :meth:`table_weights` and :meth:`table_state` put a table back together.
@@ -95,7 +101,11 @@ class ShardedCollection:
     def __init__(self, tables, optimizer: str = "sgd", optimizer_kwargs=None, *,
                  plan: ShardingPlan | None = None, world_size: int | None = None,
                  pooling: str = "sum", dtype="float32", seed: int = 0,
-                 device: str = "cpu", devices=None):
+                 device: str = "cpu", devices=None, max_bag_size: int | None = None):
+        if max_bag_size is not None and (isinstance(max_bag_size, bool) or not isinstance(
+                max_bag_size, int) or max_bag_size < 1):
+            raise ValueError(f"max_bag_size must be a positive int, got {max_bag_size!r}")
+        self._max_bag_size = max_bag_size
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         configs = [t if isinstance(t, TableConfig) else TableConfig(*t) for t in tables]
@@ -150,6 +160,14 @@ class ShardedCollection:
             local.raise_in_calls = False
             self.shards.append(local)
         self._routes()
+        # GPUs: per rank, the refused too-long batches counted on the device (read by check())
+        self._too_long = [None] * self.world_size
+        if device == "cuda" and max_bag_size is not None:
+            import cupy
+
+            for r in range(self.world_size):
+                with self.shard_scope(r):
+                    self._too_long[r] = cupy.zeros(1, dtype=np.int32)
         self._function = _make(self)
 
     # ------------------------------------------------------------------ static routes
@@ -160,6 +178,9 @@ class ShardedCollection:
         base = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
         slots = {s: k for r in range(world) for k, s in enumerate(plan.shards_of(r))}
         self.max_slots = max(1, max(len(plan.shards_of(r)) for r in range(world)))
+        # the most tables any owner holds a shard of: max_bag_size bounds each message by it
+        self._tables_max = max(len({s.table_index for s in plan.shards_of(r)})
+                               for r in range(world))
         self._rows = np.asarray(rows, np.int64)
         self._base = base
         # Shards in plan order (by table, then row start): their first global row.
@@ -226,6 +247,9 @@ class ShardedCollection:
         N, T, S = self.world_size, len(self.tables), self.max_slots
         L = indices.shape[0]
         b = (offsets.shape[0] - 1) // T
+        # Room per owner in a message: all L lookups, or what max_bag_size bounds.
+        R = L if self.max_bag_size is None else min(L, b * self.max_bag_size *
+                                                     self._tables_max)
         me = jax.lax.axis_index(axis_name)
         # 1. Route: each lookup's bag, table, shard, owner, slot and local index.
         pos = jnp.arange(L, dtype=jnp.int32)
@@ -253,6 +277,11 @@ class ShardedCollection:
         # A bad lookup anywhere: only the bad lookups travel, so no owner gets a batch it
         # would train on (each owner that gets one refuses its batch: nothing is written).
         valid = jnp.where(n_bad > 0, bad, valid)
+        n_long = jnp.int32(0)
+        if self.max_bag_size is not None and T * b:
+            too_long = jnp.diff(offsets)[:T * b] > self.max_bag_size
+            n_long = jax.lax.psum(jnp.sum(too_long.astype(jnp.int32)), axis_name)
+            valid = valid & (n_long == 0)  # a bag too long anywhere: nothing travels
         weights = jnp.ones((L,), self.dtype) if psw is None else psw.astype(self.dtype)
         if self.pooling == "mean":
             lengths = jnp.diff(offsets)
@@ -265,9 +294,9 @@ class ShardedCollection:
         count = jnp.zeros((N + 1,), jnp.int32).at[sorted_owner].add(1)
         first = jnp.cumsum(count) - count
         at = jnp.arange(L, dtype=jnp.int32) - first[sorted_owner]
-        send_idx = jnp.zeros((N, L), jnp.int32).at[sorted_owner, at].set(
+        send_idx = jnp.zeros((N, R), jnp.int32).at[sorted_owner, at].set(
             local[order], mode="drop")
-        send_w = jnp.zeros((N, L), self.dtype).at[sorted_owner, at].set(
+        send_w = jnp.zeros((N, R), self.dtype).at[sorted_owner, at].set(
             weights[order], mode="drop")
         # Lookups per (owner, slot, bag of this device).
         seg = jnp.where(valid, (owner * S + slot) * b + j, N * S * b)
@@ -283,18 +312,18 @@ class ShardedCollection:
         seg_len = per.T.reshape(-1)                                # (slot, src) order
         dst_start = jnp.cumsum(seg_len) - seg_len
         total = seg_len.sum()
-        p = jnp.arange(N * L, dtype=jnp.int32)
+        p = jnp.arange(N * R, dtype=jnp.int32)
         seg_of = jnp.clip(jnp.searchsorted(dst_start, p, side="right").astype(jnp.int32) - 1,
                           0, S * N - 1)
         # Equal starts (empty segments) resolve to the last of them, whose start holds.
         src_pos = src_start.T.reshape(-1)[seg_of] + p - dst_start[seg_of]
         src_of = seg_of % N
-        take = jnp.where(p < total, src_of * L + src_pos, 0)
+        take = jnp.where(p < total, src_of * R + src_pos, 0)
         owner_idx = jnp.where(p < total, recv_idx.reshape(-1)[take], 0)
         owner_w = jnp.where(p < total, recv_w.reshape(-1)[take], 0)
         lens = recv_len.transpose(1, 0, 2).reshape(-1)            # (slot, src, bag)
         owner_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens)])
-        status = jnp.stack([me.astype(jnp.int32), n_bad])
+        status = jnp.stack([me.astype(jnp.int32), n_bad, n_long.astype(jnp.int32)])
         pooled = self._function(anchor, status, owner_idx, owner_off, owner_w,
                                 N * b)                              # (N * b, max_dim)
         # 4. Back to the requesters: back[r] holds owner r's columns of this device's bags.
@@ -319,9 +348,23 @@ class ShardedCollection:
         coll = next(c for c in self.shards if c is not None)
         return coll.state_names()
 
+    @property
+    def max_bag_size(self):
+        """The bound on every bag's length the messages are sized by (None: none)."""
+        return self._max_bag_size
+
     def check(self) -> None:
         """Raise for the first bad batch any rank's collection refused on a GPU (reported
         from the GPU without a wait; on the CPU backend a bad batch raises in the step)."""
+        for rank, flag in enumerate(self._too_long):
+            if flag is not None:
+                with self.shard_scope(rank):
+                    count = int(flag.get()[0])
+                    flag.fill(0)
+                if count:
+                    raise ValueError(f"{count} batch(es) with a bag longer than max_bag_size="
+                                     f"{self.max_bag_size} since the last check (refused: "
+                                     f"no table changed)")
         for rank, coll in enumerate(self.shards):
             if coll is not None:
                 with self.shard_scope(rank):
@@ -463,8 +506,11 @@ def _make(sharded: ShardedCollection):
     def core_inputs(rank_b, idx_b, off_b, w_b, B, gpu, stream):
         """This device's collection and its batch: the received lookups cut to their true
         count (read from the offsets), views of XLA's buffers."""
-        rank, n_bad = host_ints(rank_b, gpu, stream, 0, 2)
+        rank, n_bad, n_long = host_ints(rank_b, gpu, stream, 0, 3)
         coll = shards[rank]
+        if n_long:  # nothing travelled: every device raises alike
+            raise ValueError(f"{n_long} bag(s) longer than max_bag_size="
+                             f"{sharded.max_bag_size} on the mesh; no table changed")
         if n_bad:  # this device's own error first, else the other device's
             if coll is not None:
                 off = np.array(host_ints(off_b, gpu, stream, 0, coll.num_tables * B + 1))
@@ -515,6 +561,8 @@ def _make(sharded: ShardedCollection):
                     core_inputs(rank_b, idx_b, off_b, w_b, out.shape[0], gpu, stream))
                 with stream_scope(stream, gpu):
                     out.fill(0)
+                    if gpu and sharded._too_long[rank] is not None:  # counted, for check()
+                        sharded._too_long[rank] += as_core_array(rank_b, gpu)[2:3] != 0
                 if coll is None:
                     return
                 pooled, lookup = coll.forward(idx, off, w, stream=stream, padded=gpu,

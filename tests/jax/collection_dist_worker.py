@@ -87,12 +87,14 @@ def _batches(rng, weighted, TABLES=TABLES):
             g_idx, g_off, g_wt if weighted else None)
 
 
-def _case(optimizer, row_wise=(), pooling="sum", weighted=False, tables=TABLES):
+def _case(optimizer, row_wise=(), pooling="sum", weighted=False, tables=TABLES,
+          max_bag_size=None):
     TABLES = tables
     rng = np.random.default_rng(sum(map(ord, optimizer + pooling)) + len(row_wise))
     plan = plan_sharding(TABLES, N, optimizer=optimizer, row_wise=row_wise)
     sharded = ShardedCollection(TABLES, optimizer, HYPER[optimizer], plan=plan,
-                                pooling=pooling, seed=3, device=CORE_DEVICE, devices=DEVICES)
+                                pooling=pooling, seed=3, device=CORE_DEVICE, devices=DEVICES,
+                                max_bag_size=max_bag_size)
     one = EmbeddingCollection(TABLES, optimizer, HYPER[optimizer], pooling=pooling,
                               device=CORE_DEVICE, seed=3)
     total = one.total_dim
@@ -180,17 +182,20 @@ def _checkpoint_case():
     return max(err, _state_error(fresh.state_dict(), saved))
 
 
-def _bad_index_case():
-    """An index out of range on the last device: an error, and no table changes."""
+def _bad_index_case(max_bag_size=None):
+    """An index out of range on the last device (or, with ``max_bag_size=1``, bags longer
+    than the bound): an error, and no table changes."""
     plan = plan_sharding(TABLES, N, optimizer="sgd")
     sharded = ShardedCollection(TABLES, "sgd", {"lr": 0.1}, plan=plan, device=CORE_DEVICE,
-                                devices=DEVICES)
+                                devices=DEVICES, max_bag_size=max_bag_size)
     before = [sharded.table_weights(t).copy() for t in range(len(TABLES))]
     rng = np.random.default_rng(0)
     idx, off, w, *_ = _batches(rng, False)
     cap = idx.size // N
     idx = idx.copy()
-    idx[(N - 1) * cap] = 99  # the last device's first lookup (table a)
+    if max_bag_size is None:
+        idx[(N - 1) * cap] = 99  # the last device's first lookup (table a)
+    expected = "out of range" if max_bag_size is None else "longer than max_bag_size"
 
     def step(anchor, i, o):
         # The pooled rows come back too: a program whose every output is zero-size (the
@@ -204,7 +209,7 @@ def _bad_index_case():
         jax.block_until_ready(f(collection_anchor(), idx, off))
         sharded.check()  # a GPU reports a refused batch without a wait: here
     except Exception as err:
-        if "out of range" not in str(err):
+        if expected not in str(err):
             return f"wrong error: {err}"[:300]
     else:
         return "no error"
@@ -223,6 +228,11 @@ def main():
     # One table: every rank but one holds no shard (its callback writes zero columns).
     cases["ranks-without-shards"] = lambda: _case("adam", tables=TABLES[2:3])
     cases["bad-index"] = _bad_index_case
+    # max_bag_size: rooms sized by the bound train the same; a longer bag is refused
+    cases["table_wise-bounded"] = lambda: _case("adam", max_bag_size=MAX_LEN)
+    cases["row_wise-bounded-mean"] = lambda: _case("rowwise_adagrad", row_wise=("c",),
+                                                   pooling="mean", max_bag_size=MAX_LEN + 1)
+    cases["too-long-bag"] = lambda: _bad_index_case(max_bag_size=1)
     cases["checkpoint-reshard"] = _checkpoint_case
     results = {}
     for name, case in cases.items():
