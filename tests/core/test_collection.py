@@ -408,9 +408,9 @@ def test_cache_config_checks():
 
 @pytest.mark.gpu
 def test_gpu_refused_batch_raises_only_from_check_when_asked():
-    """raise_in_calls=False (a sharded step's collections): a refused batch changes nothing,
-    the calls after it do not raise (other ranks would wait in a collective), and check()
-    raises it once; the good batches after it train."""
+    """raise_in_calls=False (a sharded step's collections): a refused batch changes nothing
+    and pools zeros, the calls after it do not raise (other ranks would wait in a
+    collective), and check() raises it once; the good batches after it train."""
     get_backend("cupy")
     import cupy
 
@@ -421,10 +421,12 @@ def test_gpu_refused_batch_raises_only_from_check_when_asked():
     def step(coll, idx):
         out, ctx = coll.forward(cupy.asarray(idx), cupy.asarray([0, 1, 2, 3, 4]))
         coll.backward(ctx, cupy.ones((2, 8), np.float32))
+        return out
 
     quiet, reference = build(), build()
     quiet.raise_in_calls = False
-    step(quiet, [1, 2, 3, 9])          # index 9 of the 5-row table: refused
+    refused = step(quiet, [1, 2, 3, 9])  # index 9 of the 5-row table: refused
+    assert not refused.any()             # its pooled rows are zeros, not stale memory
     for _ in range(8):                 # more than the queue's limit of unread verdicts
         step(quiet, [1, 2, 3, 4])
         step(reference, [1, 2, 3, 4])

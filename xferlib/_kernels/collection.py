@@ -186,8 +186,10 @@ POOL = KernelDecl(
      ("const unsigned long long*", "verdict")),
     r"""
     // A warp per bag: its rows summed in registers (four lookups' loads in flight, added in
-    // bag order), written once to out[b, d_off:d_off + dim].
-    if (rejected(verdict)) return;
+    // bag order), written once to out[b, d_off:d_off + dim]. A refused batch's bags are
+    // written as zeros (no row read): a caller that learns of the refusal later (a sharded
+    // step, a CUDA graph) passes on zeros, not whatever the buffer held.
+    const bool refused = rejected(verdict);
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 bag = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; bag < bags; bag += warps) {
@@ -195,6 +197,7 @@ POOL = KernelDecl(
         const i64 b = bag - (bag / B) * B;
         i64 lo, hi;
         bag_range(offsets, bag, n, lo, hi);
+        if (refused) hi = lo;
         const i64 dim = m[M_DIM], rw = m[M_ROW_WIDTH], rows = m[M_NUM_ROWS];
         const bool host = m[M_HOST] != 0;
         const T* table = hbm + m[M_BASE];
