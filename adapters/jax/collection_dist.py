@@ -530,12 +530,16 @@ def _make(sharded: ShardedCollection):
             off, idx, w = np.array(off), np.array(idx), np.array(w)
         return rank, coll, idx, off, w
 
-    def key(rank, idx_b):
-        try:
-            address = idx_b.__cuda_array_interface__["data"][0]
-        except Exception:  # CPU buffers have no CUDA interface
-            address = np.asarray(idx_b).ctypes.data
-        return rank, address
+    def key(rank, *buffers):
+        """A batch's key between its forward and backward callbacks: its rank and where its
+        input buffers lie, with their shapes (a residual keeps them alive)."""
+        def address(buffer):
+            try:
+                ptr = buffer.__cuda_array_interface__["data"][0]
+            except Exception:  # CPU buffers have no CUDA interface
+                ptr = np.asarray(buffer).ctypes.data
+            return ptr, tuple(getattr(buffer, "shape", ()))
+        return (rank, *map(address, buffers))
 
     def gpu_inputs(rank_b, idx_b, off_b, w_b, B):
         """On a GPU, nothing read back: the received buffers whole, a padded batch (its
@@ -570,7 +574,7 @@ def _make(sharded: ShardedCollection):
                 with stream_scope(stream, gpu):
                     out[:, :coll.total_dim] = pooled
                 if train:
-                    coll.keep_context(key(rank, idx_b), lookup)
+                    coll.keep_context(key(rank, idx_b, off_b, w_b), lookup)
         return callback
 
     @reporting
@@ -584,7 +588,8 @@ def _make(sharded: ShardedCollection):
             coll = shards[rank]
             if coll is None:
                 return
-            lookup = coll.take_context(key(rank, idx_b))  # the forward's plan: no host read
+            # the forward's plan: no host read
+            lookup = coll.take_context(key(rank, idx_b, off_b, w_b))
             if lookup is None:  # the forward's context is gone: plan the batch again
                 _, coll, idx, off, w = (
                     gpu_inputs(rank_b, idx_b, off_b, w_b, g.shape[0]) if gpu else
