@@ -279,7 +279,10 @@ class ShardedCollection:
         valid = jnp.where(n_bad > 0, bad, valid)
         n_long = jnp.int32(0)
         if self.max_bag_size is not None and T * b:
-            too_long = jnp.diff(offsets)[:T * b] > self.max_bag_size
+            # Each bag's lookups as routed (what fills the rooms, whatever the offsets say).
+            routed = jnp.zeros((T * b,), jnp.int32).at[bag].add(
+                (pos < offsets[-1]).astype(jnp.int32))
+            too_long = routed > self.max_bag_size
             n_long = jax.lax.psum(jnp.sum(too_long.astype(jnp.int32)), axis_name)
             valid = valid & (n_long == 0)  # a bag too long anywhere: nothing travels
         weights = jnp.ones((L,), self.dtype) if psw is None else psw.astype(self.dtype)
@@ -356,19 +359,30 @@ class ShardedCollection:
     def check(self) -> None:
         """Raise for the first bad batch any rank's collection refused on a GPU (reported
         from the GPU without a wait; on the CPU backend a bad batch raises in the step)."""
-        for rank, flag in enumerate(self._too_long):
-            if flag is not None:
-                with self.shard_scope(rank):
-                    count = int(flag.get()[0])
-                    flag.fill(0)
-                if count:
-                    raise ValueError(f"{count} batch(es) with a bag longer than max_bag_size="
-                                     f"{self.max_bag_size} since the last check (refused: "
-                                     f"no table changed)")
+        refused = self._take_too_long()
+        if refused:
+            raise ValueError(f"{refused} batch(es) with a bag longer than max_bag_size="
+                             f"{self.max_bag_size} since the last check (refused: no table "
+                             f"changed)")
         for rank, coll in enumerate(self.shards):
             if coll is not None:
                 with self.shard_scope(rank):
                     coll.check()
+
+    def _take_too_long(self) -> int:
+        """GPUs: the batches refused for a too-long bag since the last call, cleared. Every
+        rank counted each one: the largest count, each rank's read and cleared."""
+        counts = []
+        for rank, flag in enumerate(self._too_long):
+            if flag is not None:
+                import cupy
+
+                with self.shard_scope(rank):
+                    cupy.cuda.Device().synchronize()  # counted on XLA's stream
+                    counts.append(int(flag.get()[0]))
+                    flag.fill(0)
+                    cupy.cuda.Device().synchronize()
+        return max(counts, default=0)
 
     def shard_scope(self, rank: int):
         """A ``with`` context making rank ``rank``'s GPU CuPy's current device (a no-op on

@@ -144,10 +144,7 @@ class JaxShardedRun(JaxRun):
 
     def sync(self):
         jax.block_until_ready((self.flat, self.opt_state))
-        for rank, coll in enumerate(self.collection.shards):
-            if coll is not None:
-                with self.collection.shard_scope(rank):
-                    coll.check()
+        self.collection.check()  # every rank's refused batches (bad index, too-long bag)
 
     def profile(self, batches):
         """No breakdown: ``--profile`` times one device's pieces (``jax_run.py``)."""

@@ -419,7 +419,9 @@ def test_gpu_refused_batch_raises_only_from_check_when_asked():
                                     TableConfig(5, 4)], "adam", device="cuda", seed=0)
 
     def step(coll, idx):
-        out, ctx = coll.forward(cupy.asarray(idx), cupy.asarray([0, 1, 2, 3, 4]))
+        # the output buffer full of NaN first: a refused batch must overwrite it
+        out, ctx = coll.forward(cupy.asarray(idx), cupy.asarray([0, 1, 2, 3, 4]),
+                                out=cupy.full((2, 8), np.nan, np.float32))
         coll.backward(ctx, cupy.ones((2, 8), np.float32))
         return out
 

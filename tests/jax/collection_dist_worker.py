@@ -58,10 +58,12 @@ HYPER = {"sgd": {"lr": 0.3, "momentum": 0.9}, "rowwise_adagrad": {"lr": 0.2},
 B_LOCAL, MAX_LEN, PAD, STEPS = 3, 4, 5, 3
 
 
-def _batches(rng, weighted, TABLES=TABLES):
-    """Each device's batch (indices padded by PAD, offsets, weights) and the global one."""
+def _batches(rng, weighted, TABLES=TABLES, full=False):
+    """Each device's batch (indices padded by PAD, offsets, weights) and the global one.
+    ``full``: every bag holds MAX_LEN lookups (bounded rooms filled to the last slot)."""
     T = len(TABLES)
-    lengths = rng.integers(0, MAX_LEN + 1, size=(N, T, B_LOCAL))
+    lengths = (np.full((N, T, B_LOCAL), MAX_LEN) if full else
+               rng.integers(0, MAX_LEN + 1, size=(N, T, B_LOCAL)))
     bags = [[[rng.integers(0, TABLES[t].num_rows, lengths[d, t, j])
               for j in range(B_LOCAL)] for t in range(T)] for d in range(N)]
     cap = T * B_LOCAL * MAX_LEN + PAD
@@ -88,7 +90,7 @@ def _batches(rng, weighted, TABLES=TABLES):
 
 
 def _case(optimizer, row_wise=(), pooling="sum", weighted=False, tables=TABLES,
-          max_bag_size=None):
+          max_bag_size=None, full=False):
     TABLES = tables
     rng = np.random.default_rng(sum(map(ord, optimizer + pooling)) + len(row_wise))
     plan = plan_sharding(TABLES, N, optimizer=optimizer, row_wise=row_wise)
@@ -119,7 +121,7 @@ def _case(optimizer, row_wise=(), pooling="sum", weighted=False, tables=TABLES,
     err = 0.0
     anchor = collection_anchor()
     for _ in range(STEPS):
-        idx, off, w, g_idx, g_off, g_w = _batches(rng, weighted, TABLES)
+        idx, off, w, g_idx, g_off, g_w = _batches(rng, weighted, TABLES, full)
         target = rng.standard_normal((N * B_LOCAL, total)).astype(np.float32)
         _, pooled = mesh_f(anchor, idx, off, w, target)
         _, ref = one_f(anchor, g_idx, g_off, g_w, target)
@@ -182,9 +184,11 @@ def _checkpoint_case():
     return max(err, _state_error(fresh.state_dict(), saved))
 
 
-def _bad_index_case(max_bag_size=None):
-    """An index out of range on the last device (or, with ``max_bag_size=1``, bags longer
-    than the bound): an error, and no table changes."""
+def _bad_index_case(max_bag_size=None, bad_offsets=False):
+    """An index out of range on the last device (or, with ``max_bag_size``, one bag longer
+    than the bound there; with ``bad_offsets`` too, offsets not starting at 0 that route more
+    lookups into a bag than their differences say): an error, no table changes, and the
+    next check() is clean."""
     plan = plan_sharding(TABLES, N, optimizer="sgd")
     sharded = ShardedCollection(TABLES, "sgd", {"lr": 0.1}, plan=plan, device=CORE_DEVICE,
                                 devices=DEVICES, max_bag_size=max_bag_size)
@@ -195,6 +199,16 @@ def _bad_index_case(max_bag_size=None):
     idx = idx.copy()
     if max_bag_size is None:
         idx[(N - 1) * cap] = 99  # the last device's first lookup (table a)
+    else:  # the last device: its first bag MAX_LEN + 1 rows of table a, the others empty
+        off = off.copy()
+        last = slice((N - 1) * (off.size // N), N * (off.size // N))
+        idx[(N - 1) * cap:(N - 1) * cap + MAX_LEN + 1] = np.arange(MAX_LEN + 1)
+        if bad_offsets:  # differences within the bound, the lookups before offsets[1] more
+            off[last] = np.minimum(np.arange(off.size // N) + MAX_LEN, MAX_LEN + 1)
+            off[last.start] = 2
+        else:
+            off[last] = MAX_LEN + 1
+            off[last.start] = 0
     expected = "out of range" if max_bag_size is None else "longer than max_bag_size"
 
     def step(anchor, i, o):
@@ -213,6 +227,10 @@ def _bad_index_case(max_bag_size=None):
             return f"wrong error: {err}"[:300]
     else:
         return "no error"
+    try:
+        sharded.check()  # reported once
+    except Exception as err:
+        return f"raised again: {err}"[:300]
     return max(float(np.abs(sharded.table_weights(t) - before[t]).max())
                for t in range(len(TABLES)))
 
@@ -230,9 +248,11 @@ def main():
     cases["bad-index"] = _bad_index_case
     # max_bag_size: rooms sized by the bound train the same; a longer bag is refused
     cases["table_wise-bounded"] = lambda: _case("adam", max_bag_size=MAX_LEN)
+    cases["table_wise-bounded-full"] = lambda: _case("sgd", max_bag_size=MAX_LEN, full=True)
     cases["row_wise-bounded-mean"] = lambda: _case("rowwise_adagrad", row_wise=("c",),
                                                    pooling="mean", max_bag_size=MAX_LEN + 1)
-    cases["too-long-bag"] = lambda: _bad_index_case(max_bag_size=1)
+    cases["too-long-bag"] = lambda: _bad_index_case(max_bag_size=MAX_LEN)
+    cases["too-long-bag-bad-offsets"] = lambda: _bad_index_case(MAX_LEN, bad_offsets=True)
     cases["checkpoint-reshard"] = _checkpoint_case
     results = {}
     for name, case in cases.items():

@@ -25,8 +25,8 @@ CASES = (["table_wise-sgd", "table_wise-rowwise_adagrad", "table_wise-adam",
           "table_wise-adagrad", "table_wise-adamw", "table_wise-adamax", "table_wise-rmsprop",
           "table_wise-adadelta", "row_wise-sgd", "row_wise-rowwise_adagrad",
           "table_wise-mean", "table_wise-weighted", "ranks-without-shards", "bad-index",
-          "checkpoint-reshard", "table_wise-bounded", "row_wise-bounded-mean",
-          "too-long-bag"])
+          "checkpoint-reshard", "table_wise-bounded", "table_wise-bounded-full",
+          "row_wise-bounded-mean", "too-long-bag", "too-long-bag-bad-offsets"])
 EXACT = [c for c in CASES if not c.startswith("row_wise")]
 
 
