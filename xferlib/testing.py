@@ -35,8 +35,8 @@ import numpy as np
 from xferlib.backend import cupy_available
 
 __all__ = ["Backend", "BACKEND_NAMES", "get_backend", "backend_params", "for_each_backend",
-           "gpu_count", "reference_check", "assert_outputs_match", "tolerance", "assert_matches_reference",
-           "table_arrays", "random_rows", "GPU_SKIP_REASON"]
+           "gpu_count", "reference_check", "assert_outputs_match", "tolerance",
+           "assert_matches_reference", "table_arrays", "random_rows", "GPU_SKIP_REASON"]
 
 BACKEND_NAMES = ("numpy", "cupy", "cupy-pinned")
 GPU_SKIP_REASON = "needs a CUDA GPU with CuPy; none on this machine"

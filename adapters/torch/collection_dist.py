@@ -207,6 +207,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                 for k, s in enumerate(self.shards):
                     fill_shard_weights(local.collection, k, self.tables[s.table_index].init,
                                        seed, s.table_index, s.row_start)
+            # capturable: a refused GPU batch is held for check() (raised by one rank's call
+            # alone, it would leave the others waiting in the step's next collective)
+            local.collection.raise_in_calls = not self.capturable
         # Not a registered submodule: this module's state_dict names the shards itself.
         object.__setattr__(self, "local", local)
 
@@ -406,8 +409,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         takes what it received as one padded batch (``EmbeddingCollection.forward(
         padded=True)``). A bad offset or index on any rank (learned by a small all_reduce)
         sends only the bad lookups, which their owner refuses: nothing changes, and
-        :meth:`check` raises (the owner's next call keeps its pending error for
-        :meth:`check`, in step with the other ranks)."""
+        :meth:`check` raises (the owner's collection holds a refused GPU batch for
+        :meth:`check`: ``raise_in_calls`` is off, so no rank raises alone)."""
         dev, world, me, S = self.device, self.world_size, self.rank, self._max_slots
         B, own_error = 0, None
         try:
@@ -468,15 +471,12 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             idx_own, off_own, w_own = self._owner_batch_fixed(received, w_received, B,
                                                               caps[me], T_me)
             core = lambda t: self.local._core(t, "x")  # noqa: E731
-            args = (core(idx_own), core(off_own), None if w_own is None else core(w_own))
-            pooled = None
-            for _ in range(2):  # a pending check of an earlier batch may raise first
-                try:
-                    pooled, ctx = self.local._lookup(*args, train=train, padded=True)
-                    break
-                except IndexError as err:  # kept for check(), in step with the other ranks
-                    self._owner_error = err
-            if pooled is None:  # this batch refused (the NumPy path refuses at once)
+            try:
+                pooled, ctx = self.local._lookup(core(idx_own), core(off_own),
+                                                 None if w_own is None else core(w_own),
+                                                 train=train, padded=True)
+            except IndexError as err:  # the NumPy path refuses at once: keep in step
+                self._owner_error = err  # with the other ranks, raise from check()
                 pooled = torch.zeros((world * B, self._owner_dim[me]), dtype=self.dtype,
                                      device=dev)
         else:
@@ -497,8 +497,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         """Lookup slots per owner in a ``capturable`` message: ``n`` (every lookup of the
         sender may go to one owner), at most ``B x max_bag_size`` per table the owner holds
         a shard of when ``max_bag_size`` is set; none for an owner without shards. ``(rooms,
-        starts)`` as host ints and as device tensors, made once per batch shape (the
-        warm-up's): no host-to-device copy inside a CUDA-graph capture."""
+        starts)`` as host ints and as device tensors, made once per batch shape, eagerly
+        (the warm-up's): no host-to-device copy inside a CUDA-graph capture."""
         key = (B, n)
         if key not in self._room_cache:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -510,10 +510,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             else:
                 rooms = [min(n, B * self.max_bag_size * t) for t in self._owner_tables]
             starts = [int(v) for v in np.cumsum(rooms) - rooms]
-            # Filled on the device (capturable), not copied from the host.
-            tensors = [torch.cat([torch.full((1,), v, dtype=torch.int64, device=self.device)
-                                  for v in values]) for values in (rooms, starts)]
-            self._room_cache[key] = (rooms, starts, *tensors)
+            self._room_cache[key] = (rooms, starts, *(
+                torch.tensor(v, dtype=torch.int64, device=self.device) for v in (rooms, starts)))
         return self._room_cache[key]
 
     def _place_columns(self, back, B: int) -> torch.Tensor:
@@ -713,14 +711,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         mine = self._a2a(torch.cat(pieces), [b * d_me for b in step.batches],
                          [B * d for d in self._owner_dim], self.dtype)
         if self.local is not None and step.lookup is not None:
-            grad_own = mine.view(sum(step.batches), d_me)
-            try:
-                self.local._update(step.lookup, grad_own)
-            except IndexError as err:  # an earlier batch's pending check: keep it for
-                if not self.capturable:  # check(), stay in step, apply this update
-                    raise
-                self._owner_error = err
-                self.local._update(step.lookup, grad_own)
+            self.local._update(step.lookup, mine.view(sum(step.batches), d_me))
 
     # ------------------------------------------------------------------ state_dict
 
