@@ -433,7 +433,7 @@ def test_captured_training_step_equals_eager_steps(optimizer, use_cache):
         pytest.skip("needs a CUDA GPU with CuPy; none here")
     kw = dict(tt_p_shapes=[6, 10, 10], tt_q_shapes=[2, 2, 4], optimizer=optimizer,
               learning_rate=0.05, weight_dist="normal", seed=3, use_cache=use_cache,
-              cache_size=3, hashtbl_size=64)
+              cache_size=3, hashtbl_size=600)  # the row count: never full
     eager = TTEmbeddingBag(600, 16, [3, 4], **kw).cuda()
     graphed = TTEmbeddingBag(600, 16, [3, 4], **kw).cuda()
     batches = [[t.cuda() for t in _hot_bag(step)] for step in range(8)]
