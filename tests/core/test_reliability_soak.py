@@ -7,8 +7,10 @@ prefetch on, for a HostTable and the embedding collection. Checked along the way
   over thousands of steps and hide or fake a drift);
 * memory is flat after warm-up: NumPy's traced allocations and the process's RSS (host), and
   CuPy's memory pools (GPU), grow by under 1% (plus a small allowance for the interpreter);
-* the step time of the first and last stretch of steps is reported (``-s`` shows it), and on
-  the GPU the last may not be much slower than the first.
+* memory is also sampled half-way, so the report tells a one-off fill (warm-up to half-way)
+  from a leak (which grows as much again from half-way to the end);
+* the step time of the first and last stretch of steps is reported per batch kind (medians;
+  ``-s`` shows it): a measurement, not asserted (no timing thresholds in tests).
 
 CPU: 1,000 steps of each (a few seconds, in CI). GPU: 10,000 steps (marked gpu and slow).
 """
@@ -53,17 +55,29 @@ class Meter:
     def __init__(self, gpu: bool, steps: int):
         # preallocated: a growing list would be the soak's only growing allocation
         self.gpu, self.times, self.samples, self.done = gpu, np.zeros(steps), {}, 0
+        self.kinds = np.zeros(steps, np.int8)
 
-    def add_time(self, seconds: float) -> None:
+    def add_time(self, seconds: float, kind: str) -> None:
         self.times[self.done] = seconds
+        self.kinds[self.done] = KINDS.index(kind)
         self.done += 1
 
-    def sample(self, label: str, transient: int = 0) -> None:
-        """Memory now; ``transient``: bytes of arrays alive now whose size depends on the
-        batch at hand (the prefetched next batch), left out of the traced bytes. Call it
-        with the last step's outputs dropped."""
+    def label(self, step: int, warmup: int, steps: int) -> str | None:
+        """The memory sample due before ``step``: after warm-up and half-way."""
+        return {warmup: "warm", steps // 2: "mid"}.get(step)
+
+    def sample(self, label: str) -> None:
+        """Memory now (call it with the last step's outputs dropped). ``traced``: the bytes
+        tracemalloc sees, less those allocated inside NumPy's own Python code: NumPy keeps
+        freed small buffers in a bounded cache of its own, which tracemalloc counts as live
+        and which fills slowly as batches of new sizes come (the float64 reference's
+        ``np.unique`` on each batch). A leak of xferlib's still shows (an array it keeps is
+        allocated from its own line, as is any other object), and ``rss`` counts everything."""
         gc.collect()
-        sample = dict(traced=tracemalloc.get_traced_memory()[0] - transient, rss=rss_bytes())
+        snapshot = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(False, "*/numpy/*"),
+             tracemalloc.Filter(False, tracemalloc.__file__)])
+        sample = dict(traced=sum(t.size for t in snapshot.traces), rss=rss_bytes())
         if self.gpu:
             import cupy
 
@@ -74,15 +88,24 @@ class Meter:
         self.samples[label] = sample
 
     def report(self, name: str, stretch: int) -> dict:
-        times = self.times[:self.done]
-        first, last = (float(np.mean(part)) * 1e3 for part in (times[:stretch], times[-stretch:]))
-        warm, end = self.samples["warm"], self.samples["end"]
+        """Prints and returns each batch kind's median step time (ms) in the first and the
+        last ``stretch`` steps, and memory after warm-up, half-way and at the end."""
+        times, kinds = self.times[:self.done], self.kinds[:self.done]
+        medians = {}
+        for code, kind in enumerate(KINDS):
+            first, last = (t[k == code] for t, k in ((times[:stretch], kinds[:stretch]),
+                                                     (times[-stretch:], kinds[-stretch:])))
+            if first.size and last.size:
+                medians[kind] = (float(np.median(first)) * 1e3, float(np.median(last)) * 1e3)
+        warm, mid, end = (self.samples[k] for k in ("warm", "mid", "end"))
         growth = {k: (end[k] - warm[k]) / max(warm[k], 1) for k in warm if k != "pinned_free"}
-        print(f"\nsoak {name}: {self.done} steps; step time first {stretch}: "
-              f"{first:.3f} ms, last {stretch}: {last:.3f} ms; memory after warm-up -> end: "
-              + ", ".join(f"{k} {warm[k]} -> {end[k]} ({100 * growth[k]:+.3f}%)"
+        print(f"\nsoak {name}: {self.done} steps; median step time, first {stretch} -> last "
+              f"{stretch}: " + ", ".join(f"{k} {a:.3f} -> {b:.3f} ms" for k, (a, b) in
+                                         medians.items())
+              + "; memory after warm-up -> half-way -> end: "
+              + ", ".join(f"{k} {warm[k]} -> {mid[k]} -> {end[k]} ({100 * growth[k]:+.3f}%)"
                           for k in growth))
-        return dict(first_ms=first, last_ms=last, growth=growth)
+        return dict(medians=medians, growth=growth)
 
     # traced: 64 KiB for one-off caches that fill during the run (CuPy keeps a compiled
     # kernel per new shape it meets, e.g. the empty batch's fill); a leak of even one small
@@ -99,10 +122,6 @@ def _indices(rng, kind, n, xp):
     idx = np.minimum(rng.zipf(1.2, size) - 1, n - 1) if kind != "largest" else \
         rng.permutation(np.tile(np.arange(n), 2))  # every row, each twice
     return xp.asarray(idx.astype(np.int64))
-
-
-def _nbytes(array) -> int:
-    return array.nbytes if isinstance(array, np.ndarray) else 0  # GPU arrays: not traced
 
 
 def _kind(rng, step):
@@ -131,14 +150,16 @@ def soak_host_table(steps, *, gpu, cache_rows, check_every, warmup, dtype="float
 
     ref_w, ref_s, ref_steps = sync_reference()
     meter = Meter(gpu, steps)
-    batches = [_indices(rng, _kind(rng, 0), n, xp)]
+    kinds = [_kind(rng, 0)]
+    batches = [_indices(rng, kinds[0], n, xp)]
     try:
         for step in range(steps):
-            if step == warmup:
+            if meter.label(step, warmup, steps):
                 rows = grads = got = host_idx = idx = None  # sized by the last batch
-                meter.sample("warm", _nbytes(batches[0]))
-            idx = batches.pop(0)
-            batches.append(_indices(rng, _kind(rng, step + 1), n, xp))
+                meter.sample(meter.label(step, warmup, steps))
+            idx, kind = batches.pop(0), kinds.pop(0)
+            kinds.append(_kind(rng, step + 1))
+            batches.append(_indices(rng, kinds[0], n, xp))
             start = time.perf_counter()
             table.prefetch(batches[0])  # the next batch's rows, on a side stream
             rows = table.lookup(idx)
@@ -146,7 +167,7 @@ def soak_host_table(steps, *, gpu, cache_rows, check_every, warmup, dtype="float
             table.apply_gradients(idx, xp.asarray(grads))
             if gpu:
                 xp.cuda.get_current_stream().synchronize()
-            meter.add_time(time.perf_counter() - start)
+            meter.add_time(time.perf_counter() - start, kind)
             host_idx = idx.get() if gpu else idx
             if step % 50 == 0:  # the lookup saw the rows as the reference has them
                 got = rows.get() if gpu else rows
@@ -161,7 +182,7 @@ def soak_host_table(steps, *, gpu, cache_rows, check_every, warmup, dtype="float
                 ref_w, ref_s, ref_steps = sync_reference()
         table.check()
         rows = grads = got = host_idx = idx = None
-        meter.sample("end", _nbytes(batches[0]))
+        meter.sample("end")
     finally:
         table.close()
     return meter
@@ -191,9 +212,8 @@ def test_host_table_soak_gpu_10000_steps(cache_rows):
                                 warmup=1000)
     finally:
         tracemalloc.stop()
-    result = meter.report(f"HostTable gpu cache_rows={cache_rows}", 1000)
+    meter.report(f"HostTable gpu cache_rows={cache_rows}", 1000)
     meter.check_flat()
-    assert result["last_ms"] <= 1.5 * result["first_ms"] + 0.05, result
 
 
 # ------------------------------------------------------------------ collection
@@ -222,9 +242,9 @@ def soak_collection(steps, *, gpu, cache, check_every, warmup):
     ref_w, ref_s, ref_steps = sync_reference()
     meter = Meter(gpu, steps)
     for step in range(steps):
-        if step == warmup:
+        if meter.label(step, warmup, steps):
             out = ctx = got = grad = psw = indices = offsets = None  # sized by the last batch
-            meter.sample("warm")
+            meter.sample(meter.label(step, warmup, steps))
         kind = _kind(rng, step)
         B = {"empty": 0, "one": 1, "typical": 64, "largest": 1024}[kind]
         lengths = rng.integers(0, 5, 3 * B) if kind != "one" else np.ones(3, np.int64)
@@ -241,7 +261,7 @@ def soak_collection(steps, *, gpu, cache, check_every, warmup):
         coll.backward(ctx, xp.asarray(grad.astype(coll.dtype)))
         if gpu:
             xp.cuda.get_current_stream().synchronize()
-        meter.add_time(time.perf_counter() - start)
+        meter.add_time(time.perf_counter() - start, kind)
         if step % 50 == 0:
             got = out.get() if gpu else out
             np.testing.assert_allclose(got, pooled_lookup_reference(ref_w, indices, offsets,
@@ -282,6 +302,5 @@ def test_collection_soak_gpu_10000_steps(cache):
         meter = soak_collection(10_000, gpu=True, cache=cache, check_every=1000, warmup=1000)
     finally:
         tracemalloc.stop()
-    result = meter.report(f"collection gpu cache={cache}", 1000)
+    meter.report(f"collection gpu cache={cache}", 1000)
     meter.check_flat()
-    assert result["last_ms"] <= 1.5 * result["first_ms"] + 0.05, result
