@@ -89,6 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--no-graph", action="store_true",
                    help="torch: run every step eagerly (default on a GPU: the whole step in "
                         "one CUDA graph after warm-up)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bitwise-repeatable GPU runs of the dense model too: torch's "
+                        "deterministic algorithms and XLA's deterministic ops (xferlib's own "
+                        "kernels are deterministic either way; docs/reliability.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--devices", type=_int_at_least(1), default=1,
                    help="jax: train on N devices of this host (a mesh; the batch sharded)")
@@ -200,6 +204,8 @@ def main(argv=None) -> int:
     if args.devices > 1 and "jax" not in sys.modules:  # N host devices, before jax starts
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.devices}")
+    if args.deterministic:
+        _deterministic()
     try:  # bad input is refused here, before any table is allocated or file written
         if args.plan:
             return _print_plan(args)
@@ -208,6 +214,19 @@ def main(argv=None) -> int:
         print(f"dlrm.py: error: {err}", file=sys.stderr)
         return 2
     return _train(args, *setup)
+
+
+def _deterministic() -> None:
+    """torch and XLA in their deterministic modes, set before either touches the GPU: the
+    dense model's reductions (the interaction's backward index_add, XLA's scatters) then
+    sum in a fixed order, as xferlib's kernels do."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition
+    if "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_gpu_deterministic_ops=true")
+    import torch
+
+    torch.use_deterministic_algorithms(True)
 
 
 def _print_plan(args) -> int:

@@ -77,6 +77,65 @@ def test_resume_equals_uninterrupted(framework, tmp_path):
     assert [h["step"] for h in resumed["runs"][0]["history"]] == [12, 24]
 
 
+def _saved_arrays(ckpt) -> dict:
+    """Every array of a checkpoint's step directory (state file and host tables), by name."""
+    import torch
+
+    from dlrm_parts import checkpoint
+
+    step, arrays = pathlib.Path(checkpoint.current(ckpt)), {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{prefix}.{i}", item)
+        elif isinstance(value, torch.Tensor):
+            arrays[prefix] = value.detach().cpu().numpy()
+        else:
+            arrays[prefix] = np.asarray(value)
+
+    for file in sorted(step.iterdir()):
+        if file.suffix == ".pt":
+            walk(file.name, torch.load(file, map_location="cpu", weights_only=False))
+        elif file.suffix == ".npz":
+            with np.load(file) as z:
+                arrays.update({f"{file.name}.{k}": z[k] for k in z.files})
+        elif file.suffix == ".npy":
+            arrays[file.name] = np.load(file)
+    return arrays
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_two_runs_save_bitwise_identical_state(framework, device, tmp_path, parts):
+    """Two runs of the tiny preset (same seed, same batches) end with the same bits in every
+    weight and optimizer state: the MLPs, the flat optimizer, every embedding table (on a
+    GPU with ``--deterministic``, for torch's and XLA's own reductions)."""
+    torch = pytest.importorskip("torch")
+    if framework == "jax":
+        pytest.importorskip("optax")
+    import xferlib
+
+    if device == "cuda" and not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip("needs a CUDA GPU with CuPy")
+    common = ("--framework", framework, "--device", device, "--eval-samples", 1024,
+              "--evals", 1, "--steps", 16) + (("--deterministic",) if device == "cuda" else ())
+    for name in ("a", "b"):
+        _ok(_run(*common, "--save", tmp_path / name))
+    first, second = _saved_arrays(tmp_path / "a"), _saved_arrays(tmp_path / "b")
+    assert sorted(first) == sorted(second) and len(first) > 10, sorted(first)
+    for key, value in first.items():
+        other = second[key]
+        assert value.dtype == other.dtype and value.shape == other.shape, key
+        # bytes compared, so NaNs in the same places also count as equal
+        assert np.ascontiguousarray(value).tobytes() == np.ascontiguousarray(other).tobytes(), \
+            f"{framework}: {key} differs between two runs"
+
+
 def test_unknown_preset_is_refused():
     r = _run("--preset", "huge")
     assert r.returncode == 2 and "unknown preset 'huge'" in r.stderr
