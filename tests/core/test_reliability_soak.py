@@ -14,7 +14,8 @@ prefetch on, for a HostTable and the embedding collection. Checked along the way
   ``-s`` shows it): a measurement, not asserted (no timing thresholds in tests).
 
 Each soak runs twice, untraced (step times, RSS, GPU memory) and under tracemalloc (traced
-bytes), since tracing slows every allocation. CPU: 1,000 steps of each (a few seconds, in CI). GPU: 10,000 steps (marked gpu and slow).
+bytes), since tracing slows every allocation. CPU: 1,000 steps of each (a few seconds, in
+CI). GPU: 10,000 steps (marked gpu and slow).
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ class Meter:
         """The memory sample due before ``step``: after warm-up and half-way."""
         return {warmup: "warm", steps // 2: "mid"}.get(step)
 
-    def sample(self, label: str) -> None:
-        """Memory now (call it with the last step's outputs dropped). ``traced``: the bytes
+    def sample(self, label: str, transient: int = 0) -> None:
+        """Memory now (call it with the last step's outputs dropped; ``transient``: bytes of
+        host arrays alive now whose size depends on the batch at hand, the prefetched next
+        batch, left out of the traced bytes). ``traced``: the bytes
         tracemalloc sees, less those allocated inside NumPy's own Python code: NumPy keeps
         freed small buffers in a bounded cache of its own, which tracemalloc counts as live
         and which fills slowly as batches of new sizes come (the float64 reference's
@@ -86,7 +89,7 @@ class Meter:
             snapshot = tracemalloc.take_snapshot().filter_traces(
                 [tracemalloc.Filter(False, "*/numpy/*"),
                  tracemalloc.Filter(False, tracemalloc.__file__)])
-            sample["traced"] = sum(t.size for t in snapshot.traces)
+            sample["traced"] = sum(t.size for t in snapshot.traces) - transient
         if self.gpu:
             import cupy
 
@@ -131,6 +134,10 @@ def _indices(rng, kind, n, xp):
     idx = np.minimum(rng.zipf(1.2, size) - 1, n - 1) if kind != "largest" else \
         rng.permutation(np.tile(np.arange(n), 2))  # every row, each twice
     return xp.asarray(idx.astype(np.int64))
+
+
+def _nbytes(array) -> int:
+    return array.nbytes if isinstance(array, np.ndarray) else 0  # GPU arrays: not traced
 
 
 def _kind(rng, step):
@@ -179,10 +186,10 @@ def soak_host_table(steps, *, gpu, cache_rows, check_every, warmup, dtype="float
         for step in range(steps):
             if meter.label(step, warmup, steps):
                 rows = grads = got = host_idx = idx = None  # sized by the last batch
-                meter.sample(meter.label(step, warmup, steps))
+                meter.sample(meter.label(step, warmup, steps), _nbytes(batches[0]))
             idx, kind = batches.pop(0), kinds.pop(0)
             kinds.append(_kind(rng, step + 1))
-            batches.append(_indices(rng, kinds[0], n, xp))
+            batches.append(_indices(rng, kinds[-1], n, xp))
             start = time.perf_counter()
             table.prefetch(batches[0])  # the next batch's rows, on a side stream
             rows = table.lookup(idx)
@@ -205,7 +212,7 @@ def soak_host_table(steps, *, gpu, cache_rows, check_every, warmup, dtype="float
                 ref_w, ref_s, ref_steps = sync_reference()
         table.check()
         rows = grads = got = host_idx = idx = None
-        meter.sample("end")
+        meter.sample("end", _nbytes(batches[0]))
     finally:
         table.close()
     return meter
