@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="versions, GPU, CUDA runtime, backends, pinned-memory check")
     bench = sub.add_parser("bench", help="run benchmark suites (all when none is named)")
     bench.add_argument("suites", nargs="*", help=_suites_help(argv))
-    bench.add_argument("--quick", action="store_true", help="a reduced set (under 2 minutes)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a reduced set (each suite a minute or two)")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG plot")
     args = parser.parse_args(argv)
