@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from xferlib.adapters.torch.collection import EmbeddingBagCollection
 from xferlib.collection import TableConfig
+from xferlib.collection.config import feature_entries
 from xferlib.collection.numpy_path import check_offsets
 from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_sharding,
                                          read_manifest, read_rows, save_shard_files,
@@ -264,15 +265,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     def _pack(self, features: dict):
         """FBGEMM's layout from the per-table dict form (tables in this module's order)."""
-        missing = [n for n in self.names if n not in features]
-        extra = sorted(set(features) - set(self.names))
-        if missing or extra:
-            raise KeyError(f"features must name every table once: missing {missing}, "
-                           f"unknown {extra}")
-        parts = [features[n] for n in self.names]
-        if len({len(p) for p in parts}) != 1 or len(parts[0]) not in (2, 3):
-            raise ValueError("every table's entry must be (indices, offsets) or, for all of "
-                             "them, (indices, offsets, per_sample_weights)")
+        parts = feature_entries(self.names, features)
         starts = np.cumsum([0] + [int(p[0].shape[0]) for p in parts])
         indices = torch.cat([p[0].to(self.device, torch.int64) for p in parts])
         offsets = torch.cat([p[1][:-1].to(self.device, torch.int64) + int(s)

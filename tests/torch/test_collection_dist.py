@@ -125,6 +125,7 @@ def _worker(rank, world, port, out_dir, backend, ckpt_in, ckpt_out):
             save_sharded(module, ckpt_out, tag="step3")
         if name == "adam.table":
             _bad_input(module, rank, world, device, result)
+            _dict_form(module, rank, world, device, result)
     if ckpt_in:  # another plan and group size: adam's rows resharded by row ranges
         module = ShardedEmbeddingBagCollection(TABLES, "adam", OPTIMIZERS["adam"],
                                                plan=_plan("row", world, "adam"),
@@ -159,6 +160,29 @@ def _bad_input(module, rank, world, device, result):
         idx[-1] = 40  # the last table, "ad", has 7 rows
     result["bad_error"], result["bad_unchanged"] = _refusal(
         module, lambda: module(idx.to(device), off.to(device)).sum().backward(), IndexError)
+
+
+def _dict_form(module, rank, world, device, result):
+    """The per-table dict form pools what FBGEMM's layout pools; tables with different
+    numbers of bags are refused (ValueError) on every rank before anything travels."""
+    idx, off, _, _ = _batch(_data()[0], _samples(world, rank, 0))
+    T, B = len(TABLES), (off.numel() - 1) // len(TABLES)
+    features = {name: (idx[off[t * B]:off[(t + 1) * B]],
+                       off[t * B:(t + 1) * B + 1] - off[t * B])
+                for t, name in enumerate(module.names)}
+    with torch.no_grad():
+        packed = module(idx.to(device), off.to(device))
+        by_name = module({n: (i.to(device), o.to(device)) for n, (i, o) in features.items()})
+    result["dict_equal"] = bool(torch.equal(packed, by_name))
+    short = dict(features)
+    first = module.names[0]
+    short[first] = (features[first][0][:0], torch.zeros(1, dtype=torch.int64))  # no bags
+    try:
+        with torch.no_grad():
+            module({n: (i.to(device), o.to(device)) for n, (i, o) in short.items()})
+        result["dict_error"] = "none"
+    except ValueError as err:
+        result["dict_error"] = str(err)
 
 
 def _single(world, name, opt, pooling, device="cpu"):
@@ -210,6 +234,9 @@ def _compare(world, out_dir, device="cpu", exact=True):
         assert "out of range" in str(res["bad_error"]), (r, res["bad_error"])
         assert bool(res["bad_unchanged"]), r
     assert "position" in str(results[-1]["bad_error"])  # the rank that had it names it
+    for r, res in enumerate(results):
+        assert bool(res["dict_equal"]), r
+        assert "same number of bags" in str(res["dict_error"]), (r, res["dict_error"])
     return results, single_adam
 
 

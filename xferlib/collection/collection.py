@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from xferlib._backend import cupy_available, is_cupy_array
-from xferlib.collection.config import POOLINGS, TableConfig
+from xferlib.collection.config import POOLINGS, TableConfig, feature_entries
 from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
 from xferlib.collection.numpy_path import (check_inputs_numpy, pooled_lookup_numpy,
                                            update_numpy)
@@ -302,21 +302,8 @@ class EmbeddingCollection:
         returns ``(indices, offsets)`` with ``T * B + 1`` offsets, tables in this
         collection's order. Per-sample weights: ``{name: (indices, offsets, weights)}``
         gives ``(indices, offsets, per_sample_weights)``."""
-        missing = [n for n in self.names if n not in features]
-        extra = sorted(set(features) - set(self.names))
-        if missing or extra:
-            raise KeyError(f"features must name every table once: missing {missing}, "
-                           f"unknown {extra}")
-        parts = [features[n] for n in self.names]
-        weighted = {len(p) for p in parts}
-        if weighted - {2, 3} or len(weighted) != 1:
-            raise ValueError("every table's entry must be (indices, offsets) or, for all of "
-                             "them, (indices, offsets, per_sample_weights)")
+        parts = feature_entries(self.names, features)
         xp = _namespace(parts[0][0])
-        batch = {int(p[1].shape[0]) - 1 for p in parts}
-        if len(batch) != 1:
-            raise ValueError(f"every table needs the same number of bags, got "
-                             f"{dict(zip(self.names, (int(p[1].shape[0]) - 1 for p in parts)))}")
         starts, total = [], 0
         for p in parts:
             starts.append(total)
@@ -326,7 +313,7 @@ class EmbeddingCollection:
         offsets = xp.concatenate(
             [xp.asarray(p[1][:-1]).astype(np.int64) + s for p, s in zip(parts, starts)]
             + [xp.asarray([total], dtype=np.int64)])
-        if weighted == {3}:
+        if len(parts[0]) == 3:
             return indices, offsets, xp.concatenate([xp.asarray(p[2]) for p in parts])
         return indices, offsets
 

@@ -87,3 +87,24 @@ class TableConfig:
     def named(self, k: int) -> "TableConfig":
         """This config with its default name filled in (the k-th table: ``"t{k}"``)."""
         return self if self.name is not None else dataclasses.replace(self, name=f"t{k}")
+
+
+def feature_entries(names, features: dict) -> list:
+    """The per-table dict form's entries in ``names``' order, checked: ``features`` names
+    every table once, each entry is ``(indices, offsets)`` or, for every table alike,
+    ``(indices, offsets, per_sample_weights)``, and every table has the same number of bags
+    (``offsets`` of ``B + 1``). Reads shapes only (NumPy, CuPy or torch arrays)."""
+    missing = [n for n in names if n not in features]
+    extra = sorted(set(features) - set(names))
+    if missing or extra:
+        raise KeyError(f"features must name every table once: missing {missing}, "
+                       f"unknown {extra}")
+    parts = [features[n] for n in names]
+    if len({len(p) for p in parts}) != 1 or len(parts[0]) not in (2, 3):
+        raise ValueError("every table's entry must be (indices, offsets) or, for all of "
+                         "them, (indices, offsets, per_sample_weights)")
+    bags = [int(p[1].shape[0]) - 1 for p in parts]
+    if len(set(bags)) != 1:
+        raise ValueError(f"every table needs the same number of bags, got "
+                         f"{dict(zip(names, bags))}")
+    return parts
