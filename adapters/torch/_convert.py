@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 
 import numpy as np
 import torch
@@ -170,12 +171,17 @@ def _torch_allocator():
     if not _ALLOCATOR:
         import cupy
 
+        alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
+        current_stream, finalizing = torch.cuda.current_stream, sys.is_finalizing
+
         def malloc(size, device):
-            return torch.cuda.caching_allocator_alloc(
-                max(int(size), 1), device, torch.cuda.current_stream(device))
+            return alloc(max(int(size), 1), device, current_stream(device))
 
         def free(pointer, device):
-            torch.cuda.caching_allocator_delete(pointer)
+            # bound above: at interpreter exit CuPy frees its last blocks after this module's
+            # globals are gone; the process's memory goes with it then
+            if not finalizing():
+                delete(pointer)
 
         _ALLOCATOR.append(cupy.cuda.memory.PythonFunctionAllocator(malloc, free))
     return _ALLOCATOR[0]
