@@ -32,27 +32,29 @@ _STATE = "embedding_bags."
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 
 
-class _PooledLookup(torch.autograd.Function):
-    """The pooled lookup of every table; backward runs the collection's fused update and gives
-    no gradient back (the tables train in place, as FBGEMM's table-batched embeddings do).
+class TrainInPlace(torch.autograd.Function):
+    """A pooled lookup whose backward trains the tables in place and gives no gradient back
+    (as FBGEMM's table-batched embeddings do): forward calls ``module._train_forward(indices,
+    offsets, per_sample_weights) -> (out, saved)``, backward ``module._train_backward(saved,
+    grad)``, once (used by this module and the sharded one).
 
     ``anchor``, an empty tensor that requires grad, is what makes the output require grad, so
     that autograd calls backward; it is no parameter, so optimizers and DDP never see it."""
 
     @staticmethod
     def forward(ctx, anchor, module, indices, offsets, per_sample_weights):
-        out, ctx.lookup = module._lookup(indices, offsets, per_sample_weights, train=True)
+        out, ctx.saved = module._train_forward(indices, offsets, per_sample_weights)
         ctx.module = module
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        lookup, ctx.lookup = ctx.lookup, None  # the plan's buffers are freed with it
-        if lookup is None:
-            raise RuntimeError("the collection's update already ran for this forward (backward "
-                               "through an EmbeddingBagCollection output runs once; "
-                               "retain_graph=True cannot train the tables twice)")
-        ctx.module._update(lookup, grad)
+        saved, ctx.saved = ctx.saved, None  # the step's buffers are freed with it
+        if saved is None:
+            raise RuntimeError(f"the update of {type(ctx.module).__name__} already ran for "
+                               f"this forward (backward through its output runs once; "
+                               f"retain_graph=True cannot train the tables twice)")
+        ctx.module._train_backward(saved, grad)
         return None, None, None, None, None
 
 
@@ -194,7 +196,7 @@ class EmbeddingBagCollection(torch.nn.Module):
         if not (torch.is_grad_enabled() and self.training):  # no update will follow
             return self._lookup(idx, off, psw, train=False)[0]
         anchor = torch.empty(0, device=self.device, requires_grad=True)
-        return _PooledLookup.apply(anchor, self, idx, off, psw)
+        return TrainInPlace.apply(anchor, self, idx, off, psw)
 
     def _core(self, tensor, name: str):
         """A core array (NumPy or CuPy view) of ``tensor`` on this module's device."""
@@ -239,6 +241,12 @@ class EmbeddingBagCollection(torch.nn.Module):
                                              out=as_core_array(out), stream=stream,
                                              padded=padded)
         return out, ctx
+
+    def _train_forward(self, indices, offsets, per_sample_weights):
+        return self._lookup(indices, offsets, per_sample_weights, train=True)
+
+    def _train_backward(self, lookup, grad: torch.Tensor) -> None:
+        self._update(lookup, grad)
 
     def _update(self, lookup, grad: torch.Tensor) -> None:
         grad = grad.to(device=self.device, dtype=self.dtype).contiguous()

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from xferlib.adapters.torch.collection import EmbeddingBagCollection
+from xferlib.adapters.torch.collection import EmbeddingBagCollection, TrainInPlace
 from xferlib.collection import TableConfig
 from xferlib.collection.config import feature_entries
 from xferlib.collection.numpy_path import check_offsets
@@ -64,25 +64,6 @@ _STATE = "embedding_bags."
 _ERRORS = {1: TypeError, 2: ValueError, 3: IndexError}
 _CODES = {v: k for k, v in _ERRORS.items()}
 _HEADER = 5  # B_local, indices sent, weights follow, input error code, bad values
-
-
-class _ShardedLookup(torch.autograd.Function):
-    """Forward: the routed, pooled lookup; backward: the pooled gradients back to the owners,
-    whose collections update in place (no gradient flows to the inputs)."""
-
-    @staticmethod
-    def forward(ctx, anchor, module, indices, offsets, per_sample_weights):
-        out, ctx.step = module._forward(indices, offsets, per_sample_weights, train=True)
-        ctx.module = module
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        step, ctx.step = ctx.step, None
-        if step is None:
-            raise RuntimeError("the sharded collection's update already ran for this forward")
-        ctx.module._backward(step, grad)
-        return None, None, None, None, None
 
 
 @dataclasses.dataclass
@@ -261,7 +242,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if not (torch.is_grad_enabled() and self.training):
             return self._forward(indices, offsets, per_sample_weights, train=False)[0]
         anchor = torch.empty(0, device=self.device, requires_grad=True)
-        return _ShardedLookup.apply(anchor, self, indices, offsets, per_sample_weights)
+        return TrainInPlace.apply(anchor, self, indices, offsets, per_sample_weights)
 
     def _pack(self, features: dict):
         """FBGEMM's layout from the per-table dict form (tables in this module's order)."""
@@ -693,6 +674,12 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         return ValueError("the batch was refused")
 
     # ------------------------------------------------------------------ backward
+
+    def _train_forward(self, indices, offsets, per_sample_weights):
+        return self._forward(indices, offsets, per_sample_weights, train=True)
+
+    def _train_backward(self, step: _Step, grad: torch.Tensor) -> None:
+        self._backward(step, grad)
 
     def _backward(self, step: _Step, grad: torch.Tensor) -> None:
         """The pooled gradients of each owner's columns to the owner, whose collection runs
