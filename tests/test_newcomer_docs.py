@@ -4,8 +4,9 @@
   parameters in the same order, the same keyword-only ones, the same defaults. So the docs
   cannot promise ``HostTable(num_rows, dim, optimizer="adam")`` while the third positional
   argument is ``dtype``.
-- Each measured figure lives on one page: the README links to it instead of repeating it,
-  and docs/benchmarks.md keeps only figures no topic page carries.
+- The README links every page in docs/. Each measured figure lives on one page: the README
+  links to it instead of repeating it, and docs/benchmarks.md keeps only figures no topic
+  page carries.
 - ``xferlib bench table`` without a GPU compares like with like: every optimizer it times
   has an xferlib row and a plain NumPy row, and the NumPy baselines compute the update
   xferlib's host tables compute.
@@ -143,6 +144,13 @@ def test_links_to_a_section_find_it():
             headings = re.findall(r"^#+ (.*)$", FENCE.sub("", linked.read_text()), re.M)
             assert anchor in {_slug(h) for h in headings}, \
                 f"{page.name} links to {target or page.name}#{anchor}: no such heading"
+
+
+def test_the_readme_lists_every_page_in_docs():
+    # A page the README's documentation list leaves out is one a newcomer never finds.
+    listed = set(re.findall(r"\(docs/([\w.-]+\.md)\)", (ROOT / "README.md").read_text()))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert pages <= listed, f"docs pages the README does not link: {sorted(pages - listed)}"
 
 
 def test_the_figure_pattern_finds_what_it_should():
