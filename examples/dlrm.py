@@ -204,8 +204,6 @@ def main(argv=None) -> int:
     if args.devices > 1 and "jax" not in sys.modules:  # N host devices, before jax starts
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.devices}")
-    if args.deterministic:
-        _deterministic()
     try:  # bad input is refused here, before any table is allocated or file written
         if args.plan:
             return _print_plan(args)
@@ -213,6 +211,8 @@ def main(argv=None) -> int:
     except (ValueError, MemoryError) as err:
         print(f"dlrm.py: error: {err}", file=sys.stderr)
         return 2
+    if args.deterministic:  # after the checks (torch is there), before any GPU work
+        _deterministic()
     return _train(args, *setup)
 
 

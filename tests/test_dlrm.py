@@ -136,6 +136,15 @@ def test_two_runs_save_bitwise_identical_state(framework, device, tmp_path, part
             f"{framework}: {key} differs between two runs"
 
 
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_deterministic_flag_trains(framework, tmp_path):
+    pytest.importorskip("torch")
+    if framework == "jax":
+        pytest.importorskip("optax")
+    _ok(_run("--framework", framework, "--device", "cpu", "--steps", 4, "--evals", 1,
+             "--eval-samples", 512, "--deterministic", "--json", tmp_path / "d.json"))
+
+
 def test_unknown_preset_is_refused():
     r = _run("--preset", "huge")
     assert r.returncode == 2 and "unknown preset 'huge'" in r.stderr

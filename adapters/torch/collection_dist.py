@@ -61,7 +61,7 @@ __all__ = ["ShardedEmbeddingBagCollection", "save_sharded", "load_sharded"]
 _STATE = "embedding_bags."
 # Input errors travel in the header as codes, so every rank raises (none waits forever in a
 # collective for a rank that gave up).
-_ERRORS = {1: TypeError, 2: ValueError, 3: IndexError}
+_ERRORS = {1: TypeError, 2: ValueError, 3: IndexError, 4: KeyError}
 _CODES = {v: k for k, v in _ERRORS.items()}
 _HEADER = 5  # B_local, indices sent, weights follow, input error code, bad values
 
@@ -170,6 +170,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         self._refused = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._room_cache = {}  # (B, n) -> each owner's room in a capturable message
         self._owner_error = None  # capturable, CPU: a refused batch's error, for check()
+        self._pack_error = None  # the dict form's error, raised inside the step (every rank)
 
     # ------------------------------------------------------------------ construction
 
@@ -231,7 +232,13 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             if offsets is not None or per_sample_weights is not None:
                 raise ValueError("the dict form {name: (indices, offsets[, weights])} carries "
                                  "each table's offsets and weights: pass nothing else")
-            indices, offsets, per_sample_weights = self._pack(indices)
+            try:
+                indices, offsets, per_sample_weights = self._pack(indices)
+            except (KeyError, TypeError, ValueError) as err:
+                # raised inside the step, where every rank learns of it: a rank that raised
+                # here alone would leave the others waiting in the exchange
+                indices = offsets = per_sample_weights = None
+                self._pack_error = err
         elif offsets is None:
             raise ValueError("offsets are needed with flat indices (FBGEMM's layout: "
                              "T * B + 1 bag boundaries)")
@@ -257,7 +264,11 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         return indices, offsets, weights
 
     def _check_types(self, indices, offsets, per_sample_weights) -> int:
-        """Dtypes and shapes (the host knows them: no sync); returns B_local."""
+        """Dtypes and shapes (the host knows them: no sync); returns B_local. Raises the dict
+        form's error first, if its packing failed."""
+        error, self._pack_error = self._pack_error, None
+        if error is not None:
+            raise error
         for name, t in (("indices", indices), ("offsets", offsets)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
@@ -389,7 +400,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         B, own_error = 0, None
         try:
             B = self._check_types(indices, offsets, per_sample_weights)
-        except (TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError) as err:
             own_error = err
         n = int(getattr(indices, "shape", (0,))[0]) if own_error is None else 0
         weighted = per_sample_weights is not None or self.pooling == "mean"
@@ -545,7 +556,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         try:
             B = self._check_types(indices, offsets, per_sample_weights)
             routed = self._route(indices, offsets, B)
-        except (TypeError, ValueError, IndexError) as err:
+        except (KeyError, TypeError, ValueError, IndexError) as err:
             own_error = err
         weighted = per_sample_weights is not None or self.pooling == "mean"
         header = torch.zeros((world, _HEADER), dtype=torch.int64, device=dev)

@@ -6,15 +6,15 @@ prefetch on, for a HostTable and the embedding collection. Checked along the way
   and is re-synced from the table at each checkpoint, so float32 rounding cannot pile up
   over thousands of steps and hide or fake a drift);
 * memory is flat after warm-up: traced allocations (tracemalloc) and the process's RSS
-  (host), and CuPy's memory pools (GPU), grow by under 1% (plus a small allowance for the
-  interpreter);
+  (host), and CuPy's memory pools (GPU), grow by under 1% plus an allowance (64 KiB traced,
+  8 MiB RSS: one-off caches and the allocator's own slack);
 * memory is also sampled half-way, so the report tells a one-off fill (warm-up to half-way)
   from a leak (which grows as much again from half-way to the end);
 * the step time of the first and last stretch of steps is reported per batch kind (medians;
   ``-s`` shows it): a measurement, not asserted (no timing thresholds in tests).
 
-Each soak runs twice, untraced (step times, RSS, GPU memory) and under tracemalloc (traced
-bytes), since tracing slows every allocation. CPU: 1,000 steps of each (a few seconds, in
+Each soak runs twice: untraced and checked against the reference (step times, RSS, GPU
+memory), then the same steps under tracemalloc without the reference (traced bytes). CPU: 1,000 steps of each (a few seconds, in
 CI). GPU: 10,000 steps (marked gpu and slow).
 """
 
@@ -53,7 +53,8 @@ def rss_bytes() -> int:
 
 
 class Meter:
-    """Step times and memory samples of a soak: memory after warm-up and at the end."""
+    """Step times and memory samples of a soak: memory after warm-up, half-way and at the
+    end."""
 
     def __init__(self, gpu: bool, steps: int):
         # preallocated: a growing list would be the soak's only growing allocation
@@ -68,28 +69,21 @@ class Meter:
     def merge_traced(self, traced: "Meter") -> None:
         """Takes the traced bytes of a second, traced run of the same soak."""
         for label, sample in self.samples.items():
-            self.samples[label] = dict(traced=traced.samples[label]["traced"], **sample)
+            self.samples[label] = {**sample, "traced": traced.samples[label]["traced"]}
 
     def label(self, step: int, warmup: int, steps: int) -> str | None:
         """The memory sample due before ``step``: after warm-up and half-way."""
+        assert 0 < warmup < steps // 2, (warmup, steps)
         return {warmup: "warm", steps // 2: "mid"}.get(step)
 
     def sample(self, label: str, transient: int = 0) -> None:
         """Memory now (call it with the last step's outputs dropped; ``transient``: bytes of
         host arrays alive now whose size depends on the batch at hand, the prefetched next
-        batch, left out of the traced bytes). ``traced``: the bytes
-        tracemalloc sees, less those allocated inside NumPy's own Python code: NumPy keeps
-        freed small buffers in a bounded cache of its own, which tracemalloc counts as live
-        and which fills slowly as batches of new sizes come (the float64 reference's
-        ``np.unique`` on each batch). A leak of xferlib's still shows (an array it keeps is
-        allocated from its own line, as is any other object), and ``rss`` counts everything."""
+        batch, left out of the traced bytes). ``traced`` only while tracemalloc runs."""
         gc.collect()
         sample = dict(rss=rss_bytes())
         if tracemalloc.is_tracing():
-            snapshot = tracemalloc.take_snapshot().filter_traces(
-                [tracemalloc.Filter(False, "*/numpy/*"),
-                 tracemalloc.Filter(False, tracemalloc.__file__)])
-            sample["traced"] = sum(t.size for t in snapshot.traces) - transient
+            sample["traced"] = tracemalloc.get_traced_memory()[0] - transient
         if self.gpu:
             import cupy
 
@@ -145,15 +139,20 @@ def _kind(rng, step):
 
 
 def soak_twice(soak, *args, **kwargs) -> Meter:
-    """Runs ``soak`` twice: untraced (its step times as a user sees them, RSS and GPU memory:
-    tracemalloc slows every allocation, 2-3x on the GPU path, and unevenly), then under
-    tracemalloc for the traced bytes. Both runs check results against the reference."""
+    """Runs ``soak`` twice: untraced and checked against the reference (its step times as a
+    user sees them, RSS and GPU memory: tracemalloc slows every allocation, 2-3x on the GPU
+    path, and unevenly), then the same steps under tracemalloc without the reference, so the
+    traced bytes are xferlib's and the loop's (the reference's NumPy calls keep freed small
+    buffers in NumPy's own cache, which tracemalloc counts as live)."""
     meter = soak(*args, **kwargs)
-    tracemalloc.start()
+    started = not tracemalloc.is_tracing()  # PYTHONTRACEMALLOC may have started it
+    if started:
+        tracemalloc.start()
     try:
-        traced = soak(*args, **kwargs)
+        traced = soak(*args, checked=False, **kwargs)
     finally:
-        tracemalloc.stop()
+        if started:
+            tracemalloc.stop()
     meter.merge_traced(traced)
     return meter
 
@@ -161,9 +160,11 @@ def soak_twice(soak, *args, **kwargs) -> Meter:
 # ------------------------------------------------------------------ HostTable
 
 
-def soak_host_table(steps, *, gpu, cache_rows, check_every, warmup, dtype="float32"):
-    """``steps`` steps; memory sampled at ``warmup`` (a multiple of ``check_every``, so both
-    samples see the reference as just re-synced) and at the end."""
+def soak_host_table(steps, *, gpu, cache_rows, check_every, warmup, dtype="float32",
+                    checked=True):
+    """``steps`` steps; memory sampled at ``warmup`` and half-way (multiples of
+    ``check_every``, so the samples see the reference as just re-synced) and at the end.
+    ``checked=False``: the same steps with no reference (the traced run)."""
     xp = np
     if gpu:
         import cupy as xp
@@ -178,7 +179,7 @@ def soak_host_table(steps, *, gpu, cache_rows, check_every, warmup, dtype="float
                 {k: table.state(k).astype(np.float64) for k in table.state_names() if k != "step"},
                 table.state("step").copy())
 
-    ref_w, ref_s, ref_steps = sync_reference()
+    ref_w, ref_s, ref_steps = sync_reference() if checked else (None, None, None)
     meter = Meter(gpu, steps)
     kinds = [_kind(rng, 0)]
     batches = [_indices(rng, kinds[0], n, xp)]
@@ -198,6 +199,8 @@ def soak_host_table(steps, *, gpu, cache_rows, check_every, warmup, dtype="float
             if gpu:
                 xp.cuda.get_current_stream().synchronize()
             meter.add_time(time.perf_counter() - start, kind)
+            if not checked:
+                continue
             host_idx = idx.get() if gpu else idx
             if step % 50 == 0:  # the lookup saw the rows as the reference has them
                 got = rows.get() if gpu else rows
@@ -241,7 +244,8 @@ def test_host_table_soak_gpu_10000_steps(cache_rows):
 # ------------------------------------------------------------------ collection
 
 
-def soak_collection(steps, *, gpu, cache, check_every, warmup):
+def soak_collection(steps, *, gpu, cache, check_every, warmup, checked=True):
+    """As :func:`soak_host_table`, for a collection of two host tables and one in HBM."""
     xp = np
     if gpu:
         import cupy as xp
@@ -261,7 +265,7 @@ def soak_collection(steps, *, gpu, cache, check_every, warmup):
                   if k != "step"} for t in range(3)],
                 [coll.state(t, "step").copy() for t in range(3)])
 
-    ref_w, ref_s, ref_steps = sync_reference()
+    ref_w, ref_s, ref_steps = sync_reference() if checked else (None, None, None)
     meter = Meter(gpu, steps)
     for step in range(steps):
         if meter.label(step, warmup, steps):
@@ -284,6 +288,8 @@ def soak_collection(steps, *, gpu, cache, check_every, warmup):
         if gpu:
             xp.cuda.get_current_stream().synchronize()
         meter.add_time(time.perf_counter() - start, kind)
+        if not checked:
+            continue
         if step % 50 == 0:
             got = out.get() if gpu else out
             np.testing.assert_allclose(got, pooled_lookup_reference(ref_w, indices, offsets,

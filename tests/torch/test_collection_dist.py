@@ -163,26 +163,27 @@ def _bad_input(module, rank, world, device, result):
 
 
 def _dict_form(module, rank, world, device, result):
-    """The per-table dict form pools what FBGEMM's layout pools; tables with different
-    numbers of bags are refused (ValueError) on every rank before anything travels."""
+    """The per-table dict form pools what FBGEMM's layout pools; a dict the collection
+    refuses on one rank alone (tables with different numbers of bags, a table missing)
+    raises on every rank, none left waiting in the exchange, and changes nothing."""
     idx, off, _, _ = _batch(_data()[0], _samples(world, rank, 0))
     T, B = len(TABLES), (off.numel() - 1) // len(TABLES)
     features = {name: (idx[off[t * B]:off[(t + 1) * B]],
                        off[t * B:(t + 1) * B + 1] - off[t * B])
                 for t, name in enumerate(module.names)}
+    on = lambda f: {n: (i.to(device), o.to(device)) for n, (i, o) in f.items()}  # noqa: E731
     with torch.no_grad():
         packed = module(idx.to(device), off.to(device))
-        by_name = module({n: (i.to(device), o.to(device)) for n, (i, o) in features.items()})
+        by_name = module(on(features))
     result["dict_equal"] = bool(torch.equal(packed, by_name))
-    short = dict(features)
     first = module.names[0]
+    short = dict(features)
     short[first] = (features[first][0][:0], torch.zeros(1, dtype=torch.int64))  # no bags
-    try:
-        with torch.no_grad():
-            module({n: (i.to(device), o.to(device)) for n, (i, o) in short.items()})
-        result["dict_error"] = "none"
-    except ValueError as err:
-        result["dict_error"] = str(err)
+    missing = {n: v for n, v in features.items() if n != first}
+    for name, bad in (("dict_bags", short), ("dict_missing", missing)):
+        given = on(bad) if rank == world - 1 else on(features)  # the last rank's alone
+        result[f"{name}_error"], result[f"{name}_unchanged"] = _refusal(
+            module, lambda: module(given).sum().backward(), (ValueError, KeyError))
 
 
 def _single(world, name, opt, pooling, device="cpu"):
@@ -236,7 +237,12 @@ def _compare(world, out_dir, device="cpu", exact=True):
     assert "position" in str(results[-1]["bad_error"])  # the rank that had it names it
     for r, res in enumerate(results):
         assert bool(res["dict_equal"]), r
-        assert "same number of bags" in str(res["dict_error"]), (r, res["dict_error"])
+        for name in ("dict_bags", "dict_missing"):
+            assert bool(res[f"{name}_unchanged"]), (r, name)
+    assert "same number of bags" in str(results[-1]["dict_bags_error"])
+    assert "missing" in str(results[-1]["dict_missing_error"])
+    for res in results[:-1]:  # the others name the rank whose batch was refused
+        assert f"rank {len(results) - 1}" in str(res["dict_bags_error"]), res["dict_bags_error"]
     return results, single_adam
 
 
