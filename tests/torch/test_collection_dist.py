@@ -162,11 +162,12 @@ def _bad_input(module, rank, world, device, result):
         module, lambda: module(idx.to(device), off.to(device)).sum().backward(), IndexError)
 
 
-def _dict_form(module, rank, world, device, result):
+def _dict_form(module, rank, world, device, result, batch=None):
     """The per-table dict form pools what FBGEMM's layout pools; a dict the collection
     refuses on one rank alone (tables with different numbers of bags, a table missing)
-    raises on every rank, none left waiting in the exchange, and changes nothing."""
-    idx, off, _, _ = _batch(_data()[0], _samples(world, rank, 0))
+    raises on every rank, none left waiting in the exchange, and changes nothing.
+    ``batch``: this rank's ``(indices, offsets)`` (default: step 0 of ``_data``)."""
+    idx, off = batch if batch is not None else _batch(_data()[0], _samples(world, rank, 0))[:2]
     T, B = len(TABLES), (off.numel() - 1) // len(TABLES)
     features = {name: (idx[off[t * B]:off[(t + 1) * B]],
                        off[t * B:(t + 1) * B + 1] - off[t * B])
@@ -358,6 +359,7 @@ def _fixed_worker(rank, world, port, out_dir, backend):
         result["type_error"] = np.array("")
     except ValueError as err:
         result["type_error"] = np.array(str(err))
+    _dict_form(module, rank, world, device, result, batch=(idx, off))
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
     dist.barrier()
     dist.destroy_process_group()
@@ -397,6 +399,12 @@ def test_capturable_ranks_equal_one_process(tmp_path):
         assert "longer than max_bag_size" in str(results[r]["long_error"]), r
         assert "same B_local" in str(results[r]["shape_error"]), results[r]["shape_error"]
         assert str(results[r]["type_error"]), r  # rank 0 its own error, rank 1 another's
+        assert bool(results[r]["dict_equal"]), r
+        for name in ("dict_bags", "dict_missing"):
+            assert bool(results[r][f"{name}_unchanged"]), (r, name)
+            assert str(results[r][f"{name}_error"]), (r, name)
+    assert "same number of bags" in str(results[-1]["dict_bags_error"])
+    assert "missing" in str(results[-1]["dict_missing_error"])
 
 
 def _graph_worker(rank, world, port, out_dir):
