@@ -126,7 +126,8 @@ def train_jax(args, corpus, rng, cache_rows):
     def loss_fn(u, v_pos, v_neg):
         pos = jnp.sum(u * v_pos, -1)
         neg = jnp.einsum("bd,bkd->bk", u, v_neg)
-        return -(jnp.mean(jax.nn.log_sigmoid(pos)) + jnp.mean(jnp.sum(jax.nn.log_sigmoid(-neg), -1)))
+        return -(jnp.mean(jax.nn.log_sigmoid(pos))
+                 + jnp.mean(jnp.sum(jax.nn.log_sigmoid(-neg), -1)))
 
     @jax.jit
     def train_step(c, o, n):

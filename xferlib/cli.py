@@ -1,4 +1,5 @@
-"""The ``xferlib`` command: ``xferlib doctor``, ``xferlib info`` and ``xferlib bench [SUITE ...]``."""
+"""The ``xferlib`` command: ``xferlib doctor``, ``xferlib info`` and
+``xferlib bench [SUITE ...]``."""
 
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ def _nvidia_smi_driver() -> str | None:
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    text = out.stdout.strip()
+    return text.splitlines()[0] if out.returncode == 0 and text else None
 
 
 def _host(report: _Report) -> None:

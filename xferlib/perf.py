@@ -110,9 +110,9 @@ def warn_pageable_table(op: str, table, name: str = "table") -> bool:
         f"{op}: {name} ({_describe(table)}) is in pageable host memory, which GPU kernels "
         f"cannot reach, so the rows go the slow way (NumPy gather on the host, then a "
         f"pageable copy): about {PAGEABLE_GATHER_GBPS} GB/s instead of {PINNED_GATHER_GBPS} "
-        f"GB/s, {PAGEABLE_FACTOR}x slower (65,536 rows of 512 B on an H200; 16x on an H100). Fix: pin it once, in place "
-        f"and without a copy: xferlib.pin({name}) (it stays pinned until freed or "
-        f"xferlib.unpin), or allocate it with xferlib.pinned_empty.",
+        f"GB/s, {PAGEABLE_FACTOR}x slower (65,536 rows of 512 B on an H200; 16x on an H100). "
+        f"Fix: pin it once, in place and without a copy: xferlib.pin({name}) (it stays "
+        f"pinned until freed or xferlib.unpin), or allocate it with xferlib.pinned_empty.",
     )
 
 
@@ -170,6 +170,7 @@ def warn_tt_fallback(shape, reason: str) -> bool:
     return warn_once(
         ("tt-fallback", shape),
         f"TT shape {shape}: {reason}; the step falls back to batched cuBLAS products "
-        f"(slower than the fused kernels, with a dense intermediate per lookup). Fix: smaller ranks or "
-        f"more cores (xferlib.tt.suggest_tt_shapes) so each core's slice fits shared memory.",
+        f"(slower than the fused kernels, with a dense intermediate per lookup). Fix: smaller "
+        f"ranks or more cores (xferlib.tt.suggest_tt_shapes) so each core's slice fits "
+        f"shared memory.",
     )

@@ -1,5 +1,6 @@
 """xferlib's benchmark suites, beside the adapters because they compare against torch and
-JAX: ``transfer``, ``optim``, ``table``, ``tt`` and ``collection``, each a module with ``run(quick=False)``.
+JAX: ``transfer``, ``optim``, ``table``, ``tt`` and ``collection``, each a module with
+``run(quick=False)``.
 
 ``xferlib bench`` finds :data:`SUITES` through the entry point ``xferlib`` of the group
 ``xferlib.bench`` (``pyproject.toml``); the core never imports this package by name. Timers,

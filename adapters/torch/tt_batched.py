@@ -513,8 +513,8 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             if bad.numel():
                 position = int(bad[0, 0])
                 raise IndexError(f"index {int(indices[position])} at position {position} is "
-                                 f"out of range for a TT table of {self.num_embeddings} rows (valid: "
-                                 f"0 <= index < {self.num_embeddings})")
+                                 f"out of range for a TT table of {self.num_embeddings} rows "
+                                 f"(valid: 0 <= index < {self.num_embeddings})")
         per_table = max(bags // self.num_tables, 1)
         bounds = offsets[1:] if self.include_last_offset else offsets
         positions = torch.arange(indices.numel(), device=indices.device)

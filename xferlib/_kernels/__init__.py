@@ -14,8 +14,8 @@ from xferlib._kernels.scattered import SCATTERED_KERNEL, SCATTERED_MODULE
 from xferlib._kernels.table import TABLE_KERNEL, TABLE_MODULE
 from xferlib._kernels.tt import TT_KERNEL, TT_MODULE  # FBTT's shape: one module per TT shape
 
-__all__ = ["KernelDecl", "defines", "named", "KernelModule", "all_modules", "grid_1d", "launch_config", "CACHE_KERNEL", "CACHE_MODULE",
-           "COLLECTION_KERNEL", "COLLECTION_MODULE",
-           "OPTIM_KERNEL", "OPTIM_MODULE", "ROWS_KERNEL", "ROWS_MODULE", "SCATTERED_KERNEL",
-           "SCATTERED_MODULE", "TABLE_KERNEL",
-           "TABLE_MODULE", "TT_KERNEL", "TT_MODULE"]
+__all__ = ["KernelDecl", "defines", "named", "KernelModule", "all_modules", "grid_1d",
+           "launch_config", "CACHE_KERNEL", "CACHE_MODULE", "COLLECTION_KERNEL",
+           "COLLECTION_MODULE", "OPTIM_KERNEL", "OPTIM_MODULE", "ROWS_KERNEL", "ROWS_MODULE",
+           "SCATTERED_KERNEL", "SCATTERED_MODULE", "TABLE_KERNEL", "TABLE_MODULE", "TT_KERNEL",
+           "TT_MODULE"]

@@ -29,8 +29,8 @@ import numpy as np
 
 __all__ = ["KernelDecl", "defines", "named"]
 
-_SCALARS = {"unsigned long long": np.uint64, "i64": np.int64, "long long": np.int64, "int": np.int32, "unsigned": np.uint32,
-            "double": np.float64, "float": np.float32}
+_SCALARS = {"unsigned long long": np.uint64, "i64": np.int64, "long long": np.int64,
+            "int": np.int32, "unsigned": np.uint32, "double": np.float64, "float": np.float32}
 
 
 def defines(**constants) -> str:

@@ -26,7 +26,8 @@ from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
 
 __all__ = ["COLL_META", "META_FIELDS", "SUM_CHUNK", "PLAN", "STAGE", "POOL", "SUM_CHUNKS",
-           "SUM_SPANS", "UPDATE", "INIT", "RUNS", "POSITIONS", "collection_module", "update_module", "KEY_TYPES"]
+           "SUM_SPANS", "UPDATE", "INIT", "RUNS", "POSITIONS", "collection_module",
+           "update_module", "KEY_TYPES"]
 
 # The per-table fields of ``meta`` (int64 each), in order.
 META_FIELDS = ("num_rows", "dim", "d_off", "host", "base", "row_width", "state_offset",

@@ -226,8 +226,8 @@ class DeviceCache:
         slots = cupy.empty(plan.n, dtype=np.int32)
         grid, block = self.side.launch_size(plan.n)
         CACHE_PROBE.launch(CACHE_MODULE, (key_type(plan.keys.itemsize),), grid, block,
-                           stream=stream, tags=self.tags, n_sets=self.n_sets, keys=plan.keys, run=plan.run,
-                           n=plan.n, n_rows=self.side.table.num_rows, slots=slots,
+                           stream=stream, tags=self.tags, n_sets=self.n_sets, keys=plan.keys,
+                           run=plan.run, n=plan.n, n_rows=self.side.table.num_rows, slots=slots,
                            verdict=plan.verdict.words)
         return slots
 

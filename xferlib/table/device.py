@@ -56,8 +56,8 @@ class DeviceSide:
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Kernels that reach host RAM: four blocks per SM at most (on an 8M-row table, half
         # a block to four per SM took the same time); prefetches take an eighth of the SMs,
-        # leaving the rest to the compute they overlap (H100, 8M-row Adam table, 65,536 Zipf lookups: 8 /
-        # 16 / 33 / 66 blocks hid 43 / 63 / 50 / 36% of a lookup behind equal compute).
+        # leaving the rest to the compute they overlap (H100, 8M-row Adam table, 65,536 Zipf
+        # lookups: 8 / 16 / 33 / 66 blocks hid 43 / 63 / 50 / 36% of a lookup behind equal compute).
         self.max_blocks, self.prefetch_blocks = 4 * sms, max(8, sms // 8)
         self.hyper = None
         self.pending = None  # the prefetch in flight (xferlib/table/prefetch.py)

@@ -275,7 +275,8 @@ def _for(flat, gpu: bool):
 def _draw(source, kind, a, b, shape, dtype):
     dtype = np.dtype(dtype)
     if source is np.random:
-        values = np.random.uniform(a, b, shape) if kind == "uniform" else np.random.normal(a, b, shape)
+        draw = np.random.uniform if kind == "uniform" else np.random.normal
+        values = draw(a, b, shape)
         return values.astype(dtype, copy=False)
     if kind == "uniform":
         return source.uniform(low=a, high=b, size=shape, dtype=dtype)

@@ -1,8 +1,8 @@
 """SpeedTorch's torch-tensor classes: ``PytorchModelFactory``, ``PytorchOptimizerFactory``,
 ``PytorchCOM`` (its ``GenTorch``: collection on ``deviceType``, pinned if ``pinType``),
 ``GPUPytorch*`` (collection on the GPU) and ``CPUPytorch*`` (collection in pinned CPU memory,
-rows switched into a model on the GPU), with their bases ``_PytorchCommon``, ``_GPUPytorchCommon`` and
-``_CPUPytorchCommon``.
+rows switched into a model on the GPU), with their bases ``_PytorchCommon``,
+``_GPUPytorchCommon`` and ``_CPUPytorchCommon``.
 
 The collection is a torch tensor (``pytorchGPUVar``, or ``pytorchCPUVar`` for the CPU
 classes); rows move with xferlib's row kernels (zero-copy from pinned memory) instead of
@@ -224,8 +224,8 @@ class _CPUPytorchCommon(_PytorchCommon):
 
 class CPUPytorchModelFactory(_ModelBase, _CPUPytorchCommon):
     """``CPUPytorchModelFactory(model_variable, total_classes, embed_dimension,
-    datatype=torch.float)``: rows switched from pinned CPU memory into the model variable (zero-copy when it is on the
-    GPU)."""
+    datatype=torch.float)``: rows switched from pinned CPU memory into the model variable
+    (zero-copy when it is on the GPU)."""
 
     pytorchCPUVar = _collection_attribute("pytorchCPUVar")
 
