@@ -179,8 +179,7 @@ class ShardedCollection:
         slots = {s: k for r in range(world) for k, s in enumerate(plan.shards_of(r))}
         self.max_slots = max(1, max(len(plan.shards_of(r)) for r in range(world)))
         # the most tables any owner holds a shard of: max_bag_size bounds each message by it
-        self._tables_max = max(len({s.table_index for s in plan.shards_of(r)})
-                               for r in range(world))
+        self._tables_max = max(plan.tables_of(r) for r in range(world))
         self._rows = np.asarray(rows, np.int64)
         self._base = base
         # Shards in plan order (by table, then row start): their first global row.

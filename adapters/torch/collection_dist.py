@@ -222,8 +222,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             self._owner_cols.append(as_long(cols))
             self._owner_dim.append(len(cols))
         # Per owner: how many tables have a shard there (max_bag_size bounds its lookups).
-        self._owner_tables = [len({s.table_index for s in plan.shards_of(r)})
-                              for r in range(world)]
+        self._owner_tables = [plan.tables_of(r) for r in range(world)]
 
     # ------------------------------------------------------------------ forward
 

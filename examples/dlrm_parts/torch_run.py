@@ -352,6 +352,12 @@ class TorchRun:
         part = slice(self.ranks.rank * share, (self.ranks.rank + 1) * share)
         return dense[part], label[part]
 
+    def _rank_loss(self, logits, label):
+        """This rank's part of the global batch's mean BCE (one process: the mean): the
+        ranks' gradients add up to the global mean's."""
+        return F.binary_cross_entropy_with_logits(logits, label, reduction="sum") / (
+            label.numel() * self.ranks.world)
+
     def _body(self, dense, cat, label):
         """One training step; the embedding update runs inside backward."""
         self.model.train()
@@ -361,9 +367,7 @@ class TorchRun:
         dense, label = self._share(dense, label)
         logits = self.model(dense, cat)
         world = self.ranks.world
-        # under torchrun: this rank's part of the global batch's mean (gradients add up)
-        loss = F.binary_cross_entropy_with_logits(logits, label, reduction="sum") / (
-            label.numel() * world)
+        loss = self._rank_loss(logits, label)
         loss.backward()
         if world > 1:
             self.grad_sync.wait()  # the buckets the backward started, and the rest
@@ -449,10 +453,7 @@ class TorchRun:
             ev[0].record()
             pooled = m.embed(cat)
             ev[1].record()
-            # as _body: this rank's part of the global batch's mean (gradients add up)
-            loss = F.binary_cross_entropy_with_logits(m.interact(dense, pooled), label,
-                                                      reduction="sum") / (
-                label.numel() * self.ranks.world)
+            loss = self._rank_loss(m.interact(dense, pooled), label)
             ev[2].record()
             if pooled.requires_grad:  # the pooled gradient is ready: the update starts
                 pooled.register_hook(lambda g: ev[3].record())

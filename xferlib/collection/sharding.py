@@ -93,6 +93,11 @@ class ShardingPlan:
         """``rank``'s shards, in its collection's order (by table, then row start)."""
         return tuple(s for s in self.shards if s.rank == rank)
 
+    def tables_of(self, rank: int) -> int:
+        """How many tables ``rank`` holds a shard of (a bag of each reaches it at most once
+        per sample: what bounds its share of a batch's lookups)."""
+        return len({s.table_index for s in self.shards_of(rank)})
+
     def table_shards(self, table) -> tuple:
         """The shards of ``table`` (name or index), by row start."""
         t = table if isinstance(table, int) else [c.name for c in self.tables].index(table)
