@@ -14,6 +14,7 @@ from xferlib.memory import (PinnedArray, check_host_memory, is_pinned, pin, pinn
 from xferlib.perf import XferlibPerformanceWarning
 from xferlib.table import (SPARSE_OPTIMIZERS, HostTable, optimizer_defaults,
                            sparse_update_reference)
+from xferlib.tt import TTTable
 from xferlib.rows import (
     check_rows,
     gather_rows,
@@ -35,6 +36,7 @@ __all__ = [
     "TableConfig",
     "collection",
     "HostTable",
+    "TTTable",
     "PendingChecks",
     "Verdict",
     "batch",

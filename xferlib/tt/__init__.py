@@ -16,7 +16,9 @@ build on it. Modules: ``shape`` (:class:`TTShape`, balanced factorizations, argu
 ``initializers`` (random cores, TT-SVD of a dense table), ``lookup`` (references, the array
 path, the forward), ``plan`` (the kernel path's batch plan and its input check), ``grads``
 (core gradients), ``rules`` (sparse optimizer rules on the array path), ``update`` (fused
-updates), ``cache`` (:class:`TTRowCache`).
+updates), ``cache`` (:class:`TTRowCache`), ``table`` (:class:`TTTable`: cores, optimizer
+state, step counter, cache, checks and scratch of a trained table, the twin of
+``xferlib.HostTable``).
 """
 
 from xferlib.tt.cache import NO_ROW, TTRowCache, tt_cache_grad
@@ -28,6 +30,7 @@ from xferlib.tt.lookup import (tt_bag_residuals, tt_embedding_bag, tt_embedding_
 from xferlib.tt.plan import TTBagPlan, TTReport
 from xferlib.tt.rules import SPARSE_OPTIMIZERS, tt_sparse_state, tt_sparse_update
 from xferlib.tt.shape import TTShape, suggest_tt_shapes
+from xferlib.tt.table import TTResiduals, TTTable
 from xferlib.tt.update import tt_apply_core_grads, tt_cache_apply, tt_fused_update
 
 __all__ = [
@@ -55,4 +58,6 @@ __all__ = [
     "tt_cache_grad",
     "NO_ROW",
     "SPARSE_OPTIMIZERS",
+    "TTTable",
+    "TTResiduals",
 ]
