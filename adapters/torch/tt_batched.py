@@ -5,13 +5,18 @@ The ``T`` tables' cores are stored as FBTT stores them, ``tt_cores[k]`` of shape
 whose row with digits ``(t p_k + i_k)_k`` is row ``i`` of table ``t``: lookups of every table
 run as one batch through one set of kernel launches (and one NumPy pass on the CPU).
 ``TTEmbeddingBag`` (``xferlib.adapters.torch.tt``) is the one-table case.
+
+The training state (cores, optimizer state, step counter, row cache, input checks, scratch)
+is a :class:`xferlib.tt.TTTable`'s: the module keeps the tensors (FBTT's Parameters and
+buffers, so checkpoints keep their keys), hands the table views of them, and its autograd
+function calls the table's ``lookup`` and ``apply_gradients``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
-import numpy as np
 import torch
 
 from xferlib import tt as core
@@ -21,11 +26,9 @@ from xferlib.adapters.torch._convert import (array_of, cupy_stream, on_stream,
                                              stream_capturing)
 from xferlib.adapters.torch.groups import resolve_group
 from xferlib.adapters.torch.tt_fbtt_compat import CORE_OPTIMIZER, OptimType
-from xferlib.batch import PendingChecks
 from xferlib.sizes import integral_size, integral_sizes
-from xferlib.tt.plan import uses_kernels
 from xferlib.tt.rules import row_state
-from xferlib.tt.scratch import ScratchSet
+from xferlib.tt.table import TTTable, draw_tt_tables
 
 __all__ = ["TableBatchedTTEmbeddingBag"]
 
@@ -60,87 +63,63 @@ class _BufferList(torch.nn.Module):
 
 
 class _TTBagFunction(torch.autograd.Function):
+    """The module's lookup: ``forward`` calls :meth:`xferlib.tt.TTTable.lookup` on views of
+    the tensors, ``backward`` its fused update (``sparse=True``) or its gradients."""
+
     @staticmethod
-    def forward(ctx, module, training, indices, offsets, per_sample_weights, report,
-                cache_weight, *cores):
+    def forward(ctx, module, training, indices, offsets, per_sample_weights, cache_weight,
+                *cores):
         # training: the step will be differentiated; it reads the GPU input check in backward,
         # before any core changes, so the forward never waits on the device.
+        table = module._table()
         device = cores[0]
         gpu = device.is_cuda
         capturing = gpu and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            module._checks.poll()
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
         out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
         stream = cupy_stream(device.device) if gpu else None
-        # working buffers reused from step to step (none in a capture: the graph keeps them)
-        scratch = module._scratch_of(stream) if gpu and not capturing else None
         with on_stream(device, capturing, stream):
-            arrays = module._core_arrays()
-            cache = module._core_cache()
-            _, residuals = core.tt_embedding_bag_fwd(
-                arrays, module._cshape, array_of(indices), array_of(offsets), mode=module.mode,
+            _, residuals = table.lookup(
+                array_of(indices), array_of(offsets), mode=module.mode,
                 per_sample_weights=None if per_sample_weights is None
                 else array_of(per_sample_weights), include_last_offset=module.include_last_offset,
-                check=not training, num_embeddings=module._bound, out=array_of(out), cache=cache,
                 # FBTT counts accesses in training forwards
-                cache_count=cache is not None and training and module.training,
-                report=None if report is None or not report.is_cuda else array_of(report),
-                stream=stream, scratch=scratch)
-        if isinstance(residuals, core.TTBagPlan):
-            residuals.bound = module.num_embeddings
-        ctx.module, ctx.residuals, ctx.arrays, ctx.device = module, residuals, arrays, device
-        ctx.cache, ctx.capturing = cache, capturing
+                train=training, count_cache=training and module.training, stream=stream,
+                out=array_of(out))
+        ctx.module, ctx.residuals, ctx.device, ctx.capturing = module, residuals, device, \
+            capturing
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        module, cache = ctx.module, ctx.cache
-        none = (None,) * 6
+        module = ctx.module
+        table = module._table()
+        none = (None,) * 5
         # the stream autograd runs this backward on (the forward's, unless the caller chose)
         stream = cupy_stream(ctx.device.device) if ctx.device.is_cuda else None
+        cores = len(ctx.residuals.cores)
         with on_stream(ctx.device, ctx.capturing, stream):
             grad_bags = array_of(grad_out.contiguous())
-            if module.sparse and module._group is not None:  # data parallel (tt_dist)
-                with torch.no_grad():
-                    module._step_counter.add_(1)
-                    pending = tt_dist.fused_step(
-                        module, module._cshape, module._core_optimizer, module._state_arrays(),
-                        ctx.residuals, ctx.arrays, grad_bags, cache, module._group, _torch,
-                        array_of)
-                if pending is not None:  # read at the same call on every rank
-                    pending.defer(module._checks, stream, early=False)
-                return none + (None,) * (1 + len(ctx.arrays))
             if module.sparse:  # fused: update the cores in place, hand no gradient back
-                count = None
-                if stream is None:
-                    with torch.no_grad():
-                        module._step_counter.add_(1)
-                hyper = module.step_hyper()
-                if stream is not None:
-                    # the device counter (replays count too), incremented by the step's
-                    # gradient kernel: no launch of its own
-                    count = hyper["step"]
-                # ctx.arrays view the cores' memory: the update writes through them
-                # deferred: read by a later call or check_inputs(); a captured step's
-                # verdict is written by every replay and read by check_inputs()
-                defer = ctx.capturing or module.defer_input_check
-                scratch = None if stream is None or ctx.capturing or \
-                    torch.cuda.is_current_stream_capturing() else module._scratch_of(stream)
-                core.tt_fused_update(
-                    ctx.arrays, module._cshape, ctx.residuals, grad_bags,
-                    module._state_arrays(), module._core_optimizer, lr=module.learning_rate,
-                    eps=module.eps, cache=cache, checks=module._checks if defer else None,
-                    stream=stream, scratch=scratch, count=count, **hyper)
-                return none + (None,) * (1 + len(ctx.arrays))
-            grads = core.tt_embedding_bag_bwd(ctx.arrays, module._cshape, ctx.residuals,
-                                              grad_bags, stream=stream)
-            cache_grad = None
-            if cache is not None and cache.active:
-                cache_grad = _torch(core.tt_cache_grad(cache, module._cshape, ctx.residuals,
-                                                       grad_bags)[0])
-        return none + (cache_grad,) + tuple(
+                # data parallel (tt_dist): the core-row gradients summed over the group
+                reduce = None if module._group is None else functools.partial(
+                    tt_dist.fused_step, group=module._group)
+                table.apply_gradients(ctx.residuals, grad_bags, stream=stream, reduce=reduce)
+                return none + (None,) * (1 + cores)
+            grads, cache_grad = table.grads(ctx.residuals, grad_bags, stream=stream)
+        return none + (None if cache_grad is None else _torch(cache_grad),) + tuple(
             _torch(g).view(c.shape) for g, c in zip(grads, module.tt_cores))
+
+
+def _hyper(name: str, doc: str) -> property:
+    """A hyperparameter of the core table as a module attribute (FBTT's names)."""
+    def get(self):
+        return self.__dict__["_tt"].hyper[name]
+
+    def set_(self, value):
+        self.__dict__["_tt"].set_hyper(**{name: value})
+
+    return property(get, set_, doc=doc)
 
 
 class TableBatchedTTEmbeddingBag(torch.nn.Module):
@@ -238,50 +217,85 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         self.num_embeddings, self.embedding_dim = int(num_embeddings), self.shape.dim
         self.tt_p_shapes, self.tt_q_shapes = list(self.shape.p_shapes), list(self.shape.q_shapes)
         self.tt_ranks = list(self.shape.padded_ranks)
-        self.optimizer, self.learning_rate, self.eps = optimizer, float(learning_rate), eps
-        self.betas, self.weight_decay = tuple(float(b) for b in betas), float(weight_decay)
-        self.eta, self.momentum = float(eta), float(momentum)
-        self.register_buffer("_step_counter", torch.zeros(1, dtype=torch.int64, device=device),
-                             persistent=False)
+        self.optimizer = optimizer
         self.sparse, self.mode, self.include_last_offset = sparse, mode, include_last_offset
-        # All tables as one TT of T p_k rows per core (see the module docstring).
-        self._cshape = core.TTShape([self.num_tables * v for v in p], q, tt_ranks)
-        self._bound = self.num_embeddings if self.num_tables == 1 else self._cshape.num_rows
-        strides = [math.prod(self.tt_p_shapes[k + 1:]) for k in range(d)]
-        self.register_buffer("L", torch.tensor(strides, dtype=torch.int64, device=device))
-        self.tt_cores = torch.nn.ParameterList(
-            [torch.nn.Parameter(torch.empty(self.num_tables, *self.shape.core_shape(k),
-                                            device=device)) for k in range(d)])
         self._group = group
         # replicas draw the same cores: the ranks agree on the seed
         self._seed = seed if group is None else tt_dist.agree_seed(group, seed)
-        self.reset_parameters(weight_dist)
+        self.use_cache = bool(use_cache)
+        # FBTT's defaults: 10% of the rows, a frequency table of one slot per row.
+        self.cache_size = (0 if not use_cache else int(cache_size) if cache_size > 0
+                           else max(1, int(0.1 * self.num_embeddings)))
+        self.hashtbl_size = (0 if not use_cache else int(hashtbl_size) if hashtbl_size > 0
+                             else self.num_embeddings)
+        # The training state is the core table's (cores, optimizer state, step counter, cache,
+        # checks, scratch), drawn and allocated there; this module holds its arrays as
+        # Parameters and buffers of FBTT's names and hands the table views of them.
+        table = TTTable(self.shape, CORE_OPTIMIZER[optimizer], dict(
+            lr=learning_rate, eps=eps, betas=betas, weight_decay=weight_decay, eta=eta,
+            momentum=momentum), num_tables=self.num_tables, num_embeddings=self.num_embeddings,
+            cache_size=self.cache_size, hashtbl_size=self.hashtbl_size, init=weight_dist,
+            seed=self._seed)
+        self._tt = table
+        on = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+        self.register_buffer("_step_counter", on(table.step_array), persistent=False)
+        strides = [math.prod(self.tt_p_shapes[k + 1:]) for k in range(d)]
+        self.register_buffer("L", torch.tensor(strides, dtype=torch.int64, device=device))
+        self.tt_cores = torch.nn.ParameterList(
+            [torch.nn.Parameter(on(c)) for c in table.tables_cores()])
         # Fused optimizer state: FBTT's optimizer_state<k> holds each core's first state
         # (empty for SGD); further states sit beside it as <name><k>.
         self.optimizer_state = _BufferList("optimizer_state")
         self._state_names = list(row_state(1, 1, self._core_optimizer))
-        for k in range(d):
-            rows, width = self.shape.core_shape(k)
-            state = row_state(self.num_tables * rows, width, self._core_optimizer)
+        for k, state in enumerate(table.states):
             if not state:
                 self.optimizer_state.append(torch.zeros(0, device=device))
             for j, (name, value) in enumerate(state.items()):
-                t = torch.from_numpy(value).reshape(self.num_tables, rows, *value.shape[1:])
+                t = on(value.reshape(self.num_tables, -1, *value.shape[1:]))
                 if j == 0:
-                    self.optimizer_state.append(t.to(device))
+                    self.optimizer_state.append(t)
                 else:
-                    self.optimizer_state.register_buffer(f"{name}{k}", t.to(device))
+                    self.optimizer_state.register_buffer(f"{name}{k}", t)
+        self._init_cache(table.cache, on, device)
+        self._table()  # bound to this module's tensors from now on
         # On the GPU a fused training step never waits for its input check: a batch with an
         # index out of range or bad offsets changes nothing (the kernels skip it) and the
         # IndexError / ValueError is raised by the first call of the module after the GPU
         # finished that step (at the latest the third call after it), or by check_inputs().
         # False: every step waits for its check and raises at once.
         self.defer_input_check = True
-        # Steps whose input check is still on its way (xferlib.batch's policy): the host may
-        # run two steps ahead of the device before it waits for the oldest.
-        self._checks = PendingChecks(limit=3)
-        self._init_cache(use_cache, cache_size, hashtbl_size, device)
-        self.warmup = True
+
+    learning_rate = _hyper("lr", "The fused optimizer's learning rate.")
+    eps = _hyper("eps", "The fused optimizer's eps.")
+    betas = _hyper("betas", "The Adam / LAMB rules' betas.")
+    weight_decay = _hyper("weight_decay", "The LAMB / LARS / Adam rules' weight decay.")
+    eta = _hyper("eta", "LARS's eta.")
+    momentum = _hyper("momentum", "LARS's momentum.")
+
+    @property
+    def defer_input_check(self) -> bool:
+        """On the GPU, whether a fused step leaves its input check to a later call or
+        :meth:`check_inputs` (True) or waits for it (False)."""
+        return self.__dict__["_tt"].defer_checks
+
+    @defer_input_check.setter
+    def defer_input_check(self, value: bool) -> None:
+        self.__dict__["_tt"].defer_checks = bool(value)
+
+    @property
+    def warmup(self) -> bool:
+        """FBTT's warmup: True while the cache serves no lookup (until :meth:`cache_populate`).
+        """
+        if not self.use_cache:
+            return self.__dict__.get("_warmup", True)
+        return not self._table().cache_active
+
+    @warmup.setter
+    def warmup(self, value: bool) -> None:
+        if not self.use_cache:
+            self.__dict__["_warmup"] = bool(value)
+            return
+        self._table().cache_active = not value
 
     @property
     def _core_optimizer(self) -> str:
@@ -291,37 +305,26 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         """The fused update's hyperparameters besides ``lr`` and ``eps`` (``betas``,
         ``weight_decay``, ``eta``, ``momentum``) and its ``step``: the device counter's
         array on the GPU (read by the kernel, so captured replays count), else its value."""
-        counter = self._step_counter
-        step = (self._memo("counter", (counter,), lambda: array_of(counter)) if counter.is_cuda
-                else max(int(counter[0]), 1))
-        return dict(betas=self.betas, weight_decay=self.weight_decay, eta=self.eta,
-                    momentum=self.momentum, step=step)
+        return self._table().step_hyper()
 
     @property
     def iter(self) -> int:
         """Fused steps taken (the FBGEMM rules' global step; counted on the device, so
         replays of a captured step count as well; reading it waits for the device)."""
-        return int(self._step_counter[0])
+        with on_stream(self._step_counter):
+            return self._table().step
 
     @iter.setter
     def iter(self, value: int) -> None:
-        self._step_counter.fill_(int(value))
+        with on_stream(self._step_counter):
+            self._table().step = int(value)
 
-    def _init_cache(self, use_cache, cache_size, hashtbl_size, device):
-        self.use_cache = bool(use_cache)
-        if not self.use_cache:
-            self.cache_size = self.hashtbl_size = 0
+    def _init_cache(self, cache, on, device):
+        if cache is None:
             self.register_buffer("hashtbl", torch.empty(0, dtype=torch.int64, device=device))
             self.register_buffer("cache_state", torch.empty(0, dtype=torch.int32, device=device))
             self.cache_weight = self.cache_optimizer_state = None
             return
-        # FBTT's defaults: 10% of the rows, a frequency table of one slot per row.
-        self.cache_size = int(cache_size) if cache_size > 0 else max(
-            1, int(0.1 * self.num_embeddings))
-        self.hashtbl_size = int(hashtbl_size) if hashtbl_size > 0 else self.num_embeddings
-        cache = core.TTRowCache(self.shape, self.cache_size, self.hashtbl_size,
-                                self._core_optimizer)
-        on = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
         self.register_buffer("hashtbl", on(cache.freq_keys))
         self.register_buffer("cache_freq", on(cache.freq_counts))
         self.register_buffer("cache_state", on(cache.key_slots))
@@ -335,19 +338,60 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
                 self.register_buffer("cache_optimizer_state" if j == 0 else
                                      f"cache_optimizer_state_{name}", on(value))
 
+    # ------------------------------------------------------------------ the core table
+
+    def _tensors(self) -> list:
+        """Every tensor the core table views: cores, optimizer state, step counter, cache."""
+        tensors = list(self._cores()) + self._state_buffers() + [self._buffers["_step_counter"]]
+        if self.use_cache:
+            tensors += [self._parameters["cache_weight"]] + [
+                self._buffers[attr] for attr in ("cache_rows", "hashtbl", "cache_freq",
+                                                 "cache_state")] + [
+                self._buffers[attr] for attr, _ in self._cache_spec()]
+        return tensors
+
+    def _table(self) -> TTTable:
+        """The core table, bound to views of this module's tensors: bound again only when a
+        tensor moved (``.to()``, a new ``.data``), so a step spends no host time on views."""
+        # (pointer, device index, shape): a few attribute reads per tensor, no device object
+        key = [(t.data_ptr(), t.get_device(), t.shape) for t in self._tensors()]
+        views = self.__dict__.setdefault("_views", {})
+        table = self.__dict__["_tt"]
+        if views.get("bound") != key:
+            table.bind(self._core_arrays(), self._state_arrays(),
+                       array_of(self._buffers["_step_counter"]), self._cache_arrays())
+            views["bound"] = key
+        return table
+
+    def _cache_spec(self) -> tuple:
+        """(attribute, state name) of each cache state buffer (none without sparse=True)."""
+        if not self.sparse:
+            return ()
+        return tuple(("cache_optimizer_state" if j == 0 else f"cache_optimizer_state_{name}",
+                      name) for j, name in enumerate(self._state_names))
+
+    def _cache_arrays(self):
+        """The cache as a :class:`xferlib.tt.TTRowCache` over this module's tensors."""
+        if not self.use_cache:
+            return None
+        buffers = self._buffers
+        return core.TTRowCache.from_arrays(
+            self.shape, self._core_optimizer, rows=array_of(buffers["cache_rows"]),
+            weight=array_of(self._parameters["cache_weight"].data),
+            state={name: array_of(buffers[attr]) for attr, name in self._cache_spec()},
+            freq_keys=array_of(buffers["hashtbl"]), freq_counts=array_of(buffers["cache_freq"]),
+            key_slots=array_of(buffers["cache_state"]), active=False)
+
     # ------------------------------------------------------------------ parameters
 
     def reset_parameters(self, weight_dist: str = "approx-normal") -> None:
         """Draw the cores again (FBTT's distributions; see ``xferlib.tt.init_tt_cores``), each
         table on its own. The fused optimizer's state and the cache are left as they are."""
-        if weight_dist == "approx-uniform" and self.num_tables != 1:
-            raise ValueError("approx-uniform initialization needs num_tables == 1 (as in FBTT)")
-        rng = np.random.default_rng(self._seed)
-        tables = [core.init_tt_cores(self.shape, weight_dist, self.num_embeddings, rng=rng)
-                  for _ in range(self.num_tables)]
+        tables = draw_tt_tables(self.shape, self.num_tables, weight_dist, self.num_embeddings,
+                                self._seed)
         with torch.no_grad():
-            for k, c in enumerate(self.tt_cores):
-                c.copy_(torch.from_numpy(np.stack([t[k] for t in tables])))
+            for c, drawn in zip(self.tt_cores, tables):
+                c.copy_(torch.from_numpy(drawn))
 
     def get_params(self) -> list:
         """The cores, and the cache's dense rows with a cache (FBTT's list; FBTT appended the
@@ -359,39 +403,19 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             raise ValueError(f"learning rate must be a finite number >= 0, got {lr!r}")
         self.learning_rate = float(lr)
 
-    def _memo(self, name: str, tensors, build, *extra):
-        """``build()``'s array views, rebuilt only when a tensor moved (``.to()``, a new
-        ``.data``) or ``extra`` changed: a step then spends no host time on views."""
-        # (pointer, device index, shape): a few attribute reads per tensor, no device object
-        key = [(t.data_ptr(), t.get_device(), t.shape) for t in tensors]
-        if extra:
-            key.append(extra)
-        memo = self.__dict__.setdefault("_views", {})
-        hit = memo.get(name)
-        if hit is None or hit[0] != key:
-            hit = memo[name] = (key, build())
-        return hit[1]
-
     def _apply(self, fn, *args, **kwargs):
-        # .to() / .cuda() / .cpu() / .half(): the memoized views and working buffers belong
-        # to the old storage; drop them (their GPU memory goes back to CuPy's pool).
+        # .to() / .cuda() / .cpu(): the core table's views and working buffers belong to the
+        # old storage; it binds the new tensors at its next use.
         self.__dict__.pop("_views", None)
         return super()._apply(fn, *args, **kwargs)
 
     def __getstate__(self):
-        # Copies and pickles carry no views of this module's GPU memory nor its buffers.
+        # Copies and pickles carry no views of this module's memory nor its buffers: the
+        # copy's table binds the copy's tensors at its first use.
         state = self.__dict__.copy()
         state.pop("_views", None)
+        state["_tt"] = self._tt.without_arrays()
         return state
-
-    def _scratch_of(self, stream):
-        """The working buffers this module's GPU steps on ``stream`` reuse (see
-        ``xferlib.tt.scratch``; held between steps, about one step's worth per stream)."""
-        memo = self.__dict__.setdefault("_views", {})
-        scratches = memo.get("scratch")
-        if scratches is None:
-            scratches = memo["scratch"] = ScratchSet()
-        return scratches.get(stream)
 
     def _cores(self) -> tuple:
         """The core Parameters, read from the ParameterList's dict (its ``__iter__`` and
@@ -400,9 +424,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
 
     def _core_arrays(self) -> list:
         """The cores as arrays of the joint TT (``[T p_k, width]`` views of the Parameters)."""
-        cores = self._cores()
-        return self._memo("cores", cores, lambda: [
-            array_of(c.detach().view(-1, c.shape[-1])) for c in cores])
+        return [array_of(c.detach().view(-1, c.shape[-1])) for c in self._cores()]
 
     def _state_buffers(self) -> list:
         buffers = self._modules["optimizer_state"]._buffers  # optimizer_state<k>, <name><k>
@@ -411,12 +433,9 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
 
     def _state_arrays(self) -> list[dict]:
         """The fused optimizer's state per core as arrays of the joint TT."""
-        def build():
-            buffers, names = iter(self._state_buffers()), self._state_names
-            return [{name: array_of((buf := next(buffers)).view(-1, *buf.shape[2:]))
-                     for name in names} for _ in range(self.tt_ndim)]
-
-        return self._memo("state", self._state_buffers(), build)
+        buffers, names = iter(self._state_buffers()), self._state_names
+        return [{name: array_of((buf := next(buffers)).view(-1, *buf.shape[2:]))
+                 for name in names} for _ in range(self.tt_ndim)]
 
     # ------------------------------------------------------------------ forward
 
@@ -446,14 +465,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
 
     def _device_checked(self) -> bool:
         """Whether training batches are checked on the device (the GPU kernel path)."""
-        device = self.tt_cores[0].device
-        if device.type != "cuda":
-            return False
-        memo = self.__dict__.setdefault("_views", {})
-        if ("kernels", device) not in memo:
-            probe = array_of(torch.zeros(1, dtype=torch.int64, device=device))
-            memo[("kernels", device)] = uses_kernels(self._cshape, probe, self._core_arrays())
-        return memo[("kernels", device)]
+        return self.tt_cores[0].device.type == "cuda" and self._table().checks_on_device()
 
     @property
     def process_group(self):
@@ -492,45 +504,15 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             indices = indices.long()
         if offsets.dtype != torch.int64:
             offsets = offsets.long()
-        report = None
-        if self.num_tables > 1:
-            indices, report = self._joint_rows(indices, offsets), indices
         training = torch.is_grad_enabled() and (
             any(c.requires_grad for c in cores) or self.cache_weight is not None
             and self.cache_weight.requires_grad)
         return _TTBagFunction.apply(self, training, indices, offsets, per_sample_weights,
-                                    report, self.cache_weight, *cores)
-
-    def _joint_rows(self, indices, offsets):
-        """Each lookup's row in the joint TT: digits ``t p_k + i_k`` (torch ops, no host sync);
-        an index outside its table maps to -1, which the joint TT rejects."""
-        bags = offsets.numel() - (1 if self.include_last_offset else 0)
-        if bags % self.num_tables:
-            raise ValueError(f"offsets must hold num_tables * B bags (+1), got {bags} bags for "
-                             f"{self.num_tables} tables")
-        if indices.device.type == "cpu":  # checked at once on the CPU, with the real value
-            bad = torch.nonzero((indices < 0) | (indices >= self.num_embeddings))
-            if bad.numel():
-                position = int(bad[0, 0])
-                raise IndexError(f"index {int(indices[position])} at position {position} is "
-                                 f"out of range for a TT table of {self.num_embeddings} rows "
-                                 f"(valid: 0 <= index < {self.num_embeddings})")
-        per_table = max(bags // self.num_tables, 1)
-        bounds = offsets[1:] if self.include_last_offset else offsets
-        positions = torch.arange(indices.numel(), device=indices.device)
-        bag = torch.searchsorted(bounds.contiguous(), positions, right=True)
-        table = torch.clamp(bag // per_table, max=self.num_tables - 1)
-        joint = torch.zeros_like(indices)
-        for k in range(self.tt_ndim):
-            digit = (indices // self.L[k]) % self.tt_p_shapes[k]
-            stride = math.prod(self._cshape.p_shapes[k + 1:])
-            joint += (table * self.tt_p_shapes[k] + digit) * stride
-        valid = (indices >= 0) & (indices < self.num_embeddings)
-        return torch.where(valid, joint, torch.full_like(joint, -1))
+                                    self.cache_weight, *cores)
 
     def _resolve_pending_check(self, wait: bool = True) -> None:
         """Raise for a bad batch among the finished GPU steps (all of them with ``wait``)."""
-        self._checks.poll(wait)
+        self._table().checks.poll(wait)
 
     def check_inputs(self) -> None:
         """Raise now for a bad batch of the GPU training steps so far, if there was one (that
@@ -538,7 +520,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         captured in a CUDA graph checks its input at every replay the same way (a bad batch
         changes nothing) but reports it only here: call it after replays to read the last
         replay's verdict."""
-        self._checks.poll(wait=True)
+        self._table().check()
 
     def full_weight(self) -> torch.Tensor:
         """The dense ``(prod(p), embedding_dim)`` table the forward reads (one table only, as
@@ -555,7 +537,7 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         return full
 
     from xferlib.adapters.torch.tt_cache import (  # noqa: E402  (the cache's methods)
-        core_cache as _core_cache, require_cache as _require_cache, reset_cache, update_cache,
+        require_cache as _require_cache, reset_cache, update_cache,
         save_to_state_dict as _save_to_state_dict,
         load_from_state_dict as _load_from_state_dict)
     from xferlib.adapters.torch.tt_cache import cache_populate as _cache_populate  # noqa: E402
@@ -570,6 +552,5 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         summed and every rank caches the same rows (every rank calls it)."""
         if self._group is None:
             return self._cache_populate()
-        cache = self._require_cache()
-        self._resolve_pending_check()
-        tt_dist.populate_across(self, self._group, self._core_arrays(), cache, on_stream)
+        self._require_cache()
+        tt_dist.populate_across(self, self._group, self._table(), on_stream)

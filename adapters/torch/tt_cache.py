@@ -1,4 +1,5 @@
-"""The TT modules' row cache methods and checkpoint hooks (bound in ``tt_batched``).
+"""The TT modules' row cache methods and checkpoint hooks (bound in ``tt_batched``); the
+cache itself is the core table's (:class:`xferlib.tt.TTTable`), over these buffers.
 
 Buffers keep FBTT's names and meaning: ``hashtbl`` / ``cache_freq`` (the 32-way frequency
 table: row ids, -1 empty, and their access counts), ``cache_state`` (each table entry's cache
@@ -15,56 +16,23 @@ import torch
 from xferlib import tt as core
 from xferlib.adapters.torch import tt_fbtt_compat as compat
 from xferlib.adapters.torch._convert import array_of as _array
-from xferlib.adapters.torch._convert import current_stream
 from xferlib.adapters.torch._convert import on_stream as _on_stream
 
 
-def core_cache(self):
-    """The cache as xferlib's TTRowCache over this module's tensors (None without). Built once
-    per placement of the tensors (``_memo``); a step pays one lookup of each tensor's pointer."""
-    if not self.use_cache:
-        return None
-    spec = self.__dict__.get("_cache_spec")
-    if spec is None:  # (attribute, state name) of each cache state buffer, fixed per module
-        spec = self.__dict__["_cache_spec"] = tuple(
-            ("cache_optimizer_state" if j == 0 else f"cache_optimizer_state_{name}", name)
-            for j, name in enumerate(self._state_names)) if self.sparse else ()
-    buffers = self._buffers
-    weight = self._parameters["cache_weight"]
-    tensors = [buffers["cache_rows"], weight, buffers["hashtbl"], buffers["cache_freq"],
-               buffers["cache_state"]] + [buffers[attr] for attr, _ in spec]
-
-    def build():
-        return core.TTRowCache.from_arrays(
-            self.shape, self._core_optimizer, rows=_array(tensors[0]),
-            weight=_array(weight.data),
-            state={name: _array(buffers[attr]) for attr, name in spec},
-            freq_keys=_array(tensors[2]), freq_counts=_array(tensors[3]),
-            key_slots=_array(tensors[4]), active=not self.warmup)
-
-    cache = self._memo("cache", tensors, build)
-    cache.active = not self.warmup
-    return cache
-
-
 def require_cache(self):
+    """The core table's row cache; RuntimeError for a module built without one."""
     if not self.use_cache:
         raise RuntimeError("this module was built with use_cache=False")
-    return self._core_cache()
+    return self._table().cache
 
 
 def update_cache(self, indices) -> None:
     """Count the lookups of ``indices`` in the access frequencies (training forwards do it;
     the cache's contents change only at :meth:`cache_populate`)."""
-    cache = self._require_cache()
+    self._require_cache()
     indices = torch.as_tensor(indices).long().to(self.cache_rows.device)
-    bad = (indices < 0) | (indices >= self.num_embeddings)
-    if bool(bad.any()):
-        position = int(torch.nonzero(bad)[0, 0])
-        raise IndexError(f"index {int(indices[position])} at position {position} is out "
-                         f"of range for {self.num_embeddings} embeddings")
     with _on_stream(self.cache_rows):
-        cache.count(_array(indices), stream=current_stream(self.cache_rows.device))
+        self._table().count_cache(_array(indices))
 
 
 @torch.no_grad()
@@ -74,20 +42,17 @@ def cache_populate(self) -> None:
     dense values and optimizer state; new rows start from the cores. The cores keep learning
     every row (write-through, see ``xferlib.tt.TTRowCache``), so rows that leave lose nothing
     the cores were taught."""
-    cache = self._require_cache()
-    self._resolve_pending_check()
+    self._require_cache()
     with _on_stream(self.cache_rows):
-        cache.populate(self._core_arrays())
-    self.warmup = False
+        self._table().populate_cache()
 
 
 @torch.no_grad()
 def reset_cache(self) -> None:
     """Empty the cache and its access counts; every row reads the cores again (warmup)."""
-    cache = self._require_cache()
+    self._require_cache()
     with _on_stream(self.cache_rows):
-        cache.reset()
-    self.warmup = True
+        self._table().reset_cache()
 
 
 # ---------------------------------------------------------------------------- checkpoints

@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from xferlib import tt as core
+from xferlib.adapters.torch._convert import array_of
 from xferlib.batch import Verdict
+from xferlib.handoff import to_torch
 
 __all__ = ["agree_seed", "agree_forward", "fused_step", "populate_across",
            "broadcast_state"]
@@ -106,15 +108,17 @@ def _group_verdict(codes: torch.Tensor, rank: int, own: Verdict, to_array) -> Ve
     return Verdict(to_array(torch.stack([first, code])).view(np.uint64), _GroupReport(rank, own))
 
 
-def fused_step(module, shape, optimizer, states, residuals, arrays, grad_bags, cache, group,
-               to_torch, to_array):
-    """One fused training step across the group (see the module docstring): ``shape`` the
-    cores' TT shape, ``optimizer`` their fused rule, ``states`` its state arrays. Returns the
-    group's :class:`xferlib.batch.Verdict` for the module to defer (GPU, ``defer_input_check``;
-    it must be read at the same call on every rank, so never early) or None; raises at once
-    for a rejected batch otherwise."""
+def fused_step(table, residuals, grad_bags, *, group):
+    """One fused training step across the group (see the module docstring): the data-parallel
+    hook of :meth:`xferlib.tt.TTTable.apply_gradients` (``reduce=``), which has counted the
+    step. ``residuals``: the table's lookup residuals. Returns the group's
+    :class:`xferlib.batch.Verdict` for the table to defer (GPU, ``defer_checks``; it must be
+    read at the same call on every rank, so never early) or None; raises at once for a
+    rejected batch otherwise."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    plan = isinstance(residuals, core.TTBagPlan)
+    shape, arrays, cache, bag = table.joint_shape, residuals.cores, residuals.cache, \
+        residuals.bag
+    plan = isinstance(bag, core.TTBagPlan)
     cached = cache is not None and cache.active
     own_error = None
     # The input check read here, on the host: a rejected batch's cache gradient would index
@@ -122,23 +126,23 @@ def fused_step(module, shape, optimizer, states, residuals, arrays, grad_bags, c
     # step; the single-GPU step has none.)
     if plan and cached:
         try:
-            residuals.verdict.raise_now()
+            bag.verdict.raise_now()
         except (IndexError, ValueError) as err:
             own_error = err
-    grad, touched = core.tt_core_grads(arrays, shape, residuals, grad_bags)
+    grad, touched = core.tt_core_grads(arrays, shape, bag, grad_bags)
     pieces = [to_torch(grad), to_torch(touched.astype(np.float32))]
     if cached:
         if own_error is None:
-            cgrad, ctouched = core.tt_cache_grad(cache, module.shape, residuals, grad_bags)
+            cgrad, ctouched = core.tt_cache_grad(cache, table.shape, bag, grad_bags)
             pieces += [to_torch(cgrad).reshape(-1), to_torch(ctouched.astype(np.float32))]
         else:  # a rejected batch contributes nothing
-            pieces.append(torch.zeros(cache.capacity * (module.embedding_dim + 1),
+            pieces.append(torch.zeros(cache.capacity * (table.dim + 1),
                                       device=pieces[0].device))
     codes = torch.zeros(world, dtype=torch.float32, device=pieces[0].device)
     if own_error is not None:
         codes[rank] = _code(own_error)
     elif plan:  # the device verdict: 1 for a bad index, 2 for bad offsets (no host sync)
-        v = (to_torch(residuals.verdict.words.view(np.int64)) != -1).float()
+        v = (to_torch(bag.verdict.words.view(np.int64)) != -1).float()
         codes[rank] = v[0] + 2.0 * v[1] * (1.0 - v[0])
     buf = torch.cat(pieces + [codes])
     dist.all_reduce(buf, group=group)
@@ -146,21 +150,24 @@ def fused_step(module, shape, optimizer, states, residuals, arrays, grad_bags, c
     buf = buf * (codes.sum() == 0)  # a rejected batch anywhere: no row is touched anywhere
     sizes = [p.numel() for p in pieces]
     parts = torch.split(buf[:-world], sizes)
-    hyper = dict(lr=module.learning_rate, eps=module.eps, **module.step_hyper())
-    core.tt_apply_core_grads(arrays, shape, to_array(parts[0]),
-                             to_array((parts[1] > 0).to(torch.int32)), states, optimizer,
-                             **hyper)
+    hyper = table.hyper
+    hyper = dict(lr=hyper["lr"], eps=hyper["eps"], **table.step_hyper())
+    core.tt_apply_core_grads(arrays, shape, array_of(parts[0]),
+                             array_of((parts[1] > 0).to(torch.int32)), table.states,
+                             table.optimizer, **hyper)
     if cached:
-        flat = buf[sum(sizes[:2]):sum(sizes[:2]) + cache.capacity * (module.embedding_dim + 1)]
-        cgrad = flat[:cache.capacity * module.embedding_dim].view(cache.capacity, -1)
-        ctouched = flat[cache.capacity * module.embedding_dim:] > 0
-        core.tt_cache_apply(cache, to_array(cgrad), to_array(ctouched), optimizer, **hyper)
+        width = cache.capacity * (table.dim + 1)
+        flat = buf[sum(sizes[:2]):sum(sizes[:2]) + width]
+        cgrad = flat[:cache.capacity * table.dim].view(cache.capacity, -1)
+        ctouched = flat[cache.capacity * table.dim:] > 0
+        core.tt_cache_apply(cache, array_of(cgrad), array_of(ctouched), table.optimizer,
+                            **hyper)
     if own_error is not None:
         raise own_error
     if not plan:  # the host checked every batch in the forward (agree_forward)
         return None
-    verdict = _group_verdict(codes, rank, residuals.verdict, to_array)
-    if module.defer_input_check and not residuals.checked:
+    verdict = _group_verdict(codes, rank, bag.verdict, array_of)
+    if table.defer_checks and not bag.checked:
         return verdict
     verdict.raise_now()  # this rank's error first
     return None
@@ -172,19 +179,18 @@ def _gather(t: torch.Tensor, group) -> np.ndarray:
     return torch.cat(parts).cpu().numpy()
 
 
-def populate_across(module, group, cores, cache, on_stream) -> None:
+def populate_across(module, group, table, on_stream) -> None:
     """``cache_populate()`` of a module with a group: the rows are chosen from the access
     counts of every rank summed (the same rows on every rank, those one process on the global
     batches would choose unless its 32-way table dropped some), new rows from the (same)
-    cores."""
+    cores of the module's core ``table``."""
     keys, counts = _gather(module.hashtbl, group), _gather(module.cache_freq, group)
     seen = keys >= 0
     rows, inverse = np.unique(keys[seen], return_inverse=True)
     summed = np.zeros(rows.size, dtype=np.int64)
     np.add.at(summed, inverse, counts[seen])
     with on_stream(module.cache_rows):
-        cache.populate_from(cores, rows, summed)
-    module.warmup = False
+        table.populate_cache_from(rows, summed)
 
 
 @torch.no_grad()
