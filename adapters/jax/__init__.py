@@ -20,11 +20,11 @@ from xferlib.adapters.jax.collection_dist import ShardedCollection
 from xferlib.adapters.jax.host import host_lookup, host_update
 from xferlib.adapters.jax.rows import gather_rows
 from xferlib.adapters.jax.mesh import mesh_barrier, sharded_host_update
-from xferlib.adapters.jax.tt import tt_embedding_bag
+from xferlib.adapters.jax.tt import tt_embedding_bag, tt_lookup, tt_update
 
 __all__ = ["CallbackIndexError", "CallbackValueError", "FlatState", "ShardedCollection",
            "collection_anchor",
            "embedding_bag_collection", "flat_adam", "flat_adamw",
            "flat_lion", "flat_sgd", "flat_step", "gather_rows", "host_lookup", "host_update",
            "mesh_barrier", "ravel", "ravel_like", "sharded_host_update", "tt_embedding_bag",
-           "typed_errors"]
+           "tt_lookup", "tt_update", "typed_errors"]

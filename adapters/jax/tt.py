@@ -4,7 +4,8 @@ Cores use FBTT's layout without its leading table axis: core ``k`` is
 ``(p_k, R_k * q_k * R_{k+1})``; ``ranks`` are the inner ranks, as ``tt_ranks`` is given to
 ``TTEmbeddingBag``. Gradients flow to the cores, so any optax optimizer trains them. On the
 CPU backend xferlib's NumPy path runs on XLA's buffers; on a GPU backend the same code runs
-on CuPy views of them, on XLA's stream.
+on CuPy views of them, on XLA's stream. ``tt_lookup`` / ``tt_update`` (``tt_table.py``,
+re-exported here) train a stateful :class:`xferlib.tt.TTTable` with its fused update instead.
 
 Bad indices and offsets raise before anything is computed: an eager call (concrete
 ``indices`` and ``offsets``) raises the core's IndexError / ValueError before the op runs;
@@ -25,8 +26,9 @@ from xferlib import tt as core
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
                                             vary_like, varying_axes, xla_stream)
 from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
+from xferlib.adapters.jax.tt_table import tt_lookup, tt_update
 
-__all__ = ["tt_embedding_bag"]
+__all__ = ["tt_embedding_bag", "tt_lookup", "tt_update"]
 
 
 class _Scope:

@@ -133,3 +133,171 @@ def test_jax_equals_torch(config):
     np.testing.assert_allclose(np.asarray(bags), out.detach().numpy(), rtol=1e-5, atol=1e-6)
     for grad, c in zip(grads, module.tt_cores):
         np.testing.assert_allclose(np.asarray(grad), c.grad[0].numpy(), rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- TTTable ops
+
+TABLE_HYPER = dict(lr=0.002, eps=1e-8, weight_decay=0.01, eta=0.01, momentum=0.5)
+
+
+def _table_batches(seed, steps=4, num_bags=4, rows=600):
+    """Batches with repeated indices, an empty bag, per-sample weights every other step."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(steps):
+        sizes = rng.integers(1, 6, num_bags)
+        sizes[1] = 0
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+        indices = rng.integers(0, rows if step % 2 else 40, int(offsets[-1])).astype(np.int32)
+        indices[:2] = indices[0]
+        weights = rng.uniform(0.5, 1.5, len(indices)).astype(np.float32) if step % 2 else None
+        targets = rng.standard_normal((num_bags, SHAPE.dim)).astype(np.float32)
+        out.append((indices, offsets, weights, targets))
+    return out
+
+
+def _jit_step(table, weighted, mode="sum"):
+    from xferlib.adapters.jax import tt_lookup, tt_update
+
+    @jax.jit
+    def step(indices, offsets, weights, targets):
+        w = weights if weighted else None
+        bags = tt_lookup(table, indices, offsets, per_sample_weights=w, mode=mode,
+                         include_last_offset=True)
+        loss, g = jax.value_and_grad(lambda b: jnp.sum((b - targets) ** 2))(bags)
+        return loss, bags, tt_update(table, indices, offsets, g, per_sample_weights=w,
+                                     mode=mode, include_last_offset=True)
+
+    return step
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "rowwise_adam", "lamb",
+                                       "partial_rowwise_adam"])
+def test_table_jit_training_equals_the_core_and_the_reference(optimizer):
+    """Jitted tt_lookup / tt_update steps equal the core table trained directly, bit for
+    bit, and its float64 reference within float32 rounding."""
+    from tests.core.test_tt_table import ReferenceTable, bags_reference
+    from xferlib.testing import assert_outputs_match
+
+    table = tt.TTTable(SHAPE, optimizer, TABLE_HYPER, seed=9)
+    direct = tt.TTTable(SHAPE, optimizer, TABLE_HYPER, seed=9)
+    ref = ReferenceTable(direct)
+    steps = {True: _jit_step(table, True), False: _jit_step(table, False)}
+    for indices, offsets, weights, targets in _table_batches(1):
+        w = np.ones_like(indices, np.float32) if weights is None else weights
+        loss, bags, token = steps[weights is not None](
+            jnp.asarray(indices), jnp.asarray(offsets), jnp.asarray(w), jnp.asarray(targets))
+        jax.block_until_ready(token)
+        expected, res = direct.lookup(indices, offsets, per_sample_weights=weights,
+                                      include_last_offset=True)
+        np.testing.assert_array_equal(np.asarray(bags), expected)
+        grad = 2 * (expected - targets)
+        direct.apply_gradients(res, grad)
+        assert_outputs_match(np.asarray(bags), bags_reference(ref.cores, SHAPE, indices,
+                                                              offsets, weights),
+                             rtol=1e-4, atol=1e-5, what="bags")
+        ref.train(indices, offsets, grad, weights)
+    assert table.step == direct.step == 4
+    for got, want, f64 in zip(table.cores, direct.cores, ref.cores):
+        np.testing.assert_array_equal(got, want)
+        assert_outputs_match(got, f64, rtol=5e-4, atol=5e-6, what="cores")
+    for got, want in zip(table.states, direct.states):
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_table_jit_training_equals_the_torch_module():
+    """The same cores, batches and gradients: the torch module's fused step and the jitted
+    JAX steps over a TTTable train the cores to the same bits."""
+    torch = pytest.importorskip("torch")
+    from xferlib.adapters.torch import TTEmbeddingBag
+    from xferlib.adapters.torch.tt_fbtt_compat import OptimType
+
+    module = TTEmbeddingBag(SHAPE.num_rows, SHAPE.dim, list(SHAPE.ranks),
+                            tt_p_shapes=list(SHAPE.p_shapes), tt_q_shapes=list(SHAPE.q_shapes),
+                            optimizer=OptimType.PARTIAL_ROWWISE_LAMB, learning_rate=0.05,
+                            eps=1e-8, weight_decay=0.01, use_cache=False, seed=4)
+    cores = [c.detach()[0].numpy().copy() for c in module.tt_cores]
+    table = tt.TTTable.from_arrays(
+        SHAPE, cores, tt.tt_sparse_state(SHAPE, "partial_rowwise_lamb"),
+        np.zeros(1, np.int64), optimizer="partial_rowwise_lamb",
+        optimizer_kwargs=dict(lr=0.05, eps=1e-8, weight_decay=0.01))
+    steps = {True: _jit_step(table, True), False: _jit_step(table, False)}
+    for indices, offsets, weights, targets in _table_batches(2):
+        w = np.ones_like(indices, np.float32) if weights is None else weights
+        _, bags, token = steps[weights is not None](
+            jnp.asarray(indices), jnp.asarray(offsets), jnp.asarray(w), jnp.asarray(targets))
+        jax.block_until_ready(token)
+        out = module(torch.as_tensor(indices), torch.as_tensor(offsets),
+                     per_sample_weights=None if weights is None else torch.as_tensor(weights))
+        np.testing.assert_array_equal(np.asarray(bags), out.detach().numpy())
+        ((out - torch.as_tensor(targets)) ** 2).sum().backward()
+    assert module.iter == table.step == 4
+    for got, c in zip(table.cores, module.tt_cores):
+        np.testing.assert_array_equal(got, c.detach()[0].numpy())
+
+
+def test_table_ops_reject_bad_batches_before_anything_changes():
+    from xferlib.adapters.jax import tt_lookup, tt_update, typed_errors
+
+    table = tt.TTTable(SHAPE, "rowwise_adam", TABLE_HYPER, num_embeddings=500, cache_size=8,
+                       seed=3)
+    step = _jit_step(table, False, mode="mean")
+    idx, off = jnp.array([1, 2, 3], jnp.int32), jnp.array([0, 1, 3], jnp.int32)
+    jax.block_until_ready(step(idx, off, jnp.ones(3), jnp.zeros((2, SHAPE.dim)))[2])
+    before = [np.array(a) for a in [*table.cores, table.step_array, table.cache.freq_counts,
+                                    *[v for s in table.states for v in s.values()]]]
+
+    def unchanged():
+        after = [*table.cores, table.step_array, table.cache.freq_counts,
+                 *[v for s in table.states for v in s.values()]]
+        for a, b in zip(after, before):
+            np.testing.assert_array_equal(a, b)
+
+    for bad_idx, bad_off, error, match in (
+            ([1, 500, 3], [0, 1, 3], IndexError, "index 500 at position 1"),
+            ([1, -2, 3], [0, 1, 3], IndexError, "index -2 at position 1"),
+            ([1, 2, 3], [0, 2, 1], ValueError, "offsets must start at 0")):
+        args = (jnp.array(bad_idx, jnp.int32), jnp.array(bad_off, jnp.int32))
+        with pytest.raises(error, match=match):  # under jit
+            with typed_errors():
+                jax.block_until_ready(step(*args, jnp.ones(3), jnp.zeros((2, SHAPE.dim)))[2])
+        unchanged()
+        with pytest.raises(error, match=match):  # eager: checked on the host first
+            tt_lookup(table, *args, include_last_offset=True)
+        with pytest.raises(error, match=match):
+            tt_update(table, *args, jnp.zeros((2, SHAPE.dim)), include_last_offset=True)
+        unchanged()
+    with pytest.raises(ValueError, match="grad_bags must have shape"):
+        tt_update(table, idx, off, jnp.zeros((3, SHAPE.dim)), include_last_offset=True)
+    with pytest.raises(TypeError, match="indices must be int32 or int64"):
+        tt_lookup(table, jnp.array([0.5]), off, include_last_offset=True)
+    with pytest.raises(TypeError, match="TTTable"):
+        tt_lookup(object(), idx, off)
+    unchanged()
+
+
+def test_table_ops_in_a_scan_see_every_update():
+    """The same batch every iteration of a lax.scan: a lookup hoisted out of the loop or run
+    before the previous update would give the same bags twice. (The update's gradient
+    depends on the bags, as a loss's does: that orders the lookup before it.)"""
+    from xferlib.adapters.jax import tt_lookup, tt_update
+
+    table = tt.TTTable(SHAPE, "sgd", {"lr": 0.01}, seed=6)
+    direct = tt.TTTable(SHAPE, "sgd", {"lr": 0.01}, seed=6)
+    idx, off = np.array([4, 4, 9, 300], np.int32), np.array([0, 3, 4], np.int32)
+
+    @jax.jit
+    def train(indices, offsets):
+        def body(token, _):
+            bags = tt_lookup(table, indices, offsets, include_last_offset=True, after=token)
+            return tt_update(table, indices, offsets, bags - 1.0,
+                             include_last_offset=True), bags
+        return jax.lax.scan(body, jnp.zeros((), jnp.int32), None, length=3)
+
+    _, seen = train(jnp.asarray(idx), jnp.asarray(off))
+    for bags in np.asarray(seen):
+        expected, res = direct.lookup(idx, off, include_last_offset=True)
+        np.testing.assert_array_equal(bags, expected)
+        direct.apply_gradients(res, expected - np.float32(1.0))
+    assert table.step == 3
