@@ -57,8 +57,12 @@ def warm_kernels(modules=None, *, device: int | None = None, workers: int | None
 
     def one(module):
         t0 = time.perf_counter()
-        with cupy.cuda.Device(device):
-            module.module()
+        # The pool's threads are ours and end with it: make the device current without
+        # restoring the thread's previous one. Restoring would make device 0 current, and
+        # since CUDA 12 that opens a context there (a rank of a job on GPU 1 then holds
+        # one on GPU 0 too).
+        cupy.cuda.runtime.setDevice(device)
+        module.module()
         return module.name, time.perf_counter() - t0
 
     def run():

@@ -4,7 +4,9 @@ and the figures of the final table. Evaluation time is not counted in samples/s.
 
 Batches are made ahead, :data:`CHUNK_STEPS` at a time (:class:`Feed`): one set of kernels
 makes the batches of 8 steps, so data costs the step a slice, not ~150 launches; chunks start
-at multiples of 8 steps, so a resumed run sees exactly the bits an uninterrupted one sees."""
+at multiples of 8 steps, so a resumed run sees exactly the bits an uninterrupted one sees. On a
+GPU the next chunk is made on a stream of its own while the current chunk's steps train, so
+making data overlaps training instead of adding to it."""
 
 from __future__ import annotations
 
@@ -52,22 +54,57 @@ def _host(x):
 
 
 CHUNK_STEPS = 8
+AHEAD = True  # on a GPU, make the next chunk on a side stream (False: on the step's stream)
 
 
 class Feed:
     """Training batch ``step`` in the run's format, from chunks of :data:`CHUNK_STEPS` steps
-    made on the model's device (``xp``) before they are needed."""
+    made on the model's device (``xp``) before they are needed.
 
-    def __init__(self, run, log, batch_size, xp):
+    On a GPU (``xp`` is CuPy) with ``ahead``, each chunk is made one chunk early on a
+    non-blocking stream of its own and the steps' stream waits on an event for it (no host
+    synchronization), so the generating kernels run beside the training kernels. The side
+    stream first waits for every step queued so far: a chunk's memory, allocated on the
+    side stream, goes back to it when the chunk is dropped, and is reused only after the
+    steps that read it have run. The bits of every batch are the same either way."""
+
+    def __init__(self, run, log, batch_size, xp, ahead=None):
         self.run, self.log, self.batch_size, self.xp = run, log, batch_size, xp
         self._chunk, self._first = None, None
+        gpu = getattr(xp, "__name__", "") == "cupy"
+        self._side = (xp.cuda.Stream(non_blocking=True)
+                      if gpu and (AHEAD if ahead is None else ahead) else None)
+        self._next = None  # (first step, chunk, its ready event), made on the side stream
+
+    def _make(self, first: int):
+        # under torchrun with a sharded collection: this rank's samples only
+        return self.log.batches(first, CHUNK_STEPS, self.batch_size, self.xp,
+                                part=getattr(self.run, "part", None))
+
+    def _ahead(self, first: int):
+        cuda = self.xp.cuda
+        queued = cuda.Event(disable_timing=True)
+        queued.record()  # on the steps' stream: every step queued so far
+        self._side.wait_event(queued)
+        with self._side:
+            chunk = self._make(first)
+        ready = cuda.Event(disable_timing=True)
+        ready.record(self._side)
+        return first, chunk, ready
+
+    def _chunk_at(self, first: int):
+        if self._side is None:
+            return self._make(first)
+        ahead = self._next if self._next is not None and self._next[0] == first else None
+        _, chunk, ready = ahead or self._ahead(first)  # a jump (resume, profile): made now
+        self.xp.cuda.get_current_stream().wait_event(ready)
+        self._next = self._ahead(first + CHUNK_STEPS)
+        return chunk
 
     def __call__(self, step: int):
         first = step - step % CHUNK_STEPS
         if first != self._first:
-            # under torchrun with a sharded collection: this rank's samples only
-            self._chunk = self.log.batches(first, CHUNK_STEPS, self.batch_size, self.xp,
-                                           part=getattr(self.run, "part", None))
+            self._chunk = self._chunk_at(first)
             self._first = first
         i = step - first
         c = self._chunk
