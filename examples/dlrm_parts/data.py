@@ -139,13 +139,28 @@ class ClickLog:
         rank = xp.minimum(xp.maximum(rank, 0.0), n.astype(xp.float64) - 1).astype(xp.uint64)
         return ((c["a"][:, None, None] * rank + c["b"][:, None, None]) % n).astype(xp.int64)
 
-    def row_bias(self, f: int, rows, xp):
-        return hash_normal(_key(self.seed, _BIAS, f), rows.astype(xp.uint64), xp)
+    def row_bias(self, features, rows, xp):
+        """Per-row biases of ``features`` (a list): ``rows[..., j, :, :]`` holds rows of table
+        ``features[j]`` (axes ``(..., feature, sample, pooling)``). One set of kernels for
+        every feature: a launch per feature made data generation launch-bound on a GPU."""
+        keys = self._feature_keys(_BIAS, features, xp)
+        return hash_normal(keys[:, None, None], rows.astype(xp.uint64), xp)
 
-    def row_latent(self, f: int, rows, xp):
+    def row_latent(self, features, rows, xp):
+        """Latent vectors (a trailing axis of ``latent_dim``) of ``features``' rows, laid out
+        as for :meth:`row_bias`."""
         k = self.latent_dim
         counters = rows.astype(xp.uint64)[..., None] * np.uint64(k) + xp.arange(k, dtype=xp.uint64)
-        return hash_normal(_key(self.seed, _LATENT, f), counters, xp)
+        keys = self._feature_keys(_LATENT, features, xp)
+        return hash_normal(keys[:, None, None, None], counters, xp)
+
+    def _feature_keys(self, purpose: int, features, xp):
+        name = (purpose, tuple(features))
+        consts = self._on(xp)
+        if name not in consts:
+            consts[name] = xp.asarray(np.array([_key(self.seed, purpose, f) for f in features],
+                                               np.uint64))
+        return consts[name]
 
     def _keys(self, steps, purpose: int, what: int, xp):
         return xp.asarray(np.array([_key(self.seed, purpose, what, s) for s in steps],
@@ -163,11 +178,12 @@ class ClickLog:
         cat = self._rows(self._keys(steps, purpose, _CAT, xp), B, xp, lo, hi)  # (S, F, B, L)
         logit = (dense @ c["w"] + np.float32(0.5) * dense[..., 0] * dense[..., 1]
                  - np.float32(1.0))
-        for f in self.bias_features:
-            logit = logit + self._bias_scale * self.row_bias(f, cat[:, f], xp).mean(axis=-1)
+        if self.bias_features:  # (S, features, B, L) -> (S, B)
+            bias = self.row_bias(self.bias_features, cat[:, self.bias_features], xp)
+            logit = logit + self._bias_scale * bias.mean(axis=-1).sum(axis=1)
         if len(self.latent_features) > 1:
-            z = xp.stack([self.row_latent(f, cat[:, f], xp).mean(axis=-2)
-                          for f in self.latent_features], axis=-2)  # (S, B, features, k)
+            z = self.row_latent(self.latent_features, cat[:, self.latent_features], xp)
+            z = z.mean(axis=-2).transpose(0, 2, 1, 3)  # (S, B, features, k)
             total = z.sum(axis=-2)
             pairs = ((total * total).sum(-1) - (z * z).sum(axis=(-2, -1))) * np.float32(0.5)
             logit = logit + self._pair_scale * pairs / np.float32(math.sqrt(self.latent_dim))
