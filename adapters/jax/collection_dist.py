@@ -53,7 +53,8 @@ from xferlib.backend import as_cupy_stream, stream_scope
 from xferlib.collection import EmbeddingCollection
 from xferlib.collection.config import TableConfig
 from xferlib.collection.numpy_path import check_inputs_numpy
-from xferlib.collection.sharding import ShardingPlan, fill_shard_weights, plan_sharding
+from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_sharding,
+                                         refuse_tt)
 
 __all__ = ["ShardedCollection"]
 
@@ -110,6 +111,7 @@ class ShardedCollection:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         configs = [t if isinstance(t, TableConfig) else TableConfig(*t) for t in tables]
         configs = [c.named(k) for k, c in enumerate(configs)]
+        refuse_tt(configs)
         if plan is None:
             if world_size is None:
                 raise ValueError("pass plan= or world_size=")

@@ -83,7 +83,8 @@ class EmbeddingBagCollection(torch.nn.Module):
 
     Args:
       tables: :class:`~xferlib.collection.TableConfig` per table (rows, width, name,
-        placement ``"hbm"`` or ``"host"``, learning rate, initializer).
+        placement ``"hbm"``, ``"host"`` or ``"tt"`` (TT cores, ``tt_ranks=``), learning
+        rate, initializer).
       optimizer: a :data:`xferlib.SPARSE_OPTIMIZERS` name (``"sgd"``, ``"adam"``, ``"adamw"``,
         ``"adagrad"``, ``"rowwise_adagrad"``, ...), fused into backward; lazy semantics (rows
         not looked up keep their weights and state).
@@ -109,7 +110,9 @@ class EmbeddingBagCollection(torch.nn.Module):
     read without a host sync, so a bad batch raises from a later call or :meth:`check`.
 
     ``state_dict()`` holds every table's weights and optimizer state
-    (``embedding_bags.<table>.weight``, ``embedding_bags.<table>.<state>``), and
+    (``embedding_bags.<table>.weight``, ``embedding_bags.<table>.<state>``; a tt table's
+    cores, their state and its step counter: ``embedding_bags.<table>.core<k>``,
+    ``embedding_bags.<table>.core<k>.<state>``, ``embedding_bags.<table>.step``), and
     ``load_state_dict`` restores them all or nothing. ``.to(device)``, ``.cuda()``,
     ``.cpu()``, ``.double()`` rebuild the core collection on the new device or dtype from its
     state (a copy of every table; hyperparameters set by ``collection.set_hyper`` carried
@@ -279,9 +282,9 @@ class EmbeddingBagCollection(torch.nn.Module):
     # ------------------------------------------------------------------ state_dict
 
     def _state_keys(self) -> list:
-        """The core's state_dict keys: ``<table>.weight`` and ``<table>.<state>``."""
-        states = ("weight", *self.collection.state_names())
-        return [f"{name}.{key}" for name in self.names for key in states]
+        """The core's state_dict keys: ``<table>.weight`` and ``<table>.<state>`` (a tt
+        table's ``<table>.core<k>``, ``<table>.core<k>.<state>``, ``<table>.step``)."""
+        return self.collection.state_keys()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # The tables, with their optimizer state, are this module's state: CPU copies.

@@ -53,8 +53,8 @@ from xferlib.collection import TableConfig
 from xferlib.collection.config import feature_entries
 from xferlib.collection.numpy_path import check_offsets
 from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_sharding,
-                                         read_manifest, read_rows, save_shard_files,
-                                         write_manifest)
+                                         read_manifest, read_rows, refuse_tt,
+                                         save_shard_files, write_manifest)
 
 __all__ = ["ShardedEmbeddingBagCollection", "save_sharded", "load_sharded"]
 
@@ -137,6 +137,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         self.world_size = dist.get_world_size(self.group)
         configs = [t if isinstance(t, TableConfig) else TableConfig(*t) for t in tables]
         configs = [c.named(k) for k, c in enumerate(configs)]
+        refuse_tt(configs)
         if plan is None:
             plan = plan_sharding(configs, self.world_size, optimizer=optimizer,
                                  optimizer_kwargs=optimizer_kwargs,

@@ -12,6 +12,8 @@ Each table has its own rows, width, placement and (optionally) learning rate
 (:class:`~xferlib.collection.TableConfig`); all share one optimizer, with the host tables'
 sparse rules, names, defaults and lazy semantics (``xferlib.table.rules``): a row that is not
 looked up keeps its weights and state, and bias corrections use the row's own step count.
+A ``tt`` table's rows are TT cores, an :class:`xferlib.tt.TTTable` that pools its bags and
+trains its cores with the same optimizer where TT has it (``tt_tables.py``).
 
 The NumPy path (NumPy indices) runs on any machine; the GPU path (CuPy indices) needs the
 collection on the GPU (``device="cuda"``, the default where CuPy sees a GPU), which also takes
@@ -28,6 +30,9 @@ from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
 from xferlib.collection.numpy_path import (check_inputs_numpy, pooled_lookup_numpy,
                                            update_numpy)
 from xferlib.collection.storage import allocate_host, plan_blocks
+from xferlib.collection.tt_tables import (build_tt_tables, tt_bytes, tt_hyper,
+                                          tt_lookup_numpy, tt_state_arrays, tt_state_shapes,
+                                          tt_update_numpy)
 from xferlib.table.layout import RowLayout
 from xferlib.table.rules import resolve_hyper, sparse_rule
 
@@ -38,15 +43,17 @@ _KEPT_CONTEXTS = 4
 
 
 class LookupContext:
-    """What a forward leaves for its backward (the op's residuals): the checked inputs, and
-    on the GPU the batch's plan (sorted lookups, runs, staged host rows, the verdict)."""
+    """What a forward leaves for its backward (the op's residuals): the checked inputs, on
+    the GPU the batch's plan (sorted lookups, runs, staged host rows, the verdict), and the
+    tt tables' :class:`xferlib.tt.TTResiduals` by table position (``tt``)."""
 
-    __slots__ = ("indices", "offsets", "per_sample_weights", "batch_size", "plan")
+    __slots__ = ("indices", "offsets", "per_sample_weights", "batch_size", "plan", "tt")
 
-    def __init__(self, indices, offsets, per_sample_weights, batch_size, plan=None):
+    def __init__(self, indices, offsets, per_sample_weights, batch_size, plan=None, tt=None):
         self.indices, self.offsets = indices, offsets
         self.per_sample_weights, self.batch_size, self.plan = (per_sample_weights,
                                                                batch_size, plan)
+        self.tt = {} if tt is None else tt
 
 
 class EmbeddingCollection:
@@ -56,6 +63,9 @@ class EmbeddingCollection:
       tables: :class:`TableConfig` per table (or ``(num_rows, dim)`` pairs: tables in HBM).
       optimizer: one of :data:`xferlib.SPARSE_OPTIMIZERS` (``"sgd"``, ``"adam"``,
         ``"adamw"``, ``"adagrad"``, ``"rowwise_adagrad"``, ...), run by :meth:`backward`.
+        With ``tt`` tables: one TT runs too (``sgd``, ``adagrad``, ``rowwise_adagrad``:
+        :data:`xferlib.collection.tt_tables.TT_COLLECTION_OPTIMIZERS`), with ``lr`` and
+        ``eps`` only; anything else is refused here, naming the table.
       optimizer_kwargs: its hyperparameters, torch.optim's names and defaults; a table's
         ``TableConfig.lr`` replaces ``lr`` for that table.
       pooling: ``"sum"`` or ``"mean"`` (an empty bag pools to zeros).
@@ -115,12 +125,19 @@ class EmbeddingCollection:
         slots = tuple(self.rule.slots(base_hyper))
         self.layouts = tuple(RowLayout(c.dim, dtype.itemsize, slots, self.rule.row_scalars)
                              for c in configs)
+        for t, c in enumerate(configs):  # refused before anything is allocated
+            if c.placement == "tt":
+                tt_hyper(c.name, optimizer, self.hypers[t])
         cached = [t for t, c in enumerate(configs) if c.cache_rows]
         host_dims = {c.dim for c in configs if c.placement == "host"}
         if cached and len(host_dims) > 1:
             raise ValueError(f"a GPU cache of host rows needs every host table to share one "
                              f"width; host tables have widths {sorted(host_dims)}")
+        if seed is None:
+            seed = int(np.random.SeedSequence().entropy) & ((1 << 63) - 1)
         self.blocks, self.buffers = self._allocate(seed)
+        # The tt tables (xferlib/collection/tt_tables.py): {table position: TTTable}.
+        self.tt_tables = build_tt_tables(self, seed)
         self._gpu = None  # the GPU side (xferlib/collection/device.py), made on first use
         self._kept = {}  # contexts kept for a later backward (keep_context)
         # A GPU batch refused by its deferred input check raises from the next forward or
@@ -141,9 +158,8 @@ class EmbeddingCollection:
     def _allocate(self, seed):
         """One flat buffer per placement, tables block after block, each block written whole
         by the counter-based initializer (``init.py``): on the GPU at memory speed (host
-        blocks through GPU chunks), else on the host; the gaps between blocks are zeroed."""
-        if seed is None:
-            seed = int(np.random.SeedSequence().entropy) & ((1 << 63) - 1)
+        blocks through GPU chunks), else on the host; the gaps between blocks are zeroed.
+        (A tt table has no block: its TTTable holds its cores.)"""
         blocks, buffers = [None] * self.num_tables, {}
         gpu = self.device == "cuda"
         for placement in ("hbm", "host"):
@@ -195,26 +211,51 @@ class EmbeddingCollection:
 
     def weights(self, table) -> np.ndarray:
         """Table ``table``'s (index or name) weights as a ``(num_rows, dim)`` NumPy array
-        (read-only view of host memory, or a copy of GPU memory)."""
+        (read-only view of host memory, or a copy of GPU memory; a tt table's rows rebuilt
+        from its cores, float32)."""
         t = self._index(table)
-        view = self._host_rows(t)[:, :self.dims[t]]
+        if t in self.tt_tables:
+            self.synchronize()
+            view = self.tt_tables[t].numpy()[:self.tables[t].num_rows]
+        else:
+            view = self._host_rows(t)[:, :self.dims[t]]
         view.flags.writeable = False
         return view
 
     def state(self, table, name: str) -> np.ndarray:
         """Optimizer state ``name`` of table ``table``: a slot (``num_rows x dim``), a row
-        scalar (``num_rows``) or ``"step"`` (how often each row was updated)."""
+        scalar (``num_rows``) or ``"step"`` (how often each row was updated). A tt table's:
+        ``"core<k>.<state>"`` or ``"step"`` (its step counter), copies."""
         t = self._index(table)
-        found = self._state_views(t, self._host_rows(t))
+        if t in self.tt_tables:
+            self.synchronize()
+            found = {k.split(".", 1)[1]: _host_copy(v)
+                     for k, v in tt_state_arrays(self.tt_tables[t], "").items()
+                     if k.count(".") == 2 or k == ".step"}
+        else:
+            found = self._state_views(t, self._host_rows(t))
         if name not in found:
             raise KeyError(f"no optimizer state {name!r}; this collection has {sorted(found)}")
         view = found[name]
         view.flags.writeable = False
         return view
 
+    def tt_table(self, table):
+        """The :class:`xferlib.tt.TTTable` of a tt table (index or name)."""
+        t = self._index(table)
+        if t not in self.tt_tables:
+            raise ValueError(f"table {self.names[t]!r} is placed in "
+                             f"{self._placement(t)!r}, not 'tt'")
+        return self.tt_tables[t]
+
     def state_names(self) -> tuple:
+        """The optimizer state of an hbm or host table's rows (:meth:`state`'s names)."""
         layout = self.layouts[0]
         return (*layout.slots, *layout.row_scalars, "step")
+
+    def state_keys(self) -> list:
+        """Every key of :meth:`state_dict`, tables in order."""
+        return list(self._expected_state())
 
     def _state_views(self, t, rows):
         layout = self.layouts[t]
@@ -225,9 +266,16 @@ class EmbeddingCollection:
         return {**slots, **scalars, "step": steps}
 
     def state_dict(self) -> dict:
-        """``{"<table>.weight": weights, "<table>.<state>": state}`` as NumPy copies."""
+        """``{"<table>.weight": weights, "<table>.<state>": state}`` as NumPy copies; a tt
+        table's cores, their optimizer state and its step counter
+        (``"<table>.core<k>"``, ``"<table>.core<k>.<state>"``, ``"<table>.step"``)."""
         out = {}
+        self.synchronize()
         for t, name in enumerate(self.names):
+            if t in self.tt_tables:
+                out.update({k: _host_copy(v)
+                            for k, v in tt_state_arrays(self.tt_tables[t], name).items()})
+                continue
             rows = self._host_rows(t)
             out[f"{name}.weight"] = rows[:, :self.dims[t]].copy()
             for key, view in self._state_views(t, rows).items():
@@ -242,6 +290,11 @@ class EmbeddingCollection:
             self._gpu.synchronize(drop_cache=True)  # no cached row may outlive this write
             self._gpu.writes += 1  # staged copies of a forward before this are stale
         for t, name in enumerate(self.names):
+            if t in self.tt_tables:
+                for key, target in tt_state_arrays(self.tt_tables[t], name).items():
+                    target[...] = _namespace(target).asarray(np.asarray(state[key]),
+                                                             dtype=target.dtype)
+                continue
             rows = self._host_rows(t).copy()
             rows[:, :self.dims[t]] = np.asarray(state[f"{name}.weight"])
             for key, view in self._state_views(t, rows).items():
@@ -257,12 +310,7 @@ class EmbeddingCollection:
         """ValueError unless ``state`` holds exactly this collection's arrays, each of its
         shape and numeric (what :meth:`load_state_dict` checks before writing; a sharded
         collection checks every rank's part before any rank loads)."""
-        expected = {}
-        for t, name in enumerate(self.names):
-            expected[f"{name}.weight"] = (self.tables[t].num_rows, self.dims[t])
-            for key, view in self._state_views(t, np.empty((1, self.layouts[t].row_width),
-                                                           self.dtype)).items():
-                expected[f"{name}.{key}"] = (self.tables[t].num_rows,) + view.shape[1:]
+        expected = self._expected_state()
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected))
         if missing or unexpected:
@@ -279,18 +327,35 @@ class EmbeddingCollection:
             if dtype.kind not in "fiub":
                 raise ValueError(f"{key} must hold numbers, got dtype {dtype}")
 
+    def _expected_state(self) -> dict:
+        """``{state_dict key: shape}``, tables in order."""
+        expected = {}
+        for t, name in enumerate(self.names):
+            if t in self.tt_tables:
+                expected.update(tt_state_shapes(self.tt_tables[t], name))
+                continue
+            expected[f"{name}.weight"] = (self.tables[t].num_rows, self.dims[t])
+            for key, view in self._state_views(t, np.empty((1, self.layouts[t].row_width),
+                                                           self.dtype)).items():
+                expected[f"{name}.{key}"] = (self.tables[t].num_rows,) + view.shape[1:]
+        return expected
+
     def set_hyper(self, table=None, **changes) -> None:
         """Change hyperparameters (e.g. ``lr`` from a schedule) for the following steps, of
         every table or of ``table`` alone. Changes that alter the state layout are refused."""
         targets = range(self.num_tables) if table is None else [self._index(table)]
-        new = list(self.hypers)
+        new, tt = list(self.hypers), {}
         for t in targets:
             h = resolve_hyper(self.optimizer, {**self.hypers[t], **changes})
             if tuple(self.rule.slots(h)) != self.layouts[t].slots:
                 raise ValueError(f"{sorted(changes)} would change the optimizer state layout; "
                                  f"build a new collection")
+            if t in self.tt_tables:  # checked for every table before any changes
+                tt[t] = tt_hyper(self.names[t], self.optimizer, h)
             new[t] = h
         self.hypers = new
+        for t, h in tt.items():
+            self.tt_tables[t].set_hyper(**h)
         if self._gpu is not None:
             self._gpu.hypers_changed()
 
@@ -389,7 +454,8 @@ class EmbeddingCollection:
             return pooled.get(), ctx
         check_inputs_numpy(self, indices, offsets)
         pooled = pooled_lookup_numpy(self, indices, offsets, per_sample_weights, B, out)
-        return pooled, LookupContext(indices, offsets, per_sample_weights, B)
+        tt = tt_lookup_numpy(self, indices, offsets, per_sample_weights, B, pooled)
+        return pooled, LookupContext(indices, offsets, per_sample_weights, B, tt=tt)
 
     def lookup(self, indices, offsets, per_sample_weights=None, *, out=None, stream=None,
                padded: bool = False):
@@ -420,6 +486,7 @@ class EmbeddingCollection:
         if is_cupy_array(grad_pooled):
             raise TypeError("grad_pooled must be a NumPy array, as the forward's indices were")
         update_numpy(self, ctx, grad_pooled)
+        tt_update_numpy(self, ctx.tt, grad_pooled)
 
     def keep_context(self, key, ctx: LookupContext) -> None:
         """Keep a forward's context for a backward that cannot carry it (a JAX residual must
@@ -467,8 +534,12 @@ class EmbeddingCollection:
         return self._gpu
 
     def memory_bytes(self) -> dict:
-        """Bytes of rows and optimizer state per placement."""
-        return {p: int(b.nbytes) for p, b in self.buffers.items()}
+        """Bytes of rows and optimizer state per placement (a tt table's: its cores, their
+        optimizer state and its step counter)."""
+        out = {p: int(b.nbytes) for p, b in self.buffers.items()}
+        if self.tt_tables:
+            out["tt"] = tt_bytes(self.tt_tables)
+        return out
 
     def __repr__(self) -> str:
         tables = ", ".join(f"{c.name}: {c.num_rows}x{c.dim} {c.placement}" for c in self.tables)
@@ -501,6 +572,11 @@ class EmbeddingCollection:
 def _floating(dtype) -> bool:
     """NumPy's floating kinds, and ml_dtypes' (bfloat16, ...: NumPy files them as kind 'V')."""
     return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float8"))
+
+
+def _host_copy(array) -> np.ndarray:
+    """A NumPy copy of a NumPy or CuPy array."""
+    return array.get() if is_cupy_array(array) else np.array(array)
 
 
 def _namespace(array):

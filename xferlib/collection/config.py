@@ -17,8 +17,13 @@ __all__ = ["TableConfig", "PLACEMENTS", "POOLINGS"]
 
 # Where a table's rows and optimizer state live:
 #   "hbm":  GPU memory (on a machine without a GPU: host RAM, the NumPy path);
-#   "host": pinned host RAM, read and written by GPU kernels over the link.
-PLACEMENTS = ("hbm", "host")
+#   "host": pinned host RAM, read and written by GPU kernels over the link;
+#   "tt":   Tensor-Train cores (an xferlib.tt.TTTable) replace the rows: lookups rebuild
+#           only the rows they need, the update trains the cores (xferlib/collection/tt_tables.py).
+PLACEMENTS = ("hbm", "host", "tt")
+# The cores' initial draws (xferlib.tt.init_tt_cores).
+TT_INITS = ("approx-normal", "normal", "uniform", "approx-uniform")
+_DEFAULT_INIT = ("normal", 0.0, 1.0)
 POOLINGS = ("sum", "mean")
 
 
@@ -42,8 +47,10 @@ class TableConfig:
       num_rows, dim: the table's shape (``dim`` may differ between tables).
       name: the table's key in the per-table dict form and in ``state_dict``; default
         ``"t{k}"`` for the k-th table.
-      placement: ``"hbm"`` (GPU memory) or ``"host"`` (pinned host RAM, read and written by
-        the step's kernels over the link).
+      placement: ``"hbm"`` (GPU memory), ``"host"`` (pinned host RAM, read and written by
+        the step's kernels over the link) or ``"tt"`` (TT cores in GPU memory, an
+        :class:`xferlib.tt.TTTable`: lookups rebuild the rows they need from the cores, the
+        update trains the cores; see ``xferlib/collection/tt_tables.py``).
       lr: this table's learning rate; None takes the collection optimizer's ``lr``.
       cache_rows: for a ``host`` table on the GPU, rows (with their optimizer state) of it
         kept in the collection's GPU cache of hot rows. The host tables share one cache
@@ -51,10 +58,23 @@ class TableConfig:
         time it misses), so its rows go to whichever table is hot; it needs the cached
         tables to share one row layout (the same ``dim``). Unused on the CPU.
       init: ``("normal", mean, std)`` (default ``("normal", 0, 1)``, as
-        ``torch.nn.EmbeddingBag``), ``("uniform", low, high)`` or ``"zeros"``.
+        ``torch.nn.EmbeddingBag``), ``("uniform", low, high)`` or ``"zeros"``. A ``tt``
+        table takes the default (its cores drawn by ``tt_init``) or ``"zeros"`` (zero cores).
+      tt_ranks: a ``tt`` table's inner TT ranks: one int for every rank, or ``d - 1`` ints
+        for ``d`` cores (2 to 4; default 3 cores). Needed for ``tt`` tables, refused for the
+        others.
+      tt_p_shapes, tt_q_shapes: the factorizations of the rows (product ``>= num_rows``) and
+        of ``dim`` (product ``== dim``); None: balanced ones
+        (:func:`xferlib.tt.suggest_tt_shapes`). After construction all three hold the
+        table's :class:`xferlib.tt.TTShape` as tuples.
+      tt_init: the cores' distribution (:func:`xferlib.tt.init_tt_cores`:
+        ``"approx-normal"``, FBTT's default, ``"normal"``, ``"uniform"``,
+        ``"approx-uniform"``), drawn from the table's stream of the collection's seed.
 
     >>> TableConfig(1000, 16, name="user", placement="host").placement
     'host'
+    >>> TableConfig(1000, 16, placement="tt", tt_ranks=8).tt_p_shapes
+    (10, 10, 10)
     """
 
     num_rows: int
@@ -64,6 +84,10 @@ class TableConfig:
     lr: float | None = None
     init: object = ("normal", 0.0, 1.0)
     cache_rows: int = 0
+    tt_ranks: object = None
+    tt_p_shapes: object = None
+    tt_q_shapes: object = None
+    tt_init: str = "approx-normal"
 
     def __post_init__(self):
         object.__setattr__(self, "num_rows", _integral("num_rows", self.num_rows, 1))
@@ -83,6 +107,67 @@ class TableConfig:
         if self.cache_rows and self.placement != "host":
             raise ValueError(f"cache_rows is for host tables (a cache of their hot rows in "
                              f"HBM); table {self.name!r} is placed in {self.placement!r}")
+        if self.placement == "tt":
+            self._tt_shape()
+        else:
+            given = [f for f in ("tt_ranks", "tt_p_shapes", "tt_q_shapes")
+                     if getattr(self, f) is not None]
+            if given or self.tt_init != "approx-normal":
+                raise ValueError(f"{given or ['tt_init']} are for tt tables; table "
+                                 f"{self.name!r} is placed in {self.placement!r}")
+
+    def _tt_shape(self) -> None:
+        """A tt table's factorization checked and filled in (p, q, ranks as tuples)."""
+        from xferlib.tt.shape import TTShape, row_bound, suggest_tt_shapes
+
+        what = f"tt table {self.name!r}" if self.name is not None else "a tt table"
+        if self.tt_ranks is None:
+            raise ValueError(f"{what} needs tt_ranks (its inner TT ranks)")
+        if self.tt_init not in TT_INITS:
+            raise ValueError(f"tt_init must be one of {TT_INITS}, got {self.tt_init!r}")
+        init = ("zeros",) if self.init in ("zeros", ("zeros",)) else self.init
+        if init != ("zeros",) and tuple(init) != _DEFAULT_INIT:
+            raise ValueError(f"{what} draws its cores by tt_init; init may only be 'zeros' "
+                             f"(zero cores), got {self.init!r}")
+        ranks = self.tt_ranks
+        if isinstance(ranks, bool) or not isinstance(ranks, (numbers.Integral, tuple, list)):
+            raise TypeError(f"tt_ranks must be an int or a sequence of ints, got {ranks!r}")
+        given = [x for x in (self.tt_p_shapes, self.tt_q_shapes) if x is not None]
+        if given:
+            d = len(tuple(given[0]))
+        elif isinstance(ranks, numbers.Integral):
+            d = 3
+        else:
+            d = len(tuple(ranks)) + 1
+        if isinstance(ranks, numbers.Integral) and not isinstance(ranks, bool):
+            ranks = (int(ranks),) * max(d - 1, 0)
+        if not 2 <= d <= 4:
+            raise ValueError(f"{what} needs 2 to 4 cores, got {d}")
+        p = (suggest_tt_shapes(self.num_rows, d) if self.tt_p_shapes is None
+             else self.tt_p_shapes)
+        q = (suggest_tt_shapes(self.dim, d, allow_round_up=False) if self.tt_q_shapes is None
+             else self.tt_q_shapes)
+        shape = TTShape(tuple(p), tuple(q), tuple(ranks))
+        if shape.dim != self.dim:
+            raise ValueError(f"{what}: tt_q_shapes {shape.q_shapes} multiply to {shape.dim}, "
+                             f"not its dim {self.dim}")
+        try:
+            row_bound(shape, self.num_rows)
+        except ValueError:
+            raise ValueError(f"{what}: tt_p_shapes {shape.p_shapes} hold {shape.num_rows} "
+                             f"rows, fewer than its {self.num_rows}") from None
+        for field, value in (("tt_ranks", shape.ranks), ("tt_p_shapes", shape.p_shapes),
+                             ("tt_q_shapes", shape.q_shapes)):
+            object.__setattr__(self, field, value)
+
+    @property
+    def tt_shape(self):
+        """A tt table's :class:`xferlib.tt.TTShape` (None for the other placements)."""
+        if self.placement != "tt":
+            return None
+        from xferlib.tt.shape import TTShape
+
+        return TTShape(self.tt_p_shapes, self.tt_q_shapes, self.tt_ranks)
 
     def named(self, k: int) -> "TableConfig":
         """This config with its default name filled in (the k-th table: ``"t{k}"``)."""

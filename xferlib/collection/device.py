@@ -6,6 +6,10 @@ keys and :func:`xferlib.batch.run_ids` numbers their runs; host tables' distinct
 staged into HBM; ``coll_pool`` writes the pooled output. Backward: the two-pass gradient sums
 and ``coll_update``. Kernels in ``xferlib/_kernels/collection.py``.
 
+A ``tt`` table's lookups are planned and checked with the others (its meta row makes every
+row of it live nowhere: width 0, no place), then pooled and trained by its TT table on the
+same stream (``tt_tables.py``: ``tt_lookup_gpu`` / ``tt_update_gpu``).
+
 Nothing here waits for the device: the plan's verdict goes to this side's
 :class:`~xferlib.batch.PendingChecks` and a bad batch raises from a later call or from
 ``check()`` (the policy of :mod:`xferlib.batch`); allocations depend on the batch's shape
@@ -25,6 +29,7 @@ from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, POSITIONS, RUN
                                          collection_module, update_module)
 from xferlib.batch import NO_BAD, PendingChecks, Verdict, run_ids, sort_positions
 from xferlib.checks import host_values
+from xferlib.collection.tt_tables import tt_lookup_gpu, tt_update_gpu
 from xferlib.memory import device_pointer
 
 __all__ = ["CollectionDevice", "GpuPlan"]
@@ -101,11 +106,18 @@ class CollectionDevice:
         self.host_rows = sum(c.num_rows for c in coll.tables if c.placement == "host")
         rows = []
         for t, (config, block) in enumerate(zip(coll.tables, coll.blocks)):
-            layout = block.layout
-            fields = dict(num_rows=config.num_rows, dim=config.dim, d_off=coll.dim_offsets[t],
-                          host=int(config.placement == "host"), base=block.base,
-                          row_width=layout.row_width, state_offset=layout.state_offset,
-                          step_off=layout.step_offset, key_base=key_bases[t])
+            if block is None:  # a tt table: indices checked and keyed, rows nowhere (base
+                # -1 and row width 0 put each at -1: staged, pooled and updated by no kernel)
+                fields = dict(num_rows=config.num_rows, dim=0, d_off=coll.dim_offsets[t],
+                              host=0, base=-1, row_width=0, state_offset=0, step_off=0,
+                              key_base=key_bases[t])
+            else:
+                layout = block.layout
+                fields = dict(num_rows=config.num_rows, dim=config.dim,
+                              d_off=coll.dim_offsets[t], host=int(config.placement == "host"),
+                              base=block.base, row_width=layout.row_width,
+                              state_offset=layout.state_offset, step_off=layout.step_offset,
+                              key_base=key_bases[t])
             rows.append([fields[f] for f in META_FIELDS])
         self.meta = cupy.asarray(np.array(rows, dtype=np.int64))
         self.hbm = coll.buffers.get("hbm")
@@ -113,12 +125,14 @@ class CollectionDevice:
         self.host_ptr = device_pointer(host, "host tables") if host is not None else 0
         self.has_host = host is not None
         word = 16 // itemsize
-        self.vec = next(v for v in (4, 2, 1) if v <= word and all(d % v == 0 for d in coll.dims))
+        dims = [d for t, d in enumerate(coll.dims) if t not in coll.tt_tables]
+        self.has_rows = bool(dims)  # tables whose rows the collection's kernels update
+        self.vec = next(v for v in (4, 2, 1) if v <= word and all(d % v == 0 for d in dims))
         # A staged row holds a host table's whole stored row (the update reads it there).
         host_widths = [b.layout.row_width for c, b in zip(coll.tables, coll.blocks)
                        if c.placement == "host"]
         self.stage_width = -(-max(host_widths, default=0) // word) * word
-        self.width = -(-max(coll.dims) // self.vec) * self.vec  # summed's row stride
+        self.width = -(-max(dims, default=1) // self.vec) * self.vec  # summed's row stride
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Kernels that reach host RAM: four blocks per SM at most (the host tables' measure).
         self.max_blocks = 4 * sms if self.has_host else 65535 * 8
@@ -239,10 +253,11 @@ class CollectionDevice:
                             total_dim=coll.total_dim, verdict=words)
             elif out.size:
                 out.fill(0)
+            tt = tt_lookup_gpu(coll, indices, offsets64, psw_c, B, words, out, stream)
             Verdict(words, CollectionReport(coll, indices, offsets, padded)).defer(
                 self.checks, stream)
             self._record(stream)
-        return out, LookupContext(indices, offsets, psw, B, plan)
+        return out, LookupContext(indices, offsets, psw, B, plan, tt)
 
     # ---------------------------------------------------------------- backward
 
@@ -254,7 +269,11 @@ class CollectionDevice:
         if not is_capturing(stream):  # an event query would invalidate a capture
             self.checks.poll(hold=not coll.raise_in_calls)
         n = plan.n
-        if n == 0:
+        if ctx.tt:
+            with stream:
+                tt_update_gpu(coll, ctx.tt, grad, ctx.batch_size, stream)
+                self._record(stream)
+        if n == 0 or not self.has_rows:
             return
         module = collection_module()
         T = c_type(self.dtype_name)

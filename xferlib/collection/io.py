@@ -6,7 +6,8 @@ header, then each named array raw, with its CRC-32), written crash-safely by
 ``config`` is the collection's (``"kind": "xferlib.EmbeddingCollection"``, every table's
 :class:`~xferlib.collection.TableConfig`, the optimizer and each table's hyperparameters as
 they are now, pooling, dtype); its arrays are the :meth:`EmbeddingCollection.state_dict`
-keys (``"<table>.weight"``, ``"<table>.<state>"``), so a file does not depend on how rows
+keys (``"<table>.weight"``, ``"<table>.<state>"``; a tt table's ``"<table>.core<k>"``,
+``"<table>.core<k>.<state>"``, ``"<table>.step"``), so a file does not depend on how rows
 and state are laid out in memory, nor on the device: a collection saved on the GPU loads on
 the CPU and back.
 
@@ -28,6 +29,7 @@ import numpy as np
 from xferlib.atomic import atomic_write
 from xferlib.collection.config import TableConfig
 from xferlib.collection.storage import TableBlock
+from xferlib.collection.tt_tables import tt_state_arrays
 from xferlib.table.io_format import (check_arrays, open_for_reading, read_header,
                                      read_table_file, write_table_file)
 
@@ -93,6 +95,16 @@ def _arrays(coll, stage: bool = False):
     copy over once filled."""
     arrays, staged = {}, []
     for t, name in enumerate(coll.names):
+        if t in coll.tt_tables:  # cores, optimizer state and step counter (tt_tables.py)
+            for key, value in tt_state_arrays(coll.tt_tables[t], name).items():
+                if isinstance(value, np.ndarray):
+                    arrays[key] = value
+                elif stage:
+                    arrays[key] = np.zeros(value.shape, value.dtype)
+                    staged.append((arrays[key], value))
+                else:  # small next to the rows they replace: one copy each
+                    arrays[key] = value.get()
+            continue
         block = coll.blocks[t]
         rows = block.rows(coll.buffers[coll.tables[t].placement])
         if isinstance(rows, np.ndarray):

@@ -69,6 +69,8 @@ def pooled_lookup_numpy(coll, indices, offsets, per_sample_weights, B, out=None)
     if out is None:
         out = np.empty((B, coll.total_dim), coll.dtype)
     for t in range(coll.num_tables):
+        if t in coll.tt_tables:  # pooled by its TT table (tt_tables.py)
+            continue
         lo, hi, bags, factor = _table_lookups(coll, offsets, per_sample_weights, B, t,
                                               indices.shape[0])
         weights = coll.blocks[t].weights(coll.buffers[coll.tables[t].placement])
@@ -82,10 +84,13 @@ def pooled_lookup_numpy(coll, indices, offsets, per_sample_weights, B, out=None)
 
 
 def update_numpy(coll, ctx, grad_pooled) -> None:
-    """Each table's per-lookup gradients from the pooled gradient, then its rows' update."""
+    """Each hbm / host table's per-lookup gradients from the pooled gradient, then its rows'
+    update."""
     indices, offsets = ctx.indices, ctx.offsets
     grad_pooled = np.asarray(grad_pooled, dtype=coll.dtype)
     for t in range(coll.num_tables):
+        if t in coll.tt_tables:  # trained by its TT table (tt_tables.py)
+            continue
         lo, hi, bags, factor = _table_lookups(coll, offsets, ctx.per_sample_weights,
                                               ctx.batch_size, t, indices.shape[0])
         if hi == lo:

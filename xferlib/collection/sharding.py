@@ -33,12 +33,13 @@ import os
 
 import numpy as np
 
-from xferlib.collection.config import PLACEMENTS, TableConfig
+from xferlib.collection.config import TableConfig
 from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
 from xferlib.table.layout import RowLayout
 from xferlib.table.rules import resolve_hyper, sparse_rule
 
-__all__ = ["Shard", "ShardingPlan", "plan_sharding", "row_bytes", "fill_shard_weights",
+__all__ = ["Shard", "ShardingPlan", "plan_sharding", "refuse_tt", "row_bytes",
+           "fill_shard_weights",
            "save_shard_files", "write_manifest", "read_manifest", "read_rows",
            "MANIFEST", "KINDS"]
 
@@ -47,6 +48,18 @@ MANIFEST = "manifest.json"  # names the files of the checkpoint it completes; wr
 _CHECKPOINT_KIND = "xferlib.ShardedCollection"
 _SHARD_KIND = "xferlib.CollectionShard"
 _MASK64 = (1 << 64) - 1
+# The placements a sharded collection holds: tt tables are not sharded (refuse_tt).
+SHARDED_PLACEMENTS = ("hbm", "host")
+
+
+def refuse_tt(configs, what: str = "a sharded collection") -> None:
+    """ValueError naming the tt tables among ``configs``: sharded collections hold hbm and
+    host tables only (a tt table trains in an unsharded EmbeddingCollection)."""
+    tt = [c.name for c in configs if isinstance(c, TableConfig) and c.placement == "tt"]
+    if tt:
+        raise ValueError(f"{what} cannot hold tt tables ({tt}): its shards are hbm or host "
+                         f"tables; train tt tables in an unsharded EmbeddingCollection, or "
+                         f"place them in 'hbm' or 'host'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +102,9 @@ class ShardingPlan:
     kinds: tuple
     shards: tuple
 
+    def __post_init__(self):
+        refuse_tt(self.tables, "a sharding plan")
+
     def shards_of(self, rank: int) -> tuple:
         """``rank``'s shards, in its collection's order (by table, then row start)."""
         return tuple(s for s in self.shards if s.rank == rank)
@@ -116,7 +132,7 @@ class ShardingPlan:
 
     def rank_bytes(self, rank: int) -> dict:
         """``{placement: bytes}`` of ``rank``'s shards (rows and optimizer state)."""
-        out = {p: 0 for p in PLACEMENTS}
+        out = {p: 0 for p in SHARDED_PLACEMENTS}
         for s in self.shards_of(rank):
             out[self.tables[s.table_index].placement] += s.bytes
         return out
@@ -197,6 +213,7 @@ def plan_sharding(tables, world_size: int, *, optimizer: str = "sgd", optimizer_
     configs = tuple(c.named(k) for k, c in enumerate(configs))
     if not configs:
         raise ValueError("a sharding plan needs at least one table")
+    refuse_tt(configs, "a sharding plan")
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"table names must be unique, got {names}")
@@ -214,7 +231,7 @@ def plan_sharding(tables, world_size: int, *, optimizer: str = "sgd", optimizer_
     cost = [s / total_bytes + n / total_lookups for s, n in zip(sizes, lookups)]
 
     kinds = ["table_wise"] * len(configs)
-    used = {p: [0] * world_size for p in PLACEMENTS}
+    used = {p: [0] * world_size for p in SHARDED_PLACEMENTS}
     load = [0.0] * world_size
     shards = []
 
@@ -282,14 +299,14 @@ def _lookups(expected, names) -> list:
 
 def _budget(budget) -> dict:
     if budget is None:
-        return {p: float("inf") for p in PLACEMENTS}
+        return {p: float("inf") for p in SHARDED_PLACEMENTS}
     if isinstance(budget, dict):
-        unknown = sorted(set(budget) - set(PLACEMENTS))
+        unknown = sorted(set(budget) - set(SHARDED_PLACEMENTS))
         if unknown:
             raise ValueError(f"budget_bytes names unknown placements {unknown}; "
-                             f"placements: {PLACEMENTS}")
-        return {p: float(budget.get(p, float("inf"))) for p in PLACEMENTS}
-    return {p: float(budget) for p in PLACEMENTS}
+                             f"placements: {SHARDED_PLACEMENTS}")
+        return {p: float(budget.get(p, float("inf"))) for p in SHARDED_PLACEMENTS}
+    return {p: float(budget) for p in SHARDED_PLACEMENTS}
 
 
 def _human(n) -> str:
