@@ -310,3 +310,45 @@ def test_table_ops_in_a_scan_see_every_update(cpu_backend):
         np.testing.assert_array_equal(bags, expected)
         direct.apply_gradients(res, expected - np.float32(1.0))
     assert table.step == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "partial_rowwise_adam"])
+def test_table_jit_training_on_the_gpu_equals_the_core(optimizer, device):
+    """A CuPy TTTable inside jit on JAX's GPU backend (the callbacks launch the TT kernels on
+    XLA's stream): the same bits as the same table trained by the core's calls on CuPy's
+    stream, and the NumPy table's results within float32 rounding."""
+    if device.platform != "gpu":
+        pytest.skip("the GPU path: a CuPy table on JAX's GPU backend")
+    cupy = pytest.importorskip("cupy")
+    from xferlib.testing import assert_outputs_match
+
+    host = tt.TTTable(SHAPE, optimizer, TABLE_HYPER, seed=9)
+
+    def on_gpu():
+        states = [{k: cupy.asarray(v) for k, v in s.items()} for s in host.states]
+        return tt.TTTable.from_arrays(SHAPE, [cupy.asarray(c) for c in host.cores], states,
+                                      cupy.zeros(1, np.int64), optimizer=optimizer,
+                                      optimizer_kwargs=TABLE_HYPER)
+
+    table, direct = on_gpu(), on_gpu()
+    steps = {True: _jit_step(table, True), False: _jit_step(table, False)}
+    for indices, offsets, weights, targets in _table_batches(3):
+        w = np.ones_like(indices, np.float32) if weights is None else weights
+        _, bags, token = steps[weights is not None](
+            jnp.asarray(indices), jnp.asarray(offsets), jnp.asarray(w), jnp.asarray(targets))
+        jax.block_until_ready(token)
+        gw = None if weights is None else cupy.asarray(weights)
+        expected, res = direct.lookup(cupy.asarray(indices), cupy.asarray(offsets),
+                                      per_sample_weights=gw, include_last_offset=True)
+        np.testing.assert_array_equal(np.asarray(bags), cupy.asnumpy(expected))
+        direct.apply_gradients(res, 2 * (expected - cupy.asarray(targets)))
+        cpu, cpu_res = host.lookup(indices, offsets, per_sample_weights=weights,
+                                   include_last_offset=True)
+        assert_outputs_match(np.asarray(bags), cpu, rtol=1e-4, atol=1e-5, what="bags")
+        host.apply_gradients(cpu_res, 2 * (cpu - targets))
+    cupy.cuda.runtime.deviceSynchronize()
+    assert table.step == direct.step == host.step == 4
+    for got, want, cpu in zip(table.cores, direct.cores, host.cores):
+        np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(want))
+        assert_outputs_match(cupy.asnumpy(got), cpu, rtol=1e-3, atol=1e-5, what="cores")
