@@ -339,3 +339,71 @@ def test_bind_checks_arrays_and_keeps_the_state_it_should(rng):
                                   TTTable.from_arrays(SHAPE, table.cores, table.states,
                                                       table.step_array, optimizer="lamb")
                                   .lookup(idx, off, include_last_offset=True)[0])
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _on_gpu(table: TTTable, optimizer: str) -> TTTable:
+    """A CuPy twin of a NumPy table: the same cores, state and step, on the GPU."""
+    import cupy
+
+    states = [{k: cupy.asarray(v) for k, v in s.items()} for s in table.states]
+    return TTTable.from_arrays(table.shape, [cupy.asarray(c) for c in table.cores], states,
+                               cupy.asarray(table.step_array), optimizer=optimizer,
+                               optimizer_kwargs=HYPER, num_embeddings=table.num_embeddings)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", tt.SPARSE_OPTIMIZERS)
+def test_gpu_training_matches_the_float64_reference(optimizer, rng):
+    """The CUDA kernel path of lookup and apply_gradients (device-side checks, fused
+    update, device step counter) against the float64 reference, as the NumPy test above."""
+    import cupy
+
+    cpu = TTTable(SHAPE, optimizer, HYPER, num_embeddings=110, seed=3)
+    table, ref = _on_gpu(cpu, optimizer), ReferenceTable(cpu)
+    for step in range(4):
+        dtype = np.int32 if step % 2 else np.int64
+        indices, offsets = _batch(rng, 5, 25 if step < 2 else 110, dtype)
+        weights = rng.uniform(0.5, 1.5, len(indices)).astype(np.float32) if step == 1 else None
+        mode = "mean" if step == 2 else "sum"
+        bags, residuals = table.lookup(
+            cupy.asarray(indices), cupy.asarray(offsets), mode=mode, include_last_offset=True,
+            per_sample_weights=None if weights is None else cupy.asarray(weights))
+        expected = bags_reference(ref.cores, SHAPE, indices, offsets, weights, mode)
+        assert_outputs_match(cupy.asnumpy(bags), expected, rtol=1e-5, atol=1e-6,
+                             what=f"step {step} bags")
+        grad = rng.standard_normal(bags.shape).astype(np.float32)
+        table.apply_gradients(residuals, cupy.asarray(grad))
+        ref.train(indices, offsets, grad, weights, mode)
+    table.check()
+    assert table.step == ref.step == 4
+    assert_outputs_match([cupy.asnumpy(c) for c in table.cores], ref.cores, rtol=2e-4,
+                         atol=2e-6, what="cores")
+    for k, (got, want) in enumerate(zip(table.states, ref.states)):
+        assert_outputs_match({n: cupy.asnumpy(v) for n, v in got.items()}, want, rtol=2e-4,
+                             atol=1e-6, what=f"state of core {k}")
+
+
+@pytest.mark.gpu
+def test_gpu_bad_batch_raises_with_nothing_changed(rng):
+    """An index out of range in a GPU training batch: the device-side check raises at the
+    update, before any core, state or step changes."""
+    import cupy
+
+    table = _on_gpu(TTTable(SHAPE, "rowwise_adagrad", HYPER, num_embeddings=110, seed=3),
+                    "rowwise_adagrad")
+    indices, offsets = _batch(rng, 5, 110)
+    indices[3] = 110
+    before = {f"core{k}": cupy.asnumpy(c) for k, c in enumerate(table.cores)}
+    before["step"] = cupy.asnumpy(table.step_array)
+    with pytest.raises(IndexError, match="110"):
+        bags, residuals = table.lookup(cupy.asarray(indices), cupy.asarray(offsets),
+                                       include_last_offset=True)
+        table.apply_gradients(residuals, cupy.ones(bags.shape, np.float32))
+        table.check()
+    after = {f"core{k}": cupy.asnumpy(c) for k, c in enumerate(table.cores)}
+    after["step"] = cupy.asnumpy(table.step_array)
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
