@@ -287,3 +287,97 @@ def test_backward_takes_the_forwards_context():
         jax.block_until_ready(step(collection_anchor(), idx, off))
     assert len(calls) == 3  # one forward per step
     np.testing.assert_allclose(coll.weights(0)[1], before[1] - 0.3, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- tt tables
+
+TT_ROWS, TT_DIMS = (7, 60, 33, 20), (4, 6, 8, 4)
+
+
+def tt_tables():
+    """hbm, tt (three cores), host, tt (two cores, its own learning rate)."""
+    return [TableConfig(7, 4, name="dense"),
+            TableConfig(60, 6, name="ids", placement="tt", tt_ranks=3),
+            TableConfig(33, 8, name="host", placement="host"),
+            TableConfig(20, 4, name="small", placement="tt", tt_ranks=(2,), lr=0.05)]
+
+
+def tt_batch(rng, B, dtype):
+    lengths = rng.integers(0, 5, size=len(TT_ROWS) * B)
+    parts = [rng.integers(0, n, int(lengths[t * B:(t + 1) * B].sum()))
+             for t, n in enumerate(TT_ROWS)]
+    return (np.concatenate(parts).astype(dtype),
+            np.concatenate([[0], np.cumsum(lengths)]).astype(dtype))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_tt_tables_train_as_the_core_collection_and_the_torch_module(jit):
+    """A collection with tt tables inside jax.jit (and eagerly) trains bit for bit as the
+    core collection fed the same batches and pooled gradients, and as the torch module."""
+    torch = pytest.importorskip("torch")
+    from xferlib.adapters.torch import EmbeddingBagCollection
+
+    rng = np.random.default_rng(21)
+    kwargs = dict(pooling="mean", device="cpu", seed=6)
+    coll = EmbeddingCollection(tt_tables(), "rowwise_adagrad", {"lr": 0.2}, **kwargs)
+    core = EmbeddingCollection(tt_tables(), "rowwise_adagrad", {"lr": 0.2}, **kwargs)
+    module = EmbeddingBagCollection(tt_tables(), "rowwise_adagrad", {"lr": 0.2}, **kwargs)
+    step = jax.value_and_grad(lambda a, i, o, w, t: _loss(coll, a, i, o, w, t))
+    step = jax.jit(step) if jit else step
+    with jax.default_device(jax.devices("cpu")[0]):  # JAX's CPU backend, also beside a GPU
+        for k in range(4):
+            idx, off = tt_batch(rng, 5, np.int64 if k % 2 else np.int32)
+            psw = rng.uniform(0.5, 2, idx.size).astype(np.float32) if k >= 2 else None
+            target = rng.standard_normal((5, sum(TT_DIMS))).astype(np.float32)
+            loss, _ = step(collection_anchor(), idx, off, psw, target)
+            out, ctx = core.forward(idx, off, psw)
+            np.testing.assert_allclose(float(loss), np.sum(out * target), rtol=1e-5)
+            core.backward(ctx, target)
+            pooled = module(torch.as_tensor(idx), torch.as_tensor(off),
+                            None if psw is None else torch.as_tensor(psw))
+            np.testing.assert_array_equal(pooled.detach().numpy(), out)
+            pooled.backward(torch.as_tensor(target))
+    assert_state_equal(coll, core)
+    assert_state_equal(module.collection, coll)
+    assert coll.tt_table("small").step == 4
+
+
+def test_tt_tables_bad_input_raises_and_changes_nothing():
+    cpu = jax.devices("cpu")[0]
+    coll = EmbeddingCollection(tt_tables(), "sgd", {"lr": 0.1}, device="cpu", seed=2)
+    before = coll.state_dict()
+    idx, off = tt_batch(np.random.default_rng(1), 3, np.int32)
+    lo = int(off[3])  # the first lookup of "ids"
+    bad = idx.copy()
+    bad[lo] = 60
+    grad = jax.grad(lambda a, i, o: embedding_bag_collection(coll, i, o, anchor=a).sum())
+    with jax.default_device(cpu):
+        with pytest.raises(IndexError, match=f"index 60 at position {lo} .*table 'ids'"):
+            grad(collection_anchor(), bad, off)
+        with pytest.raises(IndexError, match=f"index 60 at position {lo} .*table 'ids'"):
+            with typed_errors():
+                jax.block_until_ready(jax.jit(grad)(collection_anchor(), bad, off))
+    for key, value in coll.state_dict().items():
+        np.testing.assert_array_equal(value, before[key], err_msg=key)
+
+
+def test_tt_tables_on_every_backend_train_as_the_cpu_core(device):
+    """Inside jax.jit on each backend (on a GPU the collection's GPU path: the tt tables'
+    batches reach their TT tables without a host sync), as the core's NumPy path."""
+    rng = np.random.default_rng(23)
+    coll = EmbeddingCollection(tt_tables(), "adagrad", {"lr": 0.1}, seed=8,
+                               device="cuda" if device.platform == "gpu" else "cpu")
+    core = EmbeddingCollection(tt_tables(), "adagrad", {"lr": 0.1}, device="cpu", seed=8)
+    step = jax.jit(jax.value_and_grad(lambda a, i, o, w, t: _loss(coll, a, i, o, w, t)))
+    anchor = jax.device_put(collection_anchor(), device)
+    for k in range(3):
+        idx, off = tt_batch(rng, 6, np.int32 if k % 2 else np.int64)
+        psw = rng.uniform(0.5, 2, idx.size).astype(np.float32) if k == 2 else None
+        target = rng.standard_normal((6, sum(TT_DIMS))).astype(np.float32)
+        put = [None if a is None else jax.device_put(a, device) for a in (idx, off, psw, target)]
+        loss, _ = step(anchor, *put)
+        out, ctx = core.forward(idx, off, psw)
+        np.testing.assert_allclose(float(loss), np.sum(out * target), rtol=1e-4, atol=1e-4)
+        core.backward(ctx, target)
+    coll.check()
+    assert_state_equal(coll, core, rtol=1e-4, atol=1e-5)
