@@ -1,7 +1,8 @@
 """Embedding collections: every table of a model in one object, one pooled lookup and one
 fused backward + update for all of them (``collection.py``); table configs (``config.py``);
-storage per placement (``storage.py``); the NumPy path (``numpy_path.py``), the GPU path
-(``device.py``) and the float64 references (``reference.py``)."""
+storage per placement (``storage.py``); the tt placement's TT tables (``tt_tables.py``); the
+NumPy path (``numpy_path.py``), the GPU path (``device.py``) and the float64 references
+(``reference.py``)."""
 
 from xferlib.collection.collection import EmbeddingCollection, LookupContext
 from xferlib.collection.config import PLACEMENTS, POOLINGS, TableConfig
