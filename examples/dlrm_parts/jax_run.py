@@ -6,7 +6,8 @@ Every table of the plan (HBM, or host RAM with a GPU cache of hot rows) is one
 gradients with respect to ``collection_anchor()`` (one fused backward + Adagrad update, on
 XLA's stream). The MLPs live in one flat buffer trained by ``flat_step(flat_adam)``. TT
 tables (``--placement tt``) go through ``tt_embedding_bag`` with Adagrad in ``jax.numpy``
-(the collection has no TT placement yet). The same initial values as the torch run.
+(the collection's ``tt`` placement runs every lookup of a GPU batch through each tt
+table's kernels). The same initial values as the torch run.
 
 ``--devices N`` runs ``jax_mesh_run.py`` (the per-table data-parallel design) instead.
 """

@@ -5,7 +5,8 @@
   of all tables and one fused backward + Adagrad update inside ``loss.backward()``, the MLPs
   trained by a capturable ``FlatAdam``, and on a GPU the whole step captured in one CUDA
   graph after warm-up. TT tables (``--placement tt``) stay ``TTEmbeddingBag`` modules
-  beside the collection (it has no TT placement yet). Under ``torchrun`` the collection is
+  beside the collection (its ``tt`` placement runs every lookup of a GPU batch through
+  each tt table's kernels). Under ``torchrun`` the collection is
   a ``ShardedEmbeddingBagCollection`` (each rank holds its shards of the sharding plan and
   looks up its own samples; on GPUs ``capturable``: fixed-size all_to_alls, no host read,
   so each rank's whole step is one CUDA graph too).
