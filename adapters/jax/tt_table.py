@@ -36,6 +36,7 @@ from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_
                                             xla_stream)
 from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
 from xferlib.adapters.jax.host import fill_token
+from xferlib.backend import stream_scope
 from xferlib.tt.table import TTTable
 
 __all__ = ["tt_lookup", "tt_update"]
@@ -99,7 +100,8 @@ def tt_lookup(table: TTTable, indices, offsets, *, per_sample_weights=None,
     @reporting
     def callback(ctx, out, *buffers):
         gpu = is_gpu_buffer(out)
-        with device_scope(gpu, out, *buffers[:2]):
+        # the device, and XLA's stream as CuPy's current one (every GPU op of the table on it)
+        with device_scope(gpu, out, *buffers[:2]), stream_scope(xla_stream(ctx, gpu), gpu):
             idx, off, w, _ = _split(buffers, gpu, weighted)
             # checked at once: a lookup's residuals do not reach the update callback
             table.lookup(idx, off, per_sample_weights=w, mode=mode,
@@ -116,7 +118,7 @@ def tt_lookup(table: TTTable, indices, offsets, *, per_sample_weights=None,
 
 
 def tt_update(table: TTTable, indices, offsets, grad_bags, *, per_sample_weights=None,
-              mode: str = "sum", include_last_offset: bool = False) -> jax.Array:
+              mode: str = "sum", include_last_offset: bool = False, after=None) -> jax.Array:
     """The fused backward and optimizer step of ``table``
     (:meth:`xferlib.tt.TTTable.apply_gradients`) for the batch of a :func:`tt_lookup` (the
     same ``indices``, ``offsets``, weights and mode) and ``grad_bags``, the gradient of its
@@ -125,8 +127,11 @@ def tt_update(table: TTTable, indices, offsets, grad_bags, *, per_sample_weights
 
     Returns a scalar int32 token (0) to ignore or thread into later work (``after=`` of a
     lookup). XLA orders the update after the lookup through the data: a ``grad_bags``
-    computed from the bags (a loss's gradient) does it; a constant does not. Bad input
-    raises before the cores, optimizer state or step counter change."""
+    computed from the bags (a loss's gradient) does it; a constant does not (a loss linear
+    in the bags): pass ``after=bags`` then, the JAX values the update must wait for. Bad
+    input raises before the cores or optimizer state change (on the CPU the step counter
+    too; on the GPU a refused batch's step is counted by the kernels, as
+    :meth:`xferlib.tt.TTTable.apply_gradients` says)."""
     indices, offsets, weights = _batch(table, indices, offsets, per_sample_weights, mode,
                                        include_last_offset)
     grad_bags = jnp.asarray(grad_bags, jnp.float32)
@@ -134,12 +139,14 @@ def tt_update(table: TTTable, indices, offsets, grad_bags, *, per_sample_weights
     if grad_bags.shape != want:
         raise ValueError(f"grad_bags must have shape {want}, got {grad_bags.shape}")
     weighted = weights is not None
+    deps = () if after is None else tuple(jax.tree_util.tree_leaves(after))
 
     @reporting
     def callback(ctx, token, *buffers):
         gpu = is_gpu_buffer(token)
-        with device_scope(gpu, token, *buffers[:2]):
-            idx, off, w, (grad,) = _split(buffers, gpu, weighted)
+        with device_scope(gpu, token, *buffers[:2]), stream_scope(xla_stream(ctx, gpu), gpu):
+            idx, off, w, rest = _split(buffers, gpu, weighted)
+            grad = rest[0]  # then the after= values, only waited for
             stream = xla_stream(ctx, gpu)
             residuals = table.residuals(idx, off, per_sample_weights=w, mode=mode,
                                         include_last_offset=include_last_offset,
@@ -150,4 +157,5 @@ def tt_update(table: TTTable, indices, offsets, grad_bags, *, per_sample_weights
     extra = (weights,) if weighted else ()
     with typed_errors():
         return buffer_callback(callback, jax.ShapeDtypeStruct((), np.int32),
-                               has_side_effect=True)(indices, offsets, *extra, grad_bags)
+                               has_side_effect=True)(indices, offsets, *extra, grad_bags,
+                                                     *deps)

@@ -405,8 +405,10 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() / .cpu(): the core table's views and working buffers belong to the
-        # old storage; it binds the new tensors at its next use.
+        # old storage (a view keeps its tensor alive): let go of them; the table binds the
+        # new tensors at its next use.
         self.__dict__.pop("_views", None)
+        self.__dict__["_tt"].unbind()
         return super()._apply(fn, *args, **kwargs)
 
     def __getstate__(self):

@@ -324,6 +324,29 @@ def test_construction_errors_name_the_table():
         ((10, 10, 10), (2, 2, 4), (8, 8))
 
 
+def test_refused_hyperparameters_change_nothing():
+    """A learning rate TT refuses (not finite) is refused before any table's changes."""
+    coll = EmbeddingCollection(mixed_tables(), "adagrad", HYPER["adagrad"], device="cpu",
+                               seed=1)
+    hypers = [dict(h) for h in coll.hypers]
+    tt_hypers = {t: dict(table.hyper) for t, table in coll.tt_tables.items()}
+    for bad in ({"lr": float("inf")}, {"eps": float("inf")}, {"eps": float("nan")}):
+        with pytest.raises(ValueError, match="table 'ids'"):
+            coll.set_hyper(**bad)
+        assert coll.hypers == hypers
+        assert {t: table.hyper for t, table in coll.tt_tables.items()} == tt_hypers
+    with pytest.raises(ValueError, match=r"table 'ids' \(tt\)"):
+        EmbeddingCollection(mixed_tables(), "sgd", {"lr": float("inf")}, device="cpu")
+
+
+def test_table_names_whose_state_keys_meet_are_refused():
+    tables = [TableConfig(8, 4, name="e", placement="tt", tt_ranks=2),
+              TableConfig(8, 4, name="e.core0")]
+    with pytest.raises(ValueError, match=r"state key\(s\) \['e.core0.sum'\]"):
+        EmbeddingCollection(tables, "adagrad", {"lr": 0.1}, device="cpu")
+    EmbeddingCollection(tables, "sgd", {"lr": 0.1}, device="cpu")  # sgd keeps no sum
+
+
 def test_sharding_refuses_tt_tables():
     with pytest.raises(ValueError, match="cannot hold tt tables \\(\\['ids', 'small'\\]\\)"):
         plan_sharding(mixed_tables(), 2)

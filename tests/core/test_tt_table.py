@@ -322,9 +322,13 @@ def test_bind_checks_arrays_and_keeps_the_state_it_should(rng):
         clone.lookup(np.array([0]), np.array([0, 1]), include_last_offset=True)
     cores = [c.copy() for c in table.cores]
     states = [{k: v.copy() for k, v in s.items()} for s in table.states]
-    bad = [c.astype(np.float64) for c in cores]
     with pytest.raises(TypeError, match="float32"):
-        clone.bind(bad, states, np.zeros(1, np.int64))
+        clone.bind([c.astype(np.float16) for c in cores], states, np.zeros(1, np.int64))
+    with pytest.raises(TypeError, match="float32"):  # cores of two dtypes
+        clone.bind([cores[0]] + [c.astype(np.float64) for c in cores[1:]], states,
+                   np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match="state 'exp_avg' of core 0 must be float64"):
+        clone.bind([c.astype(np.float64) for c in cores], states, np.zeros(1, np.int64))
     with pytest.raises(ValueError, match="state 'exp_avg'"):
         clone.bind(cores, [{} for _ in states], np.zeros(1, np.int64))
     with pytest.raises(ValueError, match="step must be"):
@@ -339,6 +343,60 @@ def test_bind_checks_arrays_and_keeps_the_state_it_should(rng):
                                   TTTable.from_arrays(SHAPE, table.cores, table.states,
                                                       table.step_array, optimizer="lamb")
                                   .lookup(idx, off, include_last_offset=True)[0])
+    # training through a table over the caller's arrays writes those arrays in place
+    before = [c.copy() for c in cores]
+    bags, res = same.lookup(idx, off, include_last_offset=True)
+    same.apply_gradients(res, np.ones_like(bags))
+    assert same.step == 8 and all(c is d for c, d in zip(same.cores, cores))
+    assert any((c != b).any() for c, b in zip(cores, before))
+
+
+def test_float64_cores_train_on_the_array_path(rng):
+    """A float64 table (a framework module's .double()) trains as the float32 one does,
+    closer to the float64 reference."""
+    table = TTTable(SHAPE, "rowwise_adagrad", HYPER, seed=3)
+    wide = TTTable.from_arrays(
+        SHAPE, [c.astype(np.float64) for c in table.cores],
+        [{k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in s.items()}
+         for s in table.states], np.zeros(1, np.int64), optimizer="rowwise_adagrad",
+        optimizer_kwargs=HYPER)
+    ref = ReferenceTable(table)
+    for _ in range(3):
+        indices, offsets = _batch(rng, 4, 60)
+        bags, res = wide.lookup(indices, offsets, include_last_offset=True)
+        grad = rng.standard_normal(bags.shape)
+        wide.apply_gradients(res, grad)
+        ref.train(indices, offsets, grad, None)
+    assert wide.step == 3 and wide.cores[0].dtype == np.float64
+    assert_outputs_match(list(wide.cores), ref.cores, rtol=1e-6, atol=1e-9, what="cores")
+
+
+def test_residuals_of_another_table_or_binding_are_refused(rng):
+    one, other = TTTable(SHAPE, "sgd", HYPER, seed=1), TTTable(SHAPE, "sgd", HYPER, seed=2)
+    indices, offsets = _batch(rng, 3, 60)
+    bags, res = other.lookup(indices, offsets, include_last_offset=True)
+    before = snapshot(one), snapshot(other)
+    with pytest.raises(ValueError, match="this table"):
+        one.apply_gradients(res, np.ones_like(bags))
+    bags, res = one.lookup(indices, offsets, include_last_offset=True)
+    one.bind([c.copy() for c in one.cores], one.states, one.step_array)
+    with pytest.raises(ValueError, match="current arrays"):
+        one.apply_gradients(res, np.ones_like(bags))
+    assert_unchanged(other, before[1])
+    assert_unchanged(one, before[0])
+
+
+def test_bad_out_is_refused_before_the_cache_counts(rng):
+    table = TTTable(SHAPE, "sgd", HYPER, cache_size=4, seed=1)
+    before = snapshot(table)
+    indices, offsets = _batch(rng, 3, 60)
+    with pytest.raises(ValueError, match="out must have shape"):
+        table.lookup(indices, offsets, include_last_offset=True,
+                     out=np.zeros((2, SHAPE.dim), np.float32))
+    with pytest.raises(TypeError, match="out must be a floating"):
+        table.lookup(indices, offsets, include_last_offset=True,
+                     out=np.zeros((3, SHAPE.dim), np.int32))
+    assert_unchanged(table, before)
 
 
 # ----------------------------------------------------------------------------- GPU

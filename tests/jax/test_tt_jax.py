@@ -352,3 +352,28 @@ def test_table_jit_training_on_the_gpu_equals_the_core(optimizer, device):
     for got, want, cpu in zip(table.cores, direct.cores, host.cores):
         np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(want))
         assert_outputs_match(cupy.asnumpy(got), cpu, rtol=1e-3, atol=1e-5, what="cores")
+
+
+def test_table_update_with_a_constant_gradient_waits_for_after(cpu_backend):
+    """A loss linear in the bags gives a gradient that does not depend on them: ``after=``
+    keeps the update behind the lookup (each step's bags are the cores before its update)."""
+    from xferlib.adapters.jax import tt_lookup, tt_update
+
+    table = tt.TTTable(SHAPE, "sgd", TABLE_HYPER, seed=5)
+    direct = tt.TTTable(SHAPE, "sgd", TABLE_HYPER, seed=5)
+
+    @jax.jit
+    def step(indices, offsets):
+        bags = tt_lookup(table, indices, offsets, include_last_offset=True)
+        grad = jnp.ones((offsets.shape[0] - 1, SHAPE.dim), jnp.float32)
+        return bags, tt_update(table, indices, offsets, grad, include_last_offset=True,
+                               after=bags)
+
+    for indices, offsets, _, _ in _table_batches(4):
+        bags, token = step(jnp.asarray(indices), jnp.asarray(offsets))
+        jax.block_until_ready(token)
+        expected, res = direct.lookup(indices, offsets, include_last_offset=True)
+        np.testing.assert_array_equal(np.asarray(bags), expected)
+        direct.apply_gradients(res, np.ones_like(expected))
+    for got, want in zip(table.cores, direct.cores):
+        np.testing.assert_array_equal(got, want)

@@ -501,3 +501,16 @@ def test_module_deep_copies_and_saves_whole():
     loaded = torch.load(buffer, weights_only=False)
     for other in (clone, loaded):
         torch.testing.assert_close(other(idx, offsets), module(idx, offsets))
+
+
+def test_double_module_trains_on_the_array_path():
+    """``.double()`` on a model holding TT modules: float64 cores and state, trained by
+    the fused step (the array path; the kernels take float32)."""
+    from xferlib.adapters.torch import TTEmbeddingBag
+
+    module = TTEmbeddingBag(100, 8, [3], [10, 10], [2, 4], use_cache=False, seed=1).double()
+    before = [c.detach().clone() for c in module.tt_cores]
+    out = module(torch.tensor([1, 2, 99, 5]), torch.tensor([0, 1, 3, 4]))
+    out.sum().backward()
+    assert module.iter == 1 and module.tt_cores[0].dtype == torch.float64
+    assert any(not torch.equal(c, b) for c, b in zip(module.tt_cores, before))

@@ -138,6 +138,7 @@ class EmbeddingCollection:
         self.blocks, self.buffers = self._allocate(seed)
         # The tt tables (xferlib/collection/tt_tables.py): {table position: TTTable}.
         self.tt_tables = build_tt_tables(self, seed)
+        self._refuse_shared_state_keys()
         self._gpu = None  # the GPU side (xferlib/collection/device.py), made on first use
         self._kept = {}  # contexts kept for a later backward (keep_context)
         # A GPU batch refused by its deferred input check raises from the next forward or
@@ -292,8 +293,10 @@ class EmbeddingCollection:
         for t, name in enumerate(self.names):
             if t in self.tt_tables:
                 for key, target in tt_state_arrays(self.tt_tables[t], name).items():
-                    target[...] = _namespace(target).asarray(np.asarray(state[key]),
-                                                             dtype=target.dtype)
+                    xp = _namespace(target)
+                    target[...] = xp.asarray(np.asarray(state[key]), dtype=target.dtype)
+                    if xp is not np:  # written on CuPy's stream: done before any step reads
+                        xp.cuda.get_current_stream().synchronize()
                 continue
             rows = self._host_rows(t).copy()
             rows[:, :self.dims[t]] = np.asarray(state[f"{name}.weight"])
@@ -329,16 +332,29 @@ class EmbeddingCollection:
 
     def _expected_state(self) -> dict:
         """``{state_dict key: shape}``, tables in order."""
-        expected = {}
+        return dict(self._state_entries())
+
+    def _state_entries(self) -> list:
+        """``[(state_dict key, shape)]``, tables in order."""
+        entries = []
         for t, name in enumerate(self.names):
             if t in self.tt_tables:
-                expected.update(tt_state_shapes(self.tt_tables[t], name))
+                entries += list(tt_state_shapes(self.tt_tables[t], name).items())
                 continue
-            expected[f"{name}.weight"] = (self.tables[t].num_rows, self.dims[t])
+            entries.append((f"{name}.weight", (self.tables[t].num_rows, self.dims[t])))
             for key, view in self._state_views(t, np.empty((1, self.layouts[t].row_width),
                                                            self.dtype)).items():
-                expected[f"{name}.{key}"] = (self.tables[t].num_rows,) + view.shape[1:]
-        return expected
+                entries.append((f"{name}.{key}", (self.tables[t].num_rows,) + view.shape[1:]))
+        return entries
+
+    def _refuse_shared_state_keys(self) -> None:
+        """Two tables whose state keys meet (a tt table ``e``'s ``e.core0.sum`` and a table
+        named ``e.core0``'s ``sum``) would share one entry of :meth:`state_dict`."""
+        keys = [key for key, _ in self._state_entries()]
+        shared = sorted({key for key in keys if keys.count(key) > 1})
+        if shared:
+            raise ValueError(f"table names {self.names} give two tables the state key(s) "
+                             f"{shared}: rename a table")
 
     def set_hyper(self, table=None, **changes) -> None:
         """Change hyperparameters (e.g. ``lr`` from a schedule) for the following steps, of

@@ -127,7 +127,10 @@ class CollectionDevice:
         word = 16 // itemsize
         dims = [d for t, d in enumerate(coll.dims) if t not in coll.tt_tables]
         self.has_rows = bool(dims)  # tables whose rows the collection's kernels update
-        self.vec = next(v for v in (4, 2, 1) if v <= word and all(d % v == 0 for d in dims))
+        # Over every table's width, tt tables' too: their columns place the others' in the
+        # pooled output, whose vector stores need each table's offset aligned to the width.
+        self.vec = next(v for v in (4, 2, 1)
+                        if v <= word and all(d % v == 0 for d in coll.dims))
         # A staged row holds a host table's whole stored row (the update reads it there).
         host_widths = [b.layout.row_width for c, b in zip(coll.tables, coll.blocks)
                        if c.placement == "host"]

@@ -11,13 +11,15 @@ refused for a collection with tt tables.
 
 The NumPy path slices each table's lookups. The GPU path does not read the offsets on the
 host (no host sync): a tt table's batch is the whole batch with the other tables' lookups
-turned into row 0 of weight 0, kept in a first and a last extra bag whose gradient is zero
-(``offsets`` ``[0, offsets[t B] .. offsets[(t + 1) B], n]``). A zero gradient leaves the
-rules TT runs here exactly where they were (``sgd``, ``adagrad``, ``rowwise_adagrad`` with
-``eps > 0``). The collection's input check covers the tt tables' indices; until it is read,
-a batch it refuses reaches the TT table with every lookup in the last extra bag, so the TT
-step writes nothing new (its step counter counts the call, as a TT table's GPU steps do).
-Each tt table's kernels thus see the whole batch: a cost of the missing host sync.
+turned into row 0 (weight 0 where the batch has per-sample weights), kept in a first and a
+last extra bag whose gradient is zero (``offsets`` ``[0, offsets[t B] .. offsets[(t + 1)
+B], n]``). A zero gradient leaves the rules TT runs here exactly where they were (``sgd``,
+``adagrad``, ``rowwise_adagrad`` with ``eps > 0``; with finite cores: a non-finite value in
+a core's row 0 spreads to its gradient through the extra bags). The collection's input
+check covers the tt tables' indices; until it is read, a batch it refuses reaches the TT
+table with every lookup in the last extra bag, so the TT step writes nothing new, and its
+count is taken back on the device. Each tt table's kernels thus see the whole batch: a cost
+of the missing host sync.
 
 State: ``"<table>.core<k>"`` (core ``k``, float32), ``"<table>.core<k>.<state>"`` (its
 optimizer state, as :func:`xferlib.tt.tt_sparse_state` makes it) and ``"<table>.step"`` (the
@@ -31,6 +33,7 @@ import numpy as np
 from xferlib.table.rules import SPARSE_OPTIMIZERS as _TABLE_OPTIMIZERS
 from xferlib.table.rules import resolve_hyper
 from xferlib.tt.rules import SPARSE_OPTIMIZERS as _TT_OPTIMIZERS
+from xferlib.tt.table import resolve_tt_hyper
 
 __all__ = ["TT_COLLECTION_OPTIMIZERS", "tt_hyper", "build_tt_tables", "tt_state_arrays",
            "tt_state_shapes", "tt_lookup_numpy", "tt_update_numpy", "tt_lookup_gpu",
@@ -59,6 +62,10 @@ def tt_hyper(name: str, optimizer: str, hyper: dict) -> dict:
     if optimizer != "sgd" and not out.get("eps", 0.0) > 0:
         raise ValueError(f"table {name!r} is placed in 'tt': {optimizer!r} needs eps > 0, "
                          f"got {out.get('eps')}")
+    try:  # the TT table's own checks (finite lr and eps), here: before anything changes
+        resolve_tt_hyper(out)
+    except ValueError as err:
+        raise ValueError(f"table {name!r} (tt): {err}") from None
     return out
 
 
@@ -144,7 +151,7 @@ def tt_update_numpy(coll, residuals: dict, grad_pooled) -> None:
 def tt_lookup_gpu(coll, indices, offsets64, psw, B: int, words, out, stream) -> dict:
     """Each tt table's bags of a GPU batch (queued on ``stream``, CuPy's current stream
     here), written into its columns of ``out``: the whole batch, with the other tables'
-    lookups as row 0 of weight 0 in two extra bags, and every lookup in the last extra bag
+    lookups as row 0 in two extra bags, and every lookup in the last extra bag
     while the collection's verdict ``words`` (after its plan) refuse the batch. No host
     sync. Returns ``{t: TTResiduals}``."""
     import cupy
@@ -155,7 +162,7 @@ def tt_lookup_gpu(coll, indices, offsets64, psw, B: int, words, out, stream) -> 
     ok = (~words == 0).all()  # the collection's check passed (a device scalar)
     position = cupy.arange(n, dtype=np.int64)
     first, last = cupy.zeros(1, dtype=np.int64), cupy.full(1, n, dtype=np.int64)
-    residuals = {}
+    residuals = TTLookups(ok)
     for t, table in coll.tt_tables.items():
         bounds = offsets64[t * B:(t + 1) * B + 1]
         mine = ok & (position >= bounds[:1]) & (position < bounds[-1:])
@@ -170,13 +177,30 @@ def tt_lookup_gpu(coll, indices, offsets64, psw, B: int, words, out, stream) -> 
     return residuals
 
 
-def tt_update_gpu(coll, residuals: dict, grad, B: int, stream) -> None:
+class TTLookups(dict):
+    """``{t: TTResiduals}`` of a GPU batch, and ``ok``: whether the collection's check passed
+    (a device scalar)."""
+
+    def __init__(self, ok):
+        super().__init__()
+        self.ok = ok
+
+
+def tt_update_gpu(coll, residuals: TTLookups, grad, B: int, stream) -> None:
     """Each tt table's fused TT update (queued on ``stream``, CuPy's current stream here):
-    its columns of the pooled gradient as the bags' gradient, zeros for the extra bags."""
+    its columns of the pooled gradient as the bags' gradient, zeros for the extra bags. A
+    batch the collection refused writes nothing (every lookup sits in the zero-gradient
+    last bag) and its count is taken back on the device (a TT table's GPU step counts
+    whatever its own verdict), so a refused batch leaves the step counters as they were
+    whether the refusal is read before this update or after it."""
     import cupy
 
+    refused = None
     for t, res in residuals.items():
         table = coll.tt_tables[t]
         g = cupy.zeros((B + 2, table.dim), dtype=np.float32)
         g[1:B + 1] = grad[:, coll.dim_offsets[t]:coll.dim_offsets[t + 1]]
         table.apply_gradients(res, g, stream=stream)
+        if refused is None:
+            refused = (~residuals.ok).astype(np.int64)
+        table.step_array -= refused

@@ -97,10 +97,10 @@ def draw_tt_tables(shape: TTShape, num_tables: int, weight_dist: str = "approx-n
     return [np.stack([t[k] for t in tables]) for k in range(shape.d)]
 
 
-def state_layout(rows: int, width: int, optimizer: str) -> dict:
+def state_layout(rows: int, width: int, optimizer: str, dtype=np.float32) -> dict:
     """``{name: (shape, dtype)}`` of the optimizer state :func:`row_state` makes for ``rows``
-    parameter rows of ``width`` (nothing allocated)."""
-    where = {"elem": ((rows, width), np.float32), "row": ((rows,), np.float32),
+    parameter rows of ``width`` (nothing allocated); float state in the cores' ``dtype``."""
+    where = {"elem": ((rows, width), dtype), "row": ((rows,), dtype),
              "step": ((rows,), np.int64)}
     return {name: where[kind] for name, kind in STATE_SLOTS[optimizer]}
 
@@ -117,6 +117,7 @@ class TTResiduals:
     cache: object
     num_bags: int
     captured: bool = False
+    table: object = None  # the TTTable whose lookup made them
 
 
 class TTTable:
@@ -138,7 +139,8 @@ class TTTable:
     Bad input raises before any state changes (TypeError for dtypes, IndexError for indices
     out of range, ValueError for shapes and offsets); on the GPU a training lookup's check is
     read in :meth:`apply_gradients`, or deferred (:attr:`defer_checks`) to a later call or
-    :meth:`check`, and the kernels of a rejected batch write nothing.
+    :meth:`check`, and the kernels of a rejected batch write nothing to the cores, state
+    or cache (its step counter, which the kernels keep, counts it).
     """
 
     def __init__(self, shape: TTShape, optimizer: str = "sgd", optimizer_kwargs=None, *,
@@ -218,11 +220,16 @@ class TTTable:
         xp = array_module(cores[0])
         if len(states) != self.shape.d:
             raise ValueError(f"{self.shape.d} optimizer states expected, got {len(states)}")
+        # float32 (the kernels' type); float64 runs the array path (a module's .double())
+        floats = cores[0].dtype
         for k, (core, state) in enumerate(zip(cores, states)):
-            if array_module(core) is not xp or core.dtype != np.float32:
-                raise TypeError(f"core {k} must be a float32 array of the first core's "
-                                f"namespace, got {type(core).__name__} {core.dtype}")
-            for name, (want, dtype) in state_layout(*core.shape, self.optimizer).items():
+            if array_module(core) is not xp or core.dtype != floats or \
+                    floats not in (np.float32, np.float64):
+                raise TypeError(f"core {k} must be a float32 (or float64) array of the first "
+                                f"core's namespace and dtype, got {type(core).__name__} "
+                                f"{core.dtype}")
+            for name, (want, dtype) in state_layout(*core.shape, self.optimizer,
+                                                    floats).items():
                 got = state.get(name)
                 if got is None or tuple(got.shape) != want or got.dtype != dtype \
                         or array_module(got) is not xp:
@@ -244,6 +251,16 @@ class TTTable:
         self.cores, self.states, self.step_array, self.cache = cores, states, step, cache
         self.scratch.clear()
         self._kernels = None
+
+    def unbind(self) -> None:
+        """Let go of the arrays (and the working buffers) until the next :meth:`bind`: a
+        framework module that moved keeps no view of its old storage alive. The
+        hyperparameters, pending checks and the cache's warmup flag stay."""
+        active = self.cache is not None and self.cache.active
+        cache = None if self.cache is None else _Flag(active)
+        self.cores = self.states = self.step_array = None
+        self.cache, self._kernels = cache, None
+        self.scratch.clear()
 
     def without_arrays(self) -> "TTTable":
         """A copy with this table's configuration, hyperparameters and cache flag but no
@@ -328,30 +345,38 @@ class TTTable:
         if mode not in ("sum", "mean"):
             raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
         self._check_inputs(indices, offsets, per_sample_weights)
+        if out is not None:  # before the cache counts the batch
+            bags = max(int(offsets.shape[0]) - (1 if include_last_offset else 0), 0)
+            if array_module(out) is not self.xp or out.dtype.kind != "f":
+                raise TypeError(f"out must be a floating {self.xp.__name__} array like the "
+                                f"cores, got {type(out).__name__} {out.dtype}")
+            if tuple(out.shape) != (bags, self.dim):
+                raise ValueError(f"out must have shape {(bags, self.dim)}, got "
+                                 f"{tuple(out.shape)}")
         gpu = self.on_gpu
         stream = as_cupy_stream(stream) if gpu else None
         capturing = gpu and is_capturing(stream)
         if not capturing:  # a poll may wait on an event: never inside a capture
             self.checks.poll()
         report = None
-        if self.num_tables > 1:
-            report = indices
-            with _scope(stream):
-                indices = self.joint_rows(indices, offsets, include_last_offset)
         cache = self.cache
         count = cache is not None and bool(train if count_cache is None else count_cache)
         # working buffers reused from step to step (none in a capture: the graph keeps them)
         scratch = self.scratch.get(stream) if gpu and not capturing else None
         cores = self.cores
-        bags, residuals = tt_embedding_bag_fwd(
-            cores, self.joint_shape, indices, offsets, mode=mode,
-            per_sample_weights=per_sample_weights, include_last_offset=include_last_offset,
-            check=not train, num_embeddings=self._bound, out=out, cache=cache,
-            cache_count=count, report=report if gpu else None, stream=stream,
-            scratch=scratch)
+        with _scope(stream):  # every GPU op on the caller's stream, the array path's too
+            if self.num_tables > 1:
+                report = indices
+                indices = self.joint_rows(indices, offsets, include_last_offset)
+            bags, residuals = tt_embedding_bag_fwd(
+                cores, self.joint_shape, indices, offsets, mode=mode,
+                per_sample_weights=per_sample_weights,
+                include_last_offset=include_last_offset, check=not train,
+                num_embeddings=self._bound, out=out, cache=cache, cache_count=count,
+                report=report if gpu else None, stream=stream, scratch=scratch)
         if isinstance(residuals, TTBagPlan):
             residuals.set_bound(self.num_embeddings)
-        return bags, TTResiduals(residuals, cores, cache, int(bags.shape[0]), capturing)
+        return bags, TTResiduals(residuals, cores, cache, int(bags.shape[0]), capturing, self)
 
     def residuals(self, indices, offsets, *, per_sample_weights=None, mode: str = "sum",
                   include_last_offset: bool = False, stream=None) -> TTResiduals:
@@ -368,17 +393,17 @@ class TTTable:
             return self.lookup(indices, offsets, per_sample_weights=per_sample_weights,
                                mode=mode, include_last_offset=include_last_offset,
                                train=False, count_cache=False, stream=stream)[1]
-        if self.num_tables > 1:
-            indices = self.joint_rows(indices, offsets, include_last_offset)
         with _scope(stream):
+            if self.num_tables > 1:
+                indices = self.joint_rows(indices, offsets, include_last_offset)
             res = tt_bag_residuals(self.joint_shape, indices, offsets, mode=mode,
                                    per_sample_weights=per_sample_weights,
                                    include_last_offset=include_last_offset,
                                    num_embeddings=self._bound)
         if isinstance(res, TTBagPlan):
             res.set_bound(self.num_embeddings)
-            return TTResiduals(res, self.cores, self.cache, res.num_bags)
-        return TTResiduals(res[:3], self.cores, self.cache, res[3])
+            return TTResiduals(res, self.cores, self.cache, res.num_bags, table=self)
+        return TTResiduals(res[:3], self.cores, self.cache, res[3], table=self)
 
     def apply_gradients(self, residuals: TTResiduals, grad_bags, *, stream=None,
                         reduce=None) -> None:
@@ -402,6 +427,10 @@ class TTTable:
             if pending is not None:
                 pending.defer(self.checks, stream, early=False)
             return
+        with _scope(stream):  # every GPU op on the caller's stream, the array path's too
+            self._fused_update(residuals, grad_bags, gpu, stream)
+
+    def _fused_update(self, residuals, grad_bags, gpu, stream) -> None:
         if not gpu:
             self.step_array[0] += 1
         hyper = self.step_hyper()
@@ -424,12 +453,12 @@ class TTTable:
         (and an active cache's dense rows) with an outside optimizer; nothing changes."""
         self._check_grads(residuals, grad_bags)
         stream = as_cupy_stream(stream) if self.on_gpu else None
-        grads = tt_embedding_bag_bwd(residuals.cores, self.joint_shape, residuals.bag,
-                                     grad_bags, stream=stream)
         cache = residuals.cache
         cache_grad = None
-        if cache is not None and cache.active:
-            with _scope(stream):
+        with _scope(stream):
+            grads = tt_embedding_bag_bwd(residuals.cores, self.joint_shape, residuals.bag,
+                                         grad_bags, stream=stream)
+            if cache is not None and cache.active:
                 cache_grad = tt_cache_grad(cache, self.joint_shape, residuals.bag,
                                            grad_bags)[0]
         return grads, cache_grad
@@ -579,6 +608,10 @@ class TTTable:
         if not isinstance(residuals, TTResiduals):
             raise TypeError(f"residuals must be the TTResiduals of a lookup, got "
                             f"{type(residuals).__name__}")
+        if residuals.table is not self or residuals.cores is not self.cores:
+            raise ValueError("residuals must come from a lookup of this table with its "
+                             "current arrays (another table's lookup, or one made before "
+                             "the table was bound to other arrays)")
         if array_module(grad_bags) is not self.xp:
             raise TypeError(f"grad_bags must be a {self.xp.__name__} array like the cores, "
                             f"got {type(grad_bags).__name__}")
