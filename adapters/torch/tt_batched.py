@@ -355,6 +355,11 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
         tensor moved (``.to()``, a new ``.data``), so a step spends no host time on views."""
         # (pointer, device index, shape): a few attribute reads per tensor, no device object
         key = [(t.data_ptr(), t.get_device(), t.shape) for t in self._tensors()]
+        if self.__dict__.get("_is_replica") and not self.__dict__.get("_own_table"):
+            # an nn.DataParallel replica (a shallow copy of the module's __dict__): a table
+            # of its own, so replicas running at once never bind one table to two devices
+            self.__dict__["_tt"] = self.__dict__["_tt"].without_arrays()
+            self.__dict__["_views"], self.__dict__["_own_table"] = {}, True
         views = self.__dict__.setdefault("_views", {})
         table = self.__dict__["_tt"]
         if views.get("bound") != key:

@@ -514,3 +514,17 @@ def test_double_module_trains_on_the_array_path():
     out.sum().backward()
     assert module.iter == 1 and module.tt_cores[0].dtype == torch.float64
     assert any(not torch.equal(c, b) for c, b in zip(module.tt_cores, before))
+
+
+def test_data_parallel_replicas_hold_tables_of_their_own():
+    """nn.DataParallel's replicas copy the module's __dict__: each binds a core table of its
+    own (replicas run at once, each on its GPU), with the same results."""
+    from xferlib.adapters.torch import TTEmbeddingBag
+
+    module = TTEmbeddingBag(100, 8, [3], [10, 10], [2, 4], use_cache=False, sparse=False,
+                            seed=2)
+    replica = module._replicate_for_data_parallel()
+    indices, offsets = torch.tensor([1, 2, 99, 5]), torch.tensor([0, 1, 3, 4])
+    torch.testing.assert_close(replica(indices, offsets), module(indices, offsets),
+                               rtol=0, atol=0)
+    assert replica.__dict__["_tt"] is not module.__dict__["_tt"]
