@@ -166,7 +166,8 @@ def tt_lookup_gpu(coll, indices, offsets64, psw, B: int, words, out, stream) -> 
     for t, table in coll.tt_tables.items():
         bounds = offsets64[t * B:(t + 1) * B + 1]
         mine = ok & (position >= bounds[:1]) & (position < bounds[-1:])
-        local = cupy.concatenate([first, cupy.where(ok, bounds, 0), last])
+        # no bag (B == 0): every lookup in the last extra bag, whatever offsets[0] says
+        local = cupy.concatenate([first, cupy.where(ok, bounds, 0) if B else first, last])
         weights = (None if psw is None
                    else cupy.where(mine, psw, 0).astype(np.float32, copy=False))
         bags, residuals[t] = table.lookup(cupy.where(mine, indices, 0), local,
