@@ -113,8 +113,9 @@ def _need_gpu():
 @pytest.mark.gpu
 def test_gpu_module_trains_as_the_cpu_module():
     """CUDA tensors take the GPU path (tt tables pooled and trained by their TT tables on
-    torch's stream): as the NumPy path's outputs and tables; a bad index of a tt table raises
-    from a later call and changes nothing; .cpu() keeps the cores."""
+    torch's stream): as the NumPy path's outputs and tables; a bad index of a tt table, or
+    of an hbm table beside the tt tables, raises from a later call and changes nothing (the
+    tt tables' step counters included); .cpu() keeps the cores."""
     _need_gpu()
     rng = np.random.default_rng(9)
     cpu = EmbeddingBagCollection(tables(), "rowwise_adagrad", {"lr": 0.2}, device="cpu",
@@ -137,18 +138,18 @@ def test_gpu_module_trains_as_the_cpu_module():
     idx, off = batch(rng, B=3)
     lo = int(off[3])  # the first lookup of "ids"
     assert int(off[6]) > lo
-    bad = idx.clone()
-    bad[lo] = 60
     before = gpu.state_dict()
-    with pytest.raises(IndexError, match=f"index 60 at position {lo} is out of range for "
-                                         f"table 'ids'"):
-        gpu(bad.cuda(), off.cuda()).sum().backward()
-        gpu.check()
-    after = gpu.state_dict()
-    for key, value in before.items():
-        if key.endswith(".step") and key.split(".")[1] in ("ids", "small"):
-            continue  # a TT table's GPU step counter counts the refused call too
-        torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
+    for position, value, table in ((lo, 60, "ids"), (0, 7, "dense")):
+        bad = idx.clone()
+        bad[position] = value
+        assert int(off[3]) > 0  # "dense" has lookups
+        with pytest.raises(IndexError, match=f"index {value} at position {position} is out "
+                                             f"of range for table '{table}'"):
+            gpu(bad.cuda(), off.cuda()).sum().backward()
+            gpu.check()
+        after = gpu.state_dict()
+        for key, value in before.items():
+            torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.gpu
