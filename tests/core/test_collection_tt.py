@@ -64,15 +64,18 @@ class Reference:
     """A collection's training in float64: hbm / host tables by the collection's reference,
     tt tables by :class:`tests.core.test_tt_table.ReferenceTable`."""
 
-    def __init__(self, coll):
+    def __init__(self, coll, lr):
+        """``lr``: the optimizer's learning rate the test gave (a table's own ``lr`` in its
+        config comes first), not read back from the code under test."""
         self.coll = coll
         self.dense, self.tt = {}, {}
         for t in range(coll.num_tables):
             if t in coll.tt_tables:
                 table = coll.tt_table(t)
+                own = coll.tables[t].lr
                 self.tt[t] = ReferenceTable(types.SimpleNamespace(
                     joint_shape=table.joint_shape, optimizer=table.optimizer,
-                    hyper=table.hyper, cores=[host(c) for c in table.cores],
+                    hyper=dict(table.hyper, lr=lr if own is None else own), cores=[host(c) for c in table.cores],
                     states=[{k: host(v) for k, v in s.items()} for s in table.states],
                     step=table.step))
             else:
@@ -150,7 +153,7 @@ def test_mixed_collection_matches_the_float64_references(backend, optimizer, poo
     xp = backend.xp
     rng = np.random.default_rng(sum(map(ord, optimizer + pooling)))
     coll = collection(backend, optimizer, pooling)
-    ref = Reference(coll)
+    ref = Reference(coll, HYPER[optimizer]["lr"])
     B = 5
     for step in range(4):
         indices, offsets = make_batch(rng, ROWS, B, dtype=np.int32 if step % 2 else np.int64)
@@ -186,7 +189,7 @@ def test_empty_batches_one_table_and_float64(backend):
     only = EmbeddingCollection([TableConfig(60, 6, placement="tt", tt_ranks=3)], "sgd",
                                {"lr": 0.1}, dtype="float64",
                                device="cuda" if backend.gpu else "cpu", seed=1)
-    ref = Reference(only)
+    ref = Reference(only, 0.1)
     for _ in range(2):
         indices, offsets = make_batch(rng, (60,), 4)
         out, ctx = only.forward(xp.asarray(indices), xp.asarray(offsets))
@@ -208,7 +211,7 @@ def test_dict_form_and_lookup_only(backend):
     features = {name: (xp.asarray(rng.integers(0, rows, 5)), xp.asarray([0, 2, 2, 5]))
                 for name, rows in zip(coll.names, ROWS)}
     indices, offsets = coll.pack(features)
-    ref = Reference(coll)
+    ref = Reference(coll, HYPER["sgd"]["lr"])
     before = coll.state_dict()
     pooled = coll.lookup(indices, offsets)  # a lookup: nothing trains
     np.testing.assert_allclose(host(pooled), ref.pooled(host(indices), host(offsets)),
