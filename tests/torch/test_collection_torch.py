@@ -18,6 +18,8 @@ from xferlib.adapters.torch import EmbeddingBagCollection, FlatAdam, TableConfig
 from xferlib.collection import (collection_step_reference,  # noqa: E402
                                 pooled_lookup_reference)
 from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
+from tests.torch.capture_helpers import (  # noqa: E402
+    fixed_length_batches, linear_head_step, replay_beside_eager)
 
 HYPER = {"sgd": {"lr": 0.3, "momentum": 0.9}, "adam": {"lr": 0.05},
          "adamw": {"lr": 0.05, "weight_decay": 0.1}, "rowwise_adagrad": {"lr": 0.2},
@@ -426,47 +428,9 @@ def test_training_step_replayed_from_a_cuda_graph_trains_as_eager_steps():
         dense = torch.nn.Linear(sum(DIMS), 1).cuda()
         return ebc, dense, FlatAdam(dense.parameters(), lr=1e-2, capturable=True)
 
-    def step(ebc, dense, opt, idx, off, y):
-        opt.zero_grad(set_to_none=False)
-        loss = (dense(ebc(idx, off)).squeeze(1) - y).square().mean()
-        loss.backward()
-        opt.step()
-        return loss
-
-    rng = np.random.default_rng(4)
-    B = 16
-    # fixed lengths: a captured step replays fixed shapes (the number of indices too)
-    lengths = rng.integers(0, 5, size=len(ROWS) * B)
-    offsets = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), device="cuda")
-    n = int(offsets[-1])
-
-    def draw():
-        parts = [rng.integers(0, rows, int(lengths[t * B:(t + 1) * B].sum()))
-                 for t, rows in enumerate(ROWS)]
-        return (torch.as_tensor(np.concatenate(parts), device="cuda"),
-                torch.as_tensor(rng.standard_normal(B), dtype=torch.float32, device="cuda"))
-
-    batches = [draw() for _ in range(8)]
-    eager, graphed = build(), build()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: kernels compiled, the collection's GPU side made
-        for model in (eager, graphed):
-            for idx, y in batches[:2]:
-                step(*model, idx, offsets, y)
-    torch.cuda.current_stream().wait_stream(side)
-    static_idx, static_y = batches[2][0].clone(), batches[2][1].clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step(*graphed, static_idx, offsets, static_y)
-    for idx, y in batches[2:]:
-        static_idx.copy_(idx)
-        static_y.copy_(y)
-        graph.replay()
-        loss = step(*eager, idx, offsets, y)
-        torch.testing.assert_close(static_loss, loss, rtol=1e-5, atol=1e-6)
-    torch.cuda.synchronize()
-    assert n == batches[0][0].numel()
+    offsets, batches = fixed_length_batches(ROWS, 16, 8)
+    eager, graphed = replay_beside_eager(build, linear_head_step, batches, offsets)
+    assert int(offsets[-1]) == batches[0][0].numel()
     for a, b in zip(graphed, eager):
         if isinstance(a, torch.nn.Module):
             for key, value in b.state_dict().items():

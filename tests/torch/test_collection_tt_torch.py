@@ -16,6 +16,8 @@ torch = pytest.importorskip("torch")
 from xferlib.adapters.torch import EmbeddingBagCollection, TableConfig  # noqa: E402
 from xferlib.collection import EmbeddingCollection  # noqa: E402
 from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
+from tests.torch.capture_helpers import (  # noqa: E402
+    fixed_length_batches, linear_head_step, replay_beside_eager)
 
 ROWS, DIMS = (7, 60, 33, 20), (4, 6, 8, 4)
 
@@ -164,44 +166,8 @@ def test_training_step_replayed_from_a_cuda_graph_trains_as_eager_steps():
         dense = torch.nn.Linear(sum(DIMS), 1).cuda()
         return ebc, dense, torch.optim.SGD(dense.parameters(), lr=1e-2)
 
-    def step(ebc, dense, opt, idx, off, y):
-        opt.zero_grad(set_to_none=False)
-        loss = (dense(ebc(idx, off)).squeeze(1) - y).square().mean()
-        loss.backward()
-        opt.step()
-        return loss
-
-    rng = np.random.default_rng(4)
-    B = 16
-    lengths = rng.integers(0, 5, size=len(ROWS) * B)
-    offsets = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), device="cuda")
-
-    def draw():
-        parts = [rng.integers(0, rows, int(lengths[t * B:(t + 1) * B].sum()))
-                 for t, rows in enumerate(ROWS)]
-        return (torch.as_tensor(np.concatenate(parts), device="cuda"),
-                torch.as_tensor(rng.standard_normal(B), dtype=torch.float32, device="cuda"))
-
-    batches = [draw() for _ in range(6)]
-    eager, graphed = build(), build()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for model in (eager, graphed):
-            for idx, y in batches[:2]:
-                step(*model, idx, offsets, y)
-    torch.cuda.current_stream().wait_stream(side)
-    static_idx, static_y = batches[2][0].clone(), batches[2][1].clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step(*graphed, static_idx, offsets, static_y)
-    for idx, y in batches[2:]:
-        static_idx.copy_(idx)
-        static_y.copy_(y)
-        graph.replay()
-        loss = step(*eager, idx, offsets, y)
-        torch.testing.assert_close(static_loss, loss, rtol=1e-5, atol=1e-6)
-    torch.cuda.synchronize()
+    offsets, batches = fixed_length_batches(ROWS, 16, 6)
+    eager, graphed = replay_beside_eager(build, linear_head_step, batches, offsets)
     graphed[0].check()
     assert_same_state(graphed[0].state_dict(), eager[0].state_dict(), rtol=1e-5, atol=1e-6)
     assert graphed[0].collection.tt_table("ids").step == 6  # replays counted
