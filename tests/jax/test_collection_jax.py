@@ -174,7 +174,7 @@ def test_torch_and_jax_train_alike():
     """The torch module and the JAX function over collections built alike, fed the same
     batches and pooled gradients, leave bitwise-identical tables and optimizer state (both
     run the core's NumPy path on the CPU)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from xferlib.adapters.torch import EmbeddingBagCollection
 
     rng = np.random.default_rng(12)
@@ -296,10 +296,9 @@ TT_ROWS, TT_DIMS = (7, 60, 33, 20), (4, 6, 8, 4)
 
 def tt_tables():
     """hbm, tt (three cores), host, tt (two cores, its own learning rate)."""
-    return [TableConfig(7, 4, name="dense"),
-            TableConfig(60, 6, name="ids", placement="tt", tt_ranks=3),
-            TableConfig(33, 8, name="host", placement="host"),
-            TableConfig(20, 4, name="small", placement="tt", tt_ranks=(2,), lr=0.05)]
+    from tests.core.test_collection_tt import mixed_tables
+
+    return mixed_tables(0.05)
 
 
 def tt_batch(rng, B, dtype):

@@ -13,9 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from xferlib.adapters.torch import EmbeddingBagCollection, TableConfig  # noqa: E402
+from xferlib.adapters.torch import EmbeddingBagCollection  # noqa: E402
 from xferlib.collection import EmbeddingCollection  # noqa: E402
 from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
+from tests.core.test_collection_tt import mixed_tables  # noqa: E402
+from tests.torch.test_collection_torch import batch as batch_of  # noqa: E402
 from tests.torch.capture_helpers import (  # noqa: E402
     fixed_length_batches, linear_head_step, replay_beside_eager)
 
@@ -23,19 +25,12 @@ ROWS, DIMS = (7, 60, 33, 20), (4, 6, 8, 4)
 
 
 def tables():
-    return [TableConfig(7, 4, name="dense"),
-            TableConfig(60, 6, name="ids", placement="tt", tt_ranks=3),
-            TableConfig(33, 8, name="host", placement="host"),
-            TableConfig(20, 4, name="small", placement="tt", tt_ranks=(2,), lr=0.05)]
+    """hbm, tt (three cores), host, tt (two cores, its own learning rate)."""
+    return mixed_tables(0.05)
 
 
 def batch(rng, B, max_len=4, dtype=torch.int64):
-    lengths = rng.integers(0, max_len + 1, size=len(ROWS) * B)
-    parts = [rng.integers(0, n, int(lengths[t * B:(t + 1) * B].sum()))
-             for t, n in enumerate(ROWS)]
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    return (torch.as_tensor(np.concatenate(parts), dtype=dtype),
-            torch.as_tensor(offsets, dtype=dtype))
+    return batch_of(rng, B, ROWS, max_len, dtype)
 
 
 def assert_same_state(a: dict, b: dict, **tol):
