@@ -204,4 +204,4 @@ def tt_update_gpu(coll, residuals: TTLookups, grad, B: int, stream) -> None:
         table.apply_gradients(res, g, stream=stream)
         if refused is None:
             refused = (~residuals.ok).astype(np.int64)
-        table.step_array -= refused
+        table.uncount(refused)

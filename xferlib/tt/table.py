@@ -448,6 +448,12 @@ class TTTable:
                         cache=residuals.cache, checks=self.checks if defer else None,
                         stream=stream, scratch=scratch, count=count, **hyper)
 
+    def uncount(self, refused) -> None:
+        """Take a counted step back where ``refused`` (an int64 0 or 1 beside the counter,
+        e.g. a caller's own device-side verdict) is 1: no host sync, so a caller whose
+        check refused a batch after the GPU step counted it leaves the counter as it was."""
+        self.step_array -= refused
+
     def grads(self, residuals: TTResiduals, grad_bags, *, stream=None):
         """``(core gradients, cache gradient or None)`` of a lookup, for training the cores
         (and an active cache's dense rows) with an outside optimizer; nothing changes."""
