@@ -230,21 +230,64 @@ def test_padded_batches_ignore_their_tail():
     np.testing.assert_array_equal(a, b)
 
 
-def test_two_runs_are_bitwise_identical():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_runs_are_bitwise_identical(backend):
+    backend = get_backend(backend)
+    xp = backend.xp
+
     def run():
         rng = np.random.default_rng(11)
-        coll = collection(get_backend("numpy"), "rowwise_adagrad", "mean")
+        coll = collection(backend, "rowwise_adagrad", "mean")
         for step in range(3):
             indices, offsets = make_batch(rng, ROWS, 6)
             psw = rng.uniform(0.5, 2, indices.size).astype(np.float32) if step else None
-            out, ctx = coll.forward(indices, offsets, psw)
-            coll.backward(ctx, rng.standard_normal(out.shape).astype(np.float32))
+            out, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets),
+                                    None if psw is None else xp.asarray(psw))
+            coll.backward(ctx, xp.asarray(rng.standard_normal(out.shape).astype(np.float32)))
+        coll.check()
         return coll.state_dict()
 
     first, second = run(), run()
     assert first.keys() == second.keys()
     for key in first:
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+def test_core_rows_no_lookup_reaches_stay_bitwise(backend, optimizer):
+    """Training with tt lookups whose every digit is >= 1: row 0 of each core and its
+    optimizer state stay bitwise as they were. On the GPU the other tables' lookups reach
+    each tt table as row 0 in zero-gradient bags; that must move nothing."""
+    backend = get_backend(backend)
+    xp = backend.xp
+    rng = np.random.default_rng(13)
+    coll = collection(backend, optimizer)
+    B = 5
+    allowed = {}
+    for t, table in coll.tt_tables.items():
+        rows = np.arange(coll.tables[t].num_rows)
+        allowed[t] = rows[(table.shape.digits(rows) >= 1).all(axis=1)]
+        assert allowed[t].size > 0
+    before = {t: ([host(c)[0].copy() for c in table.cores],
+                  [{k: host(v)[0].copy() for k, v in s.items()} for s in table.states])
+              for t, table in coll.tt_tables.items()}
+    for _ in range(3):
+        indices, offsets = make_batch(rng, ROWS, B)
+        for t in coll.tt_tables:
+            lo, hi = int(offsets[t * B]), int(offsets[(t + 1) * B])
+            indices[lo:hi] = rng.choice(allowed[t], hi - lo)
+        out, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets))
+        coll.backward(ctx, xp.asarray(rng.standard_normal(out.shape).astype(np.float32)))
+    coll.check()
+    for t, table in coll.tt_tables.items():
+        cores, states = before[t]
+        for k, core in enumerate(table.cores):
+            np.testing.assert_array_equal(host(core)[0], cores[k], err_msg=f"{t} core {k}")
+            for name, value in table.states[k].items():
+                np.testing.assert_array_equal(host(value)[0], states[k][name],
+                                              err_msg=f"{t} core {k} {name}")
+        assert table.step == 3
 
 
 # ----------------------------------------------------------------------------- bad input
