@@ -150,8 +150,7 @@ def fused_step(table, residuals, grad_bags, *, group):
     buf = buf * (codes.sum() == 0)  # a rejected batch anywhere: no row is touched anywhere
     sizes = [p.numel() for p in pieces]
     parts = torch.split(buf[:-world], sizes)
-    hyper = table.hyper
-    hyper = dict(lr=hyper["lr"], eps=hyper["eps"], **table.step_hyper())
+    hyper = table.rule_hyper()
     core.tt_apply_core_grads(arrays, shape, array_of(parts[0]),
                              array_of((parts[1] > 0).to(torch.int32)), table.states,
                              table.optimizer, **hyper)

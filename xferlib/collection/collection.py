@@ -125,9 +125,9 @@ class EmbeddingCollection:
         slots = tuple(self.rule.slots(base_hyper))
         self.layouts = tuple(RowLayout(c.dim, dtype.itemsize, slots, self.rule.row_scalars)
                              for c in configs)
-        for t, c in enumerate(configs):  # refused before anything is allocated
-            if c.placement == "tt":
-                tt_hyper(c.name, optimizer, self.hypers[t])
+        # refused before anything is allocated
+        tt_hypers = {t: tt_hyper(c.name, optimizer, self.hypers[t])
+                     for t, c in enumerate(configs) if c.placement == "tt"}
         cached = [t for t, c in enumerate(configs) if c.cache_rows]
         host_dims = {c.dim for c in configs if c.placement == "host"}
         if cached and len(host_dims) > 1:
@@ -137,7 +137,7 @@ class EmbeddingCollection:
             seed = int(np.random.SeedSequence().entropy) & ((1 << 63) - 1)
         self.blocks, self.buffers = self._allocate(seed)
         # The tt tables (xferlib/collection/tt_tables.py): {table position: TTTable}.
-        self.tt_tables = build_tt_tables(self, seed)
+        self.tt_tables = build_tt_tables(self, seed, tt_hypers)
         self._refuse_shared_state_keys()
         self._gpu = None  # the GPU side (xferlib/collection/device.py), made on first use
         self._kept = {}  # contexts kept for a later backward (keep_context)

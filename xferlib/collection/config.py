@@ -12,6 +12,7 @@ import dataclasses
 import numbers
 
 from xferlib.collection.init import init_kind
+from xferlib.tt.initializers import WEIGHT_DISTS
 
 __all__ = ["TableConfig", "PLACEMENTS", "POOLINGS"]
 
@@ -22,7 +23,7 @@ __all__ = ["TableConfig", "PLACEMENTS", "POOLINGS"]
 #           only the rows they need, the update trains the cores (xferlib/collection/tt_tables.py).
 PLACEMENTS = ("hbm", "host", "tt")
 # The cores' initial draws (xferlib.tt.init_tt_cores).
-TT_INITS = ("approx-normal", "normal", "uniform", "approx-uniform")
+TT_INITS = WEIGHT_DISTS
 _DEFAULT_INIT = ("normal", 0.0, 1.0)
 POOLINGS = ("sum", "mean")
 

@@ -39,9 +39,8 @@ from xferlib.table.layout import RowLayout
 from xferlib.table.rules import resolve_hyper, sparse_rule
 
 __all__ = ["Shard", "ShardingPlan", "plan_sharding", "refuse_tt", "row_bytes",
-           "fill_shard_weights",
-           "save_shard_files", "write_manifest", "read_manifest", "read_rows",
-           "MANIFEST", "KINDS"]
+           "fill_shard_weights", "save_shard_files", "write_manifest", "read_manifest",
+           "read_rows", "MANIFEST", "KINDS"]
 
 KINDS = ("table_wise", "row_wise")
 MANIFEST = "manifest.json"  # names the files of the checkpoint it completes; written last

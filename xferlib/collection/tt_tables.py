@@ -69,10 +69,11 @@ def tt_hyper(name: str, optimizer: str, hyper: dict) -> dict:
     return out
 
 
-def build_tt_tables(coll, seed: int) -> dict:
-    """``{t: TTTable}`` for the tt tables of ``coll``: cores drawn from the table's stream of
-    ``seed`` (the same cores on the CPU and the GPU), or zeros for ``init="zeros"``; on
-    the GPU in CuPy arrays of the current device."""
+def build_tt_tables(coll, seed: int, hypers: dict) -> dict:
+    """``{t: TTTable}`` for the tt tables of ``coll`` (``hypers``: each one's
+    :func:`tt_hyper`): cores drawn from the table's stream of ``seed`` (the same cores on
+    the CPU and the GPU), or zeros for ``init="zeros"``; on the GPU in CuPy arrays of the
+    current device."""
     from xferlib.collection.init import table_stream
     from xferlib.tt.table import TTTable
 
@@ -80,12 +81,11 @@ def build_tt_tables(coll, seed: int) -> dict:
     for t, config in enumerate(coll.tables):
         if config.placement != "tt":
             continue
-        hyper = tt_hyper(config.name, coll.optimizer, coll.hypers[t])
         if coll.device == "cuda":
             import cupy as xp
         else:
             xp = np
-        table = TTTable(config.tt_shape, coll.optimizer, hyper,
+        table = TTTable(config.tt_shape, coll.optimizer, hypers[t],
                         num_embeddings=config.num_rows, init=config.tt_init,
                         seed=table_stream(seed, t), xp=xp)
         if config.init in ("zeros", ("zeros",)):

@@ -10,7 +10,10 @@ import numpy as np
 from xferlib.sizes import integral_size
 from xferlib.tt.shape import TTShape
 
-__all__ = ["init_tt_cores", "normal_tail", "tt_from_dense"]
+__all__ = ["init_tt_cores", "normal_tail", "tt_from_dense", "WEIGHT_DISTS"]
+
+# init_tt_cores' distributions (FBTT's names; "approx-normal" is FBTT's default).
+WEIGHT_DISTS = ("approx-normal", "normal", "uniform", "approx-uniform")
 
 
 def init_tt_cores(shape: TTShape, weight_dist: str = "approx-normal", num_embeddings=None,

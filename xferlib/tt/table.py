@@ -318,6 +318,11 @@ class TTTable:
     def step(self, value: int) -> None:
         self.step_array[...] = integral_size("step", value)
 
+    def rule_hyper(self) -> dict:
+        """Every hyperparameter the fused rule takes: ``lr``, ``eps`` and
+        :meth:`step_hyper`'s."""
+        return dict(lr=self._hyper["lr"], eps=self._hyper["eps"], **self.step_hyper())
+
     def step_hyper(self) -> dict:
         """The fused update's hyperparameters besides ``lr`` and ``eps`` and its ``step``:
         the device counter itself on the GPU (read by the kernel), else its value (>= 1)."""
@@ -433,7 +438,7 @@ class TTTable:
     def _fused_update(self, residuals, grad_bags, gpu, stream) -> None:
         if not gpu:
             self.step_array[0] += 1
-        hyper = self.step_hyper()
+        hyper = self.rule_hyper()
         # on the GPU the device counter, incremented by the step's gradient kernel (replays
         # count too): no launch of its own
         count = hyper["step"] if gpu else None
@@ -442,11 +447,10 @@ class TTTable:
         # every replay and read by check()
         defer = residuals.captured or self.defer_checks
         scratch = self.scratch.get(stream) if gpu and not capturing else None
-        h = self._hyper
         tt_fused_update(residuals.cores, self.joint_shape, residuals.bag, grad_bags,
-                        self.states, self.optimizer, lr=h["lr"], eps=h["eps"],
-                        cache=residuals.cache, checks=self.checks if defer else None,
-                        stream=stream, scratch=scratch, count=count, **hyper)
+                        self.states, self.optimizer, cache=residuals.cache,
+                        checks=self.checks if defer else None, stream=stream, scratch=scratch,
+                        count=count, **hyper)
 
     def uncount(self, refused) -> None:
         """Take a counted step back where ``refused`` (an int64 0 or 1 beside the counter,
@@ -476,10 +480,8 @@ class TTTable:
 
     def checks_on_device(self) -> bool:
         """Whether training batches are checked on the device (the GPU kernel path)."""
-        if self._kernels is None:
-            xp = self.xp
-            self._kernels = uses_kernels(self.joint_shape, xp.zeros(1, dtype=np.int64),
-                                         self.cores)
+        if self._kernels is None:  # the step counter: an int64 array beside the cores
+            self._kernels = uses_kernels(self.joint_shape, self.step_array, self.cores)
         return self._kernels
 
     # ------------------------------------------------------------------ joint rows
