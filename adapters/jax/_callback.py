@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 
@@ -47,6 +49,16 @@ def buffer_device(*buffers) -> int:
         if pointer:  # an empty buffer may carry a null pointer
             return int(cupy.cuda.runtime.pointerGetAttributes(pointer).device)
     return int(cupy.cuda.runtime.getDevice())
+
+
+@contextlib.contextmanager
+def callback_scope(ctx, gpu: bool, *buffers):
+    """A callback's device (the buffers': under shard_map, each device's own), then XLA's
+    stream as CuPy's current one, so every GPU op of the callback queues there."""
+    from xferlib.backend import stream_scope
+
+    with device_scope(gpu, *buffers), stream_scope(xla_stream(ctx, gpu), gpu):
+        yield
 
 
 def device_scope(gpu: bool, *buffers):

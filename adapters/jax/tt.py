@@ -23,37 +23,19 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib import tt as core
-from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
-                                            vary_like, varying_axes, xla_stream)
+from xferlib.adapters.jax._callback import (as_core_array, callback_scope, is_gpu_buffer,
+                                            vary_like, varying_axes)
 from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
 from xferlib.adapters.jax.tt_table import tt_lookup, tt_update
 
 __all__ = ["tt_embedding_bag", "tt_lookup", "tt_update"]
 
 
-class _Scope:
-    """This callback's device (under shard_map, each device's own), then XLA's stream."""
-
-    def __init__(self, ctx, gpu, buffers):
-        self.ctx, self.gpu, self.buffers = ctx, gpu, buffers
-
-    def __enter__(self):
-        from xferlib.backend import stream_scope
-
-        self.device = device_scope(self.gpu, *self.buffers)
-        self.device.__enter__()
-        self.stream = stream_scope(xla_stream(self.ctx, self.gpu), self.gpu)
-        self.stream.__enter__()
-
-    def __exit__(self, *exc):
-        self.stream.__exit__(*exc)
-        return self.device.__exit__(*exc)
-
-
 def _arrays(ctx, buffers, outs=()):
     """Core arrays for XLA's buffers and the device and stream context to run them in."""
     gpu = any(is_gpu_buffer(b) for b in buffers)
-    return ([as_core_array(b, gpu) for b in buffers], _Scope(ctx, gpu, (*outs, *buffers)), gpu)
+    return ([as_core_array(b, gpu) for b in buffers],
+            callback_scope(ctx, gpu, *outs, *buffers), gpu)
 
 
 @functools.lru_cache(maxsize=None)

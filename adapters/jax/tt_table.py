@@ -32,11 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
+from xferlib.adapters.jax._callback import (as_core_array, callback_scope, is_gpu_buffer,
                                             xla_stream)
 from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
 from xferlib.adapters.jax.host import fill_token
-from xferlib.backend import stream_scope
 from xferlib.tt.table import TTTable
 
 __all__ = ["tt_lookup", "tt_update"]
@@ -100,8 +99,7 @@ def tt_lookup(table: TTTable, indices, offsets, *, per_sample_weights=None,
     @reporting
     def callback(ctx, out, *buffers):
         gpu = is_gpu_buffer(out)
-        # the device, and XLA's stream as CuPy's current one (every GPU op of the table on it)
-        with device_scope(gpu, out, *buffers[:2]), stream_scope(xla_stream(ctx, gpu), gpu):
+        with callback_scope(ctx, gpu, out, *buffers[:2]):  # the table's GPU ops on XLA's stream
             idx, off, w, _ = _split(buffers, gpu, weighted)
             # checked at once: a lookup's residuals do not reach the update callback
             table.lookup(idx, off, per_sample_weights=w, mode=mode,
@@ -144,7 +142,7 @@ def tt_update(table: TTTable, indices, offsets, grad_bags, *, per_sample_weights
     @reporting
     def callback(ctx, token, *buffers):
         gpu = is_gpu_buffer(token)
-        with device_scope(gpu, token, *buffers[:2]), stream_scope(xla_stream(ctx, gpu), gpu):
+        with callback_scope(ctx, gpu, token, *buffers[:2]):
             idx, off, w, rest = _split(buffers, gpu, weighted)
             grad = rest[0]  # then the after= values, only waited for
             stream = xla_stream(ctx, gpu)
