@@ -468,6 +468,32 @@ def test_click_log_is_the_same_on_gpu_and_cpu(parts):
 
 
 @pytest.mark.gpu
+def test_click_log_gpu_kernels_give_the_array_operations_bits(parts):
+    """The GPU's one-kernel hashes and rows equal the array operations run on CuPy, bit for
+    bit (no FMA contraction, the same float functions)."""
+    import cupy
+
+    d = parts.data
+    rng = np.random.default_rng(0)
+    counters = cupy.asarray(rng.integers(0, 2**63, (4, 50_000), dtype=np.uint64))
+    keys = cupy.asarray(rng.integers(0, 2**63, (4, 1), dtype=np.uint64))
+    for fast, ops in ((d.hash_uniform, d.uniform_ops), (d.hash_normal, d.normal_ops)):
+        np.testing.assert_array_equal(fast(keys, counters, cupy).get(),
+                                      ops(keys, counters, cupy).get())
+    log = d.ClickLog([7, 1, 100, 1000, 2_000_000] + [50] * 21, seed=2, pooling=3)
+    rows = log.batches(3, 2, 4096, cupy).cat
+    c = log._on(cupy)
+    step_keys = log._keys([3, 4], 0, d._CAT, cupy)[:, None, None, None]
+    F, B, L = len(log.cardinalities), 4096, 3
+    counters = (cupy.arange(F, dtype=cupy.uint64)[:, None, None] * np.uint64(B * L)
+                + cupy.arange(B * L, dtype=cupy.uint64).reshape(1, B, L))
+    f = {k: c[k][:, None, None] for k in ("span", "n", "a", "b")}
+    expected = d.rank_rows_ops(d.uniform_ops(step_keys, counters, cupy), f["span"], f["n"],
+                               f["a"], f["b"], log.alpha, cupy)
+    np.testing.assert_array_equal(rows.get(), expected.get())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_short_gpu_run(framework, tmp_path):
     out = tmp_path / "run.json"

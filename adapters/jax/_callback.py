@@ -18,16 +18,30 @@ def is_gpu_buffer(buffer) -> bool:
 
 def as_core_array(buffer, gpu: bool):
     """A zero-copy NumPy (CPU) or CuPy (GPU) view of an XLA buffer."""
-    if gpu:
-        import cupy
-
-        array = cupy.asarray(buffer)
-    else:
-        array = np.asarray(buffer)
+    array = _cupy_view(buffer) if gpu else np.asarray(buffer)
     dtype = np.dtype(buffer.dtype)
     if array.dtype != dtype:  # bfloat16 arrives as raw 2-byte voids through the array protocols
         array = array.view(dtype)
     return array
+
+
+def _cupy_view(buffer):
+    """The CuPy view of a GPU buffer, built from its array interface and DLPack device
+    (``cupy.asarray`` asks the driver which device holds the pointer: a call per buffer,
+    several per step of a jitted model; XLA's buffers are dense, row-major)."""
+    import cupy
+
+    interface = buffer.__cuda_array_interface__
+    if interface.get("strides") is not None or not hasattr(buffer, "__dlpack_device__"):
+        return cupy.asarray(buffer)
+    dtype = np.dtype(interface["typestr"])
+    shape = tuple(interface["shape"])
+    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    if nbytes == 0:  # an empty buffer may carry a null pointer
+        return cupy.empty(shape, dtype)
+    memory = cupy.cuda.UnownedMemory(interface["data"][0], nbytes, buffer,
+                                     int(buffer.__dlpack_device__()[1]))
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
 def xla_stream(ctx, gpu: bool):
@@ -45,6 +59,8 @@ def buffer_device(*buffers) -> int:
     import cupy
 
     for buffer in buffers:
+        if hasattr(buffer, "__dlpack_device__"):  # XLA's buffers say where they live
+            return int(buffer.__dlpack_device__()[1])
         pointer = buffer.__cuda_array_interface__["data"][0]
         if pointer:  # an empty buffer may carry a null pointer
             return int(cupy.cuda.runtime.pointerGetAttributes(pointer).device)

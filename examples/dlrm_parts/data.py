@@ -62,15 +62,83 @@ def _key(*parts) -> int:
 def hash_uniform(key, counters, xp):
     """U(0, 1) float32, never 0 or 1, one per uint64 counter."""
     key = xp.uint64(key) if isinstance(key, int) else key  # one key, or one per step
-    h = _mix(counters * _GOLDEN ^ key, xp)
-    return ((h >> np.uint64(40)).astype(xp.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+    if xp is not np:  # CuPy: one kernel, the same bits as the array operations
+        return gpu_hashes().uniform(counters, key)
+    return uniform_ops(key, counters, xp)
 
 
 def hash_normal(key, counters, xp):
     """N(0, 1) float32 (Box-Muller on two hashed uniforms)."""
-    u1 = hash_uniform(key, counters * np.uint64(2), xp)
-    u2 = hash_uniform(key, counters * np.uint64(2) + np.uint64(1), xp)
+    key = xp.uint64(key) if isinstance(key, int) else key
+    if xp is not np:
+        return gpu_hashes().normal(counters, key)
+    return normal_ops(key, counters, xp)
+
+
+def uniform_ops(key, counters, xp):
+    """:func:`hash_uniform` as array operations (NumPy's path)."""
+    h = _mix(counters * _GOLDEN ^ key, xp)
+    return ((h >> np.uint64(40)).astype(xp.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+
+
+def normal_ops(key, counters, xp):
+    """:func:`hash_normal` as array operations (NumPy's path)."""
+    u1 = uniform_ops(key, counters * np.uint64(2), xp)
+    u2 = uniform_ops(key, counters * np.uint64(2) + np.uint64(1), xp)
     return xp.sqrt(np.float32(-2.0) * xp.log(u1)) * xp.cos(np.float32(2 * math.pi) * u2)
+
+
+def rank_rows_ops(u, span, n, a, b, alpha, xp):
+    """Rows from uniforms ``u``: the power law's inverse CDF (ranks ``0 .. n-1``), scattered
+    by ``(a * rank + b) mod n`` (NumPy's path; broadcasting over the feature axis)."""
+    rank = xp.floor((span * u.astype(xp.float64) + 1.0) ** (1.0 / (1.0 - alpha))) - 1.0
+    rank = xp.minimum(xp.maximum(rank, 0.0), n.astype(xp.float64) - 1).astype(xp.uint64)
+    return ((a * rank + b) % n).astype(xp.int64)
+
+
+# On a GPU each hash (and a batch's rows) is one kernel instead of a dozen array operations:
+# a chunk of batches took ~150 launches, whose host time bounds a run that dispatches from
+# Python. The arithmetic is the array operations', operation for operation in the same
+# precision; double-precision products and sums use _rn intrinsics so that the compiler fuses
+# none into an FMA (rounded once instead of twice, which the separate operations are not).
+_GPU_PREAMBLE = r"""
+__device__ __forceinline__ unsigned long long mix64(unsigned long long x) {
+    x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27; x *= 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+__device__ __forceinline__ float unit(unsigned long long key, unsigned long long c) {
+    const unsigned long long h = mix64((c * 0x9E3779B97F4A7C15ull) ^ key);
+    return ((float)(h >> 40) + 0.5f) * 5.9604644775390625e-08f;
+}
+"""
+_GPU_HASHES = []
+
+
+def gpu_hashes():
+    """The CuPy kernels (compiled on first use): ``uniform(counters, key)``,
+    ``normal(counters, key)``, ``rows(counters, key, span, n, a, b, expo)``."""
+    if not _GPU_HASHES:
+        from types import SimpleNamespace
+
+        import cupy
+
+        def kernel(name, inputs, output, body):
+            return cupy.ElementwiseKernel(inputs, output, body, name, preamble=_GPU_PREAMBLE)
+
+        _GPU_HASHES.append(SimpleNamespace(
+            uniform=kernel("click_uniform", "uint64 c, uint64 key", "float32 out",
+                           "out = unit(key, c);"),
+            normal=kernel("click_normal", "uint64 c, uint64 key", "float32 out",
+                          "out = sqrtf(-2.0f * logf(unit(key, c * 2ull)))"
+                          " * cosf(6.2831854820251465f * unit(key, c * 2ull + 1ull));"),
+            rows=kernel("click_rows", "uint64 c, uint64 key, float64 span, uint64 n, "
+                        "uint64 a, uint64 b, float64 expo", "int64 out",
+                        "double r = floor(pow(__dadd_rn(__dmul_rn(span, (double)unit(key, c)),"
+                        " 1.0), expo)) - 1.0;"
+                        "r = fmin(fmax(r, 0.0), (double)n - 1.0);"
+                        "out = (long long)((a * (unsigned long long)r + b) % n);")))
+    return _GPU_HASHES[0]
 
 
 def _coprime_multiplier(n: int, f: int) -> int:
@@ -132,12 +200,13 @@ class ClickLog:
         # element (f, b, l) of the whole batch, for samples lo <= b < hi; one key per step
         counters = (xp.arange(F, dtype=xp.uint64)[:, None, None] * np.uint64(B * L)
                     + xp.arange(lo * L, hi * L, dtype=xp.uint64).reshape(1, hi - lo, L))
-        u = hash_uniform(keys[:, None, None, None], counters, xp).astype(xp.float64)
-        span = c["span"][:, None, None]
-        rank = xp.floor((span * u + 1.0) ** (1.0 / (1.0 - self.alpha))) - 1.0
-        n = c["n"][:, None, None]
-        rank = xp.minimum(xp.maximum(rank, 0.0), n.astype(xp.float64) - 1).astype(xp.uint64)
-        return ((c["a"][:, None, None] * rank + c["b"][:, None, None]) % n).astype(xp.int64)
+        f = {k: c[k][:, None, None] for k in ("span", "n", "a", "b")}  # per feature
+        keys = keys[:, None, None, None]
+        if xp is not np:  # one kernel, the same bits as the array operations
+            return gpu_hashes().rows(counters, keys, f["span"], f["n"], f["a"], f["b"],
+                                     1.0 / (1.0 - self.alpha))
+        return rank_rows_ops(uniform_ops(keys, counters, xp), f["span"], f["n"], f["a"],
+                             f["b"], self.alpha, xp)
 
     def row_bias(self, features, rows, xp):
         """Per-row biases of ``features`` (a list): ``rows[..., j, :, :]`` holds rows of table

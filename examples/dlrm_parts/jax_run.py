@@ -145,6 +145,8 @@ class JaxRun:
             return flat, opt_state, tt, tt_acc, loss
 
         self._train_step = jax.jit(step, donate_argnums=(0, 1, 2, 3))
+        self._split = jax.jit(lambda *arrays: [tuple(a[k] for a in arrays)
+                                               for k in range(arrays[0].shape[0])])
         self._predict = jax.jit(lambda flat, tt, dense, cat: self._interact(
             flat, dense, self._embed(None, tt, cat)))
         # --profile's pieces, each its own jit
@@ -159,6 +161,12 @@ class JaxRun:
         # int32 rows: JAX runs without x64, and every preset's tables have < 2^31 rows
         to = xferlib.to_jax
         return to(batch.dense), to(batch.cat.astype(self.xp.int32)), to(batch.label)
+
+    def chunk_steps(self, chunk):
+        """A chunk's steps in one go: the chunk crosses to JAX once and one jitted call
+        splits it into its steps' batches (a conversion per batch would cost each step
+        more host time than the step's own dispatch)."""
+        return self._split(*self.to_framework(chunk))
 
     def step(self, data):
         dense, cat, label = data

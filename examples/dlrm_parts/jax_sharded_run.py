@@ -114,6 +114,8 @@ class JaxShardedRun(JaxRun):
             out_specs=PartitionSpec(AXIS)))
 
     # ------------------------------------------------------------------ runner interface
+    chunk_steps = None  # each step's batch is placed on the mesh as it comes (to_framework)
+
     def to_framework(self, batch):
         # int32 rows (JAX runs without x64); each device gets its slice of the batch
         to = xferlib.to_jax

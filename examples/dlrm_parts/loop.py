@@ -70,7 +70,7 @@ class Feed:
 
     def __init__(self, run, log, batch_size, xp, ahead=None):
         self.run, self.log, self.batch_size, self.xp = run, log, batch_size, xp
-        self._chunk, self._first = None, None
+        self._chunk, self._first, self._steps = None, None, None
         gpu = getattr(xp, "__name__", "") == "cupy"
         self._side = (xp.cuda.Stream(non_blocking=True)
                       if gpu and (AHEAD if ahead is None else ahead) else None)
@@ -106,7 +106,13 @@ class Feed:
         if first != self._first:
             self._chunk = self._chunk_at(first)
             self._first = first
+            # a run that converts a whole chunk at once (JAX: one conversion and one split
+            # per chunk instead of a conversion per step) gives its steps' batches here
+            split = getattr(self.run, "chunk_steps", None)
+            self._steps = split(self._chunk) if split is not None else None
         i = step - first
+        if self._steps is not None:
+            return self._steps[i]
         c = self._chunk
         return self.run.to_framework(type(c)(c.dense[i], c.cat[i], c.label[i], c.logit[i]))
 

@@ -151,6 +151,11 @@ class TorchEmbeddings(torch.nn.Module):
         return torch.stack([bag(cat[f]) for f, bag in enumerate(self.bags)], dim=1)
 
 
+# FBGEMM's row-wise Adagrad epsilon: xferlib's default for the rule, so the pair of runs
+# trains with the same hyperparameters.
+ROWWISE_EPS = 1e-8
+
+
 class FbgemmEmbeddings(torch.nn.Module):
     """FBGEMM's TBE over every table: ``DEVICE`` for the plan's HBM tables,
     ``MANAGED_CACHING`` (LRU, the plan's cache size) for its host tables, exact row-wise
@@ -172,13 +177,16 @@ class FbgemmEmbeddings(torch.nn.Module):
                  for t in plan.tables]
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            learning_rate=preset.lr_embedding, eps=1e-10, pooling_mode=PoolingMode.SUM,
+            learning_rate=preset.lr_embedding, eps=ROWWISE_EPS, pooling_mode=PoolingMode.SUM,
             cache_load_factor=max(load, 1e-6), cache_algorithm=CacheAlgorithm.LRU,
             device=device)
         xp = _array_module(device)
         with torch.no_grad():
             for k, (t, w) in enumerate(zip(plan.tables, self.tbe.split_embedding_weights())):
                 w.copy_(xferlib.to_torch(initial.collection_rows(preset, seed, k, t.rows, xp)))
+        if xp is not np:  # the rows were made by CuPy: its pool need not count them
+            torch.cuda.current_stream().synchronize()
+            xp.get_default_memory_pool().free_all_blocks()
         self._offsets, self.dim = {}, preset.dim
 
     def forward(self, cat):

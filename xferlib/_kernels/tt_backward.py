@@ -380,7 +380,8 @@ __device__ __forceinline__ void clear_row(i64 b, float* grad, int* touched, int 
 # One block per core row (all cores): its gradient row, summed in sorted order, and its flag
 # (1: touched, 0: not; every flag is written). dense: untouched rows get zeros, else they are
 # left unwritten. counter (may be NULL): the step counter, incremented once by block 0 (the
-# update kernels that follow read it), whatever the verdict, as a step counts every call.
+# update kernels that follow read it) unless the verdict rejects the batch, which changes
+# nothing, its count included.
 # splits > 1 (large batches): the grid has splits blocks per core row (block b + s * rows
 # takes part s); a row whose list is long is summed by up to splits blocks into partials
 # (part: splits floats per gradient float) that tt_reduce_join adds in order.
@@ -392,7 +393,8 @@ TT_REDUCE = KernelDecl(
      ("int*", "touched"), ("int", "dense"), ("i64*", "counter"), ("float*", "part"),
      ("int", "splits"), ("const u64*", "verdict")),
     r"""
-    if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) counter[0] += 1;
+    if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0 && !rejected(verdict))
+        counter[0] += 1;
     const i64 b = blockIdx.x % ROFF(D);
     const int s = (int)(blockIdx.x / ROFF(D));
     if (s >= splits || (s > 0 && part == nullptr)) return;

@@ -191,9 +191,9 @@ def tt_update_gpu(coll, residuals: TTLookups, grad, B: int, stream) -> None:
     """Each tt table's fused TT update (queued on ``stream``, CuPy's current stream here):
     its columns of the pooled gradient as the bags' gradient, zeros for the extra bags. A
     batch the collection refused writes nothing (every lookup sits in the zero-gradient
-    last bag) and its count is taken back on the device (a TT table's GPU step counts
-    whatever its own verdict), so a refused batch leaves the step counters as they were
-    whether the refusal is read before this update or after it."""
+    last bag) and its count is taken back on the device (the TT table's own check passes
+    such a batch, so its GPU step counts it), so a refused batch leaves the step counters
+    as they were whether the refusal is read before this update or after it."""
     import cupy
 
     refused = None

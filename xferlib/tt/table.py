@@ -139,8 +139,8 @@ class TTTable:
     Bad input raises before any state changes (TypeError for dtypes, IndexError for indices
     out of range, ValueError for shapes and offsets); on the GPU a training lookup's check is
     read in :meth:`apply_gradients`, or deferred (:attr:`defer_checks`) to a later call or
-    :meth:`check`, and the kernels of a rejected batch write nothing to the cores, state
-    or cache (its step counter, which the kernels keep, counts it).
+    :meth:`check`, and the kernels of a rejected batch write nothing to the cores, state,
+    cache or step counter.
     """
 
     def __init__(self, shape: TTShape, optimizer: str = "sgd", optimizer_kwargs=None, *,
