@@ -445,6 +445,8 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
                     if kinds:
                         result["profile_replay_ms"] = kinds
                         print(metrics.profile_table(f"{name}, replayed step's kernels", kinds))
+                        result["profile_top_kernels"] = run.top_kernels
+                        print(metrics.top_kernels_table(name, run.top_kernels))
             results.append(result)
         except Exception:
             traceback.print_exc()

@@ -252,7 +252,9 @@ class EmbeddingBagCollection(torch.nn.Module):
         self._update(lookup, grad)
 
     def _update(self, lookup, grad: torch.Tensor) -> None:
-        grad = grad.to(device=self.device, dtype=self.dtype).contiguous()
+        grad = grad.to(device=self.device, dtype=self.dtype)
+        if grad.dim() != 2 or grad.stride(-1) != 1:  # rows of adjacent columns are read in place
+            grad = grad.contiguous()
         with self._on_device(), self._on_stream() as stream:
             self.collection.backward(lookup, as_core_array(grad), stream=stream)
 

@@ -75,7 +75,9 @@ def profile_table(name, breakdown) -> str:
 # Kinds of GPU kernel in a replayed DLRM step, by name (first match wins).
 KERNEL_KINDS = (
     ("collectives (NCCL)", ("nccl",)),
-    ("embedding kernels (xferlib)", ("coll_", "tile_sort", "tile_merge")),
+    # FBGEMM's before the matmuls: its kernels' namespace, fbgemm_gpu, holds "gemm"
+    ("embedding kernels (FBGEMM TBE)", ("fbgemm", "split_embedding", "lru_cache", "lxu_cache")),
+    ("embedding kernels (xferlib)", ("coll_", "tile_sort", "tile_merge", "cache_")),
     ("matmuls", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_")),
     ("sorts and scans (torch / CUB)", ("radix", "sort", "scan", "cub::")),
     ("copies and fills", ("memcpy", "memset", "copy", "fill")),
@@ -96,6 +98,25 @@ def kernel_kinds(kernels, steps: int) -> dict:
         out[kind] += us / 1e3 / steps
     out["kernels per step"] = len(kernels) / steps
     return out
+
+
+def top_kernels(kernels, steps: int, count: int = 15) -> list:
+    """The ``count`` kernels taking the most GPU time in ``steps`` steps, by name (template
+    arguments and parameter lists cut): ``[name, ms per step, launches per step]``."""
+    totals = {}
+    for name, us in kernels:
+        short = name.split("(")[0].split("<")[0].replace("void ", "").strip()
+        t = totals.setdefault(short, [0.0, 0])
+        t[0] += us / 1e3 / steps
+        t[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:count]
+    return [[name, ms, n / steps] for name, (ms, n) in ranked]
+
+
+def top_kernels_table(name, top) -> str:
+    lines = [f"{name}: the {len(top)} costliest kernels, ms per step (launches per step)"]
+    lines += [f"  {ms:7.3f} ({n:4.1f})  {k[:90]}" for k, ms, n in top]
+    return "\n".join(lines)
 
 
 def write_json(path, results, extra) -> None:

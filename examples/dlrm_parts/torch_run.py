@@ -505,6 +505,7 @@ class TorchRun:
                    if e.device_type == torch.autograd.DeviceType.CUDA]
         out = metrics.kernel_kinds(kernels, len(batches))
         out["replayed step (events, profiler on)"] = start.elapsed_time(end) / len(batches)
+        self.top_kernels = metrics.top_kernels(kernels, len(batches))
         return out
 
     # ------------------------------------------------------------------ figures

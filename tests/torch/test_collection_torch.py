@@ -384,13 +384,16 @@ def test_gpu_module_trains_as_the_cpu_module(optimizer):
     for step in range(4):
         idx, off = batch(rng, B=7, dtype=torch.int32 if step % 2 else torch.int64)
         psw = torch.as_tensor(rng.uniform(0.5, 2, idx.numel()), dtype=torch.float32)
-        grad = torch.randn(7, sum(DIMS), generator=torch.Generator().manual_seed(step))
+        wide = torch.randn(7, sum(DIMS) + 5, generator=torch.Generator().manual_seed(step))
+        # odd steps: the gradient a slice of wider rows (as a concatenation's backward gives
+        # it), which the GPU reads in place
+        cols = slice(3, 3 + sum(DIMS)) if step % 2 else slice(0, sum(DIMS))
         a = cpu(idx, off, psw)
         b = gpu(idx.cuda(), off.cuda(), psw.cuda())
         assert b.is_cuda
         torch.testing.assert_close(b.cpu(), a.detach(), rtol=1e-5, atol=1e-6)
-        a.backward(grad)
-        b.backward(grad.cuda())
+        a.backward(wide[:, cols])
+        b.backward(wide.cuda()[:, cols])
     gpu.check()
     for key, value in cpu.state_dict().items():
         torch.testing.assert_close(gpu.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)

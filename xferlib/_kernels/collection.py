@@ -124,11 +124,12 @@ POSITIONS = KernelDecl(
     "coll_positions", "template <typename T>",
     (("const i64*", "meta"), ("const i64*", "perm"), ("const i64*", "bag_of"),
      ("const i64*", "offsets"), ("const T*", "psw"), ("int", "mean"), ("i64", "n"),
-     ("i64", "B"), ("i64", "total_dim"), ("i64*", "pos_src"), ("T*", "pos_scale"),
+     ("i64", "B"), ("i64", "grad_stride"), ("i64*", "pos_src"), ("T*", "pos_scale"),
      ("int*", "pos_dim"), ("const unsigned long long*", "verdict")),
     r"""
     // A thread per sorted position: where its lookup's gradient starts in the pooled
-    // gradient (its bag's row, its table's columns), its factor and its table's width.
+    // gradient (its bag's row, `grad_stride` elements apart, then its table's columns), its
+    // factor and its table's width.
     if (rejected(verdict)) return;
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
@@ -141,7 +142,7 @@ POSITIONS = KernelDecl(
             const i64* m = meta + (bag / B) * COLL_META;
             i64 lo, hi;
             bag_range(offsets, bag, n, lo, hi);
-            src = (bag - (bag / B) * B) * total_dim + m[M_D_OFF];
+            src = (bag - (bag / B) * B) * grad_stride + m[M_D_OFF];
             scale = lookup_scale<T>(psw, l, mean, hi - lo);
             dim = (int)m[M_DIM];
         }
@@ -183,17 +184,21 @@ POOL = KernelDecl(
     (("const T*", "hbm"), ("const i64*", "meta"), ("const K*", "indices"),
      ("const i64*", "offsets"), ("const T*", "psw"), ("const i64*", "inv"),
      ("const T*", "staged"), ("i64", "stage_width"), ("i64", "n"), ("i64", "bags"),
-     ("i64", "B"), ("int", "mean"), ("T*", "out"), ("i64", "total_dim"),
+     ("i64", "B"), ("int", "mean"), ("T*", "out"), ("i64", "total_dim"), ("int", "group"),
      ("const unsigned long long*", "verdict")),
     r"""
-    // A warp per bag: its rows summed in registers (four lookups' loads in flight, added in
-    // bag order), written once to out[b, d_off:d_off + dim]. A refused batch's bags are
-    // written as zeros (no row read): a caller that learns of the refusal later (a sharded
-    // step, a CUDA graph) passes on zeros, not whatever the buffer held.
+    // A group of `group` lanes per bag (a power of two up to 32, as many as the widest row
+    // needs vectors: a 64-wide float row fills 16 lanes, so a warp takes two bags instead of
+    // leaving half its lanes idle): the bag's rows summed in registers (four lookups' loads
+    // in flight, added in bag order), written once to out[b, d_off:d_off + dim]. A refused
+    // batch's bags are written as zeros (no row read): a caller that learns of the refusal
+    // later (a sharded step, a CUDA graph) passes on zeros, not whatever the buffer held.
+    // No lane waits on another (no shuffles), so groups of a warp may part ways.
     const bool refused = rejected(verdict);
-    const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    for (i64 bag = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; bag < bags; bag += warps) {
+    const int lane = threadIdx.x & (group - 1);
+    const i64 groups = (i64)gridDim.x * (blockDim.x / group);
+    for (i64 bag = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / group; bag < bags;
+         bag += groups) {
         const i64* m = meta + (bag / B) * COLL_META;
         const i64 b = bag - (bag / B) * B;
         i64 lo, hi;
@@ -203,7 +208,7 @@ POOL = KernelDecl(
         const bool host = m[M_HOST] != 0;
         const T* table = hbm + m[M_BASE];
         T* dst = out + b * total_dim + m[M_D_OFF];
-        for (i64 e = (i64)V * lane; e < dim; e += 32 * V) {
+        for (i64 e = (i64)V * lane; e < dim; e += (i64)group * V) {
             T acc[V];
             #pragma unroll
             for (int q = 0; q < V; ++q) acc[q] = (T)0;
@@ -352,17 +357,23 @@ UPDATE = KernelDecl(
      ("const T*", "summed"), ("i64", "width"), ("const T*", "staged"), ("i64", "stage_width"),
      ("T*", "cache"), ("i64", "cache_width"), ("const int*", "slots"),
      ("unsigned char*", "dirty"), ("i64", "n_slots"), ("const double*", "hyper"),
-     ("i64", "hyper_width"), ("const unsigned long long*", "verdict")),
+     ("i64", "hyper_width"), ("int", "group"), ("const unsigned long long*", "verdict")),
     r"""
-    // A warp per distinct row: the table's rule on its summed gradient, where the row lives
-    // (HBM; a host table's GPU cache slot, then marked dirty; or host RAM, the row then read
-    // from the forward's whole staged copy when given, and only written over the link), with
-    // its table's hyperparameters and its own step count.
+    // A group of `group` lanes per distinct row (a power of two up to 32, as many as the
+    // widest row needs vectors; a whole warp for row-wise Adagrad, whose row sum is a warp
+    // reduction): the table's rule on its summed gradient, where the row lives (HBM; a host
+    // table's GPU cache slot, then marked dirty; or host RAM, the row then read from the
+    // forward's whole staged copy when given, and only written over the link), with its
+    // table's hyperparameters and its own step count.
     if (rejected(verdict)) return;
-    const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const int lane = threadIdx.x & (group - 1);
+    // the group's lanes in the warp (they run the same rows: the same trips and branches)
+    const unsigned mine = group == 32 ? 0xffffffffu
+        : ((1u << group) - 1u) << ((threadIdx.x & 31) & ~(group - 1));
+    const i64 groups = (i64)gridDim.x * (blockDim.x / group);
     const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
-    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < runs; r += warps) {
+    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / group; r < runs;
+         r += groups) {
         const i64 off = run_off[r];
         if (off < 0) continue;
         const i64 tab = run_tab[r];
@@ -381,9 +392,9 @@ UPDATE = KernelDecl(
         if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
             rowwise_adagrad_row<T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane);
         } else {
-            update_row<RULE, V, T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane);
+            update_row<RULE, V, T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane, group);
         }
-        __syncwarp();
+        __syncwarp(mine);  // every lane read the step count before lane 0 writes it
         if (lane == 0) {
             *reinterpret_cast<i64*>(s + step_off) = t;
             if (slot >= 0) dirty[slot] = 1;  // written back when evicted or flushed

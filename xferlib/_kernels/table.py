@@ -412,11 +412,12 @@ template <typename T, int V> struct alignas(sizeof(T) * V) vec { T v[V]; };
 // alignment, so each lane keeps three or four independent loads in flight over PCIe. The
 // weights and state are read from `wsrc` / `ssrc` (the row itself, or its copy staged in HBM
 // by the lookup) and written to `w` / `s`; no __restrict__ on those, which may be the same.
+// `lanes`: the lanes sharing the row (`lane` is one of 0 .. lanes - 1).
 template <int RULE, int V, typename T>
 __device__ __forceinline__ void update_row(T* w, const T* wsrc, T* s, const T* ssrc,
                                            const T* __restrict__ g, i64 dim, i64 n_slots,
-                                           const XfScalars<T>& c, int lane) {
-    for (i64 base = (i64)V * lane; base < dim; base += 32 * V) {
+                                           const XfScalars<T>& c, int lane, int lanes = 32) {
+    for (i64 base = (i64)V * lane; base < dim; base += (i64)lanes * V) {
         vec<T, V> wv = *reinterpret_cast<const vec<T, V>*>(wsrc + base);
         const vec<T, V> gv = *reinterpret_cast<const vec<T, V>*>(g + base);
         vec<T, V> sv[XF_MAX_SLOTS];

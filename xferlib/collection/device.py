@@ -31,6 +31,7 @@ from xferlib.batch import NO_BAD, PendingChecks, Verdict, run_ids, sort_position
 from xferlib.checks import host_values
 from xferlib.collection.tt_tables import tt_lookup_gpu, tt_update_gpu
 from xferlib.memory import device_pointer
+from xferlib.optim.rules import OptId
 
 __all__ = ["CollectionDevice", "GpuPlan"]
 
@@ -136,6 +137,9 @@ class CollectionDevice:
                        if c.placement == "host"]
         self.stage_width = -(-max(host_widths, default=0) // word) * word
         self.width = -(-max(dims, default=1) // self.vec) * self.vec  # summed's row stride
+        # Lanes per bag of the pooled lookup, per row of the update (see _lane_group).
+        self.pool_group = _lane_group(max(coll.dims, default=1), self.vec)
+        self.row_group = _lane_group(self.width, self.vec)  # the update's, per distinct row
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Kernels that reach host RAM: four blocks per SM at most (the host tables' measure).
         self.max_blocks = 4 * sms if self.has_host else 65535 * 8
@@ -247,13 +251,14 @@ class CollectionDevice:
                         plan.writes = -1  # weights only: no update may read this copy
                     inv = cupy.empty(n, dtype=np.int64)
                     inv[plan.perm] = plan.run  # each lookup's run: its staged row
-                grid, block = launch_config(bags)  # a warp per bag
+                # a group of lanes per bag, 32 // pool_group bags per warp
+                grid, block = launch_config(-(-bags * self.pool_group // 32))
                 POOL.launch(module, (self.vec, c_type(self.dtype_name), _key(indices)), grid,
                             block, stream=stream, hbm=self.hbm, meta=self.meta,
                             indices=indices, offsets=offsets64, psw=psw_c, inv=inv,
                             staged=plan.staged, stage_width=self.stage_width, n=n, bags=bags,
                             B=B, mean=int(coll.pooling == "mean"), out=out,
-                            total_dim=coll.total_dim, verdict=words)
+                            total_dim=coll.total_dim, group=self.pool_group, verdict=words)
             elif out.size:
                 out.fill(0)
             tt = tt_lookup_gpu(coll, indices, offsets64, psw_c, B, words, out, stream)
@@ -281,7 +286,8 @@ class CollectionDevice:
         module = collection_module()
         T = c_type(self.dtype_name)
         with stream:
-            grad = cupy.ascontiguousarray(grad, dtype=coll.dtype)
+            if not _rows_of_columns(grad, coll.dtype):  # else read in place, row by row
+                grad = cupy.ascontiguousarray(grad, dtype=coll.dtype)
             width = self.width
             chunks = -(-n // SUM_CHUNK)
             summed = cupy.empty((n, width), dtype=coll.dtype)  # rows past the last run unused
@@ -294,7 +300,8 @@ class CollectionDevice:
             POSITIONS.launch(module, (T,), grid, block, stream=stream, meta=self.meta,
                              perm=plan.perm, bag_of=plan.bag_of, offsets=plan.offsets,
                              psw=plan.psw, mean=int(coll.pooling == "mean"), n=n,
-                             B=ctx.batch_size, total_dim=coll.total_dim, pos_src=pos_src,
+                             B=ctx.batch_size, grad_stride=grad.strides[0] // grad.itemsize,
+                             pos_src=pos_src,
                              pos_scale=pos_scale, pos_dim=pos_dim, verdict=plan.words)
             sums = dict(grad=grad, keys=plan.keys, run=plan.run, pos_src=pos_src,
                         pos_scale=pos_scale, pos_dim=pos_dim, n=n, width=width,
@@ -312,7 +319,9 @@ class CollectionDevice:
             if self.cache is not None and plan.cache_pass != self.cache_passes:
                 slots = self.cache.probe(_CachePlan(plan), stream)
             kind = int(coll.rule.kind)
-            grid, block = launch_config(n, max_blocks=self.max_blocks)  # a warp per row
+            # lanes per row: row-wise Adagrad's row sum takes the whole warp
+            group = 32 if coll.rule.kind == OptId.ROWWISE_ADAGRAD else self.row_group
+            grid, block = launch_config(-(-n * group // 32), max_blocks=self.max_blocks)
             UPDATE.launch(update_module(kind, self.dtype_name), (kind, self.vec, T),
                           grid, block, stream=stream, hbm=self.hbm, host=self.host_ptr,
                           meta=self.meta, run=plan.run, run_off=plan.run_off,
@@ -321,7 +330,7 @@ class CollectionDevice:
                           stage_width=self.stage_width, **self._cache_args(slots),
                           dirty=self.cache.dirty if slots is not None else None,
                           n_slots=len(coll.layouts[0].slots), hyper=self._hyper_array(),
-                          hyper_width=16, verdict=plan.words)
+                          hyper_width=16, group=group, verdict=plan.words)
             self._record(stream)
 
     def _cache_args(self, slots) -> dict:
@@ -388,6 +397,23 @@ class _HostRows:
 
     def launch_size(self, n_warps: int, prefetch: bool = False):
         return launch_config(max(1, n_warps), max_blocks=self.max_blocks)
+
+
+def _rows_of_columns(grad, dtype) -> bool:
+    """Whether the kernels read ``grad`` in place: the collection's dtype, each row's
+    columns adjacent, rows a whole number of elements apart (a slice of a wider gradient,
+    as autograd hands a concatenation's part back, needs no copy)."""
+    item = grad.itemsize
+    return (grad.dtype == dtype and grad.ndim == 2 and grad.strides[1] == item
+            and grad.strides[0] >= 0 and grad.strides[0] % item == 0)
+
+
+def _lane_group(width: int, vec: int) -> int:
+    """Lanes given to one row of ``width`` elements read ``vec`` at a time: enough for the
+    row's vectors, a power of two, at most a warp (so a warp takes 32 // group rows and no
+    lane idles on a narrow row)."""
+    vectors = -(-max(int(width), 1) // vec)
+    return min(32, 1 << max(0, vectors - 1).bit_length())
 
 
 def _key(array) -> str:
