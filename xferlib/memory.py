@@ -77,6 +77,30 @@ class _Registration:
         self._finalizer()
 
 
+def _devices_in_use(count: int) -> list[int]:
+    """The GPUs on which this process holds a CUDA context (the driver's primary-context
+    state, read without opening one): the only ones whose queued work can touch its pinned
+    pages. Making any other GPU current would open a context there, and a process of a
+    multi-GPU job must stay on its own GPU. Every GPU where the driver cannot be asked."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        used = []
+        for ordinal in range(count):
+            device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+            if driver.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
+                return list(range(count))
+            if driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags),
+                                                 ctypes.byref(active)) != 0:
+                return list(range(count))
+            if active.value:
+                used.append(ordinal)
+        return used
+    except (OSError, AttributeError):
+        return list(range(count))
+
+
 def _unregister(ptr: int) -> None:
     with _LOCK:
         _REGISTRY.pop(ptr, None)
@@ -89,7 +113,7 @@ def _unregister(ptr: int) -> None:
         # GPU calls return before the GPU is done with the memory (gathers and scatters check
         # their indices later), so work queued on these pages must finish before they go back
         # to the allocator and are reused.
-        for device in range(cupy.cuda.runtime.getDeviceCount()):
+        for device in _devices_in_use(cupy.cuda.runtime.getDeviceCount()):
             with cupy.cuda.Device(device):
                 cupy.cuda.runtime.deviceSynchronize()
     except cupy.cuda.runtime.CUDARuntimeError:
