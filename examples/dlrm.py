@@ -360,7 +360,7 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
         elif device.startswith("cuda") and fbgemm_available():
             # FBGEMM's TBE runs row-wise Adagrad: xferlib runs it too for that pair
             jobs += [Job("torch", "xferlib", "rowwise_adagrad"), Job("torch", "fbgemm")]
-            if plan.bytes_host:
+            if plan.bytes_host and not args.no_graph:
                 # A CUDA graph freezes FBGEMM's LRU clock (a Python int passed at capture):
                 # once its cache is full the replays evict nothing. Its eager run is the
                 # one whose cache behaves as FBGEMM's; both are shown.

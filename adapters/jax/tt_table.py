@@ -127,9 +127,8 @@ def tt_update(table: TTTable, indices, offsets, grad_bags, *, per_sample_weights
     lookup). XLA orders the update after the lookup through the data: a ``grad_bags``
     computed from the bags (a loss's gradient) does it; a constant does not (a loss linear
     in the bags): pass ``after=bags`` then, the JAX values the update must wait for. Bad
-    input raises before the cores or optimizer state change (on the CPU the step counter
-    too; on the GPU a refused batch's step is counted by the kernels, as
-    :meth:`xferlib.tt.TTTable.apply_gradients` says)."""
+    input raises before the cores, optimizer state or step counter change (on the GPU the
+    kernels of a refused batch write none of them, as :meth:`xferlib.tt.TTTable` says)."""
     indices, offsets, weights = _batch(table, indices, offsets, per_sample_weights, mode,
                                        include_last_offset)
     grad_bags = jnp.asarray(grad_bags, jnp.float32)

@@ -161,6 +161,9 @@ def fused_step(table, residuals, grad_bags, *, group):
         ctouched = flat[cache.capacity * table.dim:] > 0
         core.tt_cache_apply(cache, array_of(cgrad), array_of(ctouched), table.optimizer,
                             **hyper)
+    # A batch rejected on any rank takes no step anywhere, its count included (as one
+    # process's GPU step leaves it): taken back on the device, no host sync.
+    table.uncount(array_of((codes.sum() != 0).to(torch.int64).reshape(1)))
     if own_error is not None:
         raise own_error
     if not plan:  # the host checked every batch in the forward (agree_forward)

@@ -166,7 +166,10 @@ class JaxRun:
         """A chunk's steps in one go: the chunk crosses to JAX once and one jitted call
         splits it into its steps' batches (a conversion per batch would cost each step
         more host time than the step's own dispatch)."""
-        return self._split(*self.to_framework(chunk))
+        # The views share the chunk's CuPy memory: held until the next chunk replaces them,
+        # steps after the split that reads them was queued.
+        self._chunk_views = self.to_framework(chunk)
+        return self._split(*self._chunk_views)
 
     def step(self, data):
         dense, cat, label = data
@@ -242,6 +245,7 @@ class JaxRun:
         self.sync()
         release_collection(self.collection)
         self.collection = self.flat = self.opt_state = self.tt = self.tt_acc = None
+        self._chunk_views = None
         self._train_step = self._predict = None
 
     # ------------------------------------------------------------------ checkpoint

@@ -259,7 +259,7 @@ def test_plan_sort_is_stable_and_reports_bad_keys(backend, n):
 def test_core_grads_flags_and_zeros_need_no_reset(backend):
     """The gradient kernel writes every touched flag (and every row of a dense gradient):
     buffers reused from a batch that touched other rows carry nothing over, and the counter
-    counts every step, a rejected one included."""
+    counts every step but a rejected one."""
     from xferlib.tt.grads import gpu_core_grads
     from xferlib.tt.scratch import Scratch
     from xferlib.tt.shape import grad_spans

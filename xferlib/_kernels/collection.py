@@ -8,11 +8,12 @@ lookup a key unique over the collection (the table's ``key_base`` plus its row) 
 the batch sort (``xferlib/batch.py``) orders the keys and numbers their runs (one run per
 distinct row of any table). Rows of host tables are staged into HBM once per distinct row in
 sorted order (``coll_stage``: the link's fast access pattern), and ``coll_pool`` gives each
-bag a warp that sums its rows in registers, read from the table in HBM or from the staged
-copy: no buffer of one row per lookup. The backward sums each run's gradients from the
-pooled gradient in sorted order in two passes (``coll_sum_chunks`` / ``coll_sum_spans``:
-deterministic, no atomics, no warp stuck on a hot row), and ``coll_update`` gives each
-distinct row a warp that runs the host tables' update rule (``xferlib/_kernels/table.py``:
+bag a group of lanes (sized to the widest row's vectors: a warp, or part of one) that sums its
+rows in registers, read from the table in HBM or from the staged copy: no buffer of one row
+per lookup. The backward sums each run's gradients from the pooled gradient in sorted order
+in two passes (``coll_sum_chunks`` / ``coll_sum_spans``: deterministic, no atomics, no warp
+stuck on a hot row), and ``coll_update`` gives each distinct row a group of lanes (a warp for
+row-wise Adagrad) that runs the host tables' update rule (``xferlib/_kernels/table.py``:
 ``row_consts``, ``update_row``) where the row lives.
 
 Every kernel bounds every position and row it touches, and writes nothing once the plan's

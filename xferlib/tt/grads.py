@@ -131,10 +131,10 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
         raise ValueError(f"bag gradients must have shape {(plan.num_bags, shape.dim)}, got "
                          f"{grad_bags.shape}")
     size = grad_spans(shape)[-1][1]
-    if n == 0:
+    if n == 0:  # a rejected empty batch raises uncounted, as the kernels leave it
+        plan.verdict.raise_now(stream)
         if counter is not None:
             counter += 1
-        plan.verdict.raise_now(stream)
         return (cupy.zeros(size, dtype=np.float32) if dense else None), None
     r = shape.padded_ranks
     a_last = math.prod(shape.q_shapes[:-1])
