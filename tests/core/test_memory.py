@@ -266,3 +266,30 @@ def test_cache_thrashing_warning_names_the_numbers_and_the_fix():
     assert "thrashing" in message and "5%" in message and "cache_rows" in message
     assert not warn_cache_thrashing(owner, 0.05, 5000, 10000, 100)  # once per owner
     reset_warnings()
+
+
+def test_unpinning_waits_only_for_gpus_this_process_uses(monkeypatch):
+    """Releasing pinned pages synchronizes the GPUs on which the process holds a context, as
+    the driver reports them, and opens no other (a rank of a multi-GPU job stays on its own
+    GPU); every GPU where the driver cannot be asked."""
+    import ctypes
+
+    from xferlib import memory
+
+    class FakeDriver:  # the two driver calls, on a machine whose process uses GPU 1 of 3
+        def cuDeviceGet(self, device, ordinal):
+            device._obj.value = ordinal
+            return 0
+
+        def cuDevicePrimaryCtxGetState(self, device, flags, active):
+            active._obj.value = int(device.value == 1)
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeDriver())
+    assert memory._devices_in_use(3) == [1]
+
+    def missing(name):
+        raise OSError(name)
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert memory._devices_in_use(3) == [0, 1, 2]
