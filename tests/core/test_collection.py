@@ -467,3 +467,22 @@ def test_gpu_bad_inputs_change_nothing():
         after = coll.state_dict()
         for k in before:
             assert after[k].tobytes() == before[k].tobytes(), (message, k)
+
+
+def test_lane_groups_and_in_place_gradients():
+    """The GPU kernels' launch choices, pure functions of shapes: lanes per row (enough for
+    the row's vectors, a power of two, at most a warp) and which pooled gradients are read
+    in place (rows of adjacent columns in the collection's dtype; others are copied)."""
+    from xferlib.collection.device import _lane_group, _rows_of_columns
+
+    assert [_lane_group(w, 4) for w in (1, 4, 8, 12, 64, 65, 128, 4096)] == \
+        [1, 1, 2, 4, 16, 32, 32, 32]
+    assert [_lane_group(w, 1) for w in (1, 2, 3, 31, 33)] == [1, 2, 4, 32, 32]
+    wide = np.zeros((6, 40), np.float32)
+    assert _rows_of_columns(wide, np.float32)
+    assert _rows_of_columns(wide[:, 3:35], np.float32)  # a slice of wider rows
+    assert _rows_of_columns(np.broadcast_to(wide[:1], (6, 40)), np.float32)  # stride 0
+    assert not _rows_of_columns(wide[:, ::2], np.float32)  # columns apart
+    assert not _rows_of_columns(wide[::-1], np.float32)  # rows backwards
+    assert not _rows_of_columns(wide.T, np.float32)
+    assert not _rows_of_columns(wide, np.float64)  # another dtype: converted
