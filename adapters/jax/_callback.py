@@ -40,7 +40,7 @@ def _cupy_view(buffer):
     if nbytes == 0:  # an empty buffer may carry a null pointer
         return cupy.empty(shape, dtype)
     memory = cupy.cuda.UnownedMemory(interface["data"][0], nbytes, buffer,
-                                     int(buffer.__dlpack_device__()[1]))
+                                     buffer_device(buffer))
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 

@@ -301,12 +301,6 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
     def _core_optimizer(self) -> str:
         return CORE_OPTIMIZER[self.optimizer]
 
-    def step_hyper(self) -> dict:
-        """The fused update's hyperparameters besides ``lr`` and ``eps`` (``betas``,
-        ``weight_decay``, ``eta``, ``momentum``) and its ``step``: the device counter's
-        array on the GPU (read by the kernel, so captured replays count), else its value."""
-        return self._table().step_hyper()
-
     @property
     def iter(self) -> int:
         """Fused steps taken (the FBGEMM rules' global step; counted on the device, so

@@ -18,6 +18,7 @@ from xferlib.collection import (EmbeddingCollection, TableConfig, collection_ste
                                 plan_sharding, pooled_lookup_reference)
 from xferlib.collection.sharding import ShardingPlan
 from xferlib.collection.tt_tables import TT_COLLECTION_OPTIMIZERS
+from xferlib.handoff import to_numpy
 from xferlib.testing import backend_params, get_backend
 
 BACKENDS = backend_params("numpy", "cupy")
@@ -56,10 +57,6 @@ def split(indices, offsets, T):
     return out
 
 
-def host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
 class Reference:
     """A collection's training in float64: hbm / host tables by the collection's reference,
     tt tables by :class:`tests.core.test_tt_table.ReferenceTable`."""
@@ -75,8 +72,9 @@ class Reference:
                 own = coll.tables[t].lr
                 self.tt[t] = ReferenceTable(types.SimpleNamespace(
                     joint_shape=table.joint_shape, optimizer=table.optimizer,
-                    hyper=dict(table.hyper, lr=lr if own is None else own), cores=[host(c) for c in table.cores],
-                    states=[{k: host(v) for k, v in s.items()} for s in table.states],
+                    hyper=dict(table.hyper, lr=lr if own is None else own),
+                    cores=[to_numpy(c) for c in table.cores],
+                    states=[{k: to_numpy(v) for k, v in s.items()} for s in table.states],
                     step=table.step))
             else:
                 names = [k for k in coll.state_names() if k != "step"]
@@ -117,13 +115,13 @@ class Reference:
             name = f"{what}, table {coll.names[t]}"
             if t in self.tt:
                 ref, table = self.tt[t], coll.tt_table(t)
-                np.testing.assert_allclose(np.concatenate([host(c).ravel() for c in
+                np.testing.assert_allclose(np.concatenate([to_numpy(c).ravel() for c in
                                                            table.cores]),
                                            np.concatenate([c.ravel() for c in ref.cores]),
                                            err_msg=name, **tol)
                 for got, want in zip(table.states, ref.states):
                     for k in want:
-                        np.testing.assert_allclose(host(got[k]), want[k], err_msg=name, **tol)
+                        np.testing.assert_allclose(to_numpy(got[k]), want[k], err_msg=name, **tol)
                 assert table.step == ref.step, name
                 continue
             weights, state, steps = self.dense[t]
@@ -160,7 +158,7 @@ def test_mixed_collection_matches_the_float64_references(backend, optimizer, poo
         psw = rng.uniform(0.5, 2.0, indices.size).astype(np.float32) if step >= 2 else None
         out, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets),
                                 None if psw is None else xp.asarray(psw))
-        np.testing.assert_allclose(host(out), ref.pooled(indices, offsets, psw), rtol=1e-4,
+        np.testing.assert_allclose(to_numpy(out), ref.pooled(indices, offsets, psw), rtol=1e-4,
                                    atol=1e-5, err_msg=f"step {step} pooled")
         grad = rng.standard_normal((B, coll.total_dim)).astype(np.float32)
         coll.backward(ctx, xp.asarray(grad))
@@ -176,7 +174,7 @@ def test_empty_batches_one_table_and_float64(backend):
     before = coll.state_dict()
     for offsets in (np.array([0]), np.zeros(4 * 3 + 1, np.int64)):  # no bag; empty bags
         out, ctx = coll.forward(xp.zeros(0, np.int64), xp.asarray(offsets))
-        assert out.shape == ((len(offsets) - 1) // 4, coll.total_dim) and not host(out).any()
+        assert out.shape == ((len(offsets) - 1) // 4, coll.total_dim) and not to_numpy(out).any()
         coll.backward(ctx, xp.ones(out.shape, np.float32))
     after = coll.state_dict()
     for key, value in before.items():  # nothing moved; the tt step counters counted
@@ -194,7 +192,7 @@ def test_empty_batches_one_table_and_float64(backend):
         indices, offsets = make_batch(rng, (60,), 4)
         out, ctx = only.forward(xp.asarray(indices), xp.asarray(offsets))
         assert out.dtype == np.float64
-        np.testing.assert_allclose(host(out), ref.pooled(indices, offsets), rtol=1e-5,
+        np.testing.assert_allclose(to_numpy(out), ref.pooled(indices, offsets), rtol=1e-5,
                                    atol=1e-6)
         grad = rng.standard_normal(out.shape)
         only.backward(ctx, xp.asarray(grad))
@@ -214,7 +212,7 @@ def test_dict_form_and_lookup_only(backend):
     ref = Reference(coll, HYPER["sgd"]["lr"])
     before = coll.state_dict()
     pooled = coll.lookup(indices, offsets)  # a lookup: nothing trains
-    np.testing.assert_allclose(host(pooled), ref.pooled(host(indices), host(offsets)),
+    np.testing.assert_allclose(to_numpy(pooled), ref.pooled(to_numpy(indices), to_numpy(offsets)),
                                rtol=1e-4, atol=1e-5)
     for key, value in coll.state_dict().items():
         np.testing.assert_array_equal(value, before[key], err_msg=key)
@@ -269,8 +267,8 @@ def test_core_rows_no_lookup_reaches_stay_bitwise(backend, optimizer):
         rows = np.arange(coll.tables[t].num_rows)
         allowed[t] = rows[(table.shape.digits(rows) >= 1).all(axis=1)]
         assert allowed[t].size > 0
-    before = {t: ([host(c)[0].copy() for c in table.cores],
-                  [{k: host(v)[0].copy() for k, v in s.items()} for s in table.states])
+    before = {t: ([to_numpy(c)[0].copy() for c in table.cores],
+                  [{k: to_numpy(v)[0].copy() for k, v in s.items()} for s in table.states])
               for t, table in coll.tt_tables.items()}
     for _ in range(3):
         indices, offsets = make_batch(rng, ROWS, B)
@@ -283,9 +281,9 @@ def test_core_rows_no_lookup_reaches_stay_bitwise(backend, optimizer):
     for t, table in coll.tt_tables.items():
         cores, states = before[t]
         for k, core in enumerate(table.cores):
-            np.testing.assert_array_equal(host(core)[0], cores[k], err_msg=f"{t} core {k}")
+            np.testing.assert_array_equal(to_numpy(core)[0], cores[k], err_msg=f"{t} core {k}")
             for name, value in table.states[k].items():
-                np.testing.assert_array_equal(host(value)[0], states[k][name],
+                np.testing.assert_array_equal(to_numpy(value)[0], states[k][name],
                                               err_msg=f"{t} core {k} {name}")
         assert table.step == 3
 

@@ -180,6 +180,21 @@ def _jit_step(table, weighted, mode="sum"):
     return step
 
 
+def _jit_trainer(table):
+    """``train(indices, offsets, weights, targets) -> bags``: one jitted step on ``table``
+    (the weighted or the plain jit, by ``weights``), waited for."""
+    steps = {True: _jit_step(table, True), False: _jit_step(table, False)}
+
+    def train(indices, offsets, weights, targets):
+        w = np.ones_like(indices, np.float32) if weights is None else weights
+        _, bags, token = steps[weights is not None](
+            jnp.asarray(indices), jnp.asarray(offsets), jnp.asarray(w), jnp.asarray(targets))
+        jax.block_until_ready(token)
+        return bags
+
+    return train
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "rowwise_adam", "lamb",
                                        "partial_rowwise_adam"])
 def test_table_jit_training_equals_the_core_and_the_reference(optimizer, cpu_backend):
@@ -191,12 +206,9 @@ def test_table_jit_training_equals_the_core_and_the_reference(optimizer, cpu_bac
     table = tt.TTTable(SHAPE, optimizer, TABLE_HYPER, seed=9)
     direct = tt.TTTable(SHAPE, optimizer, TABLE_HYPER, seed=9)
     ref = ReferenceTable(direct)
-    steps = {True: _jit_step(table, True), False: _jit_step(table, False)}
+    train = _jit_trainer(table)
     for indices, offsets, weights, targets in _table_batches(1):
-        w = np.ones_like(indices, np.float32) if weights is None else weights
-        loss, bags, token = steps[weights is not None](
-            jnp.asarray(indices), jnp.asarray(offsets), jnp.asarray(w), jnp.asarray(targets))
-        jax.block_until_ready(token)
+        bags = train(indices, offsets, weights, targets)
         expected, res = direct.lookup(indices, offsets, per_sample_weights=weights,
                                       include_last_offset=True)
         np.testing.assert_array_equal(np.asarray(bags), expected)
@@ -231,12 +243,9 @@ def test_table_jit_training_equals_the_torch_module(cpu_backend):
         SHAPE, cores, tt.tt_sparse_state(SHAPE, "partial_rowwise_lamb"),
         np.zeros(1, np.int64), optimizer="partial_rowwise_lamb",
         optimizer_kwargs=dict(lr=0.05, eps=1e-8, weight_decay=0.01))
-    steps = {True: _jit_step(table, True), False: _jit_step(table, False)}
+    train = _jit_trainer(table)
     for indices, offsets, weights, targets in _table_batches(2):
-        w = np.ones_like(indices, np.float32) if weights is None else weights
-        _, bags, token = steps[weights is not None](
-            jnp.asarray(indices), jnp.asarray(offsets), jnp.asarray(w), jnp.asarray(targets))
-        jax.block_until_ready(token)
+        bags = train(indices, offsets, weights, targets)
         out = module(torch.as_tensor(indices), torch.as_tensor(offsets),
                      per_sample_weights=None if weights is None else torch.as_tensor(weights))
         np.testing.assert_array_equal(np.asarray(bags), out.detach().numpy())
@@ -332,12 +341,9 @@ def test_table_jit_training_on_the_gpu_equals_the_core(optimizer, device):
                                       optimizer_kwargs=TABLE_HYPER)
 
     table, direct = on_gpu(), on_gpu()
-    steps = {True: _jit_step(table, True), False: _jit_step(table, False)}
+    train = _jit_trainer(table)
     for indices, offsets, weights, targets in _table_batches(3):
-        w = np.ones_like(indices, np.float32) if weights is None else weights
-        _, bags, token = steps[weights is not None](
-            jnp.asarray(indices), jnp.asarray(offsets), jnp.asarray(w), jnp.asarray(targets))
-        jax.block_until_ready(token)
+        bags = train(indices, offsets, weights, targets)
         gw = None if weights is None else cupy.asarray(weights)
         expected, res = direct.lookup(cupy.asarray(indices), cupy.asarray(offsets),
                                       per_sample_weights=gw, include_last_offset=True)

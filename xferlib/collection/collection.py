@@ -33,6 +33,7 @@ from xferlib.collection.storage import allocate_host, plan_blocks
 from xferlib.collection.tt_tables import (build_tt_tables, tt_bytes, tt_hyper,
                                           tt_lookup_numpy, tt_state_arrays, tt_state_shapes,
                                           tt_update_numpy)
+from xferlib.handoff import to_numpy
 from xferlib.table.layout import RowLayout
 from xferlib.table.rules import resolve_hyper, sparse_rule
 
@@ -230,7 +231,7 @@ class EmbeddingCollection:
         t = self._index(table)
         if t in self.tt_tables:
             self.synchronize()
-            found = {k.split(".", 1)[1]: _host_copy(v)
+            found = {k.split(".", 1)[1]: to_numpy(v, copy=True)
                      for k, v in tt_state_arrays(self.tt_tables[t], "").items()
                      if k.count(".") == 2 or k == ".step"}
         else:
@@ -274,7 +275,7 @@ class EmbeddingCollection:
         self.synchronize()
         for t, name in enumerate(self.names):
             if t in self.tt_tables:
-                out.update({k: _host_copy(v)
+                out.update({k: to_numpy(v, copy=True)
                             for k, v in tt_state_arrays(self.tt_tables[t], name).items()})
                 continue
             rows = self._host_rows(t)
@@ -588,11 +589,6 @@ class EmbeddingCollection:
 def _floating(dtype) -> bool:
     """NumPy's floating kinds, and ml_dtypes' (bfloat16, ...: NumPy files them as kind 'V')."""
     return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float8"))
-
-
-def _host_copy(array) -> np.ndarray:
-    """A NumPy copy of a NumPy or CuPy array."""
-    return array.get() if is_cupy_array(array) else np.array(array)
 
 
 def _namespace(array):

@@ -140,7 +140,7 @@ class TableConfig:
             d = 3
         else:
             d = len(tuple(ranks)) + 1
-        if isinstance(ranks, numbers.Integral) and not isinstance(ranks, bool):
+        if isinstance(ranks, numbers.Integral):  # bools were refused above
             ranks = (int(ranks),) * max(d - 1, 0)
         if not 2 <= d <= 4:
             raise ValueError(f"{what} needs 2 to 4 cores, got {d}")

@@ -107,18 +107,16 @@ class CollectionDevice:
         self.host_rows = sum(c.num_rows for c in coll.tables if c.placement == "host")
         rows = []
         for t, (config, block) in enumerate(zip(coll.tables, coll.blocks)):
-            if block is None:  # a tt table: indices checked and keyed, rows nowhere (base
-                # -1 and row width 0 put each at -1: staged, pooled and updated by no kernel)
-                fields = dict(num_rows=config.num_rows, dim=0, d_off=coll.dim_offsets[t],
-                              host=0, base=-1, row_width=0, state_offset=0, step_off=0,
-                              key_base=key_bases[t])
-            else:
+            # a tt table: indices checked and keyed, rows nowhere (base -1 and row width 0
+            # put each at -1: staged, pooled and updated by no kernel)
+            fields = dict(num_rows=config.num_rows, dim=0, d_off=coll.dim_offsets[t], host=0,
+                          base=-1, row_width=0, state_offset=0, step_off=0,
+                          key_base=key_bases[t])
+            if block is not None:
                 layout = block.layout
-                fields = dict(num_rows=config.num_rows, dim=config.dim,
-                              d_off=coll.dim_offsets[t], host=int(config.placement == "host"),
+                fields.update(dim=config.dim, host=int(config.placement == "host"),
                               base=block.base, row_width=layout.row_width,
-                              state_offset=layout.state_offset, step_off=layout.step_offset,
-                              key_base=key_bases[t])
+                              state_offset=layout.state_offset, step_off=layout.step_offset)
             rows.append([fields[f] for f in META_FIELDS])
         self.meta = cupy.asarray(np.array(rows, dtype=np.int64))
         self.hbm = coll.buffers.get("hbm")
@@ -137,9 +135,9 @@ class CollectionDevice:
                        if c.placement == "host"]
         self.stage_width = -(-max(host_widths, default=0) // word) * word
         self.width = -(-max(dims, default=1) // self.vec) * self.vec  # summed's row stride
-        # Lanes per bag of the pooled lookup, per row of the update (see _lane_group).
-        self.pool_group = _lane_group(max(coll.dims, default=1), self.vec)
-        self.row_group = _lane_group(self.width, self.vec)  # the update's, per distinct row
+        # Lanes per bag of the pooled lookup and per row of the update (see _lane_group):
+        # the widest row the kernels read (tt tables' columns are written by TT's own).
+        self.lane_group = _lane_group(self.width, self.vec)
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Kernels that reach host RAM: four blocks per SM at most (the host tables' measure).
         self.max_blocks = 4 * sms if self.has_host else 65535 * 8
@@ -251,14 +249,14 @@ class CollectionDevice:
                         plan.writes = -1  # weights only: no update may read this copy
                     inv = cupy.empty(n, dtype=np.int64)
                     inv[plan.perm] = plan.run  # each lookup's run: its staged row
-                # a group of lanes per bag, 32 // pool_group bags per warp
-                grid, block = launch_config(-(-bags * self.pool_group // 32))
+                # a group of lanes per bag, 32 // lane_group bags per warp
+                grid, block = grid_1d(bags * self.lane_group, 256, 65535 * 8)
                 POOL.launch(module, (self.vec, c_type(self.dtype_name), _key(indices)), grid,
                             block, stream=stream, hbm=self.hbm, meta=self.meta,
                             indices=indices, offsets=offsets64, psw=psw_c, inv=inv,
                             staged=plan.staged, stage_width=self.stage_width, n=n, bags=bags,
                             B=B, mean=int(coll.pooling == "mean"), out=out,
-                            total_dim=coll.total_dim, group=self.pool_group, verdict=words)
+                            total_dim=coll.total_dim, group=self.lane_group, verdict=words)
             elif out.size:
                 out.fill(0)
             tt = tt_lookup_gpu(coll, indices, offsets64, psw_c, B, words, out, stream)
@@ -320,8 +318,8 @@ class CollectionDevice:
                 slots = self.cache.probe(_CachePlan(plan), stream)
             kind = int(coll.rule.kind)
             # lanes per row: row-wise Adagrad's row sum takes the whole warp
-            group = 32 if coll.rule.kind == OptId.ROWWISE_ADAGRAD else self.row_group
-            grid, block = launch_config(-(-n * group // 32), max_blocks=self.max_blocks)
+            group = 32 if coll.rule.kind == OptId.ROWWISE_ADAGRAD else self.lane_group
+            grid, block = grid_1d(n * group, 256, self.max_blocks)
             UPDATE.launch(update_module(kind, self.dtype_name), (kind, self.vec, T),
                           grid, block, stream=stream, hbm=self.hbm, host=self.host_ptr,
                           meta=self.meta, run=plan.run, run_off=plan.run_off,

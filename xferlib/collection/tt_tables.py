@@ -196,12 +196,10 @@ def tt_update_gpu(coll, residuals: TTLookups, grad, B: int, stream) -> None:
     as they were whether the refusal is read before this update or after it."""
     import cupy
 
-    refused = None
+    refused = (~residuals.ok).astype(np.int64)
     for t, res in residuals.items():
         table = coll.tt_tables[t]
         g = cupy.zeros((B + 2, table.dim), dtype=np.float32)
         g[1:B + 1] = grad[:, coll.dim_offsets[t]:coll.dim_offsets[t + 1]]
         table.apply_gradients(res, g, stream=stream)
-        if refused is None:
-            refused = (~residuals.ok).astype(np.int64)
         table.uncount(refused)

@@ -44,14 +44,21 @@ STATE_SLOTS = {
 }
 
 
+def state_layout(rows: int, width: int, optimizer: str, dtype=np.float32) -> dict:
+    """``{name: (shape, dtype)}`` of the optimizer state :func:`row_state` makes for ``rows``
+    parameter rows of ``width`` (nothing allocated); float state in the cores' ``dtype``."""
+    where = {"elem": ((rows, width), dtype), "row": ((rows,), dtype),
+             "step": ((rows,), np.int64)}
+    return {name: where[kind] for name, kind in STATE_SLOTS[optimizer]}
+
+
 def row_state(rows: int, width: int, optimizer: str, xp=np) -> dict:
     """Zeroed state of ``optimizer`` for ``rows`` parameter rows of ``width``; the first entry
     is the primary one (FBTT's ``optimizer_state``)."""
     if optimizer not in SPARSE_OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {SPARSE_OPTIMIZERS}, got {optimizer!r}")
-    shapes = {"elem": ((rows, width), np.float32), "row": (rows, np.float32),
-              "step": (rows, np.int64)}
-    return {name: xp.zeros(*shapes[where]) for name, where in STATE_SLOTS[optimizer]}
+    return {name: xp.zeros(shape, dtype)
+            for name, (shape, dtype) in state_layout(rows, width, optimizer).items()}
 
 
 def state_pointers(state: dict, optimizer: str) -> list:

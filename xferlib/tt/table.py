@@ -38,7 +38,8 @@ import math
 
 import numpy as np
 
-from xferlib._backend import array_module, as_cupy_stream, is_capturing, is_cupy_array
+from xferlib._backend import (array_module, as_cupy_stream, is_capturing, is_cupy_array,
+                              stream_scope)
 from xferlib.batch import PendingChecks
 from xferlib.sizes import integral_size
 from xferlib.tt.cache import TTRowCache, tt_cache_grad
@@ -46,9 +47,9 @@ from xferlib.tt.grads import tt_embedding_bag_bwd
 from xferlib.tt.initializers import init_tt_cores
 from xferlib.tt.lookup import to_host, tt_bag_residuals, tt_embedding_bag_fwd, tt_rows
 from xferlib.tt.plan import TTBagPlan, uses_kernels
-from xferlib.tt.rules import SPARSE_OPTIMIZERS, STATE_SLOTS, row_state
+from xferlib.tt.rules import SPARSE_OPTIMIZERS, state_layout, tt_sparse_state
 from xferlib.tt.scratch import ScratchSet
-from xferlib.tt.shape import TTShape, row_bound
+from xferlib.tt.shape import TTShape, checked_indices, row_bound
 from xferlib.tt.update import tt_fused_update
 
 __all__ = ["TTTable", "TTResiduals", "TT_HYPER_DEFAULTS", "draw_tt_tables"]
@@ -95,14 +96,6 @@ def draw_tt_tables(shape: TTShape, num_tables: int, weight_dist: str = "approx-n
     tables = [init_tt_cores(shape, weight_dist, num_embeddings, rng=rng)
               for _ in range(num_tables)]
     return [np.stack([t[k] for t in tables]) for k in range(shape.d)]
-
-
-def state_layout(rows: int, width: int, optimizer: str, dtype=np.float32) -> dict:
-    """``{name: (shape, dtype)}`` of the optimizer state :func:`row_state` makes for ``rows``
-    parameter rows of ``width`` (nothing allocated); float state in the cores' ``dtype``."""
-    where = {"elem": ((rows, width), dtype), "row": ((rows,), dtype),
-             "step": ((rows,), np.int64)}
-    return {name: where[kind] for name, kind in STATE_SLOTS[optimizer]}
 
 
 @dataclasses.dataclass(eq=False)
@@ -157,8 +150,7 @@ class TTTable:
                              f"{self.num_tables}")
         cores = draw_tt_tables(shape, self.num_tables, init, self.num_embeddings, seed)
         cores = [xp.asarray(c.reshape(-1, c.shape[-1])) for c in cores]
-        states = [row_state(rows, width, self.optimizer, xp)
-                  for rows, width in map(self.joint_shape.core_shape, range(shape.d))]
+        states = tt_sparse_state(self.joint_shape, self.optimizer, xp)
         cache = None
         if cache_size:
             cache = TTRowCache(shape, cache_size, hashtbl_size or self.num_embeddings,
@@ -319,17 +311,12 @@ class TTTable:
         self.step_array[...] = integral_size("step", value)
 
     def rule_hyper(self) -> dict:
-        """Every hyperparameter the fused rule takes: ``lr``, ``eps`` and
-        :meth:`step_hyper`'s."""
-        return dict(lr=self._hyper["lr"], eps=self._hyper["eps"], **self.step_hyper())
-
-    def step_hyper(self) -> dict:
-        """The fused update's hyperparameters besides ``lr`` and ``eps`` and its ``step``:
-        the device counter itself on the GPU (read by the kernel), else its value (>= 1)."""
+        """Every hyperparameter the fused rule takes, and its ``step``: the device counter
+        itself on the GPU (read by the kernel), else its value (>= 1)."""
         h = self._hyper
         step = self.step_array if self.on_gpu else max(int(self.step_array[0]), 1)
-        return dict(betas=h["betas"], weight_decay=h["weight_decay"], eta=h["eta"],
-                    momentum=h["momentum"], step=step)
+        return dict(lr=h["lr"], eps=h["eps"], betas=h["betas"], weight_decay=h["weight_decay"],
+                    eta=h["eta"], momentum=h["momentum"], step=step)
 
     # ------------------------------------------------------------------ lookup / update
 
@@ -369,7 +356,7 @@ class TTTable:
         # working buffers reused from step to step (none in a capture: the graph keeps them)
         scratch = self.scratch.get(stream) if gpu and not capturing else None
         cores = self.cores
-        with _scope(stream):  # every GPU op on the caller's stream, the array path's too
+        with stream_scope(stream, gpu):  # every GPU op on the caller's stream, the array path's too
             if self.num_tables > 1:
                 report = indices
                 indices = self.joint_rows(indices, offsets, include_last_offset)
@@ -380,7 +367,7 @@ class TTTable:
                 num_embeddings=self._bound, out=out, cache=cache, cache_count=count,
                 report=report if gpu else None, stream=stream, scratch=scratch)
         if isinstance(residuals, TTBagPlan):
-            residuals.set_bound(self.num_embeddings)
+            residuals.bound = self.num_embeddings
         return bags, TTResiduals(residuals, cores, cache, int(bags.shape[0]), capturing, self)
 
     def residuals(self, indices, offsets, *, per_sample_weights=None, mode: str = "sum",
@@ -398,7 +385,7 @@ class TTTable:
             return self.lookup(indices, offsets, per_sample_weights=per_sample_weights,
                                mode=mode, include_last_offset=include_last_offset,
                                train=False, count_cache=False, stream=stream)[1]
-        with _scope(stream):
+        with stream_scope(stream, gpu):
             if self.num_tables > 1:
                 indices = self.joint_rows(indices, offsets, include_last_offset)
             res = tt_bag_residuals(self.joint_shape, indices, offsets, mode=mode,
@@ -406,7 +393,7 @@ class TTTable:
                                    include_last_offset=include_last_offset,
                                    num_embeddings=self._bound)
         if isinstance(res, TTBagPlan):
-            res.set_bound(self.num_embeddings)
+            res.bound = self.num_embeddings
             return TTResiduals(res, self.cores, self.cache, res.num_bags, table=self)
         return TTResiduals(res[:3], self.cores, self.cache, res[3], table=self)
 
@@ -426,13 +413,13 @@ class TTTable:
         gpu = self.on_gpu
         stream = as_cupy_stream(stream) if gpu else None
         if reduce is not None:
-            with _scope(stream):
+            with stream_scope(stream, gpu):
                 self.step_array += 1
             pending = reduce(self, residuals, grad_bags)
             if pending is not None:
                 pending.defer(self.checks, stream, early=False)
             return
-        with _scope(stream):  # every GPU op on the caller's stream, the array path's too
+        with stream_scope(stream, gpu):  # every GPU op on the caller's stream, the array path's too
             self._fused_update(residuals, grad_bags, gpu, stream)
 
     def _fused_update(self, residuals, grad_bags, gpu, stream) -> None:
@@ -465,7 +452,7 @@ class TTTable:
         stream = as_cupy_stream(stream) if self.on_gpu else None
         cache = residuals.cache
         cache_grad = None
-        with _scope(stream):
+        with stream_scope(stream, self.on_gpu):
             grads = tt_embedding_bag_bwd(residuals.cores, self.joint_shape, residuals.bag,
                                          grad_bags, stream=stream)
             if cache is not None and cache.active:
@@ -497,12 +484,9 @@ class TTTable:
             raise ValueError(f"offsets must hold num_tables * B bags (+1), got {bags} bags for "
                              f"{T} tables")
         indices = indices.astype(np.int64, copy=False)
+        if xp is np:  # raises for the first index out of range
+            checked_indices(indices, self.shape, self.num_embeddings)
         valid = (indices >= 0) & (indices < self.num_embeddings)
-        if xp is np and not valid.all():
-            position = int(np.flatnonzero(~valid)[0])
-            raise IndexError(f"index {int(indices[position])} at position {position} is out "
-                             f"of range for a TT table of {self.num_embeddings} rows (valid: "
-                             f"0 <= index < {self.num_embeddings})")
         per_table = max(bags // T, 1)
         bounds = xp.ascontiguousarray(offsets[1:] if include_last_offset else offsets)
         bag = xp.searchsorted(bounds, xp.arange(indices.shape[0]), side="right")
@@ -562,7 +546,7 @@ class TTTable:
         it; the cached rows change only at :meth:`populate_cache`)."""
         cache = self._require_cache()
         xp = self.xp
-        with _scope(as_cupy_stream(stream) if self.on_gpu else None):
+        with stream_scope(stream, self.on_gpu):
             indices = xp.asarray(indices).astype(np.int64, copy=False).reshape(-1)
             bad = (indices < 0) | (indices >= self.num_embeddings)
             if bool(bad.any()):
@@ -645,8 +629,3 @@ class _Flag:
         self.active = active
 
 
-def _scope(stream):
-    """``stream`` as CuPy's current stream (nothing for None: the CPU path)."""
-    import contextlib
-
-    return contextlib.nullcontext() if stream is None else stream
