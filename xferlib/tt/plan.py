@@ -96,6 +96,12 @@ class TTBagPlan:
     def bound(self, value: int) -> None:
         self.verdict.report.bound = int(value)
 
+    def set_bound(self, value: int) -> None:
+        """Name ``value`` as the table size in an index error (a caller that maps its
+        indices, e.g. :class:`xferlib.tt.TTTable` onto its joint TT: the plan's fields are
+        written by the plan's module)."""
+        self.bound = value
+
 
 def uses_kernels(shape: TTShape, indices, cores=None) -> bool:
     """GPU arrays and a shape whose products fit the kernels' shared memory."""

@@ -367,7 +367,7 @@ class TTTable:
                 num_embeddings=self._bound, out=out, cache=cache, cache_count=count,
                 report=report if gpu else None, stream=stream, scratch=scratch)
         if isinstance(residuals, TTBagPlan):
-            residuals.bound = self.num_embeddings
+            residuals.set_bound(self.num_embeddings)
         return bags, TTResiduals(residuals, cores, cache, int(bags.shape[0]), capturing, self)
 
     def residuals(self, indices, offsets, *, per_sample_weights=None, mode: str = "sum",
@@ -393,7 +393,7 @@ class TTTable:
                                    include_last_offset=include_last_offset,
                                    num_embeddings=self._bound)
         if isinstance(res, TTBagPlan):
-            res.bound = self.num_embeddings
+            res.set_bound(self.num_embeddings)
             return TTResiduals(res, self.cores, self.cache, res.num_bags, table=self)
         return TTResiduals(res[:3], self.cores, self.cache, res[3], table=self)
 
