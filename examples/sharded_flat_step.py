@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from xferlib.adapters.torch import FlatAdamW, ShardedFlatAdamW
+from xferlib.adapters.torch import FlatAdamW, ShardedFlatAdamW, leave_process_group
 
 
 def _shapes(params: int):
@@ -130,9 +130,10 @@ def _worker(rank, world, port, args):
         result = run(args, rank, world, torch.device("cpu"))
         if rank == 0:
             _report(result, args.json)
-        dist.barrier()
+        leave_process_group()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # this rank failed: leave without waiting for the others
+            dist.destroy_process_group()
 
 
 def main():
@@ -157,9 +158,10 @@ def main():
             result = run(args, dist.get_rank(), dist.get_world_size(), device)
             if dist.get_rank() == 0:
                 _report(result, args.json)
-            dist.barrier()
+            leave_process_group()
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         return
     import torch.multiprocessing as mp
 

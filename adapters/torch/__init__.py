@@ -16,6 +16,7 @@ from xferlib.adapters.torch.optim import (
     FlatSGD,
 )
 from xferlib.adapters.torch.grad_sync import GradAllReduce
+from xferlib.adapters.torch.groups import leave_process_group
 from xferlib.adapters.torch.host import HostEmbedding, HostEmbeddingBag
 from xferlib.adapters.torch.optim_sharded import (ShardedFlatAdagrad, ShardedFlatAdam,
                                                   ShardedFlatAdamax, ShardedFlatAdamW,
@@ -33,4 +34,5 @@ __all__ = ["ContiguousParams", "EmbeddingBagCollection", "FlatAdagrad", "FlatAda
            "ShardedFlatLion", "ShardedFlatNAdam", "ShardedFlatRAdam", "ShardedFlatRMSprop",
            "ShardedFlatSGD", "ShardedEmbeddingBagCollection", "load_sharded", "save_sharded",
            "TTEmbeddingBag", "TableBatchedTTEmbeddingBag", "TableConfig", "gather_rows",
+           "leave_process_group",
            "suggested_tt_shapes", "tt_matrix_to_full"]

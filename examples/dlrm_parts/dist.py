@@ -121,7 +121,6 @@ def free_gpu_memory(ranks: Ranks, device: str) -> None:
 
 def finish(ranks: Ranks) -> None:
     if ranks.world > 1:
-        import torch.distributed as dist
+        from xferlib.adapters.torch import leave_process_group
 
-        dist.barrier()  # every rank done with the shared tables before any tears down
-        dist.destroy_process_group()
+        leave_process_group()  # every rank done with the shared tables before any tears down

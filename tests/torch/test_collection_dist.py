@@ -21,6 +21,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from xferlib.adapters.torch import (EmbeddingBagCollection, ShardedEmbeddingBagCollection,  # noqa: E402,E501
                                     load_sharded, save_sharded)
 from xferlib.collection import TableConfig, plan_sharding  # noqa: E402
+from xferlib.adapters.torch import leave_process_group  # noqa: E402
 from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
@@ -135,8 +136,7 @@ def _worker(rank, world, port, out_dir, backend, ckpt_in, ckpt_out):
         if ckpt_out:
             save_sharded(module, ckpt_out)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _refusal(module, step, errors):
@@ -168,7 +168,7 @@ def _dict_form(module, rank, world, device, result, batch=None):
     raises on every rank, none left waiting in the exchange, and changes nothing.
     ``batch``: this rank's ``(indices, offsets)`` (default: step 0 of ``_data``)."""
     idx, off = batch if batch is not None else _batch(_data()[0], _samples(world, rank, 0))[:2]
-    T, B = len(TABLES), (off.numel() - 1) // len(TABLES)
+    B = (off.numel() - 1) // len(TABLES)
     features = {name: (idx[off[t * B]:off[(t + 1) * B]],
                        off[t * B:(t + 1) * B + 1] - off[t * B])
                 for t, name in enumerate(module.names)}
@@ -361,8 +361,7 @@ def _fixed_worker(rank, world, port, out_dir, backend):
         result["type_error"] = np.array(str(err))
     _dict_form(module, rank, world, device, result, batch=(idx, off))
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="torch.distributed without gloo")
@@ -440,8 +439,7 @@ def _graph_worker(rank, world, port, out_dir):
         states.append(_state(module))
     same = all(np.array_equal(states[0][k], states[1][k]) for k in states[0])
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), same=np.array(same))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.mark.gpu

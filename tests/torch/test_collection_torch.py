@@ -322,8 +322,7 @@ def _ddp_batches():
 
 
 def _ddp_worker(rank, world, port, out_dir):
-    import torch.distributed as dist
-
+    from xferlib.adapters.torch import leave_process_group
     from tests.torch.dist_helpers import join
 
     join(rank, world, port, "gloo")
@@ -334,8 +333,7 @@ def _ddp_worker(rank, world, port, out_dir):
         _step(model, idx, off, opt)
     torch.save({k.replace("module.", ""): v for k, v in model.state_dict().items()},
                os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_beside_ddp_for_the_dense_part(tmp_path):

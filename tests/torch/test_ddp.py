@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from xferlib.adapters.torch import FlatAdamW  # noqa: E402
+from xferlib.adapters.torch import FlatAdamW, leave_process_group  # noqa: E402
 from tests.torch.dist_helpers import free_port, join  # noqa: E402
 
 STEPS = 15
@@ -38,10 +38,7 @@ def _worker(rank, world, port, out_dir):
         opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     np.save(os.path.join(out_dir, f"rank{rank}.npy"), flat.numpy())
-    # Both ranks done before either tears gloo down (a rank destroying its group while the
-    # other still talks to it can abort the process).
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

@@ -16,6 +16,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from xferlib.adapters.torch import FlatAdam, FlatSGD, GradAllReduce  # noqa: E402
+from xferlib.adapters.torch import leave_process_group  # noqa: E402
 from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 WORLD, PER_RANK = 2, 5
@@ -174,8 +175,7 @@ def _worker(rank, backend, port, out_dir):
     if backend == "nccl":
         _captured(rank, device, out)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.fixture(scope="module", params=[

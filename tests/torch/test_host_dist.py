@@ -18,6 +18,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from xferlib.adapters.torch import HostEmbedding, HostEmbeddingBag  # noqa: E402
 from xferlib.table.shared import shared_memory_directory  # noqa: E402
+from xferlib.adapters.torch import leave_process_group  # noqa: E402
 from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 ROWS, DIM, BAGS, BAG, STEPS = 23, 5, 12, 3, 3
@@ -83,8 +84,7 @@ def _worker(rank, world, port, out_dir, backend, checks):
     if checks:
         _extra_checks(rank, world, device, init, steps, part, result)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _extra_checks(rank, world, device, init, steps, part, result):

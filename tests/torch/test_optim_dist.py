@@ -27,6 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from xferlib.adapters.torch import optim as xo  # noqa: E402
 from xferlib.adapters.torch import optim_sharded as xs  # noqa: E402
+from xferlib.adapters.torch import leave_process_group  # noqa: E402
 from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 CASES = {
@@ -185,8 +186,7 @@ def _worker(rank, world, backend, port, out_dir):
         _train("adamw", "ref", rank, world, device, low, torch.bfloat16)
     out.update({f"bf16/{k}": v for k, v in low.items()})
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
-    dist.barrier()  # every rank done before any tears the group down
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _spawn(tmp_path_factory, backend, world):

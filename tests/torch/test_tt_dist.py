@@ -20,6 +20,7 @@ import xferlib  # noqa: E402
 from xferlib.adapters.torch import (  # noqa: E402
     OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag)
 from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
+from xferlib.adapters.torch import leave_process_group  # noqa: E402
 from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
@@ -108,8 +109,7 @@ def _worker(rank, world, port, out_dir, backend):
         result.update({f"{name}.{k}": v for k, v in _snapshot(module).items()})
     _extra_checks(rank, world, device, result)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _extra_checks(rank, world, device, result):
