@@ -317,10 +317,13 @@ def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size,
     if not ranks.main:  # rank 0 speaks for all
         sys.stdout = open(os.devnull, "w")
     try:
-        return _train_ranks(args, preset, plan, frameworks, run_config, meta, device,
+        code = _train_ranks(args, preset, plan, frameworks, run_config, meta, device,
                             batch_size, steps, pooling, ranks)
-    finally:
-        dist.finish(ranks)
+    except BaseException:
+        dist.finish(ranks, ok=False)
+        raise
+    dist.finish(ranks)
+    return code
 
 
 def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch_size, steps,

@@ -130,10 +130,10 @@ def _worker(rank, world, port, args):
         result = run(args, rank, world, torch.device("cpu"))
         if rank == 0:
             _report(result, args.json)
-        leave_process_group()
-    finally:
-        if dist.is_initialized():  # this rank failed: leave without waiting for the others
-            dist.destroy_process_group()
+    except BaseException:
+        leave_process_group(wait=False)  # this rank failed: the others are not waited for
+        raise
+    leave_process_group()
 
 
 def main():
@@ -158,10 +158,10 @@ def main():
             result = run(args, dist.get_rank(), dist.get_world_size(), device)
             if dist.get_rank() == 0:
                 _report(result, args.json)
-            leave_process_group()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        except BaseException:
+            leave_process_group(wait=False)
+            raise
+        leave_process_group()
         return
     import torch.multiprocessing as mp
 

@@ -1,8 +1,8 @@
 """PyTorch adapter: xferlib's ops as torch autograd functions, on CPU and CUDA tensors."""
 
 from xferlib.adapters.torch.collection import EmbeddingBagCollection, TableConfig
-from xferlib.adapters.torch.collection_dist import (ShardedEmbeddingBagCollection,
-                                                    load_sharded, save_sharded)
+from xferlib.adapters.torch.collection_checkpoint import load_sharded, save_sharded
+from xferlib.adapters.torch.collection_dist import ShardedEmbeddingBagCollection
 from xferlib.adapters.torch.contiguous import ContiguousParams
 from xferlib.adapters.torch.optim import (
     FlatAdagrad,

@@ -42,21 +42,21 @@ its own GPU, ``torch.cuda.set_device(rank)`` before building).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from xferlib.adapters.torch.collection import EmbeddingBagCollection, TrainInPlace
+from xferlib.adapters.torch.collection_layout import (lookup_weights, owner_batch,
+                                                      owner_batch_padded, place_columns,
+                                                      refusal_of)
 from xferlib.collection import TableConfig
 from xferlib.collection.config import feature_entries
-from xferlib.collection.numpy_path import check_offsets
 from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_sharding,
-                                         read_manifest, read_rows, refuse_tt,
-                                         save_shard_files, write_manifest)
+                                         refuse_tt)
 
-__all__ = ["ShardedEmbeddingBagCollection", "save_sharded", "load_sharded"]
+__all__ = ["ShardedEmbeddingBagCollection"]
 
 _STATE = "embedding_bags."
 # Input errors travel in the header as codes, so every rank raises (none waits forever in a
@@ -109,9 +109,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     every rank (its own error there; the same type elsewhere) before any table changes.
 
     ``state_dict()`` holds this rank's shards (``embedding_bags.<shard>.weight`` and its
-    optimizer state; a row range is named ``"<table>[start:stop]"``); :func:`save_sharded`
-    and :func:`load_sharded` write and read checkpoints that load onto any plan and group
-    size, or into one process.
+    optimizer state; a row range is named ``"<table>[start:stop]"``);
+    :func:`~xferlib.adapters.torch.save_sharded` and
+    :func:`~xferlib.adapters.torch.load_sharded` write and read checkpoints that load onto
+    any plan and group size, or into one process.
     """
 
     def __init__(self, tables, optimizer: str = "sgd", optimizer_kwargs=None, *,
@@ -445,7 +446,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                                                                          head + caps[me])
         w_received = None
         if weighted:
-            w = self._weights(per_sample_weights, lengths, bag, B, n)
+            w = lookup_weights(per_sample_weights, lengths, bag, n, self.pooling, self.dtype,
+                               dev)
             w_spill = torch.zeros(sum(caps) + 1, dtype=self.dtype, device=dev)
             w_spill[dst] = w[order]
             w_received = self._a2a(w_spill[:sum(caps)], [caps[me]] * world, caps,
@@ -453,8 +455,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         ctx = None
         T_me = len(self.shards)
         if self.local is not None:
-            idx_own, off_own, w_own = self._owner_batch_fixed(received, w_received, B,
-                                                              caps[me], T_me)
+            idx_own, off_own, w_own = owner_batch_padded(received, w_received, B, caps[me],
+                                                         T_me, S)
             core = lambda t: self.local._core(t, "x")  # noqa: E731
             try:
                 pooled, ctx = self.local._lookup(core(idx_own), core(off_own),
@@ -469,7 +471,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         d_me = self._owner_dim[me]
         back = self._a2a(pooled.reshape(-1), [B * d for d in self._owner_dim],
                          [B * d_me] * world, self.dtype)
-        out = self._place_columns(back, B)
+        out = place_columns(back, B, self._owner_dim, self._owner_cols,
+                            self.total_dim)
         return out, _Step(B, [B] * world, ctx)
 
     @property
@@ -498,49 +501,6 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             self._room_cache[key] = (rooms, starts, *(
                 torch.tensor(v, dtype=torch.int64, device=self.device) for v in (rooms, starts)))
         return self._room_cache[key]
-
-    def _place_columns(self, back, B: int) -> torch.Tensor:
-        """The pooled rows the owners sent back (owner after owner, ``B`` rows of its
-        columns each) at their tables' columns of a ``(B, total_dim)`` output; a row-wise
-        table's partial sums add up, owners in rank order."""
-        out = torch.zeros((B, self.total_dim), dtype=self.dtype, device=self.device)
-        at = 0
-        for o in range(self.world_size):
-            d = self._owner_dim[o]
-            if d:
-                out.index_add_(1, self._owner_cols[o], back[at:at + B * d].view(B, d))
-            at += B * d
-        return out
-
-    def _owner_batch_fixed(self, received, w_received, B: int, room: int, T_me: int):
-        """What the owner received, as one padded batch in FBGEMM's layout: table by table,
-        each table's bags rank after rank (the global batch's order), the true lookups
-        first and the rest of the ``world * room`` slots (``room`` from each sender)
-        padding."""
-        dev, world = self.device, self.world_size
-        head = self._max_slots * B
-        lengths = received[:, :head].view(world, self._max_slots, B)[:, :T_me]
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev),
-                             torch.cumsum(lengths.permute(1, 0, 2).reshape(-1), 0)])
-        per = lengths.sum(dim=2)                                    # (rank, table)
-        ends = torch.cumsum(per, 1)                                 # in rank r's message
-        src_start = ends - per
-        seg_len = per.t().reshape(-1)                               # (table, rank) order
-        dst_start = (torch.cumsum(seg_len, 0) - seg_len).view(T_me, world).t()
-        p = torch.arange(room, device=dev).expand(world, room).contiguous()
-        k = torch.searchsorted(ends, p, right=True)                 # each slot's table
-        real = k < T_me
-        k = k.clamp_(max=T_me - 1)
-        dst = dst_start.gather(1, k) + p - src_start.gather(1, k)
-        dst = torch.where(real, dst, world * room).reshape(-1)
-        idx = torch.zeros(world * room + 1, dtype=torch.int64, device=dev)
-        idx[dst] = received[:, head:].reshape(-1)
-        w = None
-        if w_received is not None:
-            w = torch.zeros(world * room + 1, dtype=self.dtype, device=dev)
-            w[dst] = w_received.reshape(-1)
-            w = w[:world * room]
-        return idx[:world * room], offsets, w
 
     def _a2a(self, send, out_splits, in_splits, dtype):
         out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
@@ -591,9 +551,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                         torch.int64)
         weights = None
         if got[:, 2].any():  # every rank sends weights when any rank has them
-            w = self._weights(per_sample_weights, lengths, bag, B, send_idx.shape[0])
+            w = lookup_weights(per_sample_weights, lengths, bag, send_idx.shape[0],
+                               self.pooling, self.dtype, dev)
             weights = self._a2a(w[order], n_got, n_send, self.dtype)
-        idx_own, off_own, w_own = self._owner_batch(ids, weights, batches, n_got, T_me)
+        idx_own, off_own, w_own = owner_batch(ids, weights, batches, n_got, T_me)
 
         # The owner's pooled lookup, rows in rank order: rank r's bags are one row block.
         ctx = None
@@ -607,47 +568,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         d_me = self._owner_dim[me]
         back = self._a2a(pooled.reshape(-1), [B * d for d in self._owner_dim],
                          [b * d_me for b in batches], self.dtype)
-        out = self._place_columns(back, B)
+        out = place_columns(back, B, self._owner_dim, self._owner_cols,
+                            self.total_dim)
         return out, _Step(B, batches, ctx)
-
-    def _weights(self, per_sample_weights, lengths, bag, B, n):
-        """Each lookup's weight: its per-sample weight (ones without), times ``1 / bag
-        length`` for mean pooling, in the table dtype and in the order the one-process
-        collection computes it (so the products round alike)."""
-        w = (torch.ones(n, dtype=self.dtype, device=self.device) if per_sample_weights is None
-             else per_sample_weights.to(self.device, self.dtype))
-        if self.pooling == "mean" and n:
-            inv = 1 / torch.clamp(lengths, min=1).to(self.dtype)
-            w = inv[bag] if per_sample_weights is None else w * inv[bag]
-        return w
-
-    def _owner_batch(self, ids, weights, batches, n_got, T_me):
-        """The received lookups as one batch in FBGEMM's layout: table by table, each
-        table's bags rank after rank (the global batch's order), and their indices
-        permuted from (rank, table) order to (table, rank) order without a sync."""
-        dev, world = self.device, self.world_size
-        lens, idx_parts, at = [], [], 0
-        for b, n in zip(batches, n_got):
-            lens.append(ids[at:at + T_me * b].view(T_me, b))
-            idx_parts.append(ids[at + T_me * b:at + T_me * b + n])
-            at += T_me * b + n
-        if not T_me:
-            return None, None, None
-        lengths = torch.cat(lens, dim=1)  # (T_me, sum of B)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev),
-                             torch.cumsum(lengths.reshape(-1), 0)])
-        received = torch.cat(idx_parts)
-        total = sum(n_got)
-        per = torch.stack([x.sum(dim=1) for x in lens])  # (world, T_me) lookups per segment
-        rank_base = torch.tensor(np.concatenate([[0], np.cumsum(n_got)[:-1]]),
-                                 dtype=torch.int64, device=dev)
-        src_start = (rank_base[:, None] + torch.cumsum(per, 1) - per).t().reshape(-1)
-        seg_len = per.t().reshape(-1)  # segments in (table, rank) order
-        dst_start = torch.cumsum(seg_len, 0) - seg_len
-        seg = torch.repeat_interleave(torch.arange(T_me * world, device=dev), seg_len,
-                                      output_size=total)
-        src = src_start[seg] + torch.arange(total, device=dev) - dst_start[seg]
-        return received[src], offsets, None if weights is None else weights[src]
 
     def _raise_refused(self, got, own_error, indices, offsets) -> None:
         """Raise on every rank when any rank's input was refused (nothing was sent yet)."""
@@ -657,32 +580,13 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if own_error is not None:
             raise own_error
         if self.rank in refused:
-            raise self._value_error(indices, offsets)
+            raise refusal_of(self.tables, indices, offsets)
         r = refused[0]
         kind = _ERRORS.get(int(got[r, 3]), IndexError if got[r, 4] else ValueError)
         if got[r, 4]:  # bad values: bad offsets raise ValueError there, indices IndexError
             kind = IndexError
         raise kind(f"rank {r} of the group passed a batch the sharded collection refused "
                    f"(index out of range or bad offsets); no table changed on any rank")
-
-    def _value_error(self, indices, offsets):
-        """This rank's own bad values, named as the one-process collection names them."""
-        idx = indices.detach().cpu().numpy().astype(np.int64)
-        off = offsets.detach().cpu().numpy().astype(np.int64)
-        try:
-            check_offsets(off, idx.shape[0])
-        except ValueError as err:
-            return err
-        B = (off.shape[0] - 1) // len(self.tables)
-        for t, c in enumerate(self.tables):
-            lo, hi = int(off[t * B]), int(off[(t + 1) * B])
-            bad = np.flatnonzero((idx[lo:hi] < 0) | (idx[lo:hi] >= c.num_rows))
-            if bad.size:
-                k = lo + int(bad[0])
-                return IndexError(f"index {int(idx[k])} at position {k} is out of range for "
-                                  f"table {c.name!r} of {c.num_rows} rows (valid: 0 <= "
-                                  f"index < {c.num_rows})")
-        return ValueError("the batch was refused")
 
     # ------------------------------------------------------------------ backward
 
@@ -731,86 +635,3 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         return (f"rank {self.rank} of {self.world_size}: [{mine}], "
                 f"optimizer={self.optimizer!r}, pooling={self.pooling!r}, "
                 f"device={self.device}")
-
-
-# ------------------------------------------------------------------ checkpoints
-
-
-def _shards_and_collection(module):
-    """``(plan-like shards, core collection)`` of a sharded module or of an unsharded
-    EmbeddingBagCollection (every table one whole shard)."""
-    if isinstance(module, ShardedEmbeddingBagCollection):
-        coll = None if module.local is None else module.local.collection
-        return module.plan.shards_of(module.rank), coll
-    if isinstance(module, EmbeddingBagCollection):
-        plan = plan_sharding(module.tables, 1, optimizer=module.collection.optimizer)
-        return plan.shards, module.collection
-    raise TypeError(f"expected a ShardedEmbeddingBagCollection or an EmbeddingBagCollection, "
-                    f"got {type(module).__name__}")
-
-
-def save_sharded(module: ShardedEmbeddingBagCollection, directory, tag: str = "") -> None:
-    """Write ``module``'s checkpoint into ``directory`` (collective: every rank calls it):
-    each rank writes one file per shard it holds (crash-safe), then rank 0 writes the
-    manifest that names them (last, so an interrupted save leaves the previous manifest
-    and its files whole; give each save its own ``tag``, such as the step, to keep the
-    previous files until the new manifest is in place)."""
-    os.makedirs(directory, exist_ok=True)
-    arrays = {}
-    if module.local is not None:
-        with module.local._on_device():
-            state = module.local.collection.state_dict()
-        for s in module.shards:
-            head = s.local_name + "."
-            arrays[s.local_name] = {k[len(head):]: v for k, v in state.items()
-                                    if k.startswith(head)}
-    error = None
-    try:
-        save_shard_files(directory, module.plan, module.rank, arrays, tag)
-    except OSError as err:
-        error = err
-    ok = [error is None]
-    every = [None] * module.world_size
-    dist.all_gather_object(every, ok, group=module.group)
-    if error is not None:
-        raise error
-    if not all(o[0] for o in every):
-        raise RuntimeError("another rank failed to write its shards; no manifest written")
-    if module.rank == 0:
-        write_manifest(directory, module.plan,
-                       dict(optimizer=module.optimizer, pooling=module.pooling,
-                            dtype=str(module.dtype).replace("torch.", "")), tag)
-    dist.barrier(group=module.group)
-
-
-def load_sharded(module, directory) -> None:
-    """Load the checkpoint in ``directory`` into ``module``: a
-    :class:`ShardedEmbeddingBagCollection` of any plan and group size (each rank reads the
-    rows of its shards from whichever saved shards hold them), or an unsharded
-    :class:`EmbeddingBagCollection` (every table whole, in one process). The tables'
-    names, rows and widths and the optimizer must match. Hyperparameters are the loading
-    module's own."""
-    manifest = read_manifest(directory)
-    saved = manifest["plan"]
-    if isinstance(module, ShardedEmbeddingBagCollection):
-        tables, optimizer = module.tables, module.optimizer
-    else:
-        tables, optimizer = module.tables, module.collection.optimizer
-    theirs = [(c.name, c.num_rows, c.dim) for c in saved.tables]
-    ours = [(c.name, c.num_rows, c.dim) for c in tables]
-    if theirs != ours:
-        raise ValueError(f"the checkpoint in {directory} holds tables {theirs}; this module "
-                         f"has {ours}")
-    if manifest["meta"]["optimizer"] != optimizer:
-        raise ValueError(f"the checkpoint in {directory} holds {manifest['meta']['optimizer']!r}"
-                         f" optimizer state; this module runs {optimizer!r}")
-    shards, coll = _shards_and_collection(module)
-    if coll is None:
-        return
-    state = {}
-    for s in shards:
-        rows = read_rows(directory, manifest, s.table, s.row_start, s.row_stop)
-        state.update({f"{s.local_name}.{k}": v for k, v in rows.items()})
-    device = module.local if isinstance(module, ShardedEmbeddingBagCollection) else module
-    with device._on_device():
-        coll.load_state_dict(state)

@@ -1,5 +1,6 @@
-"""Which torch.distributed group a module trains with: the one rule the host-table and TT
-modules share for their ``process_group=`` argument."""
+"""Which torch.distributed group a module trains with (the one rule the host-table and TT
+modules share for their ``process_group=`` argument), and how a multi-process script leaves
+its groups."""
 
 from __future__ import annotations
 
@@ -36,25 +37,26 @@ def resolve_group(process_group):
     return process_group if dist.get_world_size(process_group) > 1 else None
 
 
-def leave_process_group() -> None:
-    """Leave torch.distributed cleanly: wait for every rank, destroy the process groups, and
-    give their worker threads the interpreter to finish before Python shuts down.
+def leave_process_group(wait: bool = True) -> None:
+    """Leave torch.distributed at the end of a multi-process script, on every rank, instead
+    of a bare ``dist.destroy_process_group()``: a barrier (``wait=False``: none, for a rank
+    that failed), the groups destroyed, garbage collected (modules that sum gradients hold
+    their group in reference cycles) and the interpreter released for 50 ms.
 
-    Call it on every rank at the end of a multi-process script instead of a bare
-    ``dist.destroy_process_group()``. Why: torch's gloo backend frees its last collectives
-    on its own worker threads, and freeing a tensor that Python made needs the interpreter.
-    ``destroy_process_group`` does not stop those threads (torch keeps the default group
-    referenced once ``torch.optim`` is imported), so a thread that gets there only after the
-    script's end finds Python shutting down and aborts the process ("terminate called
-    without an active exception", SIGABRT): a run that succeeded fails, now and then. Here,
-    after the barrier, the garbage collector frees what still holds a group (modules that
-    sum gradients sit in reference cycles through their hooks) and the main thread lets go
-    of the interpreter for a moment, so the threads finish those frees while Python runs.
+    Why: torch's gloo worker threads free their last collectives' tensors on their own, and
+    torch may keep the group alive past ``destroy_process_group`` (it does once
+    ``torch._dynamo`` is imported, as ``torch.optim`` imports it). A thread that frees a
+    tensor only after the script's end aborts a finished run ("terminate called without an
+    active exception", SIGABRT), now and then. Releasing the interpreter lets the threads
+    finish first: best effort (a thread starved of CPU for 50 ms still loses), not a proof.
     A no-op when torch.distributed is not initialized.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    dist.barrier()
-    dist.destroy_process_group()
-    gc.collect()
-    time.sleep(0.05)  # the interpreter released: the worker threads' last frees run now
+    try:
+        if wait:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+        time.sleep(0.05)  # the interpreter released: the worker threads' last frees run now

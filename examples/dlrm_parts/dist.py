@@ -119,8 +119,11 @@ def free_gpu_memory(ranks: Ranks, device: str) -> None:
             cupy.get_default_memory_pool().free_all_blocks()
 
 
-def finish(ranks: Ranks) -> None:
+def finish(ranks: Ranks, ok: bool = True) -> None:
+    """Leave the group: after a barrier (every rank done with the shared tables before any
+    tears down) when this rank finished, without one when it failed (the others are not
+    waited for)."""
     if ranks.world > 1:
         from xferlib.adapters.torch import leave_process_group
 
-        leave_process_group()  # every rank done with the shared tables before any tears down
+        leave_process_group(wait=ok)

@@ -19,9 +19,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from xferlib.adapters.torch import (EmbeddingBagCollection, ShardedEmbeddingBagCollection,  # noqa: E402,E501
-                                    load_sharded, save_sharded)
+                                    leave_process_group, load_sharded, save_sharded)
 from xferlib.collection import TableConfig, plan_sharding  # noqa: E402
-from xferlib.adapters.torch import leave_process_group  # noqa: E402
 from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from xferlib.adapters.torch import FlatAdam, FlatSGD, GradAllReduce  # noqa: E402
-from xferlib.adapters.torch import leave_process_group  # noqa: E402
+from xferlib.adapters.torch import (FlatAdam, FlatSGD, GradAllReduce,  # noqa: E402
+                                    leave_process_group)
 from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 WORLD, PER_RANK = 2, 5

@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from xferlib.adapters.torch import HostEmbedding, HostEmbeddingBag  # noqa: E402
+from xferlib.adapters.torch import (HostEmbedding, HostEmbeddingBag,  # noqa: E402
+                                    leave_process_group)
 from xferlib.table.shared import shared_memory_directory  # noqa: E402
-from xferlib.adapters.torch import leave_process_group  # noqa: E402
 from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 ROWS, DIM, BAGS, BAG, STEPS = 23, 5, 12, 3, 3

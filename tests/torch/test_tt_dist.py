@@ -18,9 +18,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import xferlib  # noqa: E402
 from xferlib.adapters.torch import (  # noqa: E402
-    OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag)
+    OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag, leave_process_group)
 from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
-from xferlib.adapters.torch import leave_process_group  # noqa: E402
 from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")

@@ -1,0 +1,95 @@
+"""Checkpoints of sharded collections: each rank writes its shards' files, rank 0 the
+manifest; a checkpoint loads onto any plan and group size, or into one process."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from xferlib.adapters.torch.collection import EmbeddingBagCollection
+from xferlib.adapters.torch.collection_dist import ShardedEmbeddingBagCollection
+from xferlib.collection.sharding import (plan_sharding, read_manifest, read_rows,
+                                         save_shard_files, write_manifest)
+
+__all__ = ["load_sharded", "save_sharded"]
+
+
+def _shards_and_collection(module):
+    """``(plan-like shards, core collection)`` of a sharded module or of an unsharded
+    EmbeddingBagCollection (every table one whole shard)."""
+    if isinstance(module, ShardedEmbeddingBagCollection):
+        coll = None if module.local is None else module.local.collection
+        return module.plan.shards_of(module.rank), coll
+    if isinstance(module, EmbeddingBagCollection):
+        plan = plan_sharding(module.tables, 1, optimizer=module.collection.optimizer)
+        return plan.shards, module.collection
+    raise TypeError(f"expected a ShardedEmbeddingBagCollection or an EmbeddingBagCollection, "
+                    f"got {type(module).__name__}")
+
+
+def save_sharded(module: ShardedEmbeddingBagCollection, directory, tag: str = "") -> None:
+    """Write ``module``'s checkpoint into ``directory`` (collective: every rank calls it):
+    each rank writes one file per shard it holds (crash-safe), then rank 0 writes the
+    manifest that names them (last, so an interrupted save leaves the previous manifest
+    and its files whole; give each save its own ``tag``, such as the step, to keep the
+    previous files until the new manifest is in place)."""
+    os.makedirs(directory, exist_ok=True)
+    arrays = {}
+    if module.local is not None:
+        with module.local._on_device():
+            state = module.local.collection.state_dict()
+        for s in module.shards:
+            head = s.local_name + "."
+            arrays[s.local_name] = {k[len(head):]: v for k, v in state.items()
+                                    if k.startswith(head)}
+    error = None
+    try:
+        save_shard_files(directory, module.plan, module.rank, arrays, tag)
+    except OSError as err:
+        error = err
+    ok = [error is None]
+    every = [None] * module.world_size
+    dist.all_gather_object(every, ok, group=module.group)
+    if error is not None:
+        raise error
+    if not all(o[0] for o in every):
+        raise RuntimeError("another rank failed to write its shards; no manifest written")
+    if module.rank == 0:
+        write_manifest(directory, module.plan,
+                       dict(optimizer=module.optimizer, pooling=module.pooling,
+                            dtype=str(module.dtype).replace("torch.", "")), tag)
+    dist.barrier(group=module.group)
+
+
+def load_sharded(module, directory) -> None:
+    """Load the checkpoint in ``directory`` into ``module``: a
+    :class:`ShardedEmbeddingBagCollection` of any plan and group size (each rank reads the
+    rows of its shards from whichever saved shards hold them), or an unsharded
+    :class:`EmbeddingBagCollection` (every table whole, in one process). The tables'
+    names, rows and widths and the optimizer must match. Hyperparameters are the loading
+    module's own."""
+    manifest = read_manifest(directory)
+    saved = manifest["plan"]
+    if isinstance(module, ShardedEmbeddingBagCollection):
+        tables, optimizer = module.tables, module.optimizer
+    else:
+        tables, optimizer = module.tables, module.collection.optimizer
+    theirs = [(c.name, c.num_rows, c.dim) for c in saved.tables]
+    ours = [(c.name, c.num_rows, c.dim) for c in tables]
+    if theirs != ours:
+        raise ValueError(f"the checkpoint in {directory} holds tables {theirs}; this module "
+                         f"has {ours}")
+    if manifest["meta"]["optimizer"] != optimizer:
+        raise ValueError(f"the checkpoint in {directory} holds {manifest['meta']['optimizer']!r}"
+                         f" optimizer state; this module runs {optimizer!r}")
+    shards, coll = _shards_and_collection(module)
+    if coll is None:
+        return
+    state = {}
+    for s in shards:
+        rows = read_rows(directory, manifest, s.table, s.row_start, s.row_stop)
+        state.update({f"{s.local_name}.{k}": v for k, v in rows.items()})
+    device = module.local if isinstance(module, ShardedEmbeddingBagCollection) else module
+    with device._on_device():
+        coll.load_state_dict(state)
