@@ -425,8 +425,8 @@ def test_flat_scalars_are_named_records():
     """Each flat rule's scalars are one NamedTuple made by its scalars function; the kernel
     reads their columns by the names generated from the record's fields."""
     from xferlib._kernels.optim import OPTIM_MODULE
-    from xferlib.optim.rules import (SCALARS, adam_hyper_defines, flat_scalar_defines,
-                                     resolve_hyper)
+    from xferlib.optim.rule_rows import adam_hyper_defines, flat_scalar_defines
+    from xferlib.optim.rules import SCALARS, resolve_hyper
 
     for name, rule in FLAT_RULES.items():
         record = rule.scalars(resolve_hyper(name), 3, {"mu_product": 1.0}, np)
@@ -462,7 +462,7 @@ def test_host_table_hyper_rows_are_named_records():
     """The host-table kernel's row of hyperparameters per rule is one record made by
     device_hyper, in the order the kernel has always read it, its columns generated."""
     from xferlib._kernels.table import TABLE_MODULE
-    from xferlib.optim.rules import adam_hyper_defines, device_hyper, hyper_defines
+    from xferlib.optim.rule_rows import adam_hyper_defines, device_hyper, hyper_defines
     from xferlib.table.rules import optimizer_defaults
 
     def old(name, h):  # the lists the table family wrote by hand before

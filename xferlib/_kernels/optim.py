@@ -14,7 +14,8 @@ vectors: segments start on 16-byte boundaries, so every access is a whole aligne
 from xferlib._kernels._declare import KernelDecl
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.rules import RULES_KERNEL
-from xferlib.optim.rules import FLAT_RULES, adam_hyper_defines, flat_scalar_defines
+from xferlib.optim.rule_rows import adam_hyper_defines, flat_scalar_defines
+from xferlib.optim.rules import FLAT_RULES
 
 _HEAD = RULES_KERNEL + flat_scalar_defines() + adam_hyper_defines() + r"""
 typedef long long i64;

@@ -20,8 +20,8 @@ from xferlib._kernels.cache import CACHE_MODULE  # noqa: F401  (registered with 
 from xferlib._kernels.cache import HOST_ARGS  # noqa: F401  (the table kernels' too)
 from xferlib._kernels.rules import RULES_KERNEL
 from xferlib.optim.rules import RULES as _SHARED_RULES
-from xferlib.optim.rules import (TABLE, OptId, adam_hyper_defines, hyper_defines,
-                                 optimizers_for)
+from xferlib.optim.rule_rows import adam_hyper_defines, hyper_defines
+from xferlib.optim.rules import TABLE, OptId, optimizers_for
 
 SUM_CHUNK = 32  # sorted positions per thread in the gradient sums' first pass
 
@@ -305,7 +305,7 @@ _UPDATE_RULES = r"""
 // ------------------------------------------------------------------------ update rules
 // RULE: an XF_OPT_* id (xferlib.optim.rules.OptId): sgd, adam (adamw too), adagrad,
 // rowwise_adagrad, adamax, rmsprop, adadelta.
-// h: the rule's device row of hyperparameters (xferlib.optim.rules.device_hyper: a record
+// h: the rule's device row of hyperparameters (xferlib.optim.rule_rows.device_hyper: a record
 // per rule, columns XF_H_<RULE>_<FIELD> / XF_AH_<FIELD>); a row's state slot k sits at
 // s + k * dim, row scalars after the slots; t: the row's step count after this step.
 // row_consts turns h and t into the row's scalars (bias corrections and 1 - beta in double,

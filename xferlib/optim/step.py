@@ -36,8 +36,9 @@ import numpy as np
 
 from xferlib._backend import is_cupy_array
 from xferlib.optim.layout import FlatLayout
-from xferlib.optim.rules import (COMMON, FLAT_RULES, SCALARS, Rule, adam_hyper_row,
-                                 common_scalars, get_rule, preamble_numpy, resolve_hyper)
+from xferlib.optim.rule_rows import adam_hyper_row
+from xferlib.optim.rules import (COMMON, FLAT_RULES, SCALARS, Rule, common_scalars, get_rule,
+                                 preamble_numpy, resolve_hyper)
 
 __all__ = ["FlatState", "FlatOptimizer", "sgd", "adam", "adamw", "adagrad", "rmsprop",
            "adamax", "nadam", "radam", "lion", "step_scalars", "fill_step_table",

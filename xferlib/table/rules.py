@@ -15,7 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from xferlib.optim.rules import RULES, device_hyper, first_moment, second_moment
+from xferlib.optim.rule_rows import device_hyper
+from xferlib.optim.rules import RULES, first_moment, second_moment
 from xferlib.table.layout import split_state
 
 __all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
