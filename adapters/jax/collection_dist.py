@@ -438,19 +438,15 @@ class ShardedCollection:
         them (``load``, ``xferlib.adapters.torch.load_sharded``), on any plan."""
         import os
 
-        from xferlib.collection.sharding import save_shard_files, write_manifest
+        from xferlib.collection.sharding import save_shard_files, shard_arrays, write_manifest
 
         os.makedirs(directory, exist_ok=True)
         for r, coll in enumerate(self.shards):
             if coll is None:
                 continue
             with self.shard_scope(r):
-                state = coll.state_dict()
-            arrays = {}
-            for s in self.plan.shards_of(r):
-                head = s.local_name + "."
-                arrays[s.local_name] = {k[len(head):]: v for k, v in state.items()
-                                        if k.startswith(head)}
+                arrays = shard_arrays(coll.state_dict(), self.plan.shards_of(r),
+                                      ("weight", *coll.state_names()))
             save_shard_files(directory, self.plan, r, arrays, tag)
         write_manifest(directory, self.plan, dict(optimizer=self.optimizer,
                                                   pooling=self.pooling,
@@ -460,18 +456,9 @@ class ShardedCollection:
         """Load the checkpoint in ``directory`` (saved on any plan, by either framework):
         each shard reads its rows from whichever saved shards hold them. ValueError when
         the tables (names, rows, widths) or the optimizer differ."""
-        from xferlib.collection.sharding import read_manifest, read_rows
+        from xferlib.collection.sharding import read_checkpoint, read_rows
 
-        manifest = read_manifest(directory)
-        theirs = [(c.name, c.num_rows, c.dim) for c in manifest["plan"].tables]
-        ours = [(c.name, c.num_rows, c.dim) for c in self.tables]
-        if theirs != ours:
-            raise ValueError(f"the checkpoint in {directory} holds tables {theirs}; this "
-                             f"collection has {ours}")
-        if manifest["meta"]["optimizer"] != self.optimizer:
-            raise ValueError(f"the checkpoint in {directory} holds "
-                             f"{manifest['meta']['optimizer']!r} optimizer state; this "
-                             f"collection runs {self.optimizer!r}")
+        manifest = read_checkpoint(directory, self.tables, self.optimizer)
         state = {}
         for t, config in enumerate(self.tables):
             rows = read_rows(directory, manifest, config.name, 0, config.num_rows)

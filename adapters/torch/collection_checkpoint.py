@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from xferlib.adapters.torch.collection import EmbeddingBagCollection
 from xferlib.adapters.torch.collection_dist import ShardedEmbeddingBagCollection
-from xferlib.collection.sharding import (plan_sharding, read_manifest, read_rows,
-                                         save_shard_files, write_manifest)
+from xferlib.collection.sharding import (plan_sharding, read_checkpoint, read_rows,
+                                         save_shard_files, shard_arrays, write_manifest)
 
 __all__ = ["load_sharded", "save_sharded"]
 
@@ -37,12 +37,10 @@ def save_sharded(module: ShardedEmbeddingBagCollection, directory, tag: str = ""
     os.makedirs(directory, exist_ok=True)
     arrays = {}
     if module.local is not None:
+        coll = module.local.collection
         with module.local._on_device():
-            state = module.local.collection.state_dict()
-        for s in module.shards:
-            head = s.local_name + "."
-            arrays[s.local_name] = {k[len(head):]: v for k, v in state.items()
-                                    if k.startswith(head)}
+            arrays = shard_arrays(coll.state_dict(), module.shards,
+                                  ("weight", *coll.state_names()))
     error = None
     try:
         save_shard_files(directory, module.plan, module.rank, arrays, tag)
@@ -69,20 +67,11 @@ def load_sharded(module, directory) -> None:
     :class:`EmbeddingBagCollection` (every table whole, in one process). The tables'
     names, rows and widths and the optimizer must match. Hyperparameters are the loading
     module's own."""
-    manifest = read_manifest(directory)
-    saved = manifest["plan"]
     if isinstance(module, ShardedEmbeddingBagCollection):
         tables, optimizer = module.tables, module.optimizer
     else:
         tables, optimizer = module.tables, module.collection.optimizer
-    theirs = [(c.name, c.num_rows, c.dim) for c in saved.tables]
-    ours = [(c.name, c.num_rows, c.dim) for c in tables]
-    if theirs != ours:
-        raise ValueError(f"the checkpoint in {directory} holds tables {theirs}; this module "
-                         f"has {ours}")
-    if manifest["meta"]["optimizer"] != optimizer:
-        raise ValueError(f"the checkpoint in {directory} holds {manifest['meta']['optimizer']!r}"
-                         f" optimizer state; this module runs {optimizer!r}")
+    manifest = read_checkpoint(directory, tables, optimizer)
     shards, coll = _shards_and_collection(module)
     if coll is None:
         return

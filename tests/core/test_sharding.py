@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from xferlib.collection import EmbeddingCollection, TableConfig, plan_sharding
-from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, read_manifest,
-                                         read_rows, row_bytes, save_shard_files,
+from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, read_checkpoint,
+                                         read_manifest, read_rows, row_bytes,
+                                         save_shard_files, shard_arrays,
                                          write_manifest)
 
 TABLES = [TableConfig(1000, 16, name="user"), TableConfig(10, 4, name="ad"),
@@ -129,3 +130,30 @@ def test_checkpoint_reads_rows_across_shard_files(tmp_path):
         np.testing.assert_array_equal(rows[key], state[f"a.{key}"][2:9])
     with pytest.raises(ValueError, match="does not hold rows"):
         read_rows(tmp_path, manifest, "a", 8, 12)
+
+
+def test_checkpoint_of_tables_whose_names_hold_dots(tmp_path):
+    """Table "a" does not take table "a.b"'s entries (keys built whole, no prefix match),
+    and both read back whole; a loader of other tables or another optimizer is refused."""
+    tables = [TableConfig(6, 4, name="a"), TableConfig(5, 3, name="a.b"),
+              TableConfig(4, 2, name="a.b.weight")]
+    plan = plan_sharding(tables, 2, row_wise=["a.b"], optimizer="adagrad")
+    whole = EmbeddingCollection(tables, "adagrad", device="cpu", seed=2)
+    state = whole.state_dict()
+    entries = ("weight", *whole.state_names())
+    for rank in range(2):
+        local = {f"{s.local_name}.{e}": state[f"{s.table}.{e}"][s.row_start:s.row_stop]
+                 for s in plan.shards_of(rank) for e in entries}
+        arrays = shard_arrays(local, plan.shards_of(rank), entries)
+        assert all(set(a) == set(entries) for a in arrays.values())
+        save_shard_files(tmp_path, plan, rank, arrays)
+    write_manifest(tmp_path, plan, dict(optimizer="adagrad"))
+    manifest = read_checkpoint(tmp_path, tables, "adagrad")
+    for c in tables:
+        rows = read_rows(tmp_path, manifest, c.name, 0, c.num_rows)
+        for e in entries:
+            np.testing.assert_array_equal(rows[e], state[f"{c.name}.{e}"])
+    with pytest.raises(ValueError, match="holds tables"):
+        read_checkpoint(tmp_path, tables[:2], "adagrad")
+    with pytest.raises(ValueError, match="'adagrad' optimizer state"):
+        read_checkpoint(tmp_path, tables, "sgd")

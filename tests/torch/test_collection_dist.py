@@ -450,3 +450,27 @@ def test_two_gpus_capturable_step_in_a_cuda_graph(tmp_path):
     mp.spawn(_graph_worker, args=(2, free_port(), str(tmp_path / "g")), nprocs=2, join=True)
     for r in range(2):
         assert bool(np.load(tmp_path / "g" / f"rank{r}.npz")["same"]), r
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch.distributed without gloo")
+def test_checkpoint_of_tables_whose_names_hold_dots(tmp_path):
+    """A table named "a.b" beside "a" (a state_dict key of one starts with the other's
+    name): each saves and loads its own rows and state, one rank to one process."""
+    tables = [TableConfig(6, 4, name="a"), TableConfig(5, 4, name="a.b")]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharded = ShardedEmbeddingBagCollection(tables, "adagrad", {"lr": 0.1}, seed=3)
+        idx = torch.tensor([0, 5, 5, 1, 4, 2])
+        sharded(idx, torch.tensor([0, 2, 3, 5, 6])).sum().backward()
+        save_sharded(sharded, tmp_path)
+        saved = {k: v.clone() for k, v in sharded.state_dict().items()}
+        leave_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    whole = EmbeddingBagCollection(tables, "adagrad", {"lr": 0.1}, seed=99)
+    load_sharded(whole, tmp_path)
+    loaded = whole.state_dict()
+    assert set(saved) == set(loaded)
+    for key, value in saved.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)

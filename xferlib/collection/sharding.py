@@ -14,8 +14,8 @@ same plan from the same arguments (no randomness, ties go to the lowest rank).
 
 Also here, framework-free: the initial weights of a shard (the rows the unsharded collection
 would start with, :func:`fill_shard_weights`) and checkpoints written one file per shard and
-read back for any other plan (:func:`save_shard_files`, :func:`write_manifest`,
-:func:`read_manifest`, :func:`read_rows`).
+read back for any other plan (:func:`shard_arrays`, :func:`save_shard_files`,
+:func:`write_manifest`, :func:`read_checkpoint`, :func:`read_rows`).
 
 >>> from xferlib.collection import TableConfig, plan_sharding
 >>> plan = plan_sharding([TableConfig(1000, 16, name="user"), TableConfig(10, 4, name="ad"),
@@ -39,8 +39,8 @@ from xferlib.table.layout import RowLayout
 from xferlib.table.rules import resolve_hyper, sparse_rule
 
 __all__ = ["Shard", "ShardingPlan", "plan_sharding", "refuse_tt", "row_bytes",
-           "fill_shard_weights", "save_shard_files", "write_manifest", "read_manifest",
-           "read_rows", "MANIFEST", "KINDS"]
+           "fill_shard_weights", "shard_arrays", "save_shard_files", "write_manifest",
+           "read_manifest", "read_checkpoint", "read_rows", "MANIFEST", "KINDS"]
 
 KINDS = ("table_wise", "row_wise")
 MANIFEST = "manifest.json"  # names the files of the checkpoint it completes; written last
@@ -355,6 +355,31 @@ def _shard_file(tag: str, shard: Shard) -> str:
     # Table positions, not names, in file names: a name may hold any character.
     prefix = f"shard-{tag}-" if tag else "shard-"
     return f"{prefix}t{shard.table_index}-rows{shard.row_start}-{shard.row_stop}.xft"
+
+
+def shard_arrays(state: dict, shards, entries) -> dict:
+    """A rank's collection state dict (``"<local name>.<entry>"`` keys) as
+    :func:`save_shard_files` takes it: ``{local_name: {entry: array}}`` for ``shards``, each
+    key built whole (a table's name may hold dots, so no prefix match: table ``"a"`` must not
+    take table ``"a.b"``'s entries). ``entries``: ``("weight", *state_names)``."""
+    return {s.local_name: {e: state[f"{s.local_name}.{e}"] for e in entries} for s in shards}
+
+
+def read_checkpoint(directory, tables, optimizer: str) -> dict:
+    """:func:`read_manifest`, checked against the loading collection: ValueError when the
+    checkpoint's tables (names, rows, widths) or optimizer differ from ``tables`` and
+    ``optimizer`` (hyperparameters are the loader's own)."""
+    manifest = read_manifest(directory)
+    theirs = [(c.name, c.num_rows, c.dim) for c in manifest["plan"].tables]
+    ours = [(c.name, c.num_rows, c.dim) for c in tables]
+    if theirs != ours:
+        raise ValueError(f"the checkpoint in {directory} holds tables {theirs}; this "
+                         f"collection has {ours}")
+    if manifest["meta"]["optimizer"] != optimizer:
+        raise ValueError(f"the checkpoint in {directory} holds "
+                         f"{manifest['meta']['optimizer']!r} optimizer state; this "
+                         f"collection runs {optimizer!r}")
+    return manifest
 
 
 def save_shard_files(directory, plan: ShardingPlan, rank: int, arrays: dict,
