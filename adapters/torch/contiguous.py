@@ -14,10 +14,14 @@ original the optimizer then skips the buffer on every later step (nothing trains
 parameters' gradient views keep accumulating and ``buffer_is_valid()`` still says yes. Here
 the flat buffer is a tensor of a small subclass whose only difference is its ``grad`` setter:
 setting the gradient to None zeroes the gradient buffer in place (one kernel, what
-``set_to_none=False`` does) and keeps it attached. ``model.zero_grad()`` (which sets each
-parameter's ``.grad`` to None) is repaired the next time the flat gradient is read: the
-parameters' fresh gradients are copied into the buffer and the views re-attached. Neither
-costs any work per parameter in a training step: no autograd hook is registered.
+``set_to_none=False`` does) and keeps it attached. ``model.zero_grad()``, or one layer's
+(which set parameters' ``.grad`` to None), is repaired the next time the flat gradient is
+read: the parameters' fresh gradients are copied into the buffer and the views re-attached
+(an identity test per parameter per read; no autograd hook is registered). With the
+original, one layer's ``zero_grad()`` silently left that layer's slice of the buffer stale.
+
+One more difference: gradients the parameters already hold when they are wrapped are kept
+(copied into the gradient buffer); the original starts from a zero gradient buffer.
 
 >>> import torch
 >>> from xferlib.adapters.torch import ContiguousParams
@@ -58,11 +62,10 @@ class _FlatBuffer(torch.Tensor):
     @property
     def grad(self):
         owner = self._owner
-        # model.zero_grad() sets every parameter's .grad to None at once, so the first and
-        # last parameters tell whether a repair is needed: an O(1) check per read instead of
-        # a hook on every parameter (inlined: the optimizer reads this a few times a step).
-        if owner is not None and (owner._first.grad is not owner._first_grad
-                                  or owner._last.grad is not owner._last_grad):
+        # Every parameter's gradient checked at each read (one identity test each, a few
+        # reads a step): a replaced gradient anywhere, from model.zero_grad() or one layer's,
+        # is copied in before an optimizer reads the buffer. No hook on every parameter.
+        if owner is not None:
             owner._reattach_grads()
         return _grad_get(self)
 
@@ -165,8 +168,6 @@ class ContiguousParams:
                 self.grad_pointers.append(grad_view.data_ptr())
                 offset += n
         _grad_set(self._param_buffer, self._grad_buffer)
-        self._first, self._last = self._parameters[0], self._parameters[-1]
-        self._first_grad, self._last_grad = self._grad_views[0], self._grad_views[-1]
         self._param_buffer._owner = self
 
     def contiguous(self):
@@ -201,15 +202,15 @@ class ContiguousParams:
     def _reattach_grads(self) -> None:
         """Copy parameter gradients that were replaced (or zero those set to None) into the
         buffer and make every parameter's ``.grad`` its view again."""
-        with torch.no_grad():
-            for p, view in zip(self._parameters, self._grad_views):
-                grad = p.grad
-                if grad is view:
-                    continue
-                if grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(grad)
-                p.grad = view
+        moved = [(p, view) for p, view in zip(self._parameters, self._grad_views)
+                 if p.grad is not view]
+        if moved:
+            with torch.no_grad():
+                for p, view in moved:
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(p.grad)
+                    p.grad = view
         if _grad_get(self._param_buffer) is not self._grad_buffer:
             _grad_set(self._param_buffer, self._grad_buffer)

@@ -127,7 +127,8 @@ def test_suggest_tt_shapes():
         tt.suggest_tt_shapes(10, 5)
 
 
-@pytest.mark.parametrize("dist", ["uniform", "normal", "approx-normal", "approx-uniform"])
+@pytest.mark.parametrize("dist", ["uniform", "naive-uniform", "normal", "approx-normal",
+                                  "approx-uniform"])
 def test_initializers(dist, rng):
     shape = tt.TTShape([20, 22, 25], [4, 4, 4], [8, 8])
     cores = tt.init_tt_cores(shape, dist, rng=rng)
@@ -139,6 +140,8 @@ def test_initializers(dist, rng):
         assert all(np.abs(c).min() >= 2 * scale * (1 - 1e-6) for c in cores)
     if dist == "uniform":
         assert all(c.min() >= 0 for c in cores)
+    if dist == "naive-uniform":  # FBTT's U(0, 1 / sqrt(rows))
+        assert all(c.min() >= 0 and c.max() <= 1 / math.sqrt(shape.num_rows) for c in cores)
     with pytest.raises(ValueError, match="weight_dist"):
         tt.init_tt_cores(shape, "bogus")
 

@@ -29,13 +29,16 @@ def _close(ref, ours, rtol=1e-5, atol=1e-6):
                                    rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("zero", ["optimizer", "model", "optimizer-keep", "model-keep"])
+@pytest.mark.parametrize("zero", ["optimizer", "model", "optimizer-keep", "model-keep",
+                                  "one-tensor"])
 @pytest.mark.parametrize("optimizer_cls, kwargs", [("Adam", {"lr": 1e-2}),
                                                    ("SGD", {"lr": 1e-2, "momentum": 0.9}),
                                                    ("AdamW", {"lr": 1e-2, "weight_decay": 0.1})])
 def test_zero_grad_variants_and_clipping_train_like_torch(device, zero, optimizer_cls, kwargs):
-    """Every zero_grad form (torch 2.x defaults to set_to_none=True) and gradient clipping
-    through contiguous(): the model trains exactly as with its own parameters."""
+    """Every zero_grad form (torch 2.x defaults to set_to_none=True; "one-tensor": one
+    parameter in the middle of the buffer set to None, as a layer's own zero_grad does) and
+    gradient clipping through contiguous(): the model trains exactly as with its own
+    parameters."""
     ref, ours = _model(device), _model(device)
     ref_opt = getattr(torch.optim, optimizer_cls)(ref.parameters(), **kwargs)
     params = ContiguousParams(ours.parameters())
@@ -48,6 +51,9 @@ def test_zero_grad_variants_and_clipping_train_like_torch(device, zero, optimize
                                        (ours, opt, params.contiguous())):
             if zero.startswith("optimizer"):
                 optimizer.zero_grad(set_to_none=set_to_none)
+            elif zero == "one-tensor":
+                optimizer.zero_grad(set_to_none=False)
+                model[2].weight.grad = None  # neither the buffer's first nor its last
             else:
                 model.zero_grad(set_to_none=set_to_none)
             nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()

@@ -423,10 +423,21 @@ def test_every_exported_name_exists():
              "CPUPytorchOptimizerFactory", "CPUPytorchCOM", "PytorchModelFactory",
              "PytorchOptimizerFactory", "PytorchCOM", "my_pinned_allocator",
              "my_pinned_allocatorMM"]
+    # SpeedTorch 0.1.6's package exposed its private base classes too.
+    names += ["_Common", "_CommonMM", "_PytorchCommon", "_GPUPytorchCommon",
+              "_CPUPytorchCommon"]
     for name in names:
         assert callable(getattr(SpeedTorch, name)), name
     pytest.importorskip("cupy")
     assert SpeedTorch.PMemory.__name__ == "PMemory" and SpeedTorch.PMemoryMM is not None
+
+
+def test_model_factory_takes_the_readmes_diskname():
+    """SpeedTorch's README gives ModelFactory a ``diskname`` its code never took: accepted by
+    keyword (unused), positional arguments in the code's order."""
+    emb = torch.nn.Embedding(3, 4)
+    assert SpeedTorch.ModelFactory(emb, 10, 4, diskname="variable").datatype == "float32"
+    assert SpeedTorch.ModelFactory(emb, 10, 4, "float64").datatype == "float64"
 
 
 def test_errors(tmp_path):

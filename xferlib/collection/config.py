@@ -70,7 +70,7 @@ class TableConfig:
         table's :class:`xferlib.tt.TTShape` as tuples.
       tt_init: the cores' distribution (:func:`xferlib.tt.init_tt_cores`:
         ``"approx-normal"``, FBTT's default, ``"normal"``, ``"uniform"``,
-        ``"approx-uniform"``), drawn from the table's stream of the collection's seed.
+        ``"naive-uniform"``, ``"approx-uniform"``), drawn from the table's stream of the collection's seed.
 
     >>> TableConfig(1000, 16, name="user", placement="host").placement
     'host'

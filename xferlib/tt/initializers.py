@@ -13,7 +13,7 @@ from xferlib.tt.shape import TTShape
 __all__ = ["init_tt_cores", "normal_tail", "tt_from_dense", "WEIGHT_DISTS"]
 
 # init_tt_cores' distributions (FBTT's names; "approx-normal" is FBTT's default).
-WEIGHT_DISTS = ("approx-normal", "normal", "uniform", "approx-uniform")
+WEIGHT_DISTS = ("approx-normal", "normal", "uniform", "naive-uniform", "approx-uniform")
 
 
 def init_tt_cores(shape: TTShape, weight_dist: str = "approx-normal", num_embeddings=None,
@@ -21,6 +21,7 @@ def init_tt_cores(shape: TTShape, weight_dist: str = "approx-normal", num_embedd
     """Float32 cores drawn as FBTT-Embedding draws them.
 
     ``uniform``: i.i.d. U(0, s) with ``s = (2 / (N + D)) ** (1 / (2 d)) * prod(R ** (-1 / (2 d)))``.
+    ``naive-uniform``: i.i.d. U(0, 1 / sqrt(N)) (FBTT's code takes it; its README omits it).
     ``normal``: i.i.d. N(0, 1 / sqrt(N)). ``approx-normal``: N(0, 1) draws kept only where
     ``|x| >= 2`` (redrawn otherwise), times ``(1 / sqrt(3 N)) ** (1 / 3)``: FBTT's definition,
     drawn here straight from that tail (:func:`normal_tail`, about twice ``normal``'s time
@@ -42,6 +43,9 @@ def init_tt_cores(shape: TTShape, weight_dist: str = "approx-normal", num_embedd
         core_stddev = stddev ** (1.0 / d) * np.prod(ranks ** (-1.0 / (2 * d)))
         return [rng.uniform(0.0, core_stddev, shape.core_shape(k)).astype(np.float32)
                 for k in range(d)]
+    if weight_dist == "naive-uniform":
+        return [rng.uniform(0.0, 1.0 / math.sqrt(n_rows), shape.core_shape(k)).astype(np.float32)
+                for k in range(d)]
     if weight_dist == "normal":
         return [rng.normal(0.0, 1.0 / math.sqrt(n_rows), shape.core_shape(k)).astype(np.float32)
                 for k in range(d)]
@@ -55,8 +59,8 @@ def init_tt_cores(shape: TTShape, weight_dist: str = "approx-normal", num_embedd
         return cores
     if weight_dist == "approx-uniform":
         return _approx_uniform(shape, n_rows, rng)
-    raise ValueError(f"weight_dist must be 'uniform', 'normal', 'approx-uniform' or "
-                     f"'approx-normal', got {weight_dist!r}")
+    raise ValueError(f"weight_dist must be one of {', '.join(map(repr, WEIGHT_DISTS))}, got "
+                     f"{weight_dist!r}")
 
 
 # Elements drawn per pass of normal_tail: its float64 temporaries stay near 50 MB whatever the

@@ -67,14 +67,19 @@ Example (runs on the CPU; on a GPU the same lines run there):
 """
 
 from xferlib.adapters.torch.speedtorch.cupy_live import (COM, DataGadget, ModelFactory,
-                                                         OptimizerFactory, my_pinned_allocator)
+                                                         OptimizerFactory, _Common,
+                                                         my_pinned_allocator)
 from xferlib.adapters.torch.speedtorch.cupy_memmap import (COMMM, DataGadgetMM,
                                                            ModelFactoryMM, OptimizerFactoryMM,
-                                                           my_pinned_allocatorMM)
+                                                           _CommonMM, my_pinned_allocatorMM)
 from xferlib.adapters.torch.speedtorch.torch_tensors import (
     CPUPytorchCOM, CPUPytorchModelFactory, CPUPytorchOptimizerFactory, GPUPytorchCOM,
     GPUPytorchModelFactory, GPUPytorchOptimizerFactory, PytorchCOM, PytorchModelFactory,
-    PytorchOptimizerFactory)
+    PytorchOptimizerFactory, _CPUPytorchCommon, _GPUPytorchCommon, _PytorchCommon)
+
+# SpeedTorch's package also exposed its private base classes; code that reached for them
+# (isinstance checks, say) finds them here too. Not in __all__, as there.
+_BASES = (_Common, _CommonMM, _PytorchCommon, _GPUPytorchCommon, _CPUPytorchCommon)
 
 __all__ = ["PMemory", "my_pinned_allocator", "ModelFactory", "OptimizerFactory", "COM",
            "DataGadget", "PMemoryMM", "my_pinned_allocatorMM", "ModelFactoryMM",

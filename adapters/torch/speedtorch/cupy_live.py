@@ -116,7 +116,10 @@ class ModelFactory(ModelSwitch, _Common):
     """
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32",
-                 CPUPinn=False):
+                 CPUPinn=False, diskname=None):
+        # diskname: SpeedTorch's README lists it for ModelFactory, whose code never took it
+        # (only ModelFactoryMM names a file); accepted by keyword for the README's call form,
+        # and unused. Positional arguments keep the code's order (datatype fourth).
         self.datatype = datatype
         self.CPUPinn = CPUPinn
         self._dtype = np.dtype(datatype)
