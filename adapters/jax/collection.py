@@ -55,14 +55,17 @@ def _checked(coll, indices, offsets, per_sample_weights):
     if not isinstance(coll, EmbeddingCollection):
         raise TypeError(f"coll must be an xferlib.collection.EmbeddingCollection, got "
                         f"{type(coll).__name__}")
+    given = indices, offsets
     indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
     weights = None if per_sample_weights is None else jnp.asarray(per_sample_weights)
     coll.check_shapes(indices, offsets, weights)
     if is_concrete(indices, offsets):
         # An eager call: offsets and every index against its table on the host now, so a bad
         # batch raises the core's ValueError / IndexError before the op runs (under jit the
-        # values exist only inside the callback, which raises there, through XLA).
-        check_inputs_numpy(coll, np.asarray(indices), np.asarray(offsets))
+        # values exist only inside the callback, which raises there, through XLA). The
+        # values as given: without x64, jnp.asarray wraps an int64 index into int32 (2**32 +
+        # 1 would look up row 1).
+        check_inputs_numpy(coll, *(np.asarray(a) for a in given))
     return indices, offsets, weights
 
 
@@ -165,7 +168,8 @@ def _buffer_key(indices, offsets, weights) -> tuple:
     def address(a):
         if a is None:
             return None
-        return (a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data), a.shape[0]
+        # NumPy's .data is a memoryview, which refuses some dtypes (bfloat16): ask ctypes
+        return (a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr), a.shape[0]
     return address(indices), address(offsets), address(weights)
 
 
@@ -178,7 +182,8 @@ def embedding_bag_collection(coll: EmbeddingCollection, indices, offsets,
     ``indices``, ``offsets``, ``per_sample_weights``: FBGEMM's layout, as
     :meth:`EmbeddingCollection.forward` takes it (``offsets`` of ``T * B + 1``; int32 or
     int64; the per-table dict form goes through ``coll.pack`` first). The per-sample weights
-    scale rows before the pooling and get a zero gradient.
+    scale rows before the pooling and get no gradient (``stop_gradient``: differentiating
+    with respect to them alone gives zeros and trains nothing).
 
     ``anchor``: :func:`collection_anchor`'s array, among the parameters you differentiate.
     Differentiating a loss with respect to it runs the collection's fused backward + update
@@ -212,6 +217,8 @@ def embedding_bag_collection(coll: EmbeddingCollection, indices, offsets,
     [-2.0, -2.0, -2.0, -2.0]
     """
     indices, offsets, weights = _checked(coll, indices, offsets, per_sample_weights)
+    if weights is not None:  # no gradient for them: differentiating them alone trains nothing
+        weights = jax.lax.stop_gradient(weights)
     function = _function(coll, weights is not None)
     if anchor is None:  # nothing differentiable reaches the op: a lookup alone
         anchor = collection_anchor()

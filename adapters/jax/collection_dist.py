@@ -59,6 +59,10 @@ from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_
 __all__ = ["ShardedCollection"]
 
 
+_OFFSETS_RULE = ("offsets must start at 0, never decrease, and end at most at the padded "
+                 "length of the indices")
+
+
 class ShardedCollection:
     """A collection's tables placed by a sharding plan on the ``plan.world_size`` devices of
     a 1-D mesh; call it inside ``jax.shard_map`` over that mesh's axis.
@@ -162,14 +166,15 @@ class ShardedCollection:
             local.raise_in_calls = False
             self.shards.append(local)
         self._routes()
-        # GPUs: per rank, the refused too-long batches counted on the device (read by check())
-        self._too_long = [None] * self.world_size
-        if device == "cuda" and max_bag_size is not None:
+        # GPUs: per rank, the batches refused for a too-long bag and for malformed offsets,
+        # counted on the device (read by check())
+        self._refused = [None] * self.world_size
+        if device == "cuda":
             import cupy
 
             for r in range(self.world_size):
                 with self.shard_scope(r):
-                    self._too_long[r] = cupy.zeros(1, dtype=np.int32)
+                    self._refused[r] = cupy.zeros(2, dtype=np.int32)
         self._function = _make(self)
 
     # ------------------------------------------------------------------ static routes
@@ -216,7 +221,7 @@ class ShardedCollection:
         ``indices``: this device's lookups, table-major as FBGEMM lays them out, padded to a
         fixed length ``L`` (entries at ``offsets[-1]`` and after are ignored); ``L`` is the
         capacity of every message this device sends. ``offsets``: ``T * B_local + 1``.
-        ``per_sample_weights``: optional, one per index. ``anchor``:
+        ``per_sample_weights``: optional, one per index (no gradient). ``anchor``:
         :func:`~xferlib.adapters.jax.collection_anchor`'s array, among the parameters you
         differentiate: its gradient runs every owner's fused backward + update.
         """
@@ -234,7 +239,8 @@ class ShardedCollection:
             raise ValueError(f"mesh axis {axis_name!r} has {n} devices but the plan is for "
                              f"{self.world_size}")
         if per_sample_weights is not None:
-            per_sample_weights = jnp.asarray(per_sample_weights)
+            # no gradient for them: differentiating them alone trains nothing
+            per_sample_weights = jax.lax.stop_gradient(jnp.asarray(per_sample_weights))
             if per_sample_weights.shape != indices.shape:
                 raise ValueError(f"per_sample_weights must have shape {indices.shape}, got "
                                  f"{per_sample_weights.shape}")
@@ -278,6 +284,10 @@ class ShardedCollection:
         # A bad lookup anywhere: only the bad lookups travel, so no owner gets a batch it
         # would train on (each owner that gets one refuses its batch: nothing is written).
         valid = jnp.where(n_bad > 0, bad, valid)
+        # Malformed offsets anywhere (not starting at 0, decreasing, or past the padded
+        # length): nothing travels, every device raises alike (ValueError).
+        bad_offsets = (offsets[0] != 0) | (offsets[-1] > L) | jnp.any(offsets[1:] < offsets[:-1])
+        n_off = jax.lax.psum(bad_offsets.astype(jnp.int32), axis_name)
         n_long = jnp.int32(0)
         if self.max_bag_size is not None and T * b:
             # Each bag's lookups as routed (what fills the rooms, whatever the offsets say).
@@ -286,6 +296,7 @@ class ShardedCollection:
             too_long = routed > self.max_bag_size
             n_long = jax.lax.psum(jnp.sum(too_long.astype(jnp.int32)), axis_name)
             valid = valid & (n_long == 0)  # a bag too long anywhere: nothing travels
+        valid = valid & (n_off == 0)
         weights = jnp.ones((L,), self.dtype) if psw is None else psw.astype(self.dtype)
         if self.pooling == "mean":
             lengths = jnp.diff(offsets)
@@ -327,7 +338,7 @@ class ShardedCollection:
         owner_w = jnp.where(p < total, recv_w.reshape(-1)[take], 0)
         lens = recv_len.transpose(1, 0, 2).reshape(-1)            # (slot, src, bag)
         owner_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens)])
-        status = jnp.stack([me.astype(jnp.int32), n_bad, n_long.astype(jnp.int32)])
+        status = jnp.stack([me.astype(jnp.int32), n_bad, n_long.astype(jnp.int32), n_off])
         pooled = self._function(anchor, status, owner_idx, owner_off, owner_w,
                                 N * b)                              # (N * b, max_dim)
         # 4. Back to the requesters: back[r] holds owner r's columns of this device's bags.
@@ -360,9 +371,12 @@ class ShardedCollection:
     def check(self) -> None:
         """Raise for the first bad batch any rank's collection refused on a GPU (reported
         from the GPU without a wait; on the CPU backend a bad batch raises in the step)."""
-        refused = self._take_too_long()
-        if refused:
-            raise ValueError(f"{refused} batch(es) with a bag longer than max_bag_size="
+        too_long, bad_offsets = self._take_refused()
+        if bad_offsets:
+            raise ValueError(f"{bad_offsets} batch(es) with malformed offsets since the last "
+                             f"check ({_OFFSETS_RULE}; refused: no table changed)")
+        if too_long:
+            raise ValueError(f"{too_long} batch(es) with a bag longer than max_bag_size="
                              f"{self.max_bag_size} since the last check (refused: no table "
                              f"changed)")
         for rank, coll in enumerate(self.shards):
@@ -370,20 +384,21 @@ class ShardedCollection:
                 with self.shard_scope(rank):
                     coll.check()
 
-    def _take_too_long(self) -> int:
-        """GPUs: the batches refused for a too-long bag since the last call, cleared. Every
-        rank counted each one: the largest count, each rank's read and cleared."""
-        counts = []
-        for rank, flag in enumerate(self._too_long):
+    def _take_refused(self) -> tuple:
+        """GPUs: the batches refused since the last call, ``(too-long bag, malformed
+        offsets)``, cleared. Every rank counted each one: the largest counts; each rank's
+        read and cleared."""
+        counts = [(0, 0)]
+        for rank, flag in enumerate(self._refused):
             if flag is not None:
                 import cupy
 
                 with self.shard_scope(rank):
                     cupy.cuda.Device().synchronize()  # counted on XLA's stream
-                    counts.append(int(flag.get()[0]))
+                    counts.append(tuple(int(v) for v in flag.get()))
                     flag.fill(0)
                     cupy.cuda.Device().synchronize()
-        return max(counts, default=0)
+        return tuple(max(c) for c in zip(*counts))
 
     def shard_scope(self, rank: int):
         """A ``with`` context making rank ``rank``'s GPU CuPy's current device (a no-op on
@@ -508,8 +523,11 @@ def _make(sharded: ShardedCollection):
     def core_inputs(rank_b, idx_b, off_b, w_b, B, gpu, stream):
         """This device's collection and its batch: the received lookups cut to their true
         count (read from the offsets), views of XLA's buffers."""
-        rank, n_bad, n_long = host_ints(rank_b, gpu, stream, 0, 3)
+        rank, n_bad, n_long, n_off = host_ints(rank_b, gpu, stream, 0, 4)
         coll = shards[rank]
+        if n_off:  # nothing travelled: every device raises alike
+            raise ValueError(f"malformed offsets on {n_off} device(s) of the mesh "
+                             f"({_OFFSETS_RULE}); no table changed")
         if n_long:  # nothing travelled: every device raises alike
             raise ValueError(f"{n_long} bag(s) longer than max_bag_size="
                              f"{sharded.max_bag_size} on the mesh; no table changed")
@@ -567,8 +585,8 @@ def _make(sharded: ShardedCollection):
                     core_inputs(rank_b, idx_b, off_b, w_b, out.shape[0], gpu, stream))
                 with stream_scope(stream, gpu):
                     out.fill(0)
-                    if gpu and sharded._too_long[rank] is not None:  # counted, for check()
-                        sharded._too_long[rank] += as_core_array(rank_b, gpu)[2:3] != 0
+                    if gpu:  # refused batches counted, for check()
+                        sharded._refused[rank] += as_core_array(rank_b, gpu)[2:4] != 0
                 if coll is None:
                     return
                 pooled, lookup = coll.forward(idx, off, w, stream=stream, padded=gpu,

@@ -188,11 +188,12 @@ def _checkpoint_case():
     return max(err, _state_error(fresh.state_dict(), saved))
 
 
-def _bad_index_case(max_bag_size=None, bad_offsets=False):
+def _bad_index_case(max_bag_size=None, bad_offsets=False, offsets_fault=None):
     """An index out of range on the last device (or, with ``max_bag_size``, one bag longer
     than the bound there; with ``bad_offsets`` too, offsets not starting at 0 that route more
-    lookups into a bag than their differences say): an error, no table changes, and the
-    next check() is clean."""
+    lookups into a bag than their differences say; ``offsets_fault``: the last device's
+    offsets not starting at 0 ("start"), past the padded length ("end") or decreasing
+    ("decreasing")): an error, no table changes, and the next check() is clean."""
     plan = plan_sharding(TABLES, N, optimizer="sgd")
     sharded = ShardedCollection(TABLES, "sgd", {"lr": 0.1}, plan=plan, device=CORE_DEVICE,
                                 devices=DEVICES, max_bag_size=max_bag_size)
@@ -201,7 +202,16 @@ def _bad_index_case(max_bag_size=None, bad_offsets=False):
     idx, off, w, *_ = _batches(rng, False)
     cap = idx.size // N
     idx = idx.copy()
-    if max_bag_size is None:
+    if offsets_fault is not None:
+        off = off.copy()
+        last = slice((N - 1) * (off.size // N), N * (off.size // N))
+        if offsets_fault == "start":
+            off[last.start] = 2
+        elif offsets_fault == "end":
+            off[last.stop - 1] = cap + 1
+        else:  # a bag of 5 lookups, then one of -2
+            off[last.start + 1:last.start + 3] = (5, 3)
+    elif max_bag_size is None:
         idx[(N - 1) * cap] = 99  # the last device's first lookup (table a)
     else:  # the last device: its first bag MAX_LEN + 1 rows of table a, the others empty
         off = off.copy()
@@ -213,7 +223,8 @@ def _bad_index_case(max_bag_size=None, bad_offsets=False):
         else:
             off[last] = MAX_LEN + 1
             off[last.start] = 0
-    expected = "out of range" if max_bag_size is None else "longer than max_bag_size"
+    expected = ("malformed offsets" if offsets_fault or bad_offsets else
+                "out of range" if max_bag_size is None else "longer than max_bag_size")
 
     def step(anchor, i, o):
         # The pooled rows come back too: a program whose every output is zero-size (the
@@ -257,6 +268,8 @@ def main():
                                                    pooling="mean", max_bag_size=MAX_LEN + 1)
     cases["too-long-bag"] = lambda: _bad_index_case(max_bag_size=MAX_LEN)
     cases["too-long-bag-bad-offsets"] = lambda: _bad_index_case(MAX_LEN, bad_offsets=True)
+    for fault in ("start", "end", "decreasing"):
+        cases[f"bad-offsets-{fault}"] = lambda f=fault: _bad_index_case(offsets_fault=f)
     cases["checkpoint-reshard"] = _checkpoint_case
     results = {}
     for name, case in cases.items():
