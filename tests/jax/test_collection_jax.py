@@ -241,8 +241,32 @@ def _bad_inputs(coll):
         embedding_bag_collection(coll, idx, off, jnp.ones(5, jnp.int32))
     with pytest.raises(TypeError, match="EmbeddingCollection"):
         embedding_bag_collection(object(), idx, off)
+    # int64 values as given: without x64 JAX would wrap 2**32 + 1 to row 1
+    big = np.array([1, 0, 0, 5, 2**32 + 1], np.int64)
+    with pytest.raises(IndexError, match="index 4294967297 at position 4"):
+        grad(collection_anchor(), big, np.asarray(off, np.int64))
     for key, value in coll.state_dict().items():
         np.testing.assert_array_equal(value, before[key], err_msg=key)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_per_sample_weights_get_no_gradient_and_train_nothing_alone(dtype):
+    """Differentiating with respect to the weights alone gives zeros and leaves the tables;
+    with the anchor, weights of any float dtype train (bfloat16 included)."""
+    cpu = jax.devices("cpu")[0]
+    coll = collection(cpu, optimizer="sgd")
+    idx, off = jnp.array([1, 0, 0, 5, 6]), jnp.array([0, 1, 2, 3, 3, 4, 5])
+    psw = jnp.linspace(0.5, 1.5, 5).astype(dtype)
+    before = coll.state_dict()
+    with jax.default_device(cpu):
+        g = jax.grad(lambda w: embedding_bag_collection(coll, idx, off, w).astype(
+            jnp.float32).sum())(psw)
+        assert not np.asarray(g, np.float32).any()
+        for key, value in coll.state_dict().items():
+            np.testing.assert_array_equal(value, before[key], err_msg=key)
+        jax.grad(lambda a: embedding_bag_collection(coll, idx, off, psw, anchor=a).astype(
+            jnp.float32).sum())(collection_anchor())
+    assert not np.array_equal(coll.state_dict()["t0.weight"], before["t0.weight"])
 
 
 def test_docstring_examples_run():
