@@ -39,12 +39,16 @@ class TrainInPlace(torch.autograd.Function):
     grad)``, once (used by this module and the sharded one).
 
     ``anchor``, an empty tensor that requires grad, is what makes the output require grad, so
-    that autograd calls backward; it is no parameter, so optimizers and DDP never see it."""
+    that autograd calls backward; it is no parameter, so optimizers and DDP never see it.
+    ``watched``: the caller's input tensors the forward's context reads in place (views):
+    one changed in place before the backward is refused there, as torch refuses a modified
+    saved tensor (the update would train other rows than the lookup read)."""
 
     @staticmethod
-    def forward(ctx, anchor, module, indices, offsets, per_sample_weights):
+    def forward(ctx, anchor, module, indices, offsets, per_sample_weights, watched=()):
         out, ctx.saved = module._train_forward(indices, offsets, per_sample_weights)
         ctx.module = module
+        ctx.versions = [(t, t._version) for t in watched]
         return out
 
     @staticmethod
@@ -54,8 +58,13 @@ class TrainInPlace(torch.autograd.Function):
             raise RuntimeError(f"the update of {type(ctx.module).__name__} already ran for "
                                f"this forward (backward through its output runs once; "
                                f"retain_graph=True cannot train the tables twice)")
+        if any(t._version != v for t, v in ctx.versions):
+            raise RuntimeError(f"an input of {type(ctx.module).__name__}'s forward (indices, "
+                               f"offsets or per_sample_weights) was modified in place before "
+                               f"its backward: the update would train other rows than the "
+                               f"lookup read; nothing was updated")
         ctx.module._train_backward(saved, grad)
-        return None, None, None, None, None
+        return None, None, None, None, None, None
 
 
 def _default_device(device) -> torch.device:
@@ -188,7 +197,8 @@ class EmbeddingBagCollection(torch.nn.Module):
             if offsets is not None or per_sample_weights is not None:
                 raise ValueError("the dict form {name: (indices, offsets[, weights])} carries "
                                  "each table's offsets and weights: pass nothing else")
-            idx, off, psw = self._pack(indices)
+            idx, off, psw = self._pack(indices)  # new arrays: nothing to watch
+            watched = ()
         else:
             if offsets is None:
                 raise ValueError("offsets are needed with flat indices (FBGEMM's layout: "
@@ -196,10 +206,11 @@ class EmbeddingBagCollection(torch.nn.Module):
             idx, off = self._core(indices, "indices"), self._core(offsets, "offsets")
             psw = (None if per_sample_weights is None
                    else self._core(per_sample_weights, "per_sample_weights"))
+            watched = tuple(t for t in (indices, offsets, per_sample_weights) if t is not None)
         if not (torch.is_grad_enabled() and self.training):  # no update will follow
             return self._lookup(idx, off, psw, train=False)[0]
         anchor = torch.empty(0, device=self.device, requires_grad=True)
-        return TrainInPlace.apply(anchor, self, idx, off, psw)
+        return TrainInPlace.apply(anchor, self, idx, off, psw, watched)
 
     def _core(self, tensor, name: str):
         """A core array (NumPy or CuPy view) of ``tensor`` on this module's device."""

@@ -53,6 +53,7 @@ from xferlib.adapters.torch.collection_layout import (lookup_weights, owner_batc
                                                       refusal_of)
 from xferlib.collection import TableConfig
 from xferlib.collection.config import feature_entries
+from xferlib.collection.numpy_path import check_entry_offsets
 from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_sharding,
                                          refuse_tt)
 
@@ -61,8 +62,8 @@ __all__ = ["ShardedEmbeddingBagCollection"]
 _STATE = "embedding_bags."
 # Input errors travel in the header as codes, so every rank raises (none waits forever in a
 # collective for a rank that gave up).
-_ERRORS = {1: TypeError, 2: ValueError, 3: IndexError, 4: KeyError}
-_CODES = {v: k for k, v in _ERRORS.items()}
+_ERRORS = {1: TypeError, 2: ValueError, 3: IndexError, 4: KeyError, 5: NotImplementedError}
+_INPUT_ERRORS = tuple(_ERRORS.values())
 _HEADER = 5  # B_local, indices sent, weights follow, input error code, bad values
 
 
@@ -229,37 +230,60 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, indices, offsets=None, per_sample_weights=None) -> torch.Tensor:
-        if isinstance(indices, dict):
-            if offsets is not None or per_sample_weights is not None:
-                raise ValueError("the dict form {name: (indices, offsets[, weights])} carries "
-                                 "each table's offsets and weights: pass nothing else")
-            try:
-                indices, offsets, per_sample_weights = self._pack(indices)
-            except (KeyError, TypeError, ValueError) as err:
-                # raised inside the step, where every rank learns of it: a rank that raised
-                # here alone would leave the others waiting in the exchange
-                indices = offsets = per_sample_weights = None
-                self._pack_error = err
-        elif offsets is None:
-            raise ValueError("offsets are needed with flat indices (FBGEMM's layout: "
-                             "T * B + 1 bag boundaries)")
-        if per_sample_weights is not None and per_sample_weights.requires_grad \
-                and torch.is_grad_enabled():
-            raise NotImplementedError("the collection computes no gradient for "
-                                      "per_sample_weights; pass per_sample_weights.detach()")
+        try:
+            indices, offsets, per_sample_weights = self._inputs(indices, offsets,
+                                                                per_sample_weights)
+        except _INPUT_ERRORS as err:
+            # raised inside the step, where every rank learns of it: a rank that raised here
+            # alone would leave the others waiting in the exchange
+            indices = offsets = per_sample_weights = None
+            self._pack_error = err
         if not (torch.is_grad_enabled() and self.training):
             return self._forward(indices, offsets, per_sample_weights, train=False)[0]
         anchor = torch.empty(0, device=self.device, requires_grad=True)
         return TrainInPlace.apply(anchor, self, indices, offsets, per_sample_weights)
 
+    def _inputs(self, indices, offsets, per_sample_weights):
+        """``(indices, offsets, per_sample_weights)`` in FBGEMM's layout from either form,
+        after the checks that read no values."""
+        if isinstance(indices, dict):
+            if offsets is not None or per_sample_weights is not None:
+                raise ValueError("the dict form {name: (indices, offsets[, weights])} carries "
+                                 "each table's offsets and weights: pass nothing else")
+            return self._pack(indices)
+        if offsets is None:
+            raise ValueError("offsets are needed with flat indices (FBGEMM's layout: "
+                             "T * B + 1 bag boundaries)")
+        if per_sample_weights is not None:
+            if not isinstance(per_sample_weights, torch.Tensor):
+                raise TypeError(f"per_sample_weights must be a torch tensor, got "
+                                f"{type(per_sample_weights).__name__}")
+            if per_sample_weights.requires_grad and torch.is_grad_enabled():
+                raise NotImplementedError("the collection computes no gradient for "
+                                          "per_sample_weights; pass "
+                                          "per_sample_weights.detach()")
+        return indices, offsets, per_sample_weights
+
     def _pack(self, features: dict):
-        """FBGEMM's layout from the per-table dict form (tables in this module's order)."""
+        """FBGEMM's layout from the per-table dict form (tables in this module's order).
+        Each table's offsets are checked as the core's ``pack`` checks them: on the host
+        (CPU tensors) at once, on a GPU by packed offsets that start at -1 (refused in the
+        step like other bad offsets, no host read)."""
         parts = feature_entries(self.names, features)
+        for name, part in zip(self.names, parts):
+            if not all(isinstance(t, torch.Tensor) for t in part):
+                raise TypeError(f"table {name!r}: the dict form takes torch tensors")
+            if not part[1].is_cuda:
+                check_entry_offsets(name, part[1].numpy(), int(part[0].shape[0]))
         starts = np.cumsum([0] + [int(p[0].shape[0]) for p in parts])
         indices = torch.cat([p[0].to(self.device, torch.int64) for p in parts])
         offsets = torch.cat([p[1][:-1].to(self.device, torch.int64) + int(s)
                              for p, s in zip(parts, starts)]
                             + [torch.tensor([starts[-1]], device=self.device)])
+        if any(p[1].is_cuda for p in parts):
+            bad = sum((p[1][0] != 0) | (p[1][-1] != p[0].shape[0]) for p in parts
+                      if p[1].is_cuda)
+            offsets[:1] = torch.where(bad.to(self.device) > 0, -1, offsets[:1])
         weights = torch.cat([p[2].to(self.device) for p in parts]) if len(parts[0]) == 3 \
             else None
         return indices, offsets, weights
@@ -401,7 +425,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         B, own_error = 0, None
         try:
             B = self._check_types(indices, offsets, per_sample_weights)
-        except (KeyError, TypeError, ValueError) as err:
+        except _INPUT_ERRORS as err:
             own_error = err
         n = int(getattr(indices, "shape", (0,))[0]) if own_error is None else 0
         weighted = per_sample_weights is not None or self.pooling == "mean"
@@ -516,14 +540,14 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         try:
             B = self._check_types(indices, offsets, per_sample_weights)
             routed = self._route(indices, offsets, B)
-        except (KeyError, TypeError, ValueError, IndexError) as err:
+        except _INPUT_ERRORS as err:
             own_error = err
         weighted = per_sample_weights is not None or self.pooling == "mean"
         header = torch.zeros((world, _HEADER), dtype=torch.int64, device=dev)
         header[:, 0] = B
         header[:, 2] = int(weighted)
         if own_error is not None:
-            header[:, 3] = _CODES[type(own_error)]
+            header[:, 3] = next(c for c, kind in _ERRORS.items() if isinstance(own_error, kind))
         else:
             header[:, 1] = routed[3]
             header[:, 4] = routed[4].to(torch.int64)
@@ -582,11 +606,13 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if self.rank in refused:
             raise refusal_of(self.tables, indices, offsets)
         r = refused[0]
-        kind = _ERRORS.get(int(got[r, 3]), IndexError if got[r, 4] else ValueError)
         if got[r, 4]:  # bad values: bad offsets raise ValueError there, indices IndexError
-            kind = IndexError
+            kind, why = IndexError, "index out of range or bad offsets"
+        else:  # refused before its values were read: its error's type travelled
+            kind = _ERRORS.get(int(got[r, 3]), ValueError)
+            why = f"{kind.__name__} there"
         raise kind(f"rank {r} of the group passed a batch the sharded collection refused "
-                   f"(index out of range or bad offsets); no table changed on any rank")
+                   f"({why}); no table changed on any rank")
 
     # ------------------------------------------------------------------ backward
 

@@ -271,6 +271,19 @@ def test_pack_dict_form():
     with pytest.raises(ValueError, match="same number of bags"):
         coll.pack({"ad": (np.array([3]), np.array([0, 1])),
                    "user": (np.array([1, 2]), np.array([0, 1, 2]))})
+    user = (np.array([1, 2, 9]), np.array([0, 2, 3]))
+    for ad, error, message in (  # each table's own offsets and dtypes
+            ((np.array([3]), np.array([1, 1, 1])), ValueError, r"'ad': offsets\[0\] must be 0"),
+            ((np.array([3]), np.array([0, 1, 0])), ValueError, "'ad': offsets must not"),
+            ((np.array([3, 1]), np.array([0, 0, 1])), ValueError, r"'ad': offsets\[-1\]"),
+            ((np.array([3.0]), np.array([0, 0, 1])), TypeError, "'ad': indices must be int"),
+            ((np.array([3]), np.array([0.0, 0, 1])), TypeError, "'ad': offsets must be int"),
+            (([3], np.array([0, 0, 1])), TypeError, "'ad': indices must be an array"),
+            ((np.array([[3]]), np.array([0, 0, 1])), ValueError, "'ad': indices must be 1-D"),
+            ((np.array([3]), np.array([0, 0, 1]), np.ones(2)), ValueError, "one weight per")):
+        entry = dict(user=user + (np.ones(3),) if len(ad) == 3 else user, ad=ad)
+        with pytest.raises(error, match=message):
+            coll.pack(entry)
 
 
 def test_state_dict_round_trip_and_per_table_lr():

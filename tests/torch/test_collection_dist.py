@@ -161,6 +161,13 @@ def _bad_input(module, rank, world, device, result):
         module, lambda: module(idx.to(device), off.to(device)).sum().backward(), IndexError)
 
 
+# Input one rank alone passes and the module refuses before its exchange: what the rank
+# that passed it hears (every other rank hears which rank it was).
+ONE_RANK_REFUSALS = {"dict_bags": "same number of bags", "dict_missing": "missing",
+                     "dict_offsets": "offsets[0] must be 0", "dict_list": "must be an array",
+                     "no_offsets": "offsets are needed", "weights_grad": "detach"}
+
+
 def _dict_form(module, rank, world, device, result, batch=None):
     """The per-table dict form pools what FBGEMM's layout pools; a dict the collection
     refuses on one rank alone (tables with different numbers of bags, a table missing)
@@ -180,10 +187,26 @@ def _dict_form(module, rank, world, device, result, batch=None):
     short = dict(features)
     short[first] = (features[first][0][:0], torch.zeros(1, dtype=torch.int64))  # no bags
     missing = {n: v for n, v in features.items() if n != first}
-    for name, bad in (("dict_bags", short), ("dict_missing", missing)):
-        given = on(bad) if rank == world - 1 else on(features)  # the last rank's alone
+    shifted = dict(features)  # the first table's offsets start at 1: its bags shifted
+    shifted[first] = (features[first][0], features[first][1] + 1)
+    listed = dict(features)  # a list, not a tensor
+    listed[first] = (features[first][0].tolist(), features[first][1])
+    flat = (idx.to(device), off.to(device))
+    weights = torch.ones(idx.numel(), device=device)
+    bad_calls = {
+        "dict_bags": lambda: module(on(short)), "dict_missing": lambda: module(on(missing)),
+        "dict_offsets": lambda: module(on(shifted)),
+        "dict_list": lambda: module({n: (v[0], v[1].to(device)) if n == first else
+                                     (v[0].to(device), v[1].to(device))
+                                     for n, v in listed.items()}),
+        "no_offsets": lambda: module(flat[0]),
+        "weights_grad": lambda: module(*flat, weights.clone().requires_grad_())}
+    for name, bad in bad_calls.items():  # the last rank's alone
+        call = bad if rank == world - 1 else lambda: module(*flat, weights) \
+            if name == "weights_grad" else module(on(features))
         result[f"{name}_error"], result[f"{name}_unchanged"] = _refusal(
-            module, lambda: module(given).sum().backward(), (ValueError, KeyError))
+            module, lambda: call().sum().backward(),
+            (ValueError, KeyError, TypeError, NotImplementedError))
 
 
 def _single(world, name, opt, pooling, device="cpu"):
@@ -237,12 +260,13 @@ def _compare(world, out_dir, device="cpu", exact=True):
     assert "position" in str(results[-1]["bad_error"])  # the rank that had it names it
     for r, res in enumerate(results):
         assert bool(res["dict_equal"]), r
-        for name in ("dict_bags", "dict_missing"):
+        for name in ONE_RANK_REFUSALS:
             assert bool(res[f"{name}_unchanged"]), (r, name)
-    assert "same number of bags" in str(results[-1]["dict_bags_error"])
-    assert "missing" in str(results[-1]["dict_missing_error"])
+    for name, message in ONE_RANK_REFUSALS.items():  # the rank that passed it, its error
+        assert message in str(results[-1][f"{name}_error"]), (name, results[-1])
     for res in results[:-1]:  # the others name the rank whose batch was refused
-        assert f"rank {len(results) - 1}" in str(res["dict_bags_error"]), res["dict_bags_error"]
+        for name in ONE_RANK_REFUSALS:
+            assert f"rank {len(results) - 1}" in str(res[f"{name}_error"]), (name, res)
     return results, single_adam
 
 
@@ -398,11 +422,11 @@ def test_capturable_ranks_equal_one_process(tmp_path):
         assert "same B_local" in str(results[r]["shape_error"]), results[r]["shape_error"]
         assert str(results[r]["type_error"]), r  # rank 0 its own error, rank 1 another's
         assert bool(results[r]["dict_equal"]), r
-        for name in ("dict_bags", "dict_missing"):
+        for name in ONE_RANK_REFUSALS:
             assert bool(results[r][f"{name}_unchanged"]), (r, name)
             assert str(results[r][f"{name}_error"]), (r, name)
-    assert "same number of bags" in str(results[-1]["dict_bags_error"])
-    assert "missing" in str(results[-1]["dict_missing_error"])
+    for name, message in ONE_RANK_REFUSALS.items():
+        assert message in str(results[-1][f"{name}_error"]), (name, results[-1])
 
 
 def _graph_worker(rank, world, port, out_dir):

@@ -141,6 +141,19 @@ def test_dict_form_and_split():
         by_dict({"f0": features["f0"]})
     with pytest.raises(ValueError, match="pass nothing else"):
         by_dict(features, off)
+    # each table's offsets and dtypes checked (packed, a bad table's bags would spill over)
+    before = by_dict.state_dict()
+    i0, o0, w0 = features["f0"]
+    for bad, error, message in (
+            ((i0, o0 + 1, w0), ValueError, r"table 'f0': offsets\[0\] must be 0"),
+            ((i0, o0[:-1], w0), ValueError, "same number of bags"),
+            ((i0[:-1], o0, w0[:-1]), ValueError, r"table 'f0': offsets\[-1\] must equal"),
+            ((i0.float(), o0, w0), TypeError, "table 'f0': indices must be integer"),
+            ((i0.tolist(), o0, w0), TypeError, "indices must be a torch tensor")):
+        with pytest.raises(error, match=message):
+            by_dict(dict(features, f0=bad)).sum().backward()
+    for key, value in before.items():
+        torch.testing.assert_close(by_dict.state_dict()[key], value, rtol=0, atol=0, msg=key)
     with pytest.raises(ValueError, match="pooled must have shape"):
         by_dict.split(b[:, :3])
 
@@ -300,6 +313,11 @@ def test_bad_inputs_raise_the_core_errors_and_change_nothing():
         EmbeddingBagCollection(tables(), dtype=torch.bfloat16, device="cpu")
     with pytest.raises(ValueError, match="placement"):
         TableConfig(3, 2, placement="gpu")
+    mine = idx.clone()
+    out = ebc(mine, off)
+    mine[0] = 0  # the lookup read row 1 of f0; the update would train row 0
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.sum().backward()
     out = ebc(idx, off)
     with pytest.raises(RuntimeError, match="already ran"):
         out.sum().backward(retain_graph=True)

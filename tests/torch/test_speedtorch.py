@@ -423,9 +423,6 @@ def test_every_exported_name_exists():
              "CPUPytorchOptimizerFactory", "CPUPytorchCOM", "PytorchModelFactory",
              "PytorchOptimizerFactory", "PytorchCOM", "my_pinned_allocator",
              "my_pinned_allocatorMM"]
-    # SpeedTorch 0.1.6's package exposed its private base classes too.
-    names += ["_Common", "_CommonMM", "_PytorchCommon", "_GPUPytorchCommon",
-              "_CPUPytorchCommon"]
     for name in names:
         assert callable(getattr(SpeedTorch, name)), name
     pytest.importorskip("cupy")

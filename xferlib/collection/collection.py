@@ -27,8 +27,8 @@ import numpy as np
 from xferlib._backend import cupy_available, is_cupy_array
 from xferlib.collection.config import POOLINGS, TableConfig, feature_entries
 from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
-from xferlib.collection.numpy_path import (check_inputs_numpy, pooled_lookup_numpy,
-                                           update_numpy)
+from xferlib.collection.numpy_path import (check_entry_offsets, check_inputs_numpy,
+                                           pooled_lookup_numpy, update_numpy)
 from xferlib.collection.storage import allocate_host, plan_blocks
 from xferlib.collection.tt_tables import (build_tt_tables, tt_bytes, tt_hyper,
                                           tt_lookup_numpy, tt_state_arrays, tt_state_shapes,
@@ -383,9 +383,18 @@ class EmbeddingCollection:
         each table's ``offsets`` of ``B + 1`` bag boundaries (every table the same ``B``);
         returns ``(indices, offsets)`` with ``T * B + 1`` offsets, tables in this
         collection's order. Per-sample weights: ``{name: (indices, offsets, weights)}``
-        gives ``(indices, offsets, per_sample_weights)``."""
+        gives ``(indices, offsets, per_sample_weights)``.
+
+        Each table's offsets must start at 0, never decrease and end at its number of
+        indices: on the host a table's bad offsets raise ValueError naming it; GPU arrays
+        are not read back, and a table's offsets that do not start at 0 or end at its
+        number of indices make the packed offsets start at -1, which the collection
+        refuses like other bad offsets (its check names ``offsets[0]``)."""
         parts = feature_entries(self.names, features)
         xp = _namespace(parts[0][0])
+        if xp is np:
+            for name, p in zip(self.names, parts):
+                check_entry_offsets(name, p[1], int(p[0].shape[0]))
         starts, total = [], 0
         for p in parts:
             starts.append(total)
@@ -395,6 +404,10 @@ class EmbeddingCollection:
         offsets = xp.concatenate(
             [xp.asarray(p[1][:-1]).astype(np.int64) + s for p, s in zip(parts, starts)]
             + [xp.asarray([total], dtype=np.int64)])
+        if xp is not np:  # refused on the device: no host read
+            bad = sum((xp.asarray(p[1][0]) != 0) | (xp.asarray(p[1][-1]) != p[0].shape[0])
+                      for p in parts)
+            offsets[:1] = xp.where(bad > 0, -1, offsets[:1])
         if len(parts[0]) == 3:
             return indices, offsets, xp.concatenate([xp.asarray(p[2]) for p in parts])
         return indices, offsets

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+import numpy as np
+
 from xferlib.collection.init import init_kind
 from xferlib.tt.initializers import WEIGHT_DISTS
 
@@ -70,7 +72,8 @@ class TableConfig:
         table's :class:`xferlib.tt.TTShape` as tuples.
       tt_init: the cores' distribution (:func:`xferlib.tt.init_tt_cores`:
         ``"approx-normal"``, FBTT's default, ``"normal"``, ``"uniform"``,
-        ``"naive-uniform"``, ``"approx-uniform"``), drawn from the table's stream of the collection's seed.
+        ``"naive-uniform"``, ``"approx-uniform"``), drawn from the table's stream of the
+        collection's seed.
 
     >>> TableConfig(1000, 16, name="user", placement="host").placement
     'host'
@@ -175,22 +178,53 @@ class TableConfig:
         return self if self.name is not None else dataclasses.replace(self, name=f"t{k}")
 
 
+def _dtype_kind(array) -> str:
+    """NumPy's kind letter of a NumPy, CuPy or torch array's dtype ("f" for dtypes NumPy
+    does not know, such as bfloat16)."""
+    try:
+        return np.dtype(str(array.dtype).replace("torch.", "")).kind
+    except TypeError:
+        return "f"
+
+
 def feature_entries(names, features: dict) -> list:
     """The per-table dict form's entries in ``names``' order, checked: ``features`` names
     every table once, each entry is ``(indices, offsets)`` or, for every table alike,
-    ``(indices, offsets, per_sample_weights)``, and every table has the same number of bags
-    (``offsets`` of ``B + 1``). Reads shapes only (NumPy, CuPy or torch arrays)."""
+    ``(indices, offsets, per_sample_weights)`` (1-D arrays: integer indices and offsets,
+    floating point weights, one per index), and every table has the same number of bags
+    (``offsets`` of ``B + 1``). Reads shapes and dtypes only (NumPy, CuPy or torch arrays);
+    ``numpy_path.check_entry_offsets`` reads the offsets' values."""
     missing = [n for n in names if n not in features]
     extra = sorted(set(features) - set(names))
     if missing or extra:
         raise KeyError(f"features must name every table once: missing {missing}, "
                        f"unknown {extra}")
     parts = [features[n] for n in names]
-    if len({len(p) for p in parts}) != 1 or len(parts[0]) not in (2, 3):
+    if not all(isinstance(p, (tuple, list)) for p in parts) \
+            or len({len(p) for p in parts}) != 1 or len(parts[0]) not in (2, 3):
         raise ValueError("every table's entry must be (indices, offsets) or, for all of "
                          "them, (indices, offsets, per_sample_weights)")
+    for name, part in zip(names, parts):
+        for what, array in zip(("indices", "offsets", "per_sample_weights"), part):
+            if not (hasattr(array, "shape") and hasattr(array, "dtype")):
+                raise TypeError(f"table {name!r}: {what} must be an array, got "
+                                f"{type(array).__name__}")
+            if len(array.shape) != 1:
+                raise ValueError(f"table {name!r}: {what} must be 1-D, got shape "
+                                 f"{tuple(array.shape)}")
+            floating = what == "per_sample_weights"
+            if (_dtype_kind(array) == "f") != floating or _dtype_kind(array) not in "iuf":
+                raise TypeError(f"table {name!r}: {what} must be "
+                                f"{'floating point' if floating else 'integer'}, got "
+                                f"{array.dtype}")
+        if part[1].shape[0] < 1:
+            raise ValueError(f"table {name!r}: offsets need at least one entry (B + 1)")
+        if len(part) == 3 and part[2].shape[0] != part[0].shape[0]:
+            raise ValueError(f"table {name!r}: per_sample_weights must have one weight per "
+                             f"index ({part[0].shape[0]}), got {part[2].shape[0]}")
     bags = [int(p[1].shape[0]) - 1 for p in parts]
     if len(set(bags)) != 1:
         raise ValueError(f"every table needs the same number of bags, got "
                          f"{dict(zip(names, bags))}")
     return parts
+

@@ -12,7 +12,8 @@ import numpy as np
 from xferlib.collection.reference import bag_ids
 from xferlib.table.rules import update_rows
 
-__all__ = ["check_inputs_numpy", "pooled_lookup_numpy", "update_numpy"]
+__all__ = ["check_entry_offsets", "check_inputs_numpy", "pooled_lookup_numpy",
+           "update_numpy"]
 
 
 def check_offsets(offsets: np.ndarray, num_indices: int) -> None:
@@ -28,6 +29,16 @@ def check_offsets(offsets: np.ndarray, num_indices: int) -> None:
     if int(offsets[-1]) != num_indices:
         raise ValueError(f"offsets[-1] must equal the number of indices ({num_indices}), "
                          f"got {int(offsets[-1])}")
+
+
+def check_entry_offsets(name: str, offsets, num_indices: int) -> None:
+    """One table's offsets in the per-table dict form, read on the host: FBGEMM's contract
+    (start at 0, never decrease, end at the table's number of indices). ValueError naming
+    the table."""
+    try:
+        check_offsets(np.asarray(offsets), num_indices)
+    except ValueError as err:
+        raise ValueError(f"table {name!r}: {err}") from None
 
 
 def table_error(coll, t: int, position: int, value: int) -> IndexError:

@@ -67,19 +67,14 @@ Example (runs on the CPU; on a GPU the same lines run there):
 """
 
 from xferlib.adapters.torch.speedtorch.cupy_live import (COM, DataGadget, ModelFactory,
-                                                         OptimizerFactory, _Common,
-                                                         my_pinned_allocator)
+                                                         OptimizerFactory, my_pinned_allocator)
 from xferlib.adapters.torch.speedtorch.cupy_memmap import (COMMM, DataGadgetMM,
                                                            ModelFactoryMM, OptimizerFactoryMM,
-                                                           _CommonMM, my_pinned_allocatorMM)
+                                                           my_pinned_allocatorMM)
 from xferlib.adapters.torch.speedtorch.torch_tensors import (
     CPUPytorchCOM, CPUPytorchModelFactory, CPUPytorchOptimizerFactory, GPUPytorchCOM,
     GPUPytorchModelFactory, GPUPytorchOptimizerFactory, PytorchCOM, PytorchModelFactory,
-    PytorchOptimizerFactory, _CPUPytorchCommon, _GPUPytorchCommon, _PytorchCommon)
-
-# SpeedTorch's package also exposed its private base classes; code that reached for them
-# (isinstance checks, say) finds them here too. Not in __all__, as there.
-_BASES = (_Common, _CommonMM, _PytorchCommon, _GPUPytorchCommon, _CPUPytorchCommon)
+    PytorchOptimizerFactory)
 
 __all__ = ["PMemory", "my_pinned_allocator", "ModelFactory", "OptimizerFactory", "COM",
            "DataGadget", "PMemoryMM", "my_pinned_allocatorMM", "ModelFactoryMM",
