@@ -349,6 +349,30 @@ def test_init_same_values_on_cpu_and_gpu():
 
 
 @pytest.mark.gpu
+def test_gpu_pack_refuses_a_tables_bad_offsets():
+    """GPU arrays in the dict form are not read back: a table's offsets that do not start at
+    0 (or end at its indices) are refused by the collection's own check; nothing changes."""
+    get_backend("cupy")
+    import cupy
+
+    coll = EmbeddingCollection([TableConfig(10, 2, name="user"), TableConfig(4, 3, name="ad")],
+                               "sgd", {"lr": 1.0}, device="cuda")
+    before = coll.state_dict()
+    user = (cupy.asarray([1, 2, 9]), cupy.asarray([0, 2, 3]))
+    for ad in ((cupy.asarray([3]), cupy.asarray([1, 1, 1])),
+               (cupy.asarray([3, 1]), cupy.asarray([0, 0, 1]))):
+        idx, off = coll.pack({"user": user, "ad": ad})
+        with pytest.raises(ValueError, match=r"offsets\[0\] must be 0"):
+            _, ctx = coll.forward(idx, off)
+            coll.backward(ctx, cupy.ones((2, 5), cupy.float32))
+            coll.check()
+    idx, off = coll.pack({"user": user, "ad": (cupy.asarray([3]), cupy.asarray([0, 0, 1]))})
+    assert cupy.asnumpy(off).tolist() == [0, 2, 3, 3, 4]
+    for key, value in coll.state_dict().items():
+        np.testing.assert_array_equal(value, before[key], err_msg=key)
+
+
+@pytest.mark.gpu
 def test_gpu_collection_takes_numpy_inputs():
     get_backend("cupy")
     tables = [TableConfig(40, 4, placement="host"), TableConfig(30, 8)]
