@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib._backend import cupy_available, is_cupy_array
-from xferlib.collection.config import POOLINGS, TableConfig, feature_entries
+from xferlib._backend import array_module, cupy_available, is_cupy_array
+from xferlib.collection.config import POOLINGS, TableConfig, pack_features
 from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
-from xferlib.collection.numpy_path import (check_entry_offsets, check_inputs_numpy,
-                                           pooled_lookup_numpy, update_numpy)
+from xferlib.collection.numpy_path import (check_inputs_numpy, pooled_lookup_numpy,
+                                           update_numpy)
 from xferlib.collection.storage import allocate_host, plan_blocks
 from xferlib.collection.tt_tables import (build_tt_tables, tt_bytes, tt_hyper,
                                           tt_lookup_numpy, tt_state_arrays, tt_state_shapes,
@@ -294,7 +294,7 @@ class EmbeddingCollection:
         for t, name in enumerate(self.names):
             if t in self.tt_tables:
                 for key, target in tt_state_arrays(self.tt_tables[t], name).items():
-                    xp = _namespace(target)
+                    xp = array_module(target)
                     target[...] = xp.asarray(np.asarray(state[key]), dtype=target.dtype)
                     if xp is not np:  # written on CuPy's stream: done before any step reads
                         xp.cuda.get_current_stream().synchronize()
@@ -390,27 +390,7 @@ class EmbeddingCollection:
         are not read back, and a table's offsets that do not start at 0 or end at its
         number of indices make the packed offsets start at -1, which the collection
         refuses like other bad offsets (its check names ``offsets[0]``)."""
-        parts = feature_entries(self.names, features)
-        xp = _namespace(parts[0][0])
-        if xp is np:
-            for name, p in zip(self.names, parts):
-                check_entry_offsets(name, p[1], int(p[0].shape[0]))
-        starts, total = [], 0
-        for p in parts:
-            starts.append(total)
-            total += int(p[0].shape[0])
-        indices = xp.concatenate([xp.asarray(p[0]).astype(np.int64, copy=False)
-                                  for p in parts])
-        offsets = xp.concatenate(
-            [xp.asarray(p[1][:-1]).astype(np.int64) + s for p, s in zip(parts, starts)]
-            + [xp.asarray([total], dtype=np.int64)])
-        if xp is not np:  # refused on the device: no host read
-            bad = sum((xp.asarray(p[1][0]) != 0) | (xp.asarray(p[1][-1]) != p[0].shape[0])
-                      for p in parts)
-            offsets[:1] = xp.where(bad > 0, -1, offsets[:1])
-        if len(parts[0]) == 3:
-            return indices, offsets, xp.concatenate([xp.asarray(p[2]) for p in parts])
-        return indices, offsets
+        return pack_features(self.names, features)
 
     def check_shapes(self, indices, offsets, per_sample_weights=None) -> int:
         """The input checks that need no values: dtypes and shapes of FBGEMM's layout (any
@@ -602,11 +582,3 @@ class EmbeddingCollection:
 def _floating(dtype) -> bool:
     """NumPy's floating kinds, and ml_dtypes' (bfloat16, ...: NumPy files them as kind 'V')."""
     return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float8"))
-
-
-def _namespace(array):
-    if is_cupy_array(array):
-        import cupy
-
-        return cupy
-    return np

@@ -13,7 +13,9 @@ import numbers
 
 import numpy as np
 
+from xferlib._backend import array_module
 from xferlib.collection.init import init_kind
+from xferlib.collection.numpy_path import check_entry_offsets
 from xferlib.tt.initializers import WEIGHT_DISTS
 
 __all__ = ["TableConfig", "PLACEMENTS", "POOLINGS"]
@@ -179,12 +181,15 @@ class TableConfig:
 
 
 def _dtype_kind(array) -> str:
-    """NumPy's kind letter of a NumPy, CuPy or torch array's dtype ("f" for dtypes NumPy
-    does not know, such as bfloat16)."""
-    try:
-        return np.dtype(str(array.dtype).replace("torch.", "")).kind
-    except TypeError:
+    """NumPy's kind letter of a NumPy, CuPy or torch array's dtype; "f" for the floating
+    dtypes NumPy files elsewhere or does not know (bfloat16, float8)."""
+    name = str(array.dtype).replace("torch.", "")
+    if name.startswith(("bfloat", "float8")):
         return "f"
+    try:
+        return np.dtype(name).kind
+    except TypeError:
+        return "?"
 
 
 def feature_entries(names, features: dict) -> list:
@@ -228,3 +233,28 @@ def feature_entries(names, features: dict) -> list:
                          f"{dict(zip(names, bags))}")
     return parts
 
+
+def pack_features(names, features: dict):
+    """FBGEMM's layout from the per-table dict form, tables in ``names``' order (see
+    :meth:`EmbeddingCollection.pack <xferlib.collection.EmbeddingCollection.pack>`):
+    NumPy arrays checked on the host, CuPy arrays refused on the device."""
+    parts = feature_entries(names, features)
+    xp = array_module(parts[0][0])
+    if xp is np:
+        for name, p in zip(names, parts):
+            check_entry_offsets(name, p[1], int(p[0].shape[0]))
+    starts, total = [], 0
+    for p in parts:
+        starts.append(total)
+        total += int(p[0].shape[0])
+    indices = xp.concatenate([xp.asarray(p[0]).astype(np.int64, copy=False) for p in parts])
+    offsets = xp.concatenate(
+        [xp.asarray(p[1][:-1]).astype(np.int64) + s for p, s in zip(parts, starts)]
+        + [xp.asarray([total], dtype=np.int64)])
+    if xp is not np:  # refused on the device: no host read
+        bad = sum((xp.asarray(p[1][0]) != 0) | (xp.asarray(p[1][-1]) != p[0].shape[0])
+                  for p in parts)
+        offsets[:1] = xp.where(bad > 0, -1, offsets[:1])
+    if len(parts[0]) == 3:
+        return indices, offsets, xp.concatenate([xp.asarray(p[2]) for p in parts])
+    return indices, offsets
