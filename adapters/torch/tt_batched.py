@@ -125,7 +125,8 @@ def _hyper(name: str, doc: str) -> property:
 class TableBatchedTTEmbeddingBag(torch.nn.Module):
     """``num_tables`` TT embedding bags of one shape, looked up in one pass (FBTT's API).
 
-    ``forward(indices, offsets, warmup=True, *, per_sample_weights=None)``: offsets hold
+    ``forward(indices, offsets, warmup=True, *, per_sample_weights=None)`` (the weights get
+    no gradient: ones that require grad raise NotImplementedError): offsets hold
     ``T * B + 1`` bag bounds, table ``t``'s bags being ``t * B .. (t + 1) * B - 1`` (indices of
     every table in one array, each below ``num_embeddings``); returns ``(T, B, dim)``.
     ``warmup`` is accepted for FBTT's call form and, as in FBTT, ignored: the module's own
@@ -501,6 +502,10 @@ class TableBatchedTTEmbeddingBag(torch.nn.Module):
             if t.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"{name} must be an integer tensor of dtype int32 or int64 "
                                 f"(as torch's EmbeddingBag takes), got {t.dtype}")
+        if per_sample_weights is not None and per_sample_weights.requires_grad \
+                and torch.is_grad_enabled():  # said, not dropped in silence
+            raise NotImplementedError("the TT bags compute no gradient for "
+                                      "per_sample_weights; pass per_sample_weights.detach()")
         if indices.dtype != torch.int64:
             indices = indices.long()
         if offsets.dtype != torch.int64:

@@ -277,6 +277,9 @@ def test_several_tables_look_up_and_train_each_table(rng):
                              tt.tt_rows_reference(cores, SHAPE, indices[lo:hi]),
                              rtol=1e-5, atol=1e-6, what=f"table {t} dense rows")
     assert tables.full_weight().shape == (3, SHAPE.num_rows, SHAPE.dim)
+    # Start offsets alone (include_last_offset=False) give each bag to the same table.
+    starts, _ = tables.lookup(indices, offsets[:-1], include_last_offset=False, train=False)
+    assert_outputs_match(starts, bags, rtol=0, atol=0, what="start offsets")
     before = snapshot(tables)
     with pytest.raises(IndexError, match="index 100 at position 5"):
         bad = indices.copy()

@@ -115,6 +115,9 @@ def test_shapes_defaults_and_bad_input():
     small = TTEmbeddingBag(100, 8, [2, 2], sparse=False)
     with pytest.raises(IndexError, match="index 100 at position 1"):
         small(torch.tensor([0, 100]), torch.tensor([0, 2]))
+    with pytest.raises(NotImplementedError, match="detach"):  # no weight gradient, said
+        small(torch.tensor([0, 1]), torch.tensor([0, 2]),
+              per_sample_weights=torch.ones(2, requires_grad=True))
 
 
 def test_tt_matrix_to_full_accepts_fbtt_layouts():

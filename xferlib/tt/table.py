@@ -488,7 +488,9 @@ class TTTable:
             checked_indices(indices, self.shape, self.num_embeddings)
         valid = (indices >= 0) & (indices < self.num_embeddings)
         per_table = max(bags // T, 1)
-        bounds = xp.ascontiguousarray(offsets[1:] if include_last_offset else offsets)
+        # Each lookup's bag: the bag ends (or, without the last offset, the next bags'
+        # starts) at or before it; the first bag's start, 0, is never one of them.
+        bounds = xp.ascontiguousarray(offsets[1:])
         bag = xp.searchsorted(bounds, xp.arange(indices.shape[0]), side="right")
         table = xp.minimum(bag // per_table, T - 1)
         joint = self._joint_of(table, indices)
