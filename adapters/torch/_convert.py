@@ -127,8 +127,10 @@ def fresh_row_state(optimizer: torch.optim.Optimizer, param, state: dict, width:
     """``probe_row_state`` for the tensors of ``state`` (``optimizer``'s state of ``param``)
     shaped like ``param``."""
     fresh = probe_row_state(optimizer, param, width)
+    # row-shaped: any number of rows (Adagrad makes its state in __init__, for no rows yet)
     return {name: fresh[name] for name, value in state.items()
-            if isinstance(value, torch.Tensor) and value.shape == param.shape and name in fresh}
+            if isinstance(value, torch.Tensor) and value.dim() == param.dim()
+            and value.shape[1:] == param.shape[1:] and name in fresh}
 
 
 def array_of(t: torch.Tensor):

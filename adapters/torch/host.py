@@ -36,6 +36,27 @@ from xferlib.table import HostTable
 __all__ = ["HostEmbeddingBag", "HostEmbedding"]
 
 
+class _RowsOfForward(torch.autograd.Function):
+    """``optimizer=None``: the module's ``weight`` as one training forward saw it (its rows
+    are the forward's batch). Its backward refuses to run after a later forward replaced the
+    rows: the gradient would land on the other batch's rows."""
+
+    @staticmethod
+    def forward(ctx, weight, module, generation):
+        ctx.module, ctx.generation = module, generation
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.module._generation != ctx.generation:
+            raise RuntimeError(f"{type(ctx.module).__name__}(optimizer=None): a later forward "
+                               f"replaced the rows this output was computed from; with "
+                               f"optimizer=None each training forward's backward and "
+                               f"optimizer.step() come before the next forward (or use a "
+                               f"fused optimizer, optimizer='adam' say)")
+        return grad, None, None
+
+
 class _HostRows(torch.autograd.Function):
     """Rows of the module's table at ``idx``; backward runs the table's fused optimizer."""
 
@@ -108,10 +129,20 @@ class _HostModule(torch.nn.Module):
             self.weight = torch.nn.Parameter(torch.empty(0, self.embedding_dim,
                                                          device=self.device))
             self._batch_rows = None
+            self._generation, self._stepped = 0, True
             self._host_state = {}
             self._fresh_state = None
-            _ANY_OPTIMIZER_MODULES.add(self)
-            _install_step_hooks()
+            self._follow_steps()
+
+    def _follow_steps(self) -> None:
+        """``optimizer=None``: torch.optim's step hooks swap this module's rows' state."""
+        _ANY_OPTIMIZER_MODULES.add(self)
+        _install_step_hooks()
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        if self.__dict__.get("_any_optimizer"):  # a copy (deepcopy, pickle) trains too
+            self._follow_steps()
 
     def _zero_padding_row(self, table) -> None:
         if self.padding_idx is not None:  # as torch: the padding row starts at zero
@@ -213,11 +244,21 @@ class _HostModule(torch.nn.Module):
                     raise IndexError(f"index {bad} at position {position} is out of range for "
                                      f"a table of {self.num_embeddings} rows")
             uniq, inverse = torch.unique(flat_idx, return_inverse=True)
+            if not (torch.is_grad_enabled() and self.training):  # no step follows
+                return self._lookup(uniq), inverse
+            grad = self.weight.grad
+            if grad is not None and not self._stepped and bool(grad.any()):
+                raise RuntimeError(f"{type(self).__name__}(optimizer=None): a forward after a "
+                                   f"backward whose gradient no optimizer.step() has used "
+                                   f"(gradient accumulation over forwards is not supported "
+                                   f"with optimizer=None): step first, or use a fused "
+                                   f"optimizer (optimizer='adam' say)")
             with torch.no_grad():
                 self.weight.data = self._lookup(uniq)
                 self.weight.grad = None
             self._batch_rows = uniq
-            return self.weight, inverse
+            self._generation, self._stepped = self._generation + 1, False
+            return _RowsOfForward.apply(self.weight, self, self._generation), inverse
         anchor = torch.empty(0, device=self.device,
                              requires_grad=torch.is_grad_enabled() and self.training)
         rows = _HostRows.apply(anchor, self, flat_idx)
@@ -238,8 +279,10 @@ class _HostModule(torch.nn.Module):
         if self._batch_rows is None or self.weight.grad is None:
             return
         state = optimizer.state.get(self.weight)
-        if not state or not self._host_state:
+        if not state:
             return
+        if not self._host_state:  # state made before any batch (Adagrad's, in its __init__)
+            self._allocate_host_state(optimizer, state)
         rows = self._core_indices(self._batch_rows)
         for name, host in self._host_state.items():
             state[name] = gather_to_torch(host, rows, self.device)
@@ -257,16 +300,21 @@ class _HostModule(torch.nn.Module):
         with torch.no_grad():
             self.table.scatter(rows, as_core_array(self.weight.data.contiguous()),
                                stream=current_stream(self.device))
+        self._stepped = True
 
     def _allocate_host_state(self, optimizer, state) -> None:
         """Per-row state arrays for every state tensor shaped like the rows, filled with the
         state a fresh row gets."""
-        alloc = pinned_empty if self.device.type == "cuda" else np.empty
         fresh = fresh_row_state(optimizer, self.weight, state, self.embedding_dim)
         for name, values in fresh.items():
-            host = alloc((self.num_embeddings, self.embedding_dim), np.float32)
+            host = self._host_array()
             host[...] = values
             self._host_state[name] = host
+
+    def _host_array(self) -> np.ndarray:
+        """A per-row state array in host RAM (pinned beside a GPU)."""
+        alloc = pinned_empty if self.device.type == "cuda" else np.empty
+        return alloc((self.num_embeddings, self.embedding_dim), np.float32)
 
     # ------------------------------------------------------------------ state_dict
 
@@ -309,10 +357,13 @@ class _HostModule(torch.nn.Module):
             # On NCCL the fence only orders the GPU stream: wait for it, so that no rank reads
             # the shared rows from the host before rank 0's restore is through the fence.
             self._sync()
-        for name in list(getattr(self, "_host_state", {})):
-            key = prefix + "optimizer_state." + name
-            if key in state_dict:
-                self._host_state[name][...] = state_dict[key].cpu().numpy()
+        if getattr(self, "_any_optimizer", False):  # the rows' torch.optim state, allocated
+            for key, value in state_dict.items():  # here when this module has none yet
+                if key.startswith(prefix + "optimizer_state."):
+                    name = key[len(prefix + "optimizer_state."):]
+                    if name not in self._host_state:
+                        self._host_state[name] = self._host_array()
+                    self._host_state[name][...] = value.cpu().numpy()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

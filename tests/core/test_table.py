@@ -369,6 +369,20 @@ def test_save_load_round_trip(tmp_path, rng):
     np.testing.assert_array_equal(loaded.numpy(), table.numpy())
 
 
+def test_a_pickled_table_trains_as_the_original(rng):
+    """torch.save of a model pickles its tables: the rule comes back by name."""
+    import pickle
+
+    table = xferlib.HostTable(30, 5, optimizer="adagrad", optimizer_kwargs={"lr": 0.05},
+                              seed=2)
+    copy = pickle.loads(pickle.dumps(table))
+    idx, grads = np.array([1, 2, 2]), rng.standard_normal((3, 5)).astype(np.float32)
+    for t in (table, copy):
+        t.apply_gradients(idx, grads)
+    np.testing.assert_array_equal(copy.numpy(), table.numpy())
+    np.testing.assert_array_equal(copy.state("sum"), table.state("sum"))
+
+
 def test_load_rejects_truncated_and_foreign_files(tmp_path):
     table = xferlib.HostTable(100, 8, optimizer="sgd")
     path = tmp_path / "t.npz"

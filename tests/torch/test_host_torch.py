@@ -165,6 +165,62 @@ def test_any_optimizer_leaves_untouched_rows_and_keeps_state(device, rng):
     assert np.all(exp_avg[[1, 2, 7]] != 0) and not exp_avg[untouched].any()
 
 
+@pytest.mark.parametrize("optimizer_cls", ["Adagrad", "Adam"])
+def test_any_optimizer_resumes_copies_and_refuses_two_forwards(device, rng, optimizer_cls):
+    """optimizer=None: Adagrad (its state made in __init__, for no rows yet) trains; a module
+    and optimizer rebuilt from their state dicts go on as the uninterrupted run; a deepcopy
+    and a pickled copy train too; a backward after a later forward replaced the rows, and a
+    forward after an unstepped backward, are refused (the gradient would land elsewhere)."""
+    import copy
+    import io
+    import pickle
+
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    batches = [torch.tensor([1, 2, 2]), torch.tensor([7, 1]), torch.tensor([3, 2]),
+               torch.tensor([9, 7, 0])]
+
+    def build():
+        module = HostEmbedding(ROWS, DIM, optimizer=None, device=device, init=init.copy())
+        return module, getattr(torch.optim, optimizer_cls)(module.parameters(), lr=0.1)
+
+    def train(module, opt, steps):
+        for idx in steps:
+            opt.zero_grad()
+            (module(idx.to(device)) ** 2).sum().backward()
+            opt.step()
+
+    whole, whole_opt = build()
+    train(whole, whole_opt, batches)
+    first, first_opt = build()
+    train(first, first_opt, batches[:2])
+    saved = io.BytesIO()
+    torch.save({"module": first.state_dict(), "opt": first_opt.state_dict()}, saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved)
+    resumed, resumed_opt = build()
+    resumed.load_state_dict(checkpoint["module"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    train(resumed, resumed_opt, batches[2:])
+    np.testing.assert_array_equal(resumed.table.numpy(), whole.table.numpy())
+    for copied in (copy.deepcopy(first), pickle.loads(pickle.dumps(first))):
+        before = np.array(copied.table.numpy())
+        train(copied, getattr(torch.optim, optimizer_cls)(copied.parameters(), lr=0.1),
+              batches[:1])
+        assert not np.array_equal(copied.table.numpy(), before)
+    module, opt = build()
+    a, b = module(batches[0].to(device)), module(batches[1].to(device))
+    with pytest.raises(RuntimeError, match="a later forward replaced the rows"):
+        (a.sum() + b.sum()).backward()
+    opt.zero_grad()
+    module(batches[0].to(device)).sum().backward()
+    with pytest.raises(RuntimeError, match="no optimizer.step"):
+        module(batches[1].to(device))
+    with torch.no_grad():  # a lookup that trains nothing is always fine
+        module(batches[1].to(device))
+    opt.step()
+    module(batches[1].to(device))
+
+
 def test_state_dict_round_trip(device, rng):
     init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     a = HostEmbeddingBag(ROWS, DIM, optimizer="adam", device=device, init=init.copy())

@@ -599,6 +599,15 @@ class HostTable:
             self._gpu = DeviceSide(self, self._weights, self._state)
         return self._gpu
 
+    # Pickled (torch.save of a model) with its rule by name: a rule holds functions of its
+    # module, found again on loading.
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _rule=None)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._rule = None if self.optimizer is None else sparse_rule(self.optimizer)
+
     def __repr__(self) -> str:
         return (f"HostTable({self.num_rows}, {self.dim}, dtype={self.dtype.name!r}, "
                 f"optimizer={self.optimizer!r}, cache_rows={self.cache_rows})")
