@@ -79,8 +79,9 @@ class Bucket:
         self.expected_ptrs = [v.data_ptr() for v in self.param_views]
         self.expected_shapes = [v.shape for v in self.param_views]
         self.steps_since_full_check = 0
+        # a frozen parameter gets no gradient (and no hook: torch refuses one); it never steps
         self.hooks = [p.register_post_accumulate_grad_hook(self._marker(i))
-                      for i, p in enumerate(self.params)]
+                      for i, p in enumerate(self.params) if p.requires_grad]
 
     def _init_state(self, rule, hypers, capturable, entries):
         xp = array_module(self.device)
@@ -199,6 +200,34 @@ class Bucket:
         if set_to_none:  # torch semantics: no gradient until the next backward
             self.has_grad[:] = False
 
+    @property
+    def state_layout(self):
+        """The layout the state buffers follow (the whole buffer here; a shard's slice in
+        sharded optimizers)."""
+        return self.layout
+
+    def ensure_buffers(self, rule, hypers) -> None:
+        """Zeroed state buffers the hyperparameters now need and the build did not make (a
+        scheduler turning SGD's momentum on, a checkpoint of an amsgrad run): torch makes
+        such state at first use, from zero, as here."""
+        names = dict.fromkeys(n for h in hypers for n in rule.state_names(h))
+        missing = [n for n in names if n not in self.state.buffers]
+        if not missing:
+            return
+        if self.capturable:  # a captured step holds the old buffers' addresses
+            raise RuntimeError(f"capturable=True: the hyperparameters now need optimizer "
+                               f"state {missing} the optimizer was built without; build it "
+                               f"with them")
+        xp = array_module(self.device)
+        for name in missing:
+            buffer = self.state_layout.zeros(xp)
+            self.state.buffers[name] = buffer
+            self.state_tensors[name] = (torch.from_dlpack(buffer) if self.device.type == "cuda"
+                                        else torch.from_numpy(buffer))
+        if self.cuda_step is not None:  # its launch was prepared with the old buffers
+            self.cuda_step = core.CudaStep(rule.name, self.state_layout, self.core_params,
+                                           self.core_grads, self.state.buffers, self.core_lowp)
+
     def step(self, rule, hypers, grad_mul=None, grad_scale=None, found_inf=None):
         self.check_params()
         active = self.collect_grads()
@@ -299,11 +328,12 @@ class FlatOptimizerBase(torch.optim.Optimizer):
         self._step_supports_amp_scaling = self._capturable
 
     def add_param_group(self, param_group):
+        if self._buckets is not None:  # refused before anything is added
+            raise RuntimeError("a flat optimizer lays out its buffers when it is built: give "
+                               "every parameter group to its constructor (add_param_group "
+                               "afterwards is not supported; build a new optimizer instead)")
         super().add_param_group(param_group)
         core.resolve_hyper(self._rule_name, self._hyper(self.param_groups[-1]))
-        if self._buckets is not None:
-            raise RuntimeError("add parameter groups before the first step: a flat optimizer "
-                               "lays out its buffers once (build a new optimizer instead)")
 
     def _hyper(self, group):
         return {k: group[self._renamed.get(k, k)] for k in self._rule.defaults}
@@ -347,6 +377,8 @@ class FlatOptimizerBase(torch.optim.Optimizer):
         if hypers != self._checked_hypers:  # schedulers change lr: check what changed
             for h in hypers:
                 core.resolve_hyper(self._rule_name, h)
+            for bucket in self._buckets:
+                bucket.ensure_buffers(self._rule, hypers)
             self._checked_hypers = [dict(h) for h in hypers]
         scaling = dict(grad_mul=self._grad_mul, grad_scale=getattr(self, "grad_scale", None),
                        found_inf=getattr(self, "found_inf", None))
@@ -443,6 +475,8 @@ class FlatOptimizerBase(torch.optim.Optimizer):
             bucket.check_params(shapes=True)
         super().load_state_dict(state_dict)  # torch's checks and param_groups update
         self.state.clear()
+        for bucket in self._buckets:  # the checkpoint's hyperparameters may need more state
+            bucket.ensure_buffers(self._rule, self.hypers())
         # Read the tensors from the checkpoint itself: torch casts loaded state to each
         # parameter's dtype, which would round the float32 state of 16-bit parameters.
         saved = state_dict["state"]

@@ -123,6 +123,22 @@ class _ShardBucket(flat.Bucket):
         # last: every view above counts
         self.storage_uses = flat.storage_use_count(self.flat_params)
 
+    @property
+    def state_layout(self):
+        return self.local
+
+    def zero_grad(self, set_to_none: bool):
+        super().zero_grad(set_to_none)
+        self.reduced = False  # a clip without a step (a skipped step) reduced old gradients
+
+    def _marker(self, i):
+        mark = super()._marker(i)
+
+        def mark_and_forget(param):  # new gradients: the next clip or step reduces again
+            mark(param)
+            self.reduced = False
+        return mark_and_forget
+
     def set_step(self, i: int, step: int) -> None:  # i: a piece of this shard
         self.state.steps[i] = step
 
@@ -335,6 +351,8 @@ class _ShardedFlatOptimizer(flat.FlatOptimizerBase):
         plan = self._load_plan(saved, shard)
         torch.optim.Optimizer.load_state_dict(self, {k: v for k, v in state_dict.items()
                                                      if k != "shard"})
+        for bucket in self._buckets:  # the checkpoint's hyperparameters may need more state
+            bucket.ensure_buffers(self._rule, self.hypers())
         for bucket, k, p, entry, piece, lo, hi in plan:
             seg = bucket.local.segments[k]
             where = slice(seg.offset, seg.offset + seg.size)

@@ -296,6 +296,28 @@ def test_sharded_needs_an_initialized_group():
         xs.ShardedFlatAdam(_model(torch.device("cpu")).parameters())
 
 
+def test_a_clip_without_a_step_leaves_no_stale_gradients(one_rank):
+    """clip_grad_norm_ reduces the gradients; a step skipped after it (a non-finite norm,
+    say) must not leave them for the next step: zero_grad and a new backward forget them."""
+    results = []
+    for cls in (torch.optim.SGD, xs.ShardedFlatSGD):
+        w = torch.nn.Parameter(torch.zeros(4))
+        opt = cls([w], lr=1.0)
+        for skip_zero_grad in (False, True):
+            if not skip_zero_grad:
+                opt.zero_grad()
+            (w * 1.0).sum().backward()
+            if cls is torch.optim.SGD:
+                torch.nn.utils.clip_grad_norm_([w], 100.0)
+            else:
+                opt.clip_grad_norm_(100.0)
+            opt.zero_grad()  # the step skipped
+        (w * 5.0).sum().backward()
+        opt.step()
+        results.append(w.detach().clone())
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_one_rank_equals_the_flat_optimizer(one_rank, name):
     flat_cls, sharded_cls = _classes(name)

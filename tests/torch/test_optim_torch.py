@@ -414,3 +414,66 @@ def test_eager_steps_running_ahead_of_the_gpu_match_torch():
     (bucket,) = opt._buckets
     assert 1 <= bucket.cuda_step.ring.count <= 256
     assert list(bucket.steps()) == [300] * len(shapes)
+
+
+def test_nadam_keeps_each_segments_mu_product():
+    """Two parameters at one step count with different histories (each stepped alone, betas
+    changed between): each keeps its own mu_product, as torch's NAdam does."""
+    results = []
+    for cls in (torch.optim.NAdam, xt.FlatNAdam):
+        a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+        opt = cls([a, b], lr=0.1)
+        opt.zero_grad()
+        (a * 2).sum().backward()
+        opt.step()
+        opt.param_groups[0]["betas"] = (0.5, 0.999)
+        opt.zero_grad()
+        (b * 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ((a + b) * 2).sum().backward()
+        opt.step()
+        results.append(torch.cat([a.detach(), b.detach()]))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-7)
+
+
+def test_frozen_parameters_groups_and_state_made_later():
+    """A frozen parameter is accepted and never steps; add_param_group after construction is
+    refused before anything is added; state the hyperparameters need later (a scheduler
+    turning momentum on, a checkpoint of an amsgrad run) starts from zero, as in torch."""
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    opt = xt.FlatAdamW(model.parameters(), lr=0.1)
+    bias = model.bias.detach().clone()
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    torch.testing.assert_close(model.bias.detach(), bias, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="when it is built"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert len(opt.param_groups) == 1
+    x = torch.randn(4, 3)
+    torch.manual_seed(0)
+    ref_model = torch.nn.Linear(3, 2)
+    model = copy.deepcopy(ref_model)
+    ref, ours = torch.optim.SGD(ref_model.parameters(), lr=0.1), xt.FlatSGD(model.parameters(),
+                                                                          lr=0.1)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10)
+              for o in (ref, ours)]  # momentum 0 -> 0.95: a momentum buffer from now on
+    for _ in range(4):
+        for m, o, s in ((ref_model, ref, scheds[0]), (model, ours, scheds[1])):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+            s.step()
+    torch.testing.assert_close(model.weight, ref_model.weight, rtol=1e-5, atol=1e-6)
+    source = torch.nn.Linear(3, 2)
+    amsgrad = torch.optim.Adam(source.parameters(), lr=0.1, amsgrad=True)
+    source(x).sum().backward()
+    amsgrad.step()
+    models = [copy.deepcopy(source) for _ in range(2)]
+    opts = [torch.optim.Adam(models[0].parameters()), xt.FlatAdam(models[1].parameters())]
+    for m, o in zip(models, opts):
+        o.load_state_dict(copy.deepcopy(amsgrad.state_dict()))
+        m(x).pow(2).sum().backward()
+        o.step()
+    torch.testing.assert_close(models[1].weight, models[0].weight, rtol=1e-5, atol=1e-6)

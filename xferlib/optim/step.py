@@ -168,8 +168,11 @@ def fill_step_table(rule: Rule, layout: FlatLayout, state: FlatState, hypers, ac
 
 
 def _is_uniform(state, active) -> bool:
+    """Every segment steps, all at one count and with the same per-segment scalars (NAdam's
+    mu_product: segments of one count may carry different histories)."""
     steps = state.steps
-    return bool(active.all()) and (len(steps) == 0 or steps.min() == steps.max())
+    return bool(active.all()) and (len(steps) == 0 or steps.min() == steps.max()) and all(
+        len(v) == 0 or v.min() == v.max() for v in state.scalars.values())
 
 
 def _mixed_step_scalars(rule, layout, state, hypers, active):
