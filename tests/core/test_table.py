@@ -369,6 +369,17 @@ def test_save_load_round_trip(tmp_path, rng):
     np.testing.assert_array_equal(loaded.numpy(), table.numpy())
 
 
+def test_lookup_out_is_checked_and_numpy_scalars_are_hyperparameters():
+    table = xferlib.HostTable(10, 3, optimizer="sgd", optimizer_kwargs={"lr": np.float32(0.1)})
+    for out in (np.zeros((1, 3), np.int32), np.zeros((2, 3), np.float32), [[0.0] * 3]):
+        with pytest.raises(ValueError, match="out must be a NumPy array of shape"):
+            table.lookup(np.array([1]), out=out)
+    out = np.zeros((1, 3), np.float32)
+    assert table.lookup(np.array([1]), out=out) is out
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        xferlib.HostTable(10, 3, optimizer="sgd", optimizer_kwargs={"lr": True})
+
+
 def test_a_pickled_table_trains_as_the_original(rng):
     """torch.save of a model pickles its tables: the rule comes back by name."""
     import pickle

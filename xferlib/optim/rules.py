@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -113,7 +114,7 @@ COMMON = 3  # sign, L2 coefficient, decoupled decay factor
 def check_common(h: dict) -> None:
     """The checks every torch.optim rule makes: lr, weight_decay, eps, betas."""
     lr = h.get("lr", h.get("learning_rate"))
-    if not isinstance(lr, (int, float)) or not lr >= 0:
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not lr >= 0:
         raise ValueError(f"Invalid learning rate: {lr}")
     if h.get("weight_decay", 0.0) < 0:
         raise ValueError(f"Invalid weight_decay value: {h['weight_decay']}")

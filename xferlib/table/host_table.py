@@ -401,6 +401,10 @@ class HostTable:
             return (rows, batch) if return_batch else rows
         self._flush(drop_cache=True)
         check_host_indices(idx, self.num_rows)
+        if out is not None and (not isinstance(out, np.ndarray) or out.shape != (
+                len(idx), self.dim) or out.dtype != self.dtype):
+            raise ValueError(f"out must be a NumPy array of shape {(len(idx), self.dim)} and "
+                             f"dtype {self.dtype}")
         rows = take_rows(self._weights.view(np.ndarray), idx, out)
         return (rows, idx) if return_batch else rows
 
