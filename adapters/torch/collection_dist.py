@@ -52,8 +52,7 @@ from xferlib.adapters.torch.collection_layout import (lookup_weights, owner_batc
                                                       owner_batch_padded, place_columns,
                                                       refusal_of)
 from xferlib.collection import TableConfig
-from xferlib.collection.config import feature_entries
-from xferlib.collection.numpy_path import check_entry_offsets
+from xferlib.adapters.torch.collection_inputs import batch_size, layout_inputs
 from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_sharding,
                                          refuse_tt)
 
@@ -244,75 +243,15 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         return TrainInPlace.apply(anchor, self, indices, offsets, per_sample_weights)
 
     def _inputs(self, indices, offsets, per_sample_weights):
-        """``(indices, offsets, per_sample_weights)`` in FBGEMM's layout from either form,
-        after the checks that read no values."""
-        if isinstance(indices, dict):
-            if offsets is not None or per_sample_weights is not None:
-                raise ValueError("the dict form {name: (indices, offsets[, weights])} carries "
-                                 "each table's offsets and weights: pass nothing else")
-            return self._pack(indices)
-        if offsets is None:
-            raise ValueError("offsets are needed with flat indices (FBGEMM's layout: "
-                             "T * B + 1 bag boundaries)")
-        if per_sample_weights is not None:
-            if not isinstance(per_sample_weights, torch.Tensor):
-                raise TypeError(f"per_sample_weights must be a torch tensor, got "
-                                f"{type(per_sample_weights).__name__}")
-            if per_sample_weights.requires_grad and torch.is_grad_enabled():
-                raise NotImplementedError("the collection computes no gradient for "
-                                          "per_sample_weights; pass "
-                                          "per_sample_weights.detach()")
-        return indices, offsets, per_sample_weights
-
-    def _pack(self, features: dict):
-        """FBGEMM's layout from the per-table dict form (tables in this module's order).
-        Each table's offsets are checked as the core's ``pack`` checks them: on the host
-        (CPU tensors) at once, on a GPU by packed offsets that start at -1 (refused in the
-        step like other bad offsets, no host read)."""
-        parts = feature_entries(self.names, features)
-        for name, part in zip(self.names, parts):
-            if not all(isinstance(t, torch.Tensor) for t in part):
-                raise TypeError(f"table {name!r}: the dict form takes torch tensors")
-            if not part[1].is_cuda:
-                check_entry_offsets(name, part[1].numpy(), int(part[0].shape[0]))
-        starts = np.cumsum([0] + [int(p[0].shape[0]) for p in parts])
-        indices = torch.cat([p[0].to(self.device, torch.int64) for p in parts])
-        offsets = torch.cat([p[1][:-1].to(self.device, torch.int64) + int(s)
-                             for p, s in zip(parts, starts)]
-                            + [torch.tensor([starts[-1]], device=self.device)])
-        if any(p[1].is_cuda for p in parts):
-            bad = sum((p[1][0] != 0) | (p[1][-1] != p[0].shape[0]) for p in parts
-                      if p[1].is_cuda)
-            offsets[:1] = torch.where(bad.to(self.device) > 0, -1, offsets[:1])
-        weights = torch.cat([p[2].to(self.device) for p in parts]) if len(parts[0]) == 3 \
-            else None
-        return indices, offsets, weights
+        return layout_inputs(self.names, self.device, indices, offsets, per_sample_weights)
 
     def _check_types(self, indices, offsets, per_sample_weights) -> int:
-        """Dtypes and shapes (the host knows them: no sync); returns B_local. Raises the dict
-        form's error first, if its packing failed."""
+        """B_local, after the checks that read no values; raises the input error this rank
+        had before the step (kept for the step, where every rank learns of it) first."""
         error, self._pack_error = self._pack_error, None
         if error is not None:
             raise error
-        for name, t in (("indices", indices), ("offsets", offsets)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
-            if t.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
-            if t.dim() != 1:
-                raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-        T = len(self.tables)
-        if offsets.shape[0] < 1 or (offsets.shape[0] - 1) % T:
-            raise ValueError(f"offsets must have T * B + 1 entries for T = {T} tables, got "
-                             f"{offsets.shape[0]}")
-        if per_sample_weights is not None:
-            if not isinstance(per_sample_weights, torch.Tensor) \
-                    or not per_sample_weights.is_floating_point():
-                raise TypeError("per_sample_weights must be a floating point tensor")
-            if per_sample_weights.shape != indices.shape:
-                raise ValueError(f"per_sample_weights must have shape {tuple(indices.shape)} "
-                                 f"(one per index), got {tuple(per_sample_weights.shape)}")
-        return (offsets.shape[0] - 1) // T
+        return batch_size(len(self.tables), indices, offsets, per_sample_weights)
 
     def _locate(self, indices, offsets, B):
         """Each lookup's destination, on the device without a sync: ``(local index, owner,
