@@ -241,7 +241,16 @@ def to_jax(x, *, copy: bool | None = None, memory_kind: str | None = None):
         return jnp.asarray(x)
     if kind == "torch":
         x = x.detach()
-    out = jnp.from_dlpack(x, copy=False if copy is False else None)
+    try:
+        out = jnp.from_dlpack(x, copy=False if copy is False else None)
+    except (ValueError, RuntimeError, jax.errors.JaxRuntimeError) as err:
+        # XLA takes only compact (C-ordered, aligned) buffers: a strided view is copied
+        # into one where copies are allowed
+        if copy is False:
+            _no_copy_possible(kind, "jax", f"XLA refused the buffer ({err})")
+        if kind == "cupy" or (kind == "torch" and x.is_cuda):  # a compact copy, same GPU
+            return jnp.from_dlpack(x.contiguous().clone() if kind == "torch" else x.copy())
+        return jnp.asarray(to_numpy(x, copy=True))
     if copy and data_pointer(out) == data_pointer(x):
         out = out.copy()  # some JAX releases share memory even when asked to copy
     return out

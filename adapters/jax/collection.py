@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib.adapters.jax._callback import as_core_array, device_scope, is_gpu_buffer, xla_stream
-from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
+from xferlib.adapters.jax.errors import as_index_array, is_concrete, reporting, typed_errors
 from xferlib.adapters.jax.host import fill_token
 from xferlib.collection import EmbeddingCollection
 from xferlib.collection.numpy_path import check_inputs_numpy
@@ -55,17 +55,15 @@ def _checked(coll, indices, offsets, per_sample_weights):
     if not isinstance(coll, EmbeddingCollection):
         raise TypeError(f"coll must be an xferlib.collection.EmbeddingCollection, got "
                         f"{type(coll).__name__}")
-    given = indices, offsets
-    indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+    indices = as_index_array("indices", indices)
+    offsets = as_index_array("offsets", offsets, ValueError)
     weights = None if per_sample_weights is None else jnp.asarray(per_sample_weights)
     coll.check_shapes(indices, offsets, weights)
     if is_concrete(indices, offsets):
         # An eager call: offsets and every index against its table on the host now, so a bad
         # batch raises the core's ValueError / IndexError before the op runs (under jit the
-        # values exist only inside the callback, which raises there, through XLA). The
-        # values as given: without x64, jnp.asarray wraps an int64 index into int32 (2**32 +
-        # 1 would look up row 1).
-        check_inputs_numpy(coll, *(np.asarray(a) for a in given))
+        # values exist only inside the callback, which raises there, through XLA).
+        check_inputs_numpy(coll, np.asarray(indices), np.asarray(offsets))
     return indices, offsets, weights
 
 

@@ -47,7 +47,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from xferlib.adapters.jax._callback import (as_core_array, buffer_device, device_scope,
                                             is_gpu_buffer, vary_like, xla_stream)
 from xferlib.adapters.jax.collection import collection_anchor
-from xferlib.adapters.jax.errors import reporting, typed_errors
+from xferlib.adapters.jax.errors import as_index_array, reporting, typed_errors
 from xferlib.adapters.jax.host import fill_token
 from xferlib.backend import as_cupy_stream, stream_scope
 from xferlib.collection import EmbeddingCollection
@@ -225,7 +225,8 @@ class ShardedCollection:
         :func:`~xferlib.adapters.jax.collection_anchor`'s array, among the parameters you
         differentiate: its gradient runs every owner's fused backward + update.
         """
-        indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+        indices = as_index_array("indices", indices)
+        offsets = as_index_array("offsets", offsets, ValueError)
         for name, a in (("indices", indices), ("offsets", offsets)):
             if a.dtype not in (jnp.int32, jnp.int64) or a.ndim != 1:
                 raise TypeError(f"{name} must be a 1-D int32 or int64 array, got "

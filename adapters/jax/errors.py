@@ -38,6 +38,8 @@ import functools
 import threading
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["CallbackIndexError", "CallbackValueError", "typed_errors"]
 
@@ -126,3 +128,21 @@ def typed_errors(function=None):
 def is_concrete(*values) -> bool:
     """Whether the arrays have values now (an eager call), not tracers (jit, vmap, shard_map)."""
     return not any(isinstance(v, jax.core.Tracer) for v in values if v is not None)
+
+
+def as_index_array(name: str, values, error=IndexError) -> jax.Array:
+    """``values`` as a JAX array, refusing host integers JAX would wrap: without x64,
+    ``jnp.asarray`` narrows int64 to int32 (``2**32 + 1`` would become row 1). ``error``
+    (IndexError for indices, ValueError for offsets) names the first value that does not
+    fit, before any op runs; JAX arrays and tracers pass as they are."""
+    converted = jnp.asarray(values)
+    if isinstance(values, (jax.Array, jax.core.Tracer)):
+        return converted
+    host = np.asarray(values)
+    if host.dtype != converted.dtype and host.size and np.issubdtype(host.dtype, np.integer):
+        wrapped = np.flatnonzero(host.reshape(-1) != np.asarray(converted).reshape(-1))
+        if wrapped.size:
+            k = int(wrapped[0])
+            raise error(f"{name}[{k}] = {int(host.reshape(-1)[k])} does not fit JAX's "
+                        f"{converted.dtype} (x64 is off): it would wrap to another value")
+    return converted

@@ -35,7 +35,7 @@ from xferlib.adapters.jax._callback import (as_core_array, buffer_device, device
                                             is_gpu_buffer, vary_like, varying_axes,
                                             xla_stream)
 from xferlib.adapters.jax._views import on_device
-from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
+from xferlib.adapters.jax.errors import as_index_array, is_concrete, reporting, typed_errors
 from xferlib.rows import check_host_indices
 from xferlib.table import HostTable
 
@@ -58,7 +58,7 @@ def checked_indices(table, idx):
     and IndexError for a concrete ``idx`` out of range."""
     if not isinstance(table, HostTable):
         raise TypeError(f"table must be an xferlib.HostTable, got {type(table).__name__}")
-    idx = jnp.asarray(idx)
+    idx = as_index_array("idx", idx)
     if idx.ndim != 1:
         raise ValueError(f"idx must be 1-D, got shape {idx.shape}")
     if idx.dtype not in (jnp.int32, jnp.int64):

@@ -36,6 +36,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib import optim as core
+from xferlib.optim.rules import known_scalar
 from xferlib.handoff import data_pointer
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
                                             xla_stream)
@@ -55,6 +56,7 @@ def ravel(params):
     leaves, treedef = jax.tree_util.tree_flatten(params)
     if not leaves:
         raise ValueError("ravel() needs a pytree with at least one array")
+    leaves = [jnp.asarray(leaf) for leaf in leaves]  # Python numbers too
     layout = _layout_for([tuple(leaf.shape) for leaf in leaves])
     dtypes = [leaf.dtype for leaf in leaves]
 
@@ -69,8 +71,17 @@ def ravel(params):
 
 
 def ravel_like(tree, unravel):
-    """Flatten ``tree`` (e.g. gradients) into the layout ``unravel`` came with."""
-    leaves = jax.tree_util.tree_leaves(tree)
+    """Flatten ``tree`` (e.g. gradients) into the layout ``unravel`` came with: the same tree
+    structure and leaf shapes as the parameters (ValueError otherwise)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if treedef != unravel.treedef:
+        raise ValueError(f"ravel_like: the tree's structure {treedef} is not the parameters' "
+                         f"{unravel.treedef}")
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    for k, (leaf, seg) in enumerate(zip(leaves, unravel.layout.segments)):
+        if tuple(leaf.shape) != tuple(seg.shape):
+            raise ValueError(f"ravel_like: leaf {k} has shape {tuple(leaf.shape)}, the "
+                             f"parameter's is {tuple(seg.shape)}")
     return _pack(unravel.layout, leaves)
 
 
@@ -326,7 +337,7 @@ def _adam_xla(h, weight_decay):
             mu_hat = _bias_correction(mu, b1, count)
         nu_hat = _bias_correction(nu, b2, count)
         direction = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
-        if weight_decay:
+        if known_scalar(weight_decay) is None or weight_decay:  # traced: added, zero or not
             direction = direction + weight_decay * p
         return _scale_by_lr(direction, h["learning_rate"], count_before), (mu, nu)
 
@@ -375,7 +386,8 @@ def flat_adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_d
     if impl == "kernel" and callable(learning_rate):
         raise ValueError("flat_adamw(impl='kernel') takes a constant learning rate (the "
                          "kernel's decay factor uses it)")
-    if callable(weight_decay) or weight_decay < 0:
+    decay = known_scalar(weight_decay)  # None: traced (optax's inject_hyperparams)
+    if callable(weight_decay) or (decay is not None and not decay >= 0):
         raise ValueError(f"Invalid weight_decay value: {weight_decay} (a float >= 0)")
     core.resolve_hyper("adamw", dict(lr=0.0 if callable(learning_rate) else learning_rate,
                                      betas=(b1, b2), eps=eps, weight_decay=weight_decay))
@@ -383,7 +395,7 @@ def flat_adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_d
                  nesterov=nesterov)
     return _transformation("adamw", ["exp_avg", "exp_avg_sq"], _adam_xla(hyper, weight_decay),
                            _adam_row("adamw", weight_decay), hyper, impl,
-                           needs_params=bool(weight_decay))
+                           needs_params=decay is None or bool(decay))
 
 
 def flat_lion(learning_rate, b1=0.9, b2=0.99, weight_decay=1e-3, *, impl="xla"):
@@ -399,6 +411,7 @@ def flat_lion(learning_rate, b1=0.9, b2=0.99, weight_decay=1e-3, *, impl="xla"):
     """
     core.resolve_hyper("lion", dict(learning_rate=0.0 if callable(learning_rate)
                                     else learning_rate, b1=b1, b2=b2, weight_decay=weight_decay))
+    decay = known_scalar(weight_decay)  # None: traced (optax's inject_hyperparams)
 
     def row(h, count, count_before):
         return _rule_row("lion", dict(learning_rate=_lr(learning_rate, count_before), b1=b1,
@@ -408,9 +421,9 @@ def flat_lion(learning_rate, b1=0.9, b2=0.99, weight_decay=1e-3, *, impl="xla"):
         (mu,) = buffers
         direction = jnp.sign(_moment(mu, g, b1))
         mu = _moment(mu, g, b2)
-        if weight_decay:
+        if decay is None or decay:  # traced: added, zero or not
             direction = direction + weight_decay * p
         return _scale_by_lr(direction, learning_rate, count_before), (mu,)
 
     return _transformation("lion", ["exp_avg"], xla_rule, row, {}, impl,
-                           needs_params=bool(weight_decay))
+                           needs_params=decay is None or bool(decay))

@@ -12,7 +12,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from xferlib import rows as core_rows
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
                                             vary_like, varying_axes, xla_stream)
-from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
+from xferlib.adapters.jax.errors import as_index_array, is_concrete, reporting, typed_errors
 
 
 @reporting
@@ -89,7 +89,7 @@ def gather_rows(table: jax.Array, idx: jax.Array) -> jax.Array:
     [2.0, 2.0, 2.0, 2.0]
     """
     table = jnp.asarray(table)
-    idx = jnp.asarray(idx)
+    idx = as_index_array("idx", idx)
     if table.ndim != 2:
         raise ValueError(f"table must be 2-D, got shape {table.shape}")
     if idx.ndim != 1:

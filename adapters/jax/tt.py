@@ -25,7 +25,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from xferlib import tt as core
 from xferlib.adapters.jax._callback import (as_core_array, callback_scope, is_gpu_buffer,
                                             vary_like, varying_axes)
-from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
+from xferlib.adapters.jax.errors import as_index_array, is_concrete, reporting, typed_errors
 from xferlib.adapters.jax.tt_table import tt_lookup, tt_update
 
 __all__ = ["tt_embedding_bag", "tt_lookup", "tt_update"]
@@ -134,14 +134,16 @@ def tt_embedding_bag(cores, indices, offsets, *, p_shapes, q_shapes, ranks, mode
     shape.check_cores([np.empty(c.shape, np.uint8) for c in cores])
     if mode not in ("sum", "mean"):
         raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
-    indices = jnp.asarray(indices)
-    offsets = jnp.asarray(offsets)
+    indices = as_index_array("indices", indices)
+    offsets = as_index_array("offsets", offsets, ValueError)
     if not jnp.issubdtype(indices.dtype, jnp.integer) or not jnp.issubdtype(offsets.dtype,
                                                                            jnp.integer):
         raise TypeError("indices and offsets must be integer arrays")
     if indices.ndim != 1 or offsets.ndim != 1:
         raise ValueError(f"indices and offsets must be 1-D, got shapes {indices.shape} and "
                          f"{offsets.shape}")
+    if offsets.shape[0] == 0:  # a shape: known under jit too
+        raise ValueError("offsets must be a non-empty 1-D array")
     weights = None if per_sample_weights is None else jnp.asarray(per_sample_weights,
                                                                   jnp.float32)
     if weights is not None and weights.shape != indices.shape:

@@ -34,7 +34,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib.adapters.jax._callback import (as_core_array, callback_scope, is_gpu_buffer,
                                             xla_stream)
-from xferlib.adapters.jax.errors import is_concrete, reporting, typed_errors
+from xferlib.adapters.jax.errors import as_index_array, is_concrete, reporting, typed_errors
 from xferlib.adapters.jax.host import fill_token
 from xferlib.tt.table import TTTable
 
@@ -48,7 +48,8 @@ def _batch(table, indices, offsets, per_sample_weights, mode, include_last_offse
         raise TypeError(f"table must be an xferlib.tt.TTTable, got {type(table).__name__}")
     if mode not in ("sum", "mean"):
         raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
-    indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+    indices = as_index_array("indices", indices)
+    offsets = as_index_array("offsets", offsets, ValueError)
     for name, a in (("indices", indices), ("offsets", offsets)):
         if a.dtype not in (jnp.int32, jnp.int64):
             raise TypeError(f"{name} must be int32 or int64, got {a.dtype}")

@@ -62,6 +62,18 @@ def test_copy_true_always_copies():
     assert data_pointer(xferlib.to_jax(a, copy=True)) != data_pointer(a)
 
 
+def test_strided_views_reach_jax_as_copies():
+    """XLA takes only compact buffers: a strided view is copied where copies are allowed,
+    and copy=False raises BufferError."""
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for view in (a[:, ::2], torch.from_numpy(a)[:, ::2]):
+        for copy in (None, True):
+            np.testing.assert_array_equal(np.asarray(xferlib.to_jax(view, copy=copy)),
+                                          a[:, ::2])
+    with pytest.raises(BufferError, match="without a copy"):
+        xferlib.to_jax(a[:, ::2], copy=False)
+
+
 def test_bfloat16_numpy_torch():
     import ml_dtypes
 

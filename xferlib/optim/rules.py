@@ -45,7 +45,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-__all__ = ["OptId", "Rule", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON", "SCALARS", "get_rule",
+__all__ = ["OptId", "Rule", "known_scalar", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON", "SCALARS", "get_rule",
            "resolve_hyper", "common_scalars", "preamble_numpy", "check_common", "cuda_defines",
            "cuda_constants", "FLAT", "TABLE", "TT", "optimizers_for", "SgdScalars", "AdamScalars",
            "AdagradScalars", "RmspropScalars", "AdamaxScalars", "NadamScalars", "RadamScalars",
@@ -111,27 +111,42 @@ SCALARS = 8  # rule-specific scalars per segment
 COMMON = 3  # sign, L2 coefficient, decoupled decay factor
 
 
+def known_scalar(value):
+    """A scalar hyperparameter as a float; None while its value is traced (``jax.jit``,
+    optax's ``inject_hyperparams``), whose check waits; NaN for what is no number."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    if getattr(value, "shape", None) in ((), (1,)):  # a 0-d array: NumPy, JAX, torch
+        try:
+            return float(value)
+        except TypeError:  # a tracer has no value yet (JAX raises a TypeError subclass)
+            return None
+    return float("nan")
+
+
 def check_common(h: dict) -> None:
-    """The checks every torch.optim rule makes: lr, weight_decay, eps, betas."""
-    lr = h.get("lr", h.get("learning_rate"))
-    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not lr >= 0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if h.get("weight_decay", 0.0) < 0:
-        raise ValueError(f"Invalid weight_decay value: {h['weight_decay']}")
-    if h.get("eps", 0.0) < 0:
-        raise ValueError(f"Invalid epsilon value: {h['eps']}")
+    """The checks every torch.optim rule makes: lr, weight_decay, eps, betas. Scalars may be
+    Python or NumPy numbers or 0-d arrays (optax's schedules hand JAX arrays); traced ones
+    are checked when they have values."""
+    lr = known_scalar(h.get("lr", h.get("learning_rate")))
+    if lr is not None and not lr >= 0:
+        raise ValueError(f"Invalid learning rate: {h.get('lr', h.get('learning_rate'))}")
+    for key, what in (("weight_decay", "weight_decay value"), ("eps", "epsilon value")):
+        value = known_scalar(h.get(key, 0.0))
+        if value is not None and value < 0:
+            raise ValueError(f"Invalid {what}: {h[key]}")
     if "betas" in h:
-        b1, b2 = h["betas"]
-        if not 0.0 <= b1 < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {b1}")
-        if not 0.0 <= b2 < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {b2}")
+        for k, beta in enumerate(h["betas"]):
+            value = known_scalar(beta)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {k}: {beta}")
 
 
 def _check_nonnegative(h: dict, *keys) -> None:
     check_common(h)
     for key in keys:
-        if h[key] < 0:
+        value = known_scalar(h[key])
+        if value is not None and not value >= 0:
             raise ValueError(f"Invalid {key} value: {h[key]}")
 
 
@@ -141,7 +156,9 @@ def _f32(x) -> np.float32:
 
 def _sgd_check(h):
     _check_nonnegative(h, "momentum", "dampening")
-    if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
+    momentum, dampening = known_scalar(h["momentum"]), known_scalar(h["dampening"])
+    if h["nesterov"] and momentum is not None and dampening is not None \
+            and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
 
@@ -410,7 +427,8 @@ def _range_check(*keys, upper=None):
     def check(h):
         check_common(h)
         for key in keys:
-            if h[key] < 0 or (upper is not None and h[key] > upper):
+            value = known_scalar(h[key])
+            if value is not None and not (0 <= value and (upper is None or value <= upper)):
                 raise ValueError(f"Invalid {key} value: {h[key]}")
     return check
 
