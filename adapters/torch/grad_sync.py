@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,10 +34,11 @@ _OPS = ("sum", "mean")
 class _CommBucket:
     """Parameters whose gradients travel in one ``all_reduce``."""
 
-    def __init__(self, params, flat_slice=None, owner=None, index=None):
-        self.params = params            # in the order their gradients arrive
+    def __init__(self, params, flat_slice=None, owner=None, index=None, trainable=None):
+        self.params = params            # in the order their gradients arrive (no frozen one)
         self.flat_slice = flat_slice    # a view of a flat optimizer's gradients, or None
         self.owner, self.index = owner, index  # that optimizer's bucket, its parameters
+        self.trainable = trainable      # which of the owner's parameters there can step
         self.ready = set()
         self.packed = None              # plain parameters: the buffer that travelled
         self.work = None
@@ -121,9 +123,11 @@ class GradAllReduce:
         out = []
         for lo, hi in self._cut([s.size * item for s in segments]):
             start, end = segments[lo].offset, segments[hi - 1].offset + segments[hi - 1].size
-            # The alignment gaps inside the slice hold zeros on every rank: summed, still 0.
-            out.append(_CommBucket(fb.params[lo:hi][::-1], fb.flat_grads[start:end], fb,
-                                   slice(lo, hi)))
+            # The alignment gaps inside the slice hold zeros on every rank: summed, still 0
+            # (frozen parameters' gradients too: they get no hook and never step).
+            trainable = np.array([p.requires_grad for p in fb.params[lo:hi]])
+            out.append(_CommBucket([p for p in fb.params[lo:hi][::-1] if p.requires_grad],
+                                   fb.flat_grads[start:end], fb, slice(lo, hi), trainable))
         return out
 
     def _plain_buckets(self, params):
@@ -132,14 +136,15 @@ class GradAllReduce:
 
     # ------------------------------------------------------------------ the step
     def _ready(self, param) -> None:
-        if not self._syncing:
-            return
         bucket = self._bucket_of[param]
-        if bucket.work is not None:
+        if bucket.work is not None:  # also under no_sync: it adds into a bucket in flight
             # Raised at wait(): an exception inside autograd's hook would hide the cause.
             self._error = RuntimeError(
                 "a gradient landed after its bucket was summed: a second backward before "
-                "wait(); accumulate gradients under `with sync.no_sync():`")
+                "wait(); accumulate gradients under `with sync.no_sync():`, before the "
+                "backward that syncs")
+            return
+        if not self._syncing:
             return
         bucket.ready.add(param)
         while (self._next < len(self.buckets) and len(self.buckets[self._next].ready)
@@ -171,8 +176,8 @@ class GradAllReduce:
         self._next = 0
         for bucket in self.buckets:
             bucket.work.wait()
-            if bucket.owner is not None:  # a Flat* optimizer: every parameter stepped
-                bucket.owner.has_grad[bucket.index] = True
+            if bucket.owner is not None:  # a Flat* optimizer: every trainable one steps
+                bucket.owner.has_grad[bucket.index] |= bucket.trainable
             if bucket.packed is not None:
                 at = 0
                 for p in bucket.params:

@@ -340,13 +340,20 @@ class _HostModule(torch.nn.Module):
             if key.startswith(prefix) and key not in expected and not key.startswith(
                     prefix + "optimizer_state."):
                 unexpected_keys.append(key)
-        if any(k in missing_keys for k in expected):
-            return
-        weight = state_dict[prefix + "weight"]
-        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+        refused = any(k in missing_keys for k in expected)
+        weight = None if refused else state_dict[prefix + "weight"]
+        if not refused and tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
             error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
                               f"{tuple(weight.shape)}, the table has shape "
                               f"{(self.num_embeddings, self.embedding_dim)}")
+            refused = True
+        # A shared table: every rank learns whether any refused before rank 0 writes (a
+        # rank that returned alone would leave the others waiting in the fence below).
+        if self._dist is not None and self._dist.any_rank(refused) and not refused:
+            error_msgs.append("another rank of the group refused its state dict; the shared "
+                              "table is unchanged")
+            refused = True
+        if refused:
             return
         if self._dist is None or self._dist.rank == 0:  # a shared table is written once
             self.table.restore(weight.detach().cpu().numpy(),

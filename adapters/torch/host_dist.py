@@ -222,6 +222,13 @@ class SharedTableGroup:
     def _stream(self) -> dict:
         return {"stream": current_stream(self.device)} if self.device.type == "cuda" else {}
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank of the group (a one-element all_reduce read
+        on the host: for loading a checkpoint, not for a step)."""
+        value = torch.tensor([float(bool(flag))], device=self.comm_device)
+        dist.all_reduce(value, group=self.group)
+        return bool(value.item())
+
     def fence(self) -> None:
         """Return (or, on NCCL, order the caller's stream) after every rank's queued table
         writes: the next lookup on any rank sees them."""

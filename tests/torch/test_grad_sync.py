@@ -129,6 +129,38 @@ def _cases(rank, device, out):
     except RuntimeError as err:
         out["second_backward_refused"] = "no_sync" in str(err)
 
+    # A backward under no_sync after one that synced, before wait(): refused as well (it
+    # would add into buckets whose sums are in flight).
+    model = _model(device)
+    sync = GradAllReduce(FlatSGD(model.parameters(), lr=0.1), bucket_mb=TINY_MB)
+    _loss(model, mine).backward()
+    with sync.no_sync():
+        _loss(model, mine).backward()
+    try:
+        sync.wait()
+        out["no_sync_after_sync_refused"] = False
+    except RuntimeError as err:
+        out["no_sync_after_sync_refused"] = "no_sync" in str(err)
+
+    # A Flat* optimizer with a frozen parameter: the others summed and stepped, it never
+    # (weight decay would move it).
+    model = _model(device)
+    model[0].bias.requires_grad_(False)
+    frozen = model[0].bias.detach().clone()
+    opt = FlatSGD(model.parameters(), lr=0.1, weight_decay=0.5)
+    sync = GradAllReduce(opt, bucket_mb=TINY_MB)
+    _loss(model, mine).backward()
+    sync.wait()
+    opt.step()
+    out["frozen_unchanged"] = bool(torch.equal(model[0].bias.detach(), frozen))
+    ref = _model(device)
+    ref[0].bias.requires_grad_(False)
+    sum(_loss(ref, x) for x in everyone).backward()
+    torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1,
+                    weight_decay=0.5).step()
+    out["frozen"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    out["frozen_ref"] = torch.cat([p.detach().reshape(-1) for p in ref.parameters()]).cpu()
+
 
 def _captured(rank, device, out):
     """NCCL: forward, backward, the bucketed sums and FlatAdam's step in one CUDA graph."""
@@ -193,7 +225,7 @@ def ranks(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["flat", "plain_mean", "accumulated", "skip_plain",
-                                  "skip_flat"])
+                                  "skip_flat", "frozen"])
 def test_ranks_get_the_global_batchs_gradient(ranks, case):
     _, results = ranks
     for rank, got in enumerate(results):
@@ -212,6 +244,8 @@ def test_buckets_start_during_the_backward(ranks):
 def test_a_second_backward_before_wait_is_refused(ranks):
     _, results = ranks
     assert all(bool(got["second_backward_refused"]) for got in results)
+    assert all(bool(got["no_sync_after_sync_refused"]) for got in results)
+    assert all(bool(got["frozen_unchanged"]) for got in results)
 
 
 def test_captured_step_equals_one_process(ranks):

@@ -120,6 +120,19 @@ def _extra_checks(rank, world, device, init, steps, part, result):
     loaded = _snapshot(fresh.table)
     result["load_state_dict_ok"] = np.array(all(np.array_equal(after[k], loaded[k])
                                                 for k in after))
+    # A state dict the last rank alone refuses: every rank raises, nobody waits, the shared
+    # table stays as it was.
+    state = {k: v + 1 if k == "weight" else v for k, v in emb.state_dict().items()}
+    if rank == world - 1:
+        del state["weight"]
+    try:
+        fresh.load_state_dict(state)
+        result["one_rank_refusal"] = np.array("")
+    except RuntimeError as err:
+        result["one_rank_refusal"] = np.array(str(err))
+    _wait_for_fence(device)
+    result["refusal_unchanged"] = np.array(all(
+        np.array_equal(loaded[k], v) for k, v in _snapshot(fresh.table).items()))
     fresh.table.close()
 
     # The name is unlinked once every rank has the table; close() unmaps it here.
@@ -217,6 +230,9 @@ def _compare(world, out_dir, expected, emb=None, steps=None, device="cpu"):
         assert "learning rate" in str(res["hyper_error"]), (r, res["hyper_error"])
         assert bool(res["private_has_no_group"]), r
         assert bool(res["load_state_dict_ok"]), r
+        assert bool(res["refusal_unchanged"]), r
+        assert ("Missing key" if r == len(results) - 1 else "another rank") in str(
+            res["one_rank_refusal"]), (r, res["one_rank_refusal"])
     assert "position 1" in str(results[-1]["bad_index_error"])  # the rank that had it
 
 
