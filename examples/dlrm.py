@@ -272,6 +272,14 @@ def _prepare(args):
                          f"(pip install -e \".[bench,jax]\" torch)")
     if args.profile and args.save:
         raise ValueError("--profile trains 20 more steps after the run: not with --save")
+    # Where results go, checked before any training: a bad path fails now, not after it.
+    if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
+        raise ValueError(f"--save {args.save} exists and is not a directory")
+    for flag, path in (("--json", args.json), ("--plot", args.plot),
+                       ("--save", args.save)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
     if (args.save or args.load) and len(frameworks) > 1:
         raise ValueError("--save/--load hold one run: pick --framework torch or jax")
     if args.load and args.compare:
@@ -436,6 +444,9 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
                 feed = loop.Feed(run, log, batch_size, xp)
                 stop = start + steps
                 breakdown = run.profile([feed(stop + i) for i in range(PROFILE_STEPS)])
+                if breakdown is None:
+                    print(f"--profile: {name} times its phases with CUDA events; on the "
+                          f"CPU there is nothing to show")
                 if breakdown:
                     breakdown["step (timed run: 1 / steps per s)"] = (
                         1e3 * batch_size / result["samples_per_s"] if result["samples_per_s"]

@@ -145,6 +145,12 @@ def main():
     parser.add_argument("--nproc", type=int, default=2, help="CPU processes without torchrun")
     parser.add_argument("--json", default=None, help="write the figures here (rank 0)")
     args = parser.parse_args()
+    for flag, value, low in (("--params", args.params, 1), ("--iters", args.iters, 1),
+                             ("--warmup", args.warmup, 0), ("--nproc", args.nproc, 1)):
+        if value is not None and value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json}: its folder does not exist")
     if "RANK" in os.environ:  # torchrun
         cuda = torch.cuda.is_available()
         if cuda:
@@ -152,8 +158,9 @@ def main():
         dist.init_process_group("nccl" if cuda else "gloo")
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else \
             torch.device("cpu")
-        args.params = int(args.params or (100e6 if cuda else 2e5))
-        args.iters = args.iters or (50 if cuda else 3)
+        args.params = int(args.params if args.params is not None else
+                          (100e6 if cuda else 2e5))
+        args.iters = args.iters if args.iters is not None else (50 if cuda else 3)
         try:
             result = run(args, dist.get_rank(), dist.get_world_size(), device)
             if dist.get_rank() == 0:
@@ -165,7 +172,8 @@ def main():
         return
     import torch.multiprocessing as mp
 
-    args.params, args.iters = int(args.params or 2e5), args.iters or 3
+    args.params = int(args.params if args.params is not None else 2e5)
+    args.iters = args.iters if args.iters is not None else 3
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -76,6 +77,10 @@ def main(argv=None) -> int:
         return run_doctor()
     from xferlib.bench import run_suites
 
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):  # before the suites run, not after
+            parser.error(f"{flag} {path}: the folder {folder} does not exist")
     try:
         run_suites(args.suites, quick=args.quick, json_path=args.json, plot_path=args.plot)
     except ValueError as err:
