@@ -27,6 +27,7 @@ from xferlib.adapters.torch._convert import (as_core_array, current_stream, fres
                                              gather_to_torch, scatter_from_torch)
 from xferlib.adapters.torch.groups import resolve_group
 from xferlib.adapters.torch.host_dist import SharedTableGroup, build_shared_table
+from xferlib.adapters.torch.tt_dist import agree_forward
 from xferlib.backend import cupy_available
 from xferlib.memory import pinned_empty
 from xferlib.perf import warn_once
@@ -229,6 +230,24 @@ class _HostModule(torch.nn.Module):
         self.table.apply_gradients(target, as_core_array(grad_rows),
                                    stream=current_stream(self.device))
 
+    def forward(self, *args, **kwargs):
+        """``torch.nn.EmbeddingBag``'s or ``torch.nn.Embedding``'s forward (``_forward``).
+        A training forward of ranks sharing a table on the CPU: every rank learns whether
+        some rank's batch was refused and raises (a small all_reduce), so none waits for the
+        others in the backward's collective. (An index out of range travels in the
+        backward's own collective, on every device.)"""
+        if self._dist is None or self.device.type != "cpu" or not (
+                torch.is_grad_enabled() and self.training):
+            return self._forward(*args, **kwargs)
+        what = f"a {type(self).__name__} sharing its table"
+        try:
+            out = self._forward(*args, **kwargs)
+        except (IndexError, ValueError, TypeError, NotImplementedError, RuntimeError) as err:
+            agree_forward(self._dist.group, self.device, err, what)  # raises on every rank
+            raise
+        agree_forward(self._dist.group, self.device, None, what)
+        return out
+
     def _rows(self, flat_idx: torch.Tensor):
         """The batch's rows and, for each position, its row among them."""
         if flat_idx.dtype not in (torch.int32, torch.int64):
@@ -423,7 +442,7 @@ class HostEmbeddingBag(_HostModule):
         self.mode = mode
         self.include_last_offset = include_last_offset
 
-    def forward(self, input, offsets=None, per_sample_weights=None):
+    def _forward(self, input, offsets=None, per_sample_weights=None):
         if input.dim() == 2:
             if offsets is not None:
                 raise ValueError("if input is 2-D, offsets must be None")
@@ -467,7 +486,7 @@ class HostEmbedding(_HostModule):
                          padding_idx=padding_idx, device=device, init=init,
                          cache_policy=cache_policy, seed=seed, process_group=process_group)
 
-    def forward(self, input):
+    def _forward(self, input):
         flat = input.reshape(-1)
         rows, positions = self._rows(flat)
         if self._any_optimizer or self.padding_idx is not None:

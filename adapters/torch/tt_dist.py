@@ -56,20 +56,20 @@ def _code(error) -> float:
     return float(len(_ERRORS) - 1)
 
 
-def _raise_for_others(codes, rank: int) -> None:
+def _raise_for_others(codes, rank: int, what: str = "a TT embedding bag") -> None:
     """Raise for the first other rank whose batch was rejected (``codes``: one per rank)."""
     codes = np.asarray(codes).reshape(-1)
     for r, code in enumerate(codes):
         if code and r != rank:
             kind = _ERRORS[min(int(code), len(_ERRORS) - 1)]
             raise kind(f"rank {r} of the process group had a bad batch ({kind.__name__}) for "
-                       f"a TT embedding bag: this step changed nothing on any rank")
+                       f"{what}: this step changed nothing on any rank")
 
 
-def agree_forward(group, device, error) -> None:
+def agree_forward(group, device, error, what: str = "a TT embedding bag") -> None:
     """A training forward whose batch is checked on the host: every rank learns whether some
-    rank's batch was rejected, and raises (its own error, or one naming the rank), so no
-    rank waits for the others in the backward's collective."""
+    rank's batch was rejected, and raises (its own error, or one naming the rank and
+    ``what`` it fed), so no rank waits for the others in the backward's collective."""
     codes = torch.zeros(dist.get_world_size(group), dtype=torch.float32, device=device)
     rank = dist.get_rank(group)
     if error is not None:
@@ -78,7 +78,7 @@ def agree_forward(group, device, error) -> None:
     if error is not None:
         raise error
     if bool(codes.any()):
-        _raise_for_others(codes.cpu().numpy(), rank)
+        _raise_for_others(codes.cpu().numpy(), rank, what)
 
 
 class _GroupReport:

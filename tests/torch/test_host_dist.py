@@ -108,6 +108,13 @@ def _extra_checks(rank, world, device, init, steps, part, result):
         result["bad_index_error"] = np.array("")
     except IndexError as err:
         result["bad_index_error"] = np.array(str(err))
+    if device.type == "cpu":  # float indices on the last rank: its forward refuses them
+        bad = torch.tensor([[1.0, 2.0, 3.0]]) if rank == world - 1 else torch.tensor([[1, 2, 3]])
+        try:
+            emb(bad.to(device)).sum().backward()
+            result["bad_dtype_error"] = np.array("")
+        except TypeError as err:
+            result["bad_dtype_error"] = np.array(str(err))
     after = _snapshot(emb.table)
     result["bad_index_unchanged"] = np.array(all(np.array_equal(before[k], after[k])
                                                  for k in before))
@@ -231,6 +238,9 @@ def _compare(world, out_dir, expected, emb=None, steps=None, device="cpu"):
         assert bool(res["private_has_no_group"]), r
         assert bool(res["load_state_dict_ok"]), r
         assert bool(res["refusal_unchanged"]), r
+        if "bad_dtype_error" in res:  # every rank raises, none waits in the backward
+            assert ("int32 or int64" if r == len(results) - 1 else "rank") in str(
+                res["bad_dtype_error"]), (r, res["bad_dtype_error"])
         assert ("Missing key" if r == len(results) - 1 else "another rank") in str(
             res["one_rank_refusal"]), (r, res["one_rank_refusal"])
     assert "position 1" in str(results[-1]["bad_index_error"])  # the rank that had it
