@@ -250,7 +250,8 @@ def to_jax(x, *, copy: bool | None = None, memory_kind: str | None = None):
             _no_copy_possible(kind, "jax", f"XLA refused the buffer ({err})")
         if kind == "cupy" or (kind == "torch" and x.is_cuda):  # a compact copy, same GPU
             return jnp.from_dlpack(x.contiguous().clone() if kind == "torch" else x.copy())
-        return jnp.asarray(to_numpy(x, copy=True))
+        # a host array stays on the host, as the zero-copy path leaves it
+        return jax.device_put(to_numpy(x, copy=True), jax.devices("cpu")[0])
     if copy and data_pointer(out) == data_pointer(x):
         out = out.copy()  # some JAX releases share memory even when asked to copy
     return out

@@ -134,9 +134,11 @@ def as_index_array(name: str, values, error=IndexError) -> jax.Array:
     """``values`` as a JAX array, refusing host integers JAX would wrap: without x64,
     ``jnp.asarray`` narrows int64 to int32 (``2**32 + 1`` would become row 1). ``error``
     (IndexError for indices, ValueError for offsets) names the first value that does not
-    fit, before any op runs; JAX arrays and tracers pass as they are."""
+    fit, before any op runs; JAX arrays, tracers and GPU arrays (CuPy, CUDA torch) pass as
+    JAX converts them."""
     converted = jnp.asarray(values)
-    if isinstance(values, (jax.Array, jax.core.Tracer)):
+    if isinstance(values, (jax.Array, jax.core.Tracer)) or hasattr(
+            values, "__cuda_array_interface__"):  # JAX's own, or GPU memory: not read here
         return converted
     host = np.asarray(values)
     if host.dtype != converted.dtype and host.size and np.issubdtype(host.dtype, np.integer):

@@ -206,7 +206,10 @@ class EmbeddingBagCollection(torch.nn.Module):
             idx, off = self._core(indices, "indices"), self._core(offsets, "offsets")
             psw = (None if per_sample_weights is None
                    else self._core(per_sample_weights, "per_sample_weights"))
-            watched = tuple(t for t in (indices, offsets, per_sample_weights) if t is not None)
+            # the tensors the core reads in place (not the copies _core made of others)
+            watched = tuple(t for t in (indices, offsets, per_sample_weights)
+                            if t is not None and t.device == self.device
+                            and (not t.is_cuda or t.is_contiguous()))
         if not (torch.is_grad_enabled() and self.training):  # no update will follow
             return self._lookup(idx, off, psw, train=False)[0]
         anchor = torch.empty(0, device=self.device, requires_grad=True)

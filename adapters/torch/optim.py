@@ -206,24 +206,38 @@ class Bucket:
         sharded optimizers)."""
         return self.layout
 
+    def missing_buffers(self, rule, hypers) -> list:
+        """State buffers ``hypers`` need that this bucket was built without."""
+        names = dict.fromkeys(n for h in hypers for n in rule.state_names(h))
+        return [n for n in names if n not in self.state.buffers]
+
+    def refuse_new_buffers(self, rule, hypers) -> None:
+        """``capturable``: a captured step holds the buffers' addresses, so state it was
+        built without cannot be added (RuntimeError, before anything changes)."""
+        missing = self.missing_buffers(rule, hypers)
+        if missing and self.capturable:
+            raise RuntimeError(f"capturable=True: the hyperparameters need optimizer state "
+                               f"{missing} the optimizer was built without; build it with them")
+
     def ensure_buffers(self, rule, hypers) -> None:
         """Zeroed state buffers the hyperparameters now need and the build did not make (a
         scheduler turning SGD's momentum on, a checkpoint of an amsgrad run): torch makes
         such state at first use, from zero, as here."""
-        names = dict.fromkeys(n for h in hypers for n in rule.state_names(h))
-        missing = [n for n in names if n not in self.state.buffers]
+        missing = self.missing_buffers(rule, hypers)
         if not missing:
             return
-        if self.capturable:  # a captured step holds the old buffers' addresses
-            raise RuntimeError(f"capturable=True: the hyperparameters now need optimizer "
-                               f"state {missing} the optimizer was built without; build it "
-                               f"with them")
+        self.refuse_new_buffers(rule, hypers)
+        cuda = self.device.type == "cuda"
+        if cuda:  # the prepared step's staging memory may still be read by queued work
+            torch.cuda.synchronize(self.device)
         xp = array_module(self.device)
         for name in missing:
             buffer = self.state_layout.zeros(xp)
             self.state.buffers[name] = buffer
-            self.state_tensors[name] = (torch.from_dlpack(buffer) if self.device.type == "cuda"
-                                        else torch.from_numpy(buffer))
+            self.state_tensors[name] = torch.from_dlpack(buffer) if cuda else \
+                torch.from_numpy(buffer)
+        if cuda:  # the zeros written (CuPy's stream) before torch's stream reads them
+            torch.cuda.synchronize(self.device)
         if self.cuda_step is not None:  # its launch was prepared with the old buffers
             self.cuda_step = core.CudaStep(rule.name, self.state_layout, self.core_params,
                                            self.core_grads, self.state.buffers, self.core_lowp)
@@ -473,6 +487,8 @@ class FlatOptimizerBase(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         for bucket in self._buckets:
             bucket.check_params(shapes=True)
+            bucket.refuse_new_buffers(self._rule, [self._hyper(g)
+                                                   for g in state_dict["param_groups"]])
         super().load_state_dict(state_dict)  # torch's checks and param_groups update
         self.state.clear()
         for bucket in self._buckets:  # the checkpoint's hyperparameters may need more state

@@ -603,15 +603,30 @@ class HostTable:
             self._gpu = DeviceSide(self, self._weights, self._state)
         return self._gpu
 
-    # Pickled (torch.save of a model) with its rule by name: a rule holds functions of its
-    # module, found again on loading.
-    def __getstate__(self) -> dict:
-        return dict(self.__dict__, _rule=None)
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._rule = None if self.optimizer is None else sparse_rule(self.optimizer)
+    def __reduce__(self):
+        """Pickled (``torch.save`` of a model, ``copy.deepcopy``) as its configuration and
+        arrays: the copy allocates its own host memory (pinned where CuPy runs) and makes
+        its own GPU side on first use; nothing points into this table's memory."""
+        if self._shared is not None:
+            raise TypeError("a shared table is not pickled: open it by name in the other "
+                            "process (HostTable(..., shared=name))")
+        self._flush()
+        slots, scalars, steps = split_state(self._layout, self._state.view(np.ndarray))
+        config = dict(num_rows=self.num_rows, dim=self.dim, dtype=self.dtype.name,
+                      optimizer=self.optimizer,
+                      optimizer_kwargs=dict(self._hyper) if self.optimizer else None,
+                      cache_rows=self.cache_rows, cache_policy=self.cache_policy,
+                      cache_admission=self.cache_admission)
+        arrays = {k: np.array(v) for k, v in {**slots, **scalars, "step": steps}.items()}
+        return _rebuilt, (config, np.array(self._weights.view(np.ndarray)), arrays)
 
     def __repr__(self) -> str:
         return (f"HostTable({self.num_rows}, {self.dim}, dtype={self.dtype.name!r}, "
                 f"optimizer={self.optimizer!r}, cache_rows={self.cache_rows})")
+
+
+def _rebuilt(config: dict, weights, state: dict) -> HostTable:
+    """A table from its pickled configuration and arrays (see ``HostTable.__reduce__``)."""
+    table = HostTable(**config, init="zeros")
+    table.restore(weights, state)
+    return table
