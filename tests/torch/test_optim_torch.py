@@ -437,23 +437,24 @@ def test_nadam_keeps_each_segments_mu_product():
     torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-7)
 
 
-def test_frozen_parameters_groups_and_state_made_later():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_frozen_parameters_groups_and_state_made_later(device):
     """A frozen parameter is accepted and never steps; add_param_group after construction is
     refused before anything is added; state the hyperparameters need later (a scheduler
     turning momentum on, a checkpoint of an amsgrad run) starts from zero, as in torch."""
-    model = torch.nn.Linear(3, 2)
+    model = torch.nn.Linear(3, 2).to(device)
     model.bias.requires_grad_(False)
     opt = xt.FlatAdamW(model.parameters(), lr=0.1)
     bias = model.bias.detach().clone()
-    model(torch.randn(4, 3)).sum().backward()
+    model(torch.randn(4, 3, device=device)).sum().backward()
     opt.step()
     torch.testing.assert_close(model.bias.detach(), bias, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="when it is built"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, device=device))]})
     assert len(opt.param_groups) == 1
-    x = torch.randn(4, 3)
+    x = torch.randn(4, 3, device=device)
     torch.manual_seed(0)
-    ref_model = torch.nn.Linear(3, 2)
+    ref_model = torch.nn.Linear(3, 2).to(device)
     model = copy.deepcopy(ref_model)
     ref, ours = torch.optim.SGD(ref_model.parameters(), lr=0.1), xt.FlatSGD(model.parameters(),
                                                                           lr=0.1)
@@ -466,7 +467,7 @@ def test_frozen_parameters_groups_and_state_made_later():
             o.step()
             s.step()
     torch.testing.assert_close(model.weight, ref_model.weight, rtol=1e-5, atol=1e-6)
-    source = torch.nn.Linear(3, 2)
+    source = torch.nn.Linear(3, 2).to(device)
     amsgrad = torch.optim.Adam(source.parameters(), lr=0.1, amsgrad=True)
     source(x).sum().backward()
     amsgrad.step()
