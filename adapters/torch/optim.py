@@ -329,6 +329,11 @@ class FlatOptimizerBase(torch.optim.Optimizer):
         for key in _TORCH_ONLY_KEYS:
             hyper.pop(key, None)
         to_core = {v: k for k, v in self._renamed.items()}
+        known = {self._renamed.get(k, k) for k in getattr(core, self._rule_name)().defaults}
+        for key in hyper:
+            if key not in known:  # torch.optim's own error for a keyword it does not take
+                raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword "
+                                f"argument {key!r}")
         self._rule = getattr(core, self._rule_name)(
             **{to_core.get(k, k): v for k, v in hyper.items()})
         defaults = {self._renamed.get(k, k): v for k, v in self._rule.defaults.items()}
