@@ -194,6 +194,10 @@ def to_torch(x, *, copy: bool | None = None):
     if kind == "torch":
         return x.clone() if copy else x
     if kind == "numpy":
+        if any(s < 0 for s in x.strides):  # torch tensors have no negative strides
+            if copy is False:
+                _no_copy_possible("numpy", "torch", "torch tensors have no negative strides")
+            x, copy = x.copy(), False  # this copy is the copy asked for
         out = _numpy_to_torch(x)
     elif kind == "cupy":
         out = torch.from_dlpack(x)
@@ -207,11 +211,12 @@ def to_torch(x, *, copy: bool | None = None):
 def _numpy_to_torch(x: np.ndarray):
     import torch
 
-    if x.dtype.name == "bfloat16":
-        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-    if not x.flags.writeable:  # torch warns on read-only NumPy memory; DLPack shares it
-        return torch.from_dlpack(x)
-    return torch.from_numpy(x)
+    bits = x.view(np.int16) if x.dtype.name == "bfloat16" else x  # no bfloat16 in NumPy's
+    if not bits.flags.writeable:  # torch warns on read-only NumPy memory; DLPack shares it
+        out = torch.from_dlpack(bits)
+    else:
+        out = torch.from_numpy(bits)
+    return out.view(torch.bfloat16) if bits is not x else out
 
 
 # ----------------------------------------------------------------------------- to_jax
@@ -252,6 +257,14 @@ def to_jax(x, *, copy: bool | None = None, memory_kind: str | None = None):
             return jnp.from_dlpack(x.contiguous().clone() if kind == "torch" else x.copy())
         # a host array stays on the host, as the zero-copy path leaves it
         return jax.device_put(to_numpy(x, copy=True), jax.devices("cpu")[0])
+    given = str(x.dtype).replace("torch.", "")
+    if str(out.dtype) != given:  # without x64 JAX narrows 64-bit types: a converted copy
+        if copy is False:
+            _no_copy_possible(kind, "jax", f"JAX holds {given} as {out.dtype} (x64 is off)")
+        if np.issubdtype(np.dtype(given), np.integer) and not np.array_equal(
+                to_numpy(x), np.asarray(out)):
+            raise ValueError(f"{given} values that do not fit JAX's {out.dtype} (x64 is off): "
+                             f"they would wrap; enable x64 or convert them first")
     if copy and data_pointer(out) == data_pointer(x):
         out = out.copy()  # some JAX releases share memory even when asked to copy
     return out

@@ -381,6 +381,8 @@ def _scatter_numpy(table, idx, src):
 def _scatter_add_numpy(table, idx, src):
     if len(idx) == 0:
         return
+    if np.may_share_memory(table, src):  # rows written below would change src's values
+        src = src.copy()
     acc = np.float64 if table.dtype == np.float64 else np.float32
     order = np.argsort(idx, kind="stable")
     rows = idx[order]
@@ -416,6 +418,14 @@ def gather_rows_bwd(residuals, grad_rows, out=None, *, stream=None):
     scatter-added ``grad_rows``. ``out`` (``(num_rows, dim)``, grad's dtype) is overwritten."""
     idx, num_rows = residuals
     shape = (num_rows, grad_rows.shape[1])
+    if out is not None:  # the scatter's own checks first: nothing written on bad input
+        _check_table(out)
+        check_index_dtype(idx)
+        _check_rows_arg(grad_rows, "grad_rows", out, idx.shape[0])
+        if out.shape != shape:
+            raise ValueError(f"out must have shape {shape}, got {out.shape}")
+        if not (is_cupy_array(out) or is_cupy_array(idx)):
+            check_host_indices(idx, num_rows)
     if out is None:
         if is_cupy_array(grad_rows):
             import cupy

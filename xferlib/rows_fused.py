@@ -32,6 +32,8 @@ def check_table(table, name: str = "table") -> None:
     if table.ndim != 2:
         raise ValueError(f"{name} must be 2-D (rows x row width), got shape {table.shape}")
     itemsize = table.dtype.itemsize
+    if table.size == 0:  # no rows (or width 0): NumPy gives such arrays any strides
+        return
     if table.shape[1] > 1 and table.strides[1] != itemsize:
         raise ValueError(f"{name} rows must be contiguous (strides {table.strides})")
     if table.strides[0] < 0 or table.strides[0] % itemsize:

@@ -38,7 +38,7 @@ def integral_size(name: str, value) -> int:
     TypeError: num_rows must be an integer, got float 10.7
     """
     # bool is an int subclass, but torch refuses it as a size (True rows is a bug)
-    if isinstance(value, (bool, np.bool_)):
+    if isinstance(value, (bool, np.bool_)) or "bool" in str(getattr(value, "dtype", "")):
         raise TypeError(f"{name} must be an integer, got {_describe(value)}")
     try:
         return operator.index(value)

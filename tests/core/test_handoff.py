@@ -74,6 +74,21 @@ def test_strided_views_reach_jax_as_copies():
         xferlib.to_jax(a[:, ::2], copy=False)
 
 
+def test_negative_strides_and_values_jax_would_narrow():
+    a = np.arange(6, dtype=np.float32).reshape(3, 2)[::-1]
+    np.testing.assert_array_equal(xferlib.to_torch(a).numpy(), a)
+    with pytest.raises(BufferError, match="negative strides"):
+        xferlib.to_torch(a, copy=False)
+    if not jax.config.jax_enable_x64:
+        with pytest.raises(ValueError, match="do not fit"):
+            xferlib.to_jax(np.array([2**40 + 5], np.int64))
+        aligned = _aligned((4,), np.int64)  # so that alignment is not what refuses it
+        aligned[:] = 5
+        with pytest.raises(BufferError, match="x64 is off"):
+            xferlib.to_jax(aligned, copy=False)
+        assert int(xferlib.to_jax(np.array([5], np.int64))[0]) == 5
+
+
 def test_bfloat16_numpy_torch():
     import ml_dtypes
 

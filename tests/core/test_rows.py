@@ -415,3 +415,24 @@ def test_fused_calls_captured_in_a_cuda_graph(rng):
             xferlib.check_rows()
         np.testing.assert_array_equal(table.get(), expected)  # the bad replay wrote nothing
         xferlib.check_rows()  # reported once
+
+
+def test_empty_tables_overlapping_sources_and_a_backward_checked_first():
+    """A table of no rows takes an empty batch (NumPy gives it any strides); a scatter-add
+    whose source overlaps the table sums as NumPy's add.at does; gather_rows_bwd checks its
+    input before it zeroes ``out``."""
+    empty = np.zeros((0, 3), np.float32)
+    none = np.zeros(0, np.int64)
+    assert xferlib.gather_rows(empty, none).shape == (0, 3)
+    with pytest.raises(IndexError, match="table of 0 rows"):
+        xferlib.gather_rows(empty, np.array([0]))
+    table = np.arange(8, dtype=np.float32).reshape(4, 2)
+    expected = table.copy()
+    idx = np.array([2, 1, 2])
+    np.add.at(expected, idx, table[1:4].copy())
+    xferlib.scatter_add_rows(table, idx, table[1:4])  # src overlaps the rows written
+    np.testing.assert_array_equal(table, expected)
+    out = np.full((4, 2), 7.0, np.float32)
+    with pytest.raises(IndexError, match="index 9"):
+        xferlib.gather_rows_bwd((np.array([1, 9]), 4), np.ones((2, 2), np.float32), out=out)
+    assert (out == 7.0).all()

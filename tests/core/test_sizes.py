@@ -154,3 +154,9 @@ def test_init_tt_cores_names_the_shape_it_needs():
 
     with pytest.raises(TypeError, match=r"init_tt_cores\(TTShape\(p_shapes, q_shapes, ranks\)\)"):
         init_tt_cores([200, 220, 250], [4, 4, 4], [16, 16])
+
+
+def test_a_bool_tensor_is_no_size():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="must be an integer"):
+        integral_size("num_rows", torch.tensor(True))
