@@ -402,6 +402,18 @@ def test_sharding_refuses_tt_tables():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_saved_hyperparameter_only_hbm_tables_take_loads(tmp_path):
+    """Each table's hyperparameters as saved: weight decay set on an hbm table (a TT table's
+    SGD takes none) does not stop the load, and every table gets its own back."""
+    coll = EmbeddingCollection([TableConfig(10, 4, name="a"),
+                                TableConfig(27, 8, name="c", placement="tt", tt_ranks=2)],
+                               "sgd", {"lr": 0.1}, device="cpu")
+    coll.set_hyper("a", weight_decay=0.01)
+    coll.save(tmp_path / "coll.xf")
+    loaded = EmbeddingCollection.load(tmp_path / "coll.xf", device="cpu")
+    assert loaded.hypers == coll.hypers and loaded.hypers[0]["weight_decay"] == 0.01
+
+
 def test_state_dict_and_save_load_round_trip(backend, tmp_path):
     backend = get_backend(backend)
     xp = backend.xp

@@ -155,7 +155,9 @@ def load_collection(path, build, *, device=None):
             # working chunks would be the load's largest allocation. The tables' own configs
             # (their init included) are put back after.
             zeroed = [dataclasses.replace(c, init="zeros") for c in tables]
-            coll = build(zeroed, config["optimizer"], hypers[0], pooling=config["pooling"],
+            # Built with the optimizer's defaults, each table's hyperparameters set below: one
+            # table's (a TT table takes fewer keys) would not fit every table.
+            coll = build(zeroed, config["optimizer"], None, pooling=config["pooling"],
                          dtype=config["dtype"], device=device, seed=0)
             coll.tables = tuple(tables)
         except (KeyError, TypeError, IndexError, AttributeError) as err:
