@@ -401,7 +401,6 @@ def test_sharding_refuses_tt_tables():
 # ----------------------------------------------------------------------------- state
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_saved_hyperparameter_only_hbm_tables_take_loads(tmp_path):
     """Each table's hyperparameters as saved: weight decay set on an hbm table (a TT table's
     SGD takes none) does not stop the load, and every table gets its own back."""
@@ -414,6 +413,7 @@ def test_a_saved_hyperparameter_only_hbm_tables_take_loads(tmp_path):
     assert loaded.hypers == coll.hypers and loaded.hypers[0]["weight_decay"] == 0.01
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_state_dict_and_save_load_round_trip(backend, tmp_path):
     backend = get_backend(backend)
     xp = backend.xp
