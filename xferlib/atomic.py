@@ -57,13 +57,16 @@ def atomic_write(path, write, *, what: str = "the file") -> None:
     b'saved'
     """
     path = os.fspath(path)
+    if path.endswith(os.sep) and os.path.exists(path.rstrip(os.sep)) and not os.path.isdir(
+            path.rstrip(os.sep)):  # "file/" names a directory: open(path, "w") refuses it
+        raise NotADirectoryError(20, f"cannot save {what} to {path}: not a directory", path)
     target = os.path.realpath(path)  # through a symlink, as open(path, "w") writes
     directory = os.path.dirname(target)
     try:
         existing = _check_target(path, target, what)
         fd, tmp = _create_temporary(directory, existing)
     except FileNotFoundError as err:
-        shown = os.path.dirname(os.path.abspath(path))
+        shown = directory  # the symlink's target's directory, where the file would go
         raise FileNotFoundError(err.errno, f"cannot save {what} to {path}: the directory "
                                 f"{shown} does not exist", path) from None
     except OSError as err:

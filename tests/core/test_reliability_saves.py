@@ -483,3 +483,17 @@ def test_writer_killed_at_random_points_500_times_larger_files(tmp_path):
     stats = run_kills(tmp_path, kills=500, rows=200_000, max_delay=0.5, seed=31)
     print(f"kills survived / tried: {stats['kills']} / 500; {stats}")
     assert stats["kills"] == 500 and stats["torn_temporaries"] >= 30, stats
+
+
+def test_atomic_write_names_where_it_would_write(tmp_path):
+    """A symlink into a missing directory names that directory; "file/" is refused as
+    open(path, "w") refuses it, the file untouched."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "missing" / "x")
+    with pytest.raises(FileNotFoundError, match="missing does not exist"):
+        xferlib.atomic_write(link, lambda f: f.write(b"x"))
+    plain = tmp_path / "f"
+    plain.write_bytes(b"kept")
+    with pytest.raises(NotADirectoryError):
+        xferlib.atomic_write(str(plain) + "/", lambda f: f.write(b"y"))
+    assert plain.read_bytes() == b"kept"
