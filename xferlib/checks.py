@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_capturing
+from xferlib.sizes import integral_size
 
 __all__ = ["Verdict", "RowsReport", "PendingChecks", "SlotChecks", "NO_BAD", "PENDING",
            "index_error", "host_values"]
@@ -153,9 +154,10 @@ class PendingChecks:
     """
 
     def __init__(self, limit: int = 3):
+        limit = integral_size("limit", limit)  # 1.5 or True is no count of batches
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
-        self.limit = int(limit)
+        self.limit = limit
         self.entries = collections.deque()
         self.graph = []  # entries of captured pushes; their slots are rewritten by replays
         self.lock = threading.RLock()
