@@ -157,3 +157,31 @@ def test_checkpoint_of_tables_whose_names_hold_dots(tmp_path):
         read_checkpoint(tmp_path, tables[:2], "adagrad")
     with pytest.raises(ValueError, match="'adagrad' optimizer state"):
         read_checkpoint(tmp_path, tables, "sgd")
+
+
+def test_a_damaged_checkpoint_is_refused_with_value_errors(tmp_path):
+    """A missing shard file, or a manifest of the right kind but the wrong shape: ValueError
+    naming the checkpoint, not a raw error from inside the reader."""
+    import json
+    import os
+
+    tables = [TableConfig(10, 3, name="a")]
+    plan = plan_sharding(tables, 2, row_wise=["a"], optimizer="sgd")
+    whole = EmbeddingCollection(tables, "sgd", device="cpu", seed=1)
+    state = whole.state_dict()
+    for rank in range(2):
+        shards = plan.shards_of(rank)
+        local = {f"{s.local_name}.{e}": state[f"{s.table}.{e}"][s.row_start:s.row_stop]
+                 for s in shards for e in ("weight", "step")}
+        save_shard_files(tmp_path, plan, rank, shard_arrays(local, shards, ("weight", "step")))
+    write_manifest(tmp_path, plan, dict(optimizer="sgd"))
+    manifest = read_manifest(tmp_path)
+    os.remove(tmp_path / manifest["files"][0]["file"])
+    with pytest.raises(ValueError, match="lacks its shard file"):
+        read_rows(tmp_path, manifest, "a", 0, 10)
+    body = json.loads((tmp_path / "manifest.json").read_text())
+    for broken in ([], dict(body, plan={"world_size": 2}), {k: v for k, v in body.items()
+                                                           if k != "files"}):
+        (tmp_path / "manifest.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="not a sharded collection's manifest|corrupt"):
+            read_manifest(tmp_path)

@@ -441,12 +441,19 @@ def read_manifest(directory) -> dict:
             body = json.loads(f.read().decode())
         except ValueError as err:
             raise ValueError(f"{path} is corrupt: {err}") from None
-    if body.get("kind") != _CHECKPOINT_KIND:
-        raise ValueError(f"{path} is not a sharded collection's manifest "
-                         f"(kind {body.get('kind')!r})")
-    body["plan"] = ShardingPlan.from_dict(body["plan"])
-    body["meta"] = {k: _tuples(v) if isinstance(v, list) and k != "hypers" else v
-                    for k, v in body["meta"].items()}
+    kind = body.get("kind") if isinstance(body, dict) else None
+    if kind != _CHECKPOINT_KIND:
+        raise ValueError(f"{path} is not a sharded collection's manifest (kind {kind!r})")
+    try:
+        body["plan"] = ShardingPlan.from_dict(body["plan"])
+        body["meta"] = {k: _tuples(v) if isinstance(v, list) and k != "hypers" else v
+                        for k, v in body["meta"].items()}
+        if not all(isinstance(f, dict) and {"table", "row_start", "row_stop", "file"} <= set(f)
+                   for f in body["files"]):
+            raise ValueError("a shard file entry lacks a field")
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
+        raise ValueError(f"{path} is corrupt: its manifest is incomplete "
+                         f"({type(err).__name__}: {err})") from None
     return body
 
 
@@ -475,7 +482,12 @@ def read_rows(directory, manifest: dict, table: str, start: int, stop: int) -> d
              and f["row_start"] < stop and f["row_stop"] > start]
     out, covered = None, np.zeros(stop - start, bool)
     for entry in parts:
-        arrays = _read_file(os.path.join(os.fspath(directory), entry["file"]))
+        try:
+            arrays = _read_file(os.path.join(os.fspath(directory), entry["file"]))
+        except FileNotFoundError:
+            raise ValueError(f"the checkpoint in {directory} lacks its shard file "
+                             f"{entry['file']} (rows {entry['row_start']}:{entry['row_stop']} "
+                             f"of table {table!r})") from None
         lo, hi = max(start, entry["row_start"]), min(stop, entry["row_stop"])
         if out is None:
             out = {k: np.empty((stop - start, *v.shape[1:]), v.dtype)
