@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 import os
 
@@ -290,8 +291,8 @@ def _lookups(expected, names) -> list:
             raise ValueError(f"expected_lookups needs one value per table ({len(names)}), "
                              f"got {len(values)}")
     for n, v in zip(names, values):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= 0:
-            raise ValueError(f"expected_lookups of table {n!r} must be a number >= 0, "
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
+            raise ValueError(f"expected_lookups of table {n!r} must be a finite number >= 0, "
                              f"got {v!r}")
     return [float(v) for v in values]
 
@@ -304,8 +305,14 @@ def _budget(budget) -> dict:
         if unknown:
             raise ValueError(f"budget_bytes names unknown placements {unknown}; "
                              f"placements: {SHARDED_PLACEMENTS}")
-        return {p: float(budget.get(p, float("inf"))) for p in SHARDED_PLACEMENTS}
-    return {p: float(budget) for p in SHARDED_PLACEMENTS}
+        out = {p: float(budget.get(p, float("inf"))) for p in SHARDED_PLACEMENTS}
+    else:
+        out = {p: float(budget) for p in SHARDED_PLACEMENTS}
+    for placement, value in out.items():
+        if math.isnan(value) or value < 0:  # NaN compares false: every table would split
+            raise ValueError(f"budget_bytes for {placement!r} must be a number >= 0, got "
+                             f"{value}")
+    return out
 
 
 def _human(n) -> str:
