@@ -185,3 +185,9 @@ def test_a_damaged_checkpoint_is_refused_with_value_errors(tmp_path):
         (tmp_path / "manifest.json").write_text(json.dumps(broken))
         with pytest.raises(ValueError, match="not a sharded collection's manifest|corrupt"):
             read_manifest(tmp_path)
+
+
+def test_a_table_named_like_a_row_range_is_refused():
+    tables = [TableConfig(10, 4, name="a"), TableConfig(4, 4, name="a[0:5]")]
+    with pytest.raises(ValueError, match="two shards named"):
+        plan_sharding(tables, 2, row_wise=["a"])

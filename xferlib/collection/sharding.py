@@ -104,6 +104,12 @@ class ShardingPlan:
 
     def __post_init__(self):
         refuse_tt(self.tables, "a sharding plan")
+        for rank in {s.rank for s in self.shards}:  # a rank's collection keys its shards
+            names = [s.local_name for s in self.shards_of(rank)]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"rank {rank} would hold two shards named {twice} (a table "
+                                 f"named like another's row range): rename the table")
 
     def shards_of(self, rank: int) -> tuple:
         """``rank``'s shards, in its collection's order (by table, then row start)."""
