@@ -176,8 +176,19 @@ STAGE = KernelDecl(
         const int slot = slots != nullptr ? slots[r] : -1;
         const T* src = slot >= 0 ? cache + (i64)slot * cache_width : host + off;
         T* dst = staged + r * stage_width;
-        for (i64 e = (i64)V * lane; e < len; e += 32 * V)
-            *reinterpret_cast<vec<T, V>*>(dst + e) = *reinterpret_cast<const vec<T, V>*>(src + e);
+        // every load of the row (up to 4 x 32 vectors) in flight before the first store:
+        // one trip over the link per row instead of one per 32 vectors
+        for (i64 e0 = (i64)V * lane; e0 < len; e0 += 4 * 32 * V) {
+            vec<T, V> part[4];
+            #pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (e0 + u * 32 * V < len)
+                    part[u] = *reinterpret_cast<const vec<T, V>*>(src + e0 + u * 32 * V);
+            #pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (e0 + u * 32 * V < len)
+                    *reinterpret_cast<vec<T, V>*>(dst + e0 + u * 32 * V) = part[u];
+        }
     }""")
 
 POOL = KernelDecl(
@@ -390,13 +401,31 @@ UPDATE = KernelDecl(
         const i64 t = *reinterpret_cast<const i64*>(ssrc + step_off) + 1;
         const XfScalars<T> c = row_consts<RULE, T>(hyper + tab * hyper_width, t);
         const T* g = summed + r * width;
+        // A host row read from its staged copy: the state's tail (row scalars, step count,
+        // padding to the row's end: whole host cache lines) goes out in whole 16-byte words
+        // built from the copy, not as the lone scalar and step writes a partial host line
+        // costs (the host reads the line and merges it: half the link's write speed).
+        const i64 tail = m[M_STATE_OFFSET] + n_slots * dim;
+        const bool whole_tail = from_copy && (tail * (i64)sizeof(T)) % 16 == 0;
+        T total = (T)0;
         if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
-            rowwise_adagrad_row<T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane);
+            total = rowwise_adagrad_row<T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane,
+                                           !whole_tail);
         } else {
             update_row<RULE, V, T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane, group);
         }
         __syncwarp(mine);  // every lane read the step count before lane 0 writes it
-        if (lane == 0) {
+        if (whole_tail) {
+            constexpr int W = 16 / sizeof(T);
+            const i64 step_at = m[M_STATE_OFFSET] + step_off;  // 8 bytes inside one word
+            for (i64 k = tail + (i64)lane * W; k < m[M_ROW_WIDTH]; k += (i64)group * W) {
+                words<T, W> word = *reinterpret_cast<const words<T, W>*>(wsrc + k);
+                if (RULE == XF_OPT_ROWWISE_ADAGRAD && k == tail) word.v[0] = total;
+                if (step_at >= k && step_at < k + W)
+                    *reinterpret_cast<i64*>(word.v + (step_at - k)) = t;
+                *reinterpret_cast<words<T, W>*>(w + k) = word;
+            }
+        } else if (lane == 0) {
             *reinterpret_cast<i64*>(s + step_off) = t;
             if (slot >= 0) dirty[slot] = 1;  // written back when evicted or flushed
         }

@@ -384,9 +384,11 @@ __device__ __forceinline__ void elem(T& w, T* st, T g, const XfScalars<T>& s) {
 
 // Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): one accumulator per row, fed the mean
 // squared gradient (the warp's reduction), then the shared per-element step.
+// Returns the row's new accumulator; `write_total` false leaves storing it to the caller.
 template <typename T>
-__device__ void rowwise_adagrad_row(T* w, const T* wsrc, T* s, const T* ssrc, const T* g,
-                                    i64 dim, i64 n_slots, const XfScalars<T>& c, int lane) {
+__device__ T rowwise_adagrad_row(T* w, const T* wsrc, T* s, const T* ssrc, const T* g,
+                                 i64 dim, i64 n_slots, const XfScalars<T>& c, int lane,
+                                 bool write_total = true) {
     T sq = 0;
     for (i64 e = lane; e < dim; e += 32) {
         T wi = wsrc[e], gi = g[e];
@@ -403,7 +405,8 @@ __device__ void rowwise_adagrad_row(T* w, const T* wsrc, T* s, const T* ssrc, co
         w[e] = wi;
     }
     __syncwarp();
-    if (lane == 0) *total = sum;
+    if (lane == 0 && write_total) *total = sum;
+    return sum;
 }
 
 template <typename T, int V> struct alignas(sizeof(T) * V) vec { T v[V]; };
