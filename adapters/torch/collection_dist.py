@@ -283,8 +283,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     def _route(self, indices, offsets, B):
         """Where each lookup goes, on the device without a sync: ``(send_indices sorted by
-        (owner, slot), counts per (owner, slot, bag), indices per owner, bad-value flag,
-        bag lengths)``."""
+        (owner, slot), counts per (owner, slot, bag), indices per owner, bad-value code
+        (0 none, 1 an index out of range, 2 bad offsets), bag lengths)``."""
         dev, world = self.device, self.world_size
         local, owner, slot, sample, bad_each, bad_off, lengths, bag = self._locate(
             indices, offsets, B)
@@ -294,7 +294,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         counts.index_add_(0, slot * B + sample, torch.ones_like(slot))
         per_owner = torch.zeros(world, dtype=torch.int64, device=dev)
         per_owner.index_add_(0, owner, torch.ones_like(owner))
-        bad = bad_off | bad_each.any()
+        bad = torch.where(bad_off, 2, bad_each.any().to(torch.int64))
         return local[order], order, counts, per_owner, bad, lengths, bag
 
     def _forward(self, indices, offsets, per_sample_weights, train: bool):
@@ -545,8 +545,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if self.rank in refused:
             raise refusal_of(self.tables, indices, offsets)
         r = refused[0]
-        if got[r, 4]:  # bad values: bad offsets raise ValueError there, indices IndexError
-            kind, why = IndexError, "index out of range or bad offsets"
+        if got[r, 4]:  # bad values: the type that rank raises (bad offsets first)
+            kind, why = ((ValueError, "bad offsets") if got[r, 4] == 2
+                         else (IndexError, "an index out of range"))
         else:  # refused before its values were read: its error's type travelled
             kind = _ERRORS.get(int(got[r, 3]), ValueError)
             why = f"{kind.__name__} there"
