@@ -279,7 +279,7 @@ def _strip_comments(text):
 
 def _function_body(source, name):
     """The text of the definition of ``name`` (signature to closing brace)."""
-    match = re.search(rf"(?:void|XfScalars<\w+>)\s+(?:__launch_bounds__\([^)]*\)\s*)?{name}\s*\(",
+    match = re.search(rf"(?:void|T|XfScalars<\w+>)\s+(?:__launch_bounds__\([^)]*\)\s*)?{name}\s*\(",
                       source)
     assert match, f"no definition of {name}"
     depth, i = 0, source.index("{", match.end())
