@@ -47,7 +47,8 @@ def atomic_write(path, write, *, what: str = "the file") -> None:
     (``"cannot save the collection to ..."``).
 
     ``path`` may be a symlink (its target is replaced, as ``open(path, "w")`` writes it).
-    ValueError for a device, FIFO or socket; IsADirectoryError for a directory;
+    ValueError for a device, FIFO or socket; IsADirectoryError for a directory (or any
+    path ending in a slash);
     FileNotFoundError naming the directory when it does not exist.
 
     >>> import os, tempfile, xferlib
@@ -56,10 +57,14 @@ def atomic_write(path, write, *, what: str = "the file") -> None:
     >>> open(path, "rb").read()
     b'saved'
     """
-    path = os.fspath(path)
-    if path.endswith(os.sep) and os.path.exists(path.rstrip(os.sep)) and not os.path.isdir(
-            path.rstrip(os.sep)):  # "file/" names a directory: open(path, "w") refuses it
-        raise NotADirectoryError(20, f"cannot save {what} to {path}: not a directory", path)
+    path = os.fsdecode(path)  # str, bytes or a path object, as open() takes
+    if path.endswith(os.sep):  # "x/" names a directory: open(path, "w") refuses it
+        if os.path.exists(path.rstrip(os.sep)) and not os.path.isdir(path.rstrip(os.sep)):
+            raise NotADirectoryError(20, f"cannot save {what} to {path}: not a directory",
+                                     path)
+        # realpath() drops the slash: a missing "x/" would become a new file named "x"
+        raise IsADirectoryError(errno.EISDIR, f"cannot save {what} to {path}: it names a "
+                                f"directory (give a file name inside it)", path)
     target = os.path.realpath(path)  # through a symlink, as open(path, "w") writes
     directory = os.path.dirname(target)
     try:
@@ -151,7 +156,7 @@ def _sync_directory(directory: str, path: str, what: str) -> None:
 def _naming(err: OSError, path: str, what: str) -> OSError:
     """``err`` with a message that names ``path`` (a temporary file's name means nothing to
     the caller)."""
-    if err.filename == path:
+    if (err.strerror or "").startswith("cannot save"):  # ours, already naming it
         return err
     reason = err.strerror or str(err)
     if err.errno is None:

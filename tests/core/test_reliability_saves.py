@@ -144,6 +144,46 @@ def test_collection_round_trip(tmp_path, optimizer):
     assert back.tables[1].init == ("uniform", -1, 1)
 
 
+@pytest.mark.parametrize("optimizer, kwargs", [("sgd", {"lr": 0.1, "momentum": 0.9}),
+                                               ("adam", {"amsgrad": True}),
+                                               ("rmsprop", {"centered": True, "momentum": 0.5})])
+def test_collection_round_trip_of_options_that_add_state(tmp_path, optimizer, kwargs):
+    # sgd's momentum buffer, amsgrad's max_exp_avg_sq, centered rmsprop's grad_avg: slots the
+    # optimizer's defaults do not lay out, so the load must build with the saved options.
+    coll = EmbeddingCollection([TableConfig(7, 3), TableConfig(5, 2, lr=0.7)], optimizer,
+                               kwargs, device="cpu", seed=1)
+    coll.set_hyper(0, weight_decay=0.01)
+    coll.save(tmp_path / "coll.xfl")
+    assert_same_collection(coll, EmbeddingCollection.load(tmp_path / "coll.xfl", device="cpu"))
+
+
+def test_collection_round_trip_with_numpy_scalar_hyperparameters(tmp_path):
+    coll = _trained_collection("adam")
+    coll.set_hyper("user", lr=np.float32(0.25), betas=(np.float32(0.5), 0.75))
+    coll.save(tmp_path / "coll.xfl")
+    assert_same_collection(coll, EmbeddingCollection.load(tmp_path / "coll.xfl", device="cpu"))
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda c: c.update(pooling="max"), "pooling must be one of"),
+    (lambda c: c["tables"][0].update(num_rows=-3), "num_rows must be >= 1"),
+    (lambda c: c["hypers"][1].update(momentum=0.5), r"unknown hyperparameter\(s\) \['momentum'\]"),
+    (lambda c: c["hypers"].pop(), "2 tables' hyperparameters for 3 tables"),
+])
+def test_collection_configuration_refused_naming_the_file(tmp_path, change, reason):
+    # A header whose CRC-32 holds but whose configuration the constructor refuses (a newer
+    # xferlib's option, a writer's bug): ValueError naming the file and the reason.
+    coll = _trained_collection()
+    config = collection_io.collection_config(coll)
+    change(config)
+    path = tmp_path / "coll.xfl"
+    arrays = coll.state_dict()
+    xferlib.atomic_write(path, lambda f: io_format.write_table_file(f.fileno(), config, arrays))
+    with pytest.raises(ValueError, match=reason) as info:
+        EmbeddingCollection.load(path, device="cpu")
+    assert str(path) in str(info.value)
+
+
 def test_collection_round_trip_in_many_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(io_format, "CHUNK_BYTES", 64)  # a few rows per piece
     coll = _trained_collection("adagrad")
@@ -483,6 +523,31 @@ def test_writer_killed_at_random_points_500_times_larger_files(tmp_path):
     stats = run_kills(tmp_path, kills=500, rows=200_000, max_delay=0.5, seed=31)
     print(f"kills survived / tried: {stats['kills']} / 500; {stats}")
     assert stats["kills"] == 500 and stats["torn_temporaries"] >= 30, stats
+
+
+def test_atomic_write_refuses_a_missing_directory_given_with_a_slash(tmp_path):
+    # open("ckpt/", "w") refuses it; the save must not make a file named "ckpt" instead.
+    table = xferlib.HostTable(4, 2)
+    for target in (tmp_path / "ckpt", tmp_path):
+        with pytest.raises(IsADirectoryError, match=f"cannot save the table to {target}/"):
+            table.save(str(target) + "/")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_atomic_write_takes_a_bytes_path_as_open_does(tmp_path):
+    path = tmp_path / "a.bin"
+    xferlib.atomic_write(os.fsencode(path), lambda f: f.write(b"one"))
+    assert path.read_bytes() == b"one"
+    xferlib.HostTable(4, 2, init="zeros").save(os.fsencode(tmp_path / "t"))
+    assert xferlib.HostTable.load(tmp_path / "t").numpy().shape == (4, 2)
+
+
+def test_atomic_write_into_a_file_as_if_a_directory_names_the_save(tmp_path):
+    plain = tmp_path / "f"
+    plain.write_bytes(b"kept")
+    with pytest.raises(NotADirectoryError, match=f"cannot save the file to {plain}/x"):
+        xferlib.atomic_write(plain / "x", lambda f: f.write(b"y"))
+    assert plain.read_bytes() == b"kept"
 
 
 def test_atomic_write_names_where_it_would_write(tmp_path):

@@ -187,6 +187,55 @@ def test_mismatched_arrays_are_refused_naming_the_difference(tmp_path):
     assert "shape=[8, 3]" in str(info.value) and "shape=[8, 4]" in str(info.value)
 
 
+def _written(path, config, arrays):
+    """A file of ``config`` and ``arrays`` through the format's own writer (CRC-32s valid)."""
+    xferlib.atomic_write(path, lambda f: io_format.write_table_file(f.fileno(), config, arrays))
+
+
+def _arrays_of(table):
+    return {"weights": table.numpy(), **{n: table.state(n) for n in table.state_names()}}
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(new_option=1), "unexpected keyword argument 'new_option'"),  # a newer xferlib's
+    (dict(optimizer="nesterov"), "unknown optimizer 'nesterov'"),
+    (dict(dtype="int8"), "float32 or float64"),
+])
+def test_a_configuration_the_table_refuses_is_refused_naming_the_file(tmp_path, change,
+                                                                      reason):
+    table = _trained(8, 4, "adam")
+    path = tmp_path / "t.xft"
+    _written(path, {**table_io.table_config(table), **change}, _arrays_of(table))
+    with pytest.raises(ValueError, match=reason) as info:
+        xferlib.HostTable.load(path)
+    assert f"cannot load a table from {path}" in str(info.value)
+
+
+@pytest.mark.parametrize("entry", [5, "weights", {"name": "weights"}])
+def test_header_array_entry_without_its_crc_is_refused_as_corrupt(tmp_path, entry):
+    # A header whose own CRC-32 holds but whose array list is not the format's (a writer's
+    # bug): ValueError naming the file, not an AttributeError or KeyError from inside.
+    path, data = _saved(tmp_path)
+    meta = json.loads(data[20:_data_start(data)])
+    meta["arrays"][0] = entry
+    header = json.dumps(meta).encode()
+    header += b" " * (_data_start(data) - 20 - len(header))
+    assert 20 + len(header) == _data_start(data)
+    path.write_bytes(data[:12] + struct.pack("<II", len(header), zlib.crc32(header)) + header
+                     + data[_data_start(data):])
+    with pytest.raises(ValueError, match=f"{path} is corrupt: its header"):
+        xferlib.HostTable.load(path)
+
+
+@pytest.mark.parametrize("hyper", [dict(lr=np.float32(0.25)), dict(lr=np.int64(1))])
+def test_numpy_scalar_hyperparameters_round_trip(tmp_path, hyper):
+    # A schedule's lr computed in NumPy trains as a float; the save must take it too.
+    table = _trained(8, 4, "adam")
+    table.set_hyper(**hyper)
+    table.save(tmp_path / "t.xft")
+    _assert_same(xferlib.HostTable.load(tmp_path / "t.xft"), table)
+
+
 def test_load_of_missing_file_and_directory(tmp_path):
     with pytest.raises(FileNotFoundError):
         xferlib.HostTable.load(tmp_path / "missing.xft")

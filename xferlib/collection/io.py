@@ -151,20 +151,28 @@ def load_collection(path, build, *, device=None):
             tables = [TableConfig(**{k: _tuples(v) for k, v in c.items()})
                       for c in config["tables"]]
             hypers = [{k: _tuples(v) for k, v in h.items()} for h in config["hypers"]]
+            if len(hypers) != len(tables):
+                raise ValueError(f"{len(hypers)} tables' hyperparameters for {len(tables)} "
+                                 f"tables")
             # Built zero-filled: the file overwrites every row, and the random initializers'
             # working chunks would be the load's largest allocation. The tables' own configs
             # (their init included) are put back after.
             zeroed = [dataclasses.replace(c, init="zeros") for c in tables]
-            # Built with the optimizer's defaults, each table's hyperparameters set below: one
-            # table's (a TT table takes fewer keys) would not fit every table.
-            coll = build(zeroed, config["optimizer"], None, pooling=config["pooling"],
+            # Built with one table's hyperparameters, each table's own set below. Those choose
+            # the state layout (sgd's momentum, adam's amsgrad: the optimizer's defaults would
+            # lay out fewer slots); a tt table's, if any, as the others would not fit it (it
+            # takes only lr and eps, so every table's layout is then the defaults').
+            base = next((h for c, h in zip(tables, hypers) if c.placement == "tt"), hypers[0])
+            coll = build(zeroed, config["optimizer"], base, pooling=config["pooling"],
                          dtype=config["dtype"], device=device, seed=0)
             coll.tables = tuple(tables)
+            for t, h in enumerate(hypers):  # each table's as saved (per-table lr, set_hyper)
+                coll.set_hyper(t, **h)
         except (KeyError, TypeError, IndexError, AttributeError) as err:
             raise ValueError(f"{path} is corrupt: its collection configuration is incomplete "
                              f"({type(err).__name__}: {err})") from None
-        for t, h in enumerate(hypers):  # each table's as saved (per-table lr, set_hyper)
-            coll.set_hyper(t, **h)
+        except ValueError as err:  # a value the constructor refuses, named with the file
+            raise ValueError(f"cannot load a collection from {path}: {err}") from None
         arrays, staged = _arrays(coll, stage=True)
         check_arrays(meta, arrays, path)
         read_table_file(fd, meta, arrays, path)

@@ -72,7 +72,7 @@ def load_table(path, build):
         if kind is not None:  # the same file format holds other objects (a collection)
             raise ValueError(f"{path} holds a {kind}, not a HostTable: load it with "
                              f"{kind}.load")
-        table, arrays = build(dict(meta["config"]))
+        table, arrays = _build(build, dict(meta["config"]), path)
         try:
             io_format.check_arrays(meta, arrays, path)
             read_table_file(fd, meta, arrays, path)
@@ -82,6 +82,16 @@ def load_table(path, build):
         return table
     finally:
         os.close(fd)
+
+
+def _build(build, config: dict, path: str):
+    """``build(config)``, a configuration it refuses (an option of a newer xferlib, a value
+    out of range) refused with a ValueError naming ``path``."""
+    try:
+        return build(config)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"cannot load a table from {path}: its configuration does not make a "
+                         f"HostTable ({type(err).__name__}: {err})") from None
 
 
 def _load_npz(path: str, build):
@@ -103,11 +113,11 @@ def _load_npz(path: str, build):
             if meta.get("format") != FORMAT:
                 raise ValueError(f"{path} is not an xferlib HostTable file (format "
                                  f"{meta.get('format')!r})")
-            table, arrays = build(dict(
+            table, arrays = _build(build, dict(
                 num_rows=meta["num_rows"], dim=meta["dim"], dtype=meta["dtype"],
                 optimizer=meta["optimizer"], optimizer_kwargs=meta["hyper"] or None,
                 cache_rows=meta["cache_rows"], cache_policy=meta["cache_policy"],
-                cache_admission=meta.get("cache_admission", "second-sight")))
+                cache_admission=meta.get("cache_admission", "second-sight")), path)
             try:
                 _npz_into(archive, path, table, arrays)
             except BaseException:

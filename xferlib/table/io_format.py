@@ -71,10 +71,20 @@ def array_specs(arrays: dict) -> list:
     return specs
 
 
+def _json_value(value):
+    """JSON's form of a NumPy scalar in the config (an ``lr`` of ``np.float32`` trains as a
+    float; ``json`` alone refuses it)."""
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return value.item()
+    raise TypeError(f"cannot save a {type(value).__name__} ({value!r}) in the file's "
+                    f"configuration: only numbers, strings, lists and dicts")
+
+
 def _header_bytes(config: dict, specs: list) -> bytes:
     data_bytes = _align(specs[-1]["offset"] + specs[-1]["nbytes"]) if specs else 0
     text = json.dumps(dict(format=FORMAT, version=VERSION, config=config, arrays=specs,
-                           data_bytes=data_bytes), separators=(",", ":")) + "\n"
+                           data_bytes=data_bytes), separators=(",", ":"),
+                      default=_json_value) + "\n"
     raw = text.encode()
     # CRC-32s are fixed-width hex, so the header written last has the placeholder's length.
     return raw + b" " * (_align(_PREAMBLE.size + len(raw)) - _PREAMBLE.size - len(raw))
@@ -152,6 +162,9 @@ def read_header(fd: int, path: str) -> dict:
         if (meta["format"], meta["version"]) != (FORMAT, VERSION) or not (
                 isinstance(meta["config"], dict) and isinstance(meta["arrays"], list)):
             raise ValueError(f"format {meta['format']!r} version {meta['version']!r}")
+        for spec in meta["arrays"]:  # what check_arrays and the CRC-32 check read
+            if not (isinstance(spec, dict) and isinstance(spec.get("crc32"), str)):
+                raise ValueError(f"array entry {spec!r} without its CRC-32")
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path} is corrupt: its header is not a HostTable header "
                          f"({type(err).__name__}: {err})") from None
