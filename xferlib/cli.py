@@ -48,6 +48,22 @@ def _suites_help(argv) -> str:
     return f"suites to run: {', '.join(SUITES) or 'none registered (reinstall xferlib)'}"
 
 
+def _plot_format_error(path):
+    """Why matplotlib cannot write ``path`` (its extension names no format it writes), or
+    None; None too where matplotlib is not installed (the plot is then skipped, saying so)."""
+    ext = os.path.splitext(path)[1][1:].lower()
+    if not ext:
+        return None  # matplotlib writes a PNG
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext in formats:
+        return None
+    return f"--plot {path}: matplotlib writes no {ext!r} files; use one of {sorted(formats)}"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="xferlib", description=__doc__)
@@ -81,6 +97,11 @@ def main(argv=None) -> int:
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):  # before the suites run, not after
             parser.error(f"{flag} {path}: the folder {folder} does not exist")
+        if path and os.path.isdir(path):
+            parser.error(f"{flag} {path} is a directory; give a file name")
+    unknown = _plot_format_error(args.plot) if args.plot else None
+    if unknown:
+        parser.error(unknown)
     try:
         run_suites(args.suites, quick=args.quick, json_path=args.json, plot_path=args.plot)
     except ValueError as err:
