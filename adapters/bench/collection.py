@@ -115,10 +115,15 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
                         graphed))
     hbm = next(r["module"] for r, _ in engines if r["placement"] == "hbm")
     width = hbm.collection.layouts[0].used_width  # the weights and the optimizer's state
-    floor = collection_floor.floor_step(rows, DIM, width, idx, off)
-    engines.append(({"impl": f"plainest kernels {name} hbm graph", "engine": "floor",
-                     "optimizer": name, "placement": "hbm", "build_s": 0.0, "graph": True},
-                    floor))
+    try:
+        floor = collection_floor.floor_step(rows, DIM, width, idx, off)
+    except Exception as err:  # the floor is a reference: the suite's own rows still run
+        print(f"  plainest kernels: not measured ({type(err).__name__}: "
+              f"{str(err).splitlines()[0][:120] if str(err) else ''})")
+    else:
+        engines.append(({"impl": f"plainest kernels {name} hbm graph", "engine": "floor",
+                         "optimizer": name, "placement": "hbm", "build_s": 0.0,
+                         "graph": True}, floor))
     times = gpu_times_ms([_fresh(step) for _, step in engines], repeats=5 if quick else 20,
                          steps=4)
     records = []
@@ -137,7 +142,7 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
             ours["vs_fbgemm"] = theirs["ms"] / ours["ms"]
         if engine == "xferlib" and label == "cache":
             ours["vs_uncached"] = by[("xferlib", "host", graph)]["ms"] / ours["ms"]
-        if engine == "xferlib" and label == "hbm" and graph:
+        if engine == "xferlib" and label == "hbm" and graph and ("floor", "hbm", True) in by:
             ours["vs_floor"] = ours["ms"] / by[("floor", "hbm", True)]["ms"]
     del engines
     gc.collect()
