@@ -425,6 +425,12 @@ def test_every_exported_name_exists():
              "my_pinned_allocatorMM"]
     for name in names:
         assert callable(getattr(SpeedTorch, name)), name
+    # the bases SpeedTorch's __init__ imports as well, each the base of its family
+    for base, cls in (("_Common", "ModelFactory"), ("_CommonMM", "ModelFactoryMM"),
+                      ("_GPUPytorchCommon", "GPUPytorchModelFactory"),
+                      ("_CPUPytorchCommon", "CPUPytorchModelFactory"),
+                      ("_PytorchCommon", "PytorchModelFactory")):
+        assert issubclass(getattr(SpeedTorch, cls), getattr(SpeedTorch, base)), base
     pytest.importorskip("cupy")
     assert SpeedTorch.PMemory.__name__ == "PMemory" and SpeedTorch.PMemoryMM is not None
 
@@ -453,14 +459,25 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="LBFGS"):
         SpeedTorch.OptimizerFactory(torch.optim.LBFGS(model.parameters()), 10, DIM, model,
                                     "u_embeddings")
+    # Adafactor's factored moments span rows (row_var, col_var): refused when built, not a
+    # reshape error deep in afterOptimizerStep after the first step.
+    with pytest.raises(ValueError, match="Adafactor.*not one row per embedding row"):
+        SpeedTorch.OptimizerFactory(torch.optim.Adafactor(model.parameters()), 10, DIM, model,
+                                    "u_embeddings")
     switcher.zerosInit()
     with pytest.raises(IndexError, match="20"):
         switcher.beforeForwardPass(np.array([0, 20]))
     if not gpu_available():
         with pytest.raises(RuntimeError, match="deviceType='cpu'"):
             SpeedTorch.PytorchModelFactory(model.u_embeddings, 20, DIM)
-        with pytest.raises(RuntimeError, match="CUDA"):
-            SpeedTorch.GPUPytorchModelFactory(model.u_embeddings, 20, DIM)
+        # GPUPytorch* take no deviceType: the error names the classes to use instead
+        for make in (lambda: SpeedTorch.GPUPytorchModelFactory(model.u_embeddings, 20, DIM),
+                     lambda: SpeedTorch.GPUPytorchOptimizerFactory(opt, 20, DIM, model,
+                                                                   "u_embeddings"),
+                     lambda: SpeedTorch.GPUPytorchCOM(20)):
+            with pytest.raises(RuntimeError, match="CUDA") as err:
+                make()
+            assert "CPUPytorch*" in str(err.value) and "pass deviceType" not in str(err.value)
 
 
 @pytest.mark.gpu

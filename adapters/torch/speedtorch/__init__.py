@@ -26,8 +26,10 @@ What behaves differently, and why:
   the update of a dense step on its summed gradient. SpeedTorch writes the copies back in
   arbitrary order and keeps one copy's update (the other copies' gradients are lost).
 * The optimizer state is found by parameter, not by position in ``optimizer.state_dict()``,
-  and starts from the optimizer's own initial state: every torch.optim optimizer works on
-  torch 2.x (SpeedTorch supports seven, and its state lookup breaks on torch 2.x).
+  and starts from the optimizer's own initial state: every torch.optim optimizer whose state
+  is per row works on torch 2.x (SpeedTorch supports seven, and its state lookup breaks on
+  torch 2.x); one whose state spans rows (Adafactor's factored moments) is refused with a
+  ValueError, as LBFGS (which needs a closure) is.
 * ``DataGadget.getData(indexes)`` keeps the index shape (``indexes.shape + row_shape``), as
   CuPy indexing does; negative indexes count from the end; a bad index raises IndexError
   naming its position before anything moves.
@@ -67,14 +69,16 @@ Example (runs on the CPU; on a GPU the same lines run there):
 """
 
 from xferlib.adapters.torch.speedtorch.cupy_live import (COM, DataGadget, ModelFactory,
-                                                         OptimizerFactory, my_pinned_allocator)
+                                                         OptimizerFactory, _Common,
+                                                         my_pinned_allocator)
 from xferlib.adapters.torch.speedtorch.cupy_memmap import (COMMM, DataGadgetMM,
                                                            ModelFactoryMM, OptimizerFactoryMM,
-                                                           my_pinned_allocatorMM)
+                                                           _CommonMM, my_pinned_allocatorMM)
+# The bases SpeedTorch's package exports too (for isinstance checks): imported, not in __all__.
 from xferlib.adapters.torch.speedtorch.torch_tensors import (
     CPUPytorchCOM, CPUPytorchModelFactory, CPUPytorchOptimizerFactory, GPUPytorchCOM,
     GPUPytorchModelFactory, GPUPytorchOptimizerFactory, PytorchCOM, PytorchModelFactory,
-    PytorchOptimizerFactory)
+    PytorchOptimizerFactory, _CPUPytorchCommon, _GPUPytorchCommon, _PytorchCommon)
 
 __all__ = ["PMemory", "my_pinned_allocator", "ModelFactory", "OptimizerFactory", "COM",
            "DataGadget", "PMemoryMM", "my_pinned_allocatorMM", "ModelFactoryMM",

@@ -138,11 +138,40 @@ class ModelSwitch:
 
 
 def _probe_state(optimizer: torch.optim.Optimizer, param, width: int):
-    """``probe_row_state``, its error naming SpeedTorch's argument."""
+    """``probe_row_state``, its error naming SpeedTorch's argument; optimizers whose state is
+    not one row per embedding row are refused."""
     try:
-        return probe_row_state(optimizer, param, width)
+        fresh = probe_row_state(optimizer, param, width)
     except ValueError as err:
         raise ValueError(f"given_optimizer: {err}") from err
+    shared = _state_across_rows(optimizer, param, width)
+    if shared:
+        raise ValueError(f"given_optimizer: {type(optimizer).__name__} keeps state that is not "
+                         f"one row per embedding row ({', '.join(shared)}), so its rows cannot "
+                         f"be switched in and out of the collection")
+    return fresh
+
+
+def _state_across_rows(optimizer: torch.optim.Optimizer, param, width: int) -> list:
+    """Names of the tensor state that spans rows (Adafactor's factored ``row_var`` /
+    ``col_var``): a fresh optimizer of the same class and group, stepped once on two zero
+    rows, keeps it in a shape other than ``(2, width)`` or a scalar. A one-row probe cannot
+    tell ``col_var`` (``(1, width)``) from a row's state."""
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    probe = torch.nn.Parameter(torch.zeros(2, width, dtype=param.dtype))
+    try:
+        fresh = type(optimizer)([dict(group, params=[probe])])
+        probe.grad = torch.zeros_like(probe)
+        try:
+            fresh.step()
+        except RuntimeError:  # SparseAdam takes sparse gradients only
+            probe.grad = torch.zeros_like(probe).to_sparse()
+            fresh.step()
+    except Exception:  # an optimizer built otherwise: probe_row_state's verdict stands
+        return []
+    return [name for name, value in fresh.state[probe].items()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+            and value.shape != probe.shape]
 
 
 class OptimizerSwitch:
@@ -153,7 +182,8 @@ class OptimizerSwitch:
     full collection, created by ``optInit()`` holding the optimizer's own initial state (not
     zeros: Adagrad's ``initial_accumulator_value`` is kept). The state is found by parameter,
     not by position in ``optimizer.state_dict()`` as SpeedTorch does (which no longer holds on
-    torch 2.x), and works with every torch.optim optimizer."""
+    torch 2.x), and works with every torch.optim optimizer whose state is per row (Adafactor's
+    factored state spans rows: refused with a ValueError at construction)."""
 
     def _setup_optimizer(self, given_optimizer, total_classes, embed_dimension, model,
                          variable_name) -> None:

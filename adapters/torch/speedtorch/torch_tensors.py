@@ -28,12 +28,14 @@ __all__ = ["_PytorchCommon", "PytorchModelFactory", "PytorchOptimizerFactory", "
            "CPUPytorchOptimizerFactory", "CPUPytorchCOM"]
 
 
-def _place(deviceType, pinType) -> str:
+def _place(deviceType, pinType, cpu_form="pass deviceType='cpu'") -> str:
+    """``cpu_form``: what to write instead on a machine without a GPU (the ``GPUPytorch*``
+    classes take no ``deviceType``)."""
     device = torch.device(deviceType)
     if device.type == "cuda":
         if not gpu_available():
             raise RuntimeError(f"deviceType={deviceType!r} needs a CUDA GPU (with CuPy); none "
-                               f"is available here: pass deviceType='cpu'")
+                               f"is available here: {cpu_form}")
         return "gpu"
     if device.type != "cpu":
         raise ValueError(f"deviceType must be 'cuda' or 'cpu', got {deviceType!r}")
@@ -175,6 +177,9 @@ class PytorchCOM(_COMBase):
 
 # ----------------------------------------------------------------------------- GPUTorch
 
+_GPU_ONLY = ("the GPUPytorch* classes keep their collection on the GPU; use CPUPytorch* or "
+             "Pytorch*(..., deviceType='cpu') instead")
+
 
 class _GPUPytorchCommon(_PytorchCommon):
     """SpeedTorch's ``_GPUPytorchCommon``: the collection on the GPU."""
@@ -188,7 +193,7 @@ class GPUPytorchModelFactory(_ModelBase, _GPUPytorchCommon):
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype=torch.float):
         self._start(model_variable, total_classes, embed_dimension, datatype,
-                    _place("cuda", False))
+                    _place("cuda", False, _GPU_ONLY))
 
 
 class GPUPytorchOptimizerFactory(_OptimizerBase, _GPUPytorchCommon):
@@ -200,7 +205,7 @@ class GPUPytorchOptimizerFactory(_OptimizerBase, _GPUPytorchCommon):
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
                  dtype=torch.float):
         self._start(given_optimizer, total_classes, embed_dimension, model, variable_name,
-                    dtype, _place("cuda", False))
+                    dtype, _place("cuda", False, _GPU_ONLY))
 
 
 class GPUPytorchCOM(_COMBase, _GPUPytorchCommon):
@@ -209,7 +214,7 @@ class GPUPytorchCOM(_COMBase, _GPUPytorchCommon):
     pytorchGPUVar = _collection_attribute("pytorchGPUVar")
 
     def __init__(self, total_classes, datatype=torch.int32):
-        self._start(total_classes, datatype, _place("cuda", False))
+        self._start(total_classes, datatype, _place("cuda", False, _GPU_ONLY))
 
 
 # ----------------------------------------------------------------------------- CPUTorchPinned
