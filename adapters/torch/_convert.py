@@ -95,17 +95,37 @@ def probe_row_state(optimizer: torch.optim.Optimizer, param, width: int) -> dict
     and hyperparameters after one zero-gradient step of one zero row, which is its initial
     state for every torch.optim optimizer but SGD with dampening (whose first step copies the
     gradient). Returns name -> ``(width,)`` NumPy array; raises ValueError for optimizers that
-    cannot be stepped row by row (LBFGS needs a closure)."""
+    cannot be stepped row by row (LBFGS needs a closure; Adafactor's factored moments span
+    rows)."""
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
     probe = torch.nn.Parameter(torch.zeros(1, width, dtype=param.dtype))
-    probe.grad = torch.zeros_like(probe)
     accepted = inspect.signature(type(optimizer).__init__).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
     # Group keys the constructor does not take (AdamW's decoupled_weight_decay on torch >= 2.8,
     # a scheduler's initial_lr) are left out.
     hyper = {k: v for k, v in group.items()
              if k != "params" and (k in accepted or (takes_any and k != "initial_lr"))}
-    fresh = type(optimizer)([probe], **hyper)
+    fresh = _stepped_once(type(optimizer), hyper, probe)
+    # Two rows tell state kept per row from state that spans rows (Adafactor's col_var is
+    # (1, width) for any number of rows, which one row cannot tell apart).
+    pair = torch.nn.Parameter(torch.zeros(2, width, dtype=param.dtype))
+    spanning = [name for name, value in _stepped_once(type(optimizer), hyper,
+                                                      pair).state[pair].items()
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                and value.shape != pair.shape]
+    if spanning:
+        raise ValueError(f"{type(optimizer).__name__} keeps state that is not one row per "
+                         f"embedding row ({', '.join(spanning)}): it cannot be stepped row by "
+                         f"row")
+    return {name: value.detach().reshape(-1).numpy()
+            for name, value in fresh.state[probe].items()
+            if isinstance(value, torch.Tensor) and value.shape == probe.shape}
+
+
+def _stepped_once(cls, hyper: dict, probe) -> torch.optim.Optimizer:
+    """A new ``cls`` optimizer of ``probe`` (zero rows) after one zero-gradient step."""
+    probe.grad = torch.zeros_like(probe)
+    fresh = cls([probe], **hyper)
     try:
         fresh.step()
     except RuntimeError:  # SparseAdam takes sparse gradients only
@@ -113,14 +133,10 @@ def probe_row_state(optimizer: torch.optim.Optimizer, param, width: int) -> dict
         try:
             fresh.step()
         except Exception as err:
-            raise ValueError(f"{type(optimizer).__name__} cannot be stepped row by row "
-                             f"({err})") from err
+            raise ValueError(f"{cls.__name__} cannot be stepped row by row ({err})") from err
     except TypeError as err:  # LBFGS and others that need a closure
-        raise ValueError(f"{type(optimizer).__name__} cannot be stepped row by row "
-                         f"({err})") from err
-    return {name: value.detach().reshape(-1).numpy()
-            for name, value in fresh.state[probe].items()
-            if isinstance(value, torch.Tensor) and value.shape == probe.shape}
+        raise ValueError(f"{cls.__name__} cannot be stepped row by row ({err})") from err
+    return fresh
 
 
 def fresh_row_state(optimizer: torch.optim.Optimizer, param, state: dict, width: int) -> dict:

@@ -165,6 +165,19 @@ def test_any_optimizer_leaves_untouched_rows_and_keeps_state(device, rng):
     assert np.all(exp_avg[[1, 2, 7]] != 0) and not exp_avg[untouched].any()
 
 
+def test_an_optimizer_whose_state_spans_rows_is_refused(device, rng):
+    """optimizer=None with Adafactor: its factored moments (col_var: one value per column
+    for all rows) cannot be swapped in and out by row; refused with a ValueError naming it,
+    not a shape error from the row copies steps later."""
+    ours = HostEmbedding(ROWS, DIM, optimizer=None, device=device)
+    opt = torch.optim.Adafactor(ours.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match="Adafactor.*not one row per embedding row"):
+        for idx in (torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([2, 5])):
+            opt.zero_grad()
+            ours(idx.to(device)).sum().backward()
+            opt.step()
+
+
 @pytest.mark.parametrize("optimizer_cls", ["Adagrad", "Adam"])
 def test_any_optimizer_resumes_copies_and_refuses_two_forwards(device, rng, optimizer_cls):
     """optimizer=None: Adagrad (its state made in __init__, for no rows yet) trains; a module

@@ -138,40 +138,12 @@ class ModelSwitch:
 
 
 def _probe_state(optimizer: torch.optim.Optimizer, param, width: int):
-    """``probe_row_state``, its error naming SpeedTorch's argument; optimizers whose state is
-    not one row per embedding row are refused."""
+    """``probe_row_state``, its error naming SpeedTorch's argument (an optimizer that cannot be
+    stepped row by row, or whose state spans rows, is refused)."""
     try:
-        fresh = probe_row_state(optimizer, param, width)
+        return probe_row_state(optimizer, param, width)
     except ValueError as err:
         raise ValueError(f"given_optimizer: {err}") from err
-    shared = _state_across_rows(optimizer, param, width)
-    if shared:
-        raise ValueError(f"given_optimizer: {type(optimizer).__name__} keeps state that is not "
-                         f"one row per embedding row ({', '.join(shared)}), so its rows cannot "
-                         f"be switched in and out of the collection")
-    return fresh
-
-
-def _state_across_rows(optimizer: torch.optim.Optimizer, param, width: int) -> list:
-    """Names of the tensor state that spans rows (Adafactor's factored ``row_var`` /
-    ``col_var``): a fresh optimizer of the same class and group, stepped once on two zero
-    rows, keeps it in a shape other than ``(2, width)`` or a scalar. A one-row probe cannot
-    tell ``col_var`` (``(1, width)``) from a row's state."""
-    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-    probe = torch.nn.Parameter(torch.zeros(2, width, dtype=param.dtype))
-    try:
-        fresh = type(optimizer)([dict(group, params=[probe])])
-        probe.grad = torch.zeros_like(probe)
-        try:
-            fresh.step()
-        except RuntimeError:  # SparseAdam takes sparse gradients only
-            probe.grad = torch.zeros_like(probe).to_sparse()
-            fresh.step()
-    except Exception:  # an optimizer built otherwise: probe_row_state's verdict stands
-        return []
-    return [name for name, value in fresh.state[probe].items()
-            if isinstance(value, torch.Tensor) and value.dim() > 0
-            and value.shape != probe.shape]
 
 
 class OptimizerSwitch:
