@@ -69,16 +69,14 @@ Example (runs on the CPU; on a GPU the same lines run there):
 """
 
 from xferlib.adapters.torch.speedtorch.cupy_live import (COM, DataGadget, ModelFactory,
-                                                         OptimizerFactory, _Common,
-                                                         my_pinned_allocator)
+                                                         OptimizerFactory, my_pinned_allocator)
 from xferlib.adapters.torch.speedtorch.cupy_memmap import (COMMM, DataGadgetMM,
                                                            ModelFactoryMM, OptimizerFactoryMM,
-                                                           _CommonMM, my_pinned_allocatorMM)
-# The bases SpeedTorch's package exports too (for isinstance checks): imported, not in __all__.
+                                                           my_pinned_allocatorMM)
 from xferlib.adapters.torch.speedtorch.torch_tensors import (
     CPUPytorchCOM, CPUPytorchModelFactory, CPUPytorchOptimizerFactory, GPUPytorchCOM,
     GPUPytorchModelFactory, GPUPytorchOptimizerFactory, PytorchCOM, PytorchModelFactory,
-    PytorchOptimizerFactory, _CPUPytorchCommon, _GPUPytorchCommon, _PytorchCommon)
+    PytorchOptimizerFactory)
 
 __all__ = ["PMemory", "my_pinned_allocator", "ModelFactory", "OptimizerFactory", "COM",
            "DataGadget", "PMemoryMM", "my_pinned_allocatorMM", "ModelFactoryMM",
