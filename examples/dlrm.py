@@ -265,10 +265,12 @@ def _prepare(args):
                          f"{batch_size}, {pooling}, {steps}")
     preset = dataclasses.replace(preset, pooling=pooling)  # the runs read it from the preset
     frameworks = ["torch", "jax"] if args.framework == "both" else [args.framework]
-    needed = ["torch", "tqdm"] + (["jax", "optax"] if "jax" in frameworks else [])
+    needed = (["torch", "tqdm"] + (["jax", "optax"] if "jax" in frameworks else [])
+              + (["matplotlib"] if args.plot else []))
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
-        raise ValueError(f"--framework {args.framework} needs {missing} installed "
+        raise ValueError(f"--framework {args.framework}{' --plot' if args.plot else ''} "
+                         f"needs {missing} installed "
                          f"(pip install -e \".[bench,jax]\" torch)")
     if args.profile and args.save:
         raise ValueError("--profile trains 20 more steps after the run: not with --save")
@@ -280,6 +282,10 @@ def _prepare(args):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+        if flag != "--save" and path and os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is a directory; give a file name")
+    if args.plot:
+        _check_plot_format(args.plot)
     if (args.save or args.load) and len(frameworks) > 1:
         raise ValueError("--save/--load hold one run: pick --framework torch or jax")
     if args.load and args.compare:
@@ -315,8 +321,22 @@ def _prepare(args):
     run_config = {fw: _run_config(args, preset, plan, fw, batch_size, pooling)
                   for fw in frameworks}
     meta = checkpoint.read_meta(args.load, run_config[frameworks[0]]) if args.load else None
+    if meta is not None and frameworks == ["jax"] and plan.bytes_tt:
+        checkpoint.check_jax_tt_layout(args.load, mesh=args.devices > 1)
     device = _device(args.device)
     return preset, plan, frameworks, run_config, meta, device, batch_size, steps, pooling
+
+
+def _check_plot_format(path) -> None:
+    """ValueError, before training, where matplotlib writes no file of ``path``'s extension
+    (no extension: a PNG)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    ext = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:
+        raise ValueError(f"--plot {path}: matplotlib writes no {ext!r} files; use one of "
+                         f"{sorted(formats)}")
 
 
 def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size, steps,

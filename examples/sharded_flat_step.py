@@ -147,10 +147,12 @@ def main():
     args = parser.parse_args()
     for flag, value, low in (("--params", args.params, 1), ("--iters", args.iters, 1),
                              ("--warmup", args.warmup, 0), ("--nproc", args.nproc, 1)):
-        if value is not None and value < low:
-            parser.error(f"{flag} must be >= {low}, got {value}")
+        if value is not None and not low <= value < float("inf"):  # nan, inf: no count
+            parser.error(f"{flag} must be a finite number >= {low}, got {value}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json {args.json}: its folder does not exist")
+    if args.json and os.path.isdir(args.json):
+        parser.error(f"--json {args.json} is a directory; give a file name")
     if "RANK" in os.environ:  # torchrun
         cuda = torch.cuda.is_available()
         if cuda:

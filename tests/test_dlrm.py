@@ -550,6 +550,25 @@ def test_jax_checkpoint_of_two_devices_continues_on_one(tmp_path):
     assert resumed["auc"] == pytest.approx(full["auc"], abs=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, loaded", [(1, 2), (2, 1)])
+def test_jax_tt_checkpoint_on_the_other_device_count_is_refused(saved, loaded, tmp_path):
+    """With TT tables one device and --devices N save different states (the collection;
+    the per-table mesh design): loading one into the other was a KeyError / ValueError
+    traceback after the model was built (exit status 1); it is refused up front."""
+    pytest.importorskip("torch")
+    pytest.importorskip("optax")
+    common = ("--framework", "jax", "--device", "cpu", "--placement", "tt", "--eval-samples",
+              512, "--evals", 1, "--batch-size", 64)
+    _ok(_run(*common, "--steps", 1, "--devices", saved, "--save", tmp_path / "ckpt"))
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    r = _run(*common, "--steps", 1, "--devices", loaded, "--load", tmp_path / "ckpt",
+             "--save", tmp_path / "ckpt")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "holds a JAX run with TT tables saved" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
+
+
 def test_devices_is_refused_for_torch_and_a_batch_it_does_not_divide():
     assert _run("--framework", "torch", "--devices", 2).returncode == 2
     result = _run("--framework", "jax", "--devices", 3, "--batch-size", 256)

@@ -74,6 +74,15 @@ BAD = [
     ("dlrm.py", ["--pooling", "0"], "argument --pooling: must be an integer >= 1, got 0"),
     ("dlrm.py", ["--evals", "0"], "argument --evals: must be an integer >= 1, got 0"),
     ("dlrm.py", ["--steps", "-1"], "argument --steps: must be an integer >= 0, got -1"),
+    # these trained first and then crashed writing the result (a traceback, exit status 1)
+    ("dlrm.py", ["--steps", "1", "--json", "."], "--json . is a directory"),
+    ("dlrm.py", ["--steps", "1", "--plot", "."], "--plot . is a directory"),
+    ("dlrm.py", ["--steps", "1", "--plot", "curves.xyz"],
+     "--plot curves.xyz: matplotlib writes no 'xyz' files"),
+    ("sharded_flat_step.py", ["--json", "."], "--json . is a directory"),
+    # int(nan), int(inf): a ValueError / OverflowError traceback
+    ("sharded_flat_step.py", ["--params", "nan"], "--params must be a finite number >= 1"),
+    ("sharded_flat_step.py", ["--params", "inf"], "--params must be a finite number >= 1"),
 ]
 
 

@@ -120,6 +120,26 @@ def read_meta(path, config) -> dict:
     return meta
 
 
+def check_jax_tt_layout(path, mesh: bool) -> None:
+    """ValueError where a JAX checkpoint with TT tables was written on the other side of
+    ``--devices 1`` / ``--devices N``: with TT tables N devices run the per-table mesh design
+    (``jax_mesh_run.py``, its other tables saved as ``hbm.<i>``), one device the collection
+    (``coll.<name>``), and neither state loads into the other."""
+    state = os.path.join(current(path), _state_file("jax"))
+    if not os.path.isfile(state):
+        return
+    with np.load(state) as z:
+        names = z.files
+    saved_mesh = any(n.startswith("hbm.") for n in names)
+    saved_one = any(n.startswith("coll.") for n in names)
+    if (mesh and saved_one) or (not mesh and saved_mesh):
+        saved, needs = (("on one device", "without --devices") if saved_one else
+                        ("with --devices N > 1", "with --devices N > 1"))
+        raise ValueError(f"--load {path} holds a JAX run with TT tables saved {saved}: one "
+                         f"device and N devices keep TT runs' tables differently, so continue "
+                         f"it {needs}; nothing was loaded or overwritten")
+
+
 def load(path, run, framework) -> None:
     path = current(path)
     run.load_state(os.path.join(path, _state_file(framework)))

@@ -116,3 +116,19 @@ def test_warm_kernels_compiles_for_the_current_gpu():
     device = cupy.cuda.runtime.getDevice()
     assert all(device in m._compiled for m in modules)
     warm_kernels(modules, background=True).join(timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--json", "."], "--json . is a directory"),
+    (["--plot", "."], "--plot . is a directory"),
+    (["--plot", "gather.xyz"], "--plot gather.xyz: matplotlib writes no 'xyz' files"),
+])
+def test_bench_refuses_an_output_it_cannot_write_before_running(args, message):
+    """These ran the suite first and then crashed writing its results (IsADirectoryError,
+    matplotlib's ValueError: a traceback, exit status 1)."""
+    if "xyz" in args[-1]:
+        pytest.importorskip("matplotlib")
+    result = _run("bench", "optim", "--quick", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr, result.stderr
+    assert "== xferlib bench" not in result.stdout  # refused before any suite ran
