@@ -172,3 +172,16 @@ def test_another_process_reads_and_writes_the_table_on_its_gpu():
     if not xferlib.cupy_available():
         pytest.skip(GPU_SKIP_REASON)
     _in_another_process(gpu=True)
+
+
+def test_numpy_scalar_hyperparameters():
+    """The header is JSON: NumPy scalars (as tests/core/test_table.py allows) raised
+    json's TypeError from the constructor."""
+    hyper = {"lr": np.float32(0.1), "betas": (np.float32(0.8), 0.9)}
+    table = xferlib.HostTable(ROWS, DIM, optimizer="adam", optimizer_kwargs=hyper,
+                              shared=True)
+    other = xferlib.HostTable(ROWS, DIM, optimizer="adam", optimizer_kwargs=hyper,
+                              shared=table.shared_name)
+    assert other.hyper == table.hyper and table.hyper["lr"] == float(np.float32(0.1))
+    other.close()
+    table.close()

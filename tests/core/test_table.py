@@ -523,3 +523,69 @@ def test_gpu_bad_grads_namespace(backend):
     table = xferlib.HostTable(10, 2, optimizer="sgd")
     with pytest.raises(TypeError, match="CuPy"):
         table.apply_gradients(backend.array(np.arange(2)), np.zeros((2, 2), np.float32))
+
+
+def test_restore_checks_every_array_before_writing():
+    """An array that cannot be written (None in ``step``, strings) raises before the first
+    write: the table is not left half restored."""
+    table = xferlib.HostTable(3, 2, optimizer="adagrad", init="zeros")
+    before = table_arrays(table)
+    for weights, step, bad in [(np.ones((3, 2)), np.array([1, None, 2]), "state 'step'"),
+                               (np.full((3, 2), "a"), np.zeros(3), "weights")]:
+        with pytest.raises(TypeError, match=f"{bad} must hold real numbers"):
+            table.restore(weights, {"sum": np.ones((3, 2)), "step": step})
+        assert_outputs_match(table_arrays(table), before, rtol=0, atol=0)
+    table.restore(np.ones((3, 2)), {"sum": [[2, 2]] * 3, "step": np.array([1, 5, 2], np.int32)})
+    assert table.state("step").tolist() == [1, 5, 2] and table.state("sum").sum() == 12
+
+
+def test_calls_after_close_raise():
+    table = xferlib.HostTable(3, 2, optimizer="sgd", init="zeros")
+    table.close()
+    with pytest.raises(ValueError, match="closed"):
+        table.restore(np.zeros((3, 2)), {"step": np.zeros(3)})
+    with pytest.raises(ValueError, match="closed"):  # as lookup and the GPU path
+        table.prefetch(np.array([1]))
+
+
+def test_gradients_and_rows_must_be_arrays():
+    import torch
+
+    table = xferlib.HostTable(4, 2, optimizer="sgd", init="zeros")
+    idx = np.array([0, 1])
+    for grads in ([[1.0, 1.0]] * 2, torch.ones(2, 2)):
+        with pytest.raises(TypeError, match="grad_rows must be a NumPy or CuPy array"):
+            table.apply_gradients(idx, grads)
+        with pytest.raises(TypeError, match="rows must be a NumPy or CuPy array"):
+            table.scatter(idx, grads)
+    with pytest.raises(TypeError, match="rows must hold real numbers"):
+        table.scatter(idx, np.full((2, 2), "x"))
+    assert not table.numpy().any()
+
+
+def test_set_hyper_on_a_device_view_reaches_the_table():
+    """A view follows its table's hyperparameters; set_hyper on the view was silently undone
+    by that (the old lr trained on)."""
+    table = xferlib.HostTable(4, 2, optimizer="sgd", optimizer_kwargs={"lr": 1.0}, init="zeros")
+    view = table.device_view()
+    view.set_hyper(lr=0.25)
+    assert view.hyper["lr"] == table.hyper["lr"] == 0.25
+    view.apply_gradients(np.array([1]), np.ones((1, 2), np.float32))
+    np.testing.assert_array_equal(table.numpy()[1], [-0.25, -0.25])
+
+
+def test_bad_dtype_and_nonfinite_init_parameters():
+    with pytest.raises(TypeError, match=r"got dtype 'adam'; name the optimizer by keyword"):
+        xferlib.HostTable(10, 4, "adam")
+    for init in (("normal", 0.0, float("nan")), ("normal", float("inf"), 1.0),
+                 ("uniform", 0.0, float("inf"))):
+        with pytest.raises(ValueError, match="finite"):
+            xferlib.HostTable(4, 2, init=init)
+
+
+def test_zero_dimensional_hyperparameters_are_saved(tmp_path):
+    table = xferlib.HostTable(4, 2, optimizer="adam", optimizer_kwargs={"lr": np.array(0.5)})
+    table.set_hyper(eps=np.float32(1e-6))
+    table.save(tmp_path / "t.xf")
+    loaded = xferlib.HostTable.load(tmp_path / "t.xf")
+    assert loaded.hyper == table.hyper and loaded.hyper["lr"] == 0.5

@@ -502,3 +502,23 @@ def test_dirty_rows_written_back_by_numpy_state_and_save(backend, tmp_path):
     table.save(tmp_path / "t.npz")
     np.testing.assert_array_equal(xferlib.HostTable.load(tmp_path / "t.npz").numpy()[:16], -2.0)
     assert table.cache_stats()["hits"] == 16
+
+
+def test_model_empty_batch_is_no_cache_pass():
+    """The device runs no cache pass (no tick) for an empty batch, so lookup(a),
+    lookup(empty), prefetch(b) still protects a's rows; the model ticked and let b evict
+    them."""
+    model = CacheModel(2, num_rows=100, admission="always")
+    model.access([1, 2])
+    assert model.access([]).size == 0
+    assert model.access([3], protect_prev=True)[0] == -1
+    assert model.cached_rows().tolist() == [1, 2]
+
+
+def test_model_caps_the_cache_at_the_table_like_host_table():
+    """HostTable builds its device cache of min(cache_rows, num_rows) rows (its sets follow
+    from that); the model of the same arguments must have the same sets."""
+    table = xferlib.HostTable(40, 4, cache_rows=100)
+    model = CacheModel(100, num_rows=40, admission="always")
+    assert model.n_sets == CacheModel(table.cache_rows, num_rows=40).n_sets == 2
+    assert (model.tags >= -1).sum() == table.cache_rows

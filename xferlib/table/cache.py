@@ -79,6 +79,7 @@ class CacheModel:
 
     def __init__(self, cache_rows: int, num_rows: int, policy: str = "lru",
                  admission: str = "second-sight"):
+        cache_rows = min(cache_rows, num_rows)  # as HostTable sizes its device cache
         self.n_sets = max(1, -(-cache_rows // WAYS))
         self.tags = np.full(self.n_sets * WAYS, -1, np.int64)
         self.tags[cache_rows:] = -2
@@ -95,6 +96,8 @@ class CacheModel:
         do; returns each distinct row's slot (-1: served from the host), in ascending row
         order."""
         rows = np.unique(np.asarray(rows, np.int64))
+        if not rows.size:  # the device runs no cache pass for an empty batch: no tick
+            return np.empty(0, np.int64)
         self.tick += 1
         now = self.tick
         slots = np.full(rows.size, -1, np.int64)

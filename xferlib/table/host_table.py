@@ -33,7 +33,7 @@ from xferlib.table.device import DeviceSide
 from xferlib.table.io import load_table, save_table
 from xferlib.table.layout import INIT_CHUNK_ROWS, RowLayout, initial_weights, split_state
 from xferlib.table.prefetch import prefetch as _prefetch
-from xferlib.table.rules import resolve_hyper, sparse_rule, sum_duplicates
+from xferlib.table.rules import SPARSE_OPTIMIZERS, resolve_hyper, sparse_rule, sum_duplicates
 
 __all__ = ["HostTable"]
 
@@ -88,7 +88,13 @@ class HostTable:
             ("num_rows", num_rows), ("dim", dim), ("cache_rows", cache_rows)))
         if num_rows < 0 or dim < 1:
             raise ValueError(f"a table needs num_rows >= 0 and dim >= 1, got ({num_rows}, {dim})")
-        dtype = np.dtype(dtype)
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:  # e.g. HostTable(1000, 4, "adam"): the third argument is the dtype
+            hint = (f"; name the optimizer by keyword (optimizer={dtype!r})"
+                    if isinstance(dtype, str) and dtype in SPARSE_OPTIMIZERS else "")
+            raise TypeError(f"HostTable stores float32 or float64 rows, got dtype {dtype!r}"
+                            f"{hint}") from None
         if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise TypeError(f"HostTable stores float32 or float64 rows, got dtype {dtype}")
         if cache_rows < 0:
@@ -286,9 +292,14 @@ class HostTable:
     def set_hyper(self, **changes) -> None:
         """Change hyperparameters (e.g. ``lr`` from a schedule) for the following steps.
         Hyperparameters that change the state layout (momentum on/off, amsgrad, centered)
-        cannot change."""
+        cannot change. On a :meth:`device_view`, changes its table's (which the view follows)."""
         if self._rule is None:
             raise ValueError("this table has no optimizer")
+        source = self._view_of() if self._view_of is not None else None
+        if source is not None:  # a view follows its table's: set here, _follow() undid it
+            source.set_hyper(**changes)
+            self._follow()
+            return
         h = resolve_hyper(self.optimizer, {**self._hyper, **changes})
         if tuple(self._rule.slots(h)) != self._layout.slots:
             raise ValueError(f"{sorted(changes)} would change the optimizer state layout "
@@ -327,6 +338,7 @@ class HostTable:
         names of :meth:`state_names`, shaped as :meth:`state` returns them), e.g. from a
         checkpoint. Shapes are checked before anything is written; the GPU cache is written
         back and emptied first."""
+        self._check_open()
         weights = np.asarray(weights)
         if weights.shape != (self.num_rows, self.dim):
             raise ValueError(f"weights must have shape {(self.num_rows, self.dim)}, got "
@@ -340,11 +352,19 @@ class HostTable:
             if np.shape(state[name]) != view.shape:
                 raise ValueError(f"state {name!r} must have shape {view.shape}, got "
                                  f"{np.shape(state[name])}")
+        # Every array checked before the first write (no copies: memory-mapped checkpoints
+        # stream in): one that cannot be written (None in "step", strings, a CuPy array)
+        # raises with the table as it was, not half restored.
+        values = {name: np.asarray(state[name]) for name in views}
+        for what, value in (("weights", weights),
+                            *((f"state {name!r}", value) for name, value in values.items())):
+            if value.dtype.kind not in "biuf":
+                raise TypeError(f"{what} must hold real numbers, got dtype {value.dtype}")
         self._flush(drop_cache=True)
         self.note_write()
         self._weights.view(np.ndarray)[...] = weights
         for name, view in views.items():
-            view[...] = np.asarray(state[name])
+            view[...] = values[name]
 
     # ------------------------------------------------------------------ save / load
 
@@ -438,6 +458,7 @@ class HostTable:
             self._update_numpy(idx, grad_rows)
 
     def _check_grads(self, idx, grads) -> None:
+        _check_array("grad_rows", grads)
         if grads.ndim != 2 or grads.shape != (idx.shape[0], self.dim):
             raise ValueError(f"grad_rows must have shape {(idx.shape[0], self.dim)}, "
                              f"got {grads.shape}")
@@ -464,8 +485,11 @@ class HostTable:
         from xferlib.rows import check_rows, scatter_rows
 
         check_index_dtype(idx)
+        _check_array("rows", rows)
         if rows.shape != (idx.shape[0], self.dim):
             raise ValueError(f"rows must have shape {(idx.shape[0], self.dim)}, got {rows.shape}")
+        if rows.dtype.kind not in "biuf":  # cast to the table's dtype below
+            raise TypeError(f"rows must hold real numbers, got dtype {rows.dtype}")
         if is_cupy_array(idx) and is_cupy_array(rows):
             if self._gpu is not None and self._gpu.cache is not None:
                 self._flush(drop_cache=True)
@@ -501,6 +525,7 @@ class HostTable:
         ``HostEmbeddingBag.prefetch`` does there."""
         check_index_dtype(idx)
         if not is_cupy_array(idx):
+            self._check_open()  # as the GPU path and lookup: a closed table is not used
             return
         _prefetch(self._gpu_state(), idx, stream)
 
@@ -543,9 +568,12 @@ class HostTable:
         """Write every cached row back to host memory and wait for queued GPU work."""
         self._flush()
 
-    def _flush(self, drop_cache: bool = False) -> None:
+    def _check_open(self) -> None:
         if self.closed:
             raise ValueError("this table is closed")
+
+    def _flush(self, drop_cache: bool = False) -> None:
+        self._check_open()
         if self._gpu is not None:
             self._gpu.flush(drop_cache)
 
@@ -623,6 +651,15 @@ class HostTable:
     def __repr__(self) -> str:
         return (f"HostTable({self.num_rows}, {self.dim}, dtype={self.dtype.name!r}, "
                 f"optimizer={self.optimizer!r}, cache_rows={self.cache_rows})")
+
+
+def _check_array(name: str, x) -> None:
+    """TypeError naming the argument for anything but a NumPy or CuPy array (a list, a torch
+    tensor), instead of an AttributeError from the shape checks."""
+    if not (isinstance(x, np.ndarray) or is_cupy_array(x)):
+        raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(x).__module__}."
+                        f"{type(x).__name__}; convert torch tensors and JAX arrays with "
+                        f"xferlib.to_numpy / xferlib.to_cupy")
 
 
 def _rebuilt(config: dict, weights, state: dict) -> HostTable:

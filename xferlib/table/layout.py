@@ -78,6 +78,8 @@ def initial_weights(init, rng):
         return lambda out: out.fill(0)
     if kind in ("uniform", "normal") and len(init) == 3:
         a, b = float(init[1]), float(init[2])
+        if not (np.isfinite(a) and np.isfinite(b)):  # NaN passes the checks below
+            raise ValueError(f"{kind} init needs finite parameters, got ({a}, {b})")
         if kind == "uniform":
             if not a <= b:
                 raise ValueError(f"uniform init needs low <= high, got ({a}, {b})")

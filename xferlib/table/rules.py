@@ -193,7 +193,10 @@ def resolve_hyper(name: str, overrides) -> dict:
     if unknown:
         raise ValueError(f"unknown hyperparameter(s) {unknown} for {name!r}; "
                          f"known: {sorted(rule.defaults)}")
-    h = {**rule.defaults, **overrides}
+    # NumPy scalars and 0-d arrays as Python numbers: a shared table's JSON header takes
+    # neither, a saved file's configuration no 0-d array.
+    h = {k: v.item() if isinstance(v, (np.generic, np.ndarray)) and np.ndim(v) == 0 else v
+         for k, v in {**rule.defaults, **overrides}.items()}
     if "betas" in h:
         h["betas"] = tuple(float(b) for b in h["betas"])
         if len(h["betas"]) != 2:
