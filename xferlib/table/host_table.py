@@ -23,17 +23,18 @@ import weakref
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, cupy_available, is_cupy_array
+from xferlib._backend import as_cupy_stream, is_cupy_array
 from xferlib.batch import BatchPlan
-from xferlib.memory import check_host_memory, is_pinned, pin, pinned_empty
+from xferlib.memory import is_pinned
 from xferlib.perf import warn_cache_thrashing
 from xferlib.rows import check_host_indices, check_index_dtype, take_rows
 from xferlib.sizes import integral_size
 from xferlib.table.device import DeviceSide
 from xferlib.table.io import load_table, save_table
-from xferlib.table.layout import INIT_CHUNK_ROWS, RowLayout, initial_weights, split_state
+from xferlib.table.layout import RowLayout, split_state
 from xferlib.table.prefetch import prefetch as _prefetch
 from xferlib.table.rules import SPARSE_OPTIMIZERS, resolve_hyper, sparse_rule, sum_duplicates
+from xferlib.table.storage import allocate_rows, allocate_shared_rows, shared_header
 
 __all__ = ["HostTable"]
 
@@ -149,91 +150,21 @@ class HostTable:
     # ------------------------------------------------------------------ storage
 
     def _allocate(self, init, rng) -> None:
-        layout, shape = self._layout, (self.num_rows,)
-        alloc = pinned_empty if cupy_available() else np.empty
-        # Before anything is allocated: a table larger than the host's RAM fails here, with
-        # both sizes, instead of being killed by the OS part-way through its initialization.
-        width = layout.state_width if isinstance(init, np.ndarray) else layout.row_width
-        check_host_memory(self.num_rows * width * self.dtype.itemsize,
-                          f"HostTable(num_rows={self.num_rows}, dim={self.dim}, "
-                          f"optimizer={self.optimizer!r}) with its optimizer state")
-        if isinstance(init, np.ndarray):
-            if init.shape != (self.num_rows, self.dim) or init.dtype != self.dtype:
-                raise ValueError(f"init array must have shape {(self.num_rows, self.dim)} and "
-                                 f"dtype {self.dtype}, got {init.shape} {init.dtype}")
-            if not init.flags.c_contiguous:
-                raise ValueError("init array must be C-contiguous (it is used in place)")
-            self._storage = None
-            self._weights = pin(init) if cupy_available() else init
-            self._state = alloc(shape + (layout.state_width,), self.dtype)
-            fill_weights = None
-        else:
-            fill_weights = initial_weights(init, rng)
-            self._storage = alloc(shape + (layout.row_width,), self.dtype)
-            self._weights = self._storage[:, :self.dim]
-            self._state = self._storage[:, layout.state_offset:]
-        initial = self._rule.initial(self._hyper) if self._rule else 0.0
-        for start in range(0, self.num_rows, INIT_CHUNK_ROWS):
-            stop = min(start + INIT_CHUNK_ROWS, self.num_rows)
-            if fill_weights is not None:
-                fill_weights(self._weights[start:stop])
-            state = self._state[start:stop]
-            state[...] = 0
-            slots, scalars, steps = split_state(layout, state)
-            for view in (*slots.values(), *scalars.values()):
-                view[...] = initial
-            steps[...] = 0
-
-    def _shared_header(self) -> dict:
-        import json
-
-        return json.loads(json.dumps(dict(
-            kind="HostTable", num_rows=self.num_rows, dim=self.dim, dtype=self.dtype.name,
-            optimizer=self.optimizer, hyper=self._hyper, row_width=self._layout.row_width)))
+        self._storage, self._weights, self._state = allocate_rows(
+            self.num_rows, self.dim, self.dtype, self._layout, self._initial(), init, rng,
+            f"HostTable(num_rows={self.num_rows}, dim={self.dim}, "
+            f"optimizer={self.optimizer!r}) with its optimizer state")
 
     def _allocate_shared(self, shared, init, rng) -> None:
-        from xferlib.table.shared import SharedMemory
+        header = shared_header(self.num_rows, self.dim, self.dtype, self.optimizer, self._hyper,
+                               self._layout.row_width)
+        self._shared, self._storage, self._weights, self._state = allocate_shared_rows(
+            self.num_rows, self.dim, self.dtype, self._layout, self._initial(), header, shared,
+            init, rng)
 
-        shape = (self.num_rows, self._layout.row_width)
-        header = self._shared_header()
-        if shared is True:
-            fill_weights = None if isinstance(init, np.ndarray) else initial_weights(init, rng)
-            if isinstance(init, np.ndarray) and (init.shape != (self.num_rows, self.dim)
-                                                 or init.dtype != self.dtype):
-                raise ValueError(f"init array must have shape {(self.num_rows, self.dim)} "
-                                 f"and dtype {self.dtype}, got {init.shape} {init.dtype}")
-            memory = SharedMemory.create(self.num_rows * self._layout.row_width
-                                         * self.dtype.itemsize, header)
-        elif isinstance(shared, str):
-            memory = SharedMemory.open(shared)
-            theirs = memory.header
-            if theirs != header:
-                memory.close()
-                diff = sorted(k for k in set(header) | set(theirs)
-                              if header.get(k) != theirs.get(k))
-                raise ValueError(
-                    "shared table " + repr(shared) + " was made with a different "
-                    "configuration: " + ", ".join(f"{k}={theirs.get(k)!r} there, "
-                                                  f"{header.get(k)!r} here" for k in diff))
-        else:
-            raise TypeError(f"shared must be False, True or a shared table's name, got "
-                            f"{shared!r}")
-        self._shared = memory
-        self._storage = memory.array(shape, self.dtype)
-        self._weights = self._storage[:, :self.dim]
-        self._state = self._storage[:, self._layout.state_offset:]
-        if shared is not True:
-            return  # the creator initialized it
-        initial = self._rule.initial(self._hyper) if self._rule else 0.0
-        for start in range(0, self.num_rows, INIT_CHUNK_ROWS):
-            stop = min(start + INIT_CHUNK_ROWS, self.num_rows)
-            if fill_weights is None:
-                self._weights[start:stop] = init[start:stop]
-            else:
-                fill_weights(self._weights[start:stop])
-            slots, scalars, steps = split_state(self._layout, self._state[start:stop])
-            for view in (*slots.values(), *scalars.values()):  # the rest stays zero
-                view[...] = initial
+    def _initial(self) -> float:
+        """The value a fresh row's state slots and row scalars start from."""
+        return self._rule.initial(self._hyper) if self._rule else 0.0
 
     @property
     def shared_name(self):
