@@ -133,6 +133,8 @@ def test_layout_alignment_and_views():
     ("rmsprop", dict(alpha=-1.0), "alpha"),
     ("adam", dict(foo=1), "unknown hyperparameter"),
     ("adagrad", dict(eps=-1.0), "epsilon"),
+    ("adam", dict(eps=float("nan")), "epsilon"),  # every updated row would turn NaN
+    ("adamw", dict(weight_decay=float("nan")), "weight_decay"),
 ])
 def test_bad_hyperparameters(name, bad, match):
     with pytest.raises(ValueError, match=match):

@@ -133,7 +133,7 @@ def check_common(h: dict) -> None:
         raise ValueError(f"Invalid learning rate: {h.get('lr', h.get('learning_rate'))}")
     for key, what in (("weight_decay", "weight_decay value"), ("eps", "epsilon value")):
         value = known_scalar(h.get(key, 0.0))
-        if value is not None and value < 0:
+        if value is not None and not value >= 0:  # NaN too, as torch refuses it
             raise ValueError(f"Invalid {what}: {h[key]}")
     if "betas" in h:
         for k, beta in enumerate(h["betas"]):
