@@ -70,6 +70,9 @@ class TrainInPlace(torch.autograd.Function):
 def _default_device(device) -> torch.device:
     device = torch.device(device if device is not None else
                           "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={str(device)!r} needs a CUDA GPU that torch sees; none "
+                           f"here (use device='cpu', the NumPy path)")
     if device.type == "cuda" and device.index is None:
         # The collection's memory lives on one GPU: pin the index down now, so outputs are
         # allocated there whatever torch's current device is later.
@@ -122,7 +125,10 @@ class EmbeddingBagCollection(torch.nn.Module):
     (``embedding_bags.<table>.weight``, ``embedding_bags.<table>.<state>``; a tt table's
     cores, their state and its step counter: ``embedding_bags.<table>.core<k>``,
     ``embedding_bags.<table>.core<k>.<state>``, ``embedding_bags.<table>.step``), and
-    ``load_state_dict`` restores them all or nothing. ``.to(device)``, ``.cuda()``,
+    ``load_state_dict`` checks every shape before any table changes (a mismatch writes
+    nothing); as for torch's parameters, the arrays given are loaded and the keys it lacks
+    keep their values (reported as missing: ``strict=False`` loads another optimizer's
+    weights or a subset of the tables). ``.to(device)``, ``.cuda()``,
     ``.cpu()``, ``.double()`` rebuild the core collection on the new device or dtype from its
     state (a copy of every table; hyperparameters set by ``collection.set_hyper`` carried
     over). The module has no parameters and no buffers: DistributedDataParallel syncs the
@@ -313,12 +319,19 @@ class EmbeddingBagCollection(torch.nn.Module):
                               unexpected_keys, error_msgs):
         expected = {prefix + _STATE + key: key for key in self._state_keys()}
         missing = [key for key in expected if key not in state_dict]
+        unexpected = [key for key in state_dict
+                      if key.startswith(prefix) and key not in expected]
         missing_keys.extend(missing)
-        unexpected_keys.extend(key for key in state_dict
-                               if key.startswith(prefix) and key not in expected)
-        if missing:  # the core loads every table or none
+        unexpected_keys.extend(unexpected)
+        if len(missing) == len(expected):  # none of ours given: nothing to load
             return
-        state = {core_key: state_dict[key].detach().cpu().numpy()
+        # torch's rule (it passes strict=True here whatever the caller's strict, and judges
+        # missing keys after the load): the arrays given are loaded, the others keep their
+        # values; every shape is checked before any table is written.
+        with self._on_device():
+            current = self.collection.state_dict() if missing else {}
+        state = {core_key: (state_dict[key].detach().cpu().numpy() if key in state_dict
+                            else current[core_key])
                  for key, core_key in expected.items()}
         try:
             with self._on_device():

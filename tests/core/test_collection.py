@@ -193,6 +193,54 @@ def test_bad_configs():
         EmbeddingCollection([], device="cpu")
 
 
+def test_arguments_that_are_not_arrays_or_of_another_dtype_raise_named_errors():
+    """``out`` of another dtype (an int array truncated the pooled rows, float16 rounded
+    them), lists as ``per_sample_weights`` / ``grad_pooled`` (AttributeError), a table index
+    or seed that is not an integer (truncated by int()): a TypeError naming the argument,
+    nothing changed."""
+    coll = EmbeddingCollection([TableConfig(10, 4, name="a"), TableConfig(5, 2, name="b")],
+                               "adam", device="cpu", seed=0)
+    before = coll.state_dict()
+    idx, off = np.array([1, 2, 3, 4]), np.array([0, 1, 2, 3, 4])
+    for dtype in (np.int64, np.float16, np.float64):
+        with pytest.raises(TypeError, match="out must have the collection's dtype float32"):
+            coll.lookup(idx, off, out=np.zeros((2, 6), dtype))
+    with pytest.raises(TypeError, match="out must be an array"):
+        coll.lookup(idx, off, out=[[0.0] * 6] * 2)
+    with pytest.raises(TypeError, match="per_sample_weights must be an array, got list"):
+        coll.forward(idx, off, [1.0, 1.0, 1.0, 1.0])
+    _, ctx = coll.forward(idx, off)
+    with pytest.raises(TypeError, match="grad_pooled must be an array, got list"):
+        coll.backward(ctx, [[1.0] * 6] * 2)
+    with pytest.raises(TypeError, match="table must be a name or an integer index"):
+        coll.set_hyper(1.7, lr=0.5)
+    with pytest.raises(TypeError, match="table must be a name or an integer index"):
+        coll.weights(True)
+    assert [h["lr"] for h in coll.hypers] == [0.001, 0.001]
+    after = coll.state_dict()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+    out = np.zeros((2, 6), np.float32)
+    assert coll.lookup(idx, off, out=out) is out and out.any()
+    with pytest.raises(TypeError, match="seed must be an integer or None, got 1.5"):
+        EmbeddingCollection([TableConfig(10, 4)], device="cpu", seed=1.5)
+    np.testing.assert_array_equal(
+        EmbeddingCollection([TableConfig(10, 4)], device="cpu", seed=np.int64(3)).weights(0),
+        EmbeddingCollection([TableConfig(10, 4)], device="cpu", seed=3).weights(0))
+
+
+@pytest.mark.parametrize("init", [("normal", float("nan"), 1.0), ("normal", 0.0, float("inf")),
+                                  ("uniform", 0.0, float("inf")),
+                                  ("uniform", -float("inf"), 1.0)])
+def test_non_finite_init_parameters_are_refused(init):
+    """A NaN mean or an infinite bound passed init_kind's checks and filled the table with
+    NaN or inf (HostTable's initializers refuse them)."""
+    with pytest.raises(ValueError, match="finite"):
+        TableConfig(10, 4, init=init)
+    with pytest.raises(ValueError, match="init needs two numbers"):
+        TableConfig(10, 4, init=("uniform", "low", 1.0))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
 def test_padded_batches_train_as_their_true_part(backend, optimizer):

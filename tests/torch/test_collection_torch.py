@@ -246,6 +246,48 @@ def test_load_state_dict_refuses_what_does_not_fit():
         "sparse.embedding_bags.f1.exp_avg"]
 
 
+def test_load_state_dict_not_strict_loads_what_it_is_given():
+    """strict=False (torch passes strict=True to _load_from_state_dict whatever the caller
+    gave): another optimizer's checkpoint loads its weights and step counts, a checkpoint of
+    some of the tables loads those tables; what it lacks keeps its values and is reported
+    missing (the module loaded nothing at all, silently, when any key was missing)."""
+    source = EmbeddingBagCollection(tables(), "sgd", {"lr": 0.1}, device="cpu", seed=1)
+    rng = np.random.default_rng(3)
+    source(*batch(rng, B=4)).sum().backward()  # steps of 1 on some rows
+    saved = source.state_dict()
+    module = EmbeddingBagCollection(tables(), "adam", {"lr": 0.1}, device="cpu", seed=2)
+    module(*batch(rng, B=4)).sum().backward()
+    before = module.state_dict()
+    result = module.load_state_dict(saved, strict=False)
+    assert sorted(result.missing_keys) == sorted(k for k in before if "exp_avg" in k)
+    after = module.state_dict()
+    for key, value in after.items():
+        torch.testing.assert_close(value, saved[key] if key in saved else before[key],
+                                   rtol=0, atol=0, msg=key)
+
+    fewer = EmbeddingBagCollection(tables()[:2], "adam", {"lr": 0.1}, device="cpu", seed=4)
+    module = EmbeddingBagCollection(tables(), "adam", {"lr": 0.1}, device="cpu", seed=5)
+    before = module.state_dict()
+    result = module.load_state_dict(fewer.state_dict(), strict=False)
+    assert result.missing_keys == [k for k in before if k.startswith("embedding_bags.f2.")]
+    after = module.state_dict()
+    for key, value in after.items():
+        want = fewer.state_dict()[key] if ".f2." not in key else before[key]
+        torch.testing.assert_close(value, want, rtol=0, atol=0, msg=key)
+    wrong = {"embedding_bags.f0.weight": torch.zeros(7, 5)}  # a shape still refuses all
+    with pytest.raises(RuntimeError, match=r"f0.weight must have shape \(7, 4\)"):
+        module.load_state_dict(wrong, strict=False)
+    for key, value in module.state_dict().items():
+        torch.testing.assert_close(value, after[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_cuda_device_without_a_gpu_is_refused_clearly():
+    """torch.cuda.current_device() raised torch's AssertionError first."""
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        EmbeddingBagCollection(tables(), device="cuda")
+
+
 def test_moves_and_copies_keep_the_tables():
     """.double() rebuilds the collection in float64 from its state; deepcopy and pickling
     (torch.save of the module) carry tables, state and hyperparameters; float16 is refused

@@ -22,6 +22,8 @@ NumPy inputs: they are copied to the GPU and the pooled rows come back as NumPy.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from xferlib._backend import array_module, cupy_available, is_cupy_array
@@ -136,6 +138,8 @@ class EmbeddingCollection:
                              f"width; host tables have widths {sorted(host_dims)}")
         if seed is None:
             seed = int(np.random.SeedSequence().entropy) & ((1 << 63) - 1)
+        elif isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an integer or None, got {seed!r}")
         self.blocks, self.buffers = self._allocate(seed)
         # The tt tables (xferlib/collection/tt_tables.py): {table position: TTTable}.
         self.tt_tables = build_tt_tables(self, seed, tt_hypers)
@@ -198,6 +202,8 @@ class EmbeddingCollection:
             if table not in self.names:
                 raise KeyError(f"no table {table!r}; tables: {list(self.names)}")
             return self.names.index(table)
+        if isinstance(table, (bool, np.bool_)) or not isinstance(table, numbers.Integral):
+            raise TypeError(f"table must be a name or an integer index, got {table!r}")
         t = int(table)
         if not 0 <= t < self.num_tables:
             raise IndexError(f"table {t} out of range for {self.num_tables} tables")
@@ -410,6 +416,10 @@ class EmbeddingCollection:
             raise ValueError(f"offsets must have T * B + 1 entries for T = {T} tables, got "
                              f"{offsets.shape[0]}")
         if per_sample_weights is not None:
+            if not hasattr(per_sample_weights, "dtype") or not hasattr(per_sample_weights,
+                                                                        "shape"):
+                raise TypeError(f"per_sample_weights must be an array, got "
+                                f"{type(per_sample_weights).__name__}")
             if is_cupy_array(per_sample_weights) != is_cupy_array(indices):
                 raise TypeError("per_sample_weights must be in the same namespace as indices")
             if not _floating(per_sample_weights.dtype):
@@ -436,8 +446,15 @@ class EmbeddingCollection:
         size is known only on the GPU runs without reading it back (a CUDA graph, a
         collective's fixed-capacity buffer)."""
         B = self.check_shapes(indices, offsets, per_sample_weights)
-        if out is not None and out.shape != (B, self.total_dim):
-            raise ValueError(f"out must have shape {(B, self.total_dim)}, got {out.shape}")
+        if out is not None:
+            if not hasattr(out, "dtype") or not hasattr(out, "shape"):
+                raise TypeError(f"out must be an array, got {type(out).__name__}")
+            if out.shape != (B, self.total_dim):
+                raise ValueError(f"out must have shape {(B, self.total_dim)}, got "
+                                 f"{out.shape}")
+            if out.dtype != self.dtype:  # written as rows are: no silent cast
+                raise TypeError(f"out must have the collection's dtype {self.dtype}, got "
+                                f"{out.dtype}")
         if is_cupy_array(indices):
             return self._gpu_side().forward(indices, offsets, per_sample_weights, B, out,
                                             stream, _for_update, padded=padded)
@@ -480,6 +497,8 @@ class EmbeddingCollection:
         on each touched row once, where it lives."""
         if not isinstance(ctx, LookupContext):
             raise TypeError("ctx must be the LookupContext forward() returned")
+        if not hasattr(grad_pooled, "dtype") or not hasattr(grad_pooled, "shape"):
+            raise TypeError(f"grad_pooled must be an array, got {type(grad_pooled).__name__}")
         shape = (ctx.batch_size, self.total_dim)
         if tuple(grad_pooled.shape) != shape:
             raise ValueError(f"grad_pooled must have shape {shape}, got "

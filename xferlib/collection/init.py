@@ -42,7 +42,12 @@ def init_kind(init):
     if name == "zeros" and len(init) == 1:
         return 0, 0.0, 0.0
     if name in ("uniform", "normal") and len(init) == 3:
-        a, b = float(init[1]), float(init[2])
+        try:
+            a, b = float(init[1]), float(init[2])
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} init needs two numbers, got {init!r}") from None
+        if not (np.isfinite(a) and np.isfinite(b)):  # NaN passes the checks below
+            raise ValueError(f"{name} init needs finite parameters, got ({a}, {b})")
         if name == "uniform" and not a <= b:
             raise ValueError(f"uniform init needs low <= high, got ({a}, {b})")
         if name == "normal" and not b >= 0:
