@@ -76,7 +76,9 @@ class _TTBagFunction(torch.autograd.Function):
         gpu = device.is_cuda
         capturing = gpu and torch.cuda.is_current_stream_capturing()
         num_bags = offsets.shape[0] - (1 if module.include_last_offset else 0)
-        out = torch.empty((max(num_bags, 0), module.embedding_dim), device=device.device)
+        # float32 (the bags the core table writes), whatever torch's default dtype is
+        out = torch.empty((max(num_bags, 0), module.embedding_dim), dtype=torch.float32,
+                          device=device.device)
         stream = cupy_stream(device.device) if gpu else None
         with on_stream(device, capturing, stream):
             _, residuals = table.lookup(

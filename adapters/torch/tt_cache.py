@@ -30,7 +30,11 @@ def update_cache(self, indices) -> None:
     """Count the lookups of ``indices`` in the access frequencies (training forwards do it;
     the cache's contents change only at :meth:`cache_populate`)."""
     self._require_cache()
-    indices = torch.as_tensor(indices).long().to(self.cache_rows.device)
+    indices = torch.as_tensor(indices)
+    if indices.dtype not in (torch.int32, torch.int64):  # as forward: .long() would count
+        raise TypeError(f"indices must be an integer tensor of dtype int32 or int64 (as "
+                        f"torch's EmbeddingBag takes), got {indices.dtype}")
+    indices = indices.long().to(self.cache_rows.device)
     with _on_stream(self.cache_rows):
         self._table().count_cache(_array(indices))
 

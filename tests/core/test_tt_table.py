@@ -236,6 +236,9 @@ def test_bad_input_raises_and_changes_nothing(rng):
         table.apply_gradients((good,), np.ones((1, SHAPE.dim), np.float32))
     with pytest.raises(IndexError, match="out of range for 100 embeddings"):
         table.count_cache(np.array([5, 100]))
+    for bad in (np.array([5.9, 0.5]), np.array([True, False])):  # cast: rows 5, 0 and 1, 0
+        with pytest.raises(TypeError, match="indices must be integers"):
+            table.count_cache(bad)
     with pytest.raises(ValueError, match="lr must be"):
         table.set_hyper(lr=-1.0)
     with pytest.raises(ValueError, match="unknown hyperparameters"):
@@ -396,10 +399,37 @@ def test_bad_out_is_refused_before_the_cache_counts(rng):
     with pytest.raises(ValueError, match="out must have shape"):
         table.lookup(indices, offsets, include_last_offset=True,
                      out=np.zeros((2, SHAPE.dim), np.float32))
-    with pytest.raises(TypeError, match="out must be a floating"):
+    with pytest.raises(TypeError, match="out must be a float32"):
         table.lookup(indices, offsets, include_last_offset=True,
                      out=np.zeros((3, SHAPE.dim), np.int32))
+    # float64 passed the first check, then the batch was counted and refused (ValueError)
+    with pytest.raises(TypeError, match="out must be a float32"):
+        table.lookup(indices, offsets, include_last_offset=True,
+                     out=np.zeros((3, SHAPE.dim), np.float64))
     assert_unchanged(table, before)
+    # the forward itself checks out before it counts the batch in the cache
+    with pytest.raises(ValueError, match="out must be float32"):
+        tt.tt_embedding_bag_fwd(table.cores, table.joint_shape, indices, offsets,
+                                cache=table.cache, cache_count=True,
+                                out=np.zeros((3, SHAPE.dim), np.float64))
+    assert_unchanged(table, before)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+def test_cache_rows_not_hit_stay_finite_with_eps_zero(optimizer):
+    """eps = 0 (allowed: >= 0): a cached row the batch did not hit has a zero gradient and
+    a zero accumulator; stepping it anyway gave 0 / 0 = NaN, which its lookups then read."""
+    table = TTTable(SHAPE, optimizer, {"lr": 0.1, "eps": 0.0}, cache_size=3, hashtbl_size=32,
+                    seed=4)
+    table.lookup(np.array([5, 5, 9]), np.array([0, 3]), include_last_offset=True)
+    table.populate_cache()  # rows 5 and 9 cached, one slot empty
+    row9 = table.numpy()[9].copy()
+    bags, res = table.lookup(np.array([5]), np.array([0, 1]), include_last_offset=True)
+    with np.errstate(invalid="raise", divide="raise"):
+        table.apply_gradients(res, np.ones_like(bags))
+    assert np.isfinite(table.cache.weight).all()
+    np.testing.assert_array_equal(table.numpy()[9], row9)  # not hit: unchanged
+    assert (table.numpy()[5] != bags[0]).all()  # hit: trained
 
 
 # ----------------------------------------------------------------------------- GPU

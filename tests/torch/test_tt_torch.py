@@ -293,6 +293,12 @@ def test_repopulate_keeps_trained_rows_and_reset_returns_to_the_cores():
     assert (bag.hashtbl == -1).all() and (bag.cache_freq == 0).all()
     with pytest.raises(IndexError, match="index 600 at position 0"):
         bag.update_cache(torch.tensor([600]))
+    # other dtypes were cast with .long() and counted rows nobody looked up
+    for bad in (torch.tensor([250.7]), torch.tensor([True, False]),
+                torch.tensor([5], dtype=torch.uint8)):
+        with pytest.raises(TypeError, match="int32 or int64"):
+            bag.update_cache(bad)
+    assert (bag.hashtbl == -1).all() and (bag.cache_freq == 0).all()
 
 
 def test_cache_with_dense_gradients_and_state_dict():
@@ -531,3 +537,22 @@ def test_data_parallel_replicas_hold_tables_of_their_own():
     torch.testing.assert_close(replica(indices, offsets), module(indices, offsets),
                                rtol=0, atol=0)
     assert replica.__dict__["_tt"] is not module.__dict__["_tt"]
+
+
+def test_forward_under_a_float64_default_dtype():
+    """The bags are float32 whatever torch's default dtype is: the forward allocated them
+    with it, and a float64 default made every call fail on an internal ``out`` check."""
+    bag = TTEmbeddingBag(12, 4, [2], [3, 4], [2, 2], use_cache=False, seed=0,
+                         learning_rate=0.5)
+    indices, offsets = torch.tensor([1, 11, 1]), torch.tensor([0, 2, 3])
+    expected = _torch_full(bag).detach()[indices].view(-1)
+    expected = torch.stack([expected[:4] + expected[4:8], expected[8:]])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = bag(indices, offsets)
+        out.sum().backward()
+    finally:
+        torch.set_default_dtype(previous)
+    assert out.dtype == torch.float32 and bag.iter == 1
+    torch.testing.assert_close(out.detach(), expected)

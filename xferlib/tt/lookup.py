@@ -163,6 +163,8 @@ def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
     indices, bag, w, num_bags = tt_bag_residuals(
         shape, indices, offsets, mode=mode, per_sample_weights=per_sample_weights,
         include_last_offset=include_last_offset, num_embeddings=num_embeddings)
+    if out is not None:  # before the cache counts the batch
+        check_out(out, num_bags, shape)
     rows = tt_rows(cores, shape, indices)
     if cache is not None and cache_count:
         cache.count(indices, stream=stream)
@@ -175,7 +177,6 @@ def tt_embedding_bag_fwd(cores, shape: TTShape, indices, offsets, *, mode="sum",
     scatter_add(bags, bag, rows)
     if out is None:
         return bags, (indices, bag, w)
-    check_out(out, num_bags, shape)
     out[...] = bags
     return out, (indices, bag, w)
 

@@ -339,8 +339,8 @@ class TTTable:
         self._check_inputs(indices, offsets, per_sample_weights)
         if out is not None:  # before the cache counts the batch
             bags = max(int(offsets.shape[0]) - (1 if include_last_offset else 0), 0)
-            if array_module(out) is not self.xp or out.dtype.kind != "f":
-                raise TypeError(f"out must be a floating {self.xp.__name__} array like the "
+            if array_module(out) is not self.xp or out.dtype != np.float32:
+                raise TypeError(f"out must be a float32 {self.xp.__name__} array beside the "
                                 f"cores, got {type(out).__name__} {out.dtype}")
             if tuple(out.shape) != (bags, self.dim):
                 raise ValueError(f"out must have shape {(bags, self.dim)}, got "
@@ -549,7 +549,10 @@ class TTTable:
         cache = self._require_cache()
         xp = self.xp
         with stream_scope(stream, self.on_gpu):
-            indices = xp.asarray(indices).astype(np.int64, copy=False).reshape(-1)
+            indices = xp.asarray(indices)
+            if indices.dtype.kind not in "iu":  # a cast would count other rows in silence
+                raise TypeError(f"indices must be integers, got {indices.dtype}")
+            indices = indices.astype(np.int64, copy=False).reshape(-1)
             bad = (indices < 0) | (indices >= self.num_embeddings)
             if bool(bad.any()):
                 position = int(xp.flatnonzero(bad)[0])

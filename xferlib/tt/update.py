@@ -17,8 +17,7 @@ from xferlib.tt.cache import TTRowCache, tt_cache_grad
 from xferlib.tt.grads import gpu_core_grads, tt_embedding_bag_bwd
 from xferlib.tt.lookup import to_host
 from xferlib.tt.plan import TTBagPlan, key_type, module_of, rows_scratch, uses_kernels
-from xferlib.tt.rules import (LAZY_OPTIMIZERS, check_sparse_args, state_pointers,
-                              tt_sparse_update, update_rows)
+from xferlib.tt.rules import check_sparse_args, state_pointers, tt_sparse_update, update_rows
 from xferlib.tt.shape import TTShape, grad_spans, total_core_rows
 
 __all__ = ["tt_fused_update", "tt_apply_core_grads", "tt_cache_apply"]
@@ -60,8 +59,10 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
         hyper["step"] = int(to_host(step).reshape(-1)[0])
     if cache is not None and cache.active and not kernel_path:
         grad, touched = tt_cache_grad(cache, shape, residuals, grad_bags)
-        rows = (array_module(touched).flatnonzero(touched) if optimizer in LAZY_OPTIMIZERS
-                else slice(None))
+        # as tt_cache_apply: whole only for the rules a zero gradient leaves unchanged (an
+        # adagrad with eps = 0 would turn the rows the batch did not hit into NaN)
+        whole = optimizer == "sgd" or (optimizer in ("adagrad", "rowwise_adagrad") and eps > 0)
+        rows = slice(None) if whole else array_module(touched).flatnonzero(touched)
         update_rows(cache.weight, grad, cache.state, rows, optimizer, lr, eps, betas, **hyper)
     if not kernel_path:
         grads = tt_embedding_bag_bwd(cores, shape, residuals, grad_bags)
