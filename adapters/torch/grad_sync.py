@@ -154,6 +154,19 @@ class GradAllReduce:
 
     def _launch(self, bucket) -> None:
         if bucket.flat_slice is not None:
+            # A gradient autograd made anew (after model.zero_grad(): .grad was None) or
+            # one assigned lives outside the flat buffer: bring it in first; a parameter
+            # without one is summed as zeros.
+            owner = bucket.owner
+            for i in range(bucket.index.start, bucket.index.stop):
+                p, view = owner.params[i], owner.grad_views[i]
+                g = p.grad
+                if g is not view:
+                    if g is None:
+                        view.zero_()
+                    else:
+                        view.copy_(g)
+                    p.grad = view
             tensor = bucket.flat_slice
         else:
             for p in bucket.params:

@@ -144,8 +144,8 @@ class Bucket:
             self.set_step(i, 1 if entry.get("momentum_buffer") is not None else 0)
         else:
             self.set_step(i, 0)
-        if "mu_product" in entry:
-            self.state.scalars["mu_product"][i] = float(entry["mu_product"])
+        if "mu_product" in self.state.scalars:  # none saved: it starts afresh, as in torch
+            self.state.scalars["mu_product"][i] = float(entry.get("mu_product", 1.0))
 
     def _views(self, flat):
         return [flat[s.offset:s.offset + s.size].view(s.shape) for s in self.layout.segments]
@@ -194,6 +194,12 @@ class Bucket:
         return self.has_grad
 
     def zero_grad(self, set_to_none: bool):
+        if not set_to_none:  # torch zeroes the gradients there are: those steps still
+            # take; a parameter whose .grad is None (model.zero_grad()) stays without one
+            for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
+                g = p.grad
+                if g is not view:
+                    self.has_grad[i] = g is not None
         self.flat_grads.zero_()
         for p, view in zip(self.params, self.grad_views):
             p.grad = view
@@ -236,6 +242,9 @@ class Bucket:
             self.state.buffers[name] = buffer
             self.state_tensors[name] = torch.from_dlpack(buffer) if cuda else \
                 torch.from_numpy(buffer)
+        if rule.name == "sgd":  # torch's first step with a momentum buffer copies the
+            self.state.steps[...] = 0  # gradient into it (dampening not applied): SGD's
+            # step count only tells that first step
         if cuda:  # the zeros written (CuPy's stream) before torch's stream reads them
             torch.cuda.synchronize(self.device)
         if self.cuda_step is not None:  # its launch was prepared with the old buffers
@@ -275,6 +284,12 @@ class Bucket:
 
 
 _grad = operator.attrgetter("grad")
+
+
+def fresh_state(name: str, group: dict) -> float:
+    """The value state buffer ``name`` starts from (Adagrad's sum: the group's initial
+    accumulator value; everything else zero)."""
+    return float(group.get("initial_accumulator_value", 0.0)) if name == "sum" else 0.0
 
 
 def current_cupy_stream(device):
@@ -379,6 +394,12 @@ class FlatOptimizerBase(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 by_key.setdefault((p.device, p.dtype), []).append((p, gi))
+        for device, dtype in by_key:  # before any bucket takes its parameters over
+            if dtype not in _DTYPES:
+                raise TypeError(f"flat optimizers take float32, bfloat16 or float16 "
+                                f"parameters, got {dtype}")
+            if self._capturable and device.type != "cuda":
+                raise ValueError("capturable=True needs CUDA parameters")
         return list(by_key.values())
 
     def _build_buckets(self):
@@ -494,14 +515,22 @@ class FlatOptimizerBase(torch.optim.Optimizer):
             bucket.check_params(shapes=True)
             bucket.refuse_new_buffers(self._rule, [self._hyper(g)
                                                    for g in state_dict["param_groups"]])
+        saved = state_dict["state"]
+        index = self._param_index()
+        for bucket in self._buckets:  # every tensor's size, before anything changes
+            for p in bucket.params:
+                key = index[id(p)]
+                for name, value in saved.get(key, {}).items():
+                    if (name not in ("step", "mu_product") and isinstance(value, torch.Tensor)
+                            and value.numel() != p.numel()):
+                        raise ValueError(f"state_dict: parameter {key}'s {name!r} has "
+                                         f"{value.numel()} elements, expected {p.numel()}")
         super().load_state_dict(state_dict)  # torch's checks and param_groups update
         self.state.clear()
         for bucket in self._buckets:  # the checkpoint's hyperparameters may need more state
             bucket.ensure_buffers(self._rule, self.hypers())
         # Read the tensors from the checkpoint itself: torch casts loaded state to each
         # parameter's dtype, which would round the float32 state of 16-bit parameters.
-        saved = state_dict["state"]
-        index = self._param_index()
         for bucket in self._buckets:
             for i, p in enumerate(bucket.params):
                 entry = saved.get(index[id(p)], {})
@@ -511,11 +540,12 @@ class FlatOptimizerBase(torch.optim.Optimizer):
                     source = p.detach() if master is None else master
                     bucket.master[seg.offset:seg.offset + seg.size].copy_(
                         source.reshape(-1).to(bucket.master.device, torch.float32))
-                names = [n for n in bucket.state_tensors if n in entry]
-                for name in names:
-                    flat = bucket.state_tensors[name]
-                    flat[seg.offset:seg.offset + seg.size].copy_(
-                        entry[name].reshape(-1).to(flat.device, flat.dtype))
+                for name, flat in bucket.state_tensors.items():
+                    region = flat[seg.offset:seg.offset + seg.size]
+                    if entry.get(name) is not None:
+                        region.copy_(entry[name].reshape(-1).to(flat.device, flat.dtype))
+                    else:  # no state saved for it: it starts afresh, as in torch
+                        region.fill_(fresh_state(name, self.param_groups[seg.group]))
                 bucket.restore_counters(i, entry, self._rule_name)
         self.state.clear()
 

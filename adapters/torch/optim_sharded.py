@@ -362,9 +362,11 @@ class _ShardedFlatOptimizer(flat.FlatOptimizerBase):
                     master.reshape(-1)[piece]
                 bucket.master[where].copy_(source.to(bucket.device, torch.float32))
             for name, tensor in bucket.state_tensors.items():
-                if name in entry:
+                if entry.get(name) is not None:
                     tensor[where].copy_(entry[name].reshape(-1)[piece].to(
                         tensor.device, tensor.dtype))
+                else:  # no state saved for it: it starts afresh, as in torch
+                    tensor[where].fill_(flat.fresh_state(name, self.param_groups[seg.group]))
             bucket.restore_counters(k, entry, self._rule_name)
         self.state.clear()
 

@@ -149,6 +149,18 @@ def test_global_norm_and_clip():
     assert optim.clip_coefficient(0.5, 1.0) == 1.0
 
 
+@pytest.mark.parametrize("norm_type", [0.0, -2.0, float("-inf"), float("nan")])
+def test_norm_types_that_are_no_norms_are_refused(norm_type):
+    # 0 divided by zero (1 / p); -inf and negative ones returned a silent 1.0 or 0.0
+    g = np.array([3.0, 4.0, 0.0], np.float32)
+    for call in (lambda: optim.global_norm(g, norm_type),
+                 lambda: optim.partial_norm(g, norm_type),
+                 lambda: optim.clip_by_global_norm([g], 1.0, norm_type)):
+        with pytest.raises(ValueError, match="norm_type"):
+            call()
+    np.testing.assert_array_equal(g, [3.0, 4.0, 0.0])
+
+
 GPU_CASES = [(name, kw) for name, _, kw in TORCH_CASES] + [("lion", dict(learning_rate=1e-2,
                                                                           weight_decay=0.1))]
 

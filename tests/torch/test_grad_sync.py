@@ -119,6 +119,35 @@ def _cases(rank, device, out):
         out[f"skip_{kind}_ref"] = torch.cat([p.detach().reshape(-1)
                                              for p in ref.parameters()]).cpu()
 
+    # model.zero_grad() (torch's default: .grad None) before each backward: autograd makes
+    # new .grad tensors outside the flat buffer; they are summed all the same (and a
+    # parameter unused on this rank as zeros), over three steps.
+    model = _model(device)
+    opt = FlatSGD(model.parameters(), lr=0.1)
+    sync = GradAllReduce(opt, bucket_mb=TINY_MB)
+    ref = _model(device)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        batches = [_batch(step, r, device) for r in range(WORLD)]
+        model.zero_grad()
+        skip = rank == 0 and step == 1  # rank 0's loss skips the last bias this step
+        z = model[3](model[2](model[1](model[0](batches[rank]))))
+        ((z @ model[4].weight.T + (0 if skip else model[4].bias)) ** 2).sum().backward()
+        sync.wait()
+        opt.step()
+        ref_opt.zero_grad()
+        total = 0
+        for r, x in enumerate(batches):
+            z = ref[3](ref[2](ref[1](ref[0](x))))
+            total = total + ((z @ ref[4].weight.T + (0 if r == 0 and step == 1
+                                                       else ref[4].bias)) ** 2).sum()
+        total.backward()
+        ref_opt.step()
+    out["model_zero_grad"] = torch.cat([p.detach().reshape(-1)
+                                        for p in model.parameters()]).cpu()
+    out["model_zero_grad_ref"] = torch.cat([p.detach().reshape(-1)
+                                            for p in ref.parameters()]).cpu()
+
     # A second backward before wait() is refused (at wait, every rank alike), and so is one
     # under no_sync after a backward that synced (it would add into sums in flight).
     for name, quiet in (("second_backward_refused", False), ("no_sync_after_sync_refused",
@@ -217,7 +246,7 @@ def ranks(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["flat", "plain_mean", "accumulated", "skip_plain",
-                                  "skip_flat", "frozen"])
+                                  "skip_flat", "frozen", "model_zero_grad"])
 def test_ranks_get_the_global_batchs_gradient(ranks, case):
     _, results = ranks
     for rank, got in enumerate(results):

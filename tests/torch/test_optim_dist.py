@@ -16,6 +16,7 @@ must equal that reference's ``state_dict()``; a sharded rank holds 1/N of the st
 spawn per group size runs every check (spawning is the slow part).
 """
 
+import copy
 import os
 
 import numpy as np
@@ -371,3 +372,30 @@ def test_bad_input_is_rejected_before_anything_changes(one_rank):
     with pytest.raises(ValueError, match="exp_avg_sq"):
         opt.load_state_dict(full)
     np.testing.assert_array_equal(_flat_state(opt.state_dict())[0], before)
+
+
+@pytest.mark.parametrize("name", ["adam", "nadam", "adagrad"])
+def test_loading_a_checkpoint_without_a_parameters_state_starts_it_afresh(one_rank, name):
+    """A sharded optimizer that has stepped, loaded from a checkpoint holding no state for
+    its parameters (a fresh optimizer's consolidated one): their state starts afresh, as
+    torch's does, not from the moments they had before the load."""
+    flat_cls, sharded_cls = _classes(name)
+    torch_cls = getattr(torch.optim, FLAT[name])
+    kw = dict(CASES[name], initial_accumulator_value=0.5) if name == "adagrad" else CASES[name]
+    x, y = _batches(torch.device("cpu"))[0]
+    results = []
+    for cls in (torch_cls, sharded_cls):
+        model = _model(torch.device("cpu"))
+        opt = cls(model.parameters(), **kw)
+        fresh = (opt.consolidated_state_dict() if cls is sharded_cls
+                 else copy.deepcopy(opt.state_dict()))  # torch's holds its live tensors
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        opt.load_state_dict(fresh)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        results.append(_params(model))
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6)

@@ -479,3 +479,115 @@ def test_frozen_parameters_groups_and_state_made_later(device):
         m(x).pow(2).sum().backward()
         o.step()
     torch.testing.assert_close(models[1].weight, models[0].weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("flat_cls,torch_cls,kw", [
+    (xt.FlatAdam, torch.optim.Adam, dict(lr=0.1)),
+    (xt.FlatNAdam, torch.optim.NAdam, dict(lr=0.1)),
+    (xt.FlatAdagrad, torch.optim.Adagrad, dict(lr=0.1, initial_accumulator_value=0.5)),
+])
+def test_loading_a_checkpoint_without_a_parameters_state_starts_it_afresh(flat_cls, torch_cls,
+                                                                          kw):
+    """Loading into an optimizer that has stepped: a parameter the checkpoint holds no state
+    for starts from fresh state (zero moments, mu_product 1, Adagrad's initial sum), as in
+    torch, not from the moments it had before the load."""
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(6))
+    results = []
+    for cls in (torch_cls, flat_cls):
+        model = _model()
+        opt = cls(model.parameters(), **kw)
+        fresh = copy.deepcopy(opt.state_dict())
+        for _ in range(3):
+            opt.zero_grad()
+            (model(x) ** 2).mean().backward()
+            opt.step()
+        opt.load_state_dict(fresh)
+        opt.zero_grad()
+        (model(x) ** 2).mean().backward()
+        opt.step()
+        results.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_before_anything_changes():
+    model = _model()
+    opt = xt.FlatAdam(model.parameters(), lr=0.1)
+    (model(torch.randn(4, 6)) ** 2).mean().backward()
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(before)
+    bad["param_groups"][0]["lr"] = 5.0
+    bad["state"][1]["exp_avg"] = torch.zeros(2)  # parameter 1 has 16 elements
+    with pytest.raises(ValueError, match="exp_avg"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["lr"] == 0.1
+    after = opt.state_dict()
+    for k, entry in before["state"].items():
+        for name, value in entry.items():
+            torch.testing.assert_close(after["state"][k][name], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: xt.FlatAdamW(params),  # float32, then a float64 parameter
+    lambda params: xt.FlatAdam(params[:1], capturable=True),  # CPU parameters
+])
+def test_a_refused_build_leaves_the_parameters_alone(make):
+    """A build refused (TypeError, ValueError) leaves every parameter as it was: no .grad
+    made for it, its storage not moved into a flat buffer (a torch optimizer built next
+    would step zero gradients)."""
+    w = torch.nn.Parameter(torch.ones(3, 2))
+    b = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    ptr = w.data_ptr()
+    with pytest.raises((TypeError, ValueError)):
+        make([w, b])
+    assert w.grad is None and w.data_ptr() == ptr
+
+
+def test_zero_grad_keeping_tensors_after_model_zero_grad_follows_torch():
+    """model.zero_grad() (.grad None) then optimizer.zero_grad(set_to_none=False): torch has
+    nothing to zero, so a parameter no backward reaches stays without a gradient and is not
+    stepped; an assigned gradient is zeroed and steps (weight decay moves it)."""
+    x = torch.randn(5, 6)
+    results = []
+    for cls in (torch.optim.AdamW, xt.FlatAdamW):
+        model = _model()
+        opt = cls(model.parameters(), lr=0.1)
+        (model(x) ** 2).mean().backward()
+        opt.step()
+        model.zero_grad()
+        model[3].bias.grad = torch.ones(2)  # assigned: torch zeroes it and steps it
+        opt.zero_grad(set_to_none=False)
+        (model[0](x) ** 2).mean().backward()  # only the first layer gets a gradient
+        opt.step()
+        results.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-7)
+
+
+def test_sgd_momentum_turned_on_later_starts_from_the_gradient():
+    """torch's first step with a momentum buffer copies the gradient (no dampening), also
+    when momentum is turned on after steps without it."""
+    x = torch.randn(5, 6)
+    results = []
+    for cls in (torch.optim.SGD, xt.FlatSGD):
+        model = _model()
+        opt = cls(model.parameters(), lr=0.1, dampening=0.5)
+        for step in range(4):
+            if step == 2:
+                opt.param_groups[0]["momentum"] = 0.9
+            opt.zero_grad()
+            (model(x) ** 2).mean().backward()
+            opt.step()
+        results.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("norm_type", [0.0, -1.0, float("-inf"), float("nan")])
+def test_clip_grad_norm_refuses_norm_types_that_are_no_norms(norm_type):
+    model = _model()
+    opt = xt.FlatAdam(model.parameters())
+    (model(torch.randn(4, 6)) ** 2).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="norm_type"):
+        opt.clip_grad_norm_(1.0, norm_type)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)

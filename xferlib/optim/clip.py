@@ -19,6 +19,8 @@ __all__ = ["global_norm", "partial_norm", "clip_coefficient", "global_norm_clip_
 
 def _partial_norm(grads, norm_type: float):
     """Per-buffer part of a global norm: max |g| (inf norm) or sum |g|^p, as a 0-d array."""
+    if not norm_type > 0:  # 0, negative, -inf and NaN are no norms to clip by
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
     xp = array_module(grads)
     g = grads.astype(xp.float32, copy=False)
     if norm_type == float("inf"):
