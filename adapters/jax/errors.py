@@ -136,11 +136,18 @@ def as_index_array(name: str, values, error=IndexError) -> jax.Array:
     (IndexError for indices, ValueError for offsets) names the first value that does not
     fit, before any op runs; JAX arrays, tracers and GPU arrays (CuPy, CUDA torch) pass as
     JAX converts them."""
-    converted = jnp.asarray(values)
     if isinstance(values, (jax.Array, jax.core.Tracer)) or hasattr(
             values, "__cuda_array_interface__"):  # JAX's own, or GPU memory: not read here
-        return converted
+        return jnp.asarray(values)
+    # Through NumPy first: jnp.asarray([1, 2**40]) raises a bare OverflowError (x64 off)
+    # where NumPy keeps the values as int64, which the check below names.
     host = np.asarray(values)
+    if host.dtype.kind in "OSUV":  # no numbers: Python ints past 64 bits, None, strings
+        if host.size and all(isinstance(v, int) for v in host.reshape(-1).tolist()):
+            raise error(f"{name} holds values that fit no 64-bit integer")
+        raise TypeError(f"{name} must be an array of integers, got {type(values).__name__} "
+                        f"({host.dtype})")
+    converted = jnp.asarray(host)
     if host.dtype != converted.dtype and host.size and np.issubdtype(host.dtype, np.integer):
         wrapped = np.flatnonzero(host.reshape(-1) != np.asarray(converted).reshape(-1))
         if wrapped.size:

@@ -267,6 +267,10 @@ def _check_impl_args(impl, **unsupported):
     """Options the kernel path does not have."""
     if impl == "kernel":
         for key, value in unsupported.items():
+            if not isinstance(value, bool) and known_scalar(value) is None:
+                raise ValueError(f"impl='kernel' takes {key} as a number (0), not a traced "
+                                 f"value (optax.inject_hyperparams: list {key!r} in "
+                                 "static_args)")
             if value:
                 raise ValueError(f"impl='kernel' supports {key}=0/False only (got {value!r}); "
                                  "the default impl='xla' has it")
@@ -287,14 +291,19 @@ def flat_sgd(learning_rate, momentum=None, nesterov=False, *, impl="xla"):
     >>> float(u[0])
     -0.5
     """
-    mom = 0.0 if momentum is None else float(momentum)
+    mom = 0.0 if momentum is None else known_scalar(momentum)
+    if mom is None:  # traced (optax's inject_hyperparams under jit): a buffer, as optax keeps
+        if impl == "kernel":
+            raise ValueError("flat_sgd(impl='kernel') takes momentum as a number, not a traced "
+                             "value (optax.inject_hyperparams: list it in static_args)")
+        mom = momentum
 
     def row(h, count, count_before):
         return _rule_row("sgd", dict(lr=_lr(learning_rate, count_before), momentum=mom,
                                      dampening=0.0, nesterov=nesterov), count)
 
     def xla_rule(g, buffers, p, count_before, count):
-        if not mom:
+        if not buffers:  # the state says: no momentum (a traced momentum's init had 0.0)
             return _scale_by_lr(g, learning_rate, count_before), ()
         trace = g + mom * buffers[0]
         direction = g + mom * trace if nesterov else trace
@@ -302,8 +311,9 @@ def flat_sgd(learning_rate, momentum=None, nesterov=False, *, impl="xla"):
 
     core.resolve_hyper("sgd", dict(lr=0.0 if callable(learning_rate) else learning_rate,
                                    momentum=mom, nesterov=nesterov))
-    return _transformation("sgd", ["momentum_buffer"] if mom else [], xla_rule, row, {}, impl,
-                           needs_params=False)
+    traced = known_scalar(mom) is None
+    return _transformation("sgd", ["momentum_buffer"] if traced or mom else [], xla_rule, row,
+                           {}, impl, needs_params=False)
 
 
 def _adam_row(name, decoupled_wd):
@@ -389,6 +399,9 @@ def flat_adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_d
     decay = known_scalar(weight_decay)  # None: traced (optax's inject_hyperparams)
     if callable(weight_decay) or (decay is not None and not decay >= 0):
         raise ValueError(f"Invalid weight_decay value: {weight_decay} (a float >= 0)")
+    if impl == "kernel" and decay is None:
+        raise ValueError("flat_adamw(impl='kernel') takes weight_decay as a number, not a "
+                         "traced value (optax.inject_hyperparams: list it in static_args)")
     core.resolve_hyper("adamw", dict(lr=0.0 if callable(learning_rate) else learning_rate,
                                      betas=(b1, b2), eps=eps, weight_decay=weight_decay))
     hyper = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,

@@ -27,6 +27,26 @@ def test_int64_indices_jax_would_wrap_are_refused():
             call()
 
 
+@pytest.mark.skipif(jax.config.jax_enable_x64, reason="x64 keeps int64 indices whole")
+def test_python_int_indices_jax_would_wrap_are_refused():
+    """A Python list is checked as NumPy's int64, not met by JAX's bare OverflowError."""
+    from xferlib.adapters.jax import embedding_bag_collection
+    from xferlib.collection import EmbeddingCollection, TableConfig
+
+    table = xferlib.HostTable(8, 2, init="zeros")
+    for call in (lambda: host_lookup(table, [1, 2**40]),
+                 lambda: gather_rows(jnp.zeros((8, 2)), [1, 2**40])):
+        with pytest.raises(IndexError, match=r"idx\[1\] = 1099511627776 does not fit"):
+            call()
+    coll = EmbeddingCollection([TableConfig(8, 2)], "sgd", {"lr": 1.0}, device="cpu")
+    with pytest.raises(ValueError, match=r"offsets\[1\] = 1099511627776 does not fit"):
+        embedding_bag_collection(coll, [1], [0, 2**40])
+    with pytest.raises(IndexError, match="fit no 64-bit integer"):
+        host_lookup(table, [1, 2**70])
+    with pytest.raises(TypeError, match="idx must be an array of integers"):
+        host_lookup(table, None)
+
+
 @pytest.mark.parametrize("make", [flat_sgd, flat_adamw, flat_lion])
 def test_array_and_injected_learning_rates(make):
     optax = pytest.importorskip("optax")

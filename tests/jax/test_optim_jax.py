@@ -171,3 +171,34 @@ def test_bad_input():
         flat_adam(1e-3, b1=1.5)
     with pytest.raises(ValueError, match="weight_decay"):
         flat_adamw(1e-3, weight_decay=-1.0)
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9), dict(momentum=0.9, nesterov=True),
+                                dict(momentum=0.0)])
+def test_injected_momentum_under_jit_matches_optax(kw):
+    """optax.inject_hyperparams traces momentum under jit: flat_sgd took float() of it."""
+    params = jnp.linspace(-1.0, 1.0, 8)
+    tx = optax.inject_hyperparams(flat_sgd)(learning_rate=0.1, **kw)
+    ref = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, **kw)
+    state, ref_state = tx.init(params), ref.init(params)
+    for k in range(3):
+        grads = jnp.cos(jnp.arange(8.0) * (k + 1))
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        ref_updates, ref_state = jax.jit(ref.update)(grads, ref_state, params)
+        np.testing.assert_allclose(np.asarray(updates), np.asarray(ref_updates), rtol=1e-6)
+
+
+def test_kernel_refuses_traced_options_by_name():
+    """The kernel path has no eps_root, and its SGD momentum and AdamW decay must be numbers:
+    traced ones (inject_hyperparams under jit) are refused naming them, not a tracer error."""
+    params = jnp.ones(8)
+    for make, name in ((flat_adam, "eps_root"), (flat_sgd, "momentum"),
+                       (flat_adamw, "weight_decay")):
+        kw = dict(momentum=0.9) if make is flat_sgd else {}
+        static = ("impl", "eps_root") if make is flat_adamw else ("impl",)
+        tx = optax.inject_hyperparams(make, static_args=static)(1e-2, impl="kernel", **kw)
+        with pytest.raises(ValueError, match=f"{name}.*static_args"):
+            jax.jit(tx.update)(params, tx.init(params), params)
+    tx = optax.inject_hyperparams(flat_adam, static_args=("impl", "eps_root"))(1e-2,
+                                                                               impl="kernel")
+    jax.jit(tx.update)(params, tx.init(params), params)  # eps_root static: runs
