@@ -248,15 +248,18 @@ def to_jax(x, *, copy: bool | None = None, memory_kind: str | None = None):
         x = x.detach()
     try:
         out = jnp.from_dlpack(x, copy=False if copy is False else None)
-    except (ValueError, RuntimeError, jax.errors.JaxRuntimeError) as err:
-        # XLA takes only compact (C-ordered, aligned) buffers: a strided view is copied
-        # into one where copies are allowed
+    except (ValueError, RuntimeError, BufferError, jax.errors.JaxRuntimeError) as err:
+        # XLA takes only compact (C-ordered, aligned) buffers, and NumPy's DLPack export
+        # refuses read-only arrays: such a view is copied into one where copies are allowed
         if copy is False:
             _no_copy_possible(kind, "jax", f"XLA refused the buffer ({err})")
         if kind == "cupy" or (kind == "torch" and x.is_cuda):  # a compact copy, same GPU
-            return jnp.from_dlpack(x.contiguous().clone() if kind == "torch" else x.copy())
-        # a host array stays on the host, as the zero-copy path leaves it
-        return jax.device_put(to_numpy(x, copy=True), jax.devices("cpu")[0])
+            out = jnp.from_dlpack(x.contiguous().clone() if kind == "torch" else x.copy())
+        else:  # a host array stays on the host, as the zero-copy path leaves it
+            host = to_numpy(x, copy=True)
+            if not host.dtype.isnative:  # DLPack and XLA take native byte order only
+                host = host.astype(host.dtype.newbyteorder("="))
+            out = jax.device_put(host, jax.devices("cpu")[0])
     given = str(x.dtype).replace("torch.", "")
     if str(out.dtype) != given:  # without x64 JAX narrows 64-bit types: a converted copy
         if copy is False:

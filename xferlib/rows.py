@@ -119,6 +119,20 @@ def _check_host_order(idx: np.ndarray) -> None:
                          f"{position} comes after {int(idx[position - 1])}; nothing was written")
 
 
+def _check_writable(array, name: str) -> None:
+    """A NumPy array the call writes must be writable (NumPy's own error names no argument,
+    or speaks of WRITEBACKIFCOPY)."""
+    if isinstance(array, np.ndarray) and not array.flags.writeable:
+        raise ValueError(f"{name} is read-only; nothing was written (pass a writable array, "
+                         f"e.g. a copy)")
+
+
+def _check_add_dtype(table) -> None:
+    if _dtype_name(table.dtype) not in _ADD_DTYPE_NAMES:
+        raise TypeError(f"scatter_add_rows needs a float32, float64, float16 or bfloat16 "
+                        f"table, got {table.dtype}")
+
+
 def _check_rows_arg(rows, name: str, table, num_indices: int) -> None:
     namespace_name(rows)
     if rows.dtype != table.dtype:
@@ -257,6 +271,7 @@ def gather_rows(table, idx, out=None, *, stream=None, sorted_indices: bool = Fal
     on_gpu = is_cupy_array(idx) or is_cupy_array(table) or (out is not None and is_cupy_array(out))
     if out is not None:
         _check_rows_arg(out, "out", table, n)
+        _check_writable(out, "out")
     warn_slow_rows_path("gather_rows", table, idx, out)  # pageable table etc.: warn once
     if not on_gpu:
         check_host_indices(idx, num_rows)
@@ -324,10 +339,10 @@ def _scatter(table, idx, src, stream, sorted_indices, *, accumulate: bool):
     num_rows = table.shape[0]
     n = idx.shape[0]
     _check_rows_arg(src, "src", table, n)
+    _check_writable(table, "table")
     warn_slow_rows_path("scatter_add_rows" if accumulate else "scatter_rows", table, idx, src)
-    if accumulate and _dtype_name(table.dtype) not in _ADD_DTYPE_NAMES:
-        raise TypeError(f"scatter_add_rows needs a float32, float64, float16 or bfloat16 "
-                        f"table, got {table.dtype}")
+    if accumulate:
+        _check_add_dtype(table)
     on_gpu = is_cupy_array(table) or is_cupy_array(idx) or is_cupy_array(src)
     if not on_gpu:
         check_host_indices(idx, num_rows)
@@ -424,6 +439,8 @@ def gather_rows_bwd(residuals, grad_rows, out=None, *, stream=None):
         _check_rows_arg(grad_rows, "grad_rows", out, idx.shape[0])
         if out.shape != shape:
             raise ValueError(f"out must have shape {shape}, got {out.shape}")
+        _check_add_dtype(out)
+        _check_writable(out, "out")
         if not (is_cupy_array(out) or is_cupy_array(idx)):
             check_host_indices(idx, num_rows)
     if out is None:

@@ -57,8 +57,13 @@ def integral_sizes(name: str, values) -> list[int]:
     """
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name} must be a sequence of integers, got {_describe(values)}")
+    try:
+        items = list(values)
+    except TypeError:  # a 0-d array or tensor declares __iter__ but has no elements
+        raise TypeError(f"{name} must be a sequence of integers, got "
+                        f"{_describe(values)}") from None
     out = []
-    for position, value in enumerate(list(values)):
+    for position, value in enumerate(items):
         try:
             out.append(integral_size(name, value))
         except TypeError:

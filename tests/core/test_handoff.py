@@ -158,3 +158,33 @@ def test_to_jax_pinned_host_memory_kind():
     j = xferlib.to_jax(a, memory_kind="pinned_host")
     assert j.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(np.asarray(j), a)
+
+
+def test_read_only_and_foreign_byte_order_arrays_reach_jax_as_copies():
+    """NumPy's DLPack export refuses read-only arrays (JAX's own NumPy view of a CPU array is
+    one) and non-native byte order: copied where copies are allowed, BufferError with
+    copy=False."""
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    read_only = a.copy()
+    read_only.flags.writeable = False
+    for x in (read_only, a.astype(">f4"), xferlib.to_numpy(jnp.asarray(a))):
+        for copy in (None, True):
+            out = xferlib.to_jax(x, copy=copy)
+            assert out.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(out), a)
+    with pytest.raises(BufferError, match="without a copy"):
+        xferlib.to_jax(read_only, copy=False)
+
+
+@pytest.mark.skipif(jax.config.jax_enable_x64, reason="JAX keeps 64-bit types with x64 on")
+def test_copied_views_are_checked_for_values_jax_would_narrow():
+    """A view XLA cannot take (strided, reversed, read-only) is copied: the copy is checked
+    for int64 values that int32 would wrap, as the zero-copy path is."""
+    big = np.array([2**40 + 5, 1, 2], np.int64)
+    read_only = big.copy()
+    read_only.flags.writeable = False
+    for view in (big[::2], big[::-1], read_only):
+        with pytest.raises(ValueError, match="do not fit"):
+            xferlib.to_jax(view)
+    small = np.array([5, 1, 2], np.int64)
+    np.testing.assert_array_equal(np.asarray(xferlib.to_jax(small[::-1])), [2, 1, 5])

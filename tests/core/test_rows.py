@@ -436,3 +436,37 @@ def test_empty_tables_overlapping_sources_and_a_backward_checked_first():
     with pytest.raises(IndexError, match="index 9"):
         xferlib.gather_rows_bwd((np.array([1, 9]), 4), np.ones((2, 2), np.float32), out=out)
     assert (out == 7.0).all()
+
+
+def test_backward_into_an_integer_out_refuses_before_it_zeroes():
+    """gather_rows_bwd checks ``out``'s dtype (scatter_add_rows takes float tables only)
+    before it zeroes ``out``: the TypeError leaves it as it was."""
+    out = np.full((3, 2), 7, np.int32)
+    with pytest.raises(TypeError, match="float32, float64, float16 or bfloat16"):
+        xferlib.gather_rows_bwd((np.array([0]), 3), np.ones((1, 2), np.int32), out=out)
+    assert (out == 7).all()
+
+
+def test_read_only_outputs_are_refused_naming_the_argument():
+    """A read-only ``out`` (gather, backward) or ``table`` (scatter, scatter-add) raises a
+    ValueError naming it, before anything is written; a read-only source or table to read
+    from is fine."""
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    table.flags.writeable = False
+    idx, src = np.array([1, 0]), np.ones((2, 3), np.float32)
+    np.testing.assert_array_equal(xferlib.gather_rows(table, idx), table[idx])
+    out = np.zeros((2, 3), np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        xferlib.gather_rows(table, idx, out=out)
+    for op in (xferlib.scatter_rows, xferlib.scatter_add_rows):
+        with pytest.raises(ValueError, match="table is read-only"):
+            op(table, idx, src)
+    grad_out = np.full((4, 3), 7.0, np.float32)
+    grad_out.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        xferlib.gather_rows_bwd((idx, 4), src, out=grad_out)
+    writable = table.copy()
+    src.flags.writeable = False
+    xferlib.scatter_rows(writable, idx, src)
+    np.testing.assert_array_equal(writable[:2], 1.0)

@@ -36,6 +36,14 @@ def test_integral_sizes_names_the_bad_element():
         integral_sizes("tt_ranks", 16)
 
 
+def test_integral_sizes_refuses_a_zero_d_array_naming_the_argument():
+    """A 0-d array declares ``__iter__`` but cannot be iterated: the TypeError names the
+    argument, not NumPy's "iteration over a 0-d array"."""
+    with pytest.raises(TypeError, match="tt_ranks must be a sequence of integers, got "
+                                        "ndarray 16"):
+        integral_sizes("tt_ranks", np.array(16))
+
+
 # ----------------------------------------------------------------------------- HostTable
 
 
