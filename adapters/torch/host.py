@@ -314,11 +314,12 @@ class _HostModule(torch.nn.Module):
         if not self._host_state:
             self._allocate_host_state(optimizer, state)
         rows = self._core_indices(rows_t)
-        for name, host in self._host_state.items():
-            scatter_from_torch(host, rows, state[name], self.device)
-        with torch.no_grad():
-            self.table.scatter(rows, as_core_array(self.weight.data.contiguous()),
-                               stream=current_stream(self.device))
+        if rows_t.numel():  # an empty batch's step moved no row: nothing to write back
+            for name, host in self._host_state.items():
+                scatter_from_torch(host, rows, state[name], self.device)
+            with torch.no_grad():
+                self.table.scatter(rows, as_core_array(self.weight.data.contiguous()),
+                                   stream=current_stream(self.device))
         self._stepped = True
 
     def _allocate_host_state(self, optimizer, state) -> None:
@@ -361,11 +362,24 @@ class _HostModule(torch.nn.Module):
                 unexpected_keys.append(key)
         refused = any(k in missing_keys for k in expected)
         weight = None if refused else state_dict[prefix + "weight"]
-        if not refused and tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
-            error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
-                              f"{tuple(weight.shape)}, the table has shape "
-                              f"{(self.num_embeddings, self.embedding_dim)}")
-            refused = True
+        rows_shape = (self.num_embeddings, self.embedding_dim)
+        own_state = {key[len(prefix + "optimizer_state."):]: value
+                     for key, value in state_dict.items()
+                     if key.startswith(prefix + "optimizer_state.")}
+        # Every shape checked on every rank before anything is written (a shared table is
+        # written by rank 0 alone, whose restore would raise after the others went on).
+        shapes = {} if refused else {
+            prefix + "weight": (weight, rows_shape),
+            **{prefix + "table_state." + n: (state_dict[prefix + "table_state." + n],
+                                             tuple(self.table.state(n).shape))
+               for n in self.table.state_names()},
+            **{prefix + "optimizer_state." + n: (value, rows_shape)
+               for n, value in own_state.items() if getattr(self, "_any_optimizer", False)}}
+        for key, (value, shape) in shapes.items():
+            if tuple(value.shape) != shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(value.shape)}, the table has shape {shape}")
+                refused = True
         # A shared table: every rank learns whether any refused before rank 0 writes (a
         # rank that returned alone would leave the others waiting in the fence below).
         if self._dist is not None and self._dist.any_rank(refused) and not refused:
@@ -383,13 +397,15 @@ class _HostModule(torch.nn.Module):
             # On NCCL the fence only orders the GPU stream: wait for it, so that no rank reads
             # the shared rows from the host before rank 0's restore is through the fence.
             self._sync()
-        if getattr(self, "_any_optimizer", False):  # the rows' torch.optim state, allocated
-            for key, value in state_dict.items():  # here when this module has none yet
-                if key.startswith(prefix + "optimizer_state."):
-                    name = key[len(prefix + "optimizer_state."):]
-                    if name not in self._host_state:
-                        self._host_state[name] = self._host_array()
-                    self._host_state[name][...] = value.cpu().numpy()
+        if getattr(self, "_any_optimizer", False):
+            # The rows' torch.optim state is the checkpoint's: a name it lacks (a module that
+            # never stepped) starts afresh at the next step, not from this module's old rows.
+            host_state = {}
+            for name, value in own_state.items():
+                host = self._host_state.get(name)
+                host_state[name] = self._host_array() if host is None else host
+                host_state[name][...] = value.detach().cpu().numpy()
+            self._host_state = host_state
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

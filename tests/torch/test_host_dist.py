@@ -140,6 +140,19 @@ def _extra_checks(rank, world, device, init, steps, part, result):
     _wait_for_fence(device)
     result["refusal_unchanged"] = np.array(all(
         np.array_equal(loaded[k], v) for k, v in _snapshot(fresh.table).items()))
+    # A state array of another shape on rank 0 alone (the rank that writes): every rank
+    # raises before the write (rank 0's restore raised while the others went on alone).
+    state = {k: v + 1 for k, v in emb.state_dict().items()}
+    if rank == 0:
+        state["table_state.step"] = torch.zeros(ROWS + 1, dtype=state["table_state.step"].dtype)
+    try:
+        fresh.load_state_dict(state)
+        result["state_shape_refusal"] = np.array("")
+    except (RuntimeError, ValueError) as err:
+        result["state_shape_refusal"] = np.array(str(err))
+    _wait_for_fence(device)
+    result["state_shape_unchanged"] = np.array(all(
+        np.array_equal(loaded[k], v) for k, v in _snapshot(fresh.table).items()))
     fresh.table.close()
 
     # The name is unlinked once every rank has the table; close() unmaps it here.
@@ -243,6 +256,9 @@ def _compare(world, out_dir, expected, emb=None, steps=None, device="cpu"):
                 res["bad_dtype_error"]), (r, res["bad_dtype_error"])
         assert ("Missing key" if r == len(results) - 1 else "another rank") in str(
             res["one_rank_refusal"]), (r, res["one_rank_refusal"])
+        assert ("size mismatch for table_state.step" if r == 0 else "another rank") in str(
+            res["state_shape_refusal"]), (r, res["state_shape_refusal"])
+        assert bool(res["state_shape_unchanged"]), r
     assert "position 1" in str(results[-1]["bad_index_error"])  # the rank that had it
 
 

@@ -234,6 +234,61 @@ def test_any_optimizer_resumes_copies_and_refuses_two_forwards(device, rng, opti
     module(batches[1].to(device))
 
 
+def test_any_optimizer_steps_an_empty_batch(device, rng):
+    """optimizer=None: a step after an empty batch (no rows, optimizer state already made)
+    moves no row and training goes on; it raised a reshape error in the step hook."""
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    ours = HostEmbeddingBag(ROWS, DIM, mode="sum", optimizer=None, device=device,
+                            init=init.copy())
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    for idx, offsets in ((torch.tensor([1, 2, 2]), torch.tensor([0, 1])),
+                         (torch.tensor([], dtype=torch.int64), torch.tensor([0, 0]))):
+        opt.zero_grad()
+        ours(idx.to(device), offsets.to(device)).sum().backward()
+        before = np.array(ours.table.numpy())
+        opt.step()
+    np.testing.assert_array_equal(ours.table.numpy(), before)
+    ours(torch.tensor([3]).to(device), torch.tensor([0]).to(device)).sum().backward()
+    opt.step()
+    assert not np.array_equal(ours.table.numpy()[3], init[3])
+
+
+def test_any_optimizer_load_state_dict_takes_the_checkpoints_row_state(device, rng):
+    """optimizer=None: loading a checkpoint of a module that never stepped (no
+    optimizer_state) starts the rows' torch.optim state afresh, as that module would (the
+    old moments stayed); an optimizer_state of another shape is refused before anything is
+    written (the weights were restored, then a broadcast error)."""
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+
+    def build():
+        module = HostEmbedding(ROWS, DIM, optimizer=None, device=device, init=init.copy())
+        return module, torch.optim.Adam(module.parameters(), lr=0.1)
+
+    def train(module, opt, steps):
+        for idx in steps:
+            opt.zero_grad()
+            (module(idx.to(device)) ** 2).sum().backward()
+            opt.step()
+
+    checkpoint = build()[0].state_dict()
+    used, used_opt = build()
+    train(used, used_opt, [torch.tensor([1, 2]), torch.tensor([3])])
+    used.load_state_dict(checkpoint)
+    fresh, fresh_opt = build()
+    batches = [torch.tensor([3]), torch.tensor([1, 2])]
+    train(used, torch.optim.Adam(used.parameters(), lr=0.1), batches)
+    train(fresh, fresh_opt, batches)
+    np.testing.assert_array_equal(used.table.numpy(), fresh.table.numpy())
+
+    before = np.array(used.table.numpy())
+    bad = {"weight": torch.zeros(ROWS, DIM), **{k: v for k, v in checkpoint.items()
+                                                if k != "weight"},
+           "optimizer_state.exp_avg": torch.zeros(ROWS + 1, DIM)}
+    with pytest.raises(RuntimeError, match="size mismatch for optimizer_state.exp_avg"):
+        used.load_state_dict(bad)
+    np.testing.assert_array_equal(used.table.numpy(), before)
+    train(used, torch.optim.Adam(used.parameters(), lr=0.1), batches[:1])  # still trains
+
 def test_state_dict_round_trip(device, rng):
     init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     a = HostEmbeddingBag(ROWS, DIM, optimizer="adam", device=device, init=init.copy())
@@ -247,6 +302,12 @@ def test_state_dict_round_trip(device, rng):
     np.testing.assert_array_equal(b.table.state("exp_avg_sq"), a.table.state("exp_avg_sq"))
     with pytest.raises(RuntimeError, match="size mismatch"):
         HostEmbeddingBag(ROWS + 1, DIM, device=device).load_state_dict(a.state_dict())
+    # A state array of another shape: load_state_dict's error, the table unchanged.
+    state = dict(a.state_dict(), weight=torch.zeros(ROWS, DIM))
+    state["table_state.exp_avg"] = torch.zeros(ROWS + 1, DIM)
+    with pytest.raises(RuntimeError, match="size mismatch for table_state.exp_avg"):
+        b.load_state_dict(state)
+    np.testing.assert_array_equal(b.table.numpy(), a.table.numpy())
 
 
 def test_bad_input(device):
