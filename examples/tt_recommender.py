@@ -3,8 +3,8 @@
 A click log is generated with planted structure: every item has a hidden taste vector, every
 user a preference vector, and the click probability rises with their agreement. Both models
 learn item embeddings from (user, item) pairs; the item table is either ``nn.EmbeddingBag`` or
-xferlib's ``TTEmbeddingBag`` (fused SGD in backward). Printed: parameters, AUC on held-out
-clicks, and time per training step.
+xferlib's ``TTEmbeddingBag`` (row-wise Adagrad fused into the backward). Printed: parameters,
+AUC on held-out clicks, and time per training step.
 
     python examples/tt_recommender.py [--steps 300] [--batch 512]
 """
