@@ -54,10 +54,23 @@ def save_sharded(module: ShardedEmbeddingBagCollection, directory, tag: str = ""
     if not all(o[0] for o in every):
         raise RuntimeError("another rank failed to write its shards; no manifest written")
     if module.rank == 0:
-        write_manifest(directory, module.plan,
-                       dict(optimizer=module.optimizer, pooling=module.pooling,
-                            dtype=str(module.dtype).replace("torch.", "")), tag)
-    dist.barrier(group=module.group)
+        try:
+            write_manifest(directory, module.plan,
+                           dict(optimizer=module.optimizer, pooling=module.pooling,
+                                dtype=str(module.dtype).replace("torch.", "")), tag)
+        except OSError as err:
+            error = err
+    # Every rank learns whether the manifest was written (a barrier here would be met by
+    # rank 0's next collective after it raised alone, and the others would return as if
+    # the checkpoint were complete).
+    done = [error is None]
+    dist.broadcast_object_list(done, src=dist.get_global_rank(module.group, 0),
+                               group=module.group)
+    if error is not None:
+        raise error
+    if not done[0]:
+        raise RuntimeError("rank 0 failed to write the checkpoint manifest; the checkpoint "
+                           "is incomplete")
 
 
 def load_sharded(module, directory) -> None:

@@ -150,7 +150,11 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                 [(c.name, c.num_rows, c.dim) for c in configs]:
             raise ValueError("the plan was made for other tables (names, rows or widths "
                              "differ)")
-        self.plan, self.tables = plan, tuple(configs)
+        # The plan says where each table lives; the tables' own configs (learning rate,
+        # placement, cache) are the module's: a plan made from other configs must not
+        # silently train them.
+        self.tables = tuple(configs)
+        self.plan = dataclasses.replace(plan, tables=self.tables)
         self.pooling, self.dtype = pooling, dtype
         self.optimizer, self.optimizer_kwargs = optimizer, dict(optimizer_kwargs or {})
         backend = dist.get_backend(self.group)

@@ -89,6 +89,14 @@ def test_clear_errors():
         plan_sharding(TABLES, 2, budget_bytes={"disk": 1})
 
 
+@pytest.mark.parametrize("budget", [{"hbm": None}, "1000", [1000], True, {"host": False}])
+def test_a_budget_that_is_no_number_is_refused_naming_it(budget):
+    with pytest.raises(ValueError, match="budget_bytes for '(hbm|host)' must be a number"):
+        plan_sharding(TABLES, 2, budget_bytes=budget)
+    # numbers of any kind are budgets
+    plan_sharding(TABLES, 2, budget_bytes={"hbm": np.int64(1 << 30), "host": 1e12})
+
+
 def test_describe_and_json_round_trip():
     plan = plan_sharding(TABLES, 2, row_wise=["user"], optimizer="rowwise_adagrad")
     text = plan.describe()

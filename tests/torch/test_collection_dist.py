@@ -498,3 +498,57 @@ def test_checkpoint_of_tables_whose_names_hold_dots(tmp_path):
     assert set(saved) == set(loaded)
     for key, value in saved.items():
         torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch.distributed without gloo")
+def test_the_tables_configs_win_over_the_plans():
+    """A plan made from configs of the same names and shapes but another learning rate
+    places the tables; the module's own tables (here "a"'s lr) are what train."""
+    tables = [TableConfig(10, 3, name="a", lr=0.5), TableConfig(7, 2, name="b")]
+    plan = plan_sharding([TableConfig(10, 3, name="a"), TableConfig(7, 2, name="b")], 1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharded = ShardedEmbeddingBagCollection(tables, "sgd", {"lr": 0.01}, plan=plan,
+                                                seed=4)
+        one = EmbeddingBagCollection(tables, "sgd", {"lr": 0.01}, seed=4)
+        idx, off = torch.tensor([1, 2, 2]), torch.tensor([0, 2, 3])
+        for module in (sharded, one):
+            module(idx, off).sum().backward()
+        assert sharded.plan.tables[0].lr == 0.5
+        got, want = sharded.state_dict(), one.state_dict()
+        leave_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+
+
+def _manifest_worker(rank, world, port, ckpt, out_dir):
+    import datetime
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    module = ShardedEmbeddingBagCollection(TABLES, "sgd", {"lr": 0.1}, seed=SEED)
+    message = ""
+    try:
+        save_sharded(module, ckpt)
+    except (OSError, RuntimeError) as err:
+        message = f"{type(err).__name__}: {err}"
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), message=np.array(message))
+    leave_process_group()
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch.distributed without gloo")
+def test_a_manifest_rank_0_cannot_write_raises_on_every_rank(tmp_path):
+    """Rank 0 fails to write the manifest (its path is a directory): every rank raises,
+    none returns as if the checkpoint were complete."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "manifest.json").mkdir(parents=True)
+    mp.spawn(_manifest_worker, args=(2, free_port(), str(ckpt), str(tmp_path)), nprocs=2,
+             join=True)
+    messages = [str(np.load(tmp_path / f"rank{r}.npz")["message"]) for r in range(2)]
+    assert "IsADirectoryError" in messages[0], messages
+    assert "manifest" in messages[1], messages

@@ -311,9 +311,14 @@ def _budget(budget) -> dict:
         if unknown:
             raise ValueError(f"budget_bytes names unknown placements {unknown}; "
                              f"placements: {SHARDED_PLACEMENTS}")
-        out = {p: float(budget.get(p, float("inf"))) for p in SHARDED_PLACEMENTS}
+        out = {p: budget.get(p, float("inf")) for p in SHARDED_PLACEMENTS}
     else:
-        out = {p: float(budget) for p in SHARDED_PLACEMENTS}
+        out = {p: budget for p in SHARDED_PLACEMENTS}
+    for placement, value in out.items():  # a number of bytes, not a string, None or flag
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"budget_bytes for {placement!r} must be a number >= 0, got "
+                             f"{value!r}")
+    out = {p: float(v) for p, v in out.items()}
     for placement, value in out.items():
         if math.isnan(value) or value < 0:  # NaN compares false: every table would split
             raise ValueError(f"budget_bytes for {placement!r} must be a number >= 0, got "
