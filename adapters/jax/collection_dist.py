@@ -423,6 +423,9 @@ class ShardedCollection:
                     if key not in state:
                         raise KeyError(f"state dict has no {key!r}")
                     whole = np.asarray(state[key])
+                    if whole.ndim < 1:  # a scalar (or None): no rows to cut
+                        raise ValueError(f"{key} must be an array of rows, got shape "
+                                         f"{whole.shape}")
                     if whole.shape[0] != self.tables[s.table_index].num_rows:
                         raise ValueError(f"{key} has {whole.shape[0]} rows; table "
                                          f"{s.table!r} has "

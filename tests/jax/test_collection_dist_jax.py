@@ -67,3 +67,21 @@ def test_sharded_on_gpus_equals_one_collection(devices, case):
     # The GPU's gradient sums split each row's sorted run into fixed chunks of positions:
     # an owner's shorter batch places the chunk edges elsewhere, so sums may round apart.
     assert result <= TOLERANCE, f"{case} on {devices} GPUs differs by {result}"
+
+
+@pytest.mark.parametrize("value", [1.0, None])
+def test_load_state_dict_refuses_a_scalar_before_any_change(value):
+    """A state entry without rows (a scalar, None) is a ValueError naming it, not a bare
+    IndexError from its shape, and no table changes (the first table's new rows included)."""
+    import numpy as np
+
+    from xferlib.adapters.jax import ShardedCollection
+
+    sharded = ShardedCollection([(4, 2), (3, 2)], "adam", {"lr": 0.1}, world_size=1)
+    saved = sharded.state_dict()
+    bad = dict(saved, **{"t0.weight": saved["t0.weight"] + 1})
+    bad[sorted(k for k in saved if k.startswith("t1."))[-1]] = value
+    with pytest.raises(ValueError, match="must be an array of rows"):
+        sharded.load_state_dict(bad)
+    for key, before in saved.items():
+        np.testing.assert_array_equal(sharded.state_dict()[key], before)
