@@ -8,11 +8,10 @@ learns of it: a rank that raised alone would leave the others waiting in the exc
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from xferlib.collection.config import feature_entries
-from xferlib.collection.numpy_path import check_entry_offsets
+from xferlib.adapters.torch._convert import as_core_array, cupy_stream
+from xferlib.collection.config import feature_entries, pack_features
 
 __all__ = ["batch_size", "layout_inputs"]
 
@@ -39,25 +38,30 @@ def layout_inputs(names, device, indices, offsets, per_sample_weights):
 
 
 def _pack(names, device, features: dict):
-    """FBGEMM's layout from the per-table dict form. Each table's offsets are checked as the
-    core's ``pack`` checks them: on the host (CPU tensors) at once, on a GPU by packed
-    offsets that start at -1 (refused in the step like other bad offsets, no host read)."""
+    """FBGEMM's layout from the per-table dict form, by the core's
+    :func:`~xferlib.collection.config.pack_features` on views of the tensors moved to
+    ``device`` (its checks too: a table's bad offsets raise at once on the host, and on a GPU
+    make the packed offsets start at -1, refused in the step with no host read)."""
     parts = feature_entries(names, features)
     for name, part in zip(names, parts):
         if not all(isinstance(t, torch.Tensor) for t in part):
             raise TypeError(f"table {name!r}: the dict form takes torch tensors")
-        if not part[1].is_cuda:
-            check_entry_offsets(name, part[1].numpy(), int(part[0].shape[0]))
-    starts = np.cumsum([0] + [int(p[0].shape[0]) for p in parts])
-    indices = torch.cat([p[0].to(device, torch.int64) for p in parts])
-    offsets = torch.cat([p[1][:-1].to(device, torch.int64) + int(s)
-                         for p, s in zip(parts, starts)]
-                        + [torch.tensor([starts[-1]], device=device)])
-    if any(p[1].is_cuda for p in parts):
-        bad = sum((p[1][0] != 0) | (p[1][-1] != p[0].shape[0]) for p in parts if p[1].is_cuda)
-        offsets[:1] = torch.where(bad.to(device) > 0, -1, offsets[:1])
-    weights = torch.cat([p[2].to(device) for p in parts]) if len(parts[0]) == 3 else None
-    return indices, offsets, weights
+    # contiguous: the CUDA kernels read dense arrays, and CuPy's views need them
+    views = {name: tuple(as_core_array(t.to(device).contiguous()) for t in part)
+             for name, part in zip(names, parts)}
+    if device.type != "cuda":
+        return tuple(None if a is None else torch.from_numpy(a)
+                     for a in _triple(pack_features(names, views)))
+    import cupy
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(index), cupy_stream(device):  # on torch's stream there
+        packed = pack_features(names, views)
+    return tuple(None if a is None else torch.from_dlpack(a) for a in _triple(packed))
+
+
+def _triple(packed):
+    return packed if len(packed) == 3 else (*packed, None)
 
 
 def batch_size(num_tables: int, indices, offsets, per_sample_weights) -> int:
