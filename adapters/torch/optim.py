@@ -286,12 +286,6 @@ class Bucket:
 _grad = operator.attrgetter("grad")
 
 
-def fresh_state(name: str, group: dict) -> float:
-    """The value state buffer ``name`` starts from (Adagrad's sum: the group's initial
-    accumulator value; everything else zero)."""
-    return float(group.get("initial_accumulator_value", 0.0)) if name == "sum" else 0.0
-
-
 def current_cupy_stream(device):
     """torch's current stream on ``device`` as a (cached) CuPy stream, without building a
     torch Stream object per call."""
@@ -545,7 +539,8 @@ class FlatOptimizerBase(torch.optim.Optimizer):
                     if entry.get(name) is not None:
                         region.copy_(entry[name].reshape(-1).to(flat.device, flat.dtype))
                     else:  # no state saved for it: it starts afresh, as in torch
-                        region.fill_(fresh_state(name, self.param_groups[seg.group]))
+                        region.fill_(core.fresh_value(self._rule_name, name,
+                                                      self.param_groups[seg.group]))
                 bucket.restore_counters(i, entry, self._rule_name)
         self.state.clear()
 

@@ -366,7 +366,8 @@ class _ShardedFlatOptimizer(flat.FlatOptimizerBase):
                     tensor[where].copy_(entry[name].reshape(-1)[piece].to(
                         tensor.device, tensor.dtype))
                 else:  # no state saved for it: it starts afresh, as in torch
-                    tensor[where].fill_(flat.fresh_state(name, self.param_groups[seg.group]))
+                    tensor[where].fill_(core.fresh_value(self._rule_name, name,
+                                                         self.param_groups[seg.group]))
             bucket.restore_counters(k, entry, self._rule_name)
         self.state.clear()
 

@@ -14,8 +14,8 @@ from xferlib.optim.rules import (COMMON, FLAT_RULES, OPTIMIZERS, RULES, SCALARS,
 from xferlib.optim.step import (CudaStep, FlatOptimizer, FlatState, TableRing, adagrad, adam,
                                 adam_device_hyper, adamax, adamw, apply_adam_device_scalars,
                                 apply_table, chunk_table, fill_step_table,
-                                flat_update_arguments, lion, nadam, radam, rmsprop, sgd,
-                                step_scalars)
+                                flat_update_arguments, fresh_value, lion, nadam, radam,
+                                rmsprop, sgd, step_scalars)
 
 __all__ = [
     "Segment",
@@ -58,4 +58,5 @@ __all__ = [
     "chunk_table",
     "flat_update_arguments",
     "step_scalars",
+    "fresh_value",
 ]

@@ -43,7 +43,15 @@ from xferlib.optim.rules import (COMMON, FLAT_RULES, SCALARS, Rule, common_scala
 __all__ = ["FlatState", "FlatOptimizer", "sgd", "adam", "adamw", "adagrad", "rmsprop",
            "adamax", "nadam", "radam", "lion", "step_scalars", "fill_step_table",
            "apply_table", "apply_adam_device_scalars", "adam_device_hyper", "CudaStep",
-           "TableRing"]
+           "TableRing", "fresh_value"]
+
+
+def fresh_value(rule: str, buffer: str, hyper: dict) -> float:
+    """The value state ``buffer`` of ``rule`` starts from for a segment of hyperparameters
+    ``hyper``, as torch makes it: Adagrad's sum its initial accumulator value, every other
+    buffer zero."""
+    return float(hyper["initial_accumulator_value"]) if (rule, buffer) == ("adagrad", "sum") \
+        else 0.0
 
 
 class FlatState(NamedTuple):
@@ -87,10 +95,11 @@ def _make(name: str):
             for h in hypers:
                 names += [n for n in rule.buffers(h) if n not in names]
             buffers = {n: layout.zeros(xp) for n in names}
-            if name == "adagrad":
+            for n in names:
                 for seg in layout.segments:
-                    value = hypers[seg.group]["initial_accumulator_value"]
-                    buffers["sum"][seg.offset:seg.offset + seg.size] = value
+                    value = fresh_value(name, n, hypers[seg.group])
+                    if value:
+                        buffers[n][seg.offset:seg.offset + seg.size] = value
             scalars = {"mu_product": np.ones(len(layout.segments))} if name == "nadam" else {}
             return FlatState(buffers, np.zeros(len(layout.segments), dtype=np.int64), scalars)
 
