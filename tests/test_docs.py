@@ -6,6 +6,7 @@ Each block runs on its own, in a fresh namespace and an empty working directory,
 is a complete snippet a reader can paste.
 """
 
+import gc
 import pathlib
 import re
 
@@ -43,6 +44,10 @@ def test_pages_have_blocks():
 def test_block_runs(source, gpu, tmp_path, monkeypatch):
     if gpu and not cupy_available():
         pytest.skip("a ```python gpu block: needs a CUDA GPU with CuPy; none here")
+    if gpu:
+        # Objects left by earlier tests in this process are freed now, not inside a block's
+        # CUDA-graph capture (torch's default capture mode refuses a free from any thread).
+        gc.collect()
     monkeypatch.chdir(tmp_path)
     code = compile(source, "<doc block>", "exec")
     exec(code, {"__name__": "__doc_block__"})

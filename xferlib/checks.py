@@ -145,8 +145,9 @@ class PendingChecks:
     (no host sync, no host allocation after the first push); ``poll()`` raises for the oldest
     bad verdict that has arrived and waits for the oldest while ``limit`` or more are unread
     (so a call that polls before it pushes leaves at most ``limit`` unread); ``poll(wait=True)``
-    waits for every one and then re-reads the slots that graph replays wrote. A failed check
-    is reported once. Thread-safe (XLA callbacks may run on several threads).
+    waits for every one, raises the first failure (dropping the later ones: each refused
+    batch changed nothing) and then re-reads the slots that graph replays wrote. A failed
+    check is reported once. Thread-safe (XLA callbacks may run on several threads).
 
     >>> q = PendingChecks(limit=2)
     >>> q.poll(), len(q)
@@ -243,7 +244,9 @@ class PendingChecks:
                                or (entries[0].early and entries[0].event.done)):
                 entry = entries.popleft()
                 entry.event.synchronize()
-                if not (hold or self.held):
+                # A wait reads every verdict and raises the first failure: the later ones
+                # were refused too (nothing changed) and would only repeat it at later calls.
+                if not (hold or wait or self.held):
                     entry.verdict.raise_for(entry.host)
                     continue
                 try:
