@@ -34,12 +34,14 @@ def test_lfu_evicts_the_least_often_used():
     assert model.cached_rows().tolist() == [1, 3, 7]
 
 
-def test_second_sight_admits_on_the_second_miss():
-    model = CacheModel(64, num_rows=1000, admission="second-sight")
-    assert (model.access([10, 20, 30]) == -1).all()
+def test_second_sight_fills_empty_ways_then_admits_on_the_second_miss():
+    model = CacheModel(32, num_rows=1000, admission="second-sight")  # one set of 32 ways
+    assert (model.access(range(100, 132)) >= 0).all()  # empty ways take any miss
+    assert (model.access([10, 20, 30]) == -1).all()  # the set is full: first sight
     assert (model.access([10, 30, 40]) >= 0).tolist() == [True, True, False]
     assert model.access([40])[0] >= 0
-    assert model.stats["admitted"] == 3 and model.stats["hits"] == 0
+    assert model.stats["admitted"] == 35 and model.stats["evicted"] == 3
+    assert model.stats["hits"] == 0
 
 
 def test_a_batch_never_evicts_its_own_rows():

@@ -10,8 +10,9 @@ and the fill of the new row happen in one pass with no atomics on the cache (FBG
 find/miss/insert, fused). ``slots[run]`` receives each distinct row's cache slot, or -1 for a
 row served from host RAM.
 
-Admission: ``doorkeeper`` admits a missed row the second time it misses (a bit per hashed
-row id, set on the first miss; TinyLFU's doorkeeper); otherwise every miss is admitted. A
+Admission: a missed row takes an empty way of its set if there is one (it evicts nothing);
+past that, ``doorkeeper`` admits it the second time it misses (a bit per hashed row id, set
+on the first miss; TinyLFU's doorkeeper); otherwise every miss is admitted. A
 victim is an empty way, else the way of lowest score not used by this batch, and (for a
 prefetch, ``protect_prev``) not used by the cache pass before, the batch whose update may run
 beside the prefetch (the host makes any other batch's update wait for the prefetch).
@@ -67,6 +68,33 @@ __device__ __forceinline__ void copy_words(T* __restrict__ dst, const T* __restr
         *reinterpret_cast<W*>(dst + e) = *reinterpret_cast<const W*>(src + e);
 }
 
+// A cache slot's new row: the victim's weights and state written back to host RAM (``old_w``
+// non-null: a dirty victim) and the new row's read from it, a warp's share of both in flight
+// together (every load issued before any store: host reads cost a round trip over the link).
+template <int V, typename T>
+__device__ __forceinline__ void evict_and_fill(T* c, i64 dim, i64 s_off, i64 s_width,
+                                               T* old_w, T* old_s, const T* new_w,
+                                               const T* new_s, int lane) {
+    typedef words<T, V> W;
+    const i64 len = dim > s_width ? dim : s_width;
+    for (i64 e = (i64)V * lane; e < len; e += 32 * V) {
+        const bool w = e < dim, s = e < s_width;
+        W vw, vs, nw, ns;
+        if (old_w != nullptr) {
+            if (w) vw = *reinterpret_cast<const W*>(c + e);
+            if (s) vs = *reinterpret_cast<const W*>(c + s_off + e);
+        }
+        if (w) nw = *reinterpret_cast<const W*>(new_w + e);
+        if (s) ns = *reinterpret_cast<const W*>(new_s + e);
+        if (old_w != nullptr) {
+            if (w) *reinterpret_cast<W*>(old_w + e) = vw;
+            if (s) *reinterpret_cast<W*>(old_s + e) = vs;
+        }
+        if (w) *reinterpret_cast<W*>(c + e) = nw;
+        if (s) *reinterpret_cast<W*>(c + s_off + e) = ns;
+    }
+}
+
 """
 
 # For each distinct row of a sorted batch (run r starting at sorted position j):
@@ -110,17 +138,23 @@ CACHE_INSERT = KernelDecl(
      ("const u64* __restrict__", "verdict")),
     r"""
     if (rejected(verdict)) return;
+    __shared__ u64 block_stats[5];
+    if (threadIdx.x < 5) block_stats[threadIdx.x] = 0;
+    __syncthreads();
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 now = tick[0];
     const i64 s_width = cache_width - s_off;
+    // Counted per warp and summed per block: one global atomic per block and counter (not
+    // five per set, contended on five words).
+    u64 hits = 0, misses = 0, admitted = 0, evicted = 0;
     for (i64 p = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < n; p += warps) {
         const int set = sets[p];
         if (set >= n_sets || set < 0 || (p > 0 && sets[p - 1] == set)) continue;
         const i64 base = (i64)set * WAYS;
         i64 tag = tags[base + lane], sc = score[base + lane], ls = last[base + lane];
         unsigned used = 0;
-        u64 hits = 0, misses = 0, admitted = 0, evicted = 0;
+        bool filled = false;
         for (i64 q = p; q < n && sets[q] == set; ++q) {
             const i64 r = order[q];
             const i64 row = run_row[r];
@@ -133,7 +167,9 @@ CACHE_INSERT = KernelDecl(
             } else {
                 ++misses;
                 bool admit = row >= 0 && row < n_rows;
-                if (admit && doorkeeper) {
+                // An empty way takes any miss (it evicts nothing); the doorkeeper decides
+                // only when admitting means evicting.
+                if (admit && doorkeeper && !__ballot_sync(FULL, tag == -1)) {
                     // Bits of earlier batches only (cache_mark sets this batch's afterwards),
                     // so the decision does not depend on the order the warps run in.
                     const u64 h = mix64((u64)row ^ 0x9e3779b97f4a7c15ull) % (u64)door_bits;
@@ -160,17 +196,16 @@ CACHE_INSERT = KernelDecl(
                         const i64 slot = base + way;
                         const i64 old = __shfl_sync(FULL, tag, way);
                         T* c = cache + slot * cache_width;
-                        if (old >= 0) {
-                            ++evicted;
-                            if (old < n_rows && dirty[slot]) {  // write the victim back
-                                copy_words<V>(host_w + old * w_stride, c, dim, lane);
-                                copy_words<V>(host_s + old * s_stride, c + s_off, s_width, lane);
-                            }
-                        }
+                        const bool write_back = old >= 0 && old < n_rows && dirty[slot];
+                        if (old >= 0) ++evicted;
                         __syncwarp();
-                        copy_words<V>(c, host_w + row * w_stride, dim, lane);
-                        copy_words<V>(c + s_off, host_s + row * s_stride, s_width, lane);
+                        evict_and_fill<V>(c, dim, s_off, s_width,
+                                          write_back ? host_w + old * w_stride : nullptr,
+                                          write_back ? host_s + old * s_stride : nullptr,
+                                          host_w + row * w_stride, host_s + row * s_stride,
+                                          lane);
                         __syncwarp();
+                        filled = true;
                         if (lane == way) { tag = row; sc = lfu ? 1 : now; ls = now; }
                         if (lane == 0) dirty[slot] = 0;
                         ++admitted;
@@ -182,19 +217,23 @@ CACHE_INSERT = KernelDecl(
         }
         // Every lane's fill and dirty flag above are visible (device-wide) before any tag:
         // a probe on another stream that sees a tag finds its row in place.
+        // (A set with hits only moved no row: nothing to order.)
         __syncwarp();
-        __threadfence();
+        if (filled) __threadfence();
         tags[base + lane] = tag;
         score[base + lane] = sc;
         last[base + lane] = ls;
-        if (lane == 0) {
-            atomicAdd(stats + 0, hits + misses);
-            atomicAdd(stats + 1, hits);
-            atomicAdd(stats + 2, misses);
-            atomicAdd(stats + 3, admitted);
-            atomicAdd(stats + 4, evicted);
-        }
-    }""")
+    }
+    if (lane == 0 && hits + misses) {
+        atomicAdd(block_stats + 0, hits + misses);
+        atomicAdd(block_stats + 1, hits);
+        atomicAdd(block_stats + 2, misses);
+        atomicAdd(block_stats + 3, admitted);
+        atomicAdd(block_stats + 4, evicted);
+    }
+    __syncthreads();
+    if (threadIdx.x < 5 && block_stats[threadIdx.x])
+        atomicAdd(stats + threadIdx.x, block_stats[threadIdx.x]);""")
 
 # The doorkeeper's first sight: set the bit of every distinct row this batch served from the
 # host (after cache_insert, which only reads the bits).

@@ -9,10 +9,12 @@ Design (the kernels are in ``xferlib/_kernels/cache.py``):
   grouped by set (a device sort of their set ids); one warp per set counts hits, decides
   admission, picks victims, writes dirty victims back to host RAM and fills the new rows.
   Five launches, no host synchronization, no data-dependent allocation.
-* Admission on the device: ``"second-sight"`` admits a missed row the second time it misses
-  (a bit per hashed row id, set after a batch for its rows served from the host; TinyLFU's
-  doorkeeper: under a Zipf law most misses are tail rows
-  seen once, and admitting each would move its row in and a victim out for nothing);
+* Admission on the device: a missed row takes an empty way of its set if there is one (it
+  evicts nothing, and the fill replaces the host write-back the row would need otherwise);
+  past that, ``"second-sight"`` admits a missed row the second time it misses (a bit per
+  hashed row id, set after a batch for its rows served from the host; TinyLFU's doorkeeper:
+  under a Zipf law most misses are tail rows seen once, and admitting each would move its
+  row in and a victim out for nothing);
   ``"always"`` admits every miss while a way is free to take.
 * Replacement: empty ways first, then the least recently (``"lru"``: the tick of the last
   use) or least often (``"lfu"``: the use count) used way; never a way the current batch
@@ -68,13 +70,15 @@ def _door_bit(rows, door_bits: int) -> np.ndarray:
 class CacheModel:
     """The cache's policy in NumPy, the same decisions in the same order as the kernels.
 
-    >>> model = CacheModel(64, num_rows=1000, policy="lru", admission="second-sight")
-    >>> model.access([5, 9]).tolist()         # first sight: served from the host
+    >>> model = CacheModel(32, num_rows=1000, policy="lru", admission="second-sight")
+    >>> bool((model.access(range(32)) >= 0).all())  # empty ways take every miss
+    True
+    >>> model.access([40, 41]).tolist()       # a full set: first sight served from the host
     [-1, -1]
-    >>> (model.access([5, 9]) >= 0).tolist()  # second sight: admitted
+    >>> (model.access([40, 41]) >= 0).tolist()  # second sight: admitted, evicting
     [True, True]
-    >>> model.stats["hits"], model.stats["admitted"]
-    (0, 2)
+    >>> model.stats["admitted"], model.stats["evicted"]
+    (34, 2)
     """
 
     def __init__(self, cache_rows: int, num_rows: int, policy: str = "lru",
@@ -128,7 +132,8 @@ class CacheModel:
         return slots
 
     def _admit(self, row, base, mask, now, protect_prev) -> int:
-        if self.doorkeeper:
+        # an empty way takes any miss; the doorkeeper decides only where a row would go
+        if self.doorkeeper and not (self.tags[base:base + WAYS] == -1).any():
             if not self.door[_door_bit(row, self.door_bits)]:
                 return -1
         tags, last = self.tags[base:base + WAYS], self.last[base:base + WAYS]
