@@ -55,9 +55,8 @@ class HostTable:
       cache_policy: ``"lru"`` (evict the least recently used way of the row's set) or
         ``"lfu"`` (the least often used). Rows of the batch being looked up are never evicted
         by that batch.
-      cache_admission: ``"second-sight"`` (default: a missed row takes an empty way of its
-        set; once the set is full it enters the cache the second time a lookup misses it, rows
-        seen once being served from host RAM) or ``"always"``.
+      cache_admission: ``"second-sight"`` (default: a miss takes an empty way; in a full set
+        a row enters on its second miss, rows seen once stay in host RAM) or ``"always"``.
       init: ``"zeros"``, ``("uniform", low, high)``, ``("normal", mean, std)`` (default
         ``("normal", 0, 1)``, as ``torch.nn.Embedding``), or a ``(num_rows, dim)`` C-contiguous
         NumPy array of the table's dtype, which is pinned in place and becomes the weights
