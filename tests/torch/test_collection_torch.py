@@ -511,3 +511,33 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(collection, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.gpu
+def test_a_cached_step_past_the_small_sort_is_captured_and_replays_as_eager_steps():
+    """A host table with a GPU cache, batches of more lookups than the tile sort's default
+    bound (TILED_SORT_MAX): the cache pass sorts without a host sync, so the whole step is
+    captured in one CUDA graph, and replays train as eager steps (rows admitted, evicted and
+    written back in both)."""
+    from xferlib.batch import TILED_SORT_MAX
+
+    _need_gpu()
+    rows = (5000, 300)
+
+    def build():
+        torch.manual_seed(0)
+        configs = [TableConfig(5000, 8, name="cached", placement="host", cache_rows=512,
+                               init=("uniform", -0.5, 0.5)),
+                   TableConfig(300, 4, name="dense", placement="hbm")]
+        ebc = EmbeddingBagCollection(configs, "sgd", {"lr": 0.1}, device="cuda", seed=3)
+        head = torch.nn.Linear(12, 1).cuda()
+        return ebc, head, FlatAdam(head.parameters(), lr=1e-2, capturable=True)
+
+    offsets, batches = fixed_length_batches(rows, 40_000, 6)
+    assert batches[0][0].numel() > TILED_SORT_MAX
+    eager, graphed = replay_beside_eager(build, linear_head_step, batches, offsets)
+    for key, value in eager[0].state_dict().items():
+        torch.testing.assert_close(graphed[0].state_dict()[key], value, rtol=1e-5, atol=1e-6,
+                                   msg=key)
+    stats = graphed[0].collection.cache_stats()
+    assert stats["admitted"] > 0 and stats["hits"] > 0

@@ -207,7 +207,9 @@ class DeviceCache:
                           stream=stream, keys=plan.keys, run=plan.run, n=n, n_sets=self.n_sets,
                           set_key=set_key, run_row=run_row, tick=self.tick,
                           verdict=plan.verdict.words)
-        sets, order, _ = sort_positions(set_key, self.n_sets + 1, stream=stream)
+        # The tile sort at every size: CuPy's argsort (above TILED_SORT_MAX) waits for the
+        # device, which would stall every cached step's host side and break a capture.
+        sets, order, _ = sort_positions(set_key, self.n_sets + 1, stream=stream, tiled_max=n)
         grid, block = self.side.launch_size(n)
         CACHE_INSERT.launch(
             CACHE_MODULE, (self.side.vec, c_type(self.side.dtype_name)), grid, block,
