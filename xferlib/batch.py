@@ -264,26 +264,23 @@ def run_ids(keys, stream):
     last run are left unset). Sized by ``keys`` alone: no host sync."""
     import cupy
 
-    from xferlib._kernels import grid_1d
-    from xferlib._kernels.table import (RUN_FIRSTS, RUN_IDS, RUN_IDS_MAX, RUN_STARTS,
-                                        TABLE_MODULE, key_type)
+    from xferlib._kernels.table import RUN_COUNTS, RUN_IDS, RUN_IDS_MAX, TABLE_MODULE, key_type
 
     n = keys.size
     K = (key_type(keys.dtype.itemsize),)
     with stream:
         starts = cupy.empty(n, dtype=np.int64)
-        if n <= RUN_IDS_MAX:  # one block numbers them all
-            run = cupy.empty(n, dtype=np.int64)
-            if n:
-                RUN_IDS.launch(TABLE_MODULE, K, (1,), (1024,), stream=stream, keys=keys, n=n,
-                               run=run, starts=starts)
+        run = cupy.empty(n, dtype=np.int64)
+        if n == 0:
             return run, starts
-        flags = cupy.empty(n, dtype=np.int64)
-        grid, block = grid_1d(n, 256, 4096)
-        RUN_STARTS.launch(TABLE_MODULE, K, grid, block, stream=stream, keys=keys, n=n,
-                          flags=flags)
-        run = cupy.cumsum(flags)
-        run -= 1
-        RUN_FIRSTS.launch(TABLE_MODULE, K, grid, block, stream=stream, keys=keys, run=run,
-                          n=n, starts=starts)
+        if n <= RUN_IDS_MAX:  # one block numbers them all
+            RUN_IDS.launch(TABLE_MODULE, K, (1,), (1024,), stream=stream, keys=keys, n=n,
+                           run=run, starts=starts, tile_count=None)
+            return run, starts
+        tiles = -(-n // RUN_IDS_MAX)  # a block per tile: its runs counted, then numbered
+        counts = cupy.empty(tiles, dtype=np.int64)
+        RUN_COUNTS.launch(TABLE_MODULE, K, (tiles,), (1024,), stream=stream, keys=keys, n=n,
+                          tile_count=counts)
+        RUN_IDS.launch(TABLE_MODULE, K, (tiles,), (1024,), stream=stream, keys=keys, n=n,
+                       run=run, starts=starts, tile_count=counts)
         return run, starts

@@ -1,12 +1,12 @@
 """The run numbering of sorted keys and each run's first position (one block up to 4096
-positions, flags + scan above) against NumPy."""
+positions, a block per tile of 4096 above) against NumPy."""
 
 import numpy as np
 import pytest
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 2, 5, 1023, 4095, 4096, 4097, 65536, 100_003, 1 << 18])
+@pytest.mark.parametrize("n", [1, 2, 5, 1023, 4095, 4096, 4097, 65536, 100_003, 1 << 18, 4_500_001])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 def test_run_ids_match_numpy(n, dtype):
     import cupy
@@ -30,7 +30,7 @@ def test_run_ids_of_all_equal_and_all_distinct_keys():
     from xferlib.batch import run_ids
 
     stream = cupy.cuda.get_current_stream()
-    for n in (3_000, 10_000):  # one block, and flags + scan
+    for n in (3_000, 10_000):  # one block, and a block per tile
         run, starts = run_ids(cupy.full(n, 7, dtype=cupy.int64), stream)
         np.testing.assert_array_equal(run.get(), np.zeros(n))
         assert int(starts[0]) == 0

@@ -58,19 +58,23 @@ __device__ __forceinline__ T lookup_scale(const T* psw, i64 l, int mean, i64 len
 """
 
 PLAN = KernelDecl(
-    "coll_plan", "template <typename K>",
-    (("const K*", "indices"), ("const i64*", "offsets"), ("i64", "n"), ("i64", "bags"),
+    "coll_plan", "template <typename K, typename O>",
+    (("const K*", "indices"), ("const O*", "offsets"), ("i64", "n"), ("i64", "bags"),
      ("i64", "B"), ("const i64*", "meta"), ("int", "padded"), ("i64", "pad_key"),
-     ("i64*", "keys"), ("i64*", "bag_of"), ("unsigned long long*", "words")),
+     ("i64*", "keys"), ("i64*", "bag_of"), ("i64*", "offsets64"),
+     ("unsigned long long*", "words")),
     r"""
     // A thread per bag: its bounds (the first bag starts at 0, the last ends at n, or at
     // most n when `padded`; none goes back), each index against its own table; every lookup
     // gets its collection-wide key and its bag. A padded batch's tail (from the last bag's
     // end) gets `pad_key` (past every table's keys) and bag -1. words[0]: first bad lookup;
-    // words[1]: first bad bag.
+    // words[1]: first bad bag. `offsets64` (int32 offsets): their int64 copy, which the
+    // later kernels read (no separate widening launch).
     const i64 stride = (i64)gridDim.x * blockDim.x;
+    if (offsets64 != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+        offsets64[bags] = (i64)offsets[bags];
     if (padded) {
-        i64 end = offsets[bags];
+        i64 end = (i64)offsets[bags];
         end = end < 0 ? 0 : (end > n ? n : end);
         for (i64 l = end + (i64)blockIdx.x * blockDim.x + threadIdx.x; l < n; l += stride) {
             keys[l] = pad_key;
@@ -78,7 +82,8 @@ PLAN = KernelDecl(
         }
     }
     for (i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x; b < bags; b += stride) {
-        const i64 lo = offsets[b], hi = offsets[b + 1];
+        const i64 lo = (i64)offsets[b], hi = (i64)offsets[b + 1];
+        if (offsets64 != nullptr) offsets64[b] = lo;
         const bool ok = lo >= 0 && hi >= lo && hi <= n && (b > 0 || lo == 0)
                         && (b < bags - 1 || hi == n || padded);
         if (!ok) { atomicMin(&words[1], (unsigned long long)b); continue; }
@@ -97,12 +102,13 @@ RUNS = KernelDecl(
     "coll_runs", "template <typename K>",
     (("const i64*", "meta"), ("const K*", "keys"), ("const i64*", "run"),
      ("const i64*", "starts"), ("const i64*", "perm"), ("const i64*", "bag_of"), ("i64", "n"),
-     ("i64", "B"), ("i64*", "run_off"), ("int*", "run_tab"),
+     ("i64", "B"), ("i64*", "run_off"), ("int*", "run_tab"), ("i64*", "inv"),
      ("const unsigned long long*", "verdict")),
     r"""
     // A thread per run: where its row lives (elements from its placement's buffer start;
     // -1 when out of range) and its table, so that the row kernels start from one load
-    // instead of a chain of four (start, position, bag, table).
+    // instead of a chain of four (start, position, bag, table). `inv` (host tables' staged
+    // rows): then a thread per sorted position, inv[lookup] = its run (its staged row).
     if (rejected(verdict)) return;
     const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
     const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -119,6 +125,11 @@ RUNS = KernelDecl(
         }
         run_off[r] = off;
         run_tab[r] = tab;
+    }
+    if (inv == nullptr) return;
+    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        const i64 l = perm[j];
+        if (l >= 0 && l < n) inv[l] = run[j];
     }""")
 
 POSITIONS = KernelDecl(
@@ -497,7 +508,8 @@ def _collection_names():
             yield STAGE.instance(V, T)
         for K in KEY_TYPES.values():
             if dtype_name == "float32":
-                yield PLAN.instance(K)
+                for O in KEY_TYPES.values():
+                    yield PLAN.instance(K, O)
                 yield RUNS.instance(K)
             yield SUM_CHUNKS.instance(T, K)
             yield SUM_SPANS.instance(T, K)

@@ -81,41 +81,60 @@ __device__ __forceinline__ Place<T> locate(i64 row, i64 r, T* host_w, i64 w_stri
 """
 
 # flags[j] = 1 where a run of equal rows starts (run ids are their inclusive scan - 1).
-RUN_STARTS = KernelDecl(
-    "run_starts", "template <typename K>",
-    (("const K* __restrict__", "keys"), ("i64", "n"), ("i64* __restrict__", "flags")),
+# tile_count[b] = the runs of equal keys that start inside tile b (4096 sorted positions;
+# position 0 not counted), for RUN_IDS's blocks: a block of 1024 threads per tile.
+RUN_COUNTS = KernelDecl(
+    "run_counts", "template <typename K>",
+    (("const K* __restrict__", "keys"), ("i64", "n"), ("i64* __restrict__", "tile_count")),
     r"""
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride)
-        flags[j] = (j == 0 || keys[j] != keys[j - 1]) ? 1 : 0;""")
-
-# starts[run[j]] = j where a run of equal keys starts (its first sorted position).
-RUN_FIRSTS = KernelDecl(
-    "run_firsts", "template <typename K>",
-    (("const K* __restrict__", "keys"), ("const i64* __restrict__", "run"), ("i64", "n"),
-     ("i64* __restrict__", "starts")),
-    r"""
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
-        const i64 r = run[j];
-        if ((j == 0 || keys[j] != keys[j - 1]) && r >= 0 && r < n) starts[r] = j;
-    }""")
+    __shared__ int warp_total[32];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const i64 j0 = (i64)blockIdx.x * 4096 + 4 * (i64)t;
+    int count = 0;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const i64 j = j0 + u;
+        count += (j < n && j > 0 && keys[j] != keys[j - 1]) ? 1 : 0;
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) count += __shfl_xor_sync(0xffffffffu, count, d);
+    if (lane == 0) warp_total[warp] = count;
+    __syncthreads();
+    if (warp == 0) {
+        int w = warp_total[lane];
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) w += __shfl_xor_sync(0xffffffffu, w, d);
+        if (lane == 0) tile_count[blockIdx.x] = w;
+    }""", launch_bounds="__launch_bounds__(1024)")
 
 # run[j] = the id of position j's run of equal keys (starts at 1..j counted) and
-# starts[run] its first position, in ONE block of exactly 1024 threads, one launch instead
-# of flags + cumsum (+ run_firsts). The block walks tiles of
-# 4096 positions (4 adjacent per thread, so loads coalesce and four are in flight): warp
-# shuffles scan the per-thread counts, one shared array of 32 warp totals joins the warps,
-# and a running carry joins the tiles.
+# starts[run] its first position, by blocks of exactly 1024 threads over tiles of 4096
+# positions (4 adjacent per thread, so loads coalesce and four are in flight): warp
+# shuffles scan the per-thread counts, one shared array of 32 warp totals joins the warps.
+# `tile_count` null: ONE block walks every tile, a running carry joining them (one launch);
+# else block b numbers tile b, its carry the runs RUN_COUNTS found in the tiles before it
+# (two launches at any size; no device-wide scan, no host sync).
 RUN_IDS = KernelDecl(
     "run_ids", "template <typename K>",
     (("const K* __restrict__", "keys"), ("i64", "n"), ("i64* __restrict__", "run"),
-     ("i64* __restrict__", "starts")),
+     ("i64* __restrict__", "starts"), ("const i64* __restrict__", "tile_count")),
     r"""
     __shared__ i64 warp_total[32];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    i64 carry = 0;
-    for (i64 base = 0; base < n; base += 4096) {
+    i64 carry = 0, first = 0, last = n;
+    if (tile_count != nullptr) {
+        first = (i64)blockIdx.x * 4096;
+        last = first + 4096 < n ? first + 4096 : n;
+        i64 part = 0;
+        for (i64 k = t; k < (i64)blockIdx.x; k += blockDim.x) part += tile_count[k];
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
+        if (lane == 0) warp_total[warp] = part;
+        __syncthreads();
+        for (int w = 0; w < 32; ++w) carry += warp_total[w];
+        __syncthreads();  // warp_total is rewritten below
+    }
+    for (i64 base = first; base < last; base += 4096) {
         const i64 j0 = base + 4 * (i64)t;
         int flag[4];
         int count = 0;
@@ -499,7 +518,7 @@ SPARSE_UPDATE = KernelDecl(
         }
     }""")
 
-TABLE_KERNEL = (_HEAD + "".join(d.source() for d in (RUN_STARTS, RUN_FIRSTS, RUN_IDS))
+TABLE_KERNEL = (_HEAD + "".join(d.source() for d in (RUN_COUNTS, RUN_IDS))
                 + _COPY_WORDS
                 + "".join(d.source() for d in (GATHER_UNIQUE, EXPAND_ROWS, SUM_CHUNKS, SUM_SPANS))
                 + _UPDATE_RULES + SPARSE_UPDATE.source())
@@ -538,9 +557,8 @@ def vector_widths(dtype_name: str) -> tuple:
 
 def _all_names():
     for K in _KEYS.values():
-        yield RUN_STARTS.instance(K)
+        yield RUN_COUNTS.instance(K)
         yield RUN_IDS.instance(K)
-        yield RUN_FIRSTS.instance(K)
     for dtype_name, T in _TYPES.items():
         yield EXPAND_ROWS.instance(T)
         for K in _KEYS.values():

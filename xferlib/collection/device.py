@@ -203,8 +203,12 @@ class CollectionDevice:
         with stream:
             if out is None:
                 out = cupy.empty((B, coll.total_dim), dtype=coll.dtype)
-            offsets64 = offsets if offsets.dtype == np.int64 and offsets.flags.c_contiguous \
-                else offsets.astype(np.int64)
+            # int64 offsets are read in place; contiguous int32 ones are widened by the plan
+            # kernel as it reads them (offsets64 then written there); others copied here
+            plain = offsets.flags.c_contiguous and offsets.dtype in (np.int32, np.int64)
+            offsets_in = offsets if plain and bags else offsets.astype(np.int64)
+            offsets64 = offsets_in if offsets_in.dtype == np.int64 else \
+                cupy.empty(offsets.shape[0], dtype=np.int64)
             psw_c = None if psw is None else cupy.ascontiguousarray(psw, dtype=coll.dtype)
             words = cupy.empty(2, dtype=np.uint64)
             words.data.memset_async(0xFF, 16, stream)
@@ -214,10 +218,12 @@ class CollectionDevice:
                 grid, block = grid_1d(bags, 256, 65535)
                 # A padded batch's tail gets the key past every row (sorted last, one run
                 # that lives nowhere) and no bag.
-                PLAN.launch(module, (_key(indices),), grid, block, stream=stream,
-                            indices=indices, offsets=offsets64, n=n, bags=bags, B=B,
-                            meta=self.meta, padded=int(padded), pad_key=self.total_rows,
-                            keys=keys, bag_of=bag_of, words=words)
+                PLAN.launch(module, (_key(indices), _key(offsets_in)), grid, block,
+                            stream=stream, indices=indices, offsets=offsets_in, n=n, bags=bags,
+                            B=B, meta=self.meta, padded=int(padded), pad_key=self.total_rows,
+                            keys=keys, bag_of=bag_of,
+                            offsets64=None if offsets64 is offsets_in else offsets64,
+                            words=words)
             plan = GpuPlan(None, None, None, None, None, None, bag_of, offsets64, psw_c,
                            None, self.writes, words, n)
             if n:
@@ -226,12 +232,13 @@ class CollectionDevice:
                 plan.run, plan.starts = run_ids(plan.keys, stream)
                 plan.run_off = cupy.empty(n, dtype=np.int64)
                 plan.run_tab = cupy.empty(n, dtype=np.int32)
+                # each lookup's run (its staged row), for the pooling of host tables' rows
+                inv = cupy.empty(n, dtype=np.int64) if self.has_host else None
                 grid, block = grid_1d(n, 256, 65535)
                 RUNS.launch(module, (_key(plan.keys),), grid, block, stream=stream,
                             meta=self.meta, keys=plan.keys, run=plan.run, starts=plan.starts,
                             perm=plan.perm, bag_of=bag_of, n=n, B=B, run_off=plan.run_off,
-                            run_tab=plan.run_tab, verdict=words)
-                inv = None
+                            run_tab=plan.run_tab, inv=inv, verdict=words)
                 if self.cache is not None:  # rows of host tables found, admitted, evicted
                     plan.slots = self.cache.insert(_CachePlan(plan), stream)
                     self.cache_passes += 1
@@ -247,8 +254,6 @@ class CollectionDevice:
                                  verdict=words)
                     if not for_update:
                         plan.writes = -1  # weights only: no update may read this copy
-                    inv = cupy.empty(n, dtype=np.int64)
-                    inv[plan.perm] = plan.run  # each lookup's run: its staged row
                 # a group of lanes per bag, 32 // lane_group bags per warp
                 grid, block = grid_1d(bags * self.lane_group, 256, 65535 * 8)
                 POOL.launch(module, (self.vec, c_type(self.dtype_name), _key(indices)), grid,
