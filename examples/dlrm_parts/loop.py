@@ -3,8 +3,9 @@ tqdm bar (samples/s, running loss), evaluation points (AUC and logloss on the he
 and the figures of the final table. Evaluation time is not counted in samples/s.
 
 Batches are made ahead, :data:`CHUNK_STEPS` at a time (:class:`Feed`): one set of kernels
-makes the batches of 8 steps, so data costs the step a slice, not ~150 launches; chunks start
-at multiples of 8 steps, so a resumed run sees exactly the bits an uninterrupted one sees. On a
+makes the batches of 32 steps, so data costs the step a slice of ~150 launches' host time (3 ms
+a chunk: what a host-bound JAX step would otherwise pay every few steps); chunks start at
+multiples of 32 steps, so a resumed run sees exactly the bits an uninterrupted one sees. On a
 GPU the next chunk is made on a stream of its own while the current chunk's steps train, so
 making data overlaps training instead of adding to it."""
 
@@ -53,7 +54,7 @@ def _host(x):
     return x
 
 
-CHUNK_STEPS = 8
+CHUNK_STEPS = 32
 AHEAD = True  # on a GPU, make the next chunk on a side stream (False: on the step's stream)
 
 
