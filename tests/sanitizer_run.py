@@ -48,7 +48,7 @@ from pathlib import Path
 
 FAMILIES = {
     "kernels": ["tests/core/test_kernels.py"],
-    "rows": ["tests/core/test_rows.py", "tests/core/test_batch.py"],
+    "rows": ["tests/core/test_rows.py", "tests/core/test_batch.py", "tests/core/test_run_ids.py"],
     "table": ["tests/core/test_table.py", "tests/core/test_table_cache.py",
               "tests/core/test_table_sums.py"],
     "scattered": ["tests/core/test_bench_kernels.py"],
