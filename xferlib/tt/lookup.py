@@ -60,9 +60,9 @@ def suffix_products(cores, shape: TTShape, digits, start: int, dtype):
 def scatter_add(out, idx, values) -> None:
     """``out[idx] += values`` with repeated indices summed, on either namespace."""
     if is_cupy_array(out):
-        import cupyx
+        import cupy
 
-        cupyx.scatter_add(out, idx, values)
+        cupy.add.at(out, idx, values)  # cupyx.scatter_add is deprecated for this
     else:
         np.add.at(out, idx, values)
 
