@@ -360,19 +360,26 @@ class _HostModule(torch.nn.Module):
             if key.startswith(prefix) and key not in expected and not key.startswith(
                     prefix + "optimizer_state."):
                 unexpected_keys.append(key)
-        refused = any(k in missing_keys for k in expected)
-        weight = None if refused else state_dict[prefix + "weight"]
+        # torch's rule (it passes strict=True here whatever the caller's strict, and judges
+        # missing keys after the load): the arrays given are loaded, the others keep their
+        # values (a plain nn.EmbeddingBag's state dict loads its weights with strict=False).
+        # A table shared by a process group is written by rank 0 alone from its own dict, so
+        # there every array must be given (ranks giving different keys would each expect
+        # another result).
+        given = [k in state_dict for k in expected]
+        refused = not all(given) if self._dist is not None else not any(given)
         rows_shape = (self.num_embeddings, self.embedding_dim)
         own_state = {key[len(prefix + "optimizer_state."):]: value
                      for key, value in state_dict.items()
                      if key.startswith(prefix + "optimizer_state.")}
+        state_shapes = {n: tuple(self.table.state(n).shape) for n in self.table.state_names()}
         # Every shape checked on every rank before anything is written (a shared table is
         # written by rank 0 alone, whose restore would raise after the others went on).
         shapes = {} if refused else {
-            prefix + "weight": (weight, rows_shape),
-            **{prefix + "table_state." + n: (state_dict[prefix + "table_state." + n],
-                                             tuple(self.table.state(n).shape))
-               for n in self.table.state_names()},
+            **({prefix + "weight": (state_dict[prefix + "weight"], rows_shape)}
+               if prefix + "weight" in state_dict else {}),
+            **{prefix + "table_state." + n: (state_dict[prefix + "table_state." + n], shape)
+               for n, shape in state_shapes.items() if prefix + "table_state." + n in state_dict},
             **{prefix + "optimizer_state." + n: (value, rows_shape)
                for n, value in own_state.items() if getattr(self, "_any_optimizer", False)}}
         for key, (value, shape) in shapes.items():
@@ -389,8 +396,13 @@ class _HostModule(torch.nn.Module):
         if refused:
             return
         if self._dist is None or self._dist.rank == 0:  # a shared table is written once
-            self.table.restore(weight.detach().cpu().numpy(),
-                               {name: state_dict[prefix + "table_state." + name].cpu().numpy()
+            def given(key, current):
+                value = state_dict.get(prefix + key)
+                return current() if value is None else value.detach().cpu().numpy()
+
+            self.table.restore(given("weight", lambda: np.array(self.table.numpy())),
+                               {name: given("table_state." + name,
+                                            lambda name=name: np.array(self.table.state(name)))
                                 for name in self.table.state_names()})
         if self._dist is not None:
             self._dist.fence()

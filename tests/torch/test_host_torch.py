@@ -310,6 +310,27 @@ def test_state_dict_round_trip(device, rng):
     np.testing.assert_array_equal(b.table.numpy(), a.table.numpy())
 
 
+
+def test_strict_false_loads_the_arrays_given(device, rng):
+    """torch's rule: a plain nn.EmbeddingBag's state dict (weights only) loads its weights
+    with strict=False and the optimizer state keeps its values; strict=True reports the
+    missing state arrays."""
+    a = HostEmbeddingBag(ROWS, DIM, optimizer="adam", device=device)
+    idx, offsets = torch.tensor([1, 5, 5, 9]), torch.tensor([0, 2])
+    a(idx.to(device), offsets.to(device)).sum().backward()
+    moments = np.array(a.table.state("exp_avg"))
+    plain = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum")
+    result = a.load_state_dict(plain.state_dict(), strict=False)
+    assert sorted(result.missing_keys) == ["table_state.exp_avg", "table_state.exp_avg_sq",
+                                          "table_state.step"]
+    np.testing.assert_array_equal(a.table.numpy(), plain.weight.detach().numpy())
+    np.testing.assert_array_equal(a.table.state("exp_avg"), moments)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        a.load_state_dict(plain.state_dict())
+    other = HostEmbeddingBag(ROWS, DIM, optimizer="adam", device=device)
+    result = other.load_state_dict({"unrelated": torch.zeros(1)}, strict=False)
+    assert "weight" in result.missing_keys  # none of its arrays given: nothing loaded
+
 def test_bad_input(device):
     bag = HostEmbeddingBag(ROWS, DIM, optimizer="sgd", device=device)
     before = np.array(bag.table.numpy())
