@@ -79,19 +79,37 @@ def load_sharded(module, directory) -> None:
     rows of its shards from whichever saved shards hold them), or an unsharded
     :class:`EmbeddingBagCollection` (every table whole, in one process). The tables'
     names, rows and widths and the optimizer must match. Hyperparameters are the loading
-    module's own."""
-    if isinstance(module, ShardedEmbeddingBagCollection):
-        tables, optimizer = module.tables, module.optimizer
-    else:
-        tables, optimizer = module.tables, module.collection.optimizer
-    manifest = read_checkpoint(directory, tables, optimizer)
-    shards, coll = _shards_and_collection(module)
+    module's own.
+
+    Collective for a sharded module (every rank calls it): each rank reads its rows, the
+    ranks learn whether all of them could, and only then does any rank write; a rank that
+    could not read raises its own error, the others a RuntimeError, and no table changes."""
+    sharded = isinstance(module, ShardedEmbeddingBagCollection)
+    error, state, coll = None, {}, None
+    try:
+        tables = module.tables
+        optimizer = module.optimizer if sharded else module.collection.optimizer
+        manifest = read_checkpoint(directory, tables, optimizer)
+        shards, coll = _shards_and_collection(module)
+        for s in shards if coll is not None else ():
+            rows = read_rows(directory, manifest, s.table, s.row_start, s.row_stop)
+            state.update({f"{s.local_name}.{k}": v for k, v in rows.items()})
+        if coll is not None:
+            coll.check_state_dict(state)  # shapes and values, before any rank writes
+    except (OSError, ValueError, KeyError) as err:
+        if not sharded:
+            raise
+        error = err
+    if sharded:
+        every = [None] * module.world_size
+        dist.all_gather_object(every, [error is None], group=module.group)
+        if error is not None:
+            raise error
+        if not all(ok[0] for ok in every):
+            raise RuntimeError("another rank could not read its rows of the checkpoint; no "
+                               "table was changed")
     if coll is None:
         return
-    state = {}
-    for s in shards:
-        rows = read_rows(directory, manifest, s.table, s.row_start, s.row_stop)
-        state.update({f"{s.local_name}.{k}": v for k, v in rows.items()})
-    device = module.local if isinstance(module, ShardedEmbeddingBagCollection) else module
+    device = module.local if sharded else module
     with device._on_device():
         coll.load_state_dict(state)

@@ -552,3 +552,39 @@ def test_a_manifest_rank_0_cannot_write_raises_on_every_rank(tmp_path):
     messages = [str(np.load(tmp_path / f"rank{r}.npz")["message"]) for r in range(2)]
     assert "IsADirectoryError" in messages[0], messages
     assert "manifest" in messages[1], messages
+
+
+def _load_worker(rank, world, port, ckpt, out_dir):
+    import datetime
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    module = ShardedEmbeddingBagCollection(TABLES, "sgd", {"lr": 0.1}, seed=SEED + 1)
+    before = _state(module)
+    message = ""
+    try:  # rank 1 is pointed at a directory that holds no checkpoint
+        load_sharded(module, ckpt if rank == 0 else os.path.join(out_dir, "nothing"))
+    except (OSError, RuntimeError, ValueError) as err:
+        message = f"{type(err).__name__}: {err}"
+    after = _state(module)
+    unchanged = all(np.array_equal(before[k], after[k]) for k in before)
+    np.savez(os.path.join(out_dir, f"load{rank}.npz"), message=np.array(message),
+             unchanged=np.array(unchanged))
+    leave_process_group()
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch.distributed without gloo")
+def test_a_checkpoint_one_rank_cannot_read_raises_on_every_rank(tmp_path):
+    """load_sharded is collective: rank 1 cannot read its rows, so rank 1 raises its own
+    error, rank 0 a RuntimeError, and neither rank's tables change."""
+    ckpt = tmp_path / "ckpt"
+    mp.spawn(_manifest_worker, args=(2, free_port(), str(ckpt), str(tmp_path)), nprocs=2,
+             join=True)
+    mp.spawn(_load_worker, args=(2, free_port(), str(ckpt), str(tmp_path)), nprocs=2,
+             join=True)
+    results = [np.load(tmp_path / f"load{r}.npz") for r in range(2)]
+    messages = [str(r["message"]) for r in results]
+    assert "another rank" in messages[0] and "RuntimeError" in messages[0], messages
+    assert messages[1].startswith("ValueError") and "no sharded checkpoint" in messages[1]
+    assert all(bool(r["unchanged"]) for r in results), messages
