@@ -480,6 +480,28 @@ def test_gpu_cache_trains_as_uncached(optimizer):
     assert out_a.get().tobytes() == out_b.get().tobytes()
 
 
+
+@pytest.mark.gpu
+def test_gpu_cache_counts_the_host_tables_rows_only():
+    """The cache pass looks at host tables' rows alone: its lookups are the distinct host
+    rows of each batch (an HBM table's rows never reach it)."""
+    get_backend("cupy")
+    import cupy
+
+    rows, B = [3000, 500], 64
+    coll = EmbeddingCollection([TableConfig(rows[0], 8, placement="host", cache_rows=96),
+                                TableConfig(rows[1], 8)], "sgd", HYPER["sgd"], device="cuda",
+                               seed=1)
+    rng = np.random.default_rng(5)
+    distinct = 0
+    for _ in range(3):
+        indices, offsets = make_batch(rng, rows, B=B, max_len=6, zipf=True)
+        distinct += np.unique(indices[offsets[0]:offsets[B]]).size
+        _, ctx = coll.forward(cupy.asarray(indices), cupy.asarray(offsets))
+        coll.backward(ctx, cupy.zeros((B, 16), np.float32))
+    stats = coll.cache_stats()
+    assert stats["lookups"] == stats["hits"] + stats["misses"] == distinct, stats
+
 def test_cache_config_checks():
     with pytest.raises(ValueError, match="cache_rows is for host tables"):
         TableConfig(10, 4, cache_rows=5)

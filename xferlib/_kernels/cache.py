@@ -98,14 +98,16 @@ __device__ __forceinline__ void evict_and_fill(T* c, i64 dim, i64 s_off, i64 s_w
 """
 
 # For each distinct row of a sorted batch (run r starting at sorted position j):
-# set_key[r] = its set and run_row[r] = the row; set_key is n_sets (sorts last) past the
-# last run. Thread 0 advances the cache's tick (even for a rejected batch, so the host can
-# count ticks; nothing else changes then).
+# set_key[r] = its set and run_row[r] = the row; set_key is n_sets (sorts last: no pass
+# looks at it) past the last run and for keys the cache never holds (>= n_rows: a
+# collection's HBM tables' rows). Thread 0 advances the cache's tick (even for a rejected
+# batch, so the host can count ticks; nothing else changes then).
 CACHE_SETS = KernelDecl(
     "cache_sets", "template <typename K>",
     (("const K* __restrict__", "keys"), ("const i64* __restrict__", "run"), ("i64", "n"),
-     ("i64", "n_sets"), ("int* __restrict__", "set_key"), ("i64* __restrict__", "run_row"),
-     ("i64* __restrict__", "tick"), ("const u64* __restrict__", "verdict")),
+     ("i64", "n_sets"), ("i64", "n_rows"), ("int* __restrict__", "set_key"),
+     ("i64* __restrict__", "run_row"), ("i64* __restrict__", "tick"),
+     ("const u64* __restrict__", "verdict")),
     r"""
     const bool bad = rejected(verdict);
     const i64 last_run = n > 0 ? run[n - 1] : -1;
@@ -115,9 +117,9 @@ CACHE_SETS = KernelDecl(
     for (i64 j = first; j < n; j += stride) {
         if (bad || j > last_run) set_key[j] = (int)n_sets;
         if (!bad && (j == 0 || keys[j] != keys[j - 1])) {
-            const i64 r = run[j];
-            set_key[r] = (int)set_of((i64)keys[j], n_sets);
-            run_row[r] = (i64)keys[j];
+            const i64 r = run[j], row = (i64)keys[j];
+            set_key[r] = row >= 0 && row < n_rows ? (int)set_of(row, n_sets) : (int)n_sets;
+            run_row[r] = row;
         }
     }""")
 

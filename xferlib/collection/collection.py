@@ -543,9 +543,8 @@ class EmbeddingCollection:
             self._gpu.synchronize()
 
     def cache_stats(self) -> dict:
-        """The host tables' GPU cache since construction: distinct rows looked up (of every
-        table: rows of HBM tables count as misses that are never admitted), hits, misses,
-        admitted and evicted rows."""
+        """The host tables' GPU cache since construction: distinct rows of host tables
+        looked up, hits, misses, admitted and evicted rows."""
         if self._gpu is None:
             return dict(lookups=0, hits=0, misses=0, admitted=0, evicted=0)
         return self._gpu.cache_stats()

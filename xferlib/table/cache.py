@@ -205,7 +205,8 @@ class DeviceCache:
         grid_n, block_n = grid_1d(n, 256, 4096)
         CACHE_SETS.launch(CACHE_MODULE, (key_type(plan.keys.itemsize),), grid_n, block_n,
                           stream=stream, keys=plan.keys, run=plan.run, n=n, n_sets=self.n_sets,
-                          set_key=set_key, run_row=run_row, tick=self.tick,
+                          n_rows=self.side.table.num_rows, set_key=set_key, run_row=run_row,
+                          tick=self.tick,
                           verdict=plan.verdict.words)
         # The tile sort at every size: CuPy's argsort (above TILED_SORT_MAX) waits for the
         # device, which would stall every cached step's host side and break a capture.
