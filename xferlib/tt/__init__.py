@@ -18,7 +18,8 @@ path, the forward), ``plan`` (the kernel path's batch plan and its input check),
 (core gradients), ``rules`` (sparse optimizer rules on the array path), ``update`` (fused
 updates), ``cache`` (:class:`TTRowCache`), ``table`` (:class:`TTTable`: cores, optimizer
 state, step counter, cache, checks and scratch of a trained table, the twin of
-``xferlib.HostTable``).
+``xferlib.HostTable``), ``table_init`` (a table's hyperparameter defaults and checks, the first
+draw of its cores).
 """
 
 from xferlib.tt.cache import NO_ROW, TTRowCache, tt_cache_grad
