@@ -514,7 +514,7 @@ def test_docstring_examples_run():
 
 
 @pytest.mark.gpu
-def test_a_cached_step_past_the_small_sort_is_captured_and_replays_as_eager_steps():
+def test_a_cached_step_past_the_small_sort_replayed_from_a_cuda_graph_trains_as_eager_steps():
     """A host table with a GPU cache, batches of more lookups than the tile sort's default
     bound (TILED_SORT_MAX): the cache pass sorts without a host sync, so the whole step is
     captured in one CUDA graph, and replays train as eager steps (rows admitted, evicted and
