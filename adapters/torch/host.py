@@ -368,11 +368,16 @@ class _HostModule(torch.nn.Module):
         # another result).
         given = [k in state_dict for k in expected]
         refused = not all(given) if self._dist is not None else not any(given)
+        if refused and any(given):
+            error_msgs.append(f"{prefix or 'module'}: a table shared by a process group loads "
+                              f"whole state dicts only (its weights and every table_state "
+                              f"array); nothing was loaded")
         rows_shape = (self.num_embeddings, self.embedding_dim)
         own_state = {key[len(prefix + "optimizer_state."):]: value
                      for key, value in state_dict.items()
                      if key.startswith(prefix + "optimizer_state.")}
-        state_shapes = {n: tuple(self.table.state(n).shape) for n in self.table.state_names()}
+        state_shapes = {} if refused else {n: tuple(self.table.state(n).shape)
+                                           for n in self.table.state_names()}
         # Every shape checked on every rank before anything is written (a shared table is
         # written by rank 0 alone, whose restore would raise after the others went on).
         shapes = {} if refused else {
@@ -397,12 +402,14 @@ class _HostModule(torch.nn.Module):
             return
         if self._dist is None or self._dist.rank == 0:  # a shared table is written once
             def given(key, current):
+                # an array not given is the table's own (restore copies it onto itself: no
+                # copy of a possibly huge table is made)
                 value = state_dict.get(prefix + key)
                 return current() if value is None else value.detach().cpu().numpy()
 
-            self.table.restore(given("weight", lambda: np.array(self.table.numpy())),
+            self.table.restore(given("weight", self.table.numpy),
                                {name: given("table_state." + name,
-                                            lambda name=name: np.array(self.table.state(name)))
+                                            lambda name=name: self.table.state(name))
                                 for name in self.table.state_names()})
         if self._dist is not None:
             self._dist.fence()
