@@ -96,7 +96,7 @@ def load_sharded(module, directory) -> None:
             state.update({f"{s.local_name}.{k}": v for k, v in rows.items()})
         if coll is not None:
             coll.check_state_dict(state)  # shapes and values, before any rank writes
-    except (OSError, ValueError, KeyError) as err:
+    except Exception as err:  # noqa: BLE001 - any failure, raised after the ranks agree
         if not sharded:
             raise
         error = err
