@@ -264,7 +264,8 @@ def run_ids(keys, stream):
     last run are left unset). Sized by ``keys`` alone: no host sync."""
     import cupy
 
-    from xferlib._kernels.table import RUN_COUNTS, RUN_IDS, RUN_IDS_MAX, TABLE_MODULE, key_type
+    from xferlib._kernels.table import (RUN_COUNTS, RUN_IDS, RUN_IDS_MAX, RUN_TILE,
+                                        TABLE_MODULE, key_type)
 
     n = keys.size
     K = (key_type(keys.dtype.itemsize),)
@@ -277,7 +278,7 @@ def run_ids(keys, stream):
             RUN_IDS.launch(TABLE_MODULE, K, (1,), (1024,), stream=stream, keys=keys, n=n,
                            run=run, starts=starts, tile_count=None)
             return run, starts
-        tiles = -(-n // RUN_IDS_MAX)  # a block per tile: its runs counted, then numbered
+        tiles = -(-n // RUN_TILE)  # a block per tile: its runs counted, then numbered
         counts = cupy.empty(tiles, dtype=np.int64)
         RUN_COUNTS.launch(TABLE_MODULE, K, (tiles,), (1024,), stream=stream, keys=keys, n=n,
                           tile_count=counts)

@@ -126,9 +126,8 @@ class XferlibEmbeddings(torch.nn.Module):
         self.collection.check()  # sharded: this rank's refusals and its shards' checks
 
     def cache_hit_rate(self):
-        """Cache hits over the distinct rows the batches looked up (HBM tables' rows count
-        as lookups that never hit: xferlib's ``cache_stats``; this rank's shards when
-        sharded)."""
+        """Cache hits over the distinct host-table rows the batches looked up (xferlib's
+        ``cache_stats``; this rank's shards when sharded)."""
         core = self.core()
         stats = core.cache_stats() if core is not None else {}
         return stats["hits"] / stats["lookups"] if stats.get("lookups") else None
