@@ -578,10 +578,8 @@ class EmbeddingCollection:
 
     def save(self, path) -> None:
         """Write the configuration, hyperparameters and every table's weights and optimizer
-        state to ``path`` in one file (``xferlib/collection/io.py``: the host tables'
-        checksummed format), crash-safely: a temporary file, synced, renamed over ``path``,
-        the directory synced (:func:`xferlib.atomic_write`). Cached rows are written back
-        first; GPU rows stream through small buffers."""
+        state to ``path`` in one checksummed file (``xferlib/collection/io.py``), crash-safely
+        (:func:`xferlib.atomic_write`); cached rows written back first, GPU rows streamed."""
         from xferlib.collection.io import save_collection
 
         save_collection(self, path)
