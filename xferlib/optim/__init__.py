@@ -1,8 +1,9 @@
 """Flat-buffer optimizers and the optimizer rules every kernel family shares.
 
 ``rules``: one :class:`~xferlib.optim.rules.Rule` per optimizer (id, defaults, check, state
-slots, per-step scalars, NumPy update); ``layout``: the flat layout; ``step``: the flat
-``(init, update)`` optimizers and the CUDA step; ``clip``: global-norm clipping.
+slots, per-step scalars, NumPy update); ``scalar_records``: the flat rules' per-step scalar
+records; ``layout``: the flat layout; ``step``: the flat ``(init, update)`` optimizers and the
+CUDA step; ``clip``: global-norm clipping.
 """
 
 from xferlib.optim.clip import (clip_by_global_norm, clip_coefficient, global_norm,

@@ -41,15 +41,20 @@ import dataclasses
 import enum
 import math
 import numbers
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
-__all__ = ["OptId", "Rule", "known_scalar", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON", "SCALARS", "get_rule",
-           "resolve_hyper", "common_scalars", "preamble_numpy", "check_common", "cuda_defines",
-           "cuda_constants", "FLAT", "TABLE", "TT", "optimizers_for", "SgdScalars", "AdamScalars",
-           "AdagradScalars", "RmspropScalars", "AdamaxScalars", "NadamScalars", "RadamScalars",
-           "LionScalars", "first_moment", "second_moment"]
+from xferlib.optim.scalar_records import (AdagradScalars, AdamaxScalars, AdamScalars,
+                                          LionScalars, NadamScalars, RadamScalars,
+                                          RmspropScalars, SgdScalars)
+
+__all__ = ["OptId", "Rule", "known_scalar", "RULES", "FLAT_RULES", "OPTIMIZERS", "COMMON",
+           "SCALARS", "get_rule", "resolve_hyper", "common_scalars", "preamble_numpy",
+           "check_common", "cuda_defines", "cuda_constants", "FLAT", "TABLE", "TT",
+           "optimizers_for", "SgdScalars", "AdamScalars", "AdagradScalars", "RmspropScalars",
+           "AdamaxScalars", "NadamScalars", "RadamScalars", "LionScalars", "first_moment",
+           "second_moment"]
 
 # The kernel families a rule runs in: the flat step (xferlib.optim), host tables
 # (xferlib.table), TT tables (xferlib.tt). One vocabulary: a name means one rule in every
@@ -175,84 +180,8 @@ def _sqrt(xp, x):
     return math.sqrt(x) if isinstance(x, float) else xp.sqrt(x)
 
 
-# Each flat rule's per-step scalars as a named record (optax names its states alike), made
-# by the rule's one scalars function from the hyperparameters and the step. The first field
-# is always the step's size (the kernels' s.lr); flags are 0.0 / 1.0. The flat kernel reads a
-# record from its segment's row of the scalar table (Rule.row): the columns' names and order
-# are the record's fields, generated into the CUDA source (flat_scalar_defines).
-
-
-class SgdScalars(NamedTuple):
-    """torch.optim.SGD: ``keep`` and ``take``, what the momentum buffer keeps of itself and
-    takes of the gradient (0 and 1 on torch's first step, which copies the gradient)."""
-    lr: float
-    momentum: float
-    keep: float
-    take: float
-    use_momentum: float
-    nesterov: float
-
-
-class AdamScalars(NamedTuple):
-    """Adam / AdamW: ``step_size = lr / (1 - b1^t)``, ``bc2_sqrt = sqrt(1 - b2^t)``."""
-    step_size: float
-    b1: float
-    b2: float
-    eps: float
-    bc2_sqrt: float
-    amsgrad: float
-
-
-class AdagradScalars(NamedTuple):
-    """Adagrad: ``clr = lr / (1 + (t - 1) lr_decay)``."""
-    clr: float
-    eps: float
-
-
-class RmspropScalars(NamedTuple):
-    lr: float
-    alpha: float
-    eps: float
-    momentum: float
-    centered: float
-
-
-class AdamaxScalars(NamedTuple):
-    """Adamax: ``clr = lr / (1 - b1^t)``."""
-    clr: float
-    b1: float
-    b2: float
-    eps: float
-
-
-class NadamScalars(NamedTuple):
-    """NAdam: the gradient's and the first moment's coefficients (negative: added to the
-    parameter), ``bc2 = 1 - b2^t``."""
-    coef_grad: float
-    coef_avg: float
-    b1: float
-    b2: float
-    bc2: float
-    eps: float
-
-
-class RadamScalars(NamedTuple):
-    """RAdam: ``lr_bc1 = lr / (1 - b1^t)``, the rectification term and whether it applies."""
-    lr_bc1: float
-    b1: float
-    b2: float
-    eps: float
-    bc2_sqrt: float
-    rect: float
-    rectified: float
-
-
-class LionScalars(NamedTuple):
-    lr: float
-    b1: float
-    b2: float
-    weight_decay: float
-
+# Each flat rule's per-step scalars are a named record (SgdScalars, ...):
+# xferlib/optim/scalar_records.py.
 
 # The moment updates, written once for NumPy (in place, in the arrays' dtype, 1 - beta
 # rounded from float64; torch's op order): the flat rules and the host tables' rows use them.
