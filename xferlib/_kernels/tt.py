@@ -31,8 +31,9 @@ The pipeline over a batch sorted by row (rows sharing a prefix sit side by side)
   The cache's device functions live in ``xferlib/_kernels/tt_cache.py`` and are spliced into
   ``TT_KERNEL`` at their place.
 
-This file holds the forward's source and the module's build; the backward's and the update's
-source (one compiled module with it) is in ``xferlib/_kernels/tt_backward.py``.
+This file holds the forward's source and the module's build; the backward's source (one
+compiled module with it) is in ``xferlib/_kernels/tt_backward.py``, the update's in
+``xferlib/_kernels/tt_update.py``.
 
 Every kernel bounds every index by the compiled shape, so no input reaches outside an array.
 """
