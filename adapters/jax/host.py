@@ -47,11 +47,9 @@ def fill_token(ctx, token, gpu: bool) -> None:
     if gpu:
         import cupy
 
-        from xferlib.backend import as_cupy_stream
-
         interface = token.__cuda_array_interface__
         cupy.cuda.runtime.memsetAsync(interface["data"][0], 0, np.dtype(token.dtype).itemsize,
-                                      as_cupy_stream(xla_stream(ctx, gpu)).ptr)
+                                      int(ctx.stream))
     else:
         as_core_array(token, gpu).fill(0)
 

@@ -47,9 +47,10 @@ from xferlib._kernels._declare import KernelDecl
 from xferlib._kernels._declare import defines as defines_of
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.rules import RULES_KERNEL
-from xferlib._kernels.tt_backward import (CORE_ARGS, CORE_PARAMS, HYPER_ARGS,  # noqa: F401
+from xferlib._kernels.tt_backward import (CORE_ARGS, CORE_PARAMS,  # noqa: F401
                                           TT_BACKWARD_KERNEL, TT_BWD_PIECES, TT_REDUCE,
-                                          TT_REDUCE_JOIN, TT_UPDATE)
+                                          TT_REDUCE_JOIN)
+from xferlib._kernels.tt_update import HYPER_ARGS, TT_UPDATE  # noqa: F401
 from xferlib._kernels.tt_cache import CACHE_CHUNK, TT_CACHE_LOOKUP_KERNEL, TT_COUNT
 
 CHUNK = 16  # sorted positions per block in tt_rows / tt_bwd_pieces

@@ -7,10 +7,10 @@ and compiled shape it uses; the pipeline is described there.
 """
 
 from xferlib._kernels._declare import KernelDecl
-from xferlib._kernels.tt_update import HYPER_ARGS, TT_UPDATE, TT_UPDATE_KERNEL
+from xferlib._kernels.tt_update import TT_UPDATE_KERNEL
 
 __all__ = ["CORE_ARGS", "CORE_PARAMS", "TT_BWD_PIECES", "TT_REDUCE", "TT_REDUCE_JOIN",
-           "TT_BACKWARD_KERNEL", "HYPER_ARGS", "TT_UPDATE"]
+           "TT_BACKWARD_KERNEL"]
 
 # Argument group several TT kernels declare: the four core pointers (NULL past the table's
 # cores).

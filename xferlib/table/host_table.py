@@ -554,8 +554,7 @@ class HostTable:
     def _gpu_state(self) -> "DeviceSide":
         self._follow()
         if self._gpu is None:
-            if self.closed:
-                raise ValueError("this table is closed")
+            self._check_open()
             if not is_pinned(self._state.view(np.ndarray)):
                 raise ValueError("this table's memory is not pinned (it was built without a "
                                  "GPU); the GPU path needs pinned memory")

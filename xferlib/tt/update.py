@@ -54,16 +54,11 @@ def tt_fused_update(cores, shape: TTShape, residuals, grad_bags, states, optimiz
     kernel_path = isinstance(residuals, TTBagPlan)
     if count is not None and not kernel_path:
         count += 1
-    step = hyper.get("step", 1)
-    if not kernel_path and not isinstance(step, (int, np.integer)):  # a device counter
-        hyper["step"] = int(to_host(step).reshape(-1)[0])
+    if not kernel_path:
+        hyper = _host_step(hyper)  # a device step counter read on the host
     if cache is not None and cache.active and not kernel_path:
         grad, touched = tt_cache_grad(cache, shape, residuals, grad_bags)
-        # as tt_cache_apply: whole only for the rules a zero gradient leaves unchanged (an
-        # adagrad with eps = 0 would turn the rows the batch did not hit into NaN)
-        whole = optimizer == "sgd" or (optimizer in ("adagrad", "rowwise_adagrad") and eps > 0)
-        rows = slice(None) if whole else array_module(touched).flatnonzero(touched)
-        update_rows(cache.weight, grad, cache.state, rows, optimizer, lr, eps, betas, **hyper)
+        tt_cache_apply(cache, grad, touched, optimizer, lr=lr, eps=eps, betas=betas, **hyper)
     if not kernel_path:
         grads = tt_embedding_bag_bwd(cores, shape, residuals, grad_bags)
         tt_sparse_update(cores, shape, residuals, grads, states, optimizer, lr=lr, eps=eps,
@@ -164,6 +159,8 @@ def tt_cache_apply(cache: "TTRowCache", grad, touched, optimizer: str, *, lr: fl
                          f"({cache.capacity},), got {tuple(grad.shape)} and "
                          f"{tuple(touched.shape)}")
     xp = array_module(grad)
+    # whole only for the rules a zero gradient leaves unchanged (an adagrad with eps = 0
+    # would turn the rows the batch did not hit into NaN)
     whole = optimizer == "sgd" or (optimizer in ("adagrad", "rowwise_adagrad") and eps > 0)
     rows = slice(None) if whole else xp.flatnonzero(touched)
     update_rows(cache.weight, grad, cache.state, rows, optimizer, lr, eps, betas,
