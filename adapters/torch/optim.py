@@ -49,10 +49,7 @@ class Bucket:
         # entries: [(param, group index)] in param_groups order
         self.params = [p for p, _ in entries]
         p0 = self.params[0]
-        self.device, self.dtype = p0.device, p0.dtype
-        if self.dtype not in _DTYPES:
-            raise TypeError(f"flat optimizers take float32, bfloat16 or float16 parameters, "
-                            f"got {self.dtype}")
+        self.device, self.dtype = p0.device, p0.dtype  # checked by bucket_entries
         # The layout is the float32 master's; 16-bit parameters and gradients share its
         # offsets (16-byte aligned for float32, so 8-byte aligned for them).
         layout = core.FlatLayout.from_shapes([tuple(p.shape) for p in self.params],
@@ -109,9 +106,8 @@ class Bucket:
                                            self.core_grads, self.state.buffers, self.core_lowp)
 
     def _init_device_scalars(self, entries):
-        """Capturable mode: step counts, the active mask and hyperparameters on the GPU."""
-        if self.device.type != "cuda":
-            raise ValueError("capturable=True needs CUDA parameters")
+        """Capturable mode: step counts, the active mask and hyperparameters on the GPU
+        (CUDA parameters: bucket_entries refused others)."""
         n, groups = len(self.params), max(g for _, g in entries) + 1
         self.dev_steps = torch.zeros(n, dtype=torch.float32, device=self.device)
         self.dev_active = torch.zeros(n, dtype=torch.uint8, device=self.device)
