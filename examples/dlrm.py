@@ -285,7 +285,13 @@ def _prepare(args):
         if flag != "--save" and path and os.path.isdir(path):
             raise ValueError(f"{flag} {path} is a directory; give a file name")
     if args.plot:
-        _check_plot_format(args.plot)
+        importlib.import_module("matplotlib")  # --plot needs it: refused before training
+
+        from xferlib.cli import plot_format_error
+
+        unknown = plot_format_error(args.plot)
+        if unknown:
+            raise ValueError(unknown)
     if (args.save or args.load) and len(frameworks) > 1:
         raise ValueError("--save/--load hold one run: pick --framework torch or jax")
     if args.load and args.compare:
@@ -325,18 +331,6 @@ def _prepare(args):
         checkpoint.check_jax_tt_layout(args.load, mesh=args.devices > 1)
     device = _device(args.device)
     return preset, plan, frameworks, run_config, meta, device, batch_size, steps, pooling
-
-
-def _check_plot_format(path) -> None:
-    """ValueError, before training, where matplotlib writes no file of ``path``'s extension
-    (no extension: a PNG)."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    ext = os.path.splitext(path)[1][1:].lower()
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if ext and ext not in formats:
-        raise ValueError(f"--plot {path}: matplotlib writes no {ext!r} files; use one of "
-                         f"{sorted(formats)}")
 
 
 def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size, steps,

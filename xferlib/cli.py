@@ -48,7 +48,7 @@ def _suites_help(argv) -> str:
     return f"suites to run: {', '.join(SUITES) or 'none registered (reinstall xferlib)'}"
 
 
-def _plot_format_error(path):
+def plot_format_error(path):
     """Why matplotlib cannot write ``path`` (its extension names no format it writes), or
     None; None too where matplotlib is not installed (the plot is then skipped, saying so)."""
     ext = os.path.splitext(path)[1][1:].lower()
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             parser.error(f"{flag} {path}: the folder {folder} does not exist")
         if path and os.path.isdir(path):
             parser.error(f"{flag} {path} is a directory; give a file name")
-    unknown = _plot_format_error(args.plot) if args.plot else None
+    unknown = plot_format_error(args.plot) if args.plot else None
     if unknown:
         parser.error(unknown)
     try:
