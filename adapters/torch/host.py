@@ -401,16 +401,11 @@ class _HostModule(torch.nn.Module):
         if refused:
             return
         if self._dist is None or self._dist.rank == 0:  # a shared table is written once
-            def given(key, current):
-                # an array not given is the table's own (restore copies it onto itself: no
-                # copy of a possibly huge table is made)
-                value = state_dict.get(prefix + key)
-                return current() if value is None else value.detach().cpu().numpy()
-
-            self.table.restore(given("weight", self.table.numpy),
-                               {name: given("table_state." + name,
-                                            lambda name=name: self.table.state(name))
-                                for name in self.table.state_names()})
+            arrays = {key[len(prefix):]: value.detach().cpu().numpy()
+                      for key, value in state_dict.items() if key in expected}
+            self.table.restore(arrays.pop("weight", None),
+                               {key[len("table_state."):]: value
+                                for key, value in arrays.items()}, partial=True)
         if self._dist is not None:
             self._dist.fence()
             # On NCCL the fence only orders the GPU stream: wait for it, so that no rank reads

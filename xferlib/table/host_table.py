@@ -264,21 +264,23 @@ class HostTable:
     def state_names(self) -> tuple:
         return (*self._layout.slots, *self._layout.row_scalars, "step")
 
-    def restore(self, weights, state: dict) -> None:
-        """Overwrite the weights (``(num_rows, dim)``) and every optimizer state array (the
-        names of :meth:`state_names`, shaped as :meth:`state` returns them), e.g. from a
-        checkpoint. Shapes are checked before anything is written; the GPU cache is written
-        back and emptied first."""
+    def restore(self, weights, state: dict, *, partial: bool = False) -> None:
+        """Overwrite the weights (``(num_rows, dim)``) and every optimizer state array (named
+        as :meth:`state_names`, shaped as :meth:`state`), shapes checked before any write, the
+        GPU cache written back and emptied first. ``partial``: what is not given (``weights``
+        None, names left out of ``state``) keeps its values."""
         self._check_open()
-        weights = np.asarray(weights)
-        if weights.shape != (self.num_rows, self.dim):
-            raise ValueError(f"weights must have shape {(self.num_rows, self.dim)}, got "
-                             f"{weights.shape}")
+        if weights is not None or not partial:
+            weights = np.asarray(weights)
+            if weights.shape != (self.num_rows, self.dim):
+                raise ValueError(f"weights must have shape {(self.num_rows, self.dim)}, got "
+                                 f"{weights.shape}")
         slots, scalars, steps = split_state(self._layout, self._state.view(np.ndarray))
         views = {**slots, **scalars, "step": steps}
         missing = sorted(set(views) - set(state))
-        if missing:
+        if missing and not partial:
             raise ValueError(f"state is missing {missing}")
+        views = {name: view for name, view in views.items() if name in state}
         for name, view in views.items():
             if np.shape(state[name]) != view.shape:
                 raise ValueError(f"state {name!r} must have shape {view.shape}, got "
@@ -287,13 +289,14 @@ class HostTable:
         # stream in): one that cannot be written (None in "step", strings, a CuPy array)
         # raises with the table as it was, not half restored.
         values = {name: np.asarray(state[name]) for name in views}
-        for what, value in (("weights", weights),
-                            *((f"state {name!r}", value) for name, value in values.items())):
+        given = (("weights", weights),) if weights is not None else ()
+        for what, value in (*given, *((f"state {n!r}", v) for n, v in values.items())):
             if value.dtype.kind not in "biuf":
                 raise TypeError(f"{what} must hold real numbers, got dtype {value.dtype}")
         self._flush(drop_cache=True)
         self.note_write()
-        self._weights.view(np.ndarray)[...] = weights
+        if weights is not None:
+            self._weights.view(np.ndarray)[...] = weights
         for name, view in views.items():
             view[...] = values[name]
 
