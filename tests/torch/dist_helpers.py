@@ -3,6 +3,7 @@ and a worker joining its group on the CPU (gloo) or on its own GPU (NCCL, CuPy's
 device made the same)."""
 
 import datetime
+import faulthandler
 import os
 import socket
 
@@ -17,9 +18,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A worker still running after this long prints every thread's stack and exits: a rank
+# stuck in a collective fails its test with where it stood instead of hanging the run.
+WORKER_LIMIT_S = 300
+
+
 def join(rank: int, world: int, port: int, backend: str) -> torch.device:
     """Join the ``backend`` group of ``world`` processes as ``rank``; returns this rank's
     device (``cuda:<rank>`` on NCCL, the CPU on gloo)."""
+    faulthandler.dump_traceback_later(WORKER_LIMIT_S, exit=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     device = torch.device("cpu")

@@ -448,7 +448,13 @@ def _graph_worker(rank, world, port, out_dir):
                 module(idx, off).backward(grad)
         else:
             static = [t.clone() for t in batches[0]]
-            module(*static[:2]).backward(static[2])  # warm-up: shapes agreed, kernels built
+            # warm-up on a side stream, as torch advises before capturing NCCL collectives:
+            # shapes agreed, kernels built
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                module(*static[:2]).backward(static[2])
+            torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 module(*static[:2]).backward(static[2])
