@@ -50,6 +50,10 @@ def leave_process_group(wait: bool = True) -> None:
     active exception", SIGABRT), now and then. Releasing the interpreter lets the threads
     finish first: best effort (a thread starved of CPU for 50 ms still loses), not a proof.
     A no-op when torch.distributed is not initialized.
+
+    Release every CUDA graph that captured NCCL collectives (``del graph``) before calling
+    it: NCCL's communicator teardown waits for such graphs to be destroyed, so a graph still
+    alive here makes this call (as ``destroy_process_group``) wait forever.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return

@@ -20,7 +20,7 @@ def free_port() -> int:
 
 # A worker still running after this long prints every thread's stack and exits: a rank
 # stuck in a collective fails its test with where it stood instead of hanging the run.
-WORKER_LIMIT_S = 300
+WORKER_LIMIT_S = int(os.environ.get("XFERLIB_TEST_WORKER_LIMIT_S", "300"))
 
 
 def join(rank: int, world: int, port: int, backend: str) -> torch.device:

@@ -463,6 +463,9 @@ def _graph_worker(rank, world, port, out_dir):
                 for dst, src in zip(static, (idx, off, grad)):
                     dst.copy_(src)
                 graph.replay()
+            # a live graph holding NCCL collectives makes ncclCommDestroy (in
+            # leave_process_group) wait forever: release it first
+            del graph
         torch.cuda.synchronize(device)
         module.check()
         states.append(_state(module))
