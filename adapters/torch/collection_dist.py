@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 
 from xferlib.adapters.torch.collection import EmbeddingBagCollection, TrainInPlace
-from xferlib.adapters.torch.collection_layout import (lookup_weights, owner_batch,
-                                                      owner_batch_padded, place_columns,
-                                                      refusal_of)
+from xferlib.adapters.torch.collection_layout import (gather_columns, lookup_weights,
+                                                      owner_batch, owner_batch_padded,
+                                                      place_columns, refusal_of, table_blocks)
 from xferlib.collection import TableConfig
 from xferlib.adapters.torch.collection_inputs import batch_size, layout_inputs
 from xferlib.adapters.torch.collection_routing import ShardRouting
@@ -174,6 +174,8 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
         self.total_dim = self.dim_offsets[-1]
         self._build_local(seed)
         self._build_routes()
+        # pooled rows placed and gathered by whole tables (when all are one width)
+        self._table_blocks = table_blocks(self.plan, self.dims, self.device)
         self._refused = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._room_cache = {}  # (B, n) -> each owner's room in a capturable message
         self._owner_error = None  # capturable, CPU: a refused batch's error, for check()
@@ -368,7 +370,7 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
         back = self._a2a(pooled.reshape(-1), [B * d for d in self._owner_dim],
                          [B * d_me] * world, self.dtype)
         out = place_columns(back, B, self._owner_dim, self._owner_cols,
-                            self.total_dim)
+                            self.total_dim, self._table_blocks)
         return out, _Step(B, [B] * world, ctx)
 
     @property
@@ -465,7 +467,7 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
         back = self._a2a(pooled.reshape(-1), [B * d for d in self._owner_dim],
                          [b * d_me for b in batches], self.dtype)
         out = place_columns(back, B, self._owner_dim, self._owner_cols,
-                            self.total_dim)
+                            self.total_dim, self._table_blocks)
         return out, _Step(B, batches, ctx)
 
     def _raise_refused(self, got, own_error, indices, offsets) -> None:
@@ -499,10 +501,10 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
         """The pooled gradients of each owner's columns to the owner, whose collection runs
         its fused backward + update on them (rank order: the forward's batch)."""
         grad = grad.to(self.device, self.dtype)
-        B, world = step.batch, self.world_size
-        pieces = [grad.index_select(1, self._owner_cols[o]).reshape(-1) for o in range(world)]
+        B = step.batch
+        pieces = gather_columns(grad, self._owner_dim, self._owner_cols, self._table_blocks)
         d_me = self._owner_dim[self.rank]
-        mine = self._a2a(torch.cat(pieces), [b * d_me for b in step.batches],
+        mine = self._a2a(pieces, [b * d_me for b in step.batches],
                          [B * d for d in self._owner_dim], self.dtype)
         if self.local is not None and step.lookup is not None:
             self.local._update(step.lookup, mine.view(sum(step.batches), d_me))

@@ -16,8 +16,8 @@ import torch
 
 from xferlib.collection.numpy_path import check_offsets
 
-__all__ = ["lookup_weights", "owner_batch", "owner_batch_padded", "place_columns",
-           "refusal_of"]
+__all__ = ["gather_columns", "lookup_weights", "owner_batch", "owner_batch_padded",
+           "place_columns", "refusal_of", "table_blocks"]
 
 
 def lookup_weights(per_sample_weights, lengths, bag, n: int, pooling: str, dtype, device):
@@ -95,10 +95,30 @@ def owner_batch_padded(received, w_received, B: int, room: int, T_me: int, max_s
     return idx[:world * room], offsets, w
 
 
-def place_columns(back, B: int, owner_dims, owner_cols, total_dim: int) -> torch.Tensor:
+def place_columns(back, B: int, owner_dims, owner_cols, total_dim: int,
+                  table_blocks=None) -> torch.Tensor:
     """The pooled rows the owners sent back (``back``: owner after owner, ``B`` rows of its
     ``owner_dims[o]`` columns each) at their tables' columns (``owner_cols[o]``) of a ``(B,
-    total_dim)`` output; a row-wise table's partial sums add up, owners in rank order."""
+    total_dim)`` output; a row-wise table's partial sums add up, owners in rank order.
+
+    ``table_blocks`` (:func:`table_blocks`; tables of one width): the same by whole tables,
+    ``(B, tables, dim)`` views whose rows are ``dim`` contiguous values, instead of one
+    strided column at a time; every table held whole by one owner is copied (no zero fill,
+    no add)."""
+    if table_blocks is not None:
+        dim, owner_tables, whole = table_blocks
+        make = torch.empty if whole else torch.zeros
+        out = make((B, total_dim // dim, dim), dtype=back.dtype, device=back.device)
+        at = 0
+        for tables, d in zip(owner_tables, owner_dims):
+            if d:
+                block = back[at:at + B * d].view(B, d // dim, dim)
+                if whole:
+                    out.index_copy_(1, tables, block)
+                else:
+                    out.index_add_(1, tables, block)
+            at += B * d
+        return out.view(B, total_dim)
     out = torch.zeros((B, total_dim), dtype=back.dtype, device=back.device)
     at = 0
     for cols, d in zip(owner_cols, owner_dims):
@@ -106,6 +126,38 @@ def place_columns(back, B: int, owner_dims, owner_cols, total_dim: int) -> torch
             out.index_add_(1, cols, back[at:at + B * d].view(B, d))
         at += B * d
     return out
+
+
+def gather_columns(grad, owner_dims, owner_cols, table_blocks=None) -> torch.Tensor:
+    """The reverse of :func:`place_columns`: each owner's columns of ``grad`` (``(B,
+    total_dim)``), owner after owner, each a ``(B, owner_dims[o])`` block, as one flat
+    tensor (whole tables at a time with ``table_blocks``)."""
+    B = grad.shape[0]
+    out = torch.empty(B * sum(owner_dims), dtype=grad.dtype, device=grad.device)
+    if table_blocks is not None:
+        dim = table_blocks[0]
+        grad = grad.reshape(B, grad.shape[1] // dim, dim)
+    at = 0
+    for o, d in enumerate(owner_dims):
+        if d:
+            if table_blocks is not None:
+                torch.index_select(grad, 1, table_blocks[1][o],
+                                   out=out[at:at + B * d].view(B, d // dim, dim))
+            else:
+                torch.index_select(grad, 1, owner_cols[o], out=out[at:at + B * d].view(B, d))
+        at += B * d
+    return out
+
+
+def table_blocks(plan, dims, device):
+    """``(dim, per owner its shards' table positions (int64 tensors), every table whole on
+    one owner)`` when every table has the same width, else None: the whole-table form of
+    :func:`place_columns` and :func:`gather_columns`."""
+    if len(set(dims)) != 1:
+        return None
+    owners = [torch.tensor([s.table_index for s in plan.shards_of(r)], dtype=torch.int64,
+                           device=device) for r in range(plan.world_size)]
+    return dims[0], owners, len(plan.shards) == len(dims)
 
 
 def refusal_of(tables, indices, offsets) -> Exception:
