@@ -52,6 +52,7 @@ from xferlib.adapters.torch.collection_layout import (gather_columns, lookup_wei
                                                       owner_batch, owner_batch_padded,
                                                       place_columns, refusal_of, table_blocks)
 from xferlib.collection import TableConfig
+from xferlib.adapters.torch.collection_exchange import KernelExchange
 from xferlib.adapters.torch.collection_inputs import batch_size, layout_inputs
 from xferlib.adapters.torch.collection_routing import ShardRouting
 from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_sharding,
@@ -176,6 +177,10 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
         self._build_routes()
         # pooled rows placed and gathered by whole tables (when all are one width)
         self._table_blocks = table_blocks(self.plan, self.dims, self.device)
+        # capturable on a GPU: the core's exchange kernels build and unpack the messages
+        self._kernels = None
+        if self.capturable and self.device.type == "cuda":
+            self._kernels = KernelExchange(self.plan, self.device, self.dtype)
         self._refused = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._room_cache = {}  # (B, n) -> each owner's room in a capturable message
         self._owner_error = None  # capturable, CPU: a refused batch's error, for check()
@@ -304,6 +309,71 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
         n = int(getattr(indices, "shape", (0,))[0]) if own_error is None else 0
         weighted = per_sample_weights is not None or self.pooling == "mean"
         self._agree(B, n, weighted, own_error)
+        # Each owner's room: all n lookups, or (max_bag_size) its tables' bags at most that
+        # long; an owner without shards gets none. The same on every rank (same B and n).
+        caps, starts, cap, base, layout = self._rooms(B, n)
+        head = S * B
+        if self._kernels is not None:
+            message, w_message = self._send_kernels(indices, offsets, per_sample_weights, B,
+                                                    weighted, layout)
+        else:
+            message, w_message = self._send_tensors(indices, offsets, per_sample_weights, B,
+                                                    n, weighted, caps, starts, cap, base)
+        received = self._a2a(message, [head + caps[me]] * world,
+                             [head + c for c in caps], torch.int64).view(world,
+                                                                         head + caps[me])
+        w_received = None
+        if weighted:
+            w_received = self._a2a(w_message, [caps[me]] * world, caps,
+                                   self.dtype).view(world, caps[me])
+        ctx = None
+        T_me = len(self.shards)
+        if self.local is not None:
+            if self._kernels is not None:
+                idx_own, off_own, w_own = self._kernels.unpack(received, w_received, B,
+                                                               caps[me], T_me)
+            else:
+                idx_own, off_own, w_own = owner_batch_padded(received, w_received, B,
+                                                             caps[me], T_me, S)
+            core = lambda t: self.local._core(t, "x")  # noqa: E731
+            try:
+                pooled, ctx = self.local._lookup(core(idx_own), core(off_own),
+                                                 None if w_own is None else core(w_own),
+                                                 train=train, padded=True)
+            except IndexError as err:  # the NumPy path refuses at once: keep in step
+                self._owner_error = err  # with the other ranks, raise from check()
+                pooled = torch.zeros((world * B, self._owner_dim[me]), dtype=self.dtype,
+                                     device=dev)
+        else:
+            pooled = torch.zeros((world * B, 0), dtype=self.dtype, device=dev)
+        d_me = self._owner_dim[me]
+        back = self._a2a(pooled.reshape(-1), [B * d for d in self._owner_dim],
+                         [B * d_me] * world, self.dtype)
+        out = place_columns(back, B, self._owner_dim, self._owner_cols,
+                            self.total_dim, self._table_blocks)
+        return out, _Step(B, [B] * world, ctx)
+
+    def _send_kernels(self, indices, offsets, per_sample_weights, B: int, weighted: bool,
+                      layout):
+        """This rank's messages by the core's exchange kernels (CUDA): ``(lookups,
+        weights)``, the checks' flags summed over the group by the one all_reduce."""
+        dev = self.device
+        idx = indices.to(dev, torch.int64).contiguous()
+        off = offsets.to(dev, torch.int64).contiguous()
+        refused = self._kernels.check(idx, off, B, self.max_bag_size or 0)
+        self._refused += refused
+        any_bad = refused.sum().reshape(1)
+        dist.all_reduce(any_bad, group=self.group)
+        w = (None if per_sample_weights is None
+             else per_sample_weights.to(dev, self.dtype).contiguous())
+        return self._kernels.pack(idx, off, w, B, refused, any_bad, layout,
+                                  self.pooling == "mean", weighted)
+
+    def _send_tensors(self, indices, offsets, per_sample_weights, B: int, n: int,
+                      weighted: bool, caps, starts, cap, base):
+        """This rank's messages by torch tensor arithmetic (the CPU's form, and the
+        kernels' reference): ``(lookups, weights)``."""
+        dev, world, S = self.device, self.world_size, self._max_slots
         local, owner, slot, sample, bad_each, bad_off, lengths, bag = self._locate(
             indices, offsets, B)
         if self.max_bag_size is not None and lengths.numel():  # the owners' room assumes it
@@ -327,9 +397,6 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
         per_owner = torch.zeros(world, dtype=torch.int64, device=dev).index_add_(
             0, s_owner, s_send.to(torch.int64))
         first = torch.cumsum(per_owner, 0) - per_owner
-        # Each owner's room: all n lookups, or (max_bag_size) its tables' bags at most that
-        # long; an owner without shards gets none. The same on every rank (same B and n).
-        caps, starts, cap, base = self._rooms(B, n)
         place = taken - first[s_owner]
         fits = s_send & (place < cap[s_owner])  # all of them when the bags are in bounds
         dst = torch.where(fits, base[s_owner] + place, sum(caps))
@@ -339,39 +406,14 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
         header = counts[:world * head].view(world, head)
         message = torch.cat([part for o in range(world) for part in (
             header[o], spill[starts[o]:starts[o] + caps[o]])])
-        received = self._a2a(message, [head + caps[me]] * world,
-                             [head + c for c in caps], torch.int64).view(world,
-                                                                         head + caps[me])
-        w_received = None
+        w_message = None
         if weighted:
             w = lookup_weights(per_sample_weights, lengths, bag, n, self.pooling, self.dtype,
                                dev)
             w_spill = torch.zeros(sum(caps) + 1, dtype=self.dtype, device=dev)
             w_spill[dst] = w[order]
-            w_received = self._a2a(w_spill[:sum(caps)], [caps[me]] * world, caps,
-                                   self.dtype).view(world, caps[me])
-        ctx = None
-        T_me = len(self.shards)
-        if self.local is not None:
-            idx_own, off_own, w_own = owner_batch_padded(received, w_received, B, caps[me],
-                                                         T_me, S)
-            core = lambda t: self.local._core(t, "x")  # noqa: E731
-            try:
-                pooled, ctx = self.local._lookup(core(idx_own), core(off_own),
-                                                 None if w_own is None else core(w_own),
-                                                 train=train, padded=True)
-            except IndexError as err:  # the NumPy path refuses at once: keep in step
-                self._owner_error = err  # with the other ranks, raise from check()
-                pooled = torch.zeros((world * B, self._owner_dim[me]), dtype=self.dtype,
-                                     device=dev)
-        else:
-            pooled = torch.zeros((world * B, 0), dtype=self.dtype, device=dev)
-        d_me = self._owner_dim[me]
-        back = self._a2a(pooled.reshape(-1), [B * d for d in self._owner_dim],
-                         [B * d_me] * world, self.dtype)
-        out = place_columns(back, B, self._owner_dim, self._owner_cols,
-                            self.total_dim, self._table_blocks)
-        return out, _Step(B, [B] * world, ctx)
+            w_message = w_spill[:sum(caps)]
+        return message, w_message
 
     @property
     def max_bag_size(self):
@@ -383,8 +425,9 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
         """Lookup slots per owner in a ``capturable`` message: ``n`` (every lookup of the
         sender may go to one owner), at most ``B x max_bag_size`` per table the owner holds
         a shard of when ``max_bag_size`` is set; none for an owner without shards. ``(rooms,
-        starts)`` as host ints and as device tensors, made once per batch shape, eagerly
-        (the warm-up's): no host-to-device copy inside a CUDA-graph capture."""
+        starts)`` as host ints and as device tensors, and the exchange kernels' layout, made
+        once per batch shape, eagerly (the warm-up's): no host-to-device copy inside a
+        CUDA-graph capture."""
         key = (B, n)
         if key not in self._room_cache:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -396,8 +439,14 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
             else:
                 rooms = [min(n, B * self.max_bag_size * t) for t in self._owner_tables]
             starts = [int(v) for v in np.cumsum(rooms) - rooms]
-            self._room_cache[key] = (rooms, starts, *(
-                torch.tensor(v, dtype=torch.int64, device=self.device) for v in (rooms, starts)))
+            on_device = lambda v: torch.tensor(v, dtype=torch.int64,  # noqa: E731
+                                               device=self.device)
+            head = self._max_slots * B
+            # the exchange kernels': rooms, each owner's message start, its room's start
+            # among the weights, and the two messages' sizes
+            layout = (on_device(rooms), on_device([o * head + s for o, s in enumerate(starts)]),
+                      on_device(starts), self.world_size * head + sum(rooms), sum(rooms))
+            self._room_cache[key] = (rooms, starts, on_device(rooms), on_device(starts), layout)
         return self._room_cache[key]
 
     def _a2a(self, send, out_splits, in_splits, dtype):

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from xferlib.adapters.torch import (EmbeddingBagCollection, ShardedEmbeddingBagCollection,  # noqa: E402,E501
                                     leave_process_group, load_sharded, save_sharded)
+from xferlib.adapters.torch.collection_exchange import KernelExchange  # noqa: E402
 from xferlib.collection import TableConfig, plan_sharding  # noqa: E402
 from tests.torch.dist_helpers import free_port, join, require_two_gpus  # noqa: E402
 
@@ -335,12 +336,21 @@ FIXED_RUNS = [("adam.table", "adam", "table", "sum", None),
               ("rowwise_adagrad.row.bounded", "rowwise_adagrad", "row", "mean", L_FIXED + 1)]
 
 
-def _fixed_worker(rank, world, port, out_dir, backend):
+def _fixed_worker(rank, world, port, out_dir, backend, steps_form="default"):
     device = join(rank, world, port, backend)
     result = {}
     share = B // world
+
+    def make(*args, **kwargs):
+        """The sharded collection, with the GPU's exchange steps for "kernel steps" (their
+        NumPy reference on the CPU)."""
+        module = ShardedEmbeddingBagCollection(*args, **kwargs)
+        if steps_form == "kernel steps":
+            module._kernels = KernelExchange(module.plan, module.device, module.dtype)
+        return module
+
     for name, opt, kind, pooling, max_bag in FIXED_RUNS:
-        module = ShardedEmbeddingBagCollection(
+        module = make(
             TABLES, opt, OPTIMIZERS[opt], plan=_plan(kind, world, opt), pooling=pooling,
             device=device, seed=SEED, capturable=True, max_bag_size=max_bag)
         outs = _train(module, _fixed_data(),
@@ -361,7 +371,7 @@ def _fixed_worker(rank, world, port, out_dir, backend):
     result["bad_error"], result["bad_unchanged"] = _refusal(
         module, lambda: step(module, idx), (IndexError, ValueError))
     # Bags longer than max_bag_size: refused, nothing changes on any rank.
-    bounded = ShardedEmbeddingBagCollection(
+    bounded = make(
         TABLES, "sgd", OPTIMIZERS["sgd"], plan=_plan("table", world, "sgd"), device=device,
         seed=SEED, capturable=True, max_bag_size=L_FIXED - 1)
     idx, off, _, _ = _batch(_fixed_data()[0], list(range(rank * share, (rank + 1) * share)))
@@ -389,14 +399,16 @@ def _fixed_worker(rank, world, port, out_dir, backend):
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="torch.distributed without gloo")
 @pytest.mark.slow
-def test_capturable_ranks_equal_one_process(tmp_path):
+@pytest.mark.parametrize("steps_form", ["default", "kernel steps"])
+def test_capturable_ranks_equal_one_process(tmp_path, steps_form):
     """capturable=True (fixed-size messages, no host sync in a step): 2 gloo ranks train
     what one process trains on the global batch; bad input changes nothing and check()
-    raises on the rank that passed it; ranks passing different shapes are refused."""
+    raises on the rank that passed it; ranks passing different shapes are refused. "kernel
+    steps": the messages built and unpacked by the GPU's steps (their NumPy reference)."""
     world = 2
     os.makedirs(tmp_path / "w", exist_ok=True)
-    mp.spawn(_fixed_worker, args=(world, free_port(), str(tmp_path / "w"), "gloo"),
-             nprocs=world, join=True)
+    mp.spawn(_fixed_worker, args=(world, free_port(), str(tmp_path / "w"), "gloo",
+                                  steps_form), nprocs=world, join=True)
     results = [dict(np.load(tmp_path / "w" / f"rank{r}.npz")) for r in range(world)]
     for name, opt, kind, pooling, _ in FIXED_RUNS:
         module = EmbeddingBagCollection(TABLES, opt, OPTIMIZERS[opt], pooling=pooling,
