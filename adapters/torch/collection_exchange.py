@@ -84,7 +84,8 @@ class KernelExchange:
         batch ``(indices, offsets, weights)``, as ``owner_batch_padded`` lays it out."""
         world = received.shape[0]
         lengths = received[:, :T_me * B]
-        scan = torch.cumsum(lengths, 1)
+        # one flat scan (a device-wide scan), not one per rank (a row scan runs a block a row)
+        scan = torch.cumsum(lengths.reshape(-1), 0)
         offsets = torch.empty(T_me * world * B + 1, dtype=torch.int64, device=self.device)
         offsets[:1].zero_()
         torch.cumsum(lengths.reshape(world, T_me, B).transpose(0, 1).reshape(-1), 0,

@@ -82,7 +82,7 @@ def _receive(xp, plan, messages, w_messages, B, owner, layout):
     w_received = np.stack([w[w_base[owner]:w_base[owner] + room] for w in w_messages])
     T_me = len(plan.shards_of(owner))
     lengths = received[:, :T_me * B]
-    scan = np.cumsum(lengths, axis=1)
+    scan = np.cumsum(lengths.reshape(-1))
     offsets = np.concatenate([[0], np.cumsum(lengths.reshape(world, T_me, B)
                                              .transpose(1, 0, 2).reshape(-1))])
     idx = xp.zeros(world * room, dtype=np.int64)

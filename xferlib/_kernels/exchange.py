@@ -180,7 +180,9 @@ XCH_UNPACK = KernelDecl(
         const i64 k = e / (world * B), r = (e / B) % world, b = e % B;
         const i64 h = k * B + b;
         i64 len = received[r * row + h];
-        const i64 src = scan[r * T_me * B + h] - len;
+        // scan: one inclusive sum over every rank's lengths, rank after rank
+        const i64 rank_first = r == 0 ? 0 : scan[r * T_me * B - 1];
+        const i64 src = scan[r * T_me * B + h] - len - rank_first;
         const i64 dst = offsets[e];
         if (len < 0 || src < 0 || dst < 0) continue;
         if (src + len > room) len = room - src;

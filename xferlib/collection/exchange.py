@@ -205,8 +205,9 @@ def unpack_lookups(received, B: int, slots: int, room: int, T_me: int, scan, off
     then ``room`` lookups) as one padded batch: ``idx_out`` (``world x room``, zeroed by the
     caller) gets table ``k``'s bag ``b`` of rank ``r`` at ``offsets[(k * world + r) * B +
     b]`` (the exclusive scan of the lengths in that order, computed by the caller), the
-    rest of it padding; ``scan``: each rank's inclusive cumulative sum of its first ``T_me x
-    B`` lengths (``world x T_me x B``). ``w_out`` likewise from ``w_received``."""
+    rest of it padding; ``scan``: the inclusive cumulative sum of every rank's first ``T_me
+    x B`` lengths, rank after rank (one flat scan of ``world x T_me x B``). ``w_out``
+    likewise from ``w_received``."""
     xp = array_module(received)
     world = received.shape[0]
     head = slots * B
@@ -225,7 +226,8 @@ def unpack_lookups(received, B: int, slots: int, room: int, T_me: int, scan, off
         k, r, b = e // (world * B), (e // B) % world, e % B
         h = k * B + b
         n = int(received[r, h])
-        src, dst = int(scan.reshape(world, -1)[r, h]) - n, int(offsets[e])
+        rank_first = int(scan[r * T_me * B - 1]) if r else 0
+        src, dst = int(scan[r * T_me * B + h]) - n - rank_first, int(offsets[e])
         if n < 0 or src < 0 or dst < 0:
             continue
         n = min(n, room - src, total - dst)
