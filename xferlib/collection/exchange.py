@@ -97,8 +97,15 @@ def _routes_np(indices, t, routes):
     return shard, indices - row0[shard], bad
 
 
-def _sent(bad, flags, any_bad):
-    return (int(flags[0]) == 0) & ((int(any_bad[0]) == 0) | bad)
+def _sent_lookups(indices, offsets, B, routes, flags, any_bad):
+    """Each lookup's ``(bag, shard, local index, sent?)``; None when nothing is sent (no bags,
+    or this rank's offsets are bad). Only bad lookups are sent when any rank had some."""
+    nb = offsets.size - 1
+    if not nb or int(flags[0]):
+        return None
+    bag = _bags(offsets, indices.size, nb)
+    shard, local, bad = _routes_np(indices, bag // B, routes)
+    return bag, shard, local, (int(any_bad[0]) == 0) | bad
 
 
 # ---------------------------------------------------------------------- the steps
@@ -140,13 +147,10 @@ def count_lookups(indices, offsets, B: int, routes: ExchangeRoutes, flags, any_b
                          shard_slot=routes.shard_slot, flags=flags, any_bad=any_bad,
                          counts=counts, **_route_args(indices, offsets, B, routes))
         return
-    nb = offsets.size - 1
-    if not nb or int(flags[0]):
-        return
-    bag = _bags(offsets, indices.size, nb)
-    shard, _, bad = _routes_np(indices, bag // B, routes)
-    go = _sent(bad, flags, any_bad)
-    np.add.at(counts, np.asarray(routes.shard_slot)[shard[go]] * B + bag[go] % B, 1)
+    sent = _sent_lookups(indices, offsets, B, routes, flags, any_bad)
+    if sent is not None:
+        bag, shard, _, go = sent
+        np.add.at(counts, np.asarray(routes.shard_slot)[shard[go]] * B + bag[go] % B, 1)
 
 
 def pack_lookups(indices, offsets, B: int, routes: ExchangeRoutes, flags, any_bad, counts,
@@ -174,12 +178,10 @@ def pack_lookups(indices, offsets, B: int, routes: ExchangeRoutes, flags, any_ba
     head = S * B
     for e in range(world * head):
         msg[msg_base[e // head] + e % head] = counts[e]
-    nb = offsets.size - 1
-    if not nb or int(flags[0]):
+    sent = _sent_lookups(indices, offsets, B, routes, flags, any_bad)
+    if sent is None:
         return
-    bag = _bags(offsets, indices.size, nb)
-    shard, local, bad = _routes_np(indices, bag // B, routes)
-    go = _sent(bad, flags, any_bad)
+    bag, shard, local, go = sent
     slot = np.asarray(routes.shard_slot)[shard]
     taken = {}  # (shard, bag) -> lookups placed so far
     for l in np.flatnonzero(go):
