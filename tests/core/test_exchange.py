@@ -3,6 +3,8 @@ reference against what each owner must receive, written out plainly; the CUDA ke
 the reference, bit for bit, on random batches with awkward sizes, row-wise shards, bags of
 any length, bad indices and bad offsets."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -186,3 +188,24 @@ def test_kernels_match_the_reference(world, row_wise, B, max_len, max_bag, case)
                         owner, layout) for xp in (np, cupy)]
         for x, y in zip(*got):
             np.testing.assert_array_equal(x, y)
+
+
+def test_plans_the_kernels_cannot_index_by_are_refused():
+    plan = _plan(2, ("b",))
+    shards = list(plan.shards)
+    gap = dataclasses.replace(shards[1], row_start=shards[1].row_start + 1)
+    for bad, why in (([shards[1], shards[0], *shards[2:]], "order"),
+                     ([shards[0], gap, *shards[2:]], "order"),
+                     ([dataclasses.replace(shards[0], rank=5), *shards[1:]], "ranks"),
+                     (shards[:-1], "cover")):
+        with pytest.raises(ValueError, match=why):
+            exchange_routes(dataclasses.replace(plan, shards=tuple(bad)))
+
+
+def test_garbage_offsets_whose_differences_wrap_are_bad():
+    plan = _plan(1)
+    routes = exchange_routes(plan)
+    off = np.array([0, 2 ** 62, -2 ** 63, -1, 0, 0, 0, 0, 0], dtype=np.int64)  # T=4, B=2
+    flags = np.zeros(2, dtype=np.uint64)
+    check_lookups(np.zeros(0, dtype=np.int64), off, 2, routes, 0, flags)
+    assert flags[0] == 1

@@ -11,7 +11,8 @@ lookups in (slot, bag) order, the rest zero.
 ``XCH_CHECK`` flags bad offsets (not starting at 0, decreasing, not ending at ``n``, a bag
 longer than ``max_bag``) and indices out of their table's range; ``XCH_COUNT`` counts the
 lookups sent to each (slot, sample); the caller scans the counts; ``XCH_PACK`` writes the
-headers and each sent lookup (its index local to its shard, and its weight) at its place.
+headers and each sent lookup (its index local to its shard, and its weight) at its place (a
+thread a lookup for tables held whole, a thread a bag for tables split by rows).
 What is sent: nothing when this rank's offsets are bad, else every lookup, or only the bad
 ones when any rank's batch was bad (``any_bad``, summed over the ranks), so an owner refuses
 them and no table changes. ``XCH_UNPACK`` lays an owner's received messages out as one
@@ -68,6 +69,30 @@ __device__ __forceinline__ Route route_of(const i64* idx, i64 l, i64 t, const i6
 __device__ __forceinline__ bool sent(int bad, u64 bad_offsets, i64 any_bad) {
     return bad_offsets == 0 && (any_bad == 0 || bad);
 }
+
+// Lookup l (bag g, routed r), the rank-th of its bag sent to its shard: its local index (and
+// weight) at its place in its owner's room, after the (slot, sample)s before it there.
+template <typename W>
+__device__ __forceinline__ void place_lookup(
+        const Route& r, i64 l, i64 g, i64 rank, i64 B, i64 S, i64 head, const i64* shard_slot,
+        const i64* counts, const i64* scan, const i64* msg_base, const i64* caps, i64* msg,
+        const i64* off, const W* psw, int mean, const i64* w_base, W* w_msg) {
+    const i64 slot = shard_slot[r.shard], o = slot / S;
+    const i64 e = slot * B + g % B;
+    const i64 owner_first = o == 0 ? 0 : scan[o * head - 1];
+    const i64 place = scan[e] - counts[e] - owner_first + rank;
+    if (place < 0 || place >= caps[o]) return;
+    msg[msg_base[o] + head + place] = r.local;
+    if (w_msg != nullptr) {
+        const i64 len = off[g + 1] - off[g];
+        W w = psw != nullptr ? psw[l] : (W)1;
+        if (mean) {
+            const W inv = (W)1 / (W)(len < 1 ? 1 : len);
+            w = psw != nullptr ? w * inv : inv;
+        }
+        w_msg[w_base[o] + place] = w;
+    }
+}
 """
 
 _ROUTE_ARGS = (("const i64*", "idx"), ("i64", "n"), ("const i64*", "off"), ("i64", "B"),
@@ -83,8 +108,9 @@ XCH_CHECK = KernelDecl(
     const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (first == 0 && (off[0] != 0 || off[nb] != n)) atomicOr(flags, 1ull);
     for (i64 g = first; g < nb; g += stride) {
-        const i64 len = off[g + 1] - off[g];
-        if (len < 0 || (max_bag > 0 && len > max_bag)) atomicOr(flags, 1ull);
+        // compared, not subtracted first: the difference of garbage offsets can wrap
+        if (off[g + 1] < off[g] || (max_bag > 0 && off[g + 1] - off[g] > max_bag))
+            atomicOr(flags, 1ull);
     }
     if (nb == 0) return;
     for (i64 l = first; l < n; l += stride) {
@@ -129,37 +155,36 @@ XCH_PACK = KernelDecl(
         msg[msg_base[e / head] + e % head] = counts[e];
     if (nb == 0 || flags[0] != 0) return;
     const i64 any = any_bad[0];
-    for (i64 l = first; l < n; l += stride) {
-        const i64 g = bag_of(off, nb, l);
-        const i64 t = g / B;
-        const Route r = route_of(idx, l, t, table_rows, table_shard0, shard_row0);
-        if (!sent(r.bad, flags[0], any)) continue;
-        // its rank among the bag's earlier lookups sent to the same shard
-        const i64 lo = off[g];
-        i64 rank = 0;
-        if (any == 0 && table_shard0[t + 1] - table_shard0[t] == 1) {
-            rank = l - lo;  // a table held whole: every lookup of the bag goes there
-        } else {
-            for (i64 j = lo < 0 ? 0 : lo; j < l; ++j) {
-                const Route q = route_of(idx, j, t, table_rows, table_shard0, shard_row0);
-                rank += q.shard == r.shard && sent(q.bad, flags[0], any);
-            }
+    // Lookups of tables held whole, in a batch sent whole: a thread each, its rank in its
+    // bag's lookups to that shard its place in the bag.
+    if (any == 0) {
+        for (i64 l = first; l < n; l += stride) {
+            const i64 g = bag_of(off, nb, l);
+            const i64 t = g / B;
+            if (table_shard0[t + 1] - table_shard0[t] != 1) continue;
+            const Route r = route_of(idx, l, t, table_rows, table_shard0, shard_row0);
+            place_lookup(r, l, g, off[g] < 0 ? 0 : l - off[g], B, S, head, shard_slot,
+                         counts, scan, msg_base, caps, msg, off, psw, mean, w_base, w_msg);
         }
-        const i64 slot = shard_slot[r.shard], o = slot / S;
-        const i64 e = slot * B + g % B;
-        // the (slot, sample)'s first place in its owner's room: the counts before it there
-        const i64 owner_first = o == 0 ? 0 : scan[o * head - 1];
-        const i64 place = scan[e] - counts[e] - owner_first + rank;
-        if (place < 0 || place >= caps[o]) continue;
-        msg[msg_base[o] + head + place] = r.local;
-        if (w_msg != nullptr) {
-            const i64 len = off[g + 1] - lo;
-            W w = psw != nullptr ? psw[l] : (W)1;
-            if (mean) {
-                const W inv = (W)1 / (W)(len < 1 ? 1 : len);
-                w = psw != nullptr ? w * inv : inv;
+    }
+    // Bags of tables split by rows, or every bag of a bad batch (only its bad lookups
+    // travel): a thread walks a bag once per shard of its table, numbering the bag's
+    // lookups to that shard in order (shards x bag length, not bag length squared).
+    for (i64 g = first; g < nb; g += stride) {
+        const i64 t = g / B;
+        const i64 s0 = table_shard0[t], s1 = table_shard0[t + 1];
+        if (any == 0 && s1 - s0 == 1) continue;
+        i64 lo = off[g], hi = off[g + 1];
+        lo = lo < 0 ? 0 : (lo > n ? n : lo);
+        hi = hi < lo ? lo : (hi > n ? n : hi);
+        for (i64 s = s0; s < s1; ++s) {
+            i64 rank = 0;
+            for (i64 l = lo; l < hi; ++l) {
+                const Route r = route_of(idx, l, t, table_rows, table_shard0, shard_row0);
+                if (r.shard != s || !sent(r.bad, flags[0], any)) continue;
+                place_lookup(r, l, g, rank++, B, S, head, shard_slot, counts, scan,
+                             msg_base, caps, msg, off, psw, mean, w_base, w_msg);
             }
-            w_msg[w_base[o] + place] = w;
         }
     }
 """)
@@ -184,9 +209,9 @@ XCH_UNPACK = KernelDecl(
         const i64 rank_first = r == 0 ? 0 : scan[r * T_me * B - 1];
         const i64 src = scan[r * T_me * B + h] - len - rank_first;
         const i64 dst = offsets[e];
-        if (len < 0 || src < 0 || dst < 0) continue;
-        if (src + len > room) len = room - src;
-        if (dst + len > total) len = total - dst;
+        if (len < 0 || src < 0 || dst < 0 || src >= room || dst >= total) continue;
+        if (len > room - src) len = room - src;  // subtracted: a garbage len cannot wrap
+        if (len > total - dst) len = total - dst;
         for (i64 j = 0; j < len; ++j) {
             idx_out[dst + j] = received[r * row + head + src + j];
             if (w_out != nullptr) w_out[dst + j] = w_received[r * room + src + j];

@@ -48,6 +48,7 @@ def exchange_routes(plan, xp=np, asarray=None) -> ExchangeRoutes:
     arrays of ``xp`` (or made by ``asarray(list)``)."""
     make = asarray or (lambda v: xp.asarray(np.asarray(v, dtype=np.int64)))
     world = plan.world_size
+    _check_plan(plan)
     place = {s: k for r in range(world) for k, s in enumerate(plan.shards_of(r))}
     slots = max(1, max(len(plan.shards_of(r)) for r in range(world)))
     first = np.zeros(len(plan.tables) + 1, dtype=np.int64)
@@ -59,7 +60,44 @@ def exchange_routes(plan, xp=np, asarray=None) -> ExchangeRoutes:
         make([s.rank * slots + place[s] for s in plan.shards]), slots, world)
 
 
+def _check_plan(plan) -> None:
+    """The kernels index by the plan: every table's shards in order, covering its rows from
+    0 without a gap, each on a rank of the group (a hand-made plan is checked here)."""
+    at = [0] * len(plan.tables)
+    last = (-1, -1)
+    for s in plan.shards:
+        if not 0 <= s.table_index < len(plan.tables) or not 0 <= s.rank < plan.world_size:
+            raise ValueError(f"shard {s.local_name}: table {s.table_index} or rank {s.rank} "
+                             f"outside the plan's {len(plan.tables)} tables and "
+                             f"{plan.world_size} ranks")
+        if (s.table_index, s.row_start) <= last or s.row_start != at[s.table_index] \
+                or s.row_stop <= s.row_start:
+            raise ValueError(f"shard {s.local_name}: the plan's shards must be in table and "
+                             f"row order, each table's rows covered from 0 without a gap")
+        last, at[s.table_index] = (s.table_index, s.row_start), s.row_stop
+    uncovered = [c.name for c, stop in zip(plan.tables, at) if stop != c.num_rows]
+    if uncovered:
+        raise ValueError(f"the plan's shards do not cover every row of {uncovered}")
+
+
+def _require(name, a, dtypes, size=None) -> None:
+    """What the kernels read as dense arrays of one type, checked before a launch."""
+    if a is None:
+        return
+    if a.dtype not in dtypes or not a.flags.c_contiguous or (size is not None and
+                                                             a.size < size):
+        raise ValueError(f"{name}: needs a C-contiguous array of {[str(d) for d in dtypes]}"
+                         + (f" with at least {size} values" if size is not None else "")
+                         + f", got {a.dtype} {a.shape}")
+
+
+_I64, _U64, _FLOATS = (np.dtype(np.int64),), (np.dtype(np.int64), np.dtype(np.uint64)), \
+    (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def _route_args(indices, offsets, B, routes):
+    _require("indices", indices, _I64)
+    _require("offsets", offsets, _I64, 1)
     return dict(idx=indices, n=indices.size, off=offsets, B=B,
                 T=(offsets.size - 1) // B if B else 0, table_rows=routes.table_rows,
                 table_shard0=routes.table_shard0, shard_row0=routes.shard_row0)
@@ -118,6 +156,7 @@ def check_lookups(indices, offsets, B: int, routes: ExchangeRoutes, max_bag_size
     xp = array_module(indices)
     if xp is not np:
         args = _route_args(indices, offsets, B, routes)
+        _require("flags", flags, _U64, 2)
         from xferlib._kernels.exchange import XCH_CHECK
 
         XCH_CHECK.launch(_module(), (), *_grid(max(indices.size, offsets.size)),
@@ -125,9 +164,9 @@ def check_lookups(indices, offsets, B: int, routes: ExchangeRoutes, max_bag_size
                          **args)
         return
     n, nb = indices.size, offsets.size - 1
-    lengths = np.diff(offsets)
-    if offsets[0] != 0 or offsets[-1] != n or (lengths < 0).any() or \
-            (max_bag_size > 0 and (lengths > max_bag_size).any()):
+    # compared, not subtracted first: the difference of garbage offsets can wrap
+    if offsets[0] != 0 or offsets[-1] != n or (offsets[1:] < offsets[:-1]).any() or \
+            (max_bag_size > 0 and (np.diff(offsets) > max_bag_size).any()):
         flags[0] = 1
     if nb and n:
         t = _bags(offsets, n, nb) // B
@@ -141,6 +180,7 @@ def count_lookups(indices, offsets, B: int, routes: ExchangeRoutes, flags, any_b
     lookup at its (owner slot, sample). ``any_bad``: the ranks' summed flags (one int64)."""
     xp = array_module(indices)
     if xp is not np:
+        _require("counts", counts, _I64, routes.world * routes.slots * B)
         from xferlib._kernels.exchange import XCH_COUNT
 
         XCH_COUNT.launch(_module(), (), *_grid(indices.size), stream=as_cupy_stream(stream),
@@ -167,6 +207,15 @@ def pack_lookups(indices, offsets, B: int, routes: ExchangeRoutes, flags, any_ba
     if xp is not np:
         from xferlib._kernels.exchange import XCH_PACK
 
+        for name, a in (("counts", counts), ("scan", scan)):
+            _require(name, a, _I64, world * S * B)
+        # the rooms (caps) are on the device: reading them here would sync (and break a
+        # capture), so msg and w_msg must be sized by them, as the caller allocates them
+        _require("msg", msg, _I64, world * S * B)
+        _require("w_msg", w_msg, _FLOATS)
+        if weights is not None and (w_msg is None or weights.dtype != w_msg.dtype):
+            raise ValueError("weights need a w_msg of their dtype")
+        _require("weights", weights, _FLOATS, indices.size)
         kind = "double" if (w_msg is not None and w_msg.dtype == np.float64) else "float"
         XCH_PACK.launch(_module(), (kind,), *_grid(max(indices.size, counts.size)),
                         stream=as_cupy_stream(stream), shard_slot=routes.shard_slot,
@@ -216,6 +265,15 @@ def unpack_lookups(received, B: int, slots: int, room: int, T_me: int, scan, off
     if xp is not np:
         from xferlib._kernels.exchange import XCH_UNPACK
 
+        _require("received", received, _I64, world * (head + room))
+        _require("scan", scan, _I64, world * T_me * B)
+        _require("offsets", offsets, _I64, T_me * world * B + 1)
+        _require("idx_out", idx_out, _I64, world * room)
+        _require("w_out", w_out, _FLOATS, world * room)
+        _require("w_received", w_received, _FLOATS, world * room)
+        if (w_out is None) != (w_received is None) or (
+                w_out is not None and w_out.dtype != w_received.dtype):
+            raise ValueError("w_received and w_out go together, of one dtype")
         kind = "double" if (w_out is not None and w_out.dtype == np.float64) else "float"
         XCH_UNPACK.launch(_module(), (kind,), *_grid(T_me * world * B),
                           stream=as_cupy_stream(stream), received=received, world=world,
