@@ -127,11 +127,21 @@ class ShardedCollection:
                              f"{len(devices)} {device} device(s) were given")
         self.plan, self.tables, self.world_size = plan, tuple(plan.tables), plan.world_size
         self.device = device
-        # Rank r's collection on the CUDA device behind the mesh's r-th device.
+        # The ranks whose device is this process's: with several processes (one host or
+        # many, ``jax.distributed``), each builds and runs only its own ranks' shards.
+        process = jax.process_index()
+        self.local_ranks = tuple(r for r, d in enumerate(devices[:plan.world_size])
+                                 if getattr(d, "process_index", 0) == process)
+        self.multiprocess = len(self.local_ranks) < plan.world_size
+        # Rank r's collection on the CUDA device behind the mesh's r-th device (None for
+        # another process's device).
         self._ordinals = [int(d.id if getattr(d, "local_hardware_id", None) is None
                                else d.local_hardware_id)
-                          if device == "cuda" else None for d in devices[:plan.world_size]]
+                          if device == "cuda" and r in self.local_ranks else None
+                          for r, d in enumerate(devices[:plan.world_size])]
         self.optimizer, self.pooling, self.dtype = optimizer, pooling, np.dtype(dtype)
+        self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        self._process_of = [getattr(d, "process_index", 0) for d in devices[:plan.world_size]]
         self.dims = tuple(c.dim for c in self.tables)
         self.dim_offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.dims)]))
         self.total_dim = self.dim_offsets[-1]
@@ -140,7 +150,7 @@ class ShardedCollection:
         self.shards = []
         for r in range(self.world_size):
             mine = plan.shards_of(r)
-            if not mine:
+            if not mine or r not in self.local_ranks:
                 self.shards.append(None)
                 continue
             with self.shard_scope(r):
@@ -162,7 +172,7 @@ class ShardedCollection:
         if device == "cuda":
             import cupy
 
-            for r in range(self.world_size):
+            for r in self.local_ranks:
                 with self.shard_scope(r):
                     self._refused[r] = cupy.zeros(2, dtype=np.int32)
         self._function = sharded_function(self)
@@ -343,7 +353,9 @@ class ShardedCollection:
     # ------------------------------------------------------------------ reading back
 
     def table_weights(self, table) -> np.ndarray:
-        """Table ``table``'s (index or name) rows, gathered from its shards."""
+        """Table ``table``'s (index or name) rows, gathered from its shards (with several
+        processes a collective: every process calls it, as :meth:`table_state`,
+        :meth:`state_dict` and :meth:`save`)."""
         return self._gather(table, lambda coll, k: coll.weights(k))
 
     def table_state(self, table, name: str) -> np.ndarray:
@@ -351,8 +363,14 @@ class ShardedCollection:
         return self._gather(table, lambda coll, k: coll.state(k, name))
 
     def state_names(self):
-        coll = next(c for c in self.shards if c is not None)
-        return coll.state_names()
+        coll = next((c for c in self.shards if c is not None), None)
+        return (coll or self._probe(0)).state_names()
+
+    def _probe(self, table) -> EmbeddingCollection:
+        """A one-row collection of table ``table``'s width and the optimizer (on the CPU):
+        the shapes and types of a row's weight and state, for a process holding none."""
+        return EmbeddingCollection([TableConfig(1, self.dims[table])], self.optimizer,
+                                   self.optimizer_kwargs, dtype=self.dtype.name)
 
     @property
     def max_bag_size(self):
@@ -457,9 +475,18 @@ class ShardedCollection:
                 arrays = shard_arrays(coll.state_dict(), self.plan.shards_of(r),
                                       ("weight", *coll.state_names()))
             save_shard_files(directory, self.plan, r, arrays, tag)
-        write_manifest(directory, self.plan, dict(optimizer=self.optimizer,
-                                                  pooling=self.pooling,
-                                                  dtype=self.dtype.name), tag)
+        if self.multiprocess:  # every process's shard files first, then one manifest
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"xferlib save {directory} shards")
+        if jax.process_index() == 0:
+            write_manifest(directory, self.plan, dict(optimizer=self.optimizer,
+                                                      pooling=self.pooling,
+                                                      dtype=self.dtype.name), tag)
+        if self.multiprocess:  # the manifest written before any process goes on
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"xferlib save {directory} manifest")
 
     def load(self, directory) -> None:
         """Load the checkpoint in ``directory`` (saved on any plan, by either framework):
@@ -475,9 +502,27 @@ class ShardedCollection:
         self.load_state_dict(state)
 
     def _gather(self, table, read) -> np.ndarray:
-        parts = []
-        for s in self.plan.table_shards(table):
-            k = self.plan.shards_of(s.rank).index(s)
-            with self.shard_scope(s.rank):
-                parts.append(np.array(read(self.shards[s.rank], k)))
-        return np.concatenate(parts)
+        """A table's rows from its shards; with several processes a collective (every
+        process calls it): each fills its own shards' rows and the processes' parts are
+        gathered, each shard's rows taken from its owner's."""
+        shards = self.plan.table_shards(table)
+        parts = {}
+        for s in shards:
+            if s.rank in self.local_ranks:
+                k = self.plan.shards_of(s.rank).index(s)
+                with self.shard_scope(s.rank):
+                    parts[s] = np.array(read(self.shards[s.rank], k))
+        if not self.multiprocess:
+            return np.concatenate([parts[s] for s in shards])
+        from jax.experimental import multihost_utils
+
+        t = shards[0].table_index
+        row = np.asarray(read(self._probe(t), 0))  # one row: the shape and type of each
+        whole = np.zeros((self.tables[t].num_rows, *row.shape[1:]), row.dtype)
+        for s, rows in parts.items():
+            whole[s.row_start:s.row_stop] = rows
+        every = np.asarray(multihost_utils.process_allgather(whole, tiled=False))
+        for s in shards:
+            whole[s.row_start:s.row_stop] = every[self._process_of[s.rank]][
+                s.row_start:s.row_stop]
+        return whole

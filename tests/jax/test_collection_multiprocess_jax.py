@@ -1,0 +1,48 @@
+"""ShardedCollection across processes (``jax.distributed``, one device a process): each
+process builds and trains only its own rank's shards, and the processes together train what
+one unsharded collection trains on the global batch; ``state_dict`` gathers every table
+across the processes, and a checkpoint saved by the processes loads into one process. Run on
+the CPU backend (gloo collectives), each process a fresh interpreter
+(``collection_multiprocess_worker.py``)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax")
+
+WORKER = Path(__file__).with_name("collection_multiprocess_worker.py")
+TOLERANCE = 2e-5  # row-wise: partial sums added per owner, equal to float32 rounding
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_processes_train_what_one_collection_trains(tmp_path, processes):
+    port = _free_port()
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--process", str(p), "--processes",
+                               str(processes), "--port", str(port),
+                               "--out", str(tmp_path / "ckpt")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for p in range(processes)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, out[-2000:] + err[-4000:]
+    for out, _ in outputs:
+        results = json.loads(out.strip().splitlines()[-1])
+        assert len(results) == 4, results
+        for case, value in results.items():
+            assert not isinstance(value, str), f"{case}: {value}"
+            limit = 0.0 if case.startswith("table_wise") else TOLERANCE
+            assert value <= limit, f"{case} on {processes} processes differs by {value}"
