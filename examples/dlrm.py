@@ -180,6 +180,11 @@ def _make_run(job, args, preset, plan, device, xp, ranks, sharding=None):
                         ranks=ranks,
                         sharding=sharding if job.engine == "xferlib" and ranks.world > 1
                         else None)
+    if ranks.world > 1:  # JAX's processes under torchrun: the collection across them
+        from dlrm_parts.jax_sharded_run import JaxShardedRun
+
+        return JaxShardedRun(preset, plan, args.seed, device, sharding, xp=xp,
+                             devices=ranks.world, optimizer=job.optimizer, processes=True)
     if args.devices > 1 and sharding is not None:  # the collection sharded over the mesh
         from dlrm_parts.jax_sharded_run import JaxShardedRun
 
@@ -307,9 +312,12 @@ def _prepare(args):
                          f"{batch_size}) a multiple of it, and no --compare")
     if dist.launched():
         world = int(os.environ["WORLD_SIZE"])
-        if frameworks != ["torch"]:
-            raise ValueError("torchrun runs the torch model; JAX uses one process and "
-                             "--devices N")
+        if frameworks not in (["torch"], ["jax"]):
+            raise ValueError("torchrun runs one framework: --framework torch, or jax (one "
+                             "process per GPU, the collection sharded across them)")
+        if frameworks == ["jax"] and args.devices > 1:
+            raise ValueError("torchrun with --framework jax: one device a process (drop "
+                             "--devices; --devices N is N devices in one process)")
         if args.compare or args.save or args.load:
             raise ValueError("--compare, --save and --load run in one process (without "
                              "torchrun)")
@@ -320,6 +328,9 @@ def _prepare(args):
             raise ValueError(f"--world-size {args.world_size} is for --plan; torchrun "
                              f"started {world} ranks")
     plan = config.plan_tables(preset, args.placement, args.gpu_memory)
+    if dist.launched() and frameworks == ["jax"] and plan.bytes_tt:
+        raise ValueError("torchrun with --framework jax shards the collection; TT tables "
+                         "(--placement tt) are not in it: use --devices N in one process")
     config.check_host_ram(plan)  # before any table is allocated
     if args.row_wise:  # an unknown table name is refused before anything starts
         _sharding(args, preset, plan, max(dist.world_size(), 1), "adagrad", pooling,
@@ -335,7 +346,9 @@ def _prepare(args):
 
 def _train(args, preset, plan, frameworks, run_config, meta, device, batch_size, steps,
            pooling) -> int:
-    ranks, device = dist.init(device)  # one process per GPU under torchrun
+    # one process per GPU under torchrun: torch.distributed, or JAX's processes
+    ranks, device = (dist.init_jax(device) if frameworks == ["jax"] and dist.launched()
+                     else dist.init(device))
     if not ranks.main:  # rank 0 speaks for all
         sys.stdout = open(os.devnull, "w")
     try:

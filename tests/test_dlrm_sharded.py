@@ -258,6 +258,38 @@ def test_jax_on_two_devices_equals_one_device(placement, tmp_path):
 
 
 @pytest.mark.slow
+def test_jax_processes_under_torchrun_equal_devices_in_one_process(tmp_path):
+    """torchrun --framework jax: one process per device (jax.distributed; here the CPU's
+    gloo collectives), each building only its own shards and feeding its own samples, trains
+    what one process with the same number of devices trains: the same bits of every
+    evaluation (float32 sums in the same order on each device)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("optax")
+    args = ("--framework", "jax", "--device", "cpu", "--placement", "auto", "--steps", 12,
+            "--batch-size", 256, "--evals", 2, "--eval-samples", 3000)
+    one, many = tmp_path / "one.json", tmp_path / "many.json"
+    _ok(_run(*args, "--devices", 2, "--json", one))
+    result = _ok(_torchrun(2, *args, "--json", many))
+    assert "sharding plan over 2 ranks" in result.stdout
+    a, b = json.loads(one.read_text())["runs"][0], json.loads(many.read_text())["runs"][0]
+    assert b["ranks"] == 2 and "x 2 ranks" in b["name"]
+    assert [h["step"] for h in b["history"]] == [6, 12]
+    for x, y in zip(a["history"], b["history"]):
+        assert (x["logloss"], x["auc"], x["train_loss"]) == \
+            (y["logloss"], y["auc"], y["train_loss"]), (a["history"], b["history"])
+
+
+def test_torchrun_jax_refuses_devices_and_tt_tables():
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+    for extra, said in ((("--devices", "2"), "one device a process"),
+                        (("--placement", "tt"), "TT tables")):
+        result = subprocess.run([sys.executable, str(SCRIPT), "--quiet", "--framework", "jax",
+                                 "--device", "cpu", *extra],
+                                capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_jax_checkpoint_of_two_devices_continues_on_one(tmp_path):
     """--devices 2 shards the collection over the mesh; its checkpoint holds every table
     whole, so one device continues it and ends where an uninterrupted run ends."""

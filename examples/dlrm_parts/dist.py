@@ -119,10 +119,59 @@ def free_gpu_memory(ranks: Ranks, device: str) -> None:
             cupy.get_default_memory_pool().free_all_blocks()
 
 
+def init_jax(device: str) -> tuple[Ranks, str]:
+    """JAX under ``torchrun`` (``--framework jax``): one process per GPU (per CPU device on
+    the CPU) joined by ``jax.distributed``, before JAX starts a backend; returns ``(ranks,
+    device)``. This rank's GPU is the only one JAX sees (``JAX_CUDA_VISIBLE_DEVICES``) and
+    CuPy's current. The coordinator's address is agreed through torchrun's own store:
+    process 0 binds a free port and publishes it there."""
+    import socket
+    import sys
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized():
+        raise RuntimeError("jax.distributed is initialized already")
+    if device == "cuda":
+        import torch
+
+        local = local_gpu(os.environ, torch.cuda.device_count())
+        os.environ["JAX_CUDA_VISIBLE_DEVICES"] = str(local)
+        import cupy
+
+        cupy.cuda.Device(local).use()
+        device = f"cuda:{local}"
+    import torch.distributed as tdist
+
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    store = tdist.TCPStore(host, int(os.environ["MASTER_PORT"]), world, is_master=False)
+    key = "xferlib/jax_coordinator"
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        store.set(key, f"{host}:{port}")
+    address = store.get(key).decode()
+    import jax
+
+    if not device.startswith("cuda"):
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(address, num_processes=world, process_id=rank)
+    return Ranks(rank, world, local, None), device
+
+
 def finish(ranks: Ranks, ok: bool = True) -> None:
     """Leave the group: after a barrier (every rank done with the shared tables before any
     tears down) when this rank finished, without one when it failed (the others are not
-    waited for)."""
+    waited for). JAX's processes (``init_jax``) leave ``jax.distributed``."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    if ranks.world > 1 and jax is not None and jax.distributed.is_initialized():
+        if ok:
+            jax.distributed.shutdown()
+        return
     if ranks.world > 1:
         from xferlib.adapters.torch import leave_process_group
 

@@ -80,6 +80,8 @@ class JaxRun:
         preset, num_tables, xp = self.preset, len(self.plan.tables), self.xp
 
         def to(a):  # NumPy/CuPy values to a JAX-owned (donatable) array at self.where
+            if getattr(self, "processes", False):  # a mesh over processes: every process
+                return jax.device_put(np.asarray(a), self.where)  # puts the same host value
             return jax.device_put(xferlib.to_jax(xp.asarray(a), copy=True), self.where)
 
         dense = initial.dense_params(preset, num_tables, seed)

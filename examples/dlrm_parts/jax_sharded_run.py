@@ -46,17 +46,25 @@ class JaxShardedRun(JaxRun):
     ``sharding`` (a :class:`xferlib.collection.ShardingPlan` of the plan's tables)."""
 
     def __init__(self, preset, plan, seed, device, sharding, xp=np, devices=2,
-                 optimizer="adagrad"):
+                 optimizer="adagrad", processes=False):
         if any(t.where == "tt" for t in plan.tables):
             raise ValueError("TT tables are not sharded: use jax_mesh_run.JaxMeshRun")
         self.xp, self.gpu = xp, device != "cpu"
         self.preset, self.plan, self.dim = preset, plan, preset.dim
         num_tables = len(plan.tables)
-        found = mesh_devices(device, devices)
+        # processes: one device a process (jax.distributed, torchrun's ranks), the mesh
+        # over every process's device; each process feeds its own samples
+        self.processes = bool(processes)
+        found = jax.devices() if processes else mesh_devices(device, devices)
+        if len(found) < devices:
+            raise ValueError(f"{devices} devices needed, {len(found)} found")
         if sharding.world_size != devices:
             raise ValueError(f"the sharding plan is for {sharding.world_size} ranks, not "
                              f"--devices {devices}")
-        self.device, self.devices = found[0], int(devices)
+        self.devices = int(devices)
+        self.device = jax.local_devices()[0] if processes else found[0]
+        if processes:  # ClickLog.batches' part: this process's slice of each global batch
+            self.part = (jax.process_index(), jax.process_count())
         self.mesh = Mesh(np.array(found[:devices]), (AXIS,))
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._batch_specs = (PartitionSpec(AXIS), PartitionSpec(None, AXIS),
@@ -71,7 +79,7 @@ class JaxShardedRun(JaxRun):
             sharding.tables, optimizer, {"lr": preset.lr_embedding}, plan=sharding, seed=seed,
             device="cuda" if self.gpu else "cpu", devices=found[:devices],
             max_bag_size=preset.pooling)
-        self.anchor = jax.device_put(collection_anchor(), self._replicated)
+        self.anchor = jax.device_put(np.asarray(collection_anchor()), self._replicated)
         self.li, self.lj = np.triu_indices(num_tables + 1, 1)
         self.steps_done = 0
         self.graph_note = (f"one jax.jit step over {devices} devices (shard_map), the "
@@ -120,9 +128,24 @@ class JaxShardedRun(JaxRun):
         # int32 rows (JAX runs without x64); each device gets its slice of the batch
         to = xferlib.to_jax
         data = (to(batch.dense), to(batch.cat.astype(self.xp.int32)), to(batch.label))
+        if self.processes:  # this process's samples, the global batch's slice on its device
+            return tuple(jax.make_array_from_process_local_data(s, a)
+                         for a, s in zip(data, self._batch))
         if data[2].shape[0] % self.devices:
             return data  # an evaluation chunk that does not split: predict pads it
         return tuple(jax.device_put(a, s) for a, s in zip(data, self._batch))
+
+    def eval_to_framework(self, batch):
+        """An evaluation chunk (the whole chunk, every process alike): with processes, this
+        process's slice of it, padded to split evenly; else :meth:`to_framework`'s."""
+        if not self.processes:
+            return self.to_framework(batch)
+        B, me, n = batch.label.shape[0], jax.process_index(), self.devices
+        share = -(-B // n)
+        pick = self.xp.minimum(self.xp.arange(me * share, (me + 1) * share), B - 1)
+        part = type(batch)(batch.dense[pick], batch.cat[:, pick], batch.label[pick],
+                           batch.logit[pick])
+        return (*self.to_framework(part), B)
 
     def step(self, data):
         dense, cat, label = data
@@ -132,9 +155,16 @@ class JaxShardedRun(JaxRun):
         self.flat, self.opt_state, loss = self._train_step(
             self.flat, self.opt_state, self.anchor, dense, cat, label)
         self.steps_done += 1
-        return loss
+        # with processes the loss (the same everywhere) is read from this process's copy
+        return loss.addressable_shards[0].data if self.processes else loss
 
     def predict(self, data):
+        if self.processes:  # every process's logits, gathered (a collective)
+            from jax.experimental import multihost_utils
+
+            dense, cat, _, B = data
+            out = self._predict(self.flat, dense, cat)
+            return np.asarray(multihost_utils.process_allgather(out, tiled=True))[:B]
         dense, cat, _ = data
         B = dense.shape[0]
         pad = -B % self.devices

@@ -35,8 +35,9 @@ class EvalSet:
         self._converted = {}
 
     def evaluate(self, run, key):
-        if key not in self._converted:
-            self._converted[key] = [run.to_framework(b) for b in self.batches]
+        if key not in self._converted:  # a run may convert held-out chunks its own way
+            convert = getattr(run, "eval_to_framework", run.to_framework)
+            self._converted[key] = [convert(b) for b in self.batches]
         from xferlib import to_numpy
 
         logits = [run.predict(data) for data in self._converted[key]]
