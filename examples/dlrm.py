@@ -14,6 +14,7 @@ imports) beside them. See docs/dlrm.md.
     python examples/dlrm.py --preset medium --framework both --compare --plot medium.png
     python examples/dlrm.py --preset medium --profile          # where a step's time goes
     torchrun --nproc_per_node=2 examples/dlrm.py --preset medium   # two GPUs (global batch)
+    torchrun --nproc_per_node=2 examples/dlrm.py --preset medium --framework jax  # a process each
     python examples/dlrm.py --preset medium --plan --world-size 2  # where each table lives
 """
 
