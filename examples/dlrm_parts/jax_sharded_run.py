@@ -65,6 +65,13 @@ class JaxShardedRun(JaxRun):
         self.device = jax.local_devices()[0] if processes else found[0]
         if processes:  # ClickLog.batches' part: this process's slice of each global batch
             self.part = (jax.process_index(), jax.process_count())
+            if self.gpu:  # JAX's one GPU must be the one CuPy (and the shards) use
+                import cupy
+
+                hardware = getattr(self.device, "local_hardware_id", None)
+                if hardware is not None and hardware != cupy.cuda.runtime.getDevice():
+                    raise RuntimeError(f"JAX's GPU {hardware} is not this rank's GPU "
+                                       f"{cupy.cuda.runtime.getDevice()}")
         self.mesh = Mesh(np.array(found[:devices]), (AXIS,))
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._batch_specs = (PartitionSpec(AXIS), PartitionSpec(None, AXIS),
