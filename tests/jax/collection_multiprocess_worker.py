@@ -27,16 +27,26 @@ def _parse():
     p.add_argument("--processes", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
     return p.parse_args()
 
 
 ARGS = _parse()
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.pop("XLA_FLAGS", None)  # one CPU device a process
+os.environ.pop("XLA_FLAGS", None)  # one device a process
+os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+GPU = ARGS.platform == "gpu"
+if GPU:  # process p on GPU p alone, for JAX and for CuPy
+    os.environ["JAX_CUDA_VISIBLE_DEVICES"] = str(ARGS.process)
+    import cupy
+
+    cupy.cuda.Device(ARGS.process).use()
+else:
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if not GPU:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{ARGS.port}", num_processes=ARGS.processes,
                            process_id=ARGS.process)
 
@@ -50,6 +60,7 @@ from xferlib.collection import EmbeddingCollection, TableConfig, plan_sharding  
 
 N, ME = ARGS.processes, ARGS.process
 DEVICES = jax.devices()
+CORE_DEVICE = "cuda" if GPU else "cpu"
 MESH = Mesh(np.array(DEVICES), ("x",))
 TABLES = [TableConfig(11, 4, name="a"), TableConfig(5, 4, name="b", placement="host"),
           TableConfig(17, 4, name="c"), TableConfig(3, 4, name="d")]
@@ -88,9 +99,9 @@ def _case(optimizer, row_wise=(), checkpoint=False):
     rng = np.random.default_rng(sum(map(ord, optimizer)) + len(row_wise))
     plan = plan_sharding(TABLES, N, optimizer=optimizer, row_wise=row_wise)
     sharded = ShardedCollection(TABLES, optimizer, HYPER[optimizer], plan=plan, seed=3,
-                                devices=DEVICES)
+                                device=CORE_DEVICE, devices=DEVICES)
     assert sharded.local_ranks == (ME,) and sharded.multiprocess
-    one = EmbeddingCollection(TABLES, optimizer, HYPER[optimizer], seed=3)
+    one = EmbeddingCollection(TABLES, optimizer, HYPER[optimizer], seed=3, device=CORE_DEVICE)
     total = one.total_dim
 
     def mesh_step(anchor, idx, off, target):
@@ -123,7 +134,8 @@ def _case(optimizer, row_wise=(), checkpoint=False):
     want = one.state_dict()
     if checkpoint:
         sharded.save(ARGS.out)
-        fresh = EmbeddingCollection(TABLES, optimizer, HYPER[optimizer], seed=11)
+        fresh = EmbeddingCollection(TABLES, optimizer, HYPER[optimizer], seed=11,
+                                    device=CORE_DEVICE)
         fresh.load_state_dict(_read_back(ARGS.out, optimizer))
         got = fresh.state_dict()
     else:
@@ -136,7 +148,7 @@ def _case(optimizer, row_wise=(), checkpoint=False):
 def _read_back(directory, optimizer):
     """The checkpoint's whole tables, read by a sharded collection of one rank."""
     single = ShardedCollection(TABLES, optimizer, HYPER[optimizer], world_size=1, seed=5,
-                               devices=jax.local_devices())
+                               device=CORE_DEVICE, devices=jax.local_devices())
     single.load(directory)
     return single.state_dict()
 
