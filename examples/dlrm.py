@@ -491,6 +491,9 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
                         print(metrics.top_kernels_table(name, run.top_kernels))
             results.append(result)
         except Exception:
+            if ranks.world > 1:  # the other ranks wait in the step's collectives: leave
+                run = None  # (closing would run collectives they never reach)
+                raise
             traceback.print_exc()
             failed.append(name)
         finally:  # the next run allocates only once this one's memory is released

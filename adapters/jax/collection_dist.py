@@ -132,7 +132,13 @@ class ShardedCollection:
         process = jax.process_index()
         self.local_ranks = tuple(r for r, d in enumerate(devices[:plan.world_size])
                                  if getattr(d, "process_index", 0) == process)
-        self.multiprocess = len(self.local_ranks) < plan.world_size
+        if not self.local_ranks:
+            raise ValueError(f"none of the mesh's devices is this process's (process "
+                             f"{process}): build the collection where its devices are, "
+                             f"e.g. devices=jax.local_devices() for one process's mesh")
+        self._process_of = [getattr(d, "process_index", 0) for d in devices[:plan.world_size]]
+        # several processes' devices in the mesh: the same answer in every process
+        self.multiprocess = len(set(self._process_of)) > 1
         # Rank r's collection on the CUDA device behind the mesh's r-th device (None for
         # another process's device).
         self._ordinals = [int(d.id if getattr(d, "local_hardware_id", None) is None
@@ -141,7 +147,6 @@ class ShardedCollection:
                           for r, d in enumerate(devices[:plan.world_size])]
         self.optimizer, self.pooling, self.dtype = optimizer, pooling, np.dtype(dtype)
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
-        self._process_of = [getattr(d, "process_index", 0) for d in devices[:plan.world_size]]
         self.dims = tuple(c.dim for c in self.tables)
         self.dim_offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.dims)]))
         self.total_dim = self.dim_offsets[-1]
@@ -370,7 +375,7 @@ class ShardedCollection:
         """A one-row collection of table ``table``'s width and the optimizer (on the CPU):
         the shapes and types of a row's weight and state, for a process holding none."""
         return EmbeddingCollection([TableConfig(1, self.dims[table])], self.optimizer,
-                                   self.optimizer_kwargs, dtype=self.dtype.name)
+                                   self.optimizer_kwargs, dtype=self.dtype.name, device="cpu")
 
     @property
     def max_bag_size(self):
@@ -388,10 +393,26 @@ class ShardedCollection:
             raise ValueError(f"{too_long} batch(es) with a bag longer than max_bag_size="
                              f"{self.max_bag_size} since the last check (refused: no table "
                              f"changed)")
-        for rank, coll in enumerate(self.shards):
-            if coll is not None:
-                with self.shard_scope(rank):
-                    coll.check()
+        error = None
+        try:
+            for rank, coll in enumerate(self.shards):
+                if coll is not None:
+                    with self.shard_scope(rank):
+                        coll.check()
+        except Exception as err:  # noqa: BLE001  (raised below, on every process alike)
+            if not self.multiprocess:
+                raise
+            error = err
+        if self.multiprocess:  # every process raises, none goes on to a collective alone
+            from jax.experimental import multihost_utils
+
+            failed = np.asarray(multihost_utils.process_allgather(
+                np.array([error is not None], np.int32)))
+            if error is not None:
+                raise error
+            if failed.any():
+                raise RuntimeError("another process's shards refused a batch (it raised the "
+                                   "error); no table changed")
 
     def _take_refused(self) -> tuple:
         """GPUs: the batches refused since the last call, ``(too-long bag, malformed
@@ -479,7 +500,7 @@ class ShardedCollection:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"xferlib save {directory} shards")
-        if jax.process_index() == 0:
+        if not self.multiprocess or jax.process_index() == min(self._process_of):
             write_manifest(directory, self.plan, dict(optimizer=self.optimizer,
                                                       pooling=self.pooling,
                                                       dtype=self.dtype.name), tag)
@@ -521,8 +542,11 @@ class ShardedCollection:
         whole = np.zeros((self.tables[t].num_rows, *row.shape[1:]), row.dtype)
         for s, rows in parts.items():
             whole[s.row_start:s.row_stop] = rows
-        every = np.asarray(multihost_utils.process_allgather(whole, tiled=False))
+        # as bytes: JAX without x64 would narrow float64 tables and int64 state to 32 bits
+        raw = np.ascontiguousarray(whole).reshape(len(whole), -1).view(np.uint8)
+        every = np.asarray(multihost_utils.process_allgather(raw, tiled=False))
         for s in shards:
-            whole[s.row_start:s.row_stop] = every[self._process_of[s.rank]][
-                s.row_start:s.row_stop]
+            rows = every[self._process_of[s.rank]][s.row_start:s.row_stop]
+            whole[s.row_start:s.row_stop] = rows.view(whole.dtype).reshape(
+                (-1, *whole.shape[1:]))
         return whole

@@ -122,8 +122,8 @@ def free_gpu_memory(ranks: Ranks, device: str) -> None:
 def init_jax(device: str) -> tuple[Ranks, str]:
     """JAX under ``torchrun`` (``--framework jax``): one process per GPU (per CPU device on
     the CPU) joined by ``jax.distributed``, before JAX starts a backend; returns ``(ranks,
-    device)``. This rank's GPU is the only one JAX sees (``JAX_CUDA_VISIBLE_DEVICES``) and
-    CuPy's current. The coordinator's address is agreed through torchrun's own store:
+    device)``. This rank's GPU is the only one JAX sees (``local_device_ids``) and CuPy's
+    current. The coordinator's address is agreed through torchrun's own store:
     process 0 binds a free port and publishes it there."""
     import socket
     import sys
@@ -132,20 +132,22 @@ def init_jax(device: str) -> tuple[Ranks, str]:
     local = int(os.environ.get("LOCAL_RANK", rank))
     if "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized():
         raise RuntimeError("jax.distributed is initialized already")
+    gpus = None
     if device == "cuda":
         import torch
 
         local = local_gpu(os.environ, torch.cuda.device_count())
-        os.environ["JAX_CUDA_VISIBLE_DEVICES"] = str(local)
+        gpus = [local]  # JAX's only device (jax.distributed sets JAX's visible GPUs)
         import cupy
 
         cupy.cuda.Device(local).use()
         device = f"cuda:{local}"
     import torch.distributed as tdist
 
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # one host: rank 0's too
     store = tdist.TCPStore(host, int(os.environ["MASTER_PORT"]), world, is_master=False)
-    key = "xferlib/jax_coordinator"
+    # a restarted job (torchrun --max-restarts) agrees afresh
+    key = f"xferlib/jax_coordinator/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:
         with socket.socket() as s:
             s.bind(("", 0))
@@ -157,7 +159,9 @@ def init_jax(device: str) -> tuple[Ranks, str]:
     if not device.startswith("cuda"):
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(address, num_processes=world, process_id=rank)
+    # no cluster detection: under SLURM or MPI it would pick the GPUs itself
+    jax.distributed.initialize(address, num_processes=world, process_id=rank,
+                               local_device_ids=gpus, cluster_detection_method="deactivate")
     return Ranks(rank, world, local, None), device
 
 
@@ -171,7 +175,15 @@ def finish(ranks: Ranks, ok: bool = True) -> None:
     if ranks.world > 1 and jax is not None and jax.distributed.is_initialized():
         if ok:
             jax.distributed.shutdown()
-        return
+            return
+        # a failed process leaves at once: JAX's own shutdown at exit would wait minutes
+        # at a barrier the other processes, stuck in the step's collectives, never reach
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if ranks.world > 1:
         from xferlib.adapters.torch import leave_process_group
 

@@ -63,8 +63,9 @@ class JaxShardedRun(JaxRun):
                              f"--devices {devices}")
         self.devices = int(devices)
         self.device = jax.local_devices()[0] if processes else found[0]
-        if processes:  # ClickLog.batches' part: this process's slice of each global batch
-            self.part = (jax.process_index(), jax.process_count())
+        if processes:  # ClickLog.batches' part: this process's slice of each global batch,
+            # at its device's place in the mesh
+            self.part = (list(found[:devices]).index(self.device), self.devices)
             if self.gpu:  # JAX's one GPU must be the one CuPy (and the shards) use
                 import cupy
 
@@ -147,7 +148,7 @@ class JaxShardedRun(JaxRun):
         process's slice of it, padded to split evenly; else :meth:`to_framework`'s."""
         if not self.processes:
             return self.to_framework(batch)
-        B, me, n = batch.label.shape[0], jax.process_index(), self.devices
+        B, (me, n) = batch.label.shape[0], self.part
         share = -(-B // n)
         pick = self.xp.minimum(self.xp.arange(me * share, (me + 1) * share), B - 1)
         part = type(batch)(batch.dense[pick], batch.cat[:, pick], batch.label[pick],

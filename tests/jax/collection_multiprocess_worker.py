@@ -153,10 +153,32 @@ def _read_back(directory, optimizer):
     return single.state_dict()
 
 
+def _float64_and_foreign_mesh():
+    """float64 tables gather exactly (as bytes: JAX without x64 would narrow them), and a
+    process none of whose devices is in the mesh is refused (0.0 when both hold)."""
+    plan = plan_sharding(TABLES, N, optimizer="adam", dtype="float64")
+    sharded = ShardedCollection(TABLES, "adam", HYPER["adam"], plan=plan, seed=3,
+                                dtype="float64", device=CORE_DEVICE, devices=DEVICES)
+    one = EmbeddingCollection(TABLES, "adam", HYPER["adam"], seed=3, dtype="float64",
+                              device=CORE_DEVICE)
+    want = one.state_dict()
+    got = sharded.state_dict()
+    err = max(float(np.abs(np.asarray(got[k]) - np.asarray(want[k])).max()) for k in want)
+    assert all(np.asarray(got[k]).dtype == np.asarray(want[k]).dtype for k in want)
+    try:  # the first process's device alone: the others hold none of it
+        ShardedCollection(TABLES, "sgd", HYPER["sgd"], world_size=1, device=CORE_DEVICE,
+                          devices=DEVICES[:1])
+        refused = False
+    except ValueError as e:
+        refused = "none of the mesh's devices" in str(e)
+    return err if refused == (ME != 0) else f"refused={refused} on process {ME}"
+
+
 CASES = {"table_wise-sgd": lambda: _case("sgd"),
          "row_wise-rowwise_adagrad": lambda: _case("rowwise_adagrad", row_wise=("a", "c")),
          "table_wise-adam": lambda: _case("adam"),
-         "checkpoint-row_wise-adam": lambda: _case("adam", row_wise=("c",), checkpoint=True)}
+         "checkpoint-row_wise-adam": lambda: _case("adam", row_wise=("c",), checkpoint=True),
+         "table_wise-float64-foreign-mesh": _float64_and_foreign_mesh}
 
 results = {}
 for name, run in CASES.items():

@@ -42,7 +42,7 @@ def _check(tmp_path, processes, platform):
         assert p.returncode == 0, out[-2000:] + err[-4000:]
     for out, _ in outputs:
         results = json.loads(out.strip().splitlines()[-1])
-        assert len(results) == 4, results
+        assert len(results) == 5, results
         for case, value in results.items():
             assert not isinstance(value, str), f"{case}: {value}"
             # table-wise on the CPU: the same bits; the GPU's sums place their chunk edges
