@@ -35,8 +35,7 @@ ARGS = _parse()
 os.environ.pop("XLA_FLAGS", None)  # one device a process
 os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 GPU = ARGS.platform == "gpu"
-if GPU:  # process p on GPU p alone, for JAX and for CuPy
-    os.environ["JAX_CUDA_VISIBLE_DEVICES"] = str(ARGS.process)
+if GPU:  # process p on GPU p alone, for JAX (local_device_ids, below) and for CuPy
     import cupy
 
     cupy.cuda.Device(ARGS.process).use()
@@ -47,8 +46,11 @@ import jax  # noqa: E402
 
 if not GPU:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+# (JAX_CUDA_VISIBLE_DEVICES alone left each process both GPUs: the mesh then had four)
 jax.distributed.initialize(f"127.0.0.1:{ARGS.port}", num_processes=ARGS.processes,
-                           process_id=ARGS.process)
+                           process_id=ARGS.process,
+                           local_device_ids=[ARGS.process] if GPU else None,
+                           cluster_detection_method="deactivate")
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -100,7 +102,8 @@ def _case(optimizer, row_wise=(), checkpoint=False):
     plan = plan_sharding(TABLES, N, optimizer=optimizer, row_wise=row_wise)
     sharded = ShardedCollection(TABLES, optimizer, HYPER[optimizer], plan=plan, seed=3,
                                 device=CORE_DEVICE, devices=DEVICES)
-    assert sharded.local_ranks == (ME,) and sharded.multiprocess
+    assert sharded.local_ranks == (ME,) and sharded.multiprocess, (
+        f"process {ME}: local ranks {sharded.local_ranks} of a mesh of {DEVICES}")
     one = EmbeddingCollection(TABLES, optimizer, HYPER[optimizer], seed=3, device=CORE_DEVICE)
     total = one.total_dim
 
