@@ -35,7 +35,7 @@ import numpy as np
 from xferlib.backend import cupy_available
 
 __all__ = ["Backend", "BACKEND_NAMES", "get_backend", "backend_params", "for_each_backend",
-           "gpu_count", "reference_check", "assert_outputs_match", "tolerance",
+           "free_port", "gpu_count", "reference_check", "assert_outputs_match", "tolerance",
            "assert_matches_reference", "table_arrays", "random_rows", "GPU_SKIP_REASON"]
 
 BACKEND_NAMES = ("numpy", "cupy", "cupy-pinned")
@@ -184,6 +184,15 @@ def gpu_count() -> int:
         return cupy.cuda.runtime.getDeviceCount()
     except Exception:
         return 0
+
+
+def free_port() -> int:
+    """A TCP port free on this host now: the rendezvous of a multi-process test."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tolerance(dtype) -> float:

@@ -147,6 +147,7 @@ class ShardedCollection:
                           for r, d in enumerate(devices[:plan.world_size])]
         self.optimizer, self.pooling, self.dtype = optimizer, pooling, np.dtype(dtype)
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        self._probes = {}  # width -> a one-row collection (_probe)
         self.dims = tuple(c.dim for c in self.tables)
         self.dim_offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.dims)]))
         self.total_dim = self.dim_offsets[-1]
@@ -373,9 +374,14 @@ class ShardedCollection:
 
     def _probe(self, table) -> EmbeddingCollection:
         """A one-row collection of table ``table``'s width and the optimizer (on the CPU):
-        the shapes and types of a row's weight and state, for a process holding none."""
-        return EmbeddingCollection([TableConfig(1, self.dims[table])], self.optimizer,
-                                   self.optimizer_kwargs, dtype=self.dtype.name, device="cpu")
+        the shapes and types of a row's weight and state, for a process holding none. One
+        per width, kept (a state dict reads every table's every state through it)."""
+        dim = self.dims[table]
+        if dim not in self._probes:
+            self._probes[dim] = EmbeddingCollection(
+                [TableConfig(1, dim)], self.optimizer, self.optimizer_kwargs,
+                dtype=self.dtype.name, device="cpu")
+        return self._probes[dim]
 
     @property
     def max_bag_size(self):

@@ -353,6 +353,15 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
                             self.total_dim, self._table_blocks)
         return out, _Step(B, [B] * world, ctx)
 
+    def _count_refused(self, refused):
+        """Add this batch's ``[bad offsets, an index out of range]`` (device flags) to the
+        counts :meth:`check` reads, and return how many the group had (the step's one small
+        all_reduce, no host read)."""
+        self._refused += refused
+        any_bad = refused.sum().reshape(1)
+        dist.all_reduce(any_bad, group=self.group)
+        return any_bad
+
     def _send_kernels(self, indices, offsets, per_sample_weights, B: int, weighted: bool,
                       layout):
         """This rank's messages by the core's exchange kernels (CUDA): ``(lookups,
@@ -361,9 +370,7 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
         idx = indices.to(dev, torch.int64).contiguous()
         off = offsets.to(dev, torch.int64).contiguous()
         refused = self._kernels.check(idx, off, B, self.max_bag_size or 0)
-        self._refused += refused
-        any_bad = refused.sum().reshape(1)
-        dist.all_reduce(any_bad, group=self.group)
+        any_bad = self._count_refused(refused)
         w = (None if per_sample_weights is None
              else per_sample_weights.to(dev, self.dtype).contiguous())
         return self._kernels.pack(idx, off, w, B, refused, any_bad, layout,
@@ -378,10 +385,8 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
             indices, offsets, B)
         if self.max_bag_size is not None and lengths.numel():  # the owners' room assumes it
             bad_off = bad_off | (lengths > self.max_bag_size).any()
-        refused = torch.stack([bad_off.to(torch.int64), bad_each.any().to(torch.int64)])
-        self._refused += refused
-        any_bad = refused.sum().reshape(1)
-        dist.all_reduce(any_bad, group=self.group)
+        any_bad = self._count_refused(torch.stack([bad_off.to(torch.int64),
+                                                   bad_each.any().to(torch.int64)]))
         # Bad anywhere: only the bad lookups travel (bad offsets: none of this rank's).
         send = torch.where(any_bad > 0, bad_each & ~bad_off, torch.ones_like(bad_each))
         head = S * B
@@ -444,9 +449,10 @@ class ShardedEmbeddingBagCollection(ShardRouting, torch.nn.Module):
             head = self._max_slots * B
             # the exchange kernels': rooms, each owner's message start, its room's start
             # among the weights, and the two messages' sizes
-            layout = (on_device(rooms), on_device([o * head + s for o, s in enumerate(starts)]),
-                      on_device(starts), self.world_size * head + sum(rooms), sum(rooms))
-            self._room_cache[key] = (rooms, starts, on_device(rooms), on_device(starts), layout)
+            rooms_t, starts_t = on_device(rooms), on_device(starts)
+            layout = (rooms_t, on_device([o * head + s for o, s in enumerate(starts)]), starts_t,
+                      self.world_size * head + sum(rooms), sum(rooms))
+            self._room_cache[key] = (rooms, starts, rooms_t, starts_t, layout)
         return self._room_cache[key]
 
     def _a2a(self, send, out_splits, in_splits, dtype):

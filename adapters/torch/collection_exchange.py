@@ -20,6 +20,11 @@ from xferlib.collection.exchange import (ExchangeRoutes, check_lookups, count_lo
 __all__ = ["KernelExchange"]
 
 
+def _view(t):
+    """The core's view of ``t`` (None stays None: an absent weight array)."""
+    return None if t is None else as_core_array(t)
+
+
 class KernelExchange:
     """A plan's exchange kernels on one CUDA ``device`` (tables of ``dtype``); on the CPU
     the same steps run the core's NumPy reference (slow: for tests)."""
@@ -66,17 +71,16 @@ class KernelExchange:
         message = torch.zeros(msg_size, dtype=torch.int64, device=self.device)
         w_message = (torch.zeros(w_size, dtype=self.dtype, device=self.device)
                      if weighted else None)
-        core = lambda t: None if t is None else as_core_array(t)  # noqa: E731
         with self._cupy_device():
             stream = self._stream()
-            idx, off = core(indices), core(offsets)
-            count_lookups(idx, off, B, self.routes, core(flags), core(any_bad), core(counts),
+            idx, off = _view(indices), _view(offsets)
+            count_lookups(idx, off, B, self.routes, _view(flags), _view(any_bad), _view(counts),
                           stream=stream)
             scan = torch.cumsum(counts, 0)
-            pack_lookups(idx, off, B, self.routes, core(flags), core(any_bad), core(counts),
-                         core(scan), core(msg_base_t), core(caps_t), core(message),
-                         weights=core(weights), mean=mean, w_base=core(w_base_t),
-                         w_msg=core(w_message), stream=stream)
+            pack_lookups(idx, off, B, self.routes, _view(flags), _view(any_bad), _view(counts),
+                         _view(scan), _view(msg_base_t), _view(caps_t), _view(message),
+                         weights=_view(weights), mean=mean, w_base=_view(w_base_t),
+                         w_msg=_view(w_message), stream=stream)
         return message, w_message
 
     def unpack(self, received, w_received, B: int, room: int, T_me: int):
@@ -93,9 +97,8 @@ class KernelExchange:
         idx = torch.zeros(world * room, dtype=torch.int64, device=self.device)
         w = (torch.zeros(world * room, dtype=w_received.dtype, device=self.device)
              if w_received is not None else None)
-        core = lambda t: None if t is None else as_core_array(t)  # noqa: E731
         with self._cupy_device():
-            unpack_lookups(core(received), B, self.slots, room, T_me, core(scan),
-                           core(offsets), core(idx), w_received=core(w_received),
-                           w_out=core(w), stream=self._stream())
+            unpack_lookups(_view(received), B, self.slots, room, T_me, _view(scan),
+                           _view(offsets), _view(idx), w_received=_view(w_received),
+                           w_out=_view(w), stream=self._stream())
         return idx, offsets, w

@@ -77,12 +77,11 @@ class JaxRun:
     def _dense_state(self, seed):
         """The MLPs in one flat buffer and its Adam state, at ``self.where``; returns the
         function that puts an initial value there."""
-        preset, num_tables, xp = self.preset, len(self.plan.tables), self.xp
+        preset, num_tables = self.preset, len(self.plan.tables)
 
-        def to(a):  # NumPy/CuPy values to a JAX-owned (donatable) array at self.where
-            if getattr(self, "processes", False):  # a mesh over processes: every process
-                return jax.device_put(np.asarray(a), self.where)  # puts the same host value
-            return jax.device_put(xferlib.to_jax(xp.asarray(a), copy=True), self.where)
+        def to(a):  # a NumPy value to a JAX-owned (donatable) array at self.where; from the
+            # host, so a mesh over processes takes it too (every process puts the same value)
+            return jax.device_put(np.asarray(a), self.where)
 
         dense = initial.dense_params(preset, num_tables, seed)
         params = {name: [(to(dense[f"{name}.{i}.weight"]), to(dense[f"{name}.{i}.bias"]))

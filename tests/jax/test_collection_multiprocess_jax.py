@@ -7,14 +7,13 @@ the CPU backend (gloo collectives), each process a fresh interpreter
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from xferlib.testing import gpu_count
+from xferlib.testing import free_port, gpu_count
 
 pytest.importorskip("jax")
 
@@ -22,14 +21,8 @@ WORKER = Path(__file__).with_name("collection_multiprocess_worker.py")
 TOLERANCE = 2e-5  # row-wise: partial sums added per owner, equal to float32 rounding
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _check(tmp_path, processes, platform):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--process", str(p), "--processes",

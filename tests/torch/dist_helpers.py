@@ -5,17 +5,14 @@ device made the same)."""
 import datetime
 import faulthandler
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from xferlib.testing import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "join", "require_two_gpus"]
 
 
 # A worker still running after this long prints every thread's stack and exits: a rank
