@@ -28,6 +28,17 @@ def _shards_and_collection(module):
                     f"got {type(module).__name__}")
 
 
+def _raise_together(module, error, others: str) -> None:
+    """Every rank of ``module``'s group learns whether any rank failed: the failed rank
+    raises its ``error``, the others RuntimeError(``others``), so none goes on alone."""
+    every = [None] * module.world_size
+    dist.all_gather_object(every, [error is None], group=module.group)
+    if error is not None:
+        raise error
+    if not all(ok[0] for ok in every):
+        raise RuntimeError(others)
+
+
 def save_sharded(module: ShardedEmbeddingBagCollection, directory, tag: str = "") -> None:
     """Write ``module``'s checkpoint into ``directory`` (collective: every rank calls it):
     each rank writes one file per shard it holds (crash-safe), then rank 0 writes the
@@ -46,13 +57,8 @@ def save_sharded(module: ShardedEmbeddingBagCollection, directory, tag: str = ""
         save_shard_files(directory, module.plan, module.rank, arrays, tag)
     except OSError as err:
         error = err
-    ok = [error is None]
-    every = [None] * module.world_size
-    dist.all_gather_object(every, ok, group=module.group)
-    if error is not None:
-        raise error
-    if not all(o[0] for o in every):
-        raise RuntimeError("another rank failed to write its shards; no manifest written")
+    _raise_together(module, error, "another rank failed to write its shards; no manifest "
+                                   "written")
     if module.rank == 0:
         try:
             write_manifest(directory, module.plan,
@@ -101,13 +107,8 @@ def load_sharded(module, directory) -> None:
             raise
         error = err
     if sharded:
-        every = [None] * module.world_size
-        dist.all_gather_object(every, [error is None], group=module.group)
-        if error is not None:
-            raise error
-        if not all(ok[0] for ok in every):
-            raise RuntimeError("another rank could not read its rows of the checkpoint; no "
-                               "table was changed")
+        _raise_together(module, error, "another rank could not read its rows of the "
+                                       "checkpoint; no table was changed")
     if coll is None:
         return
     device = module.local if sharded else module
