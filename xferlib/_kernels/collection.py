@@ -38,8 +38,8 @@ SUM_CHUNK = 32  # sorted positions per thread in the gradient sums' first pass
 KEY_TYPES = {4: "int", 8: "long long"}
 _TYPES = {"float32": "float", "float64": "double"}
 
-_HEAD = TABLE_KERNEL + defines(COLL_META=COLL_META, COLL_SUM_CHUNK=SUM_CHUNK,
-                               **{f"M_{f.upper()}": k for k, f in enumerate(META_FIELDS)}) + r"""
+# Shared with the exchange kernels (xferlib/_kernels/exchange.py).
+BAG_RANGE = r"""
 // Bag b's lookups are [offsets[b], offsets[b + 1]), clamped to [0, n] so that even a bag of a
 // rejected batch reads inside its arrays.
 __device__ __forceinline__ void bag_range(const i64* offsets, i64 b, i64 n, i64& lo, i64& hi) {
@@ -47,6 +47,11 @@ __device__ __forceinline__ void bag_range(const i64* offsets, i64 b, i64 n, i64&
     lo = lo < 0 ? 0 : (lo > n ? n : lo);
     hi = hi < lo ? lo : (hi > n ? n : hi);
 }
+"""
+
+_HEAD = TABLE_KERNEL + defines(COLL_META=COLL_META, COLL_SUM_CHUNK=SUM_CHUNK,
+                               **{f"M_{f.upper()}": k for k, f in enumerate(META_FIELDS)}) + \
+    BAG_RANGE + r"""
 
 // A lookup's factor in its bag's sum: its sample weight, over the bag's length for mean.
 template <typename T>

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from xferlib._kernels._declare import KernelDecl
 from xferlib._kernels._registry import KernelModule
+from xferlib._kernels.collection import BAG_RANGE
 
 __all__ = ["XCH_CHECK", "XCH_COUNT", "XCH_PACK", "XCH_UNPACK", "EXCHANGE_KERNEL",
            "EXCHANGE_MODULE", "exchange_module"]
@@ -174,9 +175,8 @@ XCH_PACK = KernelDecl(
         const i64 t = g / B;
         const i64 s0 = table_shard0[t], s1 = table_shard0[t + 1];
         if (any == 0 && s1 - s0 == 1) continue;
-        i64 lo = off[g], hi = off[g + 1];
-        lo = lo < 0 ? 0 : (lo > n ? n : lo);
-        hi = hi < lo ? lo : (hi > n ? n : hi);
+        i64 lo, hi;
+        bag_range(off, g, n, lo, hi);
         for (i64 s = s0; s < s1; ++s) {
             i64 rank = 0;
             for (i64 l = lo; l < hi; ++l) {
@@ -221,7 +221,7 @@ XCH_UNPACK = KernelDecl(
 
 _TYPES = ("float", "double")
 
-EXCHANGE_KERNEL = _HEAD + "".join(d.source() for d in (XCH_CHECK, XCH_COUNT, XCH_PACK,
+EXCHANGE_KERNEL = _HEAD + BAG_RANGE + "".join(d.source() for d in (XCH_CHECK, XCH_COUNT, XCH_PACK,
                                                           XCH_UNPACK))
 EXCHANGE_MODULE = KernelModule(
     "exchange", EXCHANGE_KERNEL,
