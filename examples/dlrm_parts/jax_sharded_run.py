@@ -128,20 +128,46 @@ class JaxShardedRun(JaxRun):
         self._predict = jax.jit(jax.shard_map(
             predict, mesh=self.mesh, in_specs=(rep,) + self._batch_specs[:2],
             out_specs=PartitionSpec(AXIS)))
+        # with processes: a chunk of this process's parts split into its steps' (one device)
+        self._split = jax.jit(lambda *arrays: [tuple(a[k] for a in arrays)
+                                               for k in range(arrays[0].shape[0])])
+        # a run whose batches are placed as they come has no chunk form (Feed converts
+        # each step's batch by to_framework)
+        self.chunk_steps = self._chunk_steps if self.processes else None
 
     # ------------------------------------------------------------------ runner interface
-    chunk_steps = None  # each step's batch is placed on the mesh as it comes (to_framework)
+    def _local(self, batch):
+        # int32 rows (JAX runs without x64)
+        to = xferlib.to_jax
+        return to(batch.dense), to(batch.cat.astype(self.xp.int32)), to(batch.label)
+
+    def _chunk_steps(self, chunk):
+        """With processes, a chunk's steps in one go (``JaxRun.chunk_steps``): this
+        process's part of the chunk crosses to JAX once, one jitted call on its device splits
+        it into the steps' parts, and each becomes its step's global batch without a copy."""
+        self._chunk_views = self._local(chunk)  # held while the split's reads are queued
+        return [tuple(self._global(a, s, spec)
+                      for a, s, spec in zip(part, self._batch, self._batch_specs))
+                for part in self._split(*self._chunk_views)]
 
     def to_framework(self, batch):
-        # int32 rows (JAX runs without x64); each device gets its slice of the batch
-        to = xferlib.to_jax
-        data = (to(batch.dense), to(batch.cat.astype(self.xp.int32)), to(batch.label))
+        data = self._local(batch)  # each device gets its slice of the batch
         if self.processes:  # this process's samples, the global batch's slice on its device
-            return tuple(jax.make_array_from_process_local_data(s, a)
-                         for a, s in zip(data, self._batch))
+            return tuple(self._global(a, s, spec)
+                         for a, s, spec in zip(data, self._batch, self._batch_specs))
         if data[2].shape[0] % self.devices:
             return data  # an evaluation chunk that does not split: predict pads it
         return tuple(jax.device_put(a, s) for a, s in zip(data, self._batch))
+
+    def _global(self, local, sharding, spec):
+        """The global batch array whose one shard on this process's device is ``local``
+        (already there: no copy, no slicing op, as ``make_array_from_process_local_data``
+        would dispatch per array and step)."""
+        shape = list(local.shape)
+        shape[list(spec).index(AXIS)] *= self.devices
+        if local.devices() != {self.device}:
+            local = jax.device_put(local, self.device)
+        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [local])
 
     def eval_to_framework(self, batch):
         """An evaluation chunk (the whole chunk, every process alike): with processes, this
@@ -209,7 +235,7 @@ class JaxShardedRun(JaxRun):
             if coll is not None:
                 with self.collection.shard_scope(rank):
                     release_collection(coll)
-        self.collection = self.flat = self.opt_state = None
+        self.collection = self.flat = self.opt_state = self._chunk_views = None
         self._train_step = self._predict = None
 
     # checkpoints: JaxRun's save_state / load_state (every table whole, ``coll.*``), so a
