@@ -52,6 +52,11 @@ from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_
 
 __all__ = ["ShardedCollection"]
 
+# jnp.searchsorted's default ("scan") is a while loop: on a GPU, XLA reads its condition back
+# on the host every iteration, a wait per halving inside each step. Unrolled, the
+# same binary search is a fixed chain of fused kernels with no host round trip.
+SEARCH = "scan_unrolled"
+
 
 class ShardedCollection:
     """A collection's tables placed by a sharding plan on the ``plan.world_size`` devices of
@@ -268,7 +273,7 @@ class ShardedCollection:
         # 1. Route: each lookup's bag, table, shard, owner, slot and local index.
         pos = jnp.arange(L, dtype=jnp.int32)
         valid = pos < offsets[-1]
-        bag = jnp.clip(jnp.searchsorted(offsets, pos, side="right").astype(jnp.int32) - 1,
+        bag = jnp.clip(jnp.searchsorted(offsets, pos, side="right", method=SEARCH).astype(jnp.int32) - 1,
                        0, max(T * b - 1, 0))
         t = bag // max(b, 1)
         j = bag % max(b, 1)
@@ -276,7 +281,7 @@ class ShardedCollection:
         bad = valid & ((indices < 0) | (indices >= rows))
         grow = jnp.asarray(self._base)[t] + jnp.clip(indices, 0, rows - 1)
         shard = jnp.searchsorted(jnp.asarray(self._shard_start), grow,
-                                 side="right").astype(jnp.int32) - 1
+                                 side="right", method=SEARCH).astype(jnp.int32) - 1
         # An index out of range goes to its table's last shard, out of the shard's range:
         # the owner's collection refuses it (IndexError). Every device learns of it (the
         # count of bad lookups, summed over the mesh) and raises in the same callback, so
@@ -335,7 +340,7 @@ class ShardedCollection:
         dst_start = jnp.cumsum(seg_len) - seg_len
         total = seg_len.sum()
         p = jnp.arange(N * R, dtype=jnp.int32)
-        seg_of = jnp.clip(jnp.searchsorted(dst_start, p, side="right").astype(jnp.int32) - 1,
+        seg_of = jnp.clip(jnp.searchsorted(dst_start, p, side="right", method=SEARCH).astype(jnp.int32) - 1,
                           0, S * N - 1)
         # Equal starts (empty segments) resolve to the last of them, whose start holds.
         src_pos = src_start.T.reshape(-1)[seg_of] + p - dst_start[seg_of]

@@ -85,3 +85,34 @@ def test_load_state_dict_refuses_a_scalar_before_any_change(value):
         sharded.load_state_dict(bad)
     for key, before in saved.items():
         np.testing.assert_array_equal(sharded.state_dict()[key], before)
+
+
+@pytest.mark.parametrize("max_bag_size", [None, 2])
+def test_sharded_step_compiles_without_loops(max_bag_size):
+    """The routing (each lookup's bag and shard, the owner's batch layout) is straight-line
+    code: a ``while`` in the step would, on a GPU, read its condition back on the host at
+    every iteration (``jnp.searchsorted``'s default method is such a loop)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from xferlib.adapters.jax import ShardedCollection, collection_anchor
+
+    sharded = ShardedCollection([(10, 4), (7, 4)], "adagrad", {"lr": 0.1}, world_size=1,
+                                max_bag_size=max_bag_size)
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+
+    def loss(anchor, idx, off):
+        return sharded(idx, off, anchor=anchor, axis_name="x").sum()
+
+    step = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(), P("x"), P("x")),
+                                 out_specs=P()))
+    idx, off = jnp.array([1, 1, 3, 6, 0], jnp.int32), jnp.array([0, 2, 3, 4, 5], jnp.int32)
+    lowered = step.lower(collection_anchor(), idx, off)
+    assert "stablehlo.while" not in lowered.as_text()
+    assert " while(" not in lowered.compile().as_text()
+    before = np.array(sharded.table_weights(1)[6])
+    step(collection_anchor(), idx, off)  # and it runs: the summed loss's rows go down
+    assert (np.array(sharded.table_weights(1)[6]) < before).all()
