@@ -234,6 +234,24 @@ def test_torchrun_refuses_what_runs_in_one_process():
     assert result.returncode == 2 and "one process" in result.stderr
 
 
+def test_jax_sharded_profile_times_the_host_side(tmp_path):
+    """--profile of a sharded JAX run (one jitted step): the host time to dispatch a step,
+    the collection's callbacks, the step queued and waited for; every figure measured."""
+    pytest.importorskip("optax")
+    out = tmp_path / "p.json"
+    _ok(_run("--framework", "jax", "--device", "cpu", "--devices", 2, "--steps", 3,
+             "--batch-size", 64, "--evals", 1, "--eval-samples", 512, "--profile", "--json",
+             out))
+    profile = json.loads(out.read_text())["runs"][0]["profile_ms"]
+    assert set(profile) == {"host (dispatch a step)",
+                            "the collection's forward callbacks (host)",
+                            "the collection's backward callbacks (host)",
+                            "whole step, steps queued back to back",
+                            "whole step, each waited for",
+                            "step (timed run: 1 / steps per s)"}
+    assert all(v > 0 for v in profile.values()), profile
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["auto", "tt"])
 def test_jax_on_two_devices_equals_one_device(placement, tmp_path):

@@ -19,6 +19,7 @@ values). TT placements (``--placement tt``) keep the replicated design of ``jax_
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
 
@@ -35,6 +36,17 @@ from .jax_mesh_run import mesh_devices  # noqa: E402
 from .jax_run import JaxRun  # noqa: E402
 
 AXIS = "batch"
+
+
+def _timed(method, spent: list):
+    """``method``, appending each call's host seconds to ``spent``."""
+    def call(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - t0)
+    return call
 
 
 def _bce_sum(logit, label):
@@ -213,8 +225,45 @@ class JaxShardedRun(JaxRun):
         self.collection.check()  # every rank's refused batches (bad index, too-long bag)
 
     def profile(self, batches):
-        """No breakdown: ``--profile`` times one device's pieces (``jax_run.py``)."""
-        return {}
+        """Where this process's step time goes, host side first (the sharded step is one
+        jitted call; its pieces are not timed apart): milliseconds per step to dispatch it;
+        the collection's callbacks (Python launching the owners' kernels: on a GPU XLA runs
+        them from the dispatching thread, so they are part of the dispatch; on the CPU they
+        run on XLA's threads); the steps queued back to back; each step waited for. Half
+        the batches run each way; they train (full steps)."""
+        half = max(len(batches) // 2, 1)
+        calls = {"forward": [], "backward": []}
+        owned = [c for c in self.collection.shards if c is not None]
+        for coll in owned:  # time this process's owners' calls (instance attributes)
+            for name, spent in calls.items():
+                setattr(coll, name, _timed(getattr(coll, name), spent))
+        try:
+            host, t0 = [], time.perf_counter()
+            for data in batches[:half]:
+                h0 = time.perf_counter()
+                self.step(data)
+                host.append(time.perf_counter() - h0)
+            self.sync()
+            queued = (time.perf_counter() - t0) / half
+            waited = []
+            for data in batches[half:]:
+                h0 = time.perf_counter()
+                self.step(data)
+                jax.block_until_ready(self.flat)  # the step's last output
+                waited.append(time.perf_counter() - h0)
+        finally:
+            for coll in owned:
+                for name in calls:
+                    del coll.__dict__[name]
+        ms = lambda v: 1e3 * float(np.median(v)) if len(v) else 0.0  # noqa: E731
+        steps = len(batches)
+        return {"host (dispatch a step)": ms(host),
+                "the collection's forward callbacks (host)": 1e3 * sum(
+                    calls["forward"]) / steps,
+                "the collection's backward callbacks (host)": 1e3 * sum(
+                    calls["backward"]) / steps,
+                "whole step, steps queued back to back": 1e3 * queued,
+                "whole step, each waited for": ms(waited)}
 
     def cache_hit_rate(self):
         if not self.gpu:
