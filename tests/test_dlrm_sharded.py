@@ -243,11 +243,11 @@ def test_jax_sharded_profile_times_the_host_side(tmp_path):
              "--batch-size", 64, "--evals", 1, "--eval-samples", 512, "--profile", "--json",
              out))
     profile = json.loads(out.read_text())["runs"][0]["profile_ms"]
-    assert set(profile) == {"host (dispatch a step)",
-                            "the collection's forward callbacks (host)",
-                            "the collection's backward callbacks (host)",
-                            "whole step, steps queued back to back",
-                            "whole step, each waited for",
+    assert set(profile) == {"host (dispatch a step, median)",
+                            "the owners' collection forward (host, mean)",
+                            "the owners' collection backward (host, mean)",
+                            "whole step, steps queued back to back (mean)",
+                            "whole step, each waited for (median)",
                             "step (timed run: 1 / steps per s)"}
     assert all(v > 0 for v in profile.values()), profile
 

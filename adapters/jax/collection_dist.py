@@ -52,9 +52,9 @@ from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_
 
 __all__ = ["ShardedCollection"]
 
-# jnp.searchsorted's default ("scan") is a while loop: on a GPU, XLA reads its condition back
-# on the host every iteration, a wait per halving inside each step. Unrolled, the
-# same binary search is a fixed chain of fused kernels with no host round trip.
+# jnp.searchsorted's default ("scan") is a while loop: on a GPU, XLA launches its body's
+# kernels and copies from the host once per halving (three searches a step). Unrolled, the
+# same binary search is straight-line code that XLA fuses into a few kernels.
 SEARCH = "scan_unrolled"
 
 
@@ -273,8 +273,8 @@ class ShardedCollection:
         # 1. Route: each lookup's bag, table, shard, owner, slot and local index.
         pos = jnp.arange(L, dtype=jnp.int32)
         valid = pos < offsets[-1]
-        bag = jnp.clip(jnp.searchsorted(offsets, pos, side="right", method=SEARCH).astype(jnp.int32) - 1,
-                       0, max(T * b - 1, 0))
+        bag = jnp.searchsorted(offsets, pos, side="right", method=SEARCH).astype(jnp.int32)
+        bag = jnp.clip(bag - 1, 0, max(T * b - 1, 0))
         t = bag // max(b, 1)
         j = bag % max(b, 1)
         rows = jnp.asarray(self._rows)[t]
@@ -340,8 +340,8 @@ class ShardedCollection:
         dst_start = jnp.cumsum(seg_len) - seg_len
         total = seg_len.sum()
         p = jnp.arange(N * R, dtype=jnp.int32)
-        seg_of = jnp.clip(jnp.searchsorted(dst_start, p, side="right", method=SEARCH).astype(jnp.int32) - 1,
-                          0, S * N - 1)
+        seg_of = jnp.searchsorted(dst_start, p, side="right", method=SEARCH).astype(jnp.int32)
+        seg_of = jnp.clip(seg_of - 1, 0, S * N - 1)
         # Equal starts (empty segments) resolve to the last of them, whose start holds.
         src_pos = src_start.T.reshape(-1)[seg_of] + p - dst_start[seg_of]
         src_of = seg_of % N

@@ -140,7 +140,8 @@ class JaxShardedRun(JaxRun):
         self._predict = jax.jit(jax.shard_map(
             predict, mesh=self.mesh, in_specs=(rep,) + self._batch_specs[:2],
             out_specs=PartitionSpec(AXIS)))
-        # with processes: a chunk of this process's parts split into its steps' (one device)
+        # with processes: one jitted call splits this process's part of a chunk into its
+        # steps' parts (on its own device)
         self._split = jax.jit(lambda *arrays: [tuple(a[k] for a in arrays)
                                                for k in range(arrays[0].shape[0])])
         # a run whose batches are placed as they come has no chunk form (Feed converts
@@ -226,44 +227,46 @@ class JaxShardedRun(JaxRun):
 
     def profile(self, batches):
         """Where this process's step time goes, host side first (the sharded step is one
-        jitted call; its pieces are not timed apart): milliseconds per step to dispatch it;
-        the collection's callbacks (Python launching the owners' kernels: on a GPU XLA runs
-        them from the dispatching thread, so they are part of the dispatch; on the CPU they
-        run on XLA's threads); the steps queued back to back; each step waited for. Half
-        the batches run each way; they train (full steps)."""
+        jitted call; its pieces are not timed apart), milliseconds per step: dispatching a
+        step; the owners' collection forward and backward calls, the bulk of the
+        collection's callbacks (Python launching the owners' kernels: on a GPU XLA runs the
+        callbacks from the dispatching thread, so they are part of the dispatch; on the CPU
+        they run on XLA's threads); the steps queued back to back; each step waited for.
+        Half the batches run each way; they train (full steps)."""
         half = max(len(batches) // 2, 1)
         calls = {"forward": [], "backward": []}
         owned = [c for c in self.collection.shards if c is not None]
-        for coll in owned:  # time this process's owners' calls (instance attributes)
-            for name, spent in calls.items():
-                setattr(coll, name, _timed(getattr(coll, name), spent))
         try:
+            for coll in owned:  # time this process's owners' calls (instance attributes)
+                for name, spent in calls.items():
+                    setattr(coll, name, _timed(getattr(coll, name), spent))
             host, t0 = [], time.perf_counter()
             for data in batches[:half]:
                 h0 = time.perf_counter()
                 self.step(data)
                 host.append(time.perf_counter() - h0)
-            self.sync()
+            jax.block_until_ready(self.flat)  # the step's last output
             queued = (time.perf_counter() - t0) / half
             waited = []
             for data in batches[half:]:
                 h0 = time.perf_counter()
                 self.step(data)
-                jax.block_until_ready(self.flat)  # the step's last output
+                jax.block_until_ready(self.flat)
                 waited.append(time.perf_counter() - h0)
         finally:
             for coll in owned:
                 for name in calls:
-                    del coll.__dict__[name]
-        ms = lambda v: 1e3 * float(np.median(v)) if len(v) else 0.0  # noqa: E731
+                    coll.__dict__.pop(name, None)
+        self.sync()
+        median = lambda v: 1e3 * float(np.median(v)) if len(v) else 0.0  # noqa: E731
         steps = len(batches)
-        return {"host (dispatch a step)": ms(host),
-                "the collection's forward callbacks (host)": 1e3 * sum(
+        return {"host (dispatch a step, median)": median(host),
+                "the owners' collection forward (host, mean)": 1e3 * sum(
                     calls["forward"]) / steps,
-                "the collection's backward callbacks (host)": 1e3 * sum(
+                "the owners' collection backward (host, mean)": 1e3 * sum(
                     calls["backward"]) / steps,
-                "whole step, steps queued back to back": 1e3 * queued,
-                "whole step, each waited for": ms(waited)}
+                "whole step, steps queued back to back (mean)": 1e3 * queued,
+                "whole step, each waited for (median)": median(waited)}
 
     def cache_hit_rate(self):
         if not self.gpu:

@@ -90,8 +90,8 @@ def test_load_state_dict_refuses_a_scalar_before_any_change(value):
 @pytest.mark.parametrize("max_bag_size", [None, 2])
 def test_sharded_step_compiles_without_loops(max_bag_size):
     """The routing (each lookup's bag and shard, the owner's batch layout) is straight-line
-    code: a ``while`` in the step would, on a GPU, read its condition back on the host at
-    every iteration (``jnp.searchsorted``'s default method is such a loop)."""
+    code: a ``while`` in the step would, on a GPU, launch its body from the host at every
+    iteration (``jnp.searchsorted``'s default method is such a loop)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
