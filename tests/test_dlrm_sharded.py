@@ -280,10 +280,11 @@ def test_jax_processes_under_torchrun_equal_devices_in_one_process(tmp_path):
     """torchrun --framework jax: one process per device (jax.distributed; here the CPU's
     gloo collectives), each building only its own shards and feeding its own samples, trains
     what one process with the same number of devices trains: the same bits of every
-    evaluation (float32 sums in the same order on each device)."""
+    evaluation (float32 sums in the same order on each device). 40 steps: the processes'
+    batches cross a chunk's end (32 steps converted at once)."""
     pytest.importorskip("torch")
     pytest.importorskip("optax")
-    args = ("--framework", "jax", "--device", "cpu", "--placement", "auto", "--steps", 12,
+    args = ("--framework", "jax", "--device", "cpu", "--placement", "auto", "--steps", 40,
             "--batch-size", 256, "--evals", 2, "--eval-samples", 3000)
     one, many = tmp_path / "one.json", tmp_path / "many.json"
     _ok(_run(*args, "--devices", 2, "--json", one))
@@ -291,7 +292,7 @@ def test_jax_processes_under_torchrun_equal_devices_in_one_process(tmp_path):
     assert "sharding plan over 2 ranks" in result.stdout
     a, b = json.loads(one.read_text())["runs"][0], json.loads(many.read_text())["runs"][0]
     assert b["ranks"] == 2 and "x 2 ranks" in b["name"]
-    assert [h["step"] for h in b["history"]] == [6, 12]
+    assert [h["step"] for h in b["history"]] == [20, 40]
     for x, y in zip(a["history"], b["history"]):
         assert (x["logloss"], x["auc"], x["train_loss"]) == \
             (y["logloss"], y["auc"], y["train_loss"]), (a["history"], b["history"])
