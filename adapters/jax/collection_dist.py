@@ -535,8 +535,8 @@ class ShardedCollection:
 
     def _gather(self, table, read) -> np.ndarray:
         """A table's rows from its shards; with several processes a collective (every
-        process calls it): each fills its own shards' rows and the processes' parts are
-        gathered, each shard's rows taken from its owner's."""
+        process calls it): each shard's rows are broadcast from its owner's process, one
+        shard at a time (memory: the table once, plus one shard in flight)."""
         shards = self.plan.table_shards(table)
         parts = {}
         for s in shards:
@@ -551,13 +551,16 @@ class ShardedCollection:
         t = shards[0].table_index
         row = np.asarray(read(self._probe(t), 0))  # one row: the shape and type of each
         whole = np.zeros((self.tables[t].num_rows, *row.shape[1:]), row.dtype)
-        for s, rows in parts.items():
-            whole[s.row_start:s.row_stop] = rows
-        # as bytes: JAX without x64 would narrow float64 tables and int64 state to 32 bits
-        raw = np.ascontiguousarray(whole).reshape(len(whole), -1).view(np.uint8)
-        every = np.asarray(multihost_utils.process_allgather(raw, tiled=False))
-        for s in shards:
-            rows = every[self._process_of[s.rank]][s.row_start:s.row_stop]
-            whole[s.row_start:s.row_stop] = rows.view(whole.dtype).reshape(
+        for s in shards:  # each shard from its owner alone: one shard's bytes in flight,
+            # not a whole table from every process
+            if s.row_stop == s.row_start:
+                continue
+            rows = parts.get(s)
+            if rows is None:  # another process's shard: zeros of its shape go in the sum
+                rows = whole[s.row_start:s.row_stop]
+            # as bytes: JAX without x64 would narrow float64 tables and int64 state
+            raw = np.ascontiguousarray(rows).reshape(len(rows), -1).view(np.uint8)
+            got = np.asarray(multihost_utils.broadcast_one_to_all(raw, is_source=s in parts))
+            whole[s.row_start:s.row_stop] = got.view(whole.dtype).reshape(
                 (-1, *whole.shape[1:]))
         return whole
