@@ -41,6 +41,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from xferlib.adapters.jax.collection import collection_anchor
 from xferlib.adapters.jax.collection_dist_vjp import OFFSETS_RULE, on_device, sharded_function
@@ -135,13 +136,12 @@ class ShardedCollection:
         # The ranks whose device is this process's: with several processes (one host or
         # many, ``jax.distributed``), each builds and runs only its own ranks' shards.
         process = jax.process_index()
-        self.local_ranks = tuple(r for r, d in enumerate(devices[:plan.world_size])
-                                 if getattr(d, "process_index", 0) == process)
+        self._process_of = [getattr(d, "process_index", 0) for d in devices[:plan.world_size]]
+        self.local_ranks = tuple(r for r, p in enumerate(self._process_of) if p == process)
         if not self.local_ranks:
             raise ValueError(f"none of the mesh's devices is this process's (process "
                              f"{process}): build the collection where its devices are, "
                              f"e.g. devices=jax.local_devices() for one process's mesh")
-        self._process_of = [getattr(d, "process_index", 0) for d in devices[:plan.world_size]]
         # several processes' devices in the mesh: the same answer in every process
         self.multiprocess = len(set(self._process_of)) > 1
         # Rank r's collection on the CUDA device behind the mesh's r-th device (None for
@@ -415,8 +415,6 @@ class ShardedCollection:
                 raise
             error = err
         if self.multiprocess:  # every process raises, none goes on to a collective alone
-            from jax.experimental import multihost_utils
-
             failed = np.asarray(multihost_utils.process_allgather(
                 np.array([error is not None], np.int32)))
             if error is not None:
@@ -508,16 +506,12 @@ class ShardedCollection:
                                       ("weight", *coll.state_names()))
             save_shard_files(directory, self.plan, r, arrays, tag)
         if self.multiprocess:  # every process's shard files first, then one manifest
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"xferlib save {directory} shards")
         if not self.multiprocess or jax.process_index() == min(self._process_of):
             write_manifest(directory, self.plan, dict(optimizer=self.optimizer,
                                                       pooling=self.pooling,
                                                       dtype=self.dtype.name), tag)
         if self.multiprocess:  # the manifest written before any process goes on
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"xferlib save {directory} manifest")
 
     def load(self, directory) -> None:
@@ -546,8 +540,6 @@ class ShardedCollection:
                     parts[s] = np.array(read(self.shards[s.rank], k))
         if not self.multiprocess:
             return np.concatenate([parts[s] for s in shards])
-        from jax.experimental import multihost_utils
-
         t = shards[0].table_index
         row = np.asarray(read(self._probe(t), 0))  # one row: the shape and type of each
         whole = np.zeros((self.tables[t].num_rows, *row.shape[1:]), row.dtype)

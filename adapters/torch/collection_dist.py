@@ -48,13 +48,13 @@ import torch
 import torch.distributed as dist
 
 from xferlib.adapters.torch.collection import EmbeddingBagCollection, TrainInPlace
+from xferlib.adapters.torch.collection_exchange import KernelExchange
+from xferlib.adapters.torch.collection_inputs import batch_size, layout_inputs
 from xferlib.adapters.torch.collection_layout import (gather_columns, lookup_weights,
                                                       owner_batch, owner_batch_padded,
                                                       place_columns, refusal_of, table_blocks)
-from xferlib.collection import TableConfig
-from xferlib.adapters.torch.collection_exchange import KernelExchange
-from xferlib.adapters.torch.collection_inputs import batch_size, layout_inputs
 from xferlib.adapters.torch.collection_routing import ShardRouting
+from xferlib.collection import TableConfig
 from xferlib.collection.sharding import (ShardingPlan, fill_shard_weights, plan_sharding,
                                          refuse_tt)
 

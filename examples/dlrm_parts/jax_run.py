@@ -43,6 +43,12 @@ def _adagrad(w, acc, g, lr):
     return w - lr * g / (jnp.sqrt(acc) + EPS), acc
 
 
+@jax.jit
+def split_chunk(*arrays):
+    """A chunk's arrays (steps first) as each step's tuple of arrays, in one jitted call."""
+    return [tuple(a[k] for a in arrays) for k in range(arrays[0].shape[0])]
+
+
 class JaxRun:
     def __init__(self, preset, plan, seed, device, xp=np, optimizer="adagrad"):
         self.xp, self.gpu = xp, device != "cpu"
@@ -146,8 +152,6 @@ class JaxRun:
             return flat, opt_state, tt, tt_acc, loss
 
         self._train_step = jax.jit(step, donate_argnums=(0, 1, 2, 3))
-        self._split = jax.jit(lambda *arrays: [tuple(a[k] for a in arrays)
-                                               for k in range(arrays[0].shape[0])])
         self._predict = jax.jit(lambda flat, tt, dense, cat: self._interact(
             flat, dense, self._embed(None, tt, cat)))
         # --profile's pieces, each its own jit
@@ -170,7 +174,7 @@ class JaxRun:
         # The views share the chunk's CuPy memory: held until the next chunk replaces them,
         # steps after the split that reads them was queued.
         self._chunk_views = self.to_framework(chunk)
-        return self._split(*self._chunk_views)
+        return split_chunk(*self._chunk_views)
 
     def step(self, data):
         dense, cat, label = data

@@ -29,11 +29,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-import xferlib  # noqa: E402
 from xferlib.adapters.jax import ShardedCollection, collection_anchor, flat_step  # noqa: E402
 
 from .jax_mesh_run import mesh_devices  # noqa: E402
-from .jax_run import JaxRun  # noqa: E402
+from .jax_run import JaxRun, split_chunk  # noqa: E402
 
 AXIS = "batch"
 
@@ -140,47 +139,40 @@ class JaxShardedRun(JaxRun):
         self._predict = jax.jit(jax.shard_map(
             predict, mesh=self.mesh, in_specs=(rep,) + self._batch_specs[:2],
             out_specs=PartitionSpec(AXIS)))
-        # with processes: one jitted call splits this process's part of a chunk into its
-        # steps' parts (on its own device)
-        self._split = jax.jit(lambda *arrays: [tuple(a[k] for a in arrays)
-                                               for k in range(arrays[0].shape[0])])
         # a run whose batches are placed as they come has no chunk form (Feed converts
         # each step's batch by to_framework)
         self.chunk_steps = self._chunk_steps if self.processes else None
 
     # ------------------------------------------------------------------ runner interface
-    def _local(self, batch):
-        # int32 rows (JAX runs without x64)
-        to = xferlib.to_jax
-        return to(batch.dense), to(batch.cat.astype(self.xp.int32)), to(batch.label)
-
     def _chunk_steps(self, chunk):
         """With processes, a chunk's steps in one go (``JaxRun.chunk_steps``): this
         process's part of the chunk crosses to JAX once, one jitted call on its device splits
         it into the steps' parts, and each becomes its step's global batch without a copy."""
-        self._chunk_views = self._local(chunk)  # held while the split's reads are queued
-        return [tuple(self._global(a, s, spec)
-                      for a, s, spec in zip(part, self._batch, self._batch_specs))
-                for part in self._split(*self._chunk_views)]
+        # held while the split's reads are queued
+        self._chunk_views = JaxRun.to_framework(self, chunk)
+        return [self._global_batch(part) for part in split_chunk(*self._chunk_views)]
 
     def to_framework(self, batch):
-        data = self._local(batch)  # each device gets its slice of the batch
+        data = JaxRun.to_framework(self, batch)  # each device gets its slice of the batch
         if self.processes:  # this process's samples, the global batch's slice on its device
-            return tuple(self._global(a, s, spec)
-                         for a, s, spec in zip(data, self._batch, self._batch_specs))
+            return self._global_batch(data)
         if data[2].shape[0] % self.devices:
             return data  # an evaluation chunk that does not split: predict pads it
         return tuple(jax.device_put(a, s) for a, s in zip(data, self._batch))
 
-    def _global(self, local, sharding, spec):
-        """The global batch array whose one shard on this process's device is ``local``
-        (already there: no copy, no slicing op, as ``make_array_from_process_local_data``
-        would dispatch per array and step)."""
-        shape = list(local.shape)
-        shape[list(spec).index(AXIS)] *= self.devices
-        if local.devices() != {self.device}:
-            local = jax.device_put(local, self.device)
-        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [local])
+    def _global_batch(self, data):
+        """The global batch's arrays whose one shard on this process's device is this
+        process's ``data`` (already there: no copy, no slicing op, as
+        ``make_array_from_process_local_data`` would dispatch per array and step)."""
+        out = []
+        for local, sharding, spec in zip(data, self._batch, self._batch_specs):
+            shape = list(local.shape)
+            shape[list(spec).index(AXIS)] *= self.devices
+            if local.devices() != {self.device}:
+                local = jax.device_put(local, self.device)
+            out.append(jax.make_array_from_single_device_arrays(tuple(shape), sharding,
+                                                                [local]))
+        return tuple(out)
 
     def eval_to_framework(self, batch):
         """An evaluation chunk (the whole chunk, every process alike): with processes, this

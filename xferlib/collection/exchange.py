@@ -245,7 +245,8 @@ def pack_lookups(indices, offsets, B: int, routes: ExchangeRoutes, flags, any_ba
         if w_msg is not None:
             w = w_msg.dtype.type(1) if weights is None else weights[l]
             if mean:
-                inv = w_msg.dtype.type(1) / w_msg.dtype.type(max(int(offsets[g + 1] - offsets[g]), 1))
+                cast = w_msg.dtype.type
+                inv = cast(1) / cast(max(int(offsets[g + 1] - offsets[g]), 1))
                 w = inv if weights is None else w * inv
             w_msg[int(w_base[o]) + place] = w
 
