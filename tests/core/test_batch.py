@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import xferlib
-from xferlib.batch import NO_BAD, PendingChecks, RowsReport, Verdict, plan_batch
+from xferlib.batch import (NO_BAD, PendingChecks, RowsReport, Verdict, plan_batch,
+                           sort_positions)
 from xferlib.tt import TTReport
 
 
@@ -96,6 +97,21 @@ def test_plan_batch_matches_numpy(rng, n, dtype):
     assert plan.n == n
     plan.verdict.raise_now(stream)
     assert plan.verdict.checked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2049, 4097, 6145, 40_000, 140_000, 600_000])
+def test_tile_sort_merges_match_numpy(rng, n):
+    """The tile sort's pairwise merge rounds (up to 293 tiles, a short last run)
+    against NumPy's stable sort, few distinct keys (long runs of ties) and many."""
+    cupy = _cupy()
+    for num_rows in (7, 1 << 22):
+        idx = rng.integers(0, num_rows, size=n).astype(np.int64)
+        keys, perm, words = sort_positions(cupy.asarray(idx), num_rows, tiled_max=n)
+        order = np.argsort(idx, kind="stable")
+        np.testing.assert_array_equal(perm.get(), order)
+        np.testing.assert_array_equal(keys.get(), idx[order])
+        assert (words.get() == np.iinfo(np.uint64).max).all()
 
 
 @pytest.mark.gpu

@@ -288,6 +288,36 @@ def test_padded_batches_train_as_their_true_part(backend, optimizer):
                                                          np.array([0, 3]), padded=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "rowwise_adagrad"])
+def test_gpu_large_zipf_batch_matches_reference(optimizer):
+    """A batch of 40k lookups on the GPU: the sort's merge rounds, hot rows whose runs cross
+    hundreds of the gradient sums' chunks, tables of different widths, host and HBM."""
+    import cupy
+
+    rng = np.random.default_rng(5)
+    rows, dims, B = [5000, 300, 70_000], [16, 8, 128], 2000
+    coll = EmbeddingCollection([TableConfig(rows[0], dims[0], placement="host"),
+                                TableConfig(rows[1], dims[1]), TableConfig(rows[2], dims[2])],
+                               optimizer, {"lr": 0.01}, device="cuda", seed=2)
+    indices, offsets = make_batch(rng, rows, B=B, max_len=13, zipf=True)
+    weights = [coll.weights(t).astype(np.float64) for t in range(3)]
+    states = [state_arrays(coll, t) for t in range(3)]
+    out, ctx = coll.forward(cupy.asarray(indices), cupy.asarray(offsets))
+    np.testing.assert_allclose(_host(out), pooled_lookup_reference(weights, indices, offsets),
+                               rtol=1e-4, atol=1e-4)
+    grad = rng.standard_normal((B, sum(dims))) / 10
+    coll.backward(ctx, cupy.asarray(grad.astype(np.float32)))
+    new_w, new_s, new_steps = collection_step_reference(
+        optimizer, coll.hypers, weights, [s for s, _ in states], [st for _, st in states],
+        indices, offsets, grad)
+    for t in range(3):
+        np.testing.assert_allclose(coll.weights(t), new_w[t], rtol=1e-4, atol=2e-5)
+        for k, v in new_s[t].items():
+            np.testing.assert_allclose(coll.state(t, k), v, rtol=1e-3, atol=1e-5)
+        np.testing.assert_array_equal(coll.state(t, "step"), new_steps[t])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_runs_bitwise_identical(backend):
     backend = get_backend(backend)

@@ -67,34 +67,40 @@ PLAN = KernelDecl(
     (("const K*", "indices"), ("const O*", "offsets"), ("i64", "n"), ("i64", "bags"),
      ("i64", "B"), ("const i64*", "meta"), ("int", "padded"), ("i64", "pad_key"),
      ("i64*", "keys"), ("i64*", "bag_of"), ("i64*", "offsets64"),
-     ("unsigned long long*", "words")),
+     ("unsigned long long*", "words"), ("int", "group")),
     r"""
-    // A thread per bag: its bounds (the first bag starts at 0, the last ends at n, or at
-    // most n when `padded`; none goes back), each index against its own table; every lookup
-    // gets its collection-wide key and its bag. A padded batch's tail (from the last bag's
-    // end) gets `pad_key` (past every table's keys) and bag -1. words[0]: first bad lookup;
-    // words[1]: first bad bag. `offsets64` (int32 offsets): their int64 copy, which the
-    // later kernels read (no separate widening launch).
+    // A group of `group` lanes per bag (a power of two, about the bags' mean length, so
+    // that a bag's lookups are read side by side, not one after another by one thread): its
+    // bounds (the first bag starts at 0, the last ends at n, or at most n when `padded`;
+    // none goes back), each index against its own table; every lookup gets its
+    // collection-wide key and its bag. A padded batch's tail (from the last bag's end) gets
+    // `pad_key` (past every table's keys) and bag -1. words[0]: first bad lookup; words[1]:
+    // first bad bag. `offsets64` (int32 offsets): their int64 copy, which the later kernels
+    // read (no separate widening launch).
     const i64 stride = (i64)gridDim.x * blockDim.x;
-    if (offsets64 != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
-        offsets64[bags] = (i64)offsets[bags];
+    const i64 thread = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (offsets64 != nullptr && thread == 0) offsets64[bags] = (i64)offsets[bags];
     if (padded) {
         i64 end = (i64)offsets[bags];
         end = end < 0 ? 0 : (end > n ? n : end);
-        for (i64 l = end + (i64)blockIdx.x * blockDim.x + threadIdx.x; l < n; l += stride) {
+        for (i64 l = end + thread; l < n; l += stride) {
             keys[l] = pad_key;
             bag_of[l] = -1;
         }
     }
-    for (i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x; b < bags; b += stride) {
+    const int lane = threadIdx.x & (group - 1);
+    for (i64 b = thread / group; b < bags; b += stride / group) {
         const i64 lo = (i64)offsets[b], hi = (i64)offsets[b + 1];
-        if (offsets64 != nullptr) offsets64[b] = lo;
+        if (offsets64 != nullptr && lane == 0) offsets64[b] = lo;
         const bool ok = lo >= 0 && hi >= lo && hi <= n && (b > 0 || lo == 0)
                         && (b < bags - 1 || hi == n || padded);
-        if (!ok) { atomicMin(&words[1], (unsigned long long)b); continue; }
+        if (!ok) {
+            if (lane == 0) atomicMin(&words[1], (unsigned long long)b);
+            continue;
+        }
         const i64* m = meta + (b / B) * COLL_META;
         const i64 rows = m[M_NUM_ROWS], base = m[M_KEY_BASE];
-        for (i64 l = lo; l < hi; ++l) {
+        for (i64 l = lo + lane; l < hi; l += group) {
             const i64 row = (i64)indices[l];
             const bool good = row >= 0 && row < rows;
             if (!good) atomicMin(&words[0], (unsigned long long)l);
@@ -278,7 +284,7 @@ POOL = KernelDecl(
     }""")
 
 _SUM_ARGS = (("const T*", "grad"), ("const K*", "keys"), ("const i64*", "run"),
-             ("const i64*", "pos_src"), ("const T*", "pos_scale"), ("const int*", "pos_dim"),
+             ("const i64*", "starts"), ("const i64*", "pos_src"), ("const T*", "pos_scale"), ("const int*", "pos_dim"),
              ("i64", "n"), ("i64", "width"), ("T*", "summed"), ("T*", "head"), ("T*", "tail"),
              ("const unsigned long long*", "verdict"))
 
@@ -339,12 +345,13 @@ SUM_SPANS = KernelDecl(
     "coll_sum_spans", "template <typename T, typename K>", _SUM_ARGS,
     r"""
     // Pass 2: a run crossing chunk boundaries (found at its first chunk) adds its pieces in
-    // order: that chunk's tail, the middle chunks' heads, the last chunk's head; eight
-    // chunks' heads loaded at once (a hot row's run crosses thousands of chunks), added in
-    // order.
+    // order: that chunk's tail, the middle chunks' heads, the last chunk's head. The run's
+    // last chunk is known from the next run's start, so 32 chunks' heads are loaded at once
+    // without waiting on keys (a hot row's run crosses thousands of chunks).
     if (rejected(verdict)) return;
     const i64 chunks = (n + COLL_SUM_CHUNK - 1) / COLL_SUM_CHUNK;
     const i64 total = chunks * width;
+    const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         const i64 c = i / width, e = i - c * width;
@@ -354,28 +361,22 @@ SUM_SPANS = KernelDecl(
         const K key = keys[last];
         if (keys[first] == key && first > 0 && keys[first - 1] == key) continue;  // began earlier
         if (e >= pos_dim[last]) continue;
-        T acc = tail[c * width + e];
-        bool ended = false;
-        for (i64 d0 = c + 1; d0 < chunks && !ended; d0 += 8) {
-            T h[8];
-            bool goes_on[8];
-            #pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const i64 d = d0 + u < chunks ? d0 + u : chunks - 1;
-                const i64 d_last = (d + 1) * COLL_SUM_CHUNK - 1;
-                h[u] = head[d * width + e];
-                goes_on[u] = d0 + u < chunks && d_last + 1 < n && keys[d_last + 1] == key;
-            }
-            #pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                if (!ended && d0 + u < chunks) {
-                    acc += h[u];
-                    ended = !goes_on[u];  // the run ends in chunk d0 + u
-                }
-            }
-        }
         const i64 rl = run[last];
-        if (rl >= 0 && rl < n) summed[rl * width + e] = acc;
+        if (rl < 0 || rl >= n) continue;
+        i64 end = rl + 1 < runs ? starts[rl + 1] - 1 : n - 1;  // the run's last position
+        end = end <= last ? last + 1 : (end >= n ? n - 1 : end);
+        const i64 c_end = end / COLL_SUM_CHUNK;
+        T acc = tail[c * width + e];
+        for (i64 d0 = c + 1; d0 <= c_end; d0 += 32) {
+            T h[32];
+            #pragma unroll
+            for (int u = 0; u < 32; ++u)
+                h[u] = d0 + u <= c_end ? head[(d0 + u) * width + e] : (T)0;
+            #pragma unroll
+            for (int u = 0; u < 32; ++u)
+                if (d0 + u <= c_end) acc += h[u];
+        }
+        summed[rl * width + e] = acc;
     }""")
 
 UPDATE = KernelDecl(

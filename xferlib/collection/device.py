@@ -215,7 +215,9 @@ class CollectionDevice:
             keys = cupy.empty(n, dtype=np.int64)
             bag_of = cupy.empty(n, dtype=np.int64)
             if bags:
-                grid, block = grid_1d(bags, 256, 65535)
+                # lanes per bag: the bags' mean length as a power of two, at most a warp
+                group = min(32, 1 << max(0, -(-n // bags) - 1).bit_length())
+                grid, block = grid_1d(bags * group, 256, 65535)
                 # A padded batch's tail gets the key past every row (sorted last, one run
                 # that lives nowhere) and no bag.
                 PLAN.launch(module, (_key(indices), _key(offsets_in)), grid, block,
@@ -223,7 +225,7 @@ class CollectionDevice:
                             B=B, meta=self.meta, padded=int(padded), pad_key=self.total_rows,
                             keys=keys, bag_of=bag_of,
                             offsets64=None if offsets64 is offsets_in else offsets64,
-                            words=words)
+                            words=words, group=group)
             plan = GpuPlan(None, None, None, None, None, None, bag_of, offsets64, psw_c,
                            None, self.writes, words, n)
             if n:
@@ -306,9 +308,9 @@ class CollectionDevice:
                              B=ctx.batch_size, grad_stride=grad.strides[0] // grad.itemsize,
                              pos_src=pos_src,
                              pos_scale=pos_scale, pos_dim=pos_dim, verdict=plan.words)
-            sums = dict(grad=grad, keys=plan.keys, run=plan.run, pos_src=pos_src,
-                        pos_scale=pos_scale, pos_dim=pos_dim, n=n, width=width,
-                        summed=summed, head=head, tail=tail, verdict=plan.words)
+            sums = dict(grad=grad, keys=plan.keys, run=plan.run, starts=plan.starts,
+                        pos_src=pos_src, pos_scale=pos_scale, pos_dim=pos_dim, n=n,
+                        width=width, summed=summed, head=head, tail=tail, verdict=plan.words)
             key = _key(plan.keys)
             grid, block = launch_config(chunks * -(-width // 32))  # a warp per chunk slice
             SUM_CHUNKS.launch(module, (T, key), grid, block, stream=stream, **sums)
