@@ -281,32 +281,33 @@ POOL = KernelDecl(
             for (int q = 0; q < V; ++q) o.v[q] = acc[q];
             *reinterpret_cast<vec<T, V>*>(dst + e) = o;
         }
-    }""")
+    }""", launch_bounds="__launch_bounds__(256, 4)")  # at most 64 registers: occupancy
 
 _SUM_ARGS = (("const T*", "grad"), ("const K*", "keys"), ("const i64*", "run"),
-             ("const i64*", "starts"), ("const i64*", "pos_src"), ("const T*", "pos_scale"), ("const int*", "pos_dim"),
-             ("i64", "n"), ("i64", "width"), ("T*", "summed"), ("T*", "head"), ("T*", "tail"),
-             ("const unsigned long long*", "verdict"))
+             ("const i64*", "starts"), ("const i64*", "pos_src"), ("const T*", "pos_scale"),
+             ("const int*", "pos_dim"), ("i64", "n"), ("i64", "width"), ("T*", "summed"),
+             ("T*", "head"), ("T*", "tail"), ("const unsigned long long*", "verdict"))
 
 SUM_CHUNKS = KernelDecl(
-    "coll_sum_chunks", "template <typename T, typename K>", _SUM_ARGS,
+    "coll_sum_chunks", "template <int V, typename T, typename K>", _SUM_ARGS,
     r"""
     // Pass 1 (as the host tables' sum_chunks): chunk c's COLL_SUM_CHUNK (= 32) sorted
     // positions, summed per column in position order; a run inside the chunk goes to
     // summed[run], the segment at the chunk's start to head[c], the one at its end to
-    // tail[c]. A warp per (chunk, 32 columns): lane k first loads position k's records
+    // tail[c]. A warp per (chunk, 32 x V columns), V adjacent columns a lane (one 16-byte
+    // load where the gradient's rows allow): lane k first loads position k's records
     // (gradient source, factor, width, key, run), then the warp walks the positions with
     // every record at hand from a shuffle, so the gradient loads of the walk do not wait on
-    // each other. Columns past a table's width are skipped. `width`: the widest table
-    // (summed's row stride).
+    // each other. Columns past a table's width are skipped (every width is a multiple of
+    // V). `width`: the widest table (summed's row stride, a multiple of V).
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & 31;
     const i64 chunks = (n + COLL_SUM_CHUNK - 1) / COLL_SUM_CHUNK;
-    const i64 slices = (width + 31) / 32;
+    const i64 slices = (width + 32 * V - 1) / (32 * V);
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < chunks * slices;
          w += warps) {
-        const i64 c = w / slices, e = (w - c * slices) * 32 + lane;
+        const i64 c = w / slices, e = ((w - c * slices) * 32 + lane) * V;
         const i64 first = c * COLL_SUM_CHUNK;
         const int count = (int)(first + COLL_SUM_CHUNK < n ? COLL_SUM_CHUNK : n - first);
         const i64 mine_j = first + (lane < count ? lane : count - 1);
@@ -319,23 +320,31 @@ SUM_CHUNKS = KernelDecl(
         const bool head_open = first > 0 && keys[first] == keys[first - 1];
         const bool tail_open = first + count < n && keys[first + count] == keys[first + count - 1];
         const unsigned ends = __ballot_sync(0xffffffffu, my_end && lane < count);
-        T acc = 0;
+        vec<T, V> acc;
+        #pragma unroll
+        for (int q = 0; q < V; ++q) acc.v[q] = (T)0;
         int begin = 0;
         for (int k = 0; k < count; ++k) {
             const i64 src = __shfl_sync(0xffffffffu, my_src, k);
             const T scale = __shfl_sync(0xffffffffu, my_scale, k);
             const int dim = __shfl_sync(0xffffffffu, my_dim, k);
-            if (e < dim) acc += grad[src + e] * scale;
+            if (e < dim) {
+                const vec<T, V> g = *reinterpret_cast<const vec<T, V>*>(grad + src + e);
+                #pragma unroll
+                for (int q = 0; q < V; ++q) acc.v[q] += g.v[q] * scale;
+            }
             if ((ends >> k) & 1u) {  // the segment [begin, k] ends here
                 const i64 rk = __shfl_sync(0xffffffffu, my_run, k);
                 const bool is_head = begin == 0 && head_open;
                 const bool is_tail = k == count - 1 && tail_open;
                 if (e < dim) {
-                    if (is_head) head[c * width + e] = acc;
-                    if (is_tail) tail[c * width + e] = acc;
-                    if (!is_head && !is_tail && rk >= 0 && rk < n) summed[rk * width + e] = acc;
+                    if (is_head) *reinterpret_cast<vec<T, V>*>(head + c * width + e) = acc;
+                    if (is_tail) *reinterpret_cast<vec<T, V>*>(tail + c * width + e) = acc;
+                    if (!is_head && !is_tail && rk >= 0 && rk < n)
+                        *reinterpret_cast<vec<T, V>*>(summed + rk * width + e) = acc;
                 }
-                acc = 0;
+                #pragma unroll
+                for (int q = 0; q < V; ++q) acc.v[q] = (T)0;
                 begin = k + 1;
             }
         }
@@ -517,7 +526,8 @@ def _collection_names():
                 for O in KEY_TYPES.values():
                     yield PLAN.instance(K, O)
                 yield RUNS.instance(K)
-            yield SUM_CHUNKS.instance(T, K)
+            for V in vector_widths(dtype_name):
+                yield SUM_CHUNKS.instance(V, T, K)
             yield SUM_SPANS.instance(T, K)
             for V in vector_widths(dtype_name):
                 yield POOL.instance(V, T, K)

@@ -312,8 +312,12 @@ class CollectionDevice:
                         pos_src=pos_src, pos_scale=pos_scale, pos_dim=pos_dim, n=n,
                         width=width, summed=summed, head=head, tail=tail, verdict=plan.words)
             key = _key(plan.keys)
-            grid, block = launch_config(chunks * -(-width // 32))  # a warp per chunk slice
-            SUM_CHUNKS.launch(module, (T, key), grid, block, stream=stream, **sums)
+            # V adjacent columns a lane where every gradient row starts on a V-word boundary
+            # (a slice of a wider gradient may not)
+            v = self.vec if (grad.strides[0] // grad.itemsize % self.vec == 0
+                             and grad.data.ptr % (self.vec * grad.itemsize) == 0) else 1
+            grid, block = launch_config(chunks * -(-width // (32 * v)))  # a warp per slice
+            SUM_CHUNKS.launch(module, (v, T, key), grid, block, stream=stream, **sums)
             grid, block = grid_1d(chunks * width, 256, 65535)
             SUM_SPANS.launch(module, (T, key), grid, block, stream=stream, **sums)
             # The forward's staged weights are current only if no update came between; its
