@@ -349,14 +349,19 @@ class CollectionDevice:
 
     # ---------------------------------------------------------------- waiting
 
-    def synchronize(self, drop_cache: bool = False) -> None:
-        """Queued work done and cached rows written back to host RAM (``drop_cache``: the
-        cache emptied too, before host rows are overwritten)."""
+    def _wait_queued(self):
+        """The current stream, made to wait for this side's last queued work."""
         import cupy
 
         stream = cupy.cuda.get_current_stream()
         if self.last_event is not None:
             stream.wait_event(self.last_event)
+        return stream
+
+    def synchronize(self, drop_cache: bool = False) -> None:
+        """Queued work done and cached rows written back to host RAM (``drop_cache``: the
+        cache emptied too, before host rows are overwritten)."""
+        stream = self._wait_queued()
         if self.cache is not None:
             self.cache.flush(stream, drop_cache)
             if drop_cache:
@@ -370,7 +375,9 @@ class CollectionDevice:
         return stats
 
     def check(self) -> None:
-        self.synchronize()
+        # the verdicts need the queued work done, not the cache written back (a flush of a
+        # large cache is a transfer of its every dirty row: readers of host RAM synchronize)
+        self._wait_queued().synchronize()
         self.checks.poll(wait=True)
 
 
