@@ -327,15 +327,13 @@ class EmbeddingBagCollection(torch.nn.Module):
             return
         # torch's rule (it passes strict=True here whatever the caller's strict, and judges
         # missing keys after the load): the arrays given are loaded, the others keep their
-        # values; every shape is checked before any table is written.
-        with self._on_device():
-            current = self.collection.state_dict() if missing else {}
-        state = {core_key: (state_dict[key].detach().cpu().numpy() if key in state_dict
-                            else current[core_key])
-                 for key, core_key in expected.items()}
+        # values (only the tables given are rewritten); every shape is checked before any
+        # table is written.
+        state = {core_key: state_dict[key].detach().cpu().numpy()
+                 for key, core_key in expected.items() if key in state_dict}
         try:
             with self._on_device():
-                self.collection.load_state_dict(state)
+                self.collection.load_state_dict(state, partial=bool(missing))
         except ValueError as err:  # shapes that do not match: nothing was written
             error_msgs.append(f"{prefix}{_STATE[:-1]}: {err}")
 

@@ -652,3 +652,35 @@ def test_gpu_gradient_read_in_words_or_columns_gives_the_same_bits(dtype):
     words, columns = train(cupy.asarray(grad)), train(wide[:, 1:1 + sum(dims)])
     for k in words:
         assert words[k].tobytes() == columns[k].tobytes(), k
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_partial_load_writes_only_what_it_is_given(backend):
+    """``load_state_dict(partial=True)``: the arrays given are checked and loaded, every
+    other array (of that table and of the others) keeps its value; a full load still needs
+    every array, and a bad array in a partial load changes nothing."""
+    backend = get_backend(backend)
+    xp = xp_of(backend)
+    rng = np.random.default_rng(3)
+    coll = EmbeddingCollection([TableConfig(30, 4, placement="host", name="a"),
+                                TableConfig(20, 8, name="b")], "adam", {"lr": 0.1},
+                               device=device_of(backend), seed=1)
+    indices, offsets = make_batch(rng, [30, 20], B=6)
+    out, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets))
+    coll.backward(ctx, xp.asarray(rng.standard_normal(out.shape).astype(np.float32)))
+    before = coll.state_dict()
+    new_b = rng.standard_normal((20, 8)).astype(np.float32)
+    coll.load_state_dict({"b.weight": new_b}, partial=True)
+    after = coll.state_dict()
+    np.testing.assert_array_equal(after["b.weight"], new_b)
+    for key in before:
+        if key != "b.weight":
+            assert after[key].tobytes() == before[key].tobytes(), key
+    with pytest.raises(ValueError, match="missing"):
+        coll.load_state_dict({"b.weight": new_b})
+    with pytest.raises(ValueError, match="unexpected"):
+        coll.load_state_dict({"c.weight": new_b}, partial=True)
+    with pytest.raises(ValueError, match="shape"):
+        coll.load_state_dict({"a.weight": np.zeros((30, 4), np.float32),
+                              "b.weight": np.zeros((20, 7), np.float32)}, partial=True)
+    assert all(coll.state_dict()[k].tobytes() == after[k].tobytes() for k in after)

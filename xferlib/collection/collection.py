@@ -290,25 +290,35 @@ class EmbeddingCollection:
                 out[f"{name}.{key}"] = view.copy()
         return out
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, partial: bool = False) -> None:
         """Restore every table's weights and state from :meth:`state_dict`'s form. Every
-        array's presence and shape is checked before anything is written."""
-        self.check_state_dict(state)
+        array's presence and shape is checked before anything is written. ``partial``:
+        ``state`` may hold only some of the arrays; those are checked and loaded, the
+        others keep their values, and only the tables it names are rewritten."""
+        self.check_state_dict(state, partial=partial)
         if self._gpu is not None:
             self._gpu.synchronize(drop_cache=True)  # no cached row may outlive this write
             self._gpu.writes += 1  # staged copies of a forward before this are stale
         for t, name in enumerate(self.names):
             if t in self.tt_tables:
                 for key, target in tt_state_arrays(self.tt_tables[t], name).items():
+                    if key not in state:
+                        continue
                     xp = array_module(target)
                     target[...] = xp.asarray(np.asarray(state[key]), dtype=target.dtype)
                     if xp is not np:  # written on CuPy's stream: done before any step reads
                         xp.cuda.get_current_stream().synchronize()
                 continue
+            weight = f"{name}.weight"
+            views = self._state_views(t, np.empty((0, self.layouts[t].row_width), self.dtype))
+            if weight not in state and not any(f"{name}.{k}" in state for k in views):
+                continue  # a table the state does not name: not touched
             rows = self._host_rows(t).copy()
-            rows[:, :self.dims[t]] = np.asarray(state[f"{name}.weight"])
+            if weight in state:
+                rows[:, :self.dims[t]] = np.asarray(state[weight])
             for key, view in self._state_views(t, rows).items():
-                view[...] = np.asarray(state[f"{name}.{key}"])
+                if f"{name}.{key}" in state:
+                    view[...] = np.asarray(state[f"{name}.{key}"])
             buffer = self.buffers[self._placement(t)]
             target = self.blocks[t].rows(buffer)
             if is_cupy_array(target):
@@ -316,17 +326,20 @@ class EmbeddingCollection:
             else:
                 target[...] = rows
 
-    def check_state_dict(self, state: dict) -> None:
-        """ValueError unless ``state`` holds exactly this collection's arrays, each of its
-        shape and numeric (what :meth:`load_state_dict` checks before writing; a sharded
-        collection checks every rank's part before any rank loads)."""
+    def check_state_dict(self, state: dict, partial: bool = False) -> None:
+        """ValueError unless ``state`` holds exactly this collection's arrays (``partial``:
+        some of them), each of its shape and numeric (what :meth:`load_state_dict` checks
+        before writing; a sharded collection checks every rank's part before any rank
+        loads)."""
         expected = self._expected_state()
-        missing = sorted(set(expected) - set(state))
+        missing = [] if partial else sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected))
         if missing or unexpected:
             raise ValueError(f"state_dict does not match this collection: missing {missing}, "
                              f"unexpected {unexpected}")
         for key, shape in expected.items():
+            if key not in state:
+                continue
             if np.shape(state[key]) != shape:
                 raise ValueError(f"{key} must have shape {shape}, got {np.shape(state[key])}")
             dtype = getattr(state[key], "dtype", None)
