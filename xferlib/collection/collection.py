@@ -310,8 +310,8 @@ class EmbeddingCollection:
                         xp.cuda.get_current_stream().synchronize()
                 continue
             weight = f"{name}.weight"
-            views = self._state_views(t, np.empty((0, self.layouts[t].row_width), self.dtype))
-            if weight not in state and not any(f"{name}.{k}" in state for k in views):
+            if weight not in state and not any(f"{name}.{k}" in state
+                                               for k in self.state_names()):
                 continue  # a table the state does not name: not touched
             rows = self._host_rows(t).copy()
             if weight in state:

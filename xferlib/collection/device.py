@@ -216,7 +216,7 @@ class CollectionDevice:
             bag_of = cupy.empty(n, dtype=np.int64)
             if bags:
                 # lanes per bag: the bags' mean length as a power of two, at most a warp
-                group = min(32, 1 << max(0, -(-n // bags) - 1).bit_length())
+                group = _lane_group(-(-n // bags), 1)
                 grid, block = grid_1d(bags * group, 256, 65535)
                 # A padded batch's tail gets the key past every row (sorted last, one run
                 # that lives nowhere) and no bag.
