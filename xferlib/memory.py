@@ -457,8 +457,13 @@ def is_pinned(array) -> bool:
 
 
 def device_pointer(array: np.ndarray, name: str = "array") -> int:
-    """The address at which the GPU sees a pinned host array (equal to the host address
-    under unified addressing). ValueError, naming ``name``, when the array is not pinned."""
+    """The address at which the GPU sees a pinned host array, or one of managed memory
+    (:func:`xferlib.managed.managed_empty`): equal to the host address under unified
+    addressing. ValueError, naming ``name``, when the GPU cannot reach the array."""
+    from xferlib.managed import is_managed
+
+    if is_managed(array):
+        return array.ctypes.data
     if not is_pinned(array):
         raise ValueError(
             f"{name} is in pageable host memory, which GPU kernels cannot reach; "

@@ -185,7 +185,8 @@ STAGE = KernelDecl(
     // slot (slots[r] >= 0) or from host RAM (sorted keys: the link's fast pattern); rows of
     // HBM tables are read in place and skipped. `full`: the whole stored row (weights, state,
     // step count, padding: whole host cache lines), so that the update reads it from HBM and
-    // only writes over the link (PCIe keeps a read behind earlier writes); else the weights.
+    // only writes over the link (rows whose state is a few scalars); else the weights (the
+    // update then reads full-width state over the link as its writes go the other way).
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -393,7 +394,7 @@ UPDATE = KernelDecl(
     (("T*", "hbm"), ("T*", "host"), ("const i64*", "meta"), ("const i64*", "run"),
      ("const i64*", "run_off"), ("const int*", "run_tab"), ("i64", "n"),
      ("const T*", "summed"), ("i64", "width"), ("const T*", "staged"), ("i64", "stage_width"),
-     ("T*", "cache"), ("i64", "cache_width"), ("const int*", "slots"),
+     ("int", "staged_state"), ("T*", "cache"), ("i64", "cache_width"), ("const int*", "slots"),
      ("unsigned char*", "dirty"), ("i64", "n_slots"), ("const double*", "hyper"),
      ("i64", "hyper_width"), ("int", "group"), ("const unsigned long long*", "verdict")),
     r"""
@@ -422,7 +423,9 @@ UPDATE = KernelDecl(
         T* s = w + m[M_STATE_OFFSET];
         const bool from_copy = on_host && staged != nullptr;
         const T* wsrc = from_copy ? staged + r * stage_width : w;
-        const T* ssrc = from_copy ? wsrc + m[M_STATE_OFFSET] : s;
+        // the state from the copy when the forward staged whole rows (staged_state), else
+        // read over the link here, while this kernel's writes go out the other way
+        const T* ssrc = from_copy && staged_state ? wsrc + m[M_STATE_OFFSET] : s;
         const i64 dim = m[M_DIM], step_off = m[M_STEP_OFF];
         const i64 t = *reinterpret_cast<const i64*>(ssrc + step_off) + 1;
         const XfScalars<T> c = row_consts<RULE, T>(hyper + tab * hyper_width, t);
@@ -432,7 +435,7 @@ UPDATE = KernelDecl(
         // built from the copy, not as the lone scalar and step writes a partial host line
         // costs (the host reads the line and merges it: half the link's write speed).
         const i64 tail = m[M_STATE_OFFSET] + n_slots * dim;
-        const bool whole_tail = from_copy && (tail * (i64)sizeof(T)) % 16 == 0;
+        const bool whole_tail = from_copy && staged_state && (tail * (i64)sizeof(T)) % 16 == 0;
         T total = (T)0;
         if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
             total = rowwise_adagrad_row<T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane,

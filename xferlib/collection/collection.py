@@ -32,6 +32,7 @@ from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
 from xferlib.collection.numpy_path import (check_inputs_numpy, pooled_lookup_numpy,
                                            update_numpy)
 from xferlib.collection.storage import allocate_host, plan_blocks
+from xferlib.managed import gpu_view, is_managed
 from xferlib.collection.tt_tables import (build_tt_tables, tt_bytes, tt_hyper,
                                           tt_lookup_numpy, tt_state_arrays, tt_state_shapes,
                                           tt_update_numpy)
@@ -191,6 +192,8 @@ class EmbeddingCollection:
                 args = (block.rows(buffer), self.layouts[t], self.tables[t].init,
                         table_stream(seed, t), float(self.rule.initial(self.hypers[t])))
                 if gpu:
+                    if is_managed(buffer):  # filled in place over the GPU's mapping
+                        args = (gpu_view(block.rows(buffer)),) + args[1:]
                     fill_rows_gpu(*args, self.dtype.name)
                 else:
                     fill_rows_numpy(*args)

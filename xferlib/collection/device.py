@@ -134,6 +134,13 @@ class CollectionDevice:
         host_widths = [b.layout.row_width for c, b in zip(coll.tables, coll.blocks)
                        if c.placement == "host"]
         self.stage_width = -(-max(host_widths, default=0) // word) * word
+        # The forward stages whole rows (weights, state, step) where the state is a few
+        # scalars: the update then only writes over the link. Where it holds full-width
+        # slots (Adam's two, Adagrad's one) only the weights: the update reads the state over
+        # the link while its writes go out the other way (an H100, Adam, 8M x 128, 25,500
+        # distinct rows: 1.70 ms a step against 1.95 with whole rows staged).
+        self.stage_state = all(not b.layout.slots for c, b in zip(coll.tables, coll.blocks)
+                               if c.placement == "host")
         self.width = -(-max(dims, default=1) // self.vec) * self.vec  # summed's row stride
         # Lanes per bag of the pooled lookup and per row of the update (see _lane_group):
         # the widest row the kernels read (tt tables' columns are written by TT's own).
@@ -252,7 +259,8 @@ class CollectionDevice:
                                  stream=stream, host=self.host_ptr, meta=self.meta,
                                  run=plan.run, run_off=plan.run_off, run_tab=plan.run_tab,
                                  n=n, **self._cache_args(plan.slots), staged=plan.staged,
-                                 stage_width=self.stage_width, full=int(for_update),
+                                 stage_width=self.stage_width,
+                                 full=int(for_update and self.stage_state),
                                  verdict=words)
                     if not for_update:
                         plan.writes = -1  # weights only: no update may read this copy
@@ -335,8 +343,8 @@ class CollectionDevice:
                           grid, block, stream=stream, hbm=self.hbm, host=self.host_ptr,
                           meta=self.meta, run=plan.run, run_off=plan.run_off,
                           run_tab=plan.run_tab, n=n, summed=summed, width=width,
-                          staged=staged,
-                          stage_width=self.stage_width, **self._cache_args(slots),
+                          staged=staged, stage_width=self.stage_width,
+                          staged_state=int(self.stage_state), **self._cache_args(slots),
                           dirty=self.cache.dirty if slots is not None else None,
                           n_slots=len(coll.layouts[0].slots), hyper=self._hyper_array(),
                           hyper_width=16, group=group, verdict=plan.words)

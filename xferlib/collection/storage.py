@@ -4,7 +4,7 @@ Every table keeps the host tables' row layout (``xferlib.table.layout.RowLayout`
 weights, then on a 16-byte boundary the optimizer state and the int64 step count), so one
 fetch of a row brings its weights and state together and the table kernels' row update
 applies unchanged. The tables of one placement lie one after another in one flat buffer
-(``hbm``: GPU memory; ``host``: pinned host RAM), each starting on a 64-byte boundary;
+(``hbm``: GPU memory; ``host``: host RAM the GPU maps), each starting on a 64-byte boundary;
 kernels find table ``t`` at ``base[t]`` (in elements) with rows ``row_width[t]`` apart.
 On a machine without a GPU both buffers are NumPy arrays (the NumPy path).
 """
@@ -15,6 +15,7 @@ import dataclasses
 
 import numpy as np
 
+from xferlib.managed import managed_available, managed_empty
 from xferlib.memory import check_host_memory, pinned_empty
 from xferlib.table.layout import RowLayout, split_state
 
@@ -69,8 +70,13 @@ def plan_blocks(layouts, num_rows, itemsize: int):
 
 
 def allocate_host(elements: int, dtype, what: str, pinned: bool):
-    """A flat host buffer of ``elements`` (pinned where a GPU will read it), refused with
-    both sizes before anything is allocated when the host cannot hold it."""
+    """A flat host buffer of ``elements``, refused with both sizes before anything is
+    allocated when the host cannot hold it. Where a GPU will reach it (``pinned``): managed
+    memory kept in host RAM where the GPU supports it (scattered rows cross the link at
+    twice the rate of registered pages: ``xferlib.managed``), else pinned."""
     dtype = np.dtype(dtype)
     check_host_memory(elements * dtype.itemsize, what)
-    return pinned_empty((elements,), dtype) if pinned else np.empty(elements, dtype)
+    if not pinned:
+        return np.empty(elements, dtype)
+    return managed_empty((elements,), dtype) if managed_available() else \
+        pinned_empty((elements,), dtype)

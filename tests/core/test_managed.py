@@ -1,0 +1,96 @@
+"""Managed host memory (xferlib.managed): what the GPU maps in host RAM for host tables."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from xferlib import managed
+from xferlib.collection import EmbeddingCollection, TableConfig
+from xferlib.testing import get_backend
+
+
+def test_without_a_gpu_or_when_asked_for_pinned_memory_none_is_offered(monkeypatch):
+    monkeypatch.setenv("XFERLIB_HOST_MEMORY", "pinned")
+    assert not managed.managed_available()
+    assert not managed.is_managed(np.zeros(4))
+    assert not managed.is_managed("not an array")
+    with pytest.raises(ValueError, match="managed memory"):
+        managed.gpu_view(np.zeros(4))
+
+
+@pytest.mark.gpu
+def test_gpu_managed_array_is_zeroed_shared_with_the_gpu_and_freed_with_its_last_view():
+    get_backend("cupy")
+    import cupy
+
+    if not managed.managed_available():
+        pytest.skip("this GPU cannot keep managed memory in host RAM")
+    a = managed.managed_empty((5000, 3), np.float32)  # not a whole number of 2 MB blocks
+    assert a.shape == (5000, 3) and not a.any()
+    assert managed.is_managed(a) and managed.is_managed(a[10:20])
+    ptr = a.ctypes.data
+    from xferlib.memory import device_pointer
+
+    assert device_pointer(a[7:], "a") == a[7:].ctypes.data
+    view = managed.gpu_view(a)
+    view[:] = cupy.arange(15000, dtype=cupy.float32).reshape(5000, 3)  # a kernel writes
+    cupy.cuda.Device().synchronize()
+    np.testing.assert_array_equal(a, np.arange(15000, dtype=np.float32).reshape(5000, 3))
+    a[2, 1] = -1.0  # the host writes, a kernel reads
+    assert float(view[2, 1].get()) == -1.0
+    tail = a[4000:]
+    del a, view
+    gc.collect()
+    assert managed.is_managed(tail)  # a view keeps the memory
+    del tail
+    gc.collect()
+    assert ptr not in managed._BLOCKS
+    assert managed.managed_empty((0, 4)).shape == (0, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "rowwise_adagrad"])
+def test_gpu_host_tables_in_managed_and_pinned_memory_train_to_the_same_bits(
+        optimizer, monkeypatch):
+    """Host tables (one cached) built in managed memory and in pinned memory hold the same
+    initial values and train to the same bits; the managed buffer is what the collection
+    uses where the GPU offers it."""
+    get_backend("cupy")
+    import cupy
+
+    if not managed.managed_available():
+        pytest.skip("this GPU cannot keep managed memory in host RAM")
+    hyper = {"lr": 0.05}
+    rows = [5000, 300, 40]
+
+    def build():
+        return EmbeddingCollection(
+            [TableConfig(rows[0], 16, placement="host"),
+             TableConfig(rows[1], 16, placement="host", cache_rows=64),
+             TableConfig(rows[2], 8, init=("normal", 0.0, 0.1))],
+            optimizer, hyper, device="cuda", seed=4)
+
+    in_managed = build()
+    monkeypatch.setenv("XFERLIB_HOST_MEMORY", "pinned")
+    in_pinned = build()
+    assert managed.is_managed(in_managed.buffers["host"])
+    assert not managed.is_managed(in_pinned.buffers["host"])
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        n = 2000
+        idx = np.concatenate([rng.zipf(1.2, n) % r for r in rows]).astype(np.int64)
+        offsets = np.arange(0, 3 * n + 1, 20, dtype=np.int64)
+        grad = rng.standard_normal((n // 20, 40)).astype(np.float32)
+        outs = []
+        for coll in (in_managed, in_pinned):
+            out, ctx = coll.forward(cupy.asarray(idx), cupy.asarray(offsets))
+            coll.backward(ctx, cupy.asarray(grad))
+            outs.append(out.get())
+        assert outs[0].tobytes() == outs[1].tobytes()
+    a, b = in_managed.state_dict(), in_pinned.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].tobytes() == b[k].tobytes(), k
