@@ -148,6 +148,7 @@ def _gpu(report: _Report) -> dict:
     else:
         report.ok("CuPy", f"{cupy.__version__} ({cupy_dist}), CUDA runtime {_cuda_text(runtime)}")
     _pinned(report, cupy)
+    _managed(report, cupy)
     return found
 
 
@@ -190,6 +191,40 @@ def _pinned(report: _Report, cupy) -> None:
         report.problem("pinned memory", "registered memory did not round-trip correctly",
                        "pinned memory is broken here: report the output of `xferlib doctor`",
                        failed=True)
+
+
+def _managed(report: _Report, cupy) -> None:
+    """Where a collection's host tables go: managed memory kept in host RAM (the GPU maps it
+    in large pages), checked by a round trip through a kernel, or pinned memory."""
+    import os
+
+    from xferlib import managed
+
+    if os.environ.get("XFERLIB_HOST_MEMORY", "").strip().lower() == "pinned":
+        report.ok("host tables", "pinned memory (XFERLIB_HOST_MEMORY=pinned)")
+        return
+    if not managed.managed_available():
+        report.ok("host tables", "pinned memory (this GPU or driver offers no managed memory "
+                  "kept in host RAM; scattered rows cross the link more slowly)")
+        return
+    try:
+        host = managed.managed_empty(1 << 20, np.float32)
+        view = managed.gpu_view(host)
+        view += cupy.arange(host.size, dtype=cupy.float32)  # a kernel writes host RAM
+        cupy.cuda.get_current_stream().synchronize()
+        ok = bool(np.array_equal(host, np.arange(host.size, dtype=np.float32)))
+    except Exception as err:
+        report.problem("host tables", f"managed memory failed: {type(err).__name__}: {err}",
+                       "set XFERLIB_HOST_MEMORY=pinned and report the output of "
+                       "`xferlib doctor`", failed=True)
+        return
+    if ok:
+        report.ok("host tables", "managed memory kept in host RAM, mapped by the GPU "
+                  "(XFERLIB_HOST_MEMORY=pinned to pin instead)")
+    else:
+        report.problem("host tables", "managed memory did not round-trip correctly",
+                       "set XFERLIB_HOST_MEMORY=pinned and report the output of "
+                       "`xferlib doctor`", failed=True)
 
 
 def _torch(report: _Report, found: dict) -> None:

@@ -26,6 +26,8 @@ def test_doctor_reports_every_check():
     assert "GB available" in out
     if cupy_available():
         assert "pinned memory" in out and "GB/s pinned" in out
+        assert "  host tables " in out and ("managed memory kept in host RAM" in out
+                                           or "pinned memory (" in out), out
         assert "CUDA driver" in out and "CUDA versions" in out
         assert "off (XLA_PYTHON_CLIENT_PREALLOCATE=false)" in out
     elif not _cupy_installed():  # a CPU machine as the README's install leaves it
