@@ -143,3 +143,20 @@ def is_capturing(stream) -> bool:
             return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
         except AttributeError:  # a CuPy without the query cannot capture either
             return False
+
+
+def device_constant(values, dtype=None):
+    """A CuPy array of host ``values`` (a table kept for later launches) that kernels on any
+    stream may read as soon as this returns: uploaded on CuPy's current stream and waited
+    for. A kernel that reads it may run on another stream (torch's and JAX's streams are
+    non-blocking: they do not wait for CuPy's, nor for the legacy default stream), where an
+    upload still in flight is read as whatever the memory held (seen as wrong steps, and
+    misaligned or illegal addresses from garbage offsets, on a loaded GPU). Not waited for
+    inside a graph capture (no host sync may happen there)."""
+    import cupy
+
+    array = cupy.asarray(np.asarray(values, dtype=dtype))
+    stream = cupy.cuda.get_current_stream()
+    if not is_capturing(stream):
+        stream.synchronize()
+    return array

@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, is_capturing
+from xferlib._backend import as_cupy_stream, device_constant, is_capturing
 from xferlib._kernels import grid_1d, launch_config
 from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, POSITIONS, RUNS, STAGE,
                                          SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, UPDATE, c_type,
@@ -118,7 +118,7 @@ class CollectionDevice:
                               base=block.base, row_width=layout.row_width,
                               state_offset=layout.state_offset, step_off=layout.step_offset)
             rows.append([fields[f] for f in META_FIELDS])
-        self.meta = cupy.asarray(np.array(rows, dtype=np.int64))
+        self.meta = device_constant(rows, np.int64)
         self.hbm = coll.buffers.get("hbm")
         host = coll.buffers.get("host")
         self.host_ptr = device_pointer(host, "host tables") if host is not None else 0
@@ -168,15 +168,13 @@ class CollectionDevice:
         self.hyper = None
 
     def _hyper_array(self):
-        import cupy
-
         if self.hyper is None:
             rule = self.coll.rule
             rows = []
             for h in self.coll.hypers:
                 values = [float(v) for v in rule.kernel_hyper(h)]
                 rows.append(values + [0.0] * (16 - len(values)))
-            self.hyper = cupy.asarray(np.array(rows, dtype=np.float64))
+            self.hyper = device_constant(rows, np.float64)
         return self.hyper
 
     def _record(self, stream) -> None:

@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from xferlib._backend import is_cupy_array
+from xferlib._backend import device_constant, is_cupy_array
 from xferlib.optim.layout import FlatLayout
 from xferlib.optim.rule_rows import adam_hyper_row
 from xferlib.optim.rules import (COMMON, FLAT_RULES, SCALARS, Rule, common_scalars, get_rule,
@@ -568,9 +568,9 @@ def chunk_table(layout: FlatLayout):
                 seg_ids.append(i)
                 starts.append(start)
                 ends.append(min(end, start + _CHUNK))
-        cached = cache[device] = (cupy.asarray(np.array(seg_ids, dtype=np.int32)),
-                                 cupy.asarray(np.array(starts, dtype=np.int64)),
-                                 cupy.asarray(np.array(ends, dtype=np.int64)))
+        cached = cache[device] = (device_constant(seg_ids, np.int32),
+                                 device_constant(starts, np.int64),
+                                 device_constant(ends, np.int64))
     return cached
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array
+from xferlib._backend import as_cupy_stream, device_constant, is_capturing, is_cupy_array
 from xferlib._kernels import grid_1d, launch_config, named
 from xferlib.batch import BatchPlan, PendingChecks, RowsReport, Verdict, plan_batch
 from xferlib.memory import device_pointer
@@ -124,11 +124,9 @@ class DeviceSide:
                 np.int64(self.s_stride), np.int64(self.table.num_rows))
 
     def _hyper_array(self):
-        import cupy
-
         if self.hyper is None:
             values = [float(v) for v in self.table.rule.kernel_hyper(self.table.hyper)]
-            self.hyper = cupy.asarray(np.array(values + [0.0] * (16 - len(values))))
+            self.hyper = device_constant(values + [0.0] * (16 - len(values)), np.float64)
         return self.hyper
 
     def plan(self, idx, stream) -> BatchPlan:

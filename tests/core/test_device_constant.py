@@ -1,0 +1,31 @@
+"""Device constants (xferlib._backend.device_constant): tables uploaded once and read by
+kernels on other streams must have landed when the call returns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xferlib._backend import device_constant
+from xferlib.testing import get_backend
+
+
+@pytest.mark.gpu
+def test_gpu_device_constant_has_landed_when_it_returns():
+    get_backend("cupy")
+    import cupy
+
+    busy = cupy.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(4):  # queue work ahead of the upload on the same stream
+            busy = busy @ busy
+            busy /= cupy.linalg.norm(busy)
+        table = device_constant(np.arange(100_000), np.int64)
+        assert stream.done  # the upload, and the work queued before it, finished
+    assert table.dtype == np.int64 and table.shape == (100_000,)
+    other = cupy.cuda.Stream(non_blocking=True)
+    with other:  # a kernel on another non-blocking stream reads the uploaded values
+        assert int((table == cupy.arange(100_000)).sum()) == 100_000
+    np.testing.assert_array_equal(device_constant([[1.5, 2.0]], np.float64).get(),
+                                  [[1.5, 2.0]])
