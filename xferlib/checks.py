@@ -332,6 +332,11 @@ class SlotChecks:
             self.host.ctypes.data).devicePointer)
         self.counters = cupy.zeros(count, dtype=np.uint32)
         self.counters_ptr = int(self.counters.data.ptr)
+        # zeroed on CuPy's current stream; the checked kernels may run on another
+        # (non-blocking) stream and must find the zeros there
+        stream = cupy.cuda.get_current_stream()
+        if not is_capturing(stream):
+            stream.synchronize()
         self.entries = collections.deque()  # (slot, report, keep, stream), oldest first
         self.graph = []  # (words, report, keep, stream) of captured launches
         self.busy = [False] * _RING
