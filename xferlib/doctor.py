@@ -203,11 +203,11 @@ def _managed(report: _Report, cupy) -> None:
     if os.environ.get("XFERLIB_HOST_MEMORY", "").strip().lower() == "pinned":
         report.ok("host tables", "pinned memory (XFERLIB_HOST_MEMORY=pinned)")
         return
-    if not managed.managed_available():
-        report.ok("host tables", "pinned memory (this GPU or driver offers no managed memory "
-                  "kept in host RAM; scattered rows cross the link more slowly)")
-        return
     try:
+        if not managed.managed_available():
+            report.ok("host tables", "pinned memory (this GPU or driver offers no managed "
+                      "memory kept in host RAM; scattered rows cross the link more slowly)")
+            return
         host = managed.managed_empty(1 << 20, np.float32)
         view = managed.gpu_view(host)
         view += cupy.arange(host.size, dtype=cupy.float32)  # a kernel writes host RAM

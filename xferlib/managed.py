@@ -30,13 +30,15 @@ import concurrent.futures
 import ctypes
 import functools
 import os
+import threading
+import warnings
 import weakref
 
 import numpy as np
 
 from xferlib._backend import cupy_available
 
-__all__ = ["managed_available", "managed_empty", "is_managed", "gpu_view"]
+__all__ = ["managed_available", "managed_empty", "host_buffer_empty", "is_managed", "gpu_view"]
 
 # CUmem_advise values and CUmemLocationType values of the driver API (cuda.h)
 _SET_PREFERRED_LOCATION, _SET_ACCESSED_BY = 3, 5
@@ -80,18 +82,25 @@ def managed_available() -> bool:
     return bool(cupy.cuda.Device().attributes.get("ConcurrentManagedAccess", 0))
 
 
-# Live managed blocks by start address: {start: nbytes} (is_managed answers from here).
+# Live managed blocks by start address: {start: nbytes} (is_managed answers from here). A
+# finalizer may free a block from any thread, or from a GC pass inside a lookup: hence the lock.
 _BLOCKS: dict[int, int] = {}
+_LOCK = threading.RLock()
 
 
-def _free(ptr: int) -> None:
-    _BLOCKS.pop(ptr, None)
+def _free(ptr: int, device: int) -> None:
+    with _LOCK:
+        _BLOCKS.pop(ptr, None)
     import cupy
 
     try:
-        cupy.cuda.runtime.free(ptr)  # waits for the device's queued work first
+        # the work queued on the GPU that maps the block finishes before the block goes
+        # back to the driver (as pinned memory is released: xferlib.memory)
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.deviceSynchronize()
+        cupy.cuda.runtime.free(ptr)
     except cupy.cuda.runtime.CUDARuntimeError:
-        pass  # the CUDA context is already gone at interpreter exit
+        pass  # no context left at interpreter exit, or a graph capture in progress
 
 
 def _advise(ptr: int, nbytes: int, device: int) -> None:
@@ -136,17 +145,36 @@ def managed_empty(shape, dtype=np.float32) -> np.ndarray:
     nbytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
     if nbytes == 0:
         return np.zeros(dims, dtype)
+    device = cupy.cuda.Device().id
     ptr = cupy.cuda.runtime.mallocManaged(nbytes, 1)  # cudaMemAttachGlobal
     try:
-        _advise(ptr, nbytes, cupy.cuda.Device().id)
+        _advise(ptr, nbytes, device)
         _touch(ptr, nbytes)
     except BaseException:
-        cupy.cuda.runtime.free(ptr)
+        try:
+            cupy.cuda.runtime.free(ptr)
+        except cupy.cuda.runtime.CUDARuntimeError:
+            pass  # the error that brought us here is the one to report
         raise
     raw = (ctypes.c_char * nbytes).from_address(ptr)
-    _BLOCKS[ptr] = nbytes
-    weakref.finalize(raw, _free, ptr)  # freed with the last array over it
+    with _LOCK:
+        _BLOCKS[ptr] = nbytes
+    weakref.finalize(raw, _free, ptr, device)  # freed with the last array over it
     return np.frombuffer(raw, dtype=dtype).reshape(dims)
+
+
+def host_buffer_empty(elements: int, dtype):
+    """A flat buffer a GPU reaches: managed memory where :func:`managed_available`, else (or
+    when the driver refuses the allocation or its advice, with a warning) pinned memory."""
+    from xferlib.memory import pinned_empty
+
+    if managed_available():
+        try:
+            return managed_empty((elements,), dtype)
+        except (RuntimeError, MemoryError) as err:  # CuPy's CUDA errors are RuntimeErrors
+            warnings.warn(f"managed host memory failed ({type(err).__name__}: {err}); "
+                          "pinning the host tables instead", RuntimeWarning, stacklevel=2)
+    return pinned_empty((elements,), dtype)
 
 
 def is_managed(array) -> bool:
@@ -154,8 +182,9 @@ def is_managed(array) -> bool:
     if not isinstance(array, np.ndarray) or array.nbytes == 0:
         return False
     start = array.ctypes.data
-    return any(ptr <= start and start + array.nbytes <= ptr + size
-               for ptr, size in _BLOCKS.items())
+    with _LOCK:
+        blocks = tuple(_BLOCKS.items())
+    return any(ptr <= start and start + array.nbytes <= ptr + size for ptr, size in blocks)
 
 
 def gpu_view(array: np.ndarray):

@@ -68,8 +68,10 @@ def device_address(array, name: str) -> int:
 
 
 def is_gpu_reachable(array) -> bool:
+    from xferlib.managed import is_managed
+
     return is_cupy_array(array) or (array.nbytes > 0 and registration_of(
-        array.ctypes.data, array.nbytes) is not None) or is_pinned(array)
+        array.ctypes.data, array.nbytes) is not None) or is_pinned(array) or is_managed(array)
 
 
 def word_bytes(*values: int) -> int:

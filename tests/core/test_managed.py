@@ -21,6 +21,18 @@ def test_without_a_gpu_or_when_asked_for_pinned_memory_none_is_offered(monkeypat
         managed.gpu_view(np.zeros(4))
 
 
+def test_host_buffer_falls_back_to_pinned_memory_with_a_warning(monkeypatch):
+    def refuse(shape, dtype):
+        raise RuntimeError("cuMemAdvise(3) on 64 bytes of managed memory failed")
+
+    monkeypatch.setattr(managed, "managed_available", lambda: True)
+    monkeypatch.setattr(managed, "managed_empty", refuse)
+    with pytest.warns(RuntimeWarning, match="pinning the host tables instead"):
+        buffer = managed.host_buffer_empty(16, np.float32)
+    assert buffer.shape == (16,) and buffer.dtype == np.float32
+    assert not managed.is_managed(buffer)
+
+
 @pytest.mark.gpu
 def test_gpu_managed_array_is_zeroed_shared_with_the_gpu_and_freed_with_its_last_view():
     get_backend("cupy")
@@ -94,3 +106,31 @@ def test_gpu_host_tables_in_managed_and_pinned_memory_train_to_the_same_bits(
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].tobytes() == b[k].tobytes(), k
+
+
+@pytest.mark.gpu
+def test_gpu_managed_arrays_reach_the_row_kernels_and_the_handoff_without_a_copy():
+    """A collection's host table views (managed memory) work where pinned arrays do: the
+    row kernels read them in place, with no "pin it" warning, and to_cupy(copy=False)
+    shares their memory."""
+    get_backend("cupy")
+    import warnings
+
+    import cupy
+
+    import xferlib
+    from xferlib.handoff import to_cupy
+    from xferlib.rows_fused import is_gpu_reachable
+
+    if not managed.managed_available():
+        pytest.skip("this GPU cannot keep managed memory in host RAM")
+    table = managed.managed_empty((1000, 16), np.float32)
+    table[:] = np.arange(16000, dtype=np.float32).reshape(1000, 16)
+    assert is_gpu_reachable(table) and is_gpu_reachable(table[10:20])
+    shared = to_cupy(table, copy=False)
+    assert shared.data.ptr == table.ctypes.data
+    idx = cupy.asarray([3, 999, 3, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no slow-path warning for managed memory
+        rows = xferlib.gather_rows(table, idx)
+    np.testing.assert_array_equal(cupy.asnumpy(rows), table[[3, 999, 3, 0]])

@@ -130,17 +130,16 @@ class CollectionDevice:
         # pooled output, whose vector stores need each table's offset aligned to the width.
         self.vec = next(v for v in (4, 2, 1)
                         if v <= word and all(d % v == 0 for d in coll.dims))
-        # A staged row holds a host table's whole stored row (the update reads it there).
-        host_widths = [b.layout.row_width for c, b in zip(coll.tables, coll.blocks)
-                       if c.placement == "host"]
-        self.stage_width = -(-max(host_widths, default=0) // word) * word
         # The forward stages whole rows (weights, state, step) where the state is a few
         # scalars: the update then only writes over the link. Where it holds full-width
         # slots (Adam's two, Adagrad's one) only the weights: the update reads the state over
         # the link while its writes go out the other way (an H100, Adam, 8M x 128, 25,500
         # distinct rows: 1.70 ms a step against 1.95 with whole rows staged).
-        self.stage_state = all(not b.layout.slots for c, b in zip(coll.tables, coll.blocks)
-                               if c.placement == "host")
+        host = [(c, b) for c, b in zip(coll.tables, coll.blocks) if c.placement == "host"]
+        self.stage_state = all(not b.layout.slots for _, b in host)
+        # a staged row: the widest host row staged, in whole 16-byte words
+        host_widths = [b.layout.row_width if self.stage_state else c.dim for c, b in host]
+        self.stage_width = -(-max(host_widths, default=0) // word) * word
         self.width = -(-max(dims, default=1) // self.vec) * self.vec  # summed's row stride
         # Lanes per bag of the pooled lookup and per row of the update (see _lane_group):
         # the widest row the kernels read (tt tables' columns are written by TT's own).
@@ -174,7 +173,11 @@ class CollectionDevice:
             for h in self.coll.hypers:
                 values = [float(v) for v in rule.kernel_hyper(h)]
                 rows.append(values + [0.0] * (16 - len(values)))
-            self.hyper = device_constant(rows, np.float64)
+            # uploaded on the launch's own stream (backward's `with stream`): ordered before
+            # the update that reads it, no wait (a schedule changes it every step)
+            import cupy
+
+            self.hyper = cupy.asarray(np.array(rows, dtype=np.float64))
         return self.hyper
 
     def _record(self, stream) -> None:

@@ -15,8 +15,8 @@ import dataclasses
 
 import numpy as np
 
-from xferlib.managed import managed_available, managed_empty
-from xferlib.memory import check_host_memory, pinned_empty
+from xferlib.managed import host_buffer_empty
+from xferlib.memory import check_host_memory
 from xferlib.table.layout import RowLayout, split_state
 
 __all__ = ["TableBlock", "plan_blocks", "allocate_host"]
@@ -76,7 +76,4 @@ def allocate_host(elements: int, dtype, what: str, pinned: bool):
     twice the rate of registered pages: ``xferlib.managed``), else pinned."""
     dtype = np.dtype(dtype)
     check_host_memory(elements * dtype.itemsize, what)
-    if not pinned:
-        return np.empty(elements, dtype)
-    return managed_empty((elements,), dtype) if managed_available() else \
-        pinned_empty((elements,), dtype)
+    return host_buffer_empty(elements, dtype) if pinned else np.empty(elements, dtype)
