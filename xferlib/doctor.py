@@ -213,18 +213,15 @@ def _managed(report: _Report, cupy) -> None:
         view += cupy.arange(host.size, dtype=cupy.float32)  # a kernel writes host RAM
         cupy.cuda.get_current_stream().synchronize()
         ok = bool(np.array_equal(host, np.arange(host.size, dtype=np.float32)))
+        detail = "managed memory did not round-trip correctly"
     except Exception as err:
-        report.problem("host tables", f"managed memory failed: {type(err).__name__}: {err}",
-                       "set XFERLIB_HOST_MEMORY=pinned and report the output of "
-                       "`xferlib doctor`", failed=True)
-        return
+        ok, detail = False, f"managed memory failed: {type(err).__name__}: {err}"
     if ok:
         report.ok("host tables", "managed memory kept in host RAM, mapped by the GPU "
                   "(XFERLIB_HOST_MEMORY=pinned to pin instead)")
     else:
-        report.problem("host tables", "managed memory did not round-trip correctly",
-                       "set XFERLIB_HOST_MEMORY=pinned and report the output of "
-                       "`xferlib doctor`", failed=True)
+        report.problem("host tables", detail, "set XFERLIB_HOST_MEMORY=pinned and report the "
+                       "output of `xferlib doctor`", failed=True)
 
 
 def _torch(report: _Report, found: dict) -> None:
