@@ -31,14 +31,13 @@ import ctypes
 import functools
 import os
 import threading
-import warnings
 import weakref
 
 import numpy as np
 
 from xferlib._backend import cupy_available
 
-__all__ = ["managed_available", "managed_empty", "host_buffer_empty", "is_managed", "gpu_view"]
+__all__ = ["managed_available", "managed_empty", "is_managed", "gpu_view"]
 
 # CUmem_advise values and CUmemLocationType values of the driver API (cuda.h)
 _SET_PREFERRED_LOCATION, _SET_ACCESSED_BY = 3, 5
@@ -161,20 +160,6 @@ def managed_empty(shape, dtype=np.float32) -> np.ndarray:
         _BLOCKS[ptr] = nbytes
     weakref.finalize(raw, _free, ptr, device)  # freed with the last array over it
     return np.frombuffer(raw, dtype=dtype).reshape(dims)
-
-
-def host_buffer_empty(elements: int, dtype):
-    """A flat buffer a GPU reaches: managed memory where :func:`managed_available`, else (or
-    when the driver refuses the allocation or its advice, with a warning) pinned memory."""
-    from xferlib.memory import pinned_empty
-
-    if managed_available():
-        try:
-            return managed_empty((elements,), dtype)
-        except (RuntimeError, MemoryError) as err:  # CuPy's CUDA errors are RuntimeErrors
-            warnings.warn(f"managed host memory failed ({type(err).__name__}: {err}); "
-                          "pinning the host tables instead", RuntimeWarning, stacklevel=2)
-    return pinned_empty((elements,), dtype)
 
 
 def is_managed(array) -> bool:

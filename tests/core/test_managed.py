@@ -25,10 +25,12 @@ def test_host_buffer_falls_back_to_pinned_memory_with_a_warning(monkeypatch):
     def refuse(shape, dtype):
         raise RuntimeError("cuMemAdvise(3) on 64 bytes of managed memory failed")
 
+    from xferlib.collection.storage import host_buffer_empty
+
     monkeypatch.setattr(managed, "managed_available", lambda: True)
     monkeypatch.setattr(managed, "managed_empty", refuse)
     with pytest.warns(RuntimeWarning, match="pinning the host tables instead"):
-        buffer = managed.host_buffer_empty(16, np.float32)
+        buffer = host_buffer_empty(16, np.float32)
     assert buffer.shape == (16,) and buffer.dtype == np.float32
     assert not managed.is_managed(buffer)
 

@@ -12,11 +12,12 @@ On a machine without a GPU both buffers are NumPy arrays (the NumPy path).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 
-from xferlib.managed import host_buffer_empty
-from xferlib.memory import check_host_memory
+from xferlib import managed
+from xferlib.memory import check_host_memory, pinned_empty
 from xferlib.table.layout import RowLayout, split_state
 
 __all__ = ["TableBlock", "plan_blocks", "allocate_host"]
@@ -77,3 +78,15 @@ def allocate_host(elements: int, dtype, what: str, pinned: bool):
     dtype = np.dtype(dtype)
     check_host_memory(elements * dtype.itemsize, what)
     return host_buffer_empty(elements, dtype) if pinned else np.empty(elements, dtype)
+
+
+def host_buffer_empty(elements: int, dtype):
+    """A flat buffer a GPU reaches: managed memory where ``managed_available()``, else (or
+    when the driver refuses the allocation or its advice, with a warning) pinned memory."""
+    if managed.managed_available():
+        try:
+            return managed.managed_empty((elements,), dtype)
+        except (RuntimeError, MemoryError) as err:  # CuPy's CUDA errors are RuntimeErrors
+            warnings.warn(f"managed host memory failed ({type(err).__name__}: {err}); "
+                          "pinning the host tables instead", RuntimeWarning, stacklevel=2)
+    return pinned_empty((elements,), dtype)
