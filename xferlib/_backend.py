@@ -156,7 +156,15 @@ def device_constant(values, dtype=None):
     import cupy
 
     array = cupy.asarray(np.asarray(values, dtype=dtype))
+    finish_current_stream()
+    return array
+
+
+def finish_current_stream() -> None:
+    """Wait for CuPy's current stream, where state kept for later launches was just uploaded
+    or filled (see :func:`device_constant`); nothing inside a graph capture."""
+    import cupy
+
     stream = cupy.cuda.get_current_stream()
     if not is_capturing(stream):
         stream.synchronize()
-    return array

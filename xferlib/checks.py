@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, is_capturing
+from xferlib._backend import as_cupy_stream, finish_current_stream, is_capturing
 from xferlib.sizes import integral_size
 
 __all__ = ["Verdict", "RowsReport", "PendingChecks", "SlotChecks", "NO_BAD", "PENDING",
@@ -334,9 +334,7 @@ class SlotChecks:
         self.counters_ptr = int(self.counters.data.ptr)
         # zeroed on CuPy's current stream; the checked kernels may run on another
         # (non-blocking) stream and must find the zeros there
-        stream = cupy.cuda.get_current_stream()
-        if not is_capturing(stream):
-            stream.synchronize()
+        finish_current_stream()
         self.entries = collections.deque()  # (slot, report, keep, stream), oldest first
         self.graph = []  # (words, report, keep, stream) of captured launches
         self.busy = [False] * _RING

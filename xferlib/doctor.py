@@ -196,11 +196,9 @@ def _pinned(report: _Report, cupy) -> None:
 def _managed(report: _Report, cupy) -> None:
     """Where a collection's host tables go: managed memory kept in host RAM (the GPU maps it
     in large pages), checked by a round trip through a kernel, or pinned memory."""
-    import os
-
     from xferlib import managed
 
-    if os.environ.get("XFERLIB_HOST_MEMORY", "").strip().lower() == "pinned":
+    if managed.pinned_requested():
         report.ok("host tables", "pinned memory (XFERLIB_HOST_MEMORY=pinned)")
         return
     try:

@@ -175,7 +175,7 @@ def _host_to_cupy(x: np.ndarray, copy, src_name: str):
         from xferlib.managed import is_managed
         from xferlib.memory import device_pointer, is_pinned
 
-        if not (is_pinned(x) or is_managed(x)):
+        if not (is_managed(x) or is_pinned(x)):
             _no_copy_possible(src_name, "cupy", "pageable host memory is out of the GPU's reach "
                               "(pin it with xferlib.pin)")
         memory = cupy.cuda.UnownedMemory(device_pointer(x), x.nbytes, x)

@@ -37,7 +37,7 @@ import numpy as np
 
 from xferlib._backend import cupy_available
 
-__all__ = ["managed_available", "managed_empty", "is_managed", "gpu_view"]
+__all__ = ["pinned_requested", "managed_available", "managed_empty", "is_managed", "gpu_view"]
 
 # CUmem_advise values and CUmemLocationType values of the driver API (cuda.h)
 _SET_PREFERRED_LOCATION, _SET_ACCESSED_BY = 3, 5
@@ -68,13 +68,16 @@ def _driver():
     return advise, False
 
 
+def pinned_requested() -> bool:
+    """Whether ``XFERLIB_HOST_MEMORY=pinned`` asks for pinned host tables."""
+    return os.environ.get("XFERLIB_HOST_MEMORY", "managed").strip().lower() == "pinned"
+
+
 def managed_available() -> bool:
     """Whether :func:`managed_empty` can give memory that stays in host RAM while the
     current GPU maps it (a GPU, ``concurrentManagedAccess``, the driver's advice calls, and
     ``XFERLIB_HOST_MEMORY`` not set to ``pinned``)."""
-    if os.environ.get("XFERLIB_HOST_MEMORY", "managed").strip().lower() == "pinned":
-        return False
-    if not cupy_available() or _driver() is None:
+    if pinned_requested() or not cupy_available() or _driver() is None:
         return False
     import cupy
 

@@ -132,7 +132,7 @@ def warn_slow_rows_path(op: str, table, idx, rows=None) -> bool:
         from xferlib.managed import is_managed
         from xferlib.memory import is_pinned
 
-        if is_pinned(table) or is_managed(table):  # both reachable from the GPU
+        if is_managed(table) or is_pinned(table):  # both reachable from the GPU
             return False
         return warn_pageable_table(op, table)
     if is_cupy_array(table) and isinstance(idx, np.ndarray) and idx.size:

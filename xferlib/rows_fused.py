@@ -71,7 +71,7 @@ def is_gpu_reachable(array) -> bool:
     from xferlib.managed import is_managed
 
     return is_cupy_array(array) or (array.nbytes > 0 and registration_of(
-        array.ctypes.data, array.nbytes) is not None) or is_pinned(array) or is_managed(array)
+        array.ctypes.data, array.nbytes) is not None) or is_managed(array) or is_pinned(array)
 
 
 def word_bytes(*values: int) -> int:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib._backend import is_capturing
+from xferlib._backend import finish_current_stream
 from xferlib._kernels import grid_1d, named
 
 __all__ = ["CacheModel", "DeviceCache", "WAYS", "set_of"]
@@ -185,9 +185,7 @@ class DeviceCache:
         self.doorkeeper = np.int32(admission == "second-sight")
         # The fills above ran on CuPy's current stream; the cache's kernels may run on
         # another (torch's or JAX's, non-blocking): they must find the fills done.
-        stream = cupy.cuda.get_current_stream()
-        if not is_capturing(stream):
-            stream.synchronize()
+        finish_current_stream()
 
     def _layout_args(self):
         layout = self.side.table.layout
