@@ -6,6 +6,8 @@ Array types are detected through ``sys.modules`` (as array-api-compat does): ask
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import sys
 
@@ -21,6 +23,8 @@ __all__ = [
     "ExternalStream",
     "as_cupy_stream",
     "is_capturing",
+    "capture_in_progress",
+    "relaxed_capture_mode",
 ]
 
 
@@ -168,3 +172,50 @@ def finish_current_stream() -> None:
     stream = cupy.cuda.get_current_stream()
     if not is_capturing(stream):
         stream.synchronize()
+
+
+def capture_in_progress() -> bool:
+    """Whether this thread's current torch or CuPy stream is capturing a CUDA graph (asked
+    through ``sys.modules``: neither is imported here)."""
+    torch = sys.modules.get("torch")
+    try:
+        if (torch is not None and torch.cuda.is_initialized()
+                and torch.cuda.is_current_stream_capturing()):
+            return True
+    except Exception:  # noqa: BLE001  (a torch without CUDA, or a context being torn down)
+        pass
+    cupy = sys.modules.get("cupy")
+    try:
+        return cupy is not None and is_capturing(cupy.cuda.get_current_stream())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def libcuda():
+    """The CUDA driver library (``ctypes``), or None where it does not load."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+_CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED (cuda.h)
+
+
+@contextlib.contextmanager
+def relaxed_capture_mode():
+    """Inside, this thread's CUDA calls may release memory while a CUDA graph is being
+    captured. In CUDA's default (global) capture mode a free or a host unregistration made
+    by any thread of the process during a capture invalidates it, and a finalizer runs
+    wherever garbage collection happens, inside a user's capture too. (The thread's mode is
+    swapped with ``cuThreadExchangeStreamCaptureMode`` and restored on the way out.)"""
+    lib = libcuda()
+    exchange = getattr(lib, "cuThreadExchangeStreamCaptureMode", None) if lib else None
+    mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+    swapped = exchange is not None and exchange(ctypes.byref(mode)) == 0
+    try:
+        yield
+    finally:
+        if swapped:
+            exchange(ctypes.byref(mode))

@@ -16,7 +16,9 @@ it mapped by the current GPU (``SET_ACCESSED_BY``: no fault on a GPU access), an
 every page from several threads at once, so that nothing faults later and the first step
 runs at full rate. The array is an ordinary NumPy array to the host (reads and writes at
 RAM speed) whose address is the GPU's address too; :func:`gpu_view` gives it to CuPy
-kernels. The memory is freed with the last array that refers to it.
+kernels. The memory is freed with the last array that refers to it, or, when that array
+goes during a CUDA-graph capture (a garbage-collection pass inside one: freeing waits for the
+GPU, which a capture forbids), at the next :func:`managed_empty` or :func:`free_unused`.
 
 Where the GPU cannot keep managed memory in host RAM while the host uses it
 (``concurrentManagedAccess`` = 0, as on Windows) or the driver lacks the calls,
@@ -35,9 +37,10 @@ import weakref
 
 import numpy as np
 
-from xferlib._backend import cupy_available
+from xferlib._backend import capture_in_progress, cupy_available, libcuda, relaxed_capture_mode
 
-__all__ = ["pinned_requested", "managed_available", "managed_empty", "is_managed", "gpu_view"]
+__all__ = ["pinned_requested", "managed_available", "managed_empty", "is_managed", "gpu_view",
+           "free_unused"]
 
 # CUmem_advise values and CUmemLocationType values of the driver API (cuda.h)
 _SET_PREFERRED_LOCATION, _SET_ACCESSED_BY = 3, 5
@@ -53,9 +56,8 @@ class _Location(ctypes.Structure):
 @functools.lru_cache(maxsize=None)
 def _driver():
     """libcuda's memory-advice entry point and whether it takes a location (CUDA >= 12.2)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    lib = libcuda()
+    if lib is None:
         return None
     advise = getattr(lib, "cuMemAdvise_v2", None)
     if advise is not None:
@@ -84,25 +86,46 @@ def managed_available() -> bool:
     return bool(cupy.cuda.Device().attributes.get("ConcurrentManagedAccess", 0))
 
 
-# Live managed blocks by start address: {start: nbytes} (is_managed answers from here). A
-# finalizer may free a block from any thread, or from a GC pass inside a lookup: hence the lock.
+# Live managed blocks by start address: {start: nbytes} (is_managed answers from here), and
+# the blocks whose last array went during a capture, still to free: [(start, device)]. A
+# finalizer may run on any thread, or from a GC pass inside a lookup: hence the lock.
 _BLOCKS: dict[int, int] = {}
+_UNFREED: list[tuple[int, int]] = []
 _LOCK = threading.RLock()
 
 
-def _free(ptr: int, device: int) -> None:
+def _last_array_gone(ptr: int, device: int) -> None:
+    """The finalizer: free the block now, or after the capture under way on this thread."""
     with _LOCK:
         _BLOCKS.pop(ptr, None)
+        _UNFREED.append((ptr, device))
+    if not capture_in_progress():
+        free_unused()
+
+
+def free_unused() -> int:
+    """Free the managed blocks no array refers to any more (those whose last array went
+    during a CUDA-graph capture; the others are freed at once). Returns how many. Call it
+    outside any capture; :func:`managed_empty` does."""
+    with _LOCK:
+        blocks = list(_UNFREED)
+        _UNFREED.clear()
+    if not blocks:
+        return 0
     import cupy
 
-    try:
-        # the work queued on the GPU that maps the block finishes before the block goes
-        # back to the driver (as pinned memory is released: xferlib.memory)
-        with cupy.cuda.Device(device):
-            cupy.cuda.runtime.deviceSynchronize()
-        cupy.cuda.runtime.free(ptr)
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pass  # no context left at interpreter exit, or a graph capture in progress
+    # relaxed: another thread's capture survives these calls
+    with relaxed_capture_mode():
+        for ptr, device in blocks:
+            try:
+                # the work queued on the GPU that maps the block finishes before the block
+                # goes back to the driver (as pinned memory is released: xferlib.memory)
+                with cupy.cuda.Device(device):
+                    cupy.cuda.runtime.deviceSynchronize()
+                cupy.cuda.runtime.free(ptr)
+            except cupy.cuda.runtime.CUDARuntimeError:
+                pass  # no context left at interpreter exit
+    return len(blocks)
 
 
 def _advise(ptr: int, nbytes: int, device: int) -> None:
@@ -147,6 +170,7 @@ def managed_empty(shape, dtype=np.float32) -> np.ndarray:
     nbytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
     if nbytes == 0:
         return np.zeros(dims, dtype)
+    free_unused()  # blocks whose last array went during a capture, before taking more
     device = cupy.cuda.Device().id
     ptr = cupy.cuda.runtime.mallocManaged(nbytes, 1)  # cudaMemAttachGlobal
     try:
@@ -161,7 +185,7 @@ def managed_empty(shape, dtype=np.float32) -> np.ndarray:
     raw = (ctypes.c_char * nbytes).from_address(ptr)
     with _LOCK:
         _BLOCKS[ptr] = nbytes
-    weakref.finalize(raw, _free, ptr, device)  # freed with the last array over it
+    weakref.finalize(raw, _last_array_gone, ptr, device)  # freed with the last array over it
     return np.frombuffer(raw, dtype=dtype).reshape(dims)
 
 

@@ -32,7 +32,7 @@ import weakref
 
 import numpy as np
 
-from xferlib._backend import cupy_available
+from xferlib._backend import capture_in_progress, cupy_available, libcuda, relaxed_capture_mode
 
 __all__ = ["PinnedArray", "pinned_empty", "pinned_zeros", "pin", "unpin", "is_pinned",
            "device_pointer", "available_host_memory", "check_host_memory"]
@@ -84,8 +84,10 @@ def _devices_in_use(count: int) -> list[int]:
     multi-GPU job must stay on its own GPU. Every GPU where the driver cannot be asked."""
     import ctypes
 
+    driver = libcuda()
+    if driver is None:
+        return list(range(count))
     try:
-        driver = ctypes.CDLL("libcuda.so.1")
         used = []
         for ordinal in range(count):
             device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
@@ -97,7 +99,7 @@ def _devices_in_use(count: int) -> list[int]:
             if active.value:
                 used.append(ordinal)
         return used
-    except (OSError, AttributeError):
+    except AttributeError:
         return list(range(count))
 
 
@@ -109,19 +111,24 @@ def _unregister(ptr: int) -> None:
             del _STARTS[i]
     import cupy
 
-    try:
-        # GPU calls return before the GPU is done with the memory (gathers and scatters check
-        # their indices later), so work queued on these pages must finish before they go back
-        # to the allocator and are reused.
-        for device in _devices_in_use(cupy.cuda.runtime.getDeviceCount()):
-            with cupy.cuda.Device(device):
-                cupy.cuda.runtime.deviceSynchronize()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pass  # no context left at interpreter exit, or a graph capture in progress
-    try:
-        cupy.cuda.runtime.hostUnregister(ptr)
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pass  # the CUDA context is already gone at interpreter exit: nothing left to release
+    # A finalizer: it may run inside a CUDA-graph capture (a GC pass), where a host sync is
+    # refused and an unregistration would invalidate the capture unless made in relaxed mode.
+    with relaxed_capture_mode():
+        if not capture_in_progress():
+            try:
+                # GPU calls return before the GPU is done with the memory (gathers and
+                # scatters check their indices later), so work queued on these pages must
+                # finish before they go back to the allocator and are reused. (A capture
+                # queues nothing that runs: torch's waits for the device before it starts.)
+                for device in _devices_in_use(cupy.cuda.runtime.getDeviceCount()):
+                    with cupy.cuda.Device(device):
+                        cupy.cuda.runtime.deviceSynchronize()
+            except cupy.cuda.runtime.CUDARuntimeError:
+                pass  # no context left at interpreter exit
+        try:
+            cupy.cuda.runtime.hostUnregister(ptr)
+        except cupy.cuda.runtime.CUDARuntimeError:
+            pass  # the CUDA context is already gone at interpreter exit: nothing to release
 
 
 def registration_of(start: int, nbytes: int) -> "_Registration | None":

@@ -136,3 +136,38 @@ def test_gpu_managed_arrays_reach_the_row_kernels_and_the_handoff_without_a_copy
         warnings.simplefilter("error")  # no slow-path warning for managed memory
         rows = xferlib.gather_rows(table, idx)
     np.testing.assert_array_equal(cupy.asnumpy(rows), table[[3, 999, 3, 0]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("memory", ["managed", "pinned"])
+def test_gpu_host_memory_dropped_inside_a_cuda_graph_capture_leaves_the_capture_intact(memory):
+    """A finalizer runs wherever garbage collection happens, a user's capture included: the
+    release must not invalidate it (a host sync or a free there did, intermittently, in
+    capture tests that followed tests leaving host tables behind). A managed block is freed
+    after the capture; a pinned range is unregistered at once."""
+    get_backend("cupy")
+    torch = pytest.importorskip("torch")
+    import xferlib
+
+    if memory == "managed" and not managed.managed_available():
+        pytest.skip("this GPU cannot keep managed memory in host RAM")
+    host = (managed.managed_empty((4096, 8), np.float32) if memory == "managed"
+            else xferlib.pinned_zeros((4096, 8), np.float32))
+    ptr = host.ctypes.data
+    x = torch.arange(4.0, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        del host  # the last reference: its finalizer runs here, inside the capture
+        y = x * 2 + 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert y.tolist() == [1.0, 3.0, 5.0, 7.0]
+    if memory == "managed":
+        assert any(p == ptr for p, _ in managed._UNFREED)  # kept until after the capture
+        assert managed.free_unused() >= 1
+        assert not any(p == ptr for p, _ in managed._UNFREED)
+    else:
+        from xferlib.memory import registration_of
+
+        assert registration_of(ptr, 4) is None  # unregistered inside the capture

@@ -272,8 +272,6 @@ def test_unpinning_waits_only_for_gpus_this_process_uses(monkeypatch):
     """Releasing pinned pages synchronizes the GPUs on which the process holds a context, as
     the driver reports them, and opens no other (a rank of a multi-GPU job stays on its own
     GPU); every GPU where the driver cannot be asked."""
-    import ctypes
-
     from xferlib import memory
 
     class FakeDriver:  # the two driver calls, on a machine whose process uses GPU 1 of 3
@@ -285,11 +283,7 @@ def test_unpinning_waits_only_for_gpus_this_process_uses(monkeypatch):
             active._obj.value = int(device.value == 1)
             return 0
 
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeDriver())
+    monkeypatch.setattr(memory, "libcuda", lambda: FakeDriver())
     assert memory._devices_in_use(3) == [1]
-
-    def missing(name):
-        raise OSError(name)
-
-    monkeypatch.setattr(ctypes, "CDLL", missing)
+    monkeypatch.setattr(memory, "libcuda", lambda: None)  # no driver library to ask
     assert memory._devices_in_use(3) == [0, 1, 2]
