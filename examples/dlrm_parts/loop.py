@@ -139,14 +139,19 @@ def train(run, log, eval_set, *, name, start_step, steps, batch_size, xp, evals,
           progress=True):
     """Run ``steps`` steps from ``start_step``; evaluate at the end and at ``evals`` points
     spread over the run; append to ``history``. Returns ``(seconds, timed steps)``: training
-    time without evaluations and without the first step (compilation, warm-up)."""
+    time without evaluations and without the run's warm-up steps (``run.warmup_steps()``,
+    default 1: compilation; a CUDA-graph run's eager warm-up steps and its capture)."""
     from tqdm import tqdm
 
     stop = start_step + steps
     points = set(int(round(start_step + steps * (k + 1) / max(evals, 1)))
                  for k in range(max(evals, 1)))
+    # The first steps compile and warm up (a graph-captured run: its eager warm-up steps and
+    # the capture): left out of samples/s, the same rule for every engine.
+    untimed = min(max(1, int(getattr(run, "warmup_steps", lambda: 1)())), steps - 1)
+
     def timed(done):  # steps inside the timed window
-        return max(done - start_step - (1 if steps > 1 else 0), 1)
+        return max(done - start_step - untimed, 1)
 
     bar = tqdm(total=steps, desc=name, unit="step", disable=not progress, leave=True,
                dynamic_ncols=True, mininterval=0.5)
@@ -156,7 +161,7 @@ def train(run, log, eval_set, *, name, start_step, steps, batch_size, xp, evals,
         losses.append(run.step(feed(step)))
         bar.update(1)
         done = step + 1
-        if step == start_step and steps > 1:  # the first step compiles and warms up: untimed
+        if untimed > 0 and done == start_step + untimed:  # the warm-up is over: untimed
             run.sync()
             t0 = time.perf_counter()
         if done in points or len(losses) >= 50:

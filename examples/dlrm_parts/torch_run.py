@@ -385,6 +385,13 @@ class TorchRun:
             self.sparse_opt.step()
         return loss.detach()
 
+    def warmup_steps(self) -> int:
+        """The coming steps that warm up rather than train at speed: the eager warm-up steps
+        and the capture when the step is still to be captured, else the first step."""
+        if self.use_graph and self.graph is None:
+            return max(0, WARMUP_STEPS - self.steps_done) + 1
+        return 1
+
     def step(self, data):
         self.steps_done += 1
         if not self.use_graph:
