@@ -172,10 +172,9 @@ def _torch_cuda_to_cupy(t):
 def _host_to_cupy(x: np.ndarray, copy, src_name: str):
     cupy = require_cupy()
     if copy is False:
-        from xferlib.managed import is_managed
-        from xferlib.memory import device_pointer, is_pinned
+        from xferlib.memory import device_pointer, is_gpu_mapped
 
-        if not (is_managed(x) or is_pinned(x)):
+        if not is_gpu_mapped(x):
             _no_copy_possible(src_name, "cupy", "pageable host memory is out of the GPU's reach "
                               "(pin it with xferlib.pin)")
         memory = cupy.cuda.UnownedMemory(device_pointer(x), x.nbytes, x)

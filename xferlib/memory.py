@@ -463,6 +463,14 @@ def is_pinned(array) -> bool:
     return True
 
 
+def is_gpu_mapped(array) -> bool:
+    """True when GPU kernels reach ``array``'s host memory: pinned (registered or allocated
+    page-locked) or managed memory (:func:`xferlib.managed.managed_empty`)."""
+    from xferlib.managed import is_managed
+
+    return is_managed(array) or is_pinned(array)
+
+
 def device_pointer(array: np.ndarray, name: str = "array") -> int:
     """The address at which the GPU sees a pinned host array, or one of managed memory
     (:func:`xferlib.managed.managed_empty`): equal to the host address under unified

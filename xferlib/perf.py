@@ -129,10 +129,9 @@ def warn_slow_rows_path(op: str, table, idx, rows=None) -> bool:
             return False
         if table.nbytes == 0:
             return False
-        from xferlib.managed import is_managed
-        from xferlib.memory import is_pinned
+        from xferlib.memory import is_gpu_mapped
 
-        if is_managed(table) or is_pinned(table):  # both reachable from the GPU
+        if is_gpu_mapped(table):
             return False
         return warn_pageable_table(op, table)
     if is_cupy_array(table) and isinstance(idx, np.ndarray) and idx.size:

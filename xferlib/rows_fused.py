@@ -18,7 +18,7 @@ import numpy as np
 from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array, namespace_name
 from xferlib._kernels.rows import FUSED_CHUNK_MAX, FUSED_THREADS, GATHER_FUSED, SCATTER_FUSED
 from xferlib.checks import PendingChecks, SlotChecks
-from xferlib.memory import device_pointer, is_pinned, registration_of
+from xferlib.memory import device_pointer, is_gpu_mapped, registration_of
 
 
 # ----------------------------------------------------------------------------- validation
@@ -68,10 +68,7 @@ def device_address(array, name: str) -> int:
 
 
 def is_gpu_reachable(array) -> bool:
-    from xferlib.managed import is_managed
-
-    return is_cupy_array(array) or (array.nbytes > 0 and registration_of(
-        array.ctypes.data, array.nbytes) is not None) or is_managed(array) or is_pinned(array)
+    return is_cupy_array(array) or is_gpu_mapped(array)
 
 
 def word_bytes(*values: int) -> int:
