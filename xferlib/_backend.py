@@ -155,12 +155,23 @@ def device_constant(values, dtype=None):
     for. A kernel that reads it may run on another stream (torch's and JAX's streams are
     non-blocking: they do not wait for CuPy's, nor for the legacy default stream), where an
     upload still in flight is read as whatever the memory held (seen as wrong steps, and
-    misaligned or illegal addresses from garbage offsets, on a loaded GPU). Not waited for
-    inside a graph capture (no host sync may happen there)."""
+    misaligned or illegal addresses from garbage offsets, on a loaded GPU). Called while
+    CuPy's current stream captures a CUDA graph (a first call inside a user's capture, or
+    inside a callback XLA records), the upload goes on a stream of its own in CUDA's
+    relaxed capture mode and is waited for there: a copy recorded into the graph would
+    read the host array again at every replay, long after it is gone."""
     import cupy
 
-    array = cupy.asarray(np.asarray(values, dtype=dtype))
-    finish_current_stream()
+    host = np.asarray(values, dtype=dtype)
+    if not is_capturing(cupy.cuda.get_current_stream()):
+        array = cupy.asarray(host)
+        finish_current_stream()
+        return array
+    with relaxed_capture_mode():
+        side = cupy.cuda.Stream(non_blocking=True)
+        with side:
+            array = cupy.asarray(host)
+        side.synchronize()
     return array
 
 

@@ -118,7 +118,7 @@ class Verdict:
 # ----------------------------------------------------------------------------- pending checks
 
 _RING = 64  # pinned slots of uncaptured verdicts, reused round-robin
-_GRAPH_SLOTS = 64  # pinned slots handed once each to captured verdicts
+_GRAPH_SLOTS = 64  # pinned slots of captured verdicts (PendingChecks: reused round-robin)
 
 
 class _Entry:
@@ -160,7 +160,8 @@ class PendingChecks:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit
         self.entries = collections.deque()
-        self.graph = []  # entries of captured pushes; their slots are rewritten by replays
+        # entries of captured pushes by slot; their slots are rewritten by replays
+        self.graph = {}
         self.lock = threading.RLock()
         self.host = None  # pinned (_RING + _GRAPH_SLOTS, 2) uint64, on the first push
         self.events = [None] * _RING
@@ -195,16 +196,19 @@ class PendingChecks:
                 self._allocate()
             if is_capturing(stream):
                 # A graph's copy node writes this slot at every replay; no event (none can be
-                # queried in a capture).
-                if self.next_graph < len(self.host):
-                    host, self.next_graph = self.host[self.next_graph], self.next_graph + 1
-                else:
-                    host = cupyx.empty_pinned(2, dtype=np.uint64)
-                    host[...] = NO_BAD
+                # queried in a capture). The slots go round: recordings can be made without
+                # end (XLA records again whenever a step's buffers move), each slot and its
+                # pinned memory stays, and the newest recording takes over the slot of the
+                # one _GRAPH_SLOTS recordings older (should both still replay, the slot
+                # holds the verdict of whichever replayed last).
+                slot = _RING + (self.next_graph - _RING) % _GRAPH_SLOTS
+                self.next_graph += 1
+                host = self.host[slot]
                 cupy.cuda.runtime.memcpyAsync(host.ctypes.data, verdict.words.data.ptr, 16,
                                               cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-                self.graph.append(_Entry(verdict, host, None, None, keep, early,
-                                         cupy.cuda.runtime.getDevice(), stream))
+                self.graph.pop(slot, None)  # re-inserted last: the dict keeps push order
+                self.graph[slot] = _Entry(verdict, host, slot, None, keep, early,
+                                          cupy.cuda.runtime.getDevice(), stream)
                 return
             if not self.entries and cupy.cuda.runtime.getDevice() != self.device:
                 self._allocate()  # the owner moved to another device: a ring of its own
@@ -256,18 +260,19 @@ class PendingChecks:
             if wait and self.held is not None:
                 error, self.held = self.held, None
                 raise error
-            if wait and self.graph and not any(_still_capturing(e.stream) for e in self.graph):
+            graph = list(self.graph.values())
+            if wait and graph and not any(_still_capturing(e.stream) for e in graph):
                 # Replays may run on any stream and carry no event: wait for the devices the
                 # graphs were captured on, so a check right after graph.replay() reads that
                 # replay's verdict. (Not while a capture is under way: a check inside it,
                 # e.g. a torch adapter's after its op, reads the eager verdicts only.)
                 import cupy
 
-                for device in {e.device for e in self.graph}:
+                for device in {e.device for e in graph}:
                     with cupy.cuda.Device(device):
                         cupy.cuda.runtime.deviceSynchronize()
-                read = [(e.verdict, e.host.copy()) for e in self.graph]
-                for e in self.graph:
+                read = [(e.verdict, e.host.copy()) for e in graph]
+                for e in graph:
                     e.host[...] = NO_BAD  # the next replay writes it again
                 for verdict, words in read:
                     verdict.checked = False

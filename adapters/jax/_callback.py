@@ -115,3 +115,45 @@ def vary_like(x, *deps):
         term = (dep.reshape(-1)[0] * 0).astype(x.dtype)
         zero = term if zero is None else zero + term
     return x if zero is None else x + zero
+
+
+def private_pool(owner: dict, device: int):
+    """The CuPy memory pool of ``owner``'s callbacks on ``device`` (made on first use; kept in
+    ``owner``, a dict the callbacks' closure holds)."""
+    pool = owner.get(device)
+    if pool is None:
+        import cupy
+
+        pool = owner[device] = cupy.cuda.MemoryPool()
+    return pool
+
+
+@contextlib.contextmanager
+def recordable_scope(pools: dict, ctx, gpu: bool):
+    """Inside, a GPU callback may be recorded into one of XLA's command buffers (CUDA graphs
+    replayed without calling the callback again): CuPy allocates the callback's scratch
+    from ``pools``' private pool, and while XLA records, this thread may allocate memory
+    (CUDA's relaxed capture mode).
+
+    The private pool is what keeps a recording valid: a replay writes and reads the
+    addresses the recording saw, so no other code may be handed that memory. Only this
+    owner's callbacks allocate from it, one after another on XLA's stream, and each
+    recording's scratch is used within its own replay; the pool's blocks live as long as
+    ``pools`` (the callbacks' closure), so a replay never touches memory given back. The
+    first calls with a batch shape grow the pool; a recording at that shape then finds
+    its blocks there."""
+    if not gpu:
+        yield
+        return
+    import cupy
+
+    from xferlib._backend import as_cupy_stream, is_capturing, relaxed_capture_mode
+
+    stream = as_cupy_stream(xla_stream(ctx, gpu))
+    pool = private_pool(pools, int(cupy.cuda.runtime.getDevice()))
+    with cupy.cuda.using_allocator(pool.malloc):
+        if is_capturing(stream):
+            with relaxed_capture_mode():
+                yield
+        else:
+            yield

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from xferlib.adapters.jax._callback import as_core_array, device_scope, is_gpu_buffer, xla_stream
+from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
+                                            recordable_scope, xla_stream)
 from xferlib.adapters.jax.errors import as_index_array, is_concrete, reporting, typed_errors
 from xferlib.adapters.jax.host import fill_token
 from xferlib.collection import EmbeddingCollection
@@ -82,6 +83,8 @@ def _make(ref, weighted: bool):
     """The custom_vjp for the collection ``ref()`` (held weakly: the cache must not keep a
     collection and its tables alive)."""
 
+    pools = {}  # device -> the callbacks' private CuPy pool (see recordable_scope)
+
     def core_inputs(buffers, gpu):
         arrays = [as_core_array(b, gpu) for b in buffers]
         return arrays[0], arrays[1], arrays[2] if weighted else None
@@ -97,7 +100,7 @@ def _make(ref, weighted: bool):
     @reporting
     def forward_callback(ctx, out, *buffers):
         gpu = is_gpu_buffer(out)
-        with device_scope(gpu, out, buffers[0]):
+        with device_scope(gpu, out, buffers[0]), recordable_scope(pools, ctx, gpu):
             indices, offsets, weights = core_inputs(buffers, gpu)
             collection_for(gpu).lookup(indices, offsets, weights,
                                        out=as_core_array(out, gpu),
@@ -106,7 +109,7 @@ def _make(ref, weighted: bool):
     @reporting
     def training_forward_callback(ctx, out, *buffers):
         gpu = is_gpu_buffer(out)
-        with device_scope(gpu, out, buffers[0]):
+        with device_scope(gpu, out, buffers[0]), recordable_scope(pools, ctx, gpu):
             indices, offsets, weights = core_inputs(buffers, gpu)
             coll = collection_for(gpu)
             _, lookup = coll.forward(indices, offsets, weights, out=as_core_array(out, gpu),
@@ -117,7 +120,7 @@ def _make(ref, weighted: bool):
     def update_callback(ctx, token, *buffers):
         # buffers: indices, offsets, [weights], the forward's output (unread), the gradient
         gpu = is_gpu_buffer(token)
-        with device_scope(gpu, token, buffers[0]):
+        with device_scope(gpu, token, buffers[0]), recordable_scope(pools, ctx, gpu):
             coll, stream = collection_for(gpu), xla_stream(ctx, gpu)
             indices, offsets, weights = core_inputs(buffers[:-2], gpu)
             lookup = coll.take_context(_buffer_key(indices, offsets, weights))
@@ -131,8 +134,8 @@ def _make(ref, weighted: bool):
         B = (offsets.shape[0] - 1) // coll.num_tables
         out_type = jax.ShapeDtypeStruct((B, coll.total_dim), coll.dtype)
         extra = (weights,) if weighted else ()
-        return buffer_callback(callback, out_type, has_side_effect=True)(
-            indices, offsets, *extra)
+        return buffer_callback(callback, out_type, has_side_effect=True,
+                               command_buffer_compatible=True)(indices, offsets, *extra)
 
     @jax.custom_vjp
     def function(anchor, indices, offsets, weights):
@@ -150,7 +153,8 @@ def _make(ref, weighted: bool):
         # that makes XLA run the update after the lookup. The pooled gradient alone does not
         # (the gradient of sum(pooled * w) is w: the update could run first, and the lookup
         # would read updated rows). Nothing reads the token: the side effect keeps the update.
-        buffer_callback(update_callback, token_type, has_side_effect=True)(
+        buffer_callback(update_callback, token_type, has_side_effect=True,
+                        command_buffer_compatible=True)(
             indices, offsets, *extra, out, g.astype(ref().dtype))
         return (jnp.zeros_like(anchor), np.zeros(indices.shape, jax.dtypes.float0),
                 np.zeros(offsets.shape, jax.dtypes.float0),

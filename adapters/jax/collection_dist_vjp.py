@@ -14,7 +14,8 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib.adapters.jax._callback import (as_core_array, buffer_device, device_scope,
-                                            is_gpu_buffer, vary_like, xla_stream)
+                                            is_gpu_buffer, recordable_scope, vary_like,
+                                            xla_stream)
 from xferlib.adapters.jax.errors import reporting
 from xferlib.adapters.jax.host import fill_token
 from xferlib.backend import as_cupy_stream, stream_scope
@@ -43,6 +44,7 @@ def sharded_function(sharded):
     of its rank (the rank arrives as an input buffer, read on the host)."""
     shards, ordinals = sharded.shards, sharded._ordinals
     max_dim = sharded.max_dim
+    pools = {}  # device -> the callbacks' private CuPy pool (see recordable_scope)
 
     def host_ints(buffer, gpu, stream, start, stop):
         """``buffer[start:stop]`` as host ints; on a GPU once the work XLA queued before on
@@ -115,7 +117,7 @@ def sharded_function(sharded):
         @reporting
         def callback(ctx, out, rank_b, idx_b, off_b, w_b):
             gpu = is_gpu_buffer(out)
-            with device_scope(gpu, out):
+            with device_scope(gpu, out), recordable_scope(pools, ctx, gpu):
                 stream = xla_stream(ctx, gpu)
                 out = as_core_array(out, gpu)
                 rank, coll, idx, off, w = (
@@ -138,7 +140,7 @@ def sharded_function(sharded):
     @reporting
     def update_callback(ctx, token, rank_b, idx_b, off_b, w_b, out_b, g_b):
         gpu = is_gpu_buffer(token)
-        with device_scope(gpu, token):
+        with device_scope(gpu, token), recordable_scope(pools, ctx, gpu):
             stream = xla_stream(ctx, gpu)
             fill_token(ctx, token, gpu)
             g = as_core_array(g_b, gpu)
@@ -160,7 +162,8 @@ def sharded_function(sharded):
 
     def pooled(rank, idx, off, w, B, callback):
         out_type = jax.ShapeDtypeStruct((B, max_dim), sharded.dtype)
-        out = buffer_callback(callback, out_type, has_side_effect=True)(rank, idx, off, w)
+        out = buffer_callback(callback, out_type, has_side_effect=True,
+                              command_buffer_compatible=True)(rank, idx, off, w)
         # Typed as differing between devices (it does): JAX types a callback's output as
         # the same on every device, and would sum its gradient over the mesh.
         return vary_like(out, idx)
@@ -180,7 +183,8 @@ def sharded_function(sharded):
         token_type = jax.ShapeDtypeStruct((), np.int32)
         # The forward's output is an input of the update, unread: the update runs after the
         # lookup. Nothing reads the token: the side effect keeps the update.
-        buffer_callback(update_callback, token_type, has_side_effect=True)(
+        buffer_callback(update_callback, token_type, has_side_effect=True,
+                        command_buffer_compatible=True)(
             rank, idx, off, w, out, g.astype(sharded.dtype))
         f0 = jax.dtypes.float0
         return (jnp.zeros_like(anchor), np.zeros(rank.shape, f0), np.zeros(idx.shape, f0),

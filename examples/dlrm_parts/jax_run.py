@@ -49,6 +49,19 @@ def split_chunk(*arrays):
     return [tuple(a[k] for a in arrays) for k in range(arrays[0].shape[0])]
 
 
+class ChunkStep(tuple):
+    """Step ``k`` of a chunk: ``(chunk arrays, k)``, ``k`` a device scalar. The jitted step
+    slices its batch out of the chunk itself, so the batch the collection's callbacks read
+    lies in the step's own scratch, at the same address every step: XLA then replays the
+    callbacks it recorded into its command buffers instead of recording them again
+    (recordings are keyed by the addresses of the buffers they touch)."""
+
+    def batch(self):
+        """The step's ``(dense, cat, label)`` as arrays of their own (eager slices)."""
+        arrays, k = self
+        return tuple(a[k] for a in arrays)
+
+
 class JaxRun:
     def __init__(self, preset, plan, seed, device, xp=np, optimizer="adagrad"):
         self.xp, self.gpu = xp, device != "cpu"
@@ -77,6 +90,7 @@ class JaxRun:
                 self.tt_shapes.append((t.tt_p, t.tt_q, t.tt_ranks))
         self.li, self.lj = np.triu_indices(num_tables + 1, 1)
         self.steps_done = 0
+        self._step_numbers = []
         self.graph_note = "one jax.jit step, buffers donated"
         self._build()
 
@@ -140,7 +154,9 @@ class JaxRun:
         def loss_fn(flat, anchor, tt, dense, cat, label):
             return _bce(self._interact(flat, dense, self._embed(anchor, tt, cat)), label)
 
-        def step(flat, opt_state, tt, tt_acc, anchor, dense, cat, label):
+        def step(flat, opt_state, tt, tt_acc, anchor, chunk, k):
+            dense, cat, label = (jax.lax.dynamic_index_in_dim(a, k, keepdims=False)
+                                 for a in chunk)
             # the collection's tables take their Adagrad step while the gradient is taken
             loss, (g_flat, _, g_tt) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
                 flat, anchor, tt, dense, cat, label)
@@ -173,13 +189,21 @@ class JaxRun:
         more host time than the step's own dispatch)."""
         # The views share the chunk's CuPy memory: held until the next chunk replaces them,
         # steps after the split that reads them was queued.
-        self._chunk_views = self.to_framework(chunk)
-        return split_chunk(*self._chunk_views)
+        self._chunk_views = views = self.to_framework(chunk)
+        return [ChunkStep((views, k)) for k in self._step_numbers_upto(len(chunk.cat))]
+
+    def _step_numbers_upto(self, n):
+        """Device scalars 0 .. n - 1 (made once: a transfer per step would cost host time)."""
+        if len(self._step_numbers) < n:
+            self._step_numbers = [jax.device_put(np.int32(k), self.where) for k in range(n)]
+        return self._step_numbers[:n]
 
     def step(self, data):
-        dense, cat, label = data
+        if not isinstance(data, ChunkStep):  # one batch of its own: a chunk of one step
+            data = ChunkStep((tuple(a[None] for a in data), self._step_numbers_upto(1)[0]))
+        chunk, k = data
         self.flat, self.opt_state, self.tt, self.tt_acc, loss = self._train_step(
-            self.flat, self.opt_state, self.tt, self.tt_acc, self.anchor, dense, cat, label)
+            self.flat, self.opt_state, self.tt, self.tt_acc, self.anchor, chunk, k)
         self.steps_done += 1
         return loss
 
@@ -206,6 +230,8 @@ class JaxRun:
             jax.block_until_ready(out)
             return 1e3 * (time.perf_counter() - t0) / n
 
+        steps, batches = batches, [b.batch() if isinstance(b, ChunkStep) else b
+                                   for b in batches]
         pooled = self._p_embed(self.tt, batches[0][1])
         grads = self._p_dense(self.flat, pooled, batches[0][0], batches[0][2])[1][0]
         opt_state = jax.tree_util.tree_map(jnp.copy, self.opt_state)
@@ -216,7 +242,7 @@ class JaxRun:
                "optimizer": ms(lambda i: self._p_opt(grads, opt_state, flat))}
         t0 = time.perf_counter()
         host = []
-        for data in batches:
+        for data in steps:
             h0 = time.perf_counter()
             self.step(data)
             host.append(time.perf_counter() - h0)

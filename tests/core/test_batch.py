@@ -188,6 +188,36 @@ def test_captured_verdicts_are_read_after_replays():
     checks.poll(wait=True)  # reported once
 
 
+@pytest.mark.gpu
+def test_recordings_without_end_take_their_slots_round():
+    """Each recording's verdict takes a pinned slot; recordings made without end (XLA records
+    again whenever a step's buffers move) reuse the slots of the oldest, holding no more
+    entries or memory, and the newest recording still reports a bad batch."""
+    from xferlib.checks import _GRAPH_SLOTS
+
+    cupy = _cupy()
+    checks = PendingChecks(limit=3)
+    idx = cupy.zeros(64, dtype=np.int64)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    pool = cupy.cuda.MemoryPool()
+    graphs = []
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        plan_batch(idx, 100, stream=stream).verdict.defer(checks, stream)  # warm up
+        checks.poll(wait=True)
+        for _ in range(_GRAPH_SLOTS + 6):
+            stream.begin_capture()
+            plan_batch(idx, 100, stream=stream).verdict.defer(checks, stream)
+            graphs.append(stream.end_capture())
+    assert len(checks.graph) == _GRAPH_SLOTS
+    idx[7] = 100
+    cupy.cuda.Device().synchronize()
+    graphs[-1].launch(stream)
+    stream.synchronize()
+    with pytest.raises(IndexError, match="index 100 at position 7"):
+        checks.poll(wait=True)
+    checks.poll(wait=True)
+
+
 def test_pending_checks_copy_and_pickle_as_an_empty_queue():
     import copy
     import pickle

@@ -4,6 +4,8 @@ lax.scan; bad input."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -404,3 +406,55 @@ def test_tt_tables_on_every_backend_train_as_the_cpu_core(device):
         core.backward(ctx, target)
     coll.check()
     assert_state_equal(coll, core, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hyper(
+        monkeypatch):
+    """XLA records the collection's callbacks into its command buffers and replays them
+    when a step's buffers stay where they were (here the batch is sliced out of a chunk
+    inside the step): the tables and state after the replays are those of the core's own
+    calls, bitwise; an lr set between steps reaches the replays; and the callbacks ran
+    fewer times than there were steps."""
+    import cupy
+
+    tables = [TableConfig(1000, 16, placement="hbm"),
+              TableConfig(5000, 32, placement="host", cache_rows=256),
+              TableConfig(77, 8, placement="hbm")]
+    replayed, eager = (EmbeddingCollection(tables, "adam", {"lr": 0.05}, device="cuda",
+                                           seed=3) for _ in range(2))
+    calls = []
+    forward = replayed.forward
+    monkeypatch.setattr(replayed, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    rng = np.random.default_rng(0)
+    B, L, steps = 64, 5, 8
+    offsets = np.arange(0, 3 * B * L + 1, L, dtype=np.int32)
+    chunks = [np.stack([np.concatenate([rng.zipf(1.2, B * L) % c.num_rows for c in tables])
+                        for _ in range(steps)]).astype(np.int32) for _ in range(3)]
+    target = rng.standard_normal((B, replayed.total_dim)).astype(np.float32)
+
+    @jax.jit
+    def step(anchor, chunk, k):
+        indices = jax.lax.dynamic_index_in_dim(chunk, k, keepdims=False)
+        return jax.grad(lambda a: _loss(replayed, a, indices, jnp.asarray(offsets), None,
+                                        jnp.asarray(target)))(anchor)
+
+    numbers = [jnp.int32(k) for k in range(steps)]
+    anchor = collection_anchor()
+    for c, chunk in enumerate(chunks):
+        if c == 2:  # a schedule's change between steps
+            jax.block_until_ready(anchor)
+            replayed.set_hyper(lr=0.01)
+            eager.set_hyper(lr=0.01)
+        on_gpu = jnp.asarray(chunk)
+        for k in numbers:
+            anchor = step(anchor, on_gpu, k)
+        for k in range(steps):
+            _, ctx = eager.forward(cupy.asarray(chunk[k]), cupy.asarray(offsets))
+            eager.backward(ctx, cupy.asarray(target))
+    jax.block_until_ready(anchor)
+    replayed.check()
+    eager.check()
+    assert_state_equal(replayed, eager)
+    if "command_buffer" not in os.environ.get("XLA_FLAGS", ""):  # XLA's defaults record them
+        assert len(calls) < len(chunks) * steps, "XLA replayed no step"

@@ -26,7 +26,7 @@ import numbers
 
 import numpy as np
 
-from xferlib._backend import array_module, cupy_available, is_cupy_array
+from xferlib._backend import array_module, capture_in_progress, cupy_available, is_cupy_array
 from xferlib.collection.config import POOLINGS, TableConfig, pack_features
 from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
 from xferlib.collection.numpy_path import (check_inputs_numpy, pooled_lookup_numpy,
@@ -383,6 +383,10 @@ class EmbeddingCollection:
         """Change hyperparameters (e.g. ``lr`` from a schedule) for the following steps, of
         every table or of ``table`` alone. Changes that alter the state layout are refused."""
         targets = range(self.num_tables) if table is None else [self._index(table)]
+        if self._gpu is not None and capture_in_progress():
+            raise RuntimeError("set_hyper cannot run while a CUDA graph is being captured "
+                               "(a replay would not run it): change hyperparameters between "
+                               "steps")
         new, tt = list(self.hypers), {}
         for t in targets:
             h = resolve_hyper(self.optimizer, {**self.hypers[t], **changes})

@@ -22,7 +22,8 @@ import dataclasses
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, device_constant, is_capturing
+from xferlib._backend import (as_cupy_stream, device_constant, finish_current_stream,
+                              is_capturing)
 from xferlib._kernels import grid_1d, launch_config
 from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, POSITIONS, RUNS, STAGE,
                                          SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, UPDATE, c_type,
@@ -163,21 +164,32 @@ class CollectionDevice:
                                                self.max_blocks),
                                      min(cache_rows, self.host_rows), "lru", "second-sight")
 
+    def _hyper_rows(self) -> np.ndarray:
+        rule = self.coll.rule
+        rows = []
+        for h in self.coll.hypers:
+            values = [float(v) for v in rule.kernel_hyper(h)]
+            rows.append(values + [0.0] * (16 - len(values)))
+        return np.array(rows, dtype=np.float64)
+
     def hypers_changed(self) -> None:
-        self.hyper = None
+        """Write the new hyperparameters into the one device array the update reads, in place:
+        steps replayed from a CUDA graph (torch's, or XLA's command buffers) read that array
+        at the address they recorded and never ask for it again. Queued steps finish first
+        (they were queued with the old values), so this waits for the device once
+        (``set_hyper`` refuses to run during a capture)."""
+        if self.hyper is None:
+            return
+        import cupy
+
+        with self.hyper.device:
+            cupy.cuda.runtime.deviceSynchronize()
+            self.hyper.set(self._hyper_rows())
+            finish_current_stream()
 
     def _hyper_array(self):
-        if self.hyper is None:
-            rule = self.coll.rule
-            rows = []
-            for h in self.coll.hypers:
-                values = [float(v) for v in rule.kernel_hyper(h)]
-                rows.append(values + [0.0] * (16 - len(values)))
-            # uploaded on the launch's own stream (backward's `with stream`): ordered before
-            # the update that reads it, no wait (a schedule changes it every step)
-            import cupy
-
-            self.hyper = cupy.asarray(np.array(rows, dtype=np.float64))
+        if self.hyper is None:  # once, at the first update: device memory kept for good
+            self.hyper = device_constant(self._hyper_rows())
         return self.hyper
 
     def _record(self, stream) -> None:
