@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from xferlib.adapters.jax import ShardedCollection, collection_anchor, flat_step  # noqa: E402
 
 from .jax_mesh_run import mesh_devices  # noqa: E402
-from .jax_run import JaxRun, split_chunk  # noqa: E402
+from .jax_run import ChunkStep, JaxRun  # noqa: E402
 
 AXIS = "batch"
 
@@ -89,6 +89,9 @@ class JaxShardedRun(JaxRun):
         self._batch_specs = (PartitionSpec(AXIS), PartitionSpec(None, AXIS),
                              PartitionSpec(AXIS))
         self._batch = tuple(NamedSharding(self.mesh, s) for s in self._batch_specs)
+        # a chunk of batches: the steps first, each batch sharded as above
+        self._chunk_specs = tuple(PartitionSpec(None, *s) for s in self._batch_specs)
+        self._chunk = tuple(NamedSharding(self.mesh, s) for s in self._chunk_specs)
         self.where = self._replicated  # the MLPs and their state on every device
         self._dense_state(seed)
         self.coll_tables, self.tt_tables = [t.index for t in plan.tables], []
@@ -101,6 +104,7 @@ class JaxShardedRun(JaxRun):
         self.anchor = jax.device_put(np.asarray(collection_anchor()), self._replicated)
         self.li, self.lj = np.triu_indices(num_tables + 1, 1)
         self.steps_done = 0
+        self._step_numbers = []
         self.graph_note = (f"one jax.jit step over {devices} devices (shard_map), the "
                            f"collection sharded: {sharding.describe().splitlines()[0]}")
         self._build()
@@ -122,7 +126,11 @@ class JaxShardedRun(JaxRun):
             # this device's share of the global mean: the devices' gradients add up to it
             return _bce_sum(logits, label) / (label.shape[0] * n_devices)
 
-        def step(flat, opt_state, anchor, dense, cat, label):
+        def step(flat, opt_state, anchor, chunk_dense, chunk_cat, chunk_label, k):
+            # the step's batch sliced out of its chunk here: it lies at one address every
+            # step, and XLA replays the collection's recorded callbacks
+            dense, cat, label = (jax.lax.dynamic_index_in_dim(a, k, keepdims=False)
+                                 for a in (chunk_dense, chunk_cat, chunk_label))
             # the owners' tables take their Adagrad step while the gradient is taken
             loss, (g_flat, _) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
                 flat, anchor, dense, cat, label)
@@ -130,7 +138,7 @@ class JaxShardedRun(JaxRun):
             return flat, opt_state, jax.lax.psum(loss, AXIS)
 
         self._train_step = jax.jit(jax.shard_map(
-            step, mesh=self.mesh, in_specs=(rep, rep, rep) + self._batch_specs,
+            step, mesh=self.mesh, in_specs=(rep, rep, rep) + self._chunk_specs + (rep,),
             out_specs=rep), donate_argnums=(0, 1))
 
         def predict(flat, dense, cat):
@@ -146,11 +154,18 @@ class JaxShardedRun(JaxRun):
     # ------------------------------------------------------------------ runner interface
     def _chunk_steps(self, chunk):
         """With processes, a chunk's steps in one go (``JaxRun.chunk_steps``): this
-        process's part of the chunk crosses to JAX once, one jitted call on its device splits
-        it into the steps' parts, and each becomes its step's global batch without a copy."""
-        # held while the split's reads are queued
-        self._chunk_views = JaxRun.to_framework(self, chunk)
-        return [self._global_batch(part) for part in split_chunk(*self._chunk_views)]
+        process's part of the chunk crosses to JAX once and becomes the global chunk
+        without a copy; each step takes it with its step number and slices its batch."""
+        global_chunk = self._global_batch(JaxRun.to_framework(self, chunk), self._chunk,
+                                          self._chunk_specs)
+        return [ChunkStep((global_chunk, k)) for k in self._step_numbers_upto(len(chunk.cat))]
+
+    def _step_numbers_upto(self, n):
+        """Step numbers 0 .. n - 1 as scalars replicated over the mesh (made once)."""
+        if len(self._step_numbers) < n:
+            self._step_numbers = [jax.make_array_from_callback(
+                (), self._replicated, lambda _, k=k: np.int32(k)) for k in range(n)]
+        return self._step_numbers[:n]
 
     def to_framework(self, batch):
         data = JaxRun.to_framework(self, batch)  # each device gets its slice of the batch
@@ -160,12 +175,14 @@ class JaxShardedRun(JaxRun):
             return data  # an evaluation chunk that does not split: predict pads it
         return tuple(jax.device_put(a, s) for a, s in zip(data, self._batch))
 
-    def _global_batch(self, data):
+    def _global_batch(self, data, shardings=None, specs=None):
         """The global batch's arrays whose one shard on this process's device is this
         process's ``data`` (already there: no copy, no slicing op, as
-        ``make_array_from_process_local_data`` would dispatch per array and step)."""
+        ``make_array_from_process_local_data`` would dispatch per array and step); with
+        ``shardings`` and ``specs``, of that layout (a chunk's)."""
         out = []
-        for local, sharding, spec in zip(data, self._batch, self._batch_specs):
+        for local, sharding, spec in zip(data, shardings or self._batch,
+                                         specs or self._batch_specs):
             shape = list(local.shape)
             shape[list(spec).index(AXIS)] *= self.devices
             if local.devices() != {self.device}:
@@ -187,12 +204,15 @@ class JaxShardedRun(JaxRun):
         return (*self.to_framework(part), B)
 
     def step(self, data):
-        dense, cat, label = data
-        if label.shape[0] % self.devices:
-            raise ValueError(f"--batch-size {label.shape[0]} (the global batch) must be a "
-                             f"multiple of --devices {self.devices}")
+        if not isinstance(data, ChunkStep):  # one batch of its own: a chunk of one step
+            if data[2].shape[0] % self.devices:
+                raise ValueError(f"--batch-size {data[2].shape[0]} (the global batch) must "
+                                 f"be a multiple of --devices {self.devices}")
+            data = ChunkStep((tuple(jax.device_put(a[None], s) for a, s in
+                                    zip(data, self._chunk)), self._step_numbers_upto(1)[0]))
+        chunk, k = data
         self.flat, self.opt_state, loss = self._train_step(
-            self.flat, self.opt_state, self.anchor, dense, cat, label)
+            self.flat, self.opt_state, self.anchor, *chunk, k)
         self.steps_done += 1
         # with processes the loss (the same everywhere) is read from this process's copy
         return loss.addressable_shards[0].data if self.processes else loss
