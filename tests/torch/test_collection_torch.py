@@ -541,3 +541,44 @@ def test_a_cached_step_past_the_small_sort_replayed_from_a_cuda_graph_trains_as_
                                    msg=key)
     stats = graphed[0].collection.cache_stats()
     assert stats["admitted"] > 0 and stats["hits"] > 0
+
+
+@pytest.mark.gpu
+def test_set_hyper_reaches_replays_of_a_captured_step_and_is_refused_inside_a_capture():
+    """A captured step reads the hyperparameters where they were when it was captured:
+    set_hyper writes them there, so an lr of 0 set after the capture stops the replays'
+    updates; inside a capture (which a replay would not run) it raises and changes
+    nothing."""
+    _need_gpu()
+    ebc = EmbeddingBagCollection(tables(), "sgd", {"lr": 0.5}, device="cuda", seed=3)
+    offsets, batches = fixed_length_batches(ROWS, 16, 1)
+    idx = batches[0][0]
+
+    def step():
+        ebc(idx, offsets).sum().backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+        with pytest.raises(RuntimeError, match="captured"):
+            ebc.collection.set_hyper(lr=0.0)
+    assert all(h["lr"] == 0.5 for h in ebc.collection.hypers)
+
+    def weights():
+        torch.cuda.synchronize()
+        return [ebc.collection.weights(t).copy() for t in range(len(ROWS))]
+
+    before = weights()
+    graph.replay()
+    assert any(not np.array_equal(a, b) for a, b in zip(before, weights()))
+    ebc.collection.set_hyper(lr=0.0)
+    before = weights()
+    graph.replay()
+    for a, b in zip(before, weights()):
+        np.testing.assert_array_equal(a, b)
