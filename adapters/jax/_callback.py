@@ -141,9 +141,9 @@ def recordable_scope(pools: dict, ctx, gpu: bool):
     recording's scratch is used within its own replay; the pool's blocks live as long as
     ``pools`` (the callbacks' closure), so a replay never touches memory given back. The
     first calls with a batch shape grow the pool; a recording at that shape then finds
-    its blocks there."""
+    its blocks there. Yields whether XLA is recording this call."""
     if not gpu:
-        yield
+        yield False
         return
     import cupy
 
@@ -154,6 +154,6 @@ def recordable_scope(pools: dict, ctx, gpu: bool):
     with cupy.cuda.using_allocator(pool.malloc):
         if is_capturing(stream):
             with relaxed_capture_mode():
-                yield
+                yield True
         else:
-            yield
+            yield False

@@ -109,21 +109,23 @@ def _make(ref, weighted: bool):
     @reporting
     def training_forward_callback(ctx, out, *buffers):
         gpu = is_gpu_buffer(out)
-        with device_scope(gpu, out, buffers[0]), recordable_scope(pools, ctx, gpu):
+        with device_scope(gpu, out, buffers[0]), \
+                recordable_scope(pools, ctx, gpu) as recording:
             indices, offsets, weights = core_inputs(buffers, gpu)
             coll = collection_for(gpu)
             _, lookup = coll.forward(indices, offsets, weights, out=as_core_array(out, gpu),
                                      stream=xla_stream(ctx, gpu))
-            coll.keep_context(_buffer_key(indices, offsets, weights), lookup)
+            coll.keep_context(_buffer_key(indices, offsets, weights), lookup, recording)
 
     @reporting
     def update_callback(ctx, token, *buffers):
         # buffers: indices, offsets, [weights], the forward's output (unread), the gradient
         gpu = is_gpu_buffer(token)
-        with device_scope(gpu, token, buffers[0]), recordable_scope(pools, ctx, gpu):
+        with device_scope(gpu, token, buffers[0]), \
+                recordable_scope(pools, ctx, gpu) as recording:
             coll, stream = collection_for(gpu), xla_stream(ctx, gpu)
             indices, offsets, weights = core_inputs(buffers[:-2], gpu)
-            lookup = coll.take_context(_buffer_key(indices, offsets, weights))
+            lookup = coll.take_context(_buffer_key(indices, offsets, weights), recording)
             if lookup is None:  # the forward's context is gone: plan the batch again
                 _, lookup = coll.forward(indices, offsets, weights, stream=stream)
             coll.backward(lookup, as_core_array(buffers[-1], gpu), stream=stream)

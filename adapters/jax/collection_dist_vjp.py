@@ -117,7 +117,7 @@ def sharded_function(sharded):
         @reporting
         def callback(ctx, out, rank_b, idx_b, off_b, w_b):
             gpu = is_gpu_buffer(out)
-            with device_scope(gpu, out), recordable_scope(pools, ctx, gpu):
+            with device_scope(gpu, out), recordable_scope(pools, ctx, gpu) as recording:
                 stream = xla_stream(ctx, gpu)
                 out = as_core_array(out, gpu)
                 rank, coll, idx, off, w = (
@@ -134,13 +134,13 @@ def sharded_function(sharded):
                 with stream_scope(stream, gpu):
                     out[:, :coll.total_dim] = pooled
                 if train:
-                    coll.keep_context(key(rank, idx_b, off_b, w_b), lookup)
+                    coll.keep_context(key(rank, idx_b, off_b, w_b), lookup, recording)
         return callback
 
     @reporting
     def update_callback(ctx, token, rank_b, idx_b, off_b, w_b, out_b, g_b):
         gpu = is_gpu_buffer(token)
-        with device_scope(gpu, token), recordable_scope(pools, ctx, gpu):
+        with device_scope(gpu, token), recordable_scope(pools, ctx, gpu) as recording:
             stream = xla_stream(ctx, gpu)
             fill_token(ctx, token, gpu)
             g = as_core_array(g_b, gpu)
@@ -149,7 +149,7 @@ def sharded_function(sharded):
             if coll is None:
                 return
             # the forward's plan: no host read
-            lookup = coll.take_context(key(rank, idx_b, off_b, w_b))
+            lookup = coll.take_context(key(rank, idx_b, off_b, w_b), recording)
             if lookup is None:  # the forward's context is gone: plan the batch again
                 _, coll, idx, off, w = (
                     gpu_inputs(rank_b, idx_b, off_b, w_b, g.shape[0]) if gpu else

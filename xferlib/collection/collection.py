@@ -44,6 +44,7 @@ __all__ = ["EmbeddingCollection", "LookupContext"]
 
 DEVICES = ("cpu", "cuda")
 _KEPT_CONTEXTS = 4
+_RECORDED_CONTEXTS = 4  # contexts of recorded forwards kept for backwards recorded later
 
 
 class LookupContext:
@@ -147,6 +148,7 @@ class EmbeddingCollection:
         self._refuse_shared_state_keys()
         self._gpu = None  # the GPU side (xferlib/collection/device.py), made on first use
         self._kept = {}  # contexts kept for a later backward (keep_context)
+        self._recorded = {}  # contexts of forwards recorded into CUDA graphs, by key
         # A GPU batch refused by its deferred input check raises from the next forward or
         # backward, or from check(). Collective callers (a sharded step, where one rank
         # raising alone would leave the others waiting in a collective) set this False:
@@ -537,18 +539,34 @@ class EmbeddingCollection:
         update_numpy(self, ctx, grad_pooled)
         tt_update_numpy(self, ctx.tt, grad_pooled)
 
-    def keep_context(self, key, ctx: LookupContext) -> None:
+    def keep_context(self, key, ctx: LookupContext, recorded: bool = False) -> None:
         """Keep a forward's context for a backward that cannot carry it (a JAX residual must
         be an array): the backward takes it back by the same ``key`` with
         :meth:`take_context`. The latest few are kept; a backward that finds none plans its
-        batch again."""
+        batch again.
+
+        ``recorded``: the forward was recorded into a CUDA graph (XLA's command buffers),
+        whose replays write this context's plan where the recording saw it, without
+        calling the forward. The context is then also kept for backwards recorded later
+        (the latest few): a backward recorded after a replayed forward finds it, reads
+        what the replay wrote, and records the same launches as the first time (XLA
+        updates a recorded graph in place, which needs the same launches)."""
         self._kept[key] = ctx
         while len(self._kept) > _KEPT_CONTEXTS:
             self._kept.pop(next(iter(self._kept)))
+        if recorded:
+            self._recorded.pop(key, None)
+            self._recorded[key] = ctx
+            while len(self._recorded) > _RECORDED_CONTEXTS:
+                self._recorded.pop(next(iter(self._recorded)))
 
-    def take_context(self, key):
-        """The context kept under ``key`` (removed), or None."""
-        return self._kept.pop(key, None)
+    def take_context(self, key, recorded: bool = False):
+        """The context kept under ``key`` (removed), or None; ``recorded`` (a backward being
+        recorded): else the context of the forward recorded under ``key``, if any."""
+        ctx = self._kept.pop(key, None)
+        if ctx is None and recorded:
+            ctx = self._recorded.get(key)
+        return ctx
 
     def check(self) -> None:
         """Wait for the input checks of every GPU batch queued so far and raise for the

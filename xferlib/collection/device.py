@@ -56,6 +56,9 @@ class GpuPlan:
     n: int
     slots: object = None  # each run's GPU cache slot (-1: not cached), from the forward
     cache_pass: int = 0  # the cache pass that found them
+    # (staged rows current, slots current) as the first recorded backward found them: later
+    # recordings after the recorded forward's replays decide the same (the same launches)
+    recorded_choice: object = None
 
 
 class CollectionReport:
@@ -343,10 +346,17 @@ class CollectionDevice:
             SUM_SPANS.launch(module, (T, key), grid, block, stream=stream, **sums)
             # The forward's staged weights are current only if no update came between; its
             # cache slots only if no cache pass came between (else located again).
-            staged = plan.staged if plan.writes == self.writes else None
+            choice = (plan.writes == self.writes,
+                      self.cache is None or plan.cache_pass == self.cache_passes)
+            if is_capturing(stream):
+                if plan.recorded_choice is None:
+                    plan.recorded_choice = choice
+                choice = plan.recorded_choice
+            staged_current, slots_current = choice
+            staged = plan.staged if staged_current else None
             self.writes += 1
             slots = plan.slots
-            if self.cache is not None and plan.cache_pass != self.cache_passes:
+            if not slots_current:
                 slots = self.cache.probe(_CachePlan(plan), stream)
             kind = int(coll.rule.kind)
             # lanes per row: row-wise Adagrad's row sum takes the whole warp
