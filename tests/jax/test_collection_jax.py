@@ -409,13 +409,17 @@ def test_tt_tables_on_every_backend_train_as_the_cpu_core(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("moving_gradient", [False, True], ids=["fixed", "moving-gradient"])
 def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hyper(
-        monkeypatch):
+        monkeypatch, moving_gradient):
     """XLA records the collection's callbacks into its command buffers and replays them
     when a step's buffers stay where they were (here the batch is sliced out of a chunk
     inside the step): the tables and state after the replays are those of the core's own
     calls, bitwise; an lr set between steps reaches the replays; and the callbacks ran
-    fewer times than there were steps."""
+    fewer times than there were steps. ``moving_gradient``: the pooled gradient is a new
+    argument every step, so XLA replays the lookup and records the update again each time
+    (it finds the recorded lookup's plan and records the same launches: XLA updates the
+    recorded graph in place)."""
     import cupy
 
     tables = [TableConfig(1000, 16, placement="hbm"),
@@ -434,10 +438,10 @@ def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hy
     target = rng.standard_normal((B, replayed.total_dim)).astype(np.float32)
 
     @jax.jit
-    def step(anchor, chunk, k):
+    def step(anchor, chunk, k, target):
         indices = jax.lax.dynamic_index_in_dim(chunk, k, keepdims=False)
         return jax.grad(lambda a: _loss(replayed, a, indices, jnp.asarray(offsets), None,
-                                        jnp.asarray(target)))(anchor)
+                                        target))(anchor)
 
     numbers = [jnp.int32(k) for k in range(steps)]
     anchor = collection_anchor()
@@ -446,9 +450,9 @@ def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hy
             jax.block_until_ready(anchor)
             replayed.set_hyper(lr=0.01)
             eager.set_hyper(lr=0.01)
-        on_gpu = jnp.asarray(chunk)
+        on_gpu, fixed = jnp.asarray(chunk), jnp.asarray(target)
         for k in numbers:
-            anchor = step(anchor, on_gpu, k)
+            anchor = step(anchor, on_gpu, k, jnp.asarray(target) if moving_gradient else fixed)
         for k in range(steps):
             _, ctx = eager.forward(cupy.asarray(chunk[k]), cupy.asarray(offsets))
             eager.backward(ctx, cupy.asarray(target))
