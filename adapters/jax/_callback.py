@@ -147,7 +147,7 @@ def recordable_scope(pools: dict, ctx, gpu: bool):
         return
     import cupy
 
-    from xferlib._backend import as_cupy_stream, is_capturing, relaxed_capture_mode
+    from xferlib.backend import as_cupy_stream, is_capturing, relaxed_capture_mode
 
     stream = as_cupy_stream(xla_stream(ctx, gpu))
     pool = private_pool(pools, int(cupy.cuda.runtime.getDevice()))
