@@ -164,15 +164,28 @@ def device_constant(values, dtype=None):
 
     host = np.asarray(values, dtype=dtype)
     if not is_capturing(cupy.cuda.get_current_stream()):
-        array = cupy.asarray(host)
+        with default_allocator():
+            array = cupy.asarray(host)
         finish_current_stream()
         return array
-    with relaxed_capture_mode():
+    with relaxed_capture_mode(), default_allocator():
         side = cupy.cuda.Stream(non_blocking=True)
         with side:
             array = cupy.asarray(host)
         side.synchronize()
     return array
+
+
+@contextlib.contextmanager
+def default_allocator():
+    """Inside, CuPy allocates from its default memory pool, whatever allocator a caller set:
+    for memory kept for good (tables of constants, a collection's GPU side), which must not
+    come from a pool whose blocks a recorded CUDA graph writes (a JAX callback's private
+    pool hands its recordings' freed scratch to later calls)."""
+    import cupy
+
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+        yield
 
 
 def finish_current_stream() -> None:

@@ -162,6 +162,7 @@ class PendingChecks:
         self.entries = collections.deque()
         # entries of captured pushes by slot; their slots are rewritten by replays
         self.graph = {}
+        self.graph_memory = []  # device memory of captured pushes whose slot was taken over
         self.lock = threading.RLock()
         self.host = None  # pinned (_RING + _GRAPH_SLOTS, 2) uint64, on the first push
         self.events = [None] * _RING
@@ -200,13 +201,17 @@ class PendingChecks:
                 # end (XLA records again whenever a step's buffers move), each slot and its
                 # pinned memory stays, and the newest recording takes over the slot of the
                 # one _GRAPH_SLOTS recordings older (should both still replay, the slot
-                # holds the verdict of whichever replayed last).
+                # holds the verdict of whichever replayed last). The older one's device
+                # words and kept arrays stay allocated: its graph may still write or read
+                # them (a few bytes a recording).
                 slot = _RING + (self.next_graph - _RING) % _GRAPH_SLOTS
                 self.next_graph += 1
                 host = self.host[slot]
                 cupy.cuda.runtime.memcpyAsync(host.ctypes.data, verdict.words.data.ptr, 16,
                                               cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-                self.graph.pop(slot, None)  # re-inserted last: the dict keeps push order
+                older = self.graph.pop(slot, None)  # re-inserted last: dicts keep push order
+                if older is not None:
+                    self.graph_memory.append((older.verdict.words, older.keep))
                 self.graph[slot] = _Entry(verdict, host, slot, None, keep, early,
                                           cupy.cuda.runtime.getDevice(), stream)
                 return

@@ -27,6 +27,7 @@ parameters you differentiate); its gradient is zero-size too, and ignoring it is
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import jax
@@ -72,18 +73,30 @@ def _checked(coll, indices, offsets, per_sample_weights):
 _FUNCTIONS: "weakref.WeakKeyDictionary[EmbeddingCollection, dict]" = weakref.WeakKeyDictionary()
 
 
-def _function(coll: EmbeddingCollection, weighted: bool):
+def _function(coll: EmbeddingCollection, weighted: bool, record: bool):
+    if record:
+        # Held by the collection, and holding it: a recorded graph writes the collection's
+        # memory without asking for it, so the collection lives as long as JAX keeps a
+        # compiled function that uses this op (a cycle, freed once both are unreachable).
+        made = coll.__dict__.setdefault("_recorded_jax_functions", {})
+        if weighted not in made:
+            made[weighted] = _make(lambda: coll, weighted, record=not coll.tt_tables)
+        return made[weighted]
     made = _FUNCTIONS.setdefault(coll, {})
     if weighted not in made:
-        made[weighted] = _make(weakref.ref(coll), weighted)
+        made[weighted] = _make(weakref.ref(coll), weighted, record=False)
     return made[weighted]
 
 
-def _make(ref, weighted: bool):
-    """The custom_vjp for the collection ``ref()`` (held weakly: the cache must not keep a
-    collection and its tables alive)."""
+def _make(ref, weighted: bool, record: bool):
+    """The custom_vjp for the collection ``ref()`` (held weakly unless ``record``: the cache
+    must not keep a collection and its tables alive). ``record``: its GPU callbacks may be
+    recorded into XLA's command buffers (see :func:`embedding_bag_collection`)."""
 
     pools = {}  # device -> the callbacks' private CuPy pool (see recordable_scope)
+
+    def scope(ctx, gpu):
+        return recordable_scope(pools, ctx, gpu) if record else contextlib.nullcontext(False)
 
     def core_inputs(buffers, gpu):
         arrays = [as_core_array(b, gpu) for b in buffers]
@@ -100,7 +113,7 @@ def _make(ref, weighted: bool):
     @reporting
     def forward_callback(ctx, out, *buffers):
         gpu = is_gpu_buffer(out)
-        with device_scope(gpu, out, buffers[0]), recordable_scope(pools, ctx, gpu):
+        with device_scope(gpu, out, buffers[0]), scope(ctx, gpu):
             indices, offsets, weights = core_inputs(buffers, gpu)
             collection_for(gpu).lookup(indices, offsets, weights,
                                        out=as_core_array(out, gpu),
@@ -109,8 +122,7 @@ def _make(ref, weighted: bool):
     @reporting
     def training_forward_callback(ctx, out, *buffers):
         gpu = is_gpu_buffer(out)
-        with device_scope(gpu, out, buffers[0]), \
-                recordable_scope(pools, ctx, gpu) as recording:
+        with device_scope(gpu, out, buffers[0]), scope(ctx, gpu) as recording:
             indices, offsets, weights = core_inputs(buffers, gpu)
             coll = collection_for(gpu)
             _, lookup = coll.forward(indices, offsets, weights, out=as_core_array(out, gpu),
@@ -121,8 +133,7 @@ def _make(ref, weighted: bool):
     def update_callback(ctx, token, *buffers):
         # buffers: indices, offsets, [weights], the forward's output (unread), the gradient
         gpu = is_gpu_buffer(token)
-        with device_scope(gpu, token, buffers[0]), \
-                recordable_scope(pools, ctx, gpu) as recording:
+        with device_scope(gpu, token, buffers[0]), scope(ctx, gpu) as recording:
             coll, stream = collection_for(gpu), xla_stream(ctx, gpu)
             indices, offsets, weights = core_inputs(buffers[:-2], gpu)
             lookup = coll.take_context(_buffer_key(indices, offsets, weights), recording)
@@ -137,7 +148,7 @@ def _make(ref, weighted: bool):
         out_type = jax.ShapeDtypeStruct((B, coll.total_dim), coll.dtype)
         extra = (weights,) if weighted else ()
         return buffer_callback(callback, out_type, has_side_effect=True,
-                               command_buffer_compatible=True)(indices, offsets, *extra)
+                               command_buffer_compatible=record)(indices, offsets, *extra)
 
     @jax.custom_vjp
     def function(anchor, indices, offsets, weights):
@@ -156,7 +167,7 @@ def _make(ref, weighted: bool):
         # (the gradient of sum(pooled * w) is w: the update could run first, and the lookup
         # would read updated rows). Nothing reads the token: the side effect keeps the update.
         buffer_callback(update_callback, token_type, has_side_effect=True,
-                        command_buffer_compatible=True)(
+                        command_buffer_compatible=record)(
             indices, offsets, *extra, out, g.astype(ref().dtype))
         return (jnp.zeros_like(anchor), np.zeros(indices.shape, jax.dtypes.float0),
                 np.zeros(offsets.shape, jax.dtypes.float0),
@@ -178,7 +189,8 @@ def _buffer_key(indices, offsets, weights) -> tuple:
 
 
 def embedding_bag_collection(coll: EmbeddingCollection, indices, offsets,
-                             per_sample_weights=None, *, anchor=None) -> jax.Array:
+                             per_sample_weights=None, *, anchor=None,
+                             record: bool = False) -> jax.Array:
     """The pooled lookup of every table of ``coll``: ``(B, total_dim)`` in the collection's
     dtype, table ``t`` at columns ``coll.dim_offsets[t]:coll.dim_offsets[t + 1]``; usable
     inside ``jax.jit``, ``jax.grad`` and ``lax.scan``.
@@ -195,6 +207,15 @@ def embedding_bag_collection(coll: EmbeddingCollection, indices, offsets,
     it the call is a lookup only. The collection lives on one device: ``device="cpu"`` for
     JAX's CPU backend, ``"cuda"`` for its GPU backend (float32 rows, unless JAX runs with
     x64); a call on the other raises TypeError.
+
+    ``record`` (GPU): let XLA record the op's kernels into its command buffers (CUDA graphs)
+    and replay them without calling back into Python: a jitted step then costs little
+    more host time than XLA's own launches. Replays happen while the buffers the op reads
+    stay where they were (slice each step's batch out of a chunk inside the jitted step).
+    Made for one lookup of the collection per step; with it the collection lives as long
+    as JAX keeps a compiled function that uses it; ``tt`` tables are never recorded; a
+    ``coll.check()`` after replays reads the last replay's input check. Off by default
+    (see docs/collection.md, "Replayed from XLA's command buffers").
 
     Bad input raises the core's errors before any table changes: TypeError / ValueError for
     dtypes and shapes at once; offsets and indices out of range in an eager call (concrete
@@ -223,7 +244,7 @@ def embedding_bag_collection(coll: EmbeddingCollection, indices, offsets,
     indices, offsets, weights = _checked(coll, indices, offsets, per_sample_weights)
     if weights is not None:  # no gradient for them: differentiating them alone trains nothing
         weights = jax.lax.stop_gradient(weights)
-    function = _function(coll, weights is not None)
+    function = _function(coll, weights is not None, bool(record))
     if anchor is None:  # nothing differentiable reaches the op: a lookup alone
         anchor = collection_anchor()
     with typed_errors():  # an eager call runs here; under jit this only traces

@@ -121,8 +121,10 @@ class JaxRun:
         T, B, L = cat.shape
         coll = cat if not self.tt_tables else cat[np.array(self.coll_tables)]
         offsets = jnp.arange(0, coll.shape[0] * B * L + 1, L, dtype=jnp.int32)
+        # record=True: on a GPU, XLA replays the collection's kernels from its command
+        # buffers (the step slices its batch out of the chunk: one address every step)
         pooled = embedding_bag_collection(self.collection, coll.reshape(-1), offsets,
-                                          anchor=anchor).reshape(B, -1, self.dim)
+                                          anchor=anchor, record=True).reshape(B, -1, self.dim)
         if not self.tt_tables:
             return pooled
         vectors = dict(zip(self.coll_tables, (pooled[:, k] for k in range(pooled.shape[1]))))

@@ -440,8 +440,8 @@ def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hy
     @jax.jit
     def step(anchor, chunk, k, target):
         indices = jax.lax.dynamic_index_in_dim(chunk, k, keepdims=False)
-        return jax.grad(lambda a: _loss(replayed, a, indices, jnp.asarray(offsets), None,
-                                        target))(anchor)
+        return jax.grad(lambda a: jnp.sum(target * embedding_bag_collection(
+            replayed, indices, jnp.asarray(offsets), anchor=a, record=True)))(anchor)
 
     numbers = [jnp.int32(k) for k in range(steps)]
     anchor = collection_anchor()
@@ -462,3 +462,22 @@ def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hy
     assert_state_equal(replayed, eager)
     if "command_buffer" not in os.environ.get("XLA_FLAGS", ""):  # XLA's defaults record them
         assert len(calls) < len(chunks) * steps, "XLA replayed no step"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_record_trains_as_without_it(device, optimizer):
+    """``record=True`` changes only how XLA may run the op (recorded and replayed on a GPU,
+    as it is on the CPU): the same outputs, tables and state, bit for bit."""
+    rng = np.random.default_rng(11)
+    colls = [collection(device, optimizer) for _ in range(2)]
+    steps = [jax.jit(jax.value_and_grad(
+        lambda a, i, o, t, c=c, r=r: jnp.sum(embedding_bag_collection(
+            c, i, o, anchor=a, record=r) * t))) for c, r in zip(colls, (False, True))]
+    for _ in range(3):
+        idx, off = batch(rng, B=5)
+        target = jnp.asarray(rng.standard_normal((5, colls[0].total_dim)), jnp.float32)
+        losses = [float(step(collection_anchor(), idx, off, target)[0]) for step in steps]
+        assert losses[0] == losses[1]
+    for c in colls:
+        c.check()
+    assert_state_equal(*colls)

@@ -52,13 +52,15 @@ class LookupContext:
     the GPU the batch's plan (sorted lookups, runs, staged host rows, the verdict), and the
     tt tables' :class:`xferlib.tt.TTResiduals` by table position (``tt``)."""
 
-    __slots__ = ("indices", "offsets", "per_sample_weights", "batch_size", "plan", "tt")
+    __slots__ = ("indices", "offsets", "per_sample_weights", "batch_size", "plan", "tt",
+                 "recorded")
 
     def __init__(self, indices, offsets, per_sample_weights, batch_size, plan=None, tt=None):
         self.indices, self.offsets = indices, offsets
         self.per_sample_weights, self.batch_size, self.plan = (per_sample_weights,
                                                                batch_size, plan)
         self.tt = {} if tt is None else tt
+        self.recorded = False  # made by a forward recorded into a CUDA graph
 
 
 class EmbeddingCollection:
@@ -555,16 +557,19 @@ class EmbeddingCollection:
         while len(self._kept) > _KEPT_CONTEXTS:
             self._kept.pop(next(iter(self._kept)))
         if recorded:
+            ctx.recorded = True
             self._recorded.pop(key, None)
             self._recorded[key] = ctx
             while len(self._recorded) > _RECORDED_CONTEXTS:
                 self._recorded.pop(next(iter(self._recorded)))
 
     def take_context(self, key, recorded: bool = False):
-        """The context kept under ``key`` (removed), or None; ``recorded`` (a backward being
-        recorded): else the context of the forward recorded under ``key``, if any."""
+        """The context kept under ``key`` (removed), or None. ``recorded`` (a backward being
+        recorded): only a recorded forward's context, the latest under ``key`` (a plan of a
+        forward that ran unrecorded lies in memory its next call will not write again: a
+        recording backward plans its batch itself)."""
         ctx = self._kept.pop(key, None)
-        if ctx is None and recorded:
+        if recorded and (ctx is None or not ctx.recorded):
             ctx = self._recorded.get(key)
         return ctx
 
@@ -594,9 +599,11 @@ class EmbeddingCollection:
             raise TypeError("this collection lives on the CPU (device='cpu'): pass NumPy "
                             "indices, or build it with device='cuda'")
         if self._gpu is None:
+            from xferlib._backend import default_allocator
             from xferlib.collection.device import CollectionDevice
 
-            self._gpu = CollectionDevice(self)
+            with default_allocator():  # kept for good: never a recording's scratch memory
+                self._gpu = CollectionDevice(self)
         return self._gpu
 
     def memory_bytes(self) -> dict:

@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
-from xferlib._backend import (as_cupy_stream, device_constant, finish_current_stream,
-                              is_capturing)
+from xferlib._backend import (as_cupy_stream, default_allocator, device_constant,
+                              finish_current_stream, is_capturing)
 from xferlib._kernels import grid_1d, launch_config
 from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, POSITIONS, RUNS, STAGE,
                                          SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, UPDATE, c_type,
@@ -152,6 +152,7 @@ class CollectionDevice:
         # Kernels that reach host RAM: four blocks per SM at most (the host tables' measure).
         self.max_blocks = 4 * sms if self.has_host else 65535 * 8
         self.hyper = None
+        self.captured = False  # a forward or backward was captured into a CUDA graph
         self.writes = 0  # updates queued so far: a staged copy is current only before one
         self.checks = PendingChecks(limit=3)
         self.last_event = None
@@ -176,12 +177,16 @@ class CollectionDevice:
         return np.array(rows, dtype=np.float64)
 
     def hypers_changed(self) -> None:
-        """Write the new hyperparameters into the one device array the update reads, in place:
-        steps replayed from a CUDA graph (torch's, or XLA's command buffers) read that array
-        at the address they recorded and never ask for it again. Queued steps finish first
-        (they were queued with the old values), so this waits for the device once
+        """New hyperparameters for the following steps. Until a step has been captured into
+        a CUDA graph (torch's, or XLA's command buffers), the next update uploads them on
+        its own stream (no wait). After, replays read the array at the address they
+        recorded and never ask for it again: the new values are written there, in place,
+        once the queued steps (which keep the old values) are done: a wait for the device
         (``set_hyper`` refuses to run during a capture)."""
         if self.hyper is None:
+            return
+        if not self.captured:
+            self.hyper = None
             return
         import cupy
 
@@ -190,15 +195,27 @@ class CollectionDevice:
             self.hyper.set(self._hyper_rows())
             finish_current_stream()
 
-    def _hyper_array(self):
-        if self.hyper is None:  # once, at the first update: device memory kept for good
-            self.hyper = device_constant(self._hyper_rows())
+    def _hyper_array(self, stream):
+        """The hyperparameter rows on the device, uploaded at the first update and after a
+        change made before any capture: on the launch stream (ordered before the update that
+        reads it, no wait: a schedule may change it every step), or, inside a capture, on a
+        side stream and waited for (a copy recorded into the graph would read the host rows
+        again at every replay)."""
+        if self.hyper is None:
+            if is_capturing(stream):
+                self.hyper = device_constant(self._hyper_rows())
+            else:
+                import cupy
+
+                with default_allocator():
+                    self.hyper = cupy.asarray(self._hyper_rows())
         return self.hyper
 
     def _record(self, stream) -> None:
         import cupy
 
         if is_capturing(stream):
+            self.captured = True  # replays carry no event: waits go to the whole device
             return
         if self.last_event is None:
             self.last_event = cupy.cuda.Event(disable_timing=True)
@@ -369,7 +386,7 @@ class CollectionDevice:
                           staged=staged, stage_width=self.stage_width,
                           staged_state=int(self.stage_state), **self._cache_args(slots),
                           dirty=self.cache.dirty if slots is not None else None,
-                          n_slots=len(coll.layouts[0].slots), hyper=self._hyper_array(),
+                          n_slots=len(coll.layouts[0].slots), hyper=self._hyper_array(stream),
                           hyper_width=16, group=group, verdict=plan.words)
             self._record(stream)
 
@@ -385,7 +402,10 @@ class CollectionDevice:
         import cupy
 
         stream = cupy.cuda.get_current_stream()
-        if self.last_event is not None:
+        if self.captured:  # graph replays, on any stream, record no event
+            with self.meta.device:
+                cupy.cuda.runtime.deviceSynchronize()
+        elif self.last_event is not None:
             stream.wait_event(self.last_event)
         return stream
 
