@@ -147,17 +147,19 @@ class JaxShardedRun(JaxRun):
         self._predict = jax.jit(jax.shard_map(
             predict, mesh=self.mesh, in_specs=(rep,) + self._batch_specs[:2],
             out_specs=PartitionSpec(AXIS)))
-        # a run whose batches are placed as they come has no chunk form (Feed converts
-        # each step's batch by to_framework)
-        self.chunk_steps = self._chunk_steps if self.processes else None
+        self.chunk_steps = self._chunk_steps
 
     # ------------------------------------------------------------------ runner interface
     def _chunk_steps(self, chunk):
-        """With processes, a chunk's steps in one go (``JaxRun.chunk_steps``): this
-        process's part of the chunk crosses to JAX once and becomes the global chunk
-        without a copy; each step takes it with its step number and slices its batch."""
-        global_chunk = self._global_batch(JaxRun.to_framework(self, chunk), self._chunk,
-                                          self._chunk_specs)
+        """A chunk's steps in one go (``JaxRun.chunk_steps``): the chunk crosses to JAX
+        once, as the global chunk (with processes, this process's part of it made global
+        without a copy; in one process, placed on the mesh); each step takes it with its
+        step number and slices its batch."""
+        views = JaxRun.to_framework(self, chunk)
+        if self.processes:
+            global_chunk = self._global_batch(views, self._chunk, self._chunk_specs)
+        else:
+            global_chunk = tuple(jax.device_put(a, s) for a, s in zip(views, self._chunk))
         return [ChunkStep((global_chunk, k)) for k in self._step_numbers_upto(len(chunk.cat))]
 
     def _step_numbers_upto(self, n):
