@@ -15,7 +15,8 @@ from xferlib.adapters.jax.optim import (
     ravel_like,
 )
 from xferlib.adapters.jax.errors import CallbackIndexError, CallbackValueError, typed_errors
-from xferlib.adapters.jax.collection import collection_anchor, embedding_bag_collection
+from xferlib.adapters.jax.collection import (collection_anchor, embedding_bag_collection,
+                                             recording_scratch_bytes)
 from xferlib.adapters.jax.collection_dist import ShardedCollection
 from xferlib.adapters.jax.host import host_lookup, host_update
 from xferlib.adapters.jax.rows import gather_rows
@@ -26,5 +27,6 @@ __all__ = ["CallbackIndexError", "CallbackValueError", "FlatState", "ShardedColl
            "collection_anchor",
            "embedding_bag_collection", "flat_adam", "flat_adamw",
            "flat_lion", "flat_sgd", "flat_step", "gather_rows", "host_lookup", "host_update",
-           "mesh_barrier", "ravel", "ravel_like", "sharded_host_update", "tt_embedding_bag",
+           "mesh_barrier", "ravel", "ravel_like", "recording_scratch_bytes",
+           "sharded_host_update", "tt_embedding_bag",
            "tt_lookup", "tt_update", "typed_errors"]

@@ -42,7 +42,7 @@ from xferlib.adapters.jax.host import fill_token
 from xferlib.collection import EmbeddingCollection
 from xferlib.collection.numpy_path import check_inputs_numpy
 
-__all__ = ["embedding_bag_collection", "collection_anchor"]
+__all__ = ["embedding_bag_collection", "collection_anchor", "recording_scratch_bytes"]
 
 
 def collection_anchor() -> jax.Array:
@@ -94,6 +94,8 @@ def _make(ref, weighted: bool, record: bool):
     recorded into XLA's command buffers (see :func:`embedding_bag_collection`)."""
 
     pools = {}  # device -> the callbacks' private CuPy pool (see recordable_scope)
+    if record:  # counted by recording_scratch_bytes
+        ref().__dict__.setdefault("_recorded_jax_pools", []).append(pools)
 
     def scope(ctx, gpu):
         return recordable_scope(pools, ctx, gpu) if record else contextlib.nullcontext(False)
@@ -175,6 +177,13 @@ def _make(ref, weighted: bool, record: bool):
 
     function.defvjp(fwd, bwd)
     return function
+
+
+def recording_scratch_bytes(coll: EmbeddingCollection) -> int:
+    """GPU memory held for ``coll``'s recorded calls (``record=True``): their scratch, in
+    CuPy pools of their own (neither JAX's allocator nor CuPy's default pool counts it)."""
+    return sum(int(pool.total_bytes()) for pools in coll.__dict__.get("_recorded_jax_pools", ())
+               for pool in pools.values())
 
 
 def _buffer_key(indices, offsets, weights) -> tuple:

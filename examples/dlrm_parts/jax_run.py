@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 
 import xferlib  # noqa: E402
 from xferlib.adapters.jax import (collection_anchor, embedding_bag_collection,  # noqa: E402
-                                  flat_adam, flat_step, ravel, tt_embedding_bag)
+                                  flat_adam, flat_step, ravel, recording_scratch_bytes,
+                                  tt_embedding_bag)
 from xferlib.collection import EmbeddingCollection, TableConfig  # noqa: E402
 
 from . import init as initial  # noqa: E402
@@ -263,7 +264,8 @@ class JaxRun:
 
         stats = self.device.memory_stats() or {}
         return int(stats.get("peak_bytes_in_use", 0)
-                   + cupy.get_default_memory_pool().total_bytes())
+                   + cupy.get_default_memory_pool().total_bytes()
+                   + recording_scratch_bytes(self.collection))
 
     def cache_hit_rate(self):
         if not self.gpu:

@@ -13,7 +13,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from xferlib.adapters.jax import (collection_anchor, embedding_bag_collection,  # noqa: E402
-                                  typed_errors)
+                                  recording_scratch_bytes, typed_errors)
 from xferlib.collection import (EmbeddingCollection, TableConfig,  # noqa: E402
                                 collection_step_reference, pooled_lookup_reference)
 
@@ -460,6 +460,7 @@ def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hy
     replayed.check()
     eager.check()
     assert_state_equal(replayed, eager)
+    assert recording_scratch_bytes(replayed) > 0 and recording_scratch_bytes(eager) == 0
     if "command_buffer" not in os.environ.get("XLA_FLAGS", ""):  # XLA's defaults record them
         assert len(calls) < len(chunks) * steps, "XLA replayed no step"
 
@@ -481,3 +482,5 @@ def test_record_trains_as_without_it(device, optimizer):
     for c in colls:
         c.check()
     assert_state_equal(*colls)
+    if device.platform == "cpu":  # no recording there: no scratch of its own
+        assert recording_scratch_bytes(colls[1]) == 0
