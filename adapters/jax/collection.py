@@ -80,22 +80,24 @@ def _function(coll: EmbeddingCollection, weighted: bool, record: bool):
         # compiled function that uses this op (a cycle, freed once both are unreachable).
         made = coll.__dict__.setdefault("_recorded_jax_functions", {})
         if weighted not in made:
-            made[weighted] = _make(lambda: coll, weighted, record=not coll.tt_tables)
+            pools = None
+            if not coll.tt_tables:  # tt tables are never recorded (see the docstring)
+                pools = {}  # counted by recording_scratch_bytes
+                coll.__dict__.setdefault("_recorded_jax_pools", []).append(pools)
+            made[weighted] = _make(lambda: coll, weighted, pools)
         return made[weighted]
     made = _FUNCTIONS.setdefault(coll, {})
     if weighted not in made:
-        made[weighted] = _make(weakref.ref(coll), weighted, record=False)
+        made[weighted] = _make(weakref.ref(coll), weighted, None)
     return made[weighted]
 
 
-def _make(ref, weighted: bool, record: bool):
-    """The custom_vjp for the collection ``ref()`` (held weakly unless ``record``: the cache
-    must not keep a collection and its tables alive). ``record``: its GPU callbacks may be
-    recorded into XLA's command buffers (see :func:`embedding_bag_collection`)."""
-
-    pools = {}  # device -> the callbacks' private CuPy pool (see recordable_scope)
-    if record:  # counted by recording_scratch_bytes
-        ref().__dict__.setdefault("_recorded_jax_pools", []).append(pools)
+def _make(ref, weighted: bool, pools):
+    """The custom_vjp for the collection ``ref()`` (held weakly unless recorded: the cache
+    must not keep a collection and its tables alive). ``pools``: a dict for the private
+    CuPy pools of GPU callbacks XLA may record into its command buffers (device -> pool,
+    see ``recordable_scope``); None: never recorded."""
+    record = pools is not None
 
     def scope(ctx, gpu):
         return recordable_scope(pools, ctx, gpu) if record else contextlib.nullcontext(False)

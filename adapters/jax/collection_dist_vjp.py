@@ -6,6 +6,7 @@ running the collection of its rank (the pooled lookup of what it received; the f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -46,10 +47,13 @@ def sharded_function(sharded):
     of its rank (the rank arrives as an input buffer, read on the host)."""
     shards, ordinals = sharded.shards, sharded._ordinals
     max_dim = sharded.max_dim
-    pools = {}  # device -> the callbacks' private CuPy pool (see recordable_scope)
     # Not yet recorded into XLA's command buffers (RECORDED = False): on two GPUs the
     # recorded two-rank step was no faster and its AUC drifted further from one GPU's than
     # before; recording stays off until that is explained. The callbacks are ready for it.
+    pools = {}  # device -> the callbacks' private CuPy pool (see recordable_scope)
+
+    def scope(ctx, gpu):
+        return recordable_scope(pools, ctx, gpu) if RECORDED else contextlib.nullcontext(False)
 
     def host_ints(buffer, gpu, stream, start, stop):
         """``buffer[start:stop]`` as host ints; on a GPU once the work XLA queued before on
@@ -122,7 +126,7 @@ def sharded_function(sharded):
         @reporting
         def callback(ctx, out, rank_b, idx_b, off_b, w_b):
             gpu = is_gpu_buffer(out)
-            with device_scope(gpu, out), recordable_scope(pools, ctx, gpu) as recording:
+            with device_scope(gpu, out), scope(ctx, gpu) as recording:
                 stream = xla_stream(ctx, gpu)
                 out = as_core_array(out, gpu)
                 rank, coll, idx, off, w = (
@@ -145,7 +149,7 @@ def sharded_function(sharded):
     @reporting
     def update_callback(ctx, token, rank_b, idx_b, off_b, w_b, out_b, g_b):
         gpu = is_gpu_buffer(token)
-        with device_scope(gpu, token), recordable_scope(pools, ctx, gpu) as recording:
+        with device_scope(gpu, token), scope(ctx, gpu) as recording:
             stream = xla_stream(ctx, gpu)
             fill_token(ctx, token, gpu)
             g = as_core_array(g_b, gpu)

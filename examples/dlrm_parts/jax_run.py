@@ -44,12 +44,6 @@ def _adagrad(w, acc, g, lr):
     return w - lr * g / (jnp.sqrt(acc) + EPS), acc
 
 
-@jax.jit
-def split_chunk(*arrays):
-    """A chunk's arrays (steps first) as each step's tuple of arrays, in one jitted call."""
-    return [tuple(a[k] for a in arrays) for k in range(arrays[0].shape[0])]
-
-
 class ChunkStep(tuple):
     """Step ``k`` of a chunk: ``(chunk arrays, k)``, ``k`` a device scalar. The jitted step
     slices its batch out of the chunk itself, so the batch the collection's callbacks read
@@ -196,15 +190,14 @@ class JaxRun:
         return [ChunkStep((views, k)) for k in self._step_numbers_upto(len(chunk.cat))]
 
     def _step_numbers_upto(self, n):
-        """Device scalars 0 .. n - 1 (made once: a transfer per step would cost host time)."""
+        """Scalars 0 .. n - 1 where the run's values live (one device, or replicated over a
+        mesh), made once: a transfer per step would cost host time."""
         if len(self._step_numbers) < n:
             self._step_numbers = [jax.device_put(np.int32(k), self.where) for k in range(n)]
         return self._step_numbers[:n]
 
     def step(self, data):
-        if not isinstance(data, ChunkStep):  # one batch of its own: a chunk of one step
-            data = ChunkStep((tuple(a[None] for a in data), self._step_numbers_upto(1)[0]))
-        chunk, k = data
+        chunk, k = data  # a ChunkStep (Feed takes every step from chunk_steps)
         self.flat, self.opt_state, self.tt, self.tt_acc, loss = self._train_step(
             self.flat, self.opt_state, self.tt, self.tt_acc, self.anchor, chunk, k)
         self.steps_done += 1

@@ -147,10 +147,9 @@ class JaxShardedRun(JaxRun):
         self._predict = jax.jit(jax.shard_map(
             predict, mesh=self.mesh, in_specs=(rep,) + self._batch_specs[:2],
             out_specs=PartitionSpec(AXIS)))
-        self.chunk_steps = self._chunk_steps
 
     # ------------------------------------------------------------------ runner interface
-    def _chunk_steps(self, chunk):
+    def chunk_steps(self, chunk):
         """A chunk's steps in one go (``JaxRun.chunk_steps``): the chunk crosses to JAX
         once, as the global chunk (with processes, this process's part of it made global
         without a copy; in one process, placed on the mesh); each step takes it with its
@@ -161,13 +160,6 @@ class JaxShardedRun(JaxRun):
         else:
             global_chunk = tuple(jax.device_put(a, s) for a, s in zip(views, self._chunk))
         return [ChunkStep((global_chunk, k)) for k in self._step_numbers_upto(len(chunk.cat))]
-
-    def _step_numbers_upto(self, n):
-        """Step numbers 0 .. n - 1 as scalars replicated over the mesh (made once)."""
-        if len(self._step_numbers) < n:
-            self._step_numbers = [jax.make_array_from_callback(
-                (), self._replicated, lambda _, k=k: np.int32(k)) for k in range(n)]
-        return self._step_numbers[:n]
 
     def to_framework(self, batch):
         data = JaxRun.to_framework(self, batch)  # each device gets its slice of the batch
@@ -206,13 +198,7 @@ class JaxShardedRun(JaxRun):
         return (*self.to_framework(part), B)
 
     def step(self, data):
-        if not isinstance(data, ChunkStep):  # one batch of its own: a chunk of one step
-            if data[2].shape[0] % self.devices:
-                raise ValueError(f"--batch-size {data[2].shape[0]} (the global batch) must "
-                                 f"be a multiple of --devices {self.devices}")
-            data = ChunkStep((tuple(jax.device_put(a[None], s) for a, s in
-                                    zip(data, self._chunk)), self._step_numbers_upto(1)[0]))
-        chunk, k = data
+        chunk, k = data  # a ChunkStep (Feed takes every step from chunk_steps)
         self.flat, self.opt_state, loss = self._train_step(
             self.flat, self.opt_state, self.anchor, *chunk, k)
         self.steps_done += 1
