@@ -128,6 +128,9 @@ def _run_config(args, preset, plan, framework, batch_size, pooling):
 
 
 PROFILE_STEPS = 20
+# What XLA may record into its command buffers (CUDA graphs) in a JAX run: its defaults
+# and the collectives (XLA_FLAGS naming xla_gpu_enable_command_buffer overrides it)
+COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES"
 
 
 class Job:
@@ -212,6 +215,13 @@ def main(argv=None) -> int:
     if args.devices > 1 and "jax" not in sys.modules:  # N host devices, before jax starts
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.devices}")
+    if args.framework != "torch" and "jax" not in sys.modules \
+            and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+        # XLA's default command buffers and the collectives: a sharded step's all_to_alls
+        # are recorded with the owners' callbacks around them, and the step replays whole
+        # (one GPU: the same speed either way)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_gpu_enable_command_buffer={COMMAND_BUFFERS}")
     try:  # bad input is refused here, before any table is allocated or file written
         if args.plan:
             return _print_plan(args)

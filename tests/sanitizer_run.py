@@ -63,9 +63,9 @@ FAMILIES = {
                     "tests/core/test_reliability_nonfinite.py",
                     "tests/core/test_reliability_determinism.py"],
 }
-# CUDA-graph tests need torch's and CuPy's pools (off here), and a memory-footprint test
+# CUDA-graph tests (graph, replayed, capture in their names) need torch's and CuPy's pools (off here), and a memory-footprint test
 # measures the pools: both run in the plain GPU suite.
-SELECT_EXPR = "not graph and not replayed and not tables_are_freed"
+SELECT_EXPR = "not graph and not replayed and not capture and not tables_are_freed"
 
 RUNNER = """
 import sys

@@ -181,9 +181,11 @@ def _make(ref, weighted: bool, pools):
     return function
 
 
-def recording_scratch_bytes(coll: EmbeddingCollection) -> int:
-    """GPU memory held for ``coll``'s recorded calls (``record=True``): their scratch, in
-    CuPy pools of their own (neither JAX's allocator nor CuPy's default pool counts it)."""
+def recording_scratch_bytes(coll) -> int:
+    """GPU memory held for the recorded calls (``record=True``) of ``coll``, an
+    :class:`EmbeddingCollection` or a :class:`~xferlib.adapters.jax.ShardedCollection`
+    (this process's shards): their scratch, in CuPy pools of their own (neither JAX's
+    allocator nor CuPy's default pool counts it)."""
     return sum(int(pool.total_bytes()) for pools in coll.__dict__.get("_recorded_jax_pools", ())
                for pool in pools.values())
 

@@ -79,6 +79,14 @@ class ShardedCollection:
         less padding. A batch with a longer bag is refused: nothing travels, no table
         changes, and a ValueError is raised (in the step on the CPU backend, by
         :meth:`check` on GPUs).
+      record: (GPUs) let XLA record the owners' callbacks into its command buffers and
+        replay them, as :func:`~xferlib.adapters.jax.embedding_bag_collection`'s
+        ``record`` does (the same conditions: one call per step, each step's batch
+        sliced out of a chunk inside the jitted step). The all_to_alls and psum between
+        them are recorded too when XLA puts collectives in its command buffers
+        (``XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,``
+        ``CUDNN,COLLECTIVES``): a step then replays whole, with no callback into Python.
+        Off by default.
 
     ``shards[rank]`` is rank ``rank``'s collection of its shards (None for a rank without
     any); :meth:`table_weights` and :meth:`table_state` put a table back together.
@@ -102,11 +110,13 @@ class ShardedCollection:
     def __init__(self, tables, optimizer: str = "sgd", optimizer_kwargs=None, *,
                  plan: ShardingPlan | None = None, world_size: int | None = None,
                  pooling: str = "sum", dtype="float32", seed: int = 0,
-                 device: str = "cpu", devices=None, max_bag_size: int | None = None):
+                 device: str = "cpu", devices=None, max_bag_size: int | None = None,
+                 record: bool = False):
         if max_bag_size is not None and (isinstance(max_bag_size, bool) or not isinstance(
                 max_bag_size, int) or max_bag_size < 1):
             raise ValueError(f"max_bag_size must be a positive int, got {max_bag_size!r}")
         self._max_bag_size = max_bag_size
+        self.record = bool(record)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         configs = [t if isinstance(t, TableConfig) else TableConfig(*t) for t in tables]
@@ -220,6 +230,20 @@ class ShardedCollection:
                                    self.dim_offsets[s.table_index + 1])]
             target[r, :len(cols)] = cols
         self._target = target
+        # Each column from exactly one owner (no table split by rows): the output is the
+        # owners' column blocks in table order, as static slices (their transposes are
+        # slices too; a gather's would be a scatter over every pooled gradient value).
+        flat_target = target.reshape(-1)
+        held = flat_target[flat_target < self.total_dim]
+        self._column_blocks = None
+        if np.array_equal(np.sort(held), np.arange(self.total_dim)):
+            source = np.empty(self.total_dim, np.int64)
+            source[held] = np.nonzero(flat_target < self.total_dim)[0]
+            breaks = np.nonzero(np.diff(source) != 1)[0] + 1
+            starts = np.concatenate([[0], breaks])
+            stops = np.concatenate([breaks, [self.total_dim]])
+            self._column_blocks = tuple((int(source[a]), int(source[a] + z - a))
+                                        for a, z in zip(starts, stops))
 
     # ------------------------------------------------------------------ the step
 
@@ -292,23 +316,25 @@ class ShardedCollection:
         slot = jnp.asarray(self._shard_slot)[shard]
         local = jnp.where(bad, indices - jnp.asarray(self._shard_first)[last].astype(jnp.int32),
                           grow - jnp.asarray(self._shard_start)[shard]).astype(jnp.int32)
-        n_bad = jax.lax.psum(jnp.sum(bad.astype(jnp.int32)), axis_name)
+        # Malformed offsets (not starting at 0, decreasing, or past the padded length) and
+        # bags longer than max_bag_size (counted as routed, whatever the offsets say).
+        bad_offsets = (offsets[0] != 0) | (offsets[-1] > L) | jnp.any(offsets[1:] < offsets[:-1])
+        too_long = jnp.int32(0)
+        if self.max_bag_size is not None and T * b:
+            routed = jnp.zeros((T * b,), jnp.int32).at[bag].add(valid.astype(jnp.int32))
+            too_long = jnp.sum((routed > self.max_bag_size).astype(jnp.int32))
+        # Every device learns of every device's errors in one collective, so all raise alike
+        # in the same callback and none is left waiting in a later one.
+        n_bad, n_off, n_long = jax.lax.psum(jnp.stack(
+            [jnp.sum(bad.astype(jnp.int32)), bad_offsets.astype(jnp.int32), too_long]),
+            axis_name)
         # A bad lookup anywhere: only the bad lookups travel, so no owner gets a batch it
         # would train on (each owner that gets one refuses its batch: nothing is written).
-        valid = jnp.where(n_bad > 0, bad, valid)
-        # Malformed offsets anywhere (not starting at 0, decreasing, or past the padded
-        # length): nothing travels, every device raises alike (ValueError).
-        bad_offsets = (offsets[0] != 0) | (offsets[-1] > L) | jnp.any(offsets[1:] < offsets[:-1])
-        n_off = jax.lax.psum(bad_offsets.astype(jnp.int32), axis_name)
-        n_long = jnp.int32(0)
-        if self.max_bag_size is not None and T * b:
-            # Each bag's lookups as routed (what fills the rooms, whatever the offsets say).
-            routed = jnp.zeros((T * b,), jnp.int32).at[bag].add(
-                (pos < offsets[-1]).astype(jnp.int32))
-            too_long = routed > self.max_bag_size
-            n_long = jax.lax.psum(jnp.sum(too_long.astype(jnp.int32)), axis_name)
-            valid = valid & (n_long == 0)  # a bag too long anywhere: nothing travels
-        valid = valid & (n_off == 0)
+        # Malformed offsets or a bag too long anywhere: nothing travels.
+        valid = jnp.where(n_bad > 0, bad, valid) & (n_off == 0) & (n_long == 0)
+        # Weights travel only when some lookup is weighted (per-sample weights, or mean
+        # pooling's 1 / bag length); else the owners pool by plain sums.
+        weighted = psw is not None or self.pooling == "mean"
         weights = jnp.ones((L,), self.dtype) if psw is None else psw.astype(self.dtype)
         if self.pooling == "mean":
             lengths = jnp.diff(offsets)
@@ -318,21 +344,27 @@ class ShardedCollection:
         key = jnp.where(valid, owner * S + slot, N * S)
         order = jnp.argsort(key, stable=True)
         sorted_owner = jnp.where(valid, owner, N)[order]
-        count = jnp.zeros((N + 1,), jnp.int32).at[sorted_owner].add(1)
-        first = jnp.cumsum(count) - count
+        # Each owner's first sorted position (sorted_owner ascends: no scatter needed).
+        first = jnp.searchsorted(sorted_owner, jnp.arange(N + 1, dtype=jnp.int32),
+                                 side="left", method=SEARCH).astype(jnp.int32)
         at = jnp.arange(L, dtype=jnp.int32) - first[sorted_owner]
-        send_idx = jnp.zeros((N, R), jnp.int32).at[sorted_owner, at].set(
-            local[order], mode="drop")
-        send_w = jnp.zeros((N, R), self.dtype).at[sorted_owner, at].set(
-            weights[order], mode="drop")
+        # (owner, at) pairs are distinct and ascending: XLA scatters them without atomics.
+        place = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
+        send_idx = jnp.zeros((N, R), jnp.int32).at[sorted_owner, at].set(local[order], **place)
         # Lookups per (owner, slot, bag of this device).
         seg = jnp.where(valid, (owner * S + slot) * b + j, N * S * b)
         send_len = jnp.zeros((N * S * b + 1,), jnp.int32).at[seg].add(1)[:-1].reshape(
             N, S, b)
-        # 2. To the owners: recv_*[src] is what device src sent here.
-        recv_len = jax.lax.all_to_all(send_len, axis_name, 0, 0, tiled=True)
-        recv_idx = jax.lax.all_to_all(send_idx, axis_name, 0, 0, tiled=True)
-        recv_w = jax.lax.all_to_all(send_w, axis_name, 0, 0, tiled=True)
+        # 2. To the owners, bag lengths and indices in one message: recv_*[src] is what
+        # device src sent here.
+        recv = jax.lax.all_to_all(jnp.concatenate([send_len.reshape(N, S * b), send_idx],
+                                                  axis=1), axis_name, 0, 0, tiled=True)
+        recv_len = recv[:, :S * b].reshape(N, S, b)
+        recv_idx = recv[:, S * b:]
+        if weighted:
+            send_w = jnp.zeros((N, R), self.dtype).at[sorted_owner, at].set(
+                weights[order], **place)
+            recv_w = jax.lax.all_to_all(send_w, axis_name, 0, 0, tiled=True)
         # 3. One batch: slot by slot, each slot's bags source after source.
         per = recv_len.sum(axis=2)                                 # (src, slot)
         src_start = jnp.cumsum(per, axis=1) - per                  # in recv_idx[src]
@@ -347,7 +379,9 @@ class ShardedCollection:
         src_of = seg_of % N
         take = jnp.where(p < total, src_of * R + src_pos, 0)
         owner_idx = jnp.where(p < total, recv_idx.reshape(-1)[take], 0)
-        owner_w = jnp.where(p < total, recv_w.reshape(-1)[take], 0)
+        # unweighted: an empty buffer, and the owners pool without weights
+        owner_w = (jnp.where(p < total, recv_w.reshape(-1)[take], 0) if weighted else
+                   jnp.zeros((0,), self.dtype))
         lens = recv_len.transpose(1, 0, 2).reshape(-1)            # (slot, src, bag)
         owner_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens)])
         status = jnp.stack([me.astype(jnp.int32), n_bad, n_long.astype(jnp.int32), n_off])
@@ -356,8 +390,10 @@ class ShardedCollection:
         # 4. Back to the requesters: back[r] holds owner r's columns of this device's bags.
         back = jax.lax.all_to_all(pooled.reshape(N, b, self.max_dim), axis_name, 0, 0,
                                   tiled=True)
-        cols = jnp.asarray(self._target).reshape(-1)
         flat = back.transpose(1, 0, 2).reshape(b, N * self.max_dim)
+        if self._column_blocks is not None:  # each column from one owner
+            return jnp.concatenate([flat[:, a:z] for a, z in self._column_blocks], axis=1)
+        cols = jnp.asarray(self._target).reshape(-1)  # a row-wise table's partial sums add
         return jnp.zeros((b, self.total_dim + 1), self.dtype).at[:, cols].add(
             flat)[:, :self.total_dim]
 

@@ -24,8 +24,6 @@ from xferlib.collection.numpy_path import check_inputs_numpy
 
 __all__ = ["OFFSETS_RULE", "on_device", "sharded_function"]
 
-RECORDED = False  # the owners' callbacks marked command_buffer_compatible (see below)
-
 OFFSETS_RULE = ("offsets must start at 0, never decrease, and end at most at the padded "
                  "length of the indices")
 
@@ -47,13 +45,15 @@ def sharded_function(sharded):
     of its rank (the rank arrives as an input buffer, read on the host)."""
     shards, ordinals = sharded.shards, sharded._ordinals
     max_dim = sharded.max_dim
-    # Not yet recorded into XLA's command buffers (RECORDED = False): on two GPUs the
-    # recorded two-rank step was no faster and its AUC drifted further from one GPU's than
-    # before; recording stays off until that is explained. The callbacks are ready for it.
+    # record: the owners' callbacks marked command_buffer_compatible, so XLA records their
+    # kernels into its command buffers and replays them (ShardedCollection's ``record``).
+    recorded = sharded.record
     pools = {}  # device -> the callbacks' private CuPy pool (see recordable_scope)
+    if recorded:  # counted by recording_scratch_bytes
+        sharded.__dict__.setdefault("_recorded_jax_pools", []).append(pools)
 
     def scope(ctx, gpu):
-        return recordable_scope(pools, ctx, gpu) if RECORDED else contextlib.nullcontext(False)
+        return recordable_scope(pools, ctx, gpu) if recorded else contextlib.nullcontext(False)
 
     def host_ints(buffer, gpu, stream, start, stop):
         """``buffer[start:stop]`` as host ints; on a GPU once the work XLA queued before on
@@ -94,10 +94,16 @@ def sharded_function(sharded):
         n, = host_ints(off_b, gpu, stream, T_me * B, T_me * B + 1)
         off = as_core_array(off_b, gpu)[:T_me * B + 1]
         idx = as_core_array(idx_b, gpu)[:n]
-        w = as_core_array(w_b, gpu)[:n]
+        w = unweighted_or(as_core_array(w_b, gpu)[:n])
         if not gpu:  # the NumPy path takes its own copies
-            off, idx, w = np.array(off), np.array(idx), np.array(w)
+            off, idx = np.array(off), np.array(idx)
+            w = None if w is None else np.array(w)
         return rank, coll, idx, off, w
+
+    def unweighted_or(w):
+        """The received weights; None for the empty buffer of an unweighted step (no
+        weights travel: the owner pools by plain sums)."""
+        return w if w.size else None
 
     def key(rank, *buffers):
         """A batch's key between its forward and backward callbacks: its rank and where its
@@ -120,7 +126,8 @@ def sharded_function(sharded):
         if coll is None:
             return rank, None, None, None, None
         off = as_core_array(off_b, True)[:coll.num_tables * B + 1]
-        return rank, coll, as_core_array(idx_b, True), off, as_core_array(w_b, True)
+        return rank, coll, as_core_array(idx_b, True), off, unweighted_or(
+            as_core_array(w_b, True))
 
     def forward_callback(train):
         @reporting
@@ -172,7 +179,7 @@ def sharded_function(sharded):
     def pooled(rank, idx, off, w, B, callback):
         out_type = jax.ShapeDtypeStruct((B, max_dim), sharded.dtype)
         out = buffer_callback(callback, out_type, has_side_effect=True,
-                              command_buffer_compatible=RECORDED)(rank, idx, off, w)
+                              command_buffer_compatible=recorded)(rank, idx, off, w)
         # Typed as differing between devices (it does): JAX types a callback's output as
         # the same on every device, and would sum its gradient over the mesh.
         return vary_like(out, idx)
@@ -193,7 +200,7 @@ def sharded_function(sharded):
         # The forward's output is an input of the update, unread: the update runs after the
         # lookup. Nothing reads the token: the side effect keeps the update.
         buffer_callback(update_callback, token_type, has_side_effect=True,
-                        command_buffer_compatible=RECORDED)(
+                        command_buffer_compatible=recorded)(
             rank, idx, off, w, out, g.astype(sharded.dtype))
         f0 = jax.dtypes.float0
         return (jnp.zeros_like(anchor), np.zeros(rank.shape, f0), np.zeros(idx.shape, f0),

@@ -96,11 +96,13 @@ class JaxShardedRun(JaxRun):
         self._dense_state(seed)
         self.coll_tables, self.tt_tables = [t.index for t in plan.tables], []
         self.tt, self.tt_acc, self.tt_shapes = [], [], []
-        # every bag holds `pooling` lookups: each owner's room is its tables' lookups
+        # every bag holds `pooling` lookups: each owner's room is its tables' lookups;
+        # record: XLA replays the owners' callbacks (and, with the collectives dlrm.py puts
+        # in its command buffers, the whole step) without calling back into Python
         self.collection = ShardedCollection(
             sharding.tables, optimizer, {"lr": preset.lr_embedding}, plan=sharding, seed=seed,
             device="cuda" if self.gpu else "cpu", devices=found[:devices],
-            max_bag_size=preset.pooling)
+            max_bag_size=preset.pooling, record=self.gpu)
         self.anchor = jax.device_put(np.asarray(collection_anchor()), self._replicated)
         self.li, self.lj = np.triu_indices(num_tables + 1, 1)
         self.steps_done = 0

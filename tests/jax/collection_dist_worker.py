@@ -34,6 +34,9 @@ if ARGS.platform == "cpu":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={ARGS.devices}")
     os.environ["JAX_PLATFORMS"] = "cpu"
+else:  # the recorded cases' collectives recorded too (the other cases record no callback)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_"
+                               "buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -129,6 +132,51 @@ def _case(optimizer, row_wise=(), pooling="sum", weighted=False, tables=TABLES,
         err = max(err, float(np.abs(np.asarray(pooled) - np.asarray(ref)).max()))
     err = max(err, _state_error(sharded.state_dict(), one.state_dict()))
     return err
+
+
+def _recorded_case(optimizer, row_wise=()):
+    """``record=True``: each step slices its batch out of a chunk of every step's batches
+    inside the jitted step, so the owners' buffers stay where they were and XLA replays its
+    recordings (on GPUs: fewer owner calls than steps); the tables and state are one
+    collection's on the global batches."""
+    rng = np.random.default_rng(7 + len(row_wise))
+    plan = plan_sharding(TABLES, N, optimizer=optimizer, row_wise=row_wise)
+    sharded = ShardedCollection(TABLES, optimizer, HYPER[optimizer], plan=plan, seed=3,
+                                device=CORE_DEVICE, devices=DEVICES, record=True)
+    one = EmbeddingCollection(TABLES, optimizer, HYPER[optimizer], device=CORE_DEVICE, seed=3)
+    steps = 2 * STEPS
+    batches = [_batches(rng, False) for _ in range(steps)]
+    targets = [rng.standard_normal((N * B_LOCAL, one.total_dim)).astype(np.float32)
+               for _ in range(steps)]
+    calls = []
+    for coll in sharded.shards:  # count this process's owners' lookups
+        if coll is not None:
+            coll.forward = lambda *a, _f=coll.forward, **k: calls.append(1) or _f(*a, **k)
+
+    def mesh_step(anchor, idx, off, target, k):
+        i, o, t = (jax.lax.dynamic_index_in_dim(a, k, keepdims=False)
+                   for a in (idx, off, target))
+        loss, g = jax.value_and_grad(
+            lambda a: jnp.sum(sharded(i, o, axis_name="x", anchor=a) * t))(anchor)
+        return g, jax.lax.psum(loss, "x")  # a training step's outputs
+
+    chunk = jax.sharding.NamedSharding(MESH, P(None, "x"))
+    mesh_f = jax.jit(jax.shard_map(mesh_step, mesh=MESH, out_specs=(P(), P()),
+                                   in_specs=(P(), P(None, "x"), P(None, "x"), P(None, "x"),
+                                             P())))
+    one_f = jax.jit(jax.grad(lambda a, i, o, t: jnp.sum(
+        embedding_bag_collection(one, i, o, anchor=a) * t)))
+    idx, off, tgt = (jax.device_put(np.stack(a), chunk) for a in (
+        [b[0] for b in batches], [b[1] for b in batches], targets))
+    anchor = one_anchor = collection_anchor()
+    for k in range(steps):
+        anchor, _ = mesh_f(anchor, idx, off, tgt, jnp.int32(k))
+        one_anchor = one_f(one_anchor, batches[k][3], batches[k][4], targets[k])
+    jax.block_until_ready((anchor, one_anchor))
+    sharded.check()
+    if ARGS.platform == "gpu" and len(calls) >= steps * len(sharded.local_ranks):
+        return f"XLA replayed no step: {len(calls)} owner lookups in {steps} steps"
+    return _state_error(sharded.state_dict(), one.state_dict())
 
 
 def _state_error(a: dict, b: dict) -> float:
@@ -271,6 +319,8 @@ def main():
     for fault in ("start", "end", "decreasing"):
         cases[f"bad-offsets-{fault}"] = lambda f=fault: _bad_index_case(offsets_fault=f)
     cases["checkpoint-reshard"] = _checkpoint_case
+    cases["table_wise-recorded"] = lambda: _recorded_case("adam")
+    cases["row_wise-recorded"] = lambda: _recorded_case("sgd", row_wise=("a", "c"))
     results = {}
     for name, case in cases.items():
         try:

@@ -27,7 +27,8 @@ CASES = (["table_wise-sgd", "table_wise-rowwise_adagrad", "table_wise-adam",
           "table_wise-mean", "table_wise-weighted", "ranks-without-shards", "bad-index",
           "checkpoint-reshard", "table_wise-bounded", "table_wise-bounded-full",
           "row_wise-bounded-mean", "too-long-bag", "too-long-bag-bad-offsets",
-          "bad-offsets-start", "bad-offsets-end", "bad-offsets-decreasing"])
+          "bad-offsets-start", "bad-offsets-end", "bad-offsets-decreasing",
+          "table_wise-recorded", "row_wise-recorded"])
 EXACT = [c for c in CASES if not c.startswith("row_wise")]
 
 
