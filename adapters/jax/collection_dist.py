@@ -259,10 +259,10 @@ class ShardedCollection:
         ``per_sample_weights``: optional, one per index (no gradient). ``anchor``:
         :func:`~xferlib.adapters.jax.collection_anchor`'s array, among the parameters you
         differentiate: its gradient runs every owner's fused backward + update. Let the
-        jitted step return something computed from the pooled rows (its loss): on a mesh
-        of several devices XLA drops the owners' callbacks from a step whose outputs do
-        not depend on them, so a step returning the anchor's gradient alone trains nothing
-        (seen with JAX 0.10-0.11 on CPUs and GPUs).
+        jitted step return some value that is not zero-size (its loss): on a mesh of
+        several devices XLA compiles away a ``shard_map`` whose outputs are all zero-size,
+        the owners' callbacks with it, so a step returning the anchor's gradient alone
+        trains nothing (seen with JAX 0.10-0.11 on CPUs and GPUs).
         """
         indices = as_index_array("indices", indices)
         offsets = as_index_array("offsets", offsets, ValueError)
