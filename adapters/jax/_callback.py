@@ -117,6 +117,24 @@ def vary_like(x, *deps):
     return x if zero is None else x + zero
 
 
+def recording_pools(owner) -> dict:
+    """A new dict for the private CuPy pools of ``owner``'s recorded callbacks (device ->
+    pool, filled by :func:`private_pool`), registered on ``owner`` (a collection) so that
+    :func:`recording_scratch_bytes` counts it."""
+    pools = {}
+    owner.__dict__.setdefault("_recorded_jax_pools", []).append(pools)
+    return pools
+
+
+def recording_scratch_bytes(coll) -> int:
+    """GPU memory held for the recorded calls (``record=True``) of ``coll``, an
+    :class:`~xferlib.collection.EmbeddingCollection` or a
+    :class:`~xferlib.adapters.jax.ShardedCollection` (this process's shards): their scratch,
+    in CuPy pools of their own (neither JAX's allocator nor CuPy's default pool counts it)."""
+    return sum(int(pool.total_bytes()) for pools in coll.__dict__.get("_recorded_jax_pools", ())
+               for pool in pools.values())
+
+
 def private_pool(owner: dict, device: int):
     """The CuPy memory pool of ``owner``'s callbacks on ``device`` (made on first use; kept in
     ``owner``, a dict the callbacks' closure holds)."""

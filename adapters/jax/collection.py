@@ -36,7 +36,8 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
-                                            recordable_scope, xla_stream)
+                                            recordable_scope, recording_pools,
+                                            recording_scratch_bytes, xla_stream)
 from xferlib.adapters.jax.errors import as_index_array, is_concrete, reporting, typed_errors
 from xferlib.adapters.jax.host import fill_token
 from xferlib.collection import EmbeddingCollection
@@ -80,10 +81,8 @@ def _function(coll: EmbeddingCollection, weighted: bool, record: bool):
         # compiled function that uses this op (a cycle, freed once both are unreachable).
         made = coll.__dict__.setdefault("_recorded_jax_functions", {})
         if weighted not in made:
-            pools = None
-            if not coll.tt_tables:  # tt tables are never recorded (see the docstring)
-                pools = {}  # counted by recording_scratch_bytes
-                coll.__dict__.setdefault("_recorded_jax_pools", []).append(pools)
+            # tt tables are never recorded (see the docstring)
+            pools = None if coll.tt_tables else recording_pools(coll)
             made[weighted] = _make(lambda: coll, weighted, pools)
         return made[weighted]
     made = _FUNCTIONS.setdefault(coll, {})
@@ -179,15 +178,6 @@ def _make(ref, weighted: bool, pools):
 
     function.defvjp(fwd, bwd)
     return function
-
-
-def recording_scratch_bytes(coll) -> int:
-    """GPU memory held for the recorded calls (``record=True``) of ``coll``, an
-    :class:`EmbeddingCollection` or a :class:`~xferlib.adapters.jax.ShardedCollection`
-    (this process's shards): their scratch, in CuPy pools of their own (neither JAX's
-    allocator nor CuPy's default pool counts it)."""
-    return sum(int(pool.total_bytes()) for pools in coll.__dict__.get("_recorded_jax_pools", ())
-               for pool in pools.values())
 
 
 def _buffer_key(indices, offsets, weights) -> tuple:

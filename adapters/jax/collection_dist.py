@@ -339,11 +339,11 @@ class ShardedCollection:
         # Weights travel only when some lookup is weighted (per-sample weights, or mean
         # pooling's 1 / bag length); else the owners pool by plain sums.
         weighted = psw is not None or self.pooling == "mean"
-        weights = jnp.ones((L,), self.dtype) if psw is None else psw.astype(self.dtype)
-        if self.pooling == "mean":
-            lengths = jnp.diff(offsets)
-            inv = 1 / jnp.maximum(lengths, 1).astype(self.dtype)
-            weights = weights * inv[bag]
+        if weighted:
+            weights = jnp.ones((L,), self.dtype) if psw is None else psw.astype(self.dtype)
+            if self.pooling == "mean":
+                lengths = jnp.diff(offsets)
+                weights = weights * (1 / jnp.maximum(lengths, 1).astype(self.dtype))[bag]
         # Sort stably by (owner, slot): each owner's lookups slot by slot, bags in order.
         key = jnp.where(valid, owner * S + slot, N * S)
         order = jnp.argsort(key, stable=True)

@@ -15,8 +15,8 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib.adapters.jax._callback import (as_core_array, buffer_device, device_scope,
-                                            is_gpu_buffer, recordable_scope, vary_like,
-                                            xla_stream)
+                                            is_gpu_buffer, recordable_scope,
+                                            recording_pools, vary_like, xla_stream)
 from xferlib.adapters.jax.errors import reporting
 from xferlib.adapters.jax.host import fill_token
 from xferlib.backend import as_cupy_stream, stream_scope
@@ -48,9 +48,8 @@ def sharded_function(sharded):
     # record: the owners' callbacks marked command_buffer_compatible, so XLA records their
     # kernels into its command buffers and replays them (ShardedCollection's ``record``).
     recorded = sharded.record
-    pools = {}  # device -> the callbacks' private CuPy pool (see recordable_scope)
-    if recorded:  # counted by recording_scratch_bytes
-        sharded.__dict__.setdefault("_recorded_jax_pools", []).append(pools)
+    # device -> the callbacks' private CuPy pool (see recordable_scope)
+    pools = recording_pools(sharded) if recorded else None
 
     def scope(ctx, gpu):
         return recordable_scope(pools, ctx, gpu) if recorded else contextlib.nullcontext(False)
