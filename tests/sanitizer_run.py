@@ -57,6 +57,7 @@ FAMILIES = {
            "tests/core/test_tt_reduce_split.py", "tests/torch/test_tt_cache_kernels.py",
            "tests/torch/test_tt_cache_fused.py", "tests/core/test_tt_table.py"],
     "exchange": ["tests/core/test_exchange.py"],
+    "interaction": ["tests/core/test_interaction.py"],
     "collection": ["tests/core/test_collection.py", "tests/core/test_collection_tt.py",
                    "tests/torch/test_collection_torch.py", "tests/jax/test_collection_jax.py"],
     "reliability": ["tests/core/test_reliability_fuzz.py",

@@ -29,10 +29,12 @@ def fixed_modules(rules=None, dtypes=("float32",)) -> tuple:
     when None) for ``dtypes``."""
     from xferlib._kernels import collection, optim, rows, scattered, table
     from xferlib._kernels.cache import CACHE_MODULE
+    from xferlib._kernels.interaction import INTERACTION_MODULE
     from xferlib.table.rules import sparse_rule
 
     modules = [collection.COLLECTION_MODULE, optim.OPTIM_MODULE, rows.ROWS_MODULE,
-               scattered.SCATTERED_MODULE, CACHE_MODULE, table.TABLE_MODULE]
+               scattered.SCATTERED_MODULE, CACHE_MODULE, table.TABLE_MODULE,
+               INTERACTION_MODULE]
     ids = collection.RULE_IDS if rules is None else \
         list(dict.fromkeys(int(sparse_rule(r).kind) for r in rules))
     modules += [collection.update_module(rule, d) for rule in ids for d in dtypes]

@@ -18,6 +18,7 @@ from xferlib.adapters.torch.optim import (
 from xferlib.adapters.torch.grad_sync import GradAllReduce
 from xferlib.adapters.torch.groups import leave_process_group
 from xferlib.adapters.torch.host import HostEmbedding, HostEmbeddingBag
+from xferlib.adapters.torch.interaction import DotInteraction, dot_interaction
 from xferlib.adapters.torch.optim_sharded import (ShardedFlatAdagrad, ShardedFlatAdam,
                                                   ShardedFlatAdamax, ShardedFlatAdamW,
                                                   ShardedFlatLion, ShardedFlatNAdam,
@@ -27,12 +28,13 @@ from xferlib.adapters.torch.rows import gather_rows
 from xferlib.adapters.torch.tt import (OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag,
                                        suggested_tt_shapes, tt_matrix_to_full)
 
-__all__ = ["ContiguousParams", "EmbeddingBagCollection", "FlatAdagrad", "FlatAdam", "FlatAdamax",
+__all__ = ["ContiguousParams", "DotInteraction", "EmbeddingBagCollection", "FlatAdagrad", "FlatAdam", "FlatAdamax",
            "FlatAdamW", "FlatLion", "FlatNAdam", "FlatRAdam", "FlatRMSprop", "FlatSGD",
            "GradAllReduce", "HostEmbedding", "HostEmbeddingBag", "OptimType",
            "ShardedFlatAdagrad", "ShardedFlatAdam", "ShardedFlatAdamax", "ShardedFlatAdamW",
            "ShardedFlatLion", "ShardedFlatNAdam", "ShardedFlatRAdam", "ShardedFlatRMSprop",
            "ShardedFlatSGD", "ShardedEmbeddingBagCollection", "load_sharded", "save_sharded",
-           "TTEmbeddingBag", "TableBatchedTTEmbeddingBag", "TableConfig", "gather_rows",
+           "TTEmbeddingBag", "TableBatchedTTEmbeddingBag", "TableConfig", "dot_interaction",
+           "gather_rows",
            "leave_process_group",
            "suggested_tt_shapes", "tt_matrix_to_full"]

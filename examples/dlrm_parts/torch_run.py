@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 import xferlib
 from xferlib.adapters.torch import (EmbeddingBagCollection, FlatAdam, GradAllReduce,
-                                    OptimType, ShardedEmbeddingBagCollection, TTEmbeddingBag)
+                                    OptimType, ShardedEmbeddingBagCollection, TTEmbeddingBag,
+                                    dot_interaction)
 
 from . import dist as ranks_
 from . import init as initial
@@ -246,12 +247,6 @@ class DLRM(torch.nn.Module):
             self.embeddings = TorchEmbeddings(preset, plan, seed, device)
         else:
             self.embeddings = FbgemmEmbeddings(preset, plan, seed, device)
-        # the pairs i < j of the (tables + 1)^2 dot products, as flat positions: index_select
-        # (its backward an index_add) instead of [:, li, lj] (a sorting index_put backward)
-        n = num_tables + 1
-        li, lj = np.triu_indices(n, 1)
-        self.register_buffer("pairs", torch.from_numpy(li * n + lj).to(device),
-                             persistent=False)
 
     def dense_parameters(self):
         return [*self.bottom.parameters(), *self.top.parameters()]
@@ -279,9 +274,9 @@ class DLRM(torch.nn.Module):
         x = dense
         for lin in self.bottom:
             x = torch.relu(lin(x))
-        T = torch.cat([x[:, None], pooled], dim=1)
-        dots = torch.bmm(T, T.transpose(1, 2)).flatten(1).index_select(1, self.pairs)
-        h = torch.cat([x, dots], dim=1)
+        # [x, the dot product of every pair of x and the pooled rows]: one kernel each way
+        # (every engine's model alike)
+        h = dot_interaction(x, pooled)
         for i, lin in enumerate(self.top):
             h = lin(h)
             if i + 1 < len(self.top):

@@ -9,6 +9,7 @@ from xferlib._kernels._registry import KernelModule, all_modules, grid_1d, launc
 from xferlib._kernels.cache import CACHE_KERNEL, CACHE_MODULE
 from xferlib._kernels.collection import COLLECTION_KERNEL, COLLECTION_MODULE
 from xferlib._kernels.exchange import EXCHANGE_KERNEL, EXCHANGE_MODULE
+from xferlib._kernels.interaction import INTERACTION_KERNEL, INTERACTION_MODULE
 from xferlib._kernels.optim import OPTIM_KERNEL, OPTIM_MODULE
 from xferlib._kernels.rows import ROWS_KERNEL, ROWS_MODULE
 from xferlib._kernels.scattered import SCATTERED_KERNEL, SCATTERED_MODULE
@@ -17,6 +18,7 @@ from xferlib._kernels.tt import TT_KERNEL, TT_MODULE  # FBTT's shape: one module
 
 __all__ = ["KernelDecl", "defines", "named", "KernelModule", "all_modules", "grid_1d",
            "launch_config", "CACHE_KERNEL", "CACHE_MODULE", "COLLECTION_KERNEL",
-           "COLLECTION_MODULE", "EXCHANGE_KERNEL", "EXCHANGE_MODULE", "OPTIM_KERNEL",
+           "COLLECTION_MODULE", "EXCHANGE_KERNEL", "EXCHANGE_MODULE", "INTERACTION_KERNEL",
+           "INTERACTION_MODULE", "OPTIM_KERNEL",
            "OPTIM_MODULE", "ROWS_KERNEL", "ROWS_MODULE", "SCATTERED_KERNEL", "SCATTERED_MODULE",
            "TABLE_KERNEL", "TABLE_MODULE", "TT_KERNEL", "TT_MODULE"]
