@@ -78,6 +78,7 @@ KERNEL_KINDS = (
     # FBGEMM's before the matmuls: its kernels' namespace, fbgemm_gpu, holds "gemm"
     ("embedding kernels (FBGEMM TBE)", ("fbgemm", "split_embedding", "lru_cache", "lxu_cache")),
     ("embedding kernels (xferlib)", ("coll_", "tile_sort", "tile_merge", "cache_")),
+    ("dot interaction (xferlib)", ("doti_",)),
     ("matmuls", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_")),
     ("sorts and scans (torch / CUB)", ("radix", "sort", "scan", "cub::")),
     ("copies and fills", ("memcpy", "memset", "copy", "fill")),
