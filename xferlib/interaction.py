@@ -14,7 +14,9 @@ transpose, a gather of the upper triangle, and their backward: an ``index_add``,
 products, and cuBLAS runs these small ``27 x 64 x 27`` products on FP32 FMA kernels even
 where TF32 is allowed. These two kernels read each sample's vectors once into shared memory
 and write its outputs once; each lane computes a register tile (measured in docs/dlrm.md,
-"The dot interaction"). A sample's vectors and pairs must fit 48 KB of shared memory (float32: ``n = 27`` up to ``d = 400``; a ValueError says so otherwise).
+"The dot interaction"). A sample's vectors and pairs must fit 48 KB of shared memory
+(float32: ``n = 27`` up to ``d = 400``; :func:`fits_gpu_kernels` says, a ValueError
+otherwise).
 
 Like every op of the core: :func:`dot_interaction_reference` (NumPy, float64),
 :func:`dot_interaction_fwd` / :func:`dot_interaction_bwd` (NumPy for NumPy arrays, CUDA for
@@ -31,7 +33,7 @@ from xferlib._kernels.interaction import (COLUMN_GROUPS, DOTI_BWD, DOTI_FWD, int
                                           load_width, rows_padded)
 
 __all__ = ["interaction_width", "dot_interaction_reference", "dot_interaction_grad_reference",
-           "dot_interaction_fwd", "dot_interaction_bwd"]
+           "dot_interaction_fwd", "dot_interaction_bwd", "fits_gpu_kernels"]
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _MAX_BLOCKS = 65535
@@ -211,6 +213,21 @@ def _per_block(T: int, d: int, dtype, backward: bool):
                          f"have {_SHARED_BYTES:,} (fewer tables, a narrower d, or float32)")
     per_block = min(_MAX_WARPS, _SHARED_BYTES // per_sample)
     return per_block, per_block * per_sample
+
+
+def fits_gpu_kernels(num_tables: int, dim: int, dtype=np.float32) -> bool:
+    """Whether the GPU kernels take ``num_tables`` pooled rows and a dense vector of ``dim``
+    ``dtype`` values (one sample's rows within 48 KB of shared memory, forward and backward).
+
+    >>> fits_gpu_kernels(26, 64), fits_gpu_kernels(26, 1024)
+    (True, False)
+    """
+    try:
+        for backward in (False, True):
+            _per_block(num_tables, dim, dtype, backward)
+    except ValueError:
+        return False
+    return True
 
 
 def _grid(samples: int, per_block: int):

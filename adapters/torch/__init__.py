@@ -28,13 +28,13 @@ from xferlib.adapters.torch.rows import gather_rows
 from xferlib.adapters.torch.tt import (OptimType, TableBatchedTTEmbeddingBag, TTEmbeddingBag,
                                        suggested_tt_shapes, tt_matrix_to_full)
 
-__all__ = ["ContiguousParams", "DotInteraction", "EmbeddingBagCollection", "FlatAdagrad", "FlatAdam", "FlatAdamax",
-           "FlatAdamW", "FlatLion", "FlatNAdam", "FlatRAdam", "FlatRMSprop", "FlatSGD",
+__all__ = ["ContiguousParams", "DotInteraction", "EmbeddingBagCollection", "FlatAdagrad",
+           "FlatAdam", "FlatAdamax", "FlatAdamW", "FlatLion", "FlatNAdam", "FlatRAdam",
+           "FlatRMSprop", "FlatSGD",
            "GradAllReduce", "HostEmbedding", "HostEmbeddingBag", "OptimType",
            "ShardedFlatAdagrad", "ShardedFlatAdam", "ShardedFlatAdamax", "ShardedFlatAdamW",
            "ShardedFlatLion", "ShardedFlatNAdam", "ShardedFlatRAdam", "ShardedFlatRMSprop",
            "ShardedFlatSGD", "ShardedEmbeddingBagCollection", "load_sharded", "save_sharded",
            "TTEmbeddingBag", "TableBatchedTTEmbeddingBag", "TableConfig", "dot_interaction",
-           "gather_rows",
-           "leave_process_group",
+           "gather_rows", "leave_process_group",
            "suggested_tt_shapes", "tt_matrix_to_full"]

@@ -36,7 +36,9 @@ def dot_interaction(x: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
     (B, T, d): ``(B, d + n (n - 1) / 2)``, ``x`` then the dot product of every pair ``i < j``
     of the ``n = T + 1`` vectors (``numpy.triu_indices`` order), what the top MLP takes.
     Differentiable in both inputs; on CUDA one kernel forward and one backward (capturable
-    in a CUDA graph), on the CPU NumPy. Equal to
+    in a CUDA graph; shapes past the kernels' shared memory, see
+    :func:`xferlib.interaction.fits_gpu_kernels`, run torch's ``bmm`` instead), on the CPU
+    NumPy. Equal to
 
     >>> import torch
     >>> x, pooled = torch.randn(4, 8), torch.randn(4, 3, 8)
@@ -53,7 +55,22 @@ def dot_interaction(x: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or pooled.dim() != 3:  # the core checks the rest, in its own terms
         raise ValueError(f"dot_interaction: x must be (B, d) and pooled (B, T, d); got "
                          f"shapes {tuple(x.shape)} and {tuple(pooled.shape)}")
+    B, T, d = pooled.shape
+    if x.is_cuda and not core.fits_gpu_kernels(T, d, _numpy_dtype(x.dtype)):
+        return _plain(x, pooled)  # too wide for the kernels' shared memory: torch's ops
     return _DotInteraction.apply(x.contiguous(), pooled.contiguous())
+
+
+def _numpy_dtype(dtype):
+    return {torch.float32: "float32", torch.float64: "float64"}.get(dtype, "float32")
+
+
+def _plain(x, pooled):
+    """The interaction in torch ops (cat, bmm, the upper triangle): the same values, for
+    shapes the kernels do not take."""
+    v = torch.cat([x[:, None], pooled], dim=1)
+    i, j = torch.triu_indices(v.shape[1], v.shape[1], 1, device=x.device)
+    return torch.cat([x, torch.bmm(v, v.transpose(1, 2))[:, i, j]], dim=1)
 
 
 class DotInteraction(torch.nn.Module):

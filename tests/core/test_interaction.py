@@ -135,6 +135,25 @@ def test_a_sample_past_the_shared_memory_is_refused_on_the_gpu(rng):
     assert bool((out == 7.0).all())
 
 
+@pytest.mark.gpu
+def test_torch_function_runs_torch_ops_for_shapes_past_the_kernels(rng):
+    torch = pytest.importorskip("torch")
+    from xferlib.adapters.torch import dot_interaction
+    from xferlib.interaction import fits_gpu_kernels
+
+    assert not fits_gpu_kernels(26, 512)
+    x0, p0, g0 = _inputs(rng, 3, 26, 512, np.float64)
+    x = torch.tensor(x0, device="cuda", requires_grad=True)
+    p = torch.tensor(p0, device="cuda", requires_grad=True)
+    out = dot_interaction(x, p)
+    out.backward(torch.tensor(g0, device="cuda"))
+    np.testing.assert_allclose(out.detach().cpu().numpy(), dot_interaction_reference(x0, p0),
+                               rtol=1e-10)
+    want_dx, want_dp = dot_interaction_grad_reference(x0, p0, g0)
+    np.testing.assert_allclose(p.grad.cpu().numpy(), want_dp, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(x.grad.cpu().numpy(), want_dx, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("gpu", ON)
 def test_bad_input_is_refused_before_anything_is_written(gpu, rng):
     x, pooled, g = _on(gpu, *_inputs(rng, 4, 3, 8, np.float32))
