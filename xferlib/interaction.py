@@ -130,8 +130,8 @@ def dot_interaction_fwd(x, pooled, out=None, *, stream=None):
     (B, d), T = x.shape, pooled.shape[1]
     if out is not None:
         _check_array("out", out, (B, interaction_width(T, d)), x)
-    if gpu:
-        _per_block(T, d, x.dtype, backward=False)  # the shape fits, before anything is written
+    if gpu:  # the shape fits, before anything is written
+        per_block, shared = _per_block(T, d, x.dtype, backward=False)
     x, pooled = _contiguous(x, gpu), _contiguous(pooled, gpu)
     if not gpu:
         result = _numpy_output(x, pooled)
@@ -146,7 +146,6 @@ def dot_interaction_fwd(x, pooled, out=None, *, stream=None):
         if out is None:
             out = cupy.empty((B, interaction_width(T, d)), dtype=x.dtype)
         if B:
-            per_block, shared = _per_block(T, d, x.dtype, backward=False)
             vec = load_width(d, x.itemsize, x, pooled)
             DOTI_FWD.launch(interaction_module(), (_c_type(x.dtype), vec), *_grid(B, per_block),
                             stream=stream, shared_mem=shared, x=x, pooled=pooled, B=B, T=T,
@@ -164,7 +163,7 @@ def dot_interaction_bwd(residuals, g, dx=None, dpooled=None, *, stream=None):
         if array is not None:
             _check_array(name, array, shape, x)
     if gpu:
-        _per_block(T, d, x.dtype, backward=True)
+        per_block, shared = _per_block(T, d, x.dtype, backward=True)
     g = _contiguous(g, gpu)
     if not gpu:
         gx, gp = _numpy_grads(x, pooled, g)
@@ -184,7 +183,6 @@ def dot_interaction_bwd(residuals, g, dx=None, dpooled=None, *, stream=None):
         dx = cupy.empty((B, d), dtype=x.dtype) if dx is None else dx
         dpooled = cupy.empty((B, T, d), dtype=x.dtype) if dpooled is None else dpooled
         if B:
-            per_block, shared = _per_block(T, d, x.dtype, backward=True)
             columns = next(c for c in COLUMN_GROUPS if d % c == 0)
             vec = load_width(d, x.itemsize, x, pooled)
             DOTI_BWD.launch(interaction_module(), (_c_type(x.dtype), vec, columns),
@@ -198,19 +196,25 @@ def _c_type(dtype) -> str:
     return "float" if np.dtype(dtype) == np.float32 else "double"
 
 
-def _per_block(T: int, d: int, dtype, backward: bool):
-    """``(samples per block, shared bytes)``: a warp per sample, as many as 48 KB of shared
-    memory holds (at most eight). Its rows: the sample's vectors (``rows_padded(n)`` rows of
-    ``d + 1``) and the forward's pairs or the backward's ``G`` (``rows_padded(n)`` rows of
-    ``rows_padded(n) + 1``). ValueError when one sample's rows do not fit."""
+def _sample_bytes(T: int, d: int, dtype, backward: bool) -> int:
+    """Shared memory one sample takes: its vectors (``rows_padded(n)`` rows of ``d + 1``)
+    and the forward's pairs or the backward's ``G`` (``rows_padded(n)`` rows of
+    ``rows_padded(n) + 1``)."""
     n = int(T) + 1
     rows = rows_padded(n)
-    words = rows * (d + 1) + (rows * (rows + 1) if backward else n * (n - 1) // 2)
-    per_sample = words * np.dtype(dtype).itemsize
+    words = rows * (int(d) + 1) + (rows * (rows + 1) if backward else n * (n - 1) // 2)
+    return words * np.dtype(dtype).itemsize
+
+
+def _per_block(T: int, d: int, dtype, backward: bool):
+    """``(samples per block, shared bytes)``: a warp per sample, as many as 48 KB of shared
+    memory holds (at most eight). ValueError when one sample does not fit."""
+    per_sample = _sample_bytes(T, d, dtype, backward)
     if per_sample > _SHARED_BYTES:
-        raise ValueError(f"dot_interaction: {n} vectors of {d} {np.dtype(dtype).name} values "
-                         f"need {per_sample:,} bytes of shared memory a sample; the kernels "
-                         f"have {_SHARED_BYTES:,} (fewer tables, a narrower d, or float32)")
+        raise ValueError(f"dot_interaction: {int(T) + 1} vectors of {d} "
+                         f"{np.dtype(dtype).name} values need {per_sample:,} bytes of shared "
+                         f"memory a sample; the kernels have {_SHARED_BYTES:,} (fewer tables, "
+                         f"a narrower d, or float32)")
     per_block = min(_MAX_WARPS, _SHARED_BYTES // per_sample)
     return per_block, per_block * per_sample
 
@@ -222,12 +226,8 @@ def fits_gpu_kernels(num_tables: int, dim: int, dtype=np.float32) -> bool:
     >>> fits_gpu_kernels(26, 64), fits_gpu_kernels(26, 1024)
     (True, False)
     """
-    try:
-        for backward in (False, True):
-            _per_block(num_tables, dim, dtype, backward)
-    except ValueError:
-        return False
-    return True
+    return all(_sample_bytes(num_tables, dim, dtype, backward) <= _SHARED_BYTES
+               for backward in (False, True))
 
 
 def _grid(samples: int, per_block: int):
