@@ -24,15 +24,16 @@ def _ok(result):
     return result
 
 
-def resumed_equals_full(directory) -> dict:
+def resumed_equals_full(directory, auc_abs: float = 1e-6) -> dict:
     """The run resumed from a checkpoint (``resumed.json`` in ``directory``) against the
-    uninterrupted one (``full.json``): 24 steps in all, the same logloss and AUC. Returns
-    the resumed run's JSON."""
+    uninterrupted one (``full.json``): 24 steps in all, the same logloss and AUC (within
+    ``auc_abs``: a pair of evaluation samples swapping ranks moves the AUC by about
+    1 / (positives x negatives)). Returns the resumed run's JSON."""
     full = json.loads((directory / "full.json").read_text())
     resumed = json.loads((directory / "resumed.json").read_text())
     assert resumed["runs"][0]["total_steps"] == 24
     assert resumed["logloss"] == pytest.approx(full["logloss"], rel=1e-6)
-    assert resumed["auc"] == pytest.approx(full["auc"], abs=1e-6)
+    assert resumed["auc"] == pytest.approx(full["auc"], abs=auc_abs)
     return resumed
 
 

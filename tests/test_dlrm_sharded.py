@@ -321,7 +321,10 @@ def test_jax_checkpoint_of_two_devices_continues_on_one(tmp_path):
     assert "sharding plan over 2 ranks" in first.stdout
     _ok(_run(*common, "--steps", 12, "--load", tmp_path / "ckpt", "--json",
              tmp_path / "resumed.json"))
-    resumed_equals_full(tmp_path)
+    # Two devices sum their dense gradients over the mesh, one device over its whole batch:
+    # the first 12 steps round differently (logloss within 1e-9 here), which may swap a few
+    # of the 2,048 evaluation samples' ranks (about 1e-6 of AUC each).
+    resumed_equals_full(tmp_path, auc_abs=1e-5)
 
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import xferlib  # noqa: E402
-from xferlib.adapters.jax import flat_adam, flat_step, host_lookup, host_update  # noqa: E402
+from xferlib.adapters.jax import dot_interaction, flat_adam, flat_step  # noqa: E402
+from xferlib.adapters.jax import host_lookup, host_update  # noqa: E402
 from xferlib.adapters.jax import ravel, sharded_host_update, tt_embedding_bag  # noqa: E402
 
 from . import init as initial  # noqa: E402
@@ -124,8 +125,6 @@ class JaxMeshRun:
                 self.tt.append(cores)
                 self.tt_acc.append(tuple(self._zeros(c.shape) for c in cores))
                 self.tt_shapes.append((t.tt_p, t.tt_q, t.tt_ranks))
-        n = num_tables + 1
-        self.li, self.lj = np.triu_indices(n, 1)
         self.steps_done = 0
         self._tokens = [jax.device_put(np.int32(0), where) for _ in self.host]
         self._build()
@@ -142,7 +141,7 @@ class JaxMeshRun:
         for w, b in p["bottom"]:
             x = jax.nn.relu(x @ w.T + b)
         offsets = jnp.arange(0, B * L + 1, L, dtype=jnp.int32)
-        vectors, it = [x], {"hbm": iter(hbm), "tt": iter(tt), "host": iter(host_rows)}
+        vectors, it = [], {"hbm": iter(hbm), "tt": iter(tt), "host": iter(host_rows)}
         shapes = iter(self.tt_shapes)
         for f, kind in enumerate(self.kinds):
             idx = cat[f].reshape(-1)
@@ -155,9 +154,7 @@ class JaxMeshRun:
                 e = tt_embedding_bag(next(it["tt"]), idx, offsets, p_shapes=pq, q_shapes=qq,
                                      ranks=rr, mode="sum", include_last_offset=True)
             vectors.append(e)
-        T = jnp.stack(vectors, axis=1)
-        dots = jnp.einsum("bid,bjd->bij", T, T)[:, self.li, self.lj]
-        h = jnp.concatenate([x, dots], axis=1)
+        h = dot_interaction(x, jnp.stack(vectors, axis=1))
         top = p["top"]
         for i, (w, b) in enumerate(top):
             h = h @ w.T + b

@@ -25,8 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import xferlib  # noqa: E402
-from xferlib.adapters.jax import (collection_anchor, embedding_bag_collection,  # noqa: E402
-                                  flat_adam, flat_step, ravel, recording_scratch_bytes,
+from xferlib.adapters.jax import (collection_anchor, dot_interaction,  # noqa: E402
+                                  embedding_bag_collection, flat_adam, flat_step, ravel, recording_scratch_bytes,
                                   tt_embedding_bag)
 from xferlib.collection import EmbeddingCollection, TableConfig  # noqa: E402
 
@@ -61,7 +61,6 @@ class JaxRun:
     def __init__(self, preset, plan, seed, device, xp=np, optimizer="adagrad"):
         self.xp, self.gpu = xp, device != "cpu"
         self.preset, self.plan, self.dim = preset, plan, preset.dim
-        num_tables = len(plan.tables)
         # --device cpu on a GPU machine: JAX's default device is the GPU, so name the CPU.
         self.device = jax.devices("cpu" if device == "cpu" else None)[0]
         self.where = self.device  # where the run's values live (load_state puts them there)
@@ -83,7 +82,6 @@ class JaxRun:
                 self.tt.append(cores)
                 self.tt_acc.append(tuple(to(np.zeros(c.shape, np.float32)) for c in cores))
                 self.tt_shapes.append((t.tt_p, t.tt_q, t.tt_ranks))
-        self.li, self.lj = np.triu_indices(num_tables + 1, 1)
         self.steps_done = 0
         self._step_numbers = []
         self.graph_note = "one jax.jit step, buffers donated"
@@ -135,9 +133,7 @@ class JaxRun:
         x = dense
         for w, b in p["bottom"]:
             x = jax.nn.relu(x @ w.T + b)
-        T = jnp.concatenate([x[:, None], pooled], axis=1)
-        dots = jnp.einsum("bid,bjd->bij", T, T)[:, self.li, self.lj]
-        h = jnp.concatenate([x, dots], axis=1)
+        h = dot_interaction(x, pooled)  # x and every pair's dot: one kernel each way
         top = p["top"]
         for i, (w, b) in enumerate(top):
             h = h @ w.T + b

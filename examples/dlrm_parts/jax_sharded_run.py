@@ -62,7 +62,6 @@ class JaxShardedRun(JaxRun):
             raise ValueError("TT tables are not sharded: use jax_mesh_run.JaxMeshRun")
         self.xp, self.gpu = xp, device != "cpu"
         self.preset, self.plan, self.dim = preset, plan, preset.dim
-        num_tables = len(plan.tables)
         # processes: one device a process (jax.distributed, torchrun's ranks), the mesh
         # over every process's device; each process feeds its own samples
         self.processes = bool(processes)
@@ -104,7 +103,6 @@ class JaxShardedRun(JaxRun):
             device="cuda" if self.gpu else "cpu", devices=found[:devices],
             max_bag_size=preset.pooling, record=self.gpu)
         self.anchor = jax.device_put(np.asarray(collection_anchor()), self._replicated)
-        self.li, self.lj = np.triu_indices(num_tables + 1, 1)
         self.steps_done = 0
         self._step_numbers = []
         self.graph_note = (f"one jax.jit step over {devices} devices (shard_map), the "
