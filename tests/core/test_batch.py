@@ -115,6 +115,34 @@ def test_tile_sort_merges_match_numpy(rng, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["tables", "tile-aligned tables", "sorted", "descending"])
+def test_tile_sort_merges_runs_in_order_or_reversed(rng, case):
+    """Runs whose keys lie wholly after (or before) the run they merge with: a collection's
+    tables (ascending key ranges, segments of any length, ties across their boundaries),
+    already sorted keys, and descending segments."""
+    cupy = _cupy()
+    if case in ("tables", "tile-aligned tables"):
+        lengths = ([16384] * 26 if case == "tile-aligned tables"
+                   else rng.integers(1, 30_000, size=20))
+        base = np.cumsum([0] + [int(k) for k in rng.integers(50, 5_000, size=len(lengths))])
+        # each table's keys in [base, base + 2 x range]: neighbours share keys at the edges
+        idx = np.concatenate([base[t] + rng.integers(0, 2 * (base[t + 1] - base[t]), size=k)
+                              for t, k in enumerate(lengths)])
+    elif case == "sorted":
+        idx = np.sort(rng.integers(0, 1 << 20, size=300_000))
+    else:
+        idx = np.concatenate([s * 1000 + rng.integers(0, 1001, size=9_000)
+                              for s in range(40, 0, -1)])
+    idx = idx.astype(np.int64)
+    num_rows = int(idx.max()) + 1
+    keys, perm, words = sort_positions(cupy.asarray(idx), num_rows, tiled_max=idx.size)
+    order = np.argsort(idx, kind="stable")
+    np.testing.assert_array_equal(perm.get(), order)
+    np.testing.assert_array_equal(keys.get(), idx[order])
+    assert (words.get() == np.iinfo(np.uint64).max).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("bad", [-1, 1000])
 def test_plan_batch_verdict_raises_now_and_deferred(bad):
     cupy = _cupy()

@@ -154,13 +154,17 @@ DOTI_BWD = KernelDecl(
         __syncwarp();
         load_vectors<F, VEC>(v, x, pooled, b, T, d, ld, lane);
         const F* gb = g + b * width;
-        for (int p = lane; p < P; p += 32) {
-            int i = 0, j = p;  // pair p's (i, j)
+        int i = 0, j = lane;  // pair `lane`'s (i, j), then 32 pairs on at each turn
+        if (lane < P) {
             while (j >= n - 1 - i) { j -= n - 1 - i; ++i; }
             j += i + 1;
+        }
+        for (int p = lane; p < P; p += 32) {
             const F value = gb[d + p];
             G[i * ls + j] = value;
             G[j * ls + i] = value;
+            j += 32;
+            while (j >= n && i < n - 2) { j -= n - i - 2; ++i; }  // row i + 1 starts at i + 2
         }
         __syncwarp();
         for (int it = lane; it < items; it += 32) {
