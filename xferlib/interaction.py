@@ -33,7 +33,7 @@ from xferlib._kernels.interaction import (COLUMN_GROUPS, DOTI_BWD, DOTI_FWD, int
                                           load_width, rows_padded)
 
 __all__ = ["interaction_width", "dot_interaction_reference", "dot_interaction_grad_reference",
-           "dot_interaction_fwd", "dot_interaction_bwd", "fits_gpu_kernels"]
+           "dot_interaction_fwd", "dot_interaction_bwd", "fits_gpu_kernels", "check_shapes"]
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _MAX_BLOCKS = 65535
@@ -91,16 +91,23 @@ def _check_inputs(x, pooled) -> bool:
     if kind is None or other != kind:
         raise TypeError(f"dot_interaction takes NumPy or CuPy arrays of one kind; got "
                         f"{type(x).__name__} and {type(pooled).__name__}")
-    if x.ndim != 2 or pooled.ndim != 3:
-        raise ValueError(f"dot_interaction: x must be (B, d) and pooled (B, T, d); got "
-                         f"shapes {tuple(x.shape)} and {tuple(pooled.shape)}")
-    if pooled.shape[0] != x.shape[0] or pooled.shape[2] != x.shape[1]:
-        raise ValueError(f"dot_interaction: pooled {tuple(pooled.shape)} must be (B, T, d) "
-                         f"with x's B = {x.shape[0]} and d = {x.shape[1]}")
+    check_shapes(x.shape, pooled.shape)
     if x.dtype not in _DTYPES or pooled.dtype != x.dtype:
         raise TypeError(f"dot_interaction: x and pooled must both be float32 or float64; got "
                         f"{x.dtype} and {pooled.dtype}")
     return kind == "cupy"
+
+
+def check_shapes(x_shape, pooled_shape) -> None:
+    """ValueError unless ``x_shape`` is ``(B, d)`` and ``pooled_shape`` ``(B, T, d)`` (the
+    adapters check their own arrays' shapes with it before anything runs)."""
+    x_shape, pooled_shape = tuple(x_shape), tuple(pooled_shape)
+    if len(x_shape) != 2 or len(pooled_shape) != 3:
+        raise ValueError(f"dot_interaction: x must be (B, d) and pooled (B, T, d); got "
+                         f"shapes {x_shape} and {pooled_shape}")
+    if pooled_shape[0] != x_shape[0] or pooled_shape[2] != x_shape[1]:
+        raise ValueError(f"dot_interaction: pooled {pooled_shape} must be (B, T, d) "
+                         f"with x's B = {x_shape[0]} and d = {x_shape[1]}")
 
 
 def _check_array(name, array, shape, like, contiguous=True) -> None:

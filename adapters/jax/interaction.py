@@ -118,12 +118,7 @@ def dot_interaction(x: jax.Array, pooled: jax.Array) -> jax.Array:
     True
     """
     x, pooled = jnp.asarray(x), jnp.asarray(pooled)
-    if x.ndim != 2 or pooled.ndim != 3:
-        raise ValueError(f"dot_interaction: x must be (B, d) and pooled (B, T, d); got "
-                         f"shapes {tuple(x.shape)} and {tuple(pooled.shape)}")
-    if pooled.shape[0] != x.shape[0] or pooled.shape[2] != x.shape[1]:
-        raise ValueError(f"dot_interaction: pooled {tuple(pooled.shape)} must be (B, T, d) "
-                         f"with x's B = {x.shape[0]} and d = {x.shape[1]}")
+    core.check_shapes(x.shape, pooled.shape)
     if x.dtype != pooled.dtype:
         raise TypeError(f"dot_interaction: x and pooled must have one dtype; got {x.dtype} "
                         f"and {pooled.dtype}")

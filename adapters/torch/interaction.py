@@ -52,9 +52,7 @@ def dot_interaction(x: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         raise TypeError("dot_interaction takes torch tensors (x, pooled)")
     if x.device != pooled.device:
         raise ValueError(f"dot_interaction: x is on {x.device} and pooled on {pooled.device}")
-    if x.dim() != 2 or pooled.dim() != 3:  # the core checks the rest, in its own terms
-        raise ValueError(f"dot_interaction: x must be (B, d) and pooled (B, T, d); got "
-                         f"shapes {tuple(x.shape)} and {tuple(pooled.shape)}")
+    core.check_shapes(x.shape, pooled.shape)  # the core checks the rest, in its own terms
     B, T, d = pooled.shape
     if x.is_cuda and not core.fits_gpu_kernels(T, d, _numpy_dtype(x.dtype)):
         return _plain(x, pooled)  # too wide for the kernels' shared memory: torch's ops
