@@ -236,8 +236,8 @@ def main(argv=None) -> int:
 
 def _deterministic() -> None:
     """torch and XLA in their deterministic modes, set before either touches the GPU: the
-    dense model's reductions (the interaction's backward index_add, XLA's scatters) then
-    sum in a fixed order, as xferlib's kernels do."""
+    dense model's reductions (cuBLAS's and XLA's) then sum in a fixed order, as xferlib's
+    kernels (the collection's, the dot interaction's) do."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition
     if "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")

@@ -26,8 +26,8 @@ import numpy as np  # noqa: E402
 
 import xferlib  # noqa: E402
 from xferlib.adapters.jax import (collection_anchor, dot_interaction,  # noqa: E402
-                                  embedding_bag_collection, flat_adam, flat_step, ravel, recording_scratch_bytes,
-                                  tt_embedding_bag)
+                                  embedding_bag_collection, flat_adam, flat_step, ravel,
+                                  recording_scratch_bytes, tt_embedding_bag)
 from xferlib.collection import EmbeddingCollection, TableConfig  # noqa: E402
 
 from . import init as initial  # noqa: E402
