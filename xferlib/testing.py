@@ -187,10 +187,33 @@ def gpu_count() -> int:
 
 
 def free_port() -> int:
-    """A TCP port free on this host now: the rendezvous of a multi-process test."""
+    """A TCP port free on this host now: the rendezvous of a multi-process test.
+
+    Drawn at random from the 12,000 ports below the kernel's ephemeral range (Linux's
+    ``ip_local_port_range``, 32768-60999 by default), which the kernel never hands to other
+    sockets (a bind to port 0, an outgoing connection of NCCL, gloo or XLA). A port of that
+    range, free when asked for, could be taken by any such socket before the rendezvous
+    binds it; here only another caller of this function can take it (1 chance in 12,000
+    for two tests started at once), as when tests run in parallel workers."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the usual default
+        ephemeral = 32768
+    low = max(1024, ephemeral - 12000)
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(low, ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use: draw again
+            return port
+    with socket.socket() as s:  # every draw taken: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
