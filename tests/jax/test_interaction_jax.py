@@ -137,3 +137,22 @@ def test_jax_equals_torch(device):
     np.testing.assert_array_equal(np.asarray(out), t_out.detach().cpu().numpy())
     np.testing.assert_array_equal(np.asarray(dx), tx.grad.cpu().numpy())
     np.testing.assert_array_equal(np.asarray(dpooled), tp.grad.cpu().numpy())
+
+
+def test_vmap_over_a_leading_axis(device):
+    """vmap runs the op once per element (buffer_callback's sequential method)."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 5, 7)).astype(np.float32)
+    pooled = rng.standard_normal((3, 5, 4, 7)).astype(np.float32)
+    jx, jp = jax.device_put(x, device), jax.device_put(pooled, device)
+    out = jax.jit(jax.vmap(dot_interaction))(jx, jp)
+    dx, dpooled = jax.jit(jax.grad(lambda a, b: jax.vmap(dot_interaction)(a, b).sum(),
+                                   argnums=(0, 1)))(jx, jp)
+    for k in range(3):
+        x64, p64 = x[k].astype(np.float64), pooled[k].astype(np.float64)
+        assert_matches_reference(out[k], dot_interaction_reference(x64, p64), "float32",
+                                 scale=7)
+        want_dx, want_dp = dot_interaction_grad_reference(
+            x64, p64, np.ones((5, interaction_width(4, 7))))
+        assert_matches_reference(dx[k], want_dx, "float32", scale=35)
+        assert_matches_reference(dpooled[k], want_dp, "float32", scale=35)
