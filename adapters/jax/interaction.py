@@ -4,8 +4,6 @@ XLA's command buffers with the rest of a step)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,46 +11,36 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib import interaction as core
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
-                                            vary_like, varying_axes, xla_stream)
+                                            recordable_scope, vary_like, varying_axes,
+                                            xla_stream)
 from xferlib.adapters.jax.errors import reporting
 
 _KERNEL_DTYPES = (jnp.float32, jnp.float64)
 
 
-@contextlib.contextmanager
-def _launch_scope(ctx, gpu, *buffers):
-    """The buffers' device; while XLA records this call into a command buffer, CUDA's
-    relaxed capture mode (a first call may load the kernels' module)."""
-    with device_scope(gpu, *buffers):
-        if not gpu:
-            yield None
-            return
-        from xferlib.backend import as_cupy_stream, is_capturing, relaxed_capture_mode
-
-        stream = xla_stream(ctx, gpu)
-        if is_capturing(as_cupy_stream(stream)):
-            with relaxed_capture_mode():
-                yield stream
-        else:
-            yield stream
+# The op allocates nothing (its outputs are XLA's buffers): this private pool of
+# recordable_scope's stays empty; the scope gives a recorded call CUDA's relaxed capture mode
+# (a first call may load the kernels' module).
+_POOLS: dict = {}
 
 
 @reporting
 def _forward_callback(ctx, out, x, pooled):
     gpu = is_gpu_buffer(out)
-    with _launch_scope(ctx, gpu, out, x) as stream:
+    with device_scope(gpu, out, x), recordable_scope(_POOLS, ctx, gpu):
         core.dot_interaction_fwd(as_core_array(x, gpu), as_core_array(pooled, gpu),
-                                 out=as_core_array(out, gpu), stream=stream)
+                                 out=as_core_array(out, gpu), stream=xla_stream(ctx, gpu))
 
 
 @reporting
 def _backward_callback(ctx, outs, x, pooled, g):
     dx, dpooled = outs
     gpu = is_gpu_buffer(dx)
-    with _launch_scope(ctx, gpu, dx, x) as stream:
+    with device_scope(gpu, dx, x), recordable_scope(_POOLS, ctx, gpu):
         core.dot_interaction_bwd((as_core_array(x, gpu), as_core_array(pooled, gpu)),
                                  as_core_array(g, gpu), dx=as_core_array(dx, gpu),
-                                 dpooled=as_core_array(dpooled, gpu), stream=stream)
+                                 dpooled=as_core_array(dpooled, gpu),
+                                 stream=xla_stream(ctx, gpu))
 
 
 def _forward(x, pooled):
