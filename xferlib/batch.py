@@ -46,16 +46,17 @@ import dataclasses
 import numpy as np
 
 from xferlib._backend import as_cupy_stream
+from xferlib._kernels.radix import RADIX_MAX_N
 from xferlib._kernels import grid_1d
 from xferlib._kernels.rows import (CHECK_AND_NARROW, CHECK_AND_SORT_SMALL, INDEX_TYPES,
                                    MERGE_SORTED_RUNS, ROWS_MODULE, SMALL_SORT_ITEMS,
-                                   SMALL_SORT_THREADS, tile_sort_kernels)
+                                   SMALL_SORT_THREADS, SMALL_SORT_TILE, tile_sort_kernels)
 from xferlib.checks import (NO_BAD, PENDING, PendingChecks, RowsReport,  # noqa: F401
                             SlotChecks, Verdict, host_values, index_error)
 
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
            "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values",
-           "run_ids", "tile_sort"]
+           "run_ids", "tile_sort", "radix_sort"]
 
 # Up to this many positions the tile sort + merges runs (no host sync, no device-wide sort);
 # above it, CuPy's radix argsort, faster there (measured on the H200: equal at 65k, the
@@ -92,7 +93,8 @@ def tile_sort(keys, num_keys: int, stream, words, pairs, *, join_limit: int = 1,
     in one launch where it is given (TT's ``tt_merge_all``), else merged on down to one.
     ``pairs(count)``: ``count`` pairs of ``(int32 keys, int64 positions)`` buffers of
     ``keys.size``, the tile sort's output first and the result last, neighbours distinct
-    (each round writes to the pair after the one it reads)."""
+    (each round writes to the pair after the one it reads). The batch plans sort more than
+    one tile with :func:`radix_sort` instead (no merge rounds)."""
     n = int(keys.size)
     items = next((i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n),
                  SMALL_SORT_ITEMS[-1])
@@ -125,32 +127,69 @@ def tile_sort(keys, num_keys: int, stream, words, pairs, *, join_limit: int = 1,
     return rows, perm
 
 
-def _sort_tiled(idx, num_rows: int, stream, scratch=None, scratch_result=False):
-    """:func:`sort_positions` by :func:`tile_sort`, merged pairwise down to one run (a
-    single tile is one launch). ``scratch``: see :func:`sort_positions`."""
+def radix_sort(idx, num_keys: int, stream, words, buffer):
+    """``(sorted int32 keys, int64 positions)``: the stable sort of ``idx`` (int32 or int64,
+    all below ``num_keys`` <= 2^31 - 1) on ``stream`` by the device-wide radix sort
+    (``xferlib/_kernels/radix.py``: a histogram launch, then one launch per 8 bits of
+    ``num_keys - 1``), no host sync. A key outside ``[0, num_keys)`` is reported by an
+    atomic minimum into ``words[0]``. ``buffer(name, size, dtype)`` gives each working and
+    result array (``"rows"`` / ``"perm"`` the result)."""
+    from xferlib._kernels.radix import (INDEX_TYPES as RADIX_INDEX, RADIX_BINS, RADIX_BITS,
+                                        RADIX_HISTOGRAM, RADIX_MODULE, RADIX_PASS,
+                                        RADIX_THREADS, RADIX_TILE, radix_passes,
+                                        radix_status_words)
+
+    n = int(idx.size)
+    bits = max(1, int(num_keys - 1).bit_length())
+    passes = radix_passes(bits)
+    tiles = -(-n // RADIX_TILE)
+    zeroed = buffer("radix_counts", radix_status_words(n, passes), np.uint32)
+    zeroed.data.memset_async(0, zeroed.nbytes, stream)
+    hist, counters = zeroed[:passes * RADIX_BINS], zeroed[passes * RADIX_BINS:]
+    status = counters[passes:]
+    K = (RADIX_INDEX[idx.dtype.name],)
+    block = (RADIX_THREADS,)
+    RADIX_HISTOGRAM.launch(RADIX_MODULE, K, (tiles,), block, stream=stream, idx=idx, n=n,
+                           n_rows=num_keys, bits=bits, passes=passes, hist=hist,
+                           first_bad=words)
+    rows, perm = buffer("rows", n, np.int32), buffer("perm", n, np.int64)
+    between = [(buffer(f"radix_keys_{j}", n, np.uint32), buffer(f"radix_vals_{j}", n, np.uint32))
+               for j in range(min(2, passes - 1))]
+    keys_in = vals_in = None
+    for p in range(passes):
+        last = p == passes - 1
+        keys_out, vals_out = (rows, None) if last else between[p % 2]
+        RADIX_PASS.launch(RADIX_MODULE, K, (tiles,), block, stream=stream,
+                          idx=idx if p == 0 else None, keys_in=keys_in, vals_in=vals_in, n=n,
+                          n_rows=num_keys, bits=bits, shift=p * RADIX_BITS,
+                          hist=hist[p * RADIX_BINS:], status=status[p * tiles * RADIX_BINS:],
+                          counter=counters[p:], keys_out=keys_out, vals_out=vals_out,
+                          perm_out=perm if last else None)
+        keys_in, vals_in = keys_out, vals_out
+    return rows, perm
+
+
+def _sort_on_device(idx, num_rows: int, stream, scratch=None, scratch_result=False):
+    """:func:`sort_positions` without a host sync: one tile (a single launch) or the radix
+    sort. ``scratch``: see :func:`sort_positions`."""
     import cupy
 
     n = idx.size
-    # The merges ping-pong between two pairs of buffers: the pair that ends up holding the
-    # result comes from the scratch only if the caller lets the result be scratch.
-    fresh = lambda name, dtype: cupy.empty(n, dtype=dtype)  # noqa: E731
-    reused = None if scratch is None else (
-        lambda name, dtype: scratch.empty(name, n, dtype))  # noqa: E731
 
-    def pairs(count):
-        first = second = fresh
-        if scratch is not None:
-            result_pair = reused if scratch_result else fresh
-            first, second = (result_pair, reused) if count % 2 == 1 else (reused, result_pair)
-        out = [(first("rows", np.int32), first("perm", np.int64))]
-        if count > 1:
-            out.append((second("rows_b", np.int32), second("perm_b", np.int64)))
-        return [out[k % 2] for k in range(count)]
+    def buffer(name, size, dtype):
+        result = name in ("rows", "perm")
+        if scratch is None or (result and not scratch_result):
+            return cupy.empty(size, dtype=dtype)
+        return scratch.empty(name, size, dtype)
 
-    words = (cupy.empty(2, dtype=np.uint64) if scratch is None
-             else scratch.empty("words", 2, np.uint64))
+    words = buffer("words", 2, np.uint64)
     words.data.memset_async(0xFF, 16, stream)
-    rows, perm = tile_sort(idx, num_rows, stream, words, pairs)
+    if n > SMALL_SORT_TILE:
+        rows, perm = radix_sort(idx, num_rows, stream, words, buffer)
+    else:
+        rows, perm = tile_sort(idx, num_rows, stream, words,
+                               lambda count: [(buffer("rows", n, np.int32),
+                                               buffer("perm", n, np.int64))])
     return rows, perm, words
 
 
@@ -164,10 +203,11 @@ def sort_positions(idx, num_rows: int, *, stream=None, presorted: bool = False,
     verdict words (first position out of range, first position out of order; all ones when
     clean). ``presorted``: the caller promises ascending indices; they are checked, not
     sorted. ``tiled_max`` (default :data:`TILED_SORT_MAX`): up to this many positions the
-    tile sort + merges runs; above, CuPy's argsort, whose Thrust call waits for the device (a
-    host sync). ``scratch`` (an ``xferlib.tt.scratch.Scratch``, tile sort only): the working
-    buffers and ``words`` come from it (the caller reads ``words`` within the call), and
-    ``keys`` / ``perm`` too with ``scratch_result``; none is allocated per call.
+    sort stays on the device (one tile sort launch up to 2,048 positions, else
+    :func:`radix_sort`); above, CuPy's argsort, whose Thrust call waits for the device (a
+    host sync). ``scratch`` (an ``xferlib.tt.scratch.Scratch``, on-device sort only): the
+    working buffers and ``words`` come from it (the caller reads ``words`` within the call),
+    and ``keys`` / ``perm`` too with ``scratch_result``; none is allocated per call.
     """
     import cupy
 
@@ -176,8 +216,9 @@ def sort_positions(idx, num_rows: int, *, stream=None, presorted: bool = False,
     if tiled_max is None:
         tiled_max = TILED_SORT_MAX
     with stream:
-        if not presorted and n <= tiled_max and num_rows <= np.iinfo(np.int32).max:
-            return _sort_tiled(idx, num_rows, stream, scratch, scratch_result)
+        if (not presorted and n <= min(tiled_max, RADIX_MAX_N)
+                and num_rows <= np.iinfo(np.int32).max):
+            return _sort_on_device(idx, num_rows, stream, scratch, scratch_result)
         narrow = idx.dtype == np.int64 and num_rows <= np.iinfo(np.int32).max
         keys32 = cupy.empty(n, dtype=np.int32) if narrow else None
         words = cupy.empty(2, dtype=np.uint64)

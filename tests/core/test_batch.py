@@ -101,9 +101,9 @@ def test_plan_batch_matches_numpy(rng, n, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [2049, 4097, 6145, 40_000, 140_000, 600_000])
-def test_tile_sort_merges_match_numpy(rng, n):
-    """The tile sort's pairwise merge rounds (up to 293 tiles, a short last run)
-    against NumPy's stable sort, few distinct keys (long runs of ties) and many."""
+def test_device_sort_matches_numpy(rng, n):
+    """The on-device sort past one tile (the radix sort: up to 293 tiles, a short last
+    one) against NumPy's stable sort, few distinct keys (long runs of ties) and many."""
     cupy = _cupy()
     for num_rows in (7, 1 << 22):
         idx = rng.integers(0, num_rows, size=n).astype(np.int64)
@@ -116,7 +116,7 @@ def test_tile_sort_merges_match_numpy(rng, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["tables", "tile-aligned tables", "sorted", "descending"])
-def test_tile_sort_merges_runs_in_order_or_reversed(rng, case):
+def test_device_sort_of_runs_in_order_or_reversed(rng, case):
     """Runs whose keys lie wholly after (or before) the run they merge with: a collection's
     tables (ascending key ranges, segments of any length, ties across their boundaries),
     already sorted keys, and descending segments."""
@@ -140,6 +140,66 @@ def test_tile_sort_merges_runs_in_order_or_reversed(rng, case):
     np.testing.assert_array_equal(perm.get(), order)
     np.testing.assert_array_equal(keys.get(), idx[order])
     assert (words.get() == np.iinfo(np.uint64).max).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [1, 2, 200, 256, 257, 70_000, 8_000_000, 1 << 24,
+                                      54_063_992, np.iinfo(np.int32).max])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_radix_sort_every_pass_count(rng, num_rows, dtype):
+    """One to four 8-bit passes (key ranges of 1 to 31 bits), Zipf keys (a hot row holds
+    a large share of a tile: one digit's count spans warps and tiles), both index widths."""
+    cupy = _cupy()
+    for n in (2049, 37_001, 426_000):
+        zipf = (rng.zipf(1.05, size=n) - 1) % num_rows
+        idx = rng.permutation(num_rows)[zipf] if num_rows <= 1 << 24 else zipf
+        idx = idx.astype(dtype)
+        keys, perm, words = sort_positions(cupy.asarray(idx), num_rows, tiled_max=n)
+        order = np.argsort(idx, kind="stable")
+        np.testing.assert_array_equal(perm.get(), order)
+        np.testing.assert_array_equal(keys.get(), idx[order])
+        assert (words.get() == np.iinfo(np.uint64).max).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_radix_sort_reports_the_first_key_out_of_range(rng, dtype):
+    """Keys below 0 or past the table: the first such position in ``words[0]``, every
+    position still sorted to a place inside the output (a permutation of the batch)."""
+    cupy = _cupy()
+    n, num_rows = 50_000, 3_000
+    idx = rng.integers(0, num_rows, size=n).astype(dtype)
+    idx[[40_000, 9_999, 31_337]] = [-5, num_rows, np.iinfo(dtype).max]
+    keys, perm, words = sort_positions(cupy.asarray(idx), num_rows, tiled_max=n)
+    assert int(words.get()[0]) == 9_999
+    np.testing.assert_array_equal(np.sort(perm.get()), np.arange(n))
+    good = (idx >= 0) & (idx < num_rows)
+    order = np.argsort(np.where(good, idx, (1 << 12) - 1), kind="stable")
+    np.testing.assert_array_equal(perm.get(), order)
+
+
+@pytest.mark.gpu
+def test_radix_sort_replays_in_a_cuda_graph(rng):
+    """Captured once, replayed on new keys: each replay zeroes its counts again (the tile
+    counters and look-back words) and sorts the keys now in the input."""
+    cupy = _cupy()
+    n, num_rows = 100_000, 8_000_000
+    src = cupy.asarray(rng.integers(0, num_rows, size=n))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        sort_positions(src, num_rows, stream=stream, tiled_max=n)  # compiled, pool warm
+        stream.synchronize()
+        stream.begin_capture()
+        keys, perm, words = sort_positions(src, num_rows, stream=stream, tiled_max=n)
+        graph = stream.end_capture()
+        for _ in range(3):
+            idx = rng.integers(0, num_rows, size=n)
+            src.set(idx, stream=stream)
+            graph.launch(stream)
+            stream.synchronize()
+            order = np.argsort(idx, kind="stable")
+            np.testing.assert_array_equal(perm.get(), order)
+            np.testing.assert_array_equal(keys.get(), idx[order])
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """The GPU half of an EmbeddingCollection: the step's launches, and its deferred input checks.
 
 Forward: ``coll_plan`` checks bags and indices and keys every lookup; the batch sort
-(:func:`xferlib.batch.sort_positions`, the tile sort: no host sync at any size) orders the
+(:func:`xferlib.batch.sort_positions` on the device: no host sync at any size) orders the
 keys and :func:`xferlib.batch.run_ids` numbers their runs; host tables' distinct rows are
 staged into HBM; ``coll_pool`` writes the pooled output. Backward: the two-pass gradient sums
 and ``coll_update``. Kernels in ``xferlib/_kernels/collection.py``.
