@@ -58,10 +58,11 @@ __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
            "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values",
            "run_ids", "tile_sort", "radix_sort"]
 
-# Up to this many positions the tile sort + merges runs (no host sync, no device-wide sort);
-# above it, CuPy's radix argsort, faster there (measured on the H200: equal at 65k, the
-# merges cost 10-20% of a 262k-row transfer).
-TILED_SORT_MAX = 1 << 16
+# Up to this many positions the sort stays on the device (the tile sort, the radix sort: no
+# host sync); above it, CuPy's argsort. The radix sort is the faster at every size measured
+# (one H200, per call from Python: 127 / 130 / 206 / 263 us against 147 / 147 / 207 / 332 us
+# at 65k / 262k / 1M / 4M keys), so the bound is the most it sorts.
+TILED_SORT_MAX = RADIX_MAX_N
 
 
 # ----------------------------------------------------------------------------- sorting

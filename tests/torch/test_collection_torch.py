@@ -515,11 +515,11 @@ def test_docstring_examples_run():
 
 @pytest.mark.gpu
 def test_a_cached_step_past_the_small_sort_replayed_from_a_cuda_graph_trains_as_eager_steps():
-    """A host table with a GPU cache, batches of more lookups than the tile sort's default
-    bound (TILED_SORT_MAX): the cache pass sorts without a host sync, so the whole step is
+    """A host table with a GPU cache, batches of more lookups than one tile of the sort
+    (the radix sort's size): the cache pass sorts without a host sync, so the whole step is
     captured in one CUDA graph, and replays train as eager steps (rows admitted, evicted and
     written back in both)."""
-    from xferlib.batch import TILED_SORT_MAX
+    from xferlib._kernels.rows import SMALL_SORT_TILE
 
     _need_gpu()
     rows = (5000, 300)
@@ -534,7 +534,7 @@ def test_a_cached_step_past_the_small_sort_replayed_from_a_cuda_graph_trains_as_
         return ebc, head, FlatAdam(head.parameters(), lr=1e-2, capturable=True)
 
     offsets, batches = fixed_length_batches(rows, 40_000, 6)
-    assert batches[0][0].numel() > TILED_SORT_MAX
+    assert batches[0][0].numel() > SMALL_SORT_TILE
     eager, graphed = replay_beside_eager(build, linear_head_step, batches, offsets)
     for key, value in eager[0].state_dict().items():
         torch.testing.assert_close(graphed[0].state_dict()[key], value, rtol=1e-5, atol=1e-6,

@@ -11,6 +11,7 @@ from xferlib._kernels.collection import COLLECTION_KERNEL, COLLECTION_MODULE
 from xferlib._kernels.exchange import EXCHANGE_KERNEL, EXCHANGE_MODULE
 from xferlib._kernels.interaction import INTERACTION_KERNEL, INTERACTION_MODULE
 from xferlib._kernels.optim import OPTIM_KERNEL, OPTIM_MODULE
+from xferlib._kernels.radix import RADIX_KERNEL, RADIX_MODULE
 from xferlib._kernels.rows import ROWS_KERNEL, ROWS_MODULE
 from xferlib._kernels.scattered import SCATTERED_KERNEL, SCATTERED_MODULE
 from xferlib._kernels.table import TABLE_KERNEL, TABLE_MODULE
@@ -20,5 +21,6 @@ __all__ = ["KernelDecl", "defines", "named", "KernelModule", "all_modules", "gri
            "launch_config", "CACHE_KERNEL", "CACHE_MODULE", "COLLECTION_KERNEL",
            "COLLECTION_MODULE", "EXCHANGE_KERNEL", "EXCHANGE_MODULE", "INTERACTION_KERNEL",
            "INTERACTION_MODULE", "OPTIM_KERNEL",
-           "OPTIM_MODULE", "ROWS_KERNEL", "ROWS_MODULE", "SCATTERED_KERNEL", "SCATTERED_MODULE",
+           "OPTIM_MODULE", "RADIX_KERNEL", "RADIX_MODULE", "ROWS_KERNEL", "ROWS_MODULE",
+           "SCATTERED_KERNEL", "SCATTERED_MODULE",
            "TABLE_KERNEL", "TABLE_MODULE", "TT_KERNEL", "TT_MODULE"]
