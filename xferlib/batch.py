@@ -46,17 +46,20 @@ import dataclasses
 import numpy as np
 
 from xferlib._backend import as_cupy_stream
-from xferlib._kernels.radix import RADIX_MAX_N
+from xferlib._kernels.radix import INDEX_TYPES as RADIX_INDEX_TYPES
+from xferlib._kernels.radix import (RADIX_BINS, RADIX_BITS, RADIX_HISTOGRAM, RADIX_MAX_N,
+                                    RADIX_MODULE, RADIX_PASS, RADIX_THREADS, RADIX_TILE,
+                                    radix_passes, radix_status_words)
 from xferlib._kernels import grid_1d
 from xferlib._kernels.rows import (CHECK_AND_NARROW, CHECK_AND_SORT_SMALL, INDEX_TYPES,
-                                   MERGE_SORTED_RUNS, ROWS_MODULE, SMALL_SORT_ITEMS,
-                                   SMALL_SORT_THREADS, SMALL_SORT_TILE, tile_sort_kernels)
+                                   ROWS_MODULE, SMALL_SORT_ITEMS, SMALL_SORT_THREADS,
+                                   SMALL_SORT_TILE, tile_sort_kernels)
 from xferlib.checks import (NO_BAD, PENDING, PendingChecks, RowsReport,  # noqa: F401
                             SlotChecks, Verdict, host_values, index_error)
 
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
            "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values",
-           "run_ids", "tile_sort", "radix_sort"]
+           "run_ids", "tile_sort", "radix_sort", "sort_on_device"]
 
 # Up to this many positions the sort stays on the device (the tile sort, the radix sort: no
 # host sync); above it, CuPy's argsort. The radix sort is the faster at every size measured
@@ -81,51 +84,21 @@ def _identity_permutation(n: int):
     return cached[:n]
 
 
-def tile_sort(keys, num_keys: int, stream, words, pairs, *, join_limit: int = 1,
-              join_all=None):
-    """``(sorted int32 keys, positions)``: the stable sort of ``keys`` (all below
-    ``num_keys``) on ``stream`` without a device-wide sort or a host sync, the one tile sort
-    of the batch plans (:func:`sort_positions`) and the TT plans (``xferlib.tt.plan``).
-
-    Tiles of up to 2,048 positions are checked and sorted by one block each (one launch; a
-    key outside ``[0, num_keys)`` is reported by an atomic minimum into ``words[0]``), then
-    merged pairwise (one launch per doubling) while more than ``join_limit`` runs remain; the
-    runs left are joined by ``join_all(grid, block, rows, perm, width, out_rows, out_perm)``
-    in one launch where it is given (TT's ``tt_merge_all``), else merged on down to one.
-    ``pairs(count)``: ``count`` pairs of ``(int32 keys, int64 positions)`` buffers of
-    ``keys.size``, the tile sort's output first and the result last, neighbours distinct
-    (each round writes to the pair after the one it reads). The batch plans sort more than
-    one tile with :func:`radix_sort` instead (no merge rounds)."""
+def tile_sort(keys, num_keys: int, stream, words, rows, perm) -> None:
+    """The stable sort of at most :data:`SMALL_SORT_TILE` (2,048) ``keys`` (all below
+    ``num_keys``) by one block in shared memory, one launch: sorted int32 keys into ``rows``,
+    batch positions into ``perm``; a key outside ``[0, num_keys)`` reported by an atomic
+    minimum into ``words[0]``."""
     n = int(keys.size)
-    items = next((i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n),
-                 SMALL_SORT_ITEMS[-1])
-    tile = items * SMALL_SORT_THREADS
-    runs, width, rounds = -(-n // tile), tile, []
-    while runs > join_limit:  # pairwise rounds first
-        rounds.append(width)
-        runs, width = -(-runs // 2), width * 2
-    if runs > 1:
-        rounds.append(-width)  # the final round joins every run (join_all)
-    buffers = pairs(len(rounds) + 1)
-    kernel, shared, merge = tile_sort_kernels(keys.dtype.name, items)
-    rows, perm = buffers[0]
+    if n > SMALL_SORT_TILE:
+        raise ValueError(f"tile_sort sorts at most {SMALL_SORT_TILE} keys, not {n}")
+    items = next(i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n)
+    kernel, shared = tile_sort_kernels(keys.dtype.name, items)
     bits = max(1, int(num_keys - 1).bit_length())
-    kernel(grid_1d(n, tile)[0], (SMALL_SORT_THREADS,),  # one block per tile
+    kernel((1,), (SMALL_SORT_THREADS,),
            CHECK_AND_SORT_SMALL.arguments(idx=keys, n_total=n, n_rows=num_keys, bits=bits,
                                           rows_out=rows, perm_out=perm, first_bad=words),
            shared_mem=shared, stream=stream)
-    if rounds:
-        grid, block = grid_1d(n, 256, 65535)
-        for j, width in enumerate(rounds):
-            out_rows, out_perm = buffers[j + 1]
-            if width > 0:
-                merge(grid, block, MERGE_SORTED_RUNS.arguments(
-                    keys=rows, perm=perm, n=n, width=width, keys_out=out_rows,
-                    perm_out=out_perm), stream=stream)
-            else:
-                join_all(grid, block, rows, perm, -width, out_rows, out_perm)
-            rows, perm = out_rows, out_perm
-    return rows, perm
 
 
 def radix_sort(idx, num_keys: int, stream, words, buffer):
@@ -133,49 +106,61 @@ def radix_sort(idx, num_keys: int, stream, words, buffer):
     all below ``num_keys`` <= 2^31 - 1) on ``stream`` by the device-wide radix sort
     (``xferlib/_kernels/radix.py``: a histogram launch, then one launch per 8 bits of
     ``num_keys - 1``), no host sync. A key outside ``[0, num_keys)`` is reported by an
-    atomic minimum into ``words[0]``. ``buffer(name, size, dtype)`` gives each working and
-    result array (``"rows"`` / ``"perm"`` the result)."""
-    from xferlib._kernels.radix import (INDEX_TYPES as RADIX_INDEX, RADIX_BINS, RADIX_BITS,
-                                        RADIX_HISTOGRAM, RADIX_MODULE, RADIX_PASS,
-                                        RADIX_THREADS, RADIX_TILE, radix_passes,
-                                        radix_status_words)
-
+    atomic minimum into ``words[0]``. ``buffer(name, size, dtype)`` gives the result
+    (``"rows"``, ``"perm"``) and one working array (``"radix_work"``: the zeroed counts,
+    then the passes' keys and positions, addressed by offset: an eager sort's host time is
+    its launches, not array views)."""
     n = int(idx.size)
     bits = max(1, int(num_keys - 1).bit_length())
     passes = radix_passes(bits)
     tiles = -(-n // RADIX_TILE)
-    zeroed = buffer("radix_counts", radix_status_words(n, passes), np.uint32)
-    zeroed.data.memset_async(0, zeroed.nbytes, stream)
-    hist, counters = zeroed[:passes * RADIX_BINS], zeroed[passes * RADIX_BINS:]
-    status = counters[passes:]
-    K = (RADIX_INDEX[idx.dtype.name],)
+    zeroed = radix_status_words(n, passes)
+    between = min(2, passes - 1)  # the pairs the passes ping-pong between
+    work = buffer("radix_work", zeroed + 4 * between * n, np.uint32)
+    base = work.data.ptr
+    work.data.memset_async(0, 4 * zeroed, stream)
+    hist, counters = base, base + 4 * passes * RADIX_BINS
+    status = counters + 4 * passes
+    K = (RADIX_INDEX_TYPES[idx.dtype.name],)
     block = (RADIX_THREADS,)
     RADIX_HISTOGRAM.launch(RADIX_MODULE, K, (tiles,), block, stream=stream, idx=idx, n=n,
                            n_rows=num_keys, bits=bits, passes=passes, hist=hist,
                            first_bad=words)
     rows, perm = buffer("rows", n, np.int32), buffer("perm", n, np.int64)
-    between = [(buffer(f"radix_keys_{j}", n, np.uint32), buffer(f"radix_vals_{j}", n, np.uint32))
-               for j in range(min(2, passes - 1))]
     keys_in = vals_in = None
     for p in range(passes):
         last = p == passes - 1
-        keys_out, vals_out = (rows, None) if last else between[p % 2]
+        pair = base + 4 * (zeroed + 2 * n * (p % 2))
+        keys_out, vals_out = (rows, None) if last else (pair, pair + 4 * n)
         RADIX_PASS.launch(RADIX_MODULE, K, (tiles,), block, stream=stream,
                           idx=idx if p == 0 else None, keys_in=keys_in, vals_in=vals_in, n=n,
                           n_rows=num_keys, bits=bits, shift=p * RADIX_BITS,
-                          hist=hist[p * RADIX_BINS:], status=status[p * tiles * RADIX_BINS:],
-                          counter=counters[p:], keys_out=keys_out, vals_out=vals_out,
+                          hist=hist + 4 * p * RADIX_BINS,
+                          status=status + 4 * p * tiles * RADIX_BINS, counter=counters + 4 * p,
+                          keys_out=keys_out, vals_out=vals_out,
                           perm_out=perm if last else None)
         keys_in, vals_in = keys_out, vals_out
     return rows, perm
 
 
-def _sort_on_device(idx, num_rows: int, stream, scratch=None, scratch_result=False):
-    """:func:`sort_positions` without a host sync: one tile (a single launch) or the radix
-    sort. ``scratch``: see :func:`sort_positions`."""
-    import cupy
+def sort_on_device(idx, num_keys: int, stream, words, buffer):
+    """``(sorted int32 keys, int64 positions)``: the stable sort of ``idx`` (keys below
+    ``num_keys`` <= 2^31 - 1, at most :data:`RADIX_MAX_N` of them) on ``stream`` without a
+    host sync: :func:`tile_sort` up to one tile, :func:`radix_sort` past it. A key outside
+    ``[0, num_keys)`` is reported by an atomic minimum into ``words[0]`` (set by the
+    caller). ``buffer(name, size, dtype)`` gives each array (``"rows"`` / ``"perm"`` the
+    result); the sorts of the batch plans and of the TT plans."""
+    if idx.size > SMALL_SORT_TILE:
+        return radix_sort(idx, num_keys, stream, words, buffer)
+    rows, perm = buffer("rows", idx.size, np.int32), buffer("perm", idx.size, np.int64)
+    tile_sort(idx, num_keys, stream, words, rows, perm)
+    return rows, perm
 
-    n = idx.size
+
+def _sort_planned(idx, num_rows: int, stream, scratch=None, scratch_result=False):
+    """:func:`sort_positions` on the device, its verdict words made here. ``scratch``: see
+    :func:`sort_positions`."""
+    import cupy
 
     def buffer(name, size, dtype):
         result = name in ("rows", "perm")
@@ -185,12 +170,7 @@ def _sort_on_device(idx, num_rows: int, stream, scratch=None, scratch_result=Fal
 
     words = buffer("words", 2, np.uint64)
     words.data.memset_async(0xFF, 16, stream)
-    if n > SMALL_SORT_TILE:
-        rows, perm = radix_sort(idx, num_rows, stream, words, buffer)
-    else:
-        rows, perm = tile_sort(idx, num_rows, stream, words,
-                               lambda count: [(buffer("rows", n, np.int32),
-                                               buffer("perm", n, np.int64))])
+    rows, perm = sort_on_device(idx, num_rows, stream, words, buffer)
     return rows, perm, words
 
 
@@ -219,7 +199,7 @@ def sort_positions(idx, num_rows: int, *, stream=None, presorted: bool = False,
     with stream:
         if (not presorted and n <= min(tiled_max, RADIX_MAX_N)
                 and num_rows <= np.iinfo(np.int32).max):
-            return _sort_on_device(idx, num_rows, stream, scratch, scratch_result)
+            return _sort_planned(idx, num_rows, stream, scratch, scratch_result)
         narrow = idx.dtype == np.int64 and num_rows <= np.iinfo(np.int32).max
         keys32 = cupy.empty(n, dtype=np.int32) if narrow else None
         words = cupy.empty(2, dtype=np.uint64)

@@ -329,73 +329,100 @@ def test_tt_fused_update_names_the_replacement_of_defer_check():
         tt.tt_fused_update(cores, shape, None, None, None, "sgd", lr=0.1, defer_check=True)
 
 
-# The one tile sort's schedule, on the CPU: its kernels replaced by NumPy stand-ins that do
-# what the CUDA ones do (a stable sort per tile, a stable merge of run pairs, one join of all
-# runs), so the rounds, their widths and the buffers each reads and writes are checked here.
+# The radix sort's schedule, on the CPU: its kernels replaced by NumPy stand-ins that do what
+# the CUDA ones do (the digit counts of every pass; a stable pass over one digit), so the
+# passes, their shifts, the counts and zeroed words each gets and the buffers each reads
+# and writes are checked here.
 
-def _fake_kernels(monkeypatch, log):
+class _HostArray(np.ndarray):
+    """A NumPy array with CuPy's ``data.ptr`` and ``data.memset_async``."""
+
+    @property
+    def data(self):
+        import types
+
+        def memset_async(value, size, stream):
+            self.view(np.uint8)[:size] = value
+
+        return types.SimpleNamespace(ptr=self.ctypes.data, memset_async=memset_async)
+
+
+def _fake_radix(monkeypatch, log, made):
+    import xferlib._kernels.radix as radix
     import xferlib.batch as batch
 
-    tile = batch.SMALL_SORT_THREADS * batch.SMALL_SORT_ITEMS[-1]
+    def at(pointer, count, dtype):
+        """The NumPy view of the working array at a kernel's pointer argument."""
+        if not isinstance(pointer, int):
+            return pointer  # an array passed as is
+        work = made["radix_work"]
+        offset = pointer - work.ctypes.data
+        assert 0 <= offset and offset + count * np.dtype(dtype).itemsize <= work.nbytes
+        return work.view(np.uint8)[offset:offset + count * np.dtype(dtype).itemsize].view(dtype)
 
-    def tile_kernel(grid, block, args, shared_mem, stream):
-        idx, n, n_rows, bits, rows_out, perm_out, words = args
-        for lo in range(0, int(n), tile):
-            order = np.argsort(idx[lo:lo + tile], kind="stable")
-            rows_out[lo:lo + tile] = idx[lo:lo + tile][order]
-            perm_out[lo:lo + tile] = lo + order
-        log.append(("tile", id(rows_out)))
+    class Histogram:
+        @staticmethod
+        def launch(module, targs, grid, block, *, stream, idx, n, n_rows, bits, passes, hist,
+                   first_bad):
+            hist = at(hist, passes * radix.RADIX_BINS, np.uint32)
+            assert (hist == 0).all(), "counts not zeroed"
+            for p in range(passes):
+                digits = (idx.astype(np.int64) >> (8 * p)) & 255
+                hist[p * 256:(p + 1) * 256] += np.bincount(digits, minlength=256).astype(
+                    np.uint32)
+            log.append(("histogram", passes, grid))
 
-    def join(keys, perm, n, width, keys_out, perm_out):
-        for lo in range(0, n, width):
-            order = np.argsort(keys[lo:lo + width], kind="stable")  # runs are sorted already
-            keys_out[lo:lo + width], perm_out[lo:lo + width] = keys[lo:lo + width][order], \
-                perm[lo:lo + width][order]
+    class Pass:
+        @staticmethod
+        def launch(module, targs, grid, block, *, stream, idx, keys_in, vals_in, n, n_rows,
+                   bits, shift, hist, status, counter, keys_out, vals_out, perm_out):
+            hist, counter = at(hist, 256, np.uint32), at(counter, 1, np.uint32)
+            status = at(status, grid[0] * 256, np.uint32)
+            keys_in, vals_in = at(keys_in, n, np.uint32), at(vals_in, n, np.uint32)
+            keys_out, vals_out = at(keys_out, n, np.uint32), at(vals_out, n, np.uint32)
+            if idx is not None:
+                keys, vals = idx.astype(np.uint32), np.arange(n, dtype=np.uint32)
+            else:
+                assert keys_in is not keys_out, "a pass writes to the buffers it reads"
+                keys, vals = keys_in, vals_in
+            digits = (keys >> shift) & 255
+            np.testing.assert_array_equal(hist, np.bincount(digits, minlength=256))
+            assert counter[0] == 0 and (status == 0).all()
+            status[:] = 1  # what the look-back leaves: the next pass's words lie apart
+            counter[0] = grid[0]
+            order = np.argsort(digits, kind="stable")
+            keys_out[:] = keys[order]
+            if perm_out is not None:
+                perm_out[:] = vals[order]
+            else:
+                vals_out[:] = vals[order]
+            log.append(("pass", shift, perm_out is not None))
 
-    def merge(grid, block, args, stream):
-        keys, perm, n, width, keys_out, perm_out = args
-        assert id(keys) != id(keys_out), "a round writes to the buffers it reads"
-        join(keys, perm, int(n), 2 * int(width), keys_out, perm_out)
-        log.append(("merge", int(width)))
-
-    monkeypatch.setattr(batch, "tile_sort_kernels", lambda dtype, items: (tile_kernel, 0, merge))
-
-    def join_all(grid, block, rows, perm, width, out_rows, out_perm):
-        assert rows is not out_rows
-        join(rows, perm, rows.size, rows.size, out_rows, out_perm)
-        log.append(("join_all", width))
-
-    return tile, join_all
+    monkeypatch.setattr(batch, "RADIX_HISTOGRAM", Histogram)
+    monkeypatch.setattr(batch, "RADIX_PASS", Pass)
 
 
-@pytest.mark.parametrize("n", [1, 2048, 2049, 10_000, 40_000, 70_000])
-@pytest.mark.parametrize("limit", [1, 4, 16])
-def test_tile_sort_schedule(monkeypatch, rng, n, limit):
-    from xferlib.batch import tile_sort
+@pytest.mark.parametrize("num_keys", [2, 256, 257, 70_000, 8_000_000, (1 << 31) - 1])
+@pytest.mark.parametrize("n", [2049, 10_000])
+def test_radix_sort_schedule(monkeypatch, rng, n, num_keys):
+    from xferlib.batch import radix_sort
 
-    log = []
-    tile, join_all = _fake_kernels(monkeypatch, log)
-    keys = rng.integers(0, 500, n).astype(np.int32)
-    made = []
+    log, made = [], {}
+    _fake_radix(monkeypatch, log, made)
+    keys = rng.integers(0, num_keys, n)
 
-    def pairs(count):
-        made.append(count)
-        a = (np.empty(n, np.int32), np.empty(n, np.int64))
-        b = (np.empty(n, np.int32), np.empty(n, np.int64))
-        result = (np.empty(n, np.int32), np.empty(n, np.int64))
-        out = [a if k % 2 == 0 else b for k in range(count - 1)] + [result]
-        return out
+    def buffer(name, size, dtype):
+        assert name not in made, f"{name} asked for twice"
+        made[name] = np.zeros(size, dtype).view(_HostArray)
+        made[name][:] = 7  # not zeroed unless the sort zeroes it
+        return made[name]
 
-    rows, perm = tile_sort(keys, 500, None, np.zeros(2, np.uint64), pairs, join_limit=limit,
-                           join_all=join_all if limit > 1 else None)
+    rows, perm = radix_sort(keys, num_keys, None, np.zeros(2, np.uint64), buffer)
     expect = np.argsort(keys, kind="stable")
     np.testing.assert_array_equal(perm, expect)
     np.testing.assert_array_equal(rows, keys[expect])
-    runs, widths = -(-n // tile), []
-    width = tile
-    while runs > limit:
-        widths.append(("merge", width))
-        runs, width = -(-runs // 2), width * 2
-    joins = [("join_all", width)] if runs > 1 else []
-    assert log[0][0] == "tile" and log[1:] == widths + joins
-    assert made == [len(widths) + len(joins) + 1]
+    assert rows is made["rows"] and perm is made["perm"]
+    passes = -(-max(1, (num_keys - 1).bit_length()) // 8)
+    tiles = -(-n // 2048)
+    assert log == [("histogram", passes, (tiles,))] + [
+        ("pass", 8 * p, p == passes - 1) for p in range(passes)]

@@ -221,9 +221,9 @@ def test_large_shapes_fall_back_to_the_array_path(backend):
 @pytest.mark.parametrize("n", [0, 1, 5, 2048, 2049, 4097, 10_240, 20_480, 33_000, 70_000])
 @on_gpu
 def test_plan_sort_is_stable_and_reports_bad_keys(backend, n):
-    """The plan's sort (a tile sort, pairwise merges while more than 16 tiles remain, 4 past
-    65,536 keys, then one tt_merge_all) equals NumPy's stable argsort; a key out of range is
-    reported at its first position."""
+    """The plan's sort (one tile sort launch up to 2,048 keys, the radix sort past it)
+    equals NumPy's stable argsort, its working buffers and result fresh or from the
+    scratch; a key out of range is reported at its first position."""
     from xferlib.batch import NO_BAD
     from xferlib.tt.plan import sort_keys
     from xferlib.tt.scratch import Scratch

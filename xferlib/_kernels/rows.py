@@ -15,10 +15,9 @@ input can make it touch memory outside its arrays (the host validates first and 
 from xferlib._kernels._declare import KernelDecl, defines
 from xferlib._kernels._registry import KernelModule
 
-# One-block sort: items per thread of each instantiation; the tile is 1024 times that.
-# Tiles of 2,048 positions sorted by many blocks at once and merged beat one block sorting
-# 16,384 (H100, random keys below 11M, one launch per doubling included: 24 vs 64 us for
-# 10,240 positions, 35 vs 93 us for 65,536; CuPy's argsort 69 and 73 us).
+# One-block sort: items per thread of each instantiation; the tile is 1024 times that. Past
+# one tile of 2,048 positions the batch sort is the radix sort (``radix.py``); one block
+# sorting 16,384 took 64 us on an H100 where tiles of 2,048 and merges took 24.
 SMALL_SORT_ITEMS = (2,)
 SMALL_SORT_THREADS = 1024
 SMALL_SORT_TILE = SMALL_SORT_THREADS * max(SMALL_SORT_ITEMS)
@@ -142,8 +141,8 @@ CHECK_AND_SORT_SMALL = KernelDecl(
      ("unsigned long long* __restrict__", "first_bad")),
     r"""
     const int TILE = SMALL_SORT_THREADS * ITEMS;
-    // Block b sorts positions [b * TILE, b * TILE + n): one tile; merge_sorted_runs joins
-    // the tiles. first_bad was set to all ones by the caller; blocks report by atomicMin.
+    // Block b sorts positions [b * TILE, b * TILE + n): one tile (the batch sort launches
+    // one block). first_bad was set to all ones by the caller; blocks report by atomicMin.
     const i64 base = (i64)blockIdx.x * TILE;
     const int n = (int)(n_total - base < TILE ? n_total - base : TILE);
     idx += base;
@@ -211,34 +210,6 @@ CHECK_AND_SORT_SMALL = KernelDecl(
     }
     if (t == 0 && bad != ~0ull) atomicMin(&first_bad[0], (unsigned long long)(base + bad));""",
     launch_bounds="__launch_bounds__(SMALL_SORT_THREADS)")
-
-# One round of a stable merge sort over sorted runs of `width` positions: runs 2m and 2m+1
-# become one sorted run. Each position finds its place with a binary search in the other
-# run of its pair; a key of the left run goes before equal keys of the right run, so the
-# merge keeps batch order among equal rows (stable), as the tile sort does.
-MERGE_SORTED_RUNS = KernelDecl(
-    "merge_sorted_runs", "",
-    (("const int* __restrict__", "keys"), ("const i64* __restrict__", "perm"), ("i64", "n"),
-     ("i64", "width"), ("int* __restrict__", "keys_out"), ("i64* __restrict__", "perm_out")),
-    r"""
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const i64 run = i / width, start = run * width;
-        const bool left = (run & 1) == 0;
-        const i64 pair = left ? start : start - width;
-        const i64 o_start = left ? start + width : start - width;
-        const i64 o_end = left ? (o_start + width < n ? o_start + width : n) : start;
-        const int key = keys[i];
-        i64 lo = o_start, hi = o_start < n ? o_end : o_start;
-        while (lo < hi) {  // left: how many keys < key; right: how many keys <= key
-            const i64 mid = (lo + hi) >> 1;
-            const bool before = left ? keys[mid] < key : keys[mid] <= key;
-            if (before) lo = mid + 1; else hi = mid;
-        }
-        const i64 dest = pair + (i - start) + (lo - o_start);
-        keys_out[dest] = key;
-        perm_out[dest] = perm[i];
-    }""")
 
 _RUN_HELPERS = r"""
 // Each sorted position k is looked at by one group of `group` lanes (a power of two <= 32,
@@ -510,7 +481,7 @@ SCATTER_FUSED = KernelDecl(
     fused_finish(s_bad, verdict, done);""", launch_bounds="__launch_bounds__(FUSED_THREADS)")
 
 ROWS_KERNEL = (_HEAD + CHECK_AND_NARROW.source() + _SORT_HELPERS
-               + CHECK_AND_SORT_SMALL.source() + MERGE_SORTED_RUNS.source() + _RUN_HELPERS
+               + CHECK_AND_SORT_SMALL.source() + _RUN_HELPERS
                + "".join(d.source() for d in (GATHER_SORTED, SCATTER_SORTED, SCATTER_ADD_SORTED))
                + _FUSED_HELPERS + GATHER_FUSED.source() + _HASH_SLOT + SCATTER_FUSED.source())
 
@@ -550,18 +521,17 @@ def _all_names():
         yield CHECK_AND_NARROW.instance(I)
         for items in SMALL_SORT_ITEMS:
             yield CHECK_AND_SORT_SMALL.instance(I, items)
-    yield MERGE_SORTED_RUNS.instance()
 
 
 ROWS_MODULE = KernelModule("rows", ROWS_KERNEL, tuple(_all_names()))
 
-_TILE_SORTS = {}  # (device, key dtype, items) -> (tile sort, its shared bytes, pairwise merge)
+_TILE_SORTS = {}  # (device, key dtype, items) -> (tile sort, its shared bytes)
 
 
 def tile_sort_kernels(dtype_name: str, items: int):
-    """``(tile sort, its dynamic shared bytes, pairwise merge)``: the tile sort of ``items``
+    """``(tile sort, its dynamic shared bytes)``: the tile sort of ``items``
     keys per thread for ``dtype_name`` keys, with its dynamic shared memory opted in once (the
-    attribute is a driver call), and the merge of sorted runs; looked up once per device.
+    attribute is a driver call); looked up once per device.
     Used by the batch plans (``xferlib.batch``) and the TT plans (``xferlib.tt.plan``)."""
     import cupy
 
@@ -572,5 +542,5 @@ def tile_sort_kernels(dtype_name: str, items: int):
         shared = small_sort_shared_bytes(items)
         if kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
-        found = _TILE_SORTS[key] = (kernel, shared, MERGE_SORTED_RUNS.function(ROWS_MODULE))
+        found = _TILE_SORTS[key] = (kernel, shared)
     return found

@@ -8,9 +8,9 @@ finishes into the row.
 
 The pipeline over a batch sorted by row (rows sharing a prefix sit side by side):
 
-* ``tt_prepare``: resets the verdict, validates offsets and computes the sort keys; the tile
-  sort adds bad indices to the verdict and ``tt_merge_all`` finishes the sort in one launch. A
-  rejected batch makes every later kernel a no-op, so nothing is written.
+* ``tt_prepare``: resets the verdict, validates offsets and computes the sort keys; the batch
+  sort (``xferlib.batch.sort_on_device``) adds bad indices to the verdict. A rejected batch
+  makes every later kernel a no-op, so nothing is written.
 * ``tt_rows``: each block walks ``CHUNK`` sorted positions, recomputes the prefix product only
   when the prefix changes, and finishes each row with one small product.
 * ``tt_pool``: sums (or averages) each bag's rows in bag order (deterministic).
@@ -282,7 +282,7 @@ __device__ const float* chain(const float* const* cores, const i64* dig, float* 
 """
 
 # The batch's first kernel. Block 0 sets the verdict clean, then checks the offsets
-# (verdict[1] <- first bad offset position); the tile sort that follows reports the first
+# (verdict[1] <- first bad offset position); the batch sort that follows reports the first
 # bad index position into verdict[0]. No memset precedes it, and only block 0 writes the
 # verdict, so its reset cannot race with the offset check. keys[t] = key_of(idx[t]), or
 # NUM_ROWS (which the sort rejects) where idx[t] is outside [0, bound); keys == nullptr:
@@ -315,36 +315,6 @@ TT_PREPARE = KernelDecl(
         if (keys != nullptr) keys[t] = valid ? key_of(row) : NUM_ROWS;
         if (slot != nullptr)
             slot[t] = (valid && crow != nullptr) ? cache_slot_of(row, crow, capacity) : -1;
-    }""", extern_c=True)
-
-# The last round of the small sort (xferlib/tt/plan.py): runs of `width` sorted positions
-# (the last may be shorter), each sorted stably, joined in ONE launch, where pairwise merges
-# take one launch per doubling. A position's place is its rank in its own run plus, in every
-# other run, the keys that go before it: those <= its key in an earlier run, < in a later
-# one, so equal keys keep batch order (the result equals the pairwise merges').
-TT_MERGE_ALL = KernelDecl(
-    "tt_merge_all", "",
-    (("const int* __restrict__", "keys"), ("const i64* __restrict__", "perm"), ("i64", "n"),
-     ("i64", "width"), ("int* __restrict__", "keys_out"), ("i64* __restrict__", "perm_out")),
-    r"""
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const i64 run = i / width;
-        const int key = keys[i];
-        i64 dest = i - run * width;
-        for (i64 start = 0, r = 0; start < n; start += width, ++r) {
-            if (r == run) continue;
-            const bool earlier = r < run;
-            i64 lo = start, hi = start + width < n ? start + width : n;
-            while (lo < hi) {
-                const i64 mid = (lo + hi) >> 1;
-                const bool before = earlier ? keys[mid] <= key : keys[mid] < key;
-                if (before) lo = mid + 1; else hi = mid;
-            }
-            dest += lo - start;
-        }
-        keys_out[dest] = key;
-        perm_out[dest] = perm[i];
     }""", extern_c=True)
 
 _CHUNK_HELPERS = r"""
@@ -455,7 +425,7 @@ TT_POOL = KernelDecl(
     }""", extern_c=True)
 
 TT_KERNEL = (_SHAPE_HEAD + TT_CACHE_LOOKUP_KERNEL + _BLOCK_HELPERS + TT_PREPARE.source()
-             + TT_MERGE_ALL.source() + _CHUNK_HELPERS + TT_ROWS.source() + TT_POOL.source()
+             + _CHUNK_HELPERS + TT_ROWS.source() + TT_POOL.source()
              + TT_BACKWARD_KERNEL)
 
 # Argument groups of tt_rows (its row cache: slots, cached rows, frequency table), of
@@ -468,7 +438,7 @@ CACHE_STATE_ARGS = ("cw", "ce1", "ce2", "crs", "cst")
 
 KEY_TYPES = ("int", "long long")
 _TEMPLATED = (TT_ROWS, TT_BWD_PIECES, TT_REDUCE, TT_REDUCE_JOIN, TT_UPDATE)
-_PLAIN = (TT_PREPARE, TT_MERGE_ALL, TT_POOL, TT_COUNT)
+_PLAIN = (TT_PREPARE, TT_POOL, TT_COUNT)
 
 
 def _chain_sizes(p, q, ranks):

@@ -13,9 +13,11 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream, is_cupy_array
 from xferlib._kernels import grid_1d, named
-from xferlib._kernels.tt import (CHUNK, CORE_ARGS, ROWS_CACHE_ARGS, THREADS, TT_MERGE_ALL,
-                                 TT_POOL, TT_PREPARE, TT_ROWS)
-from xferlib.batch import NO_BAD, BatchPlan, Verdict, host_values, sort_positions, tile_sort
+from xferlib._kernels.radix import RADIX_MAX_N
+from xferlib._kernels.tt import (CHUNK, CORE_ARGS, ROWS_CACHE_ARGS, THREADS, TT_POOL,
+                                 TT_PREPARE, TT_ROWS)
+from xferlib.batch import (NO_BAD, BatchPlan, Verdict, host_values, sort_on_device,
+                           sort_positions)
 from xferlib.perf import warn_tt_fallback
 from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core, row_bound
 
@@ -139,61 +141,36 @@ def module_of(shape: TTShape):
     return module
 
 
-# Sorted tiles joined by one tt_merge_all launch at most this many at a time (more are first
-# merged pairwise): each position binary-searches every other run, so joining k runs costs
-# k - 1 searches a position where the log2(k) pairwise rounds it replaces cost one each and a
-# launch apiece. Small batches (eager steps are host-bound; their runs sit in L1) take one
-# launch for up to 16 tiles; large ones, where the searches' loads cost, join 4.
-_MERGE_ALL_RUNS, _MERGE_ALL_RUNS_SMALL, _SMALL_BATCH = 4, 16, 1 << 16
-
-
 def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
               scratch_result: bool = False, out=None):
     """``(sorted keys, positions)``: a stable sort of ``keys`` (all below ``num_keys``) on
-    ``stream`` (a CuPy stream), no host sync: one tile-sort launch, pairwise merges while more
-    than 16 tiles (4 past 65,536 keys) remain, then one ``tt_merge_all`` launch. The tile sort
-    reports the first position of a key outside ``[0, num_keys)`` by an atomic minimum into
-    ``words[0]`` (two uint64 device words the caller set, or never reads): no memset.
-    ``scratch`` (a :class:`xferlib.tt.scratch.Scratch` of ``stream``): the working buffers
-    come from it, and the result too with ``scratch_result``; ``out``: the result's
-    ``(int32 keys, int64 positions)`` arrays of ``keys.size`` elements, where the caller has
-    them (keys past int32 excepted)."""
+    ``stream`` (a CuPy stream), no host sync (:func:`xferlib.batch.sort_on_device`: one
+    tile-sort launch up to 2,048 keys, the radix sort past it). The first position of a
+    key outside ``[0, num_keys)`` is reported by an atomic minimum into ``words[0]`` (two
+    uint64 device words the caller set, or never reads): no memset. ``scratch`` (a
+    :class:`xferlib.tt.scratch.Scratch` of ``stream``): the working buffers come from it,
+    and the result too with ``scratch_result``; ``out``: the result's ``(int32 keys, int64
+    positions)`` arrays of ``keys.size`` elements, where the caller has them (keys past
+    int32 excepted)."""
     import cupy
 
-    n = int(keys.size)
-    if num_keys > np.iinfo(np.int32).max:  # keys past int32: CuPy's sort (a host sync)
+    if num_keys > np.iinfo(np.int32).max or keys.size > RADIX_MAX_N:  # CuPy's sort (a sync)
         rows, perm, sort_words = sort_positions(keys, num_keys, stream=stream, tiled_max=0)
         words[:1] = sort_words[:1]
         return rows, perm
-    limit = _MERGE_ALL_RUNS_SMALL if n <= _SMALL_BATCH else _MERGE_ALL_RUNS
-    # Each write goes to the buffers its round does not read: the last to the result, the
-    # earlier ones alternate between two working pairs.
-    if scratch is None:
-        def buffers(name):
-            return cupy.empty(n, dtype=np.int32), cupy.empty(n, dtype=np.int64)
-    else:
-        def buffers(name):
-            return scratch.empty(name + "rows", n, np.int32), scratch.empty(name + "perm", n,
-                                                                            np.int64)
 
-    def pairs(count):
-        if out is not None:
-            result = out
-        elif scratch_result or scratch is None:
-            result = buffers("result.")
-        else:
-            result = cupy.empty(n, dtype=np.int32), cupy.empty(n, dtype=np.int64)
-        found = [result]
-        for j in range(count - 1):
-            found.append(buffers("a." if j % 2 == 0 else "b."))
-        found.reverse()  # found[0]: the tile sort's output; found[-1]: the result
-        return found
+    def buffer(name, size, dtype):
+        if name in ("rows", "perm"):
+            if out is not None:
+                return out[0] if name == "rows" else out[1]
+            if scratch is None or not scratch_result:
+                return cupy.empty(size, dtype=dtype)
+            return scratch.empty("result." + name, size, dtype)
+        if scratch is None:
+            return cupy.empty(size, dtype=dtype)
+        return scratch.empty(name, size, dtype)
 
-    def join_all(grid, block, rows, perm, width, out_rows, out_perm):
-        TT_MERGE_ALL.launch(module_of(shape), (), grid, block, stream=stream, keys=rows,
-                            perm=perm, n=n, width=width, keys_out=out_rows, perm_out=out_perm)
-
-    return tile_sort(keys, num_keys, stream, words, pairs, join_limit=limit, join_all=join_all)
+    return sort_on_device(keys, num_keys, stream, words, buffer)
 
 
 _NULL = np.uint64(0)  # a NULL pointer argument
