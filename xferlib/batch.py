@@ -46,11 +46,11 @@ import dataclasses
 import numpy as np
 
 from xferlib._backend import as_cupy_stream
+from xferlib._kernels import grid_1d
 from xferlib._kernels.radix import INDEX_TYPES as RADIX_INDEX_TYPES
 from xferlib._kernels.radix import (RADIX_BINS, RADIX_BITS, RADIX_HISTOGRAM, RADIX_MAX_N,
                                     RADIX_MODULE, RADIX_PASS, RADIX_THREADS, RADIX_TILE,
                                     radix_passes, radix_status_words)
-from xferlib._kernels import grid_1d
 from xferlib._kernels.rows import (CHECK_AND_NARROW, CHECK_AND_SORT_SMALL, INDEX_TYPES,
                                    ROWS_MODULE, SMALL_SORT_ITEMS, SMALL_SORT_THREADS,
                                    SMALL_SORT_TILE, tile_sort_kernels)
