@@ -529,10 +529,10 @@ _TILE_SORTS = {}  # (device, key dtype, items) -> (tile sort, its shared bytes)
 
 
 def tile_sort_kernels(dtype_name: str, items: int):
-    """``(tile sort, its dynamic shared bytes)``: the tile sort of ``items``
-    keys per thread for ``dtype_name`` keys, with its dynamic shared memory opted in once (the
-    attribute is a driver call); looked up once per device.
-    Used by the batch plans (``xferlib.batch``) and the TT plans (``xferlib.tt.plan``)."""
+    """``(tile sort, its dynamic shared bytes)``: the tile sort of ``items`` keys per thread
+    for ``dtype_name`` keys, with its dynamic shared memory opted in once (the attribute is a
+    driver call); looked up once per device. Used by the batch sort
+    (``xferlib.batch.sort_on_device``) of the batch plans and the TT plans."""
     import cupy
 
     key = (cupy.cuda.runtime.getDevice(), dtype_name, items)
