@@ -99,6 +99,15 @@ def test_plan_batch_matches_numpy(rng, n, dtype):
     assert plan.verdict.checked
 
 
+def _sorts_like_numpy(cupy, idx, num_rows):
+    """sort_positions on the device equals NumPy's stable sort, with a clean verdict."""
+    keys, perm, words = sort_positions(cupy.asarray(idx), num_rows, tiled_max=idx.size)
+    order = np.argsort(idx, kind="stable")
+    np.testing.assert_array_equal(perm.get(), order)
+    np.testing.assert_array_equal(keys.get(), idx[order])
+    assert (words.get() == np.iinfo(np.uint64).max).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [2049, 4097, 6145, 40_000, 140_000, 600_000])
 def test_device_sort_matches_numpy(rng, n):
@@ -106,20 +115,15 @@ def test_device_sort_matches_numpy(rng, n):
     one) against NumPy's stable sort, few distinct keys (long runs of ties) and many."""
     cupy = _cupy()
     for num_rows in (7, 1 << 22):
-        idx = rng.integers(0, num_rows, size=n).astype(np.int64)
-        keys, perm, words = sort_positions(cupy.asarray(idx), num_rows, tiled_max=n)
-        order = np.argsort(idx, kind="stable")
-        np.testing.assert_array_equal(perm.get(), order)
-        np.testing.assert_array_equal(keys.get(), idx[order])
-        assert (words.get() == np.iinfo(np.uint64).max).all()
+        _sorts_like_numpy(cupy, rng.integers(0, num_rows, size=n).astype(np.int64), num_rows)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["tables", "tile-aligned tables", "sorted", "descending"])
 def test_device_sort_of_runs_in_order_or_reversed(rng, case):
-    """Runs whose keys lie wholly after (or before) the run they merge with: a collection's
-    tables (ascending key ranges, segments of any length, ties across their boundaries),
-    already sorted keys, and descending segments."""
+    """Keys in order or reversed by segments: a collection's tables (ascending key ranges,
+    segments of any length, ties across their boundaries), already sorted keys, and
+    descending segments."""
     cupy = _cupy()
     if case in ("tables", "tile-aligned tables"):
         lengths = ([16384] * 26 if case == "tile-aligned tables"
@@ -133,13 +137,7 @@ def test_device_sort_of_runs_in_order_or_reversed(rng, case):
     else:
         idx = np.concatenate([s * 1000 + rng.integers(0, 1001, size=9_000)
                               for s in range(40, 0, -1)])
-    idx = idx.astype(np.int64)
-    num_rows = int(idx.max()) + 1
-    keys, perm, words = sort_positions(cupy.asarray(idx), num_rows, tiled_max=idx.size)
-    order = np.argsort(idx, kind="stable")
-    np.testing.assert_array_equal(perm.get(), order)
-    np.testing.assert_array_equal(keys.get(), idx[order])
-    assert (words.get() == np.iinfo(np.uint64).max).all()
+    _sorts_like_numpy(cupy, idx.astype(np.int64), int(idx.max()) + 1)
 
 
 @pytest.mark.gpu
@@ -153,12 +151,7 @@ def test_radix_sort_every_pass_count(rng, num_rows, dtype):
     for n in (2049, 37_001, 426_000):
         zipf = (rng.zipf(1.05, size=n) - 1) % num_rows
         idx = rng.permutation(num_rows)[zipf] if num_rows <= 1 << 24 else zipf
-        idx = idx.astype(dtype)
-        keys, perm, words = sort_positions(cupy.asarray(idx), num_rows, tiled_max=n)
-        order = np.argsort(idx, kind="stable")
-        np.testing.assert_array_equal(perm.get(), order)
-        np.testing.assert_array_equal(keys.get(), idx[order])
-        assert (words.get() == np.iinfo(np.uint64).max).all()
+        _sorts_like_numpy(cupy, idx.astype(dtype), num_rows)
 
 
 @pytest.mark.gpu
