@@ -47,7 +47,6 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream
 from xferlib._kernels import grid_1d
-from xferlib._kernels.radix import INDEX_TYPES as RADIX_INDEX_TYPES
 from xferlib._kernels.radix import (RADIX_BINS, RADIX_BITS, RADIX_HISTOGRAM, RADIX_MAX_N,
                                     RADIX_MODULE, RADIX_PASS, RADIX_THREADS, RADIX_TILE,
                                     radix_passes, radix_status_words)
@@ -59,7 +58,7 @@ from xferlib.checks import (NO_BAD, PENDING, PendingChecks, RowsReport,  # noqa:
 
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
            "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values",
-           "run_ids", "tile_sort", "radix_sort", "sort_on_device"]
+           "run_ids", "tile_sort", "radix_sort", "sort_on_device", "sort_buffers"]
 
 # Up to this many positions the sort stays on the device (the tile sort, the radix sort: no
 # host sync); above it, CuPy's argsort. The radix sort is the faster at every size measured
@@ -121,7 +120,7 @@ def radix_sort(idx, num_keys: int, stream, words, buffer):
     work.data.memset_async(0, 4 * zeroed, stream)
     hist, counters = base, base + 4 * passes * RADIX_BINS
     status = counters + 4 * passes
-    K = (RADIX_INDEX_TYPES[idx.dtype.name],)
+    K = (INDEX_TYPES[idx.dtype.name],)
     block = (RADIX_THREADS,)
     RADIX_HISTOGRAM.launch(RADIX_MODULE, K, (tiles,), block, stream=stream, idx=idx, n=n,
                            n_rows=num_keys, bits=bits, passes=passes, hist=hist,
@@ -157,17 +156,31 @@ def sort_on_device(idx, num_keys: int, stream, words, buffer):
     return rows, perm
 
 
-def _sort_planned(idx, num_rows: int, stream, scratch=None, scratch_result=False):
-    """:func:`sort_positions` on the device, its verdict words made here. ``scratch``: see
-    :func:`sort_positions`."""
+def sort_buffers(scratch=None, scratch_result: bool = False, out=None):
+    """The ``buffer(name, size, dtype)`` of :func:`sort_on_device`: fresh CuPy arrays, or a
+    :class:`xferlib.tt.scratch.Scratch`'s for the working ones (and the result's with
+    ``scratch_result``); ``out``: the result's ``(int32 keys, int64 positions)`` arrays where
+    the caller has them."""
     import cupy
 
     def buffer(name, size, dtype):
-        result = name in ("rows", "perm")
-        if scratch is None or (result and not scratch_result):
+        if name in ("rows", "perm"):
+            if out is not None:
+                return out[0] if name == "rows" else out[1]
+            if scratch is None or not scratch_result:
+                return cupy.empty(size, dtype=dtype)
+            return scratch.empty("result." + name, size, dtype)
+        if scratch is None:
             return cupy.empty(size, dtype=dtype)
         return scratch.empty(name, size, dtype)
 
+    return buffer
+
+
+def _sort_planned(idx, num_rows: int, stream, scratch=None, scratch_result=False):
+    """:func:`sort_positions` on the device, its verdict words made here. ``scratch``: see
+    :func:`sort_positions`."""
+    buffer = sort_buffers(scratch, scratch_result)
     words = buffer("words", 2, np.uint64)
     words.data.memset_async(0xFF, 16, stream)
     rows, perm = sort_on_device(idx, num_rows, stream, words, buffer)

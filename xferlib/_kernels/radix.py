@@ -18,6 +18,7 @@ allow, so no input can move a write out of its array.
 
 from xferlib._kernels._declare import KernelDecl, defines
 from xferlib._kernels._registry import KernelModule
+from xferlib._kernels.rows import BLOCK_SCAN, INDEX_TYPES
 
 RADIX_BITS = 8
 RADIX_BINS = 1 << RADIX_BITS
@@ -176,8 +177,8 @@ RADIX_PASS = KernelDecl(
     // published at once for the look-back of later tiles (below)
     volatile unsigned int* mine = status + (i64)tile * RADIX_BINS + d;
     *mine = (tile == 0 ? FLAG_P : FLAG_A) | total;
-    const unsigned int bucket = block_scan_exclusive(hist[d], warp_sums);
-    const unsigned int local = block_scan_exclusive(total, warp_sums);
+    const unsigned int bucket = block_exclusive_scan(hist[d], warp_sums);
+    const unsigned int local = block_exclusive_scan(total, warp_sums);
     digit_start[d] = local;  // digit d's first place in the tile
     __syncthreads();
     // The tile sorted by digit in shared memory first: its writes to global memory then go
@@ -230,40 +231,8 @@ RADIX_PASS = KernelDecl(
     }""",
     launch_bounds="__launch_bounds__(RADIX_THREADS)")
 
-_SCAN = r"""
-// Exclusive prefix of x over the block's threads (thread order), warp shuffles and one
-// shared array of warp totals.
-__device__ __forceinline__ unsigned int block_scan_exclusive(unsigned int x,
-                                                             unsigned int* warp_sums) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned int inclusive = x;
-    #pragma unroll
-    for (int s = 1; s < 32; s <<= 1) {
-        const unsigned int y = __shfl_up_sync(0xffffffffu, inclusive, s);
-        if (lane >= s) inclusive += y;
-    }
-    if (lane == 31) warp_sums[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-        const unsigned int w = lane < (int)(blockDim.x >> 5) ? warp_sums[lane] : 0u;
-        unsigned int wi = w;
-        #pragma unroll
-        for (int s = 1; s < 32; s <<= 1) {
-            const unsigned int y = __shfl_up_sync(0xffffffffu, wi, s);
-            if (lane >= s) wi += y;
-        }
-        if (lane < (int)(blockDim.x >> 5)) warp_sums[lane] = wi - w;
-    }
-    __syncthreads();
-    const unsigned int out = warp_sums[warp] + inclusive - x;
-    __syncthreads();  // warp_sums is reused by the next call
-    return out;
-}
-"""
 
-INDEX_TYPES = {"int32": "int", "int64": "long long"}
-
-RADIX_KERNEL = _HEAD + _SCAN + RADIX_HISTOGRAM.source() + RADIX_PASS.source()
+RADIX_KERNEL = _HEAD + BLOCK_SCAN + RADIX_HISTOGRAM.source() + RADIX_PASS.source()
 RADIX_MODULE = KernelModule(
     "radix", RADIX_KERNEL,
     tuple(d.instance(I) for I in INDEX_TYPES.values() for d in (RADIX_HISTOGRAM, RADIX_PASS)))

@@ -91,6 +91,39 @@ CHECK_AND_NARROW = KernelDecl(
         if (keys32 != nullptr) keys32[i] = bad ? 0 : (int)v;
     }""")
 
+# Exclusive prefix of x over a block's threads (thread order; any whole number of warps up
+# to 32): warp shuffles and one shared array of warp totals. The tile sort's and the radix
+# sort's (radix.py).
+BLOCK_SCAN = r"""
+__device__ __forceinline__ unsigned int block_exclusive_scan(unsigned int x,
+                                                             unsigned int* warp_sums) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = (int)(blockDim.x >> 5);
+    unsigned int inclusive = x;
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        unsigned int y = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += y;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned int w = lane < warps ? warp_sums[lane] : 0u;
+        unsigned int wi = w;
+        #pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            unsigned int y = __shfl_up_sync(0xffffffffu, wi, d);
+            if (lane >= d) wi += y;
+        }
+        if (lane < warps) warp_sums[lane] = wi - w;  // exclusive prefix of the warp totals
+    }
+    __syncthreads();
+    const unsigned int out = warp_sums[warp] + inclusive - x;
+    __syncthreads();  // warp_sums is reused by the next call
+    return out;
+}
+"""
+
 _SORT_HELPERS = r"""
 __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
     return (verdict[0] & verdict[1]) != ~0ull;
@@ -104,35 +137,7 @@ __device__ __forceinline__ bool rejected(const unsigned long long* verdict) {
 // Shared arrays are padded by one word every 32 (SPAD) so that blocked accesses, which stride
 // by ITEMS words, fall in distinct banks.
 #define SPAD(i) ((i) + ((i) >> 5))
-
-__device__ __forceinline__ unsigned int block_exclusive_scan(unsigned int x,
-                                                             unsigned int* warp_sums) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned int inclusive = x;
-    #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        unsigned int y = __shfl_up_sync(0xffffffffu, inclusive, d);
-        if (lane >= d) inclusive += y;
-    }
-    if (lane == 31) warp_sums[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-        unsigned int w = warp_sums[lane];
-        unsigned int wi = w;
-        #pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            unsigned int y = __shfl_up_sync(0xffffffffu, wi, d);
-            if (lane >= d) wi += y;
-        }
-        warp_sums[lane] = wi - w;  // exclusive prefix of the warp totals
-    }
-    __syncthreads();
-    const unsigned int out = warp_sums[warp] + inclusive - x;
-    __syncthreads();  // warp_sums is reused by the next call
-    return out;
-}
-
-"""
+""" + BLOCK_SCAN
 
 CHECK_AND_SORT_SMALL = KernelDecl(
     "check_and_sort_small", "template <typename I, int ITEMS>",

@@ -270,7 +270,7 @@ class CollectionDevice:
                            None, self.writes, words, n)
             if n:
                 plan.keys, plan.perm, _ = sort_positions(keys, self.total_rows + int(padded),
-                                                         stream=stream, tiled_max=n)
+                                                         stream=stream)
                 plan.run, plan.starts = run_ids(plan.keys, stream)
                 plan.run_off = cupy.empty(n, dtype=np.int64)
                 plan.run_tab = cupy.empty(n, dtype=np.int32)

@@ -212,9 +212,9 @@ class DeviceCache:
                           n_rows=self.side.table.num_rows, set_key=set_key, run_row=run_row,
                           tick=self.tick,
                           verdict=plan.verdict.words)
-        # The on-device sort at every size: CuPy's argsort (above TILED_SORT_MAX) waits for the
+        # On the device (the default at every batch size): CuPy's argsort waits for the
         # device, which would stall every cached step's host side and break a capture.
-        sets, order, _ = sort_positions(set_key, self.n_sets + 1, stream=stream, tiled_max=n)
+        sets, order, _ = sort_positions(set_key, self.n_sets + 1, stream=stream)
         grid, block = self.side.launch_size(n)
         CACHE_INSERT.launch(
             CACHE_MODULE, (self.side.vec, c_type(self.side.dtype_name)), grid, block,

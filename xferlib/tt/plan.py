@@ -16,8 +16,8 @@ from xferlib._kernels import grid_1d, named
 from xferlib._kernels.radix import RADIX_MAX_N
 from xferlib._kernels.tt import (CHUNK, CORE_ARGS, ROWS_CACHE_ARGS, THREADS, TT_POOL,
                                  TT_PREPARE, TT_ROWS)
-from xferlib.batch import (NO_BAD, BatchPlan, Verdict, host_values, sort_on_device,
-                           sort_positions)
+from xferlib.batch import (NO_BAD, BatchPlan, Verdict, host_values, sort_buffers,
+                           sort_on_device, sort_positions)
 from xferlib.perf import warn_tt_fallback
 from xferlib.tt.shape import TTShape, check_index_array, check_out, lead_core, row_bound
 
@@ -147,30 +147,17 @@ def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
     ``stream`` (a CuPy stream), no host sync (:func:`xferlib.batch.sort_on_device`: one
     tile-sort launch up to 2,048 keys, the radix sort past it). The first position of a
     key outside ``[0, num_keys)`` is reported by an atomic minimum into ``words[0]`` (two
-    uint64 device words the caller set, or never reads): no memset. ``scratch`` (a
-    :class:`xferlib.tt.scratch.Scratch` of ``stream``): the working buffers come from it,
-    and the result too with ``scratch_result``; ``out``: the result's ``(int32 keys, int64
-    positions)`` arrays of ``keys.size`` elements, where the caller has them (keys past
-    int32 excepted)."""
-    import cupy
-
+    uint64 device words the caller set, or never reads: the sort does not reset them).
+    ``scratch``, ``scratch_result``, ``out``: see :func:`xferlib.batch.sort_buffers` (the
+    scratch a :class:`xferlib.tt.scratch.Scratch` of ``stream``; ``out`` of ``keys.size``
+    elements, keys past int32 excepted)."""
     if num_keys > np.iinfo(np.int32).max or keys.size > RADIX_MAX_N:  # CuPy's sort (a sync)
         rows, perm, sort_words = sort_positions(keys, num_keys, stream=stream, tiled_max=0)
         words[:1] = sort_words[:1]
         return rows, perm
 
-    def buffer(name, size, dtype):
-        if name in ("rows", "perm"):
-            if out is not None:
-                return out[0] if name == "rows" else out[1]
-            if scratch is None or not scratch_result:
-                return cupy.empty(size, dtype=dtype)
-            return scratch.empty("result." + name, size, dtype)
-        if scratch is None:
-            return cupy.empty(size, dtype=dtype)
-        return scratch.empty(name, size, dtype)
-
-    return sort_on_device(keys, num_keys, stream, words, buffer)
+    return sort_on_device(keys, num_keys, stream, words,
+                          sort_buffers(scratch, scratch_result, out))
 
 
 _NULL = np.uint64(0)  # a NULL pointer argument
