@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
@@ -46,6 +45,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 from xferlib.adapters.jax import (ShardedCollection, collection_anchor,  # noqa: E402
                                   embedding_bag_collection)
 from xferlib.collection import EmbeddingCollection, TableConfig, plan_sharding  # noqa: E402
+from worker_cases import run_cases  # noqa: E402  (this folder: run as a script)
 
 N = ARGS.devices
 DEVICES = jax.devices(ARGS.platform)[:N]
@@ -323,13 +323,7 @@ def main():
     cases["checkpoint-reshard"] = _checkpoint_case
     cases["table_wise-recorded"] = lambda: _recorded_case("adam")
     cases["row_wise-recorded"] = lambda: _recorded_case("sgd", row_wise=("a", "c"))
-    results = {}
-    for name, case in cases.items():
-        try:
-            results[name] = case()
-        except Exception as err:  # reported per case, so one failure names itself
-            results[name] = f"{type(err).__name__}: {err}"[:800]
-    print(json.dumps(results))
+    run_cases(cases)
 
 
 if __name__ == "__main__":

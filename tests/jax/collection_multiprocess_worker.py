@@ -17,7 +17,6 @@ into one unsharded collection.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 
@@ -59,6 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from xferlib.adapters.jax import (ShardedCollection, collection_anchor,  # noqa: E402
                                   embedding_bag_collection)
 from xferlib.collection import EmbeddingCollection, TableConfig, plan_sharding  # noqa: E402
+from worker_cases import run_cases  # noqa: E402  (this folder: run as a script)
 
 N, ME = ARGS.processes, ARGS.process
 DEVICES = jax.devices()
@@ -183,10 +183,4 @@ CASES = {"table_wise-sgd": lambda: _case("sgd"),
          "checkpoint-row_wise-adam": lambda: _case("adam", row_wise=("c",), checkpoint=True),
          "table_wise-float64-foreign-mesh": _float64_and_foreign_mesh}
 
-results = {}
-for name, run in CASES.items():
-    try:
-        results[name] = run()
-    except Exception as err:  # reported, so the test names the case
-        results[name] = f"{type(err).__name__}: {err}"
-print(json.dumps(results), flush=True)
+run_cases(CASES, max_text=4000)

@@ -10,7 +10,6 @@ Every case trains the same model twice from the same start: inside ``jax.shard_m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -40,6 +39,7 @@ from xferlib import tt  # noqa: E402
 from xferlib.adapters.jax import (host_lookup, host_update, sharded_host_update,  # noqa: E402
                                   tt_embedding_bag)
 from xferlib.table import SPARSE_OPTIMIZERS  # noqa: E402
+from worker_cases import run_cases  # noqa: E402  (this folder: run as a script)
 
 N = ARGS.devices
 DEVICES = jax.devices(ARGS.platform)[:N]
@@ -232,13 +232,7 @@ def main():
     cases["tt-weighted"] = lambda: _tt_case("adagrad", weighted=True)
     cases["tt-check_vma-off"] = lambda: _tt_case("adam", check_vma=False)
     cases["host-bad-index"] = _bad_index_case  # last: a failed step ends nothing after it
-    results = {}
-    for name, case in cases.items():
-        try:
-            results[name] = case()
-        except Exception as err:  # reported per case, so one failure names itself
-            results[name] = f"{type(err).__name__}: {err}"[:500]
-    print(json.dumps(results))
+    run_cases(cases, max_text=500)
 
 
 if __name__ == "__main__":

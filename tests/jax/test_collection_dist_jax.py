@@ -7,7 +7,6 @@ JAX fixes its device count when its backends start, so the checks run in a fresh
 (``collection_dist_worker.py``, about 10 s each) with N forced host devices."""
 
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.jax.worker_cases import results_of
 from xferlib.testing import gpu_count
 
 pytest.importorskip("jax")
@@ -39,10 +39,7 @@ def _run(devices: int, platform: str = "cpu") -> dict:
     proc = subprocess.run([sys.executable, str(WORKER), "--devices", str(devices),
                            "--platform", platform],
                           capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(results) == sorted(CASES), "the worker's cases and this list differ"
-    return results
+    return results_of(proc.returncode, proc.stdout, proc.stderr, CASES)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -5,7 +5,6 @@ across the processes, and a checkpoint saved by the processes loads into one pro
 the CPU backend (gloo collectives), each process a fresh interpreter
 (``collection_multiprocess_worker.py``)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.jax.worker_cases import results_of
 from xferlib.testing import free_port, gpu_count
 
 pytest.importorskip("jax")
@@ -32,9 +32,7 @@ def _check(tmp_path, processes, platform):
                               env=env) for p in range(processes)]
     outputs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outputs):
-        assert p.returncode == 0, out[-2000:] + err[-4000:]
-    for out, _ in outputs:
-        results = json.loads(out.strip().splitlines()[-1])
+        results = results_of(p.returncode, out, err)
         assert len(results) == 5, results
         for case, value in results.items():
             assert not isinstance(value, str), f"{case}: {value}"

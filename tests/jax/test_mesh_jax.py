@@ -6,7 +6,6 @@ devices (or N GPUs); each case there trains N devices inside ``jax.shard_map`` a
 on the global batch from the same start, and reports the largest difference."""
 
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.jax.worker_cases import results_of
 from xferlib.testing import gpu_count
 
 pytest.importorskip("jax")
@@ -37,10 +37,7 @@ def _run(devices: int, platform: str) -> dict:
     proc = subprocess.run([sys.executable, str(WORKER), "--devices", str(devices),
                            "--platform", platform], capture_output=True, text=True, env=env,
                           timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(results) == sorted(CASES), "the worker's cases and this list differ"
-    return results
+    return results_of(proc.returncode, proc.stdout, proc.stderr, CASES)
 
 
 def _check(devices, platform, case):
