@@ -114,8 +114,8 @@ def radix_sort(idx, num_keys: int, stream, words, buffer):
     passes = radix_passes(bits)
     tiles = -(-n // RADIX_TILE)
     zeroed = radix_status_words(n, passes)
-    between = min(2, passes - 1)  # the pairs the passes ping-pong between
-    work = buffer("radix_work", zeroed + 4 * between * n, np.uint32)
+    between = min(2, passes - 1)  # the (keys, positions) pairs the passes ping-pong between
+    work = buffer("radix_work", zeroed + 2 * between * n, np.uint32)
     base = work.data.ptr
     work.data.memset_async(0, 4 * zeroed, stream)
     hist, counters = base, base + 4 * passes * RADIX_BINS

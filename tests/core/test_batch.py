@@ -417,5 +417,8 @@ def test_radix_sort_schedule(monkeypatch, rng, n, num_keys):
     assert rows is made["rows"] and perm is made["perm"]
     passes = -(-max(1, (num_keys - 1).bit_length()) // 8)
     tiles = -(-n // 2048)
+    # the zeroed words (counts, tile counters, look-back words), then the passes' pairs
+    zeroed = passes * (256 + 1 + tiles * 256)
+    assert made["radix_work"].size == zeroed + 2 * n * min(2, passes - 1)
     assert log == [("histogram", passes, (tiles,))] + [
         ("pass", 8 * p, p == passes - 1) for p in range(passes)]
