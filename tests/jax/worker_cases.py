@@ -40,7 +40,8 @@ def results_of(returncode: int, stdout: str, stderr: str, cases=None) -> dict:
     (when given)."""
     started = [line[5:] for line in stderr.splitlines() if line.startswith("case ")]
     where = f"stopped in case {started[-1]!r}\n" if started else "stopped before any case\n"
-    assert returncode == 0, where + stdout[-2000:] + stderr[-4000:]
+    # the stderr's end holds the stacks of a stuck worker (every thread's, the main one last)
+    assert returncode == 0, where + stdout[-2000:] + stderr[-12000:]
     results = json.loads(stdout.strip().splitlines()[-1])
     if cases is not None:
         assert sorted(results) == sorted(cases), "the worker's cases and the test's list differ"
