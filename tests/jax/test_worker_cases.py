@@ -45,3 +45,6 @@ def test_a_stuck_worker_exits_with_its_stacks_and_names_its_case(tmp_path):
     message = str(failure.value)
     assert message.startswith("stopped in case 'stuck'")
     assert "Timeout" in message and "in <lambda>" in message  # the stacks, the stuck frame
+    # with the cases named, each one's result is that text (each case's test fails with it)
+    results = results_of(proc.returncode, proc.stdout, proc.stderr, ["quick", "stuck"])
+    assert results == {"quick": message, "stuck": message}

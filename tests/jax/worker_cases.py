@@ -35,13 +35,20 @@ def run_cases(cases: dict, *, max_text: int = 800) -> None:
 
 
 def results_of(returncode: int, stdout: str, stderr: str, cases=None) -> dict:
-    """The worker's ``{case: result}``, checked: it exited cleanly (else an AssertionError
-    naming the case it was running, then the ends of its output) and ran exactly ``cases``
-    (when given)."""
-    started = [line[5:] for line in stderr.splitlines() if line.startswith("case ")]
-    where = f"stopped in case {started[-1]!r}\n" if started else "stopped before any case\n"
-    # the stderr's end holds the stacks of a stuck worker (every thread's, the main one last)
-    assert returncode == 0, where + stdout[-2000:] + stderr[-12000:]
+    """The worker's ``{case: result}``, checked to hold exactly ``cases`` (when given).
+
+    A worker that failed (stopped by its limit, or exited with an error) is described by the
+    case it was running, then the ends of its output; with ``cases`` every case's result is
+    that text (so a cached result fails each case's test without running the worker again),
+    without them it is raised as an AssertionError."""
+    if returncode != 0:
+        started = [line[5:] for line in stderr.splitlines() if line.startswith("case ")]
+        where = f"stopped in case {started[-1]!r}\n" if started else "stopped before any case\n"
+        # the end of stderr holds a stuck worker's stacks (every thread's, the main one last)
+        failure = where + stdout[-2000:] + stderr[-12000:]
+        if cases is None:
+            raise AssertionError(failure)
+        return {case: failure for case in cases}
     results = json.loads(stdout.strip().splitlines()[-1])
     if cases is not None:
         assert sorted(results) == sorted(cases), "the worker's cases and the test's list differ"
