@@ -229,7 +229,6 @@ def test_plan_sort_is_stable_and_reports_bad_keys(backend, n):
     from xferlib.tt.scratch import Scratch
 
     cupy = backend.xp
-    shape = tt.TTShape([20, 22, 25], [4, 2, 4], [8, 6])
     rng = np.random.default_rng(n)
     stream = cupy.cuda.Stream()
     scratch = Scratch()
@@ -239,7 +238,7 @@ def test_plan_sort_is_stable_and_reports_bad_keys(backend, n):
         for sc, result in ((None, False), (scratch, False), (scratch, True)):
             words = cupy.full(2, NO_BAD, dtype=np.uint64)
             with stream:
-                rows, perm = sort_keys(shape, cupy.asarray(keys), num_keys, stream, words, sc,
+                rows, perm = sort_keys(cupy.asarray(keys), num_keys, stream, words, sc,
                                        result)
             stream.synchronize()
             np.testing.assert_array_equal(perm.get(), want)
@@ -251,7 +250,7 @@ def test_plan_sort_is_stable_and_reports_bad_keys(backend, n):
         keys[bad] = 50
         words = cupy.full(2, NO_BAD, dtype=np.uint64)
         with stream:
-            sort_keys(shape, cupy.asarray(keys), 50, stream, words)
+            sort_keys(cupy.asarray(keys), 50, stream, words)
         assert words.get().tolist() == [bad[0], NO_BAD]
 
 

@@ -163,7 +163,7 @@ def _gpu_core_grads(cores, shape, plan, grad_bags, dense, stream, scratch, count
     # The keys are in range by construction (a rejected batch's are never read), so the
     # sort's words are not reset nor read.
     words = empty("words", 2, np.uint64)
-    skeys, items = sort_keys(shape, keys, keyed + 1, stream, words,
+    skeys, items = sort_keys(keys, keyed + 1, stream, words,
                              None if scratch is None else scratch.named("sort."), True)
     # tt_reduce writes every flag, and in a dense gradient every row: no memset
     grad = empty("grad", size, np.float32)

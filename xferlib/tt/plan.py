@@ -141,7 +141,7 @@ def module_of(shape: TTShape):
     return module
 
 
-def sort_keys(shape: TTShape, keys, num_keys: int, stream, words, scratch=None,
+def sort_keys(keys, num_keys: int, stream, words, scratch=None,
               scratch_result: bool = False, out=None):
     """``(sorted keys, positions)``: a stable sort of ``keys`` (all below ``num_keys``) on
     ``stream`` (a CuPy stream), no host sync (:func:`xferlib.batch.sort_on_device`: one
@@ -256,10 +256,10 @@ def _gpu_plan(cores, shape, indices, offsets, mode, per_sample_weights, include_
     sort_scratch = None if scratch is None else scratch.named("sort.")
     result = sorted_keys, perm
     if lead:  # bad rows got a key the sort rejects
-        rows, perm = sort_keys(shape, keys, shape.num_rows, stream, words, sort_scratch,
+        rows, perm = sort_keys(keys, shape.num_rows, stream, words, sort_scratch,
                                out=result)
     else:  # the sort key is the row
-        rows, perm = sort_keys(shape, indices, bound, stream, words, sort_scratch, out=result)
+        rows, perm = sort_keys(indices, bound, stream, words, sort_scratch, out=result)
     y = None
     if not lookup:
         slot = None
