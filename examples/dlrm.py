@@ -90,6 +90,10 @@ def parse_args(argv=None):
     p.add_argument("--no-graph", action="store_true",
                    help="torch: run every step eagerly (default on a GPU: the whole step in "
                         "one CUDA graph after warm-up)")
+    p.add_argument("--overlap", action="store_true",
+                   help="torch on a GPU: the embeddings' lookup, exchange and update on a "
+                        "stream of their own, beside the dense model's forward, backward, "
+                        "all-reduce and optimizer (the same results; no effect on the CPU)")
     p.add_argument("--deterministic", action="store_true",
                    help="bitwise-repeatable GPU runs of the dense model too: torch's "
                         "deterministic algorithms and XLA's deterministic ops (xferlib's own "
@@ -181,7 +185,7 @@ def _make_run(job, args, preset, plan, device, xp, ranks, sharding=None):
 
         return TorchRun(preset, plan, args.seed, device, engine=job.engine,
                         graph=job.graph and not args.no_graph, optimizer=job.optimizer,
-                        ranks=ranks,
+                        ranks=ranks, overlap=args.overlap,
                         sharding=sharding if job.engine == "xferlib" and ranks.world > 1
                         else None)
     if ranks.world > 1:  # JAX's processes under torchrun: the collection across them
@@ -308,6 +312,9 @@ def _prepare(args):
         unknown = plot_format_error(args.plot)
         if unknown:
             raise ValueError(unknown)
+    if args.overlap and "torch" not in frameworks:
+        raise ValueError("--overlap is for the torch model (XLA orders the JAX step's "
+                         "work itself)")
     if (args.save or args.load) and len(frameworks) > 1:
         raise ValueError("--save/--load hold one run: pick --framework torch or jax")
     if args.load and args.compare:

@@ -114,6 +114,36 @@ def test_two_runs_save_bitwise_identical_state(framework, device, tmp_path, part
             f"{framework}: {key} differs between two runs"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["auto", "hbm"])
+def test_overlap_trains_the_same_bits_in_one_cuda_graph(placement, tmp_path):
+    """--overlap (the embeddings on a stream of their own, beside the dense model) changes
+    where work runs, not what it computes: the same bits in every weight and state as the
+    step without it (both --deterministic), and the overlapped step is still captured."""
+    torch = pytest.importorskip("torch")
+    import xferlib
+
+    if not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip("needs a CUDA GPU with CuPy")
+    common = ("--device", "cuda", "--placement", placement, "--eval-samples", 1024,
+              "--evals", 1, "--steps", 16, "--deterministic")
+    for name, extra in (("plain", ()), ("overlap", ("--overlap",))):
+        _ok(_run(*common, *extra, "--save", tmp_path / name, "--json",
+                 tmp_path / f"{name}.json"))
+        note = json.loads((tmp_path / f"{name}.json").read_text())["runs"][0]["notes"]
+        assert note.startswith("whole step in one CUDA graph"), (name, note)
+    plain, overlap = _saved_arrays(tmp_path / "plain"), _saved_arrays(tmp_path / "overlap")
+    assert sorted(plain) == sorted(overlap) and len(plain) > 10
+    for key, value in plain.items():
+        assert np.ascontiguousarray(value).tobytes() == \
+            np.ascontiguousarray(overlap[key]).tobytes(), f"{key} differs with --overlap"
+
+
+def test_overlap_is_refused_for_jax():
+    result = _run("--framework", "jax", "--overlap")
+    assert result.returncode == 2 and "--overlap is for the torch model" in result.stderr
+
+
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_deterministic_flag_trains(framework, tmp_path):
     pytest.importorskip("torch")

@@ -227,6 +227,25 @@ def test_each_rank_creates_contexts_on_its_own_gpu_only(tmp_path):
         assert {_bus(c) for c in report["contexts"]} == {_bus(report["own"])}, (rank, report)
 
 
+@pytest.mark.gpu
+def test_two_ranks_overlapped_train_what_they_train_without(tmp_path):
+    """torchrun on two GPUs (NCCL, each rank's step in one CUDA graph): with --overlap the
+    exchange and the embeddings' update run beside the dense model and its all-reduce, and
+    the held-out logloss and AUC equal those of the run without, to the last digit."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    docs = []
+    for name, extra in (("plain", ()), ("overlap", ("--overlap",))):
+        out = tmp_path / f"{name}.json"
+        _ok(_torchrun(2, "--device", "cuda", "--steps", 30, "--evals", 1, "--eval-samples",
+                      4096, "--deterministic", "--json", out, *extra))
+        docs.append(json.loads(out.read_text())["runs"][0])
+    plain, overlap = docs
+    assert "one CUDA graph" in overlap["notes"], overlap["notes"]
+    assert overlap["logloss"] == plain["logloss"] and overlap["auc"] == plain["auc"]
+
+
 def test_torchrun_refuses_what_runs_in_one_process():
     env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
     result = subprocess.run([sys.executable, str(SCRIPT), "--quiet", "--compare"],

@@ -76,10 +76,14 @@ class DLRM(torch.nn.Module):
     every pair among them (and the bottom output), top MLP to a logit."""
 
     def __init__(self, preset, plan, seed, device, engine="xferlib", optimizer="adagrad",
-                 ranks=None, sharding=None):
+                 ranks=None, sharding=None, overlap=False):
         super().__init__()
         self.ranks = ranks or ranks_.Ranks()
         self.local_batches = False  # training batches hold this rank's samples only
+        # overlap (a GPU): the embeddings' lookup, exchange and (inside the backward) update
+        # on a stream of their own, beside the dense model's work on the caller's stream
+        self.side = (torch.cuda.Stream(torch.device(device))
+                     if overlap and torch.device(device).type == "cuda" else None)
         num_tables = len(plan.tables)
         dense = initial.dense_params(preset, num_tables, seed)
         bottom, top = initial.mlp_sizes(preset, num_tables)
@@ -115,10 +119,14 @@ class DLRM(torch.nn.Module):
             pooled = _RankSlice.apply(pooled, self.ranks)
         return pooled
 
-    def interact(self, dense, pooled):
+    def bottom_mlp(self, dense):
         x = dense
         for lin in self.bottom:
             x = torch.relu(lin(x))
+        return x
+
+    def interact(self, x, pooled):
+        """The logit from the bottom MLP's output and the pooled rows."""
         # [x, the dot product of every pair of x and the pooled rows]: one kernel each way
         # (every engine's model alike)
         h = dot_interaction(x, pooled)
@@ -129,7 +137,25 @@ class DLRM(torch.nn.Module):
         return h.squeeze(1)
 
     def forward(self, dense, cat):
-        return self.interact(dense, self.embed(cat))
+        if self.side is None:
+            return self.interact(self.bottom_mlp(dense), self.embed(cat))
+        # The lookup on the side stream (after what the caller queued: the batch), the
+        # bottom MLP meanwhile on the caller's; autograd runs each backward on its forward's
+        # stream, so the embeddings' update (and exchange) go beside the dense backward.
+        # The caller joins the side stream at the step's end (TorchRun.join_side).
+        caller = torch.cuda.current_stream(self.side.device)
+        self.side.wait_stream(caller)
+        with torch.cuda.stream(self.side):
+            pooled = self.embed(cat)
+        x = self.bottom_mlp(dense)
+        caller.wait_stream(self.side)
+        pooled.record_stream(caller)  # made on the side stream, read on the caller's
+        if pooled.requires_grad:  # its gradient: made on the caller's, read on the side
+            pooled.register_hook(self._read_on_side)
+        return self.interact(x, pooled)
+
+    def _read_on_side(self, grad):
+        grad.record_stream(self.side)  # kept from reuse until the side stream's update
 
 
 # ---------------------------------------------------------------------- one training run
@@ -139,7 +165,7 @@ class TorchRun:
     profile, checkpoint."""
 
     def __init__(self, preset, plan, seed, device, engine="xferlib", graph=True,
-                 optimizer="adagrad", ranks=None, sharding=None):
+                 optimizer="adagrad", ranks=None, sharding=None, overlap=False):
         self.device, self.engine = torch.device(device), engine
         self.ranks = ranks or ranks_.Ranks()
         cuda = self.device.type == "cuda"
@@ -147,8 +173,11 @@ class TorchRun:
             torch.set_num_threads(1)
         else:
             torch.cuda.reset_peak_memory_stats(self.device)
+        # overlap: the xferlib and FBGEMM engines (each trains its tables inside the
+        # backward); the plain-torch baseline's sparse optimizer steps after it
         self.model = DLRM(preset, plan, seed, self.device, engine, optimizer, self.ranks,
-                          sharding if engine == "xferlib" else None)
+                          sharding if engine == "xferlib" else None,
+                          overlap=overlap and engine != "torch")
         params = self.model.dense_parameters()
         if engine == "xferlib":
             self.dense_opt = FlatAdam(params, lr=preset.lr_dense, capturable=cuda)
@@ -223,7 +252,15 @@ class TorchRun:
         self.dense_opt.step()
         if self.sparse_opt is not None:
             self.sparse_opt.step()
+        self.join_side()
         return loss.detach()
+
+    def join_side(self):
+        """The caller's stream waits for the embeddings' stream (``--overlap``): their
+        update, queued inside the backward, ends within the step (a captured step's forked
+        stream must rejoin before the capture ends)."""
+        if self.model.side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.model.side)
 
     def warmup_steps(self) -> int:
         """The coming steps that warm up rather than train at speed: the eager warm-up steps
@@ -308,7 +345,7 @@ class TorchRun:
             ev[0].record()
             pooled = m.embed(cat)
             ev[1].record()
-            loss = self._rank_loss(m.interact(dense, pooled), label)
+            loss = self._rank_loss(m.interact(m.bottom_mlp(dense), pooled), label)
             ev[2].record()
             if pooled.requires_grad:  # the pooled gradient is ready: the update starts
                 pooled.register_hook(lambda g: ev[3].record())
