@@ -116,7 +116,7 @@ def test_two_runs_save_bitwise_identical_state(framework, device, tmp_path, part
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["auto", "hbm"])
-def test_overlap_trains_the_same_bits_in_one_cuda_graph(placement, tmp_path):
+def test_overlap_trains_the_same_bits_in_one_cuda_graph(placement, tmp_path, parts):
     """--overlap (the embeddings on a stream of their own, beside the dense model) changes
     where work runs, not what it computes: the same bits in every weight and state as the
     step without it (both --deterministic), and the overlapped step is still captured."""
