@@ -149,6 +149,24 @@ def is_capturing(stream) -> bool:
             return False
 
 
+def upload(values, dtype=None):
+    """A new CuPy array of host ``values``, copied on CuPy's current stream straight from
+    their (pageable) memory: CUDA stages the bytes before the call returns, so ``values``
+    may go at once, and the copy is ordered before later work on the stream. No pinned
+    staging block, unlike ``cupy.asarray``: a fresh pinned block (``cudaHostAlloc``) waits
+    for every device, and inside a JAX callback on a mesh of this process's GPUs that wait
+    can be on a peer's collective which waits for this very thread (a deadlock)."""
+    import cupy
+
+    host = np.ascontiguousarray(values, dtype=dtype)
+    array = cupy.empty(host.shape, host.dtype)
+    if host.nbytes:
+        cupy.cuda.runtime.memcpyAsync(array.data.ptr, host.ctypes.data, host.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice,
+                                      cupy.cuda.get_current_stream().ptr)
+    return array
+
+
 def device_constant(values, dtype=None):
     """A CuPy array of host ``values`` (a table kept for later launches) that kernels on any
     stream may read as soon as this returns: uploaded on CuPy's current stream and waited
@@ -165,13 +183,13 @@ def device_constant(values, dtype=None):
     host = np.asarray(values, dtype=dtype)
     if not is_capturing(cupy.cuda.get_current_stream()):
         with default_allocator():
-            array = cupy.asarray(host)
+            array = upload(host)
         finish_current_stream()
         return array
     with relaxed_capture_mode(), default_allocator():
         side = cupy.cuda.Stream(non_blocking=True)
         with side:
-            array = cupy.asarray(host)
+            array = upload(host)
         side.synchronize()
     return array
 

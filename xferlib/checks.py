@@ -182,6 +182,14 @@ class PendingChecks:
         self.host[...] = NO_BAD
         self.device = cupy.cuda.runtime.getDevice()
 
+    def reserve(self) -> None:
+        """Allocate the pinned ring now, on the current device, instead of at the first push:
+        for a caller whose pushes must not allocate pinned memory (a fresh pinned block waits
+        for every device; see ``HostTable.prepare_gpu``)."""
+        with self.lock:
+            if self.host is None:
+                self._allocate()
+
     def push(self, verdict: Verdict, stream=None, keep=(), early: bool = True) -> None:
         """Copy ``verdict`` toward the host on ``stream``. ``keep``: arrays that must outlive
         the batch's kernels (a temporary pinned table freed while a kernel still reads it

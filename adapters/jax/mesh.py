@@ -28,6 +28,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from xferlib.adapters.jax._callback import (as_core_array, device_scope, is_gpu_buffer,
                                             vary_like, xla_stream)
+from xferlib.adapters.jax._views import on_device
 from xferlib.adapters.jax.errors import reporting
 from xferlib.adapters.jax.host import checked_update, fill_token, host_update, table_on
 from xferlib.checks import index_error
@@ -84,6 +85,7 @@ def sharded_host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array, 
                          f"cache_rows=0")
     if n == 1:
         return host_update(table, idx, grad_rows)
+    _prepare_views(table)
     # The global batch on every device, in axis order: each device picks the rows it owns.
     all_idx = jax.lax.all_gather(idx, axis_name, tiled=True)
     all_grads = jax.lax.all_gather(grad_rows, axis_name, tiled=True)
@@ -104,6 +106,21 @@ def sharded_host_update(table: HostTable, idx: jax.Array, grad_rows: jax.Array, 
     # A real all-reduce (the token typed as per-device first; JAX would fold the psum of a
     # replicated value into a multiply): no device passes it before every device's update.
     return mesh_barrier(jax.lax.psum(vary_like(token, owned), axis_name))
+
+
+def _prepare_views(table: HostTable) -> None:
+    """Every local GPU's view of ``table`` with its GPU side made now, while tracing: inside
+    the step's callbacks a device thread would allocate its pinned check ring, and a pinned
+    allocation waits for every device, among them one whose collective waits for that
+    thread (the step never finishes)."""
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    if not gpus:
+        return
+    import cupy
+
+    for device in gpus:
+        with cupy.cuda.Device(device.local_hardware_id):
+            on_device(table, device.local_hardware_id).prepare_gpu()
 
 
 def _apply_owned(table: HostTable, idx, grads, owned, ctx, gpu: bool) -> None:

@@ -144,6 +144,25 @@ def _scan_case():
     return max(err, float(np.abs(mesh_table.numpy() - one_table.numpy()).max()))
 
 
+def _views_ready_case():
+    """Tracing a sharded update makes every GPU's view of the table and its pinned check ring
+    (made later, inside the step's callbacks, the ring's pinned allocation could wait for a
+    peer device whose collective waits for that thread); on CPU devices it makes nothing.
+    The number of devices found without them."""
+    from xferlib.adapters.jax._views import on_device
+
+    table = xferlib.HostTable(4 * N, DIM, optimizer="adam", init="zeros")
+
+    def step(i):
+        return sharded_host_update(table, i, jnp.ones((i.shape[0], DIM)), axis_name="batch")
+
+    _sharded(step, (P("batch"),), P()).lower(np.arange(2 * N, dtype=np.int32))
+    if ARGS.platform == "cpu":
+        return 0.0 if table.device_side is None else 1.0
+    sides = [on_device(table, d.local_hardware_id).device_side for d in DEVICES]
+    return float(sum(side is None or side.checks.host is None for side in sides))
+
+
 def _bad_index_case():
     """An index out of range on one device: every device refuses, the table is unchanged."""
     table = xferlib.HostTable(4 * N, DIM, optimizer="adam", init="zeros")
@@ -231,6 +250,7 @@ def main():
         cases[f"tt-{name}"] = lambda n=name: _tt_case(n)
     cases["tt-weighted"] = lambda: _tt_case("adagrad", weighted=True)
     cases["tt-check_vma-off"] = lambda: _tt_case("adam", check_vma=False)
+    cases["host-views-ready-at-trace"] = _views_ready_case
     cases["host-bad-index"] = _bad_index_case  # last: a failed step ends nothing after it
     run_cases(cases, max_text=500)
 

@@ -25,7 +25,7 @@ WORKER = Path(__file__).with_name("mesh_worker.py")
 TOLERANCE = 2e-5  # float32: summation order differs (psum of shards vs one sum)
 CASES = ([f"host-{o}" for o in SPARSE_OPTIMIZERS]
          + ["host-fewer-rows-than-devices", "host-check_vma-off", "host-scan-ordering",
-            "host-bad-index"]
+            "host-views-ready-at-trace", "host-bad-index"]
          + [f"tt-{o}" for o in ("sgd", "adagrad", "adam", "lamb", "lars")]
          + ["tt-weighted", "tt-check_vma-off"])
 

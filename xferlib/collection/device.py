@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from xferlib._backend import (as_cupy_stream, default_allocator, device_constant,
-                              finish_current_stream, is_capturing)
+                              finish_current_stream, is_capturing, upload)
 from xferlib._kernels import grid_1d, launch_config
 from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, POSITIONS, RUNS, STAGE,
                                          SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, UPDATE, c_type,
@@ -205,10 +205,8 @@ class CollectionDevice:
             if is_capturing(stream):
                 self.hyper = device_constant(self._hyper_rows())
             else:
-                import cupy
-
                 with default_allocator():
-                    self.hyper = cupy.asarray(self._hyper_rows())
+                    self.hyper = upload(self._hyper_rows())
         return self.hyper
 
     def _record(self, stream) -> None:

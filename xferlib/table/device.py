@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array
+from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array, upload
 from xferlib._kernels import grid_1d, launch_config, named
 from xferlib.batch import BatchPlan, PendingChecks, RowsReport, Verdict, plan_batch
 from xferlib.memory import device_pointer
@@ -128,9 +128,7 @@ class DeviceSide:
             values = [float(v) for v in self.table.rule.kernel_hyper(self.table.hyper)]
             # uploaded on the launch's own stream (apply's `with stream`): ordered before the
             # kernel that reads it, no wait (a schedule changes it every step)
-            import cupy
-
-            self.hyper = cupy.asarray(np.array(values + [0.0] * (16 - len(values))))
+            self.hyper = upload(np.array(values + [0.0] * (16 - len(values))))
         return self.hyper
 
     def plan(self, idx, stream) -> BatchPlan:

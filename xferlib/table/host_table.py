@@ -546,6 +546,14 @@ class HostTable:
         the cache, pending input checks), made on its first GPU call; None until then."""
         return self._gpu
 
+    def prepare_gpu(self) -> None:
+        """Make this table's GPU side on the current device now (launch sizes, the pinned
+        ring its input checks arrive in), instead of at its first GPU call. The JAX adapter
+        calls it for every device of a mesh while tracing: made inside the step's callbacks,
+        the ring's pinned allocation waits for every device of the process, one of which may
+        be waiting in a collective for the very thread that allocates."""
+        self._gpu_state().checks.reserve()
+
     def _follow(self) -> None:
         """A view takes its table's hyperparameters (set_hyper() on the table reaches it)."""
         source = self._view_of() if self._view_of is not None else None
