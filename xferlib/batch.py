@@ -47,9 +47,10 @@ import numpy as np
 
 from xferlib._backend import as_cupy_stream
 from xferlib._kernels import grid_1d
-from xferlib._kernels.radix import (RADIX_BINS, RADIX_BITS, RADIX_HISTOGRAM, RADIX_MAX_N,
-                                    RADIX_MODULE, RADIX_PASS, RADIX_THREADS, RADIX_TILE,
-                                    radix_passes, radix_status_words)
+from xferlib._kernels.radix import (RADIX_BINS, RADIX_BITS, RADIX_HISTOGRAM, RADIX_ITEM_CHOICES,
+                                    RADIX_ITEMS, RADIX_MAX_N, RADIX_MODULE, RADIX_PASS,
+                                    RADIX_THREADS, radix_passes, radix_status_words,
+                                    radix_tiles)
 from xferlib._kernels.rows import (CHECK_AND_NARROW, CHECK_AND_SORT_SMALL, INDEX_TYPES,
                                    ROWS_MODULE, SMALL_SORT_ITEMS, SMALL_SORT_THREADS,
                                    SMALL_SORT_TILE, tile_sort_kernels)
@@ -100,7 +101,7 @@ def tile_sort(keys, num_keys: int, stream, words, rows, perm) -> None:
            shared_mem=shared, stream=stream)
 
 
-def radix_sort(idx, num_keys: int, stream, words, buffer):
+def radix_sort(idx, num_keys: int, stream, words, buffer, items: int = RADIX_ITEMS):
     """``(sorted int32 keys, int64 positions)``: the stable sort of ``idx`` (int32 or int64,
     all below ``num_keys`` <= 2^31 - 1) on ``stream`` by the device-wide radix sort
     (``xferlib/_kernels/radix.py``: a histogram launch, then one launch per 8 bits of
@@ -108,19 +109,22 @@ def radix_sort(idx, num_keys: int, stream, words, buffer):
     atomic minimum into ``words[0]``. ``buffer(name, size, dtype)`` gives the result
     (``"rows"``, ``"perm"``) and one working array (``"radix_work"``: the zeroed counts,
     then the passes' keys and positions, addressed by offset: an eager sort's host time is
-    its launches, not array views)."""
+    its launches, not array views). ``items``: keys a thread ranks, one of
+    ``RADIX_ITEM_CHOICES`` (a tile is 256 threads' worth; the same order whatever it is)."""
+    if items not in RADIX_ITEM_CHOICES:
+        raise ValueError(f"items must be one of {RADIX_ITEM_CHOICES}, got {items!r}")
     n = int(idx.size)
     bits = max(1, int(num_keys - 1).bit_length())
     passes = radix_passes(bits)
-    tiles = -(-n // RADIX_TILE)
-    zeroed = radix_status_words(n, passes)
+    tiles = radix_tiles(n, items)
+    zeroed = radix_status_words(n, passes, items)
     between = min(2, passes - 1)  # the (keys, positions) pairs the passes ping-pong between
     work = buffer("radix_work", zeroed + 2 * between * n, np.uint32)
     base = work.data.ptr
     work.data.memset_async(0, 4 * zeroed, stream)
     hist, counters = base, base + 4 * passes * RADIX_BINS
     status = counters + 4 * passes
-    K = (INDEX_TYPES[idx.dtype.name],)
+    K = (INDEX_TYPES[idx.dtype.name], items)
     block = (RADIX_THREADS,)
     RADIX_HISTOGRAM.launch(RADIX_MODULE, K, (tiles,), block, stream=stream, idx=idx, n=n,
                            n_rows=num_keys, bits=bits, passes=passes, hist=hist,

@@ -155,6 +155,29 @@ def test_radix_sort_every_pass_count(rng, num_rows, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("items", [2, 4, 8])
+def test_radix_sort_every_tile_size(rng, items):
+    """Tiles of 512, 1,024 and 2,048 keys (``items`` a thread) sort alike: a short last
+    tile, one to three passes, Zipf keys (a hot row's ties across many tiles)."""
+    cupy = _cupy()
+    from xferlib.batch import radix_sort
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for n, num_rows in ((2049, 300), (65_536, 8_000_000), (100_001, 70_000)):
+        idx = ((rng.zipf(1.05, size=n) - 1) % num_rows).astype(np.int32)
+        words = cupy.full(2, np.iinfo(np.uint64).max, dtype=np.uint64)
+        with stream:
+            rows, perm = radix_sort(cupy.asarray(idx), num_rows, stream, words,
+                                    lambda name, size, dtype: cupy.empty(size, dtype),
+                                    items=items)
+        stream.synchronize()
+        order = np.argsort(idx, kind="stable")
+        np.testing.assert_array_equal(perm.get(), order)
+        np.testing.assert_array_equal(rows.get(), idx[order])
+        assert int(words.get()[0]) == np.iinfo(np.uint64).max
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 def test_radix_sort_reports_the_first_key_out_of_range(rng, dtype):
     """Keys below 0 or past the table: the first such position in ``words[0]``, every
@@ -363,7 +386,7 @@ def _fake_radix(monkeypatch, log, made):
                 digits = (idx.astype(np.int64) >> (8 * p)) & 255
                 hist[p * 256:(p + 1) * 256] += np.bincount(digits, minlength=256).astype(
                     np.uint32)
-            log.append(("histogram", passes, grid))
+            log.append(("histogram", passes, grid, targs[1]))
 
     class Pass:
         @staticmethod
@@ -389,36 +412,50 @@ def _fake_radix(monkeypatch, log, made):
                 perm_out[:] = vals[order]
             else:
                 vals_out[:] = vals[order]
-            log.append(("pass", shift, perm_out is not None))
+            log.append(("pass", shift, perm_out is not None, targs[1]))
 
     monkeypatch.setattr(batch, "RADIX_HISTOGRAM", Histogram)
     monkeypatch.setattr(batch, "RADIX_PASS", Pass)
 
 
-@pytest.mark.parametrize("num_keys", [2, 256, 257, 70_000, 8_000_000, (1 << 31) - 1])
-@pytest.mark.parametrize("n", [2049, 10_000])
-def test_radix_sort_schedule(monkeypatch, rng, n, num_keys):
-    from xferlib.batch import radix_sort
-
-    log, made = [], {}
-    _fake_radix(monkeypatch, log, made)
-    keys = rng.integers(0, num_keys, n)
-
+def _host_buffers(made):
     def buffer(name, size, dtype):
         assert name not in made, f"{name} asked for twice"
         made[name] = np.zeros(size, dtype).view(_HostArray)
         made[name][:] = 7  # not zeroed unless the sort zeroes it
         return made[name]
+    return buffer
 
-    rows, perm = radix_sort(keys, num_keys, None, np.zeros(2, np.uint64), buffer)
+
+@pytest.mark.parametrize("num_keys", [2, 256, 257, 70_000, 8_000_000, (1 << 31) - 1])
+@pytest.mark.parametrize("n,items", [(2049, 8), (10_000, 8), (2049, 2), (10_000, 4)])
+def test_radix_sort_schedule(monkeypatch, rng, n, items, num_keys):
+    from xferlib.batch import radix_sort
+
+    log, made = [], {}
+    _fake_radix(monkeypatch, log, made)
+    keys = rng.integers(0, num_keys, n)
+    rows, perm = radix_sort(keys, num_keys, None, np.zeros(2, np.uint64), _host_buffers(made),
+                            items=items)
     expect = np.argsort(keys, kind="stable")
     np.testing.assert_array_equal(perm, expect)
     np.testing.assert_array_equal(rows, keys[expect])
     assert rows is made["rows"] and perm is made["perm"]
     passes = -(-max(1, (num_keys - 1).bit_length()) // 8)
-    tiles = -(-n // 2048)
+    tiles = -(-n // (256 * items))
     # the zeroed words (counts, tile counters, look-back words), then the passes' pairs
     zeroed = passes * (256 + 1 + tiles * 256)
     assert made["radix_work"].size == zeroed + 2 * n * min(2, passes - 1)
-    assert log == [("histogram", passes, (tiles,))] + [
-        ("pass", 8 * p, p == passes - 1) for p in range(passes)]
+    assert log == [("histogram", passes, (tiles,), items)] + [
+        ("pass", 8 * p, p == passes - 1, items) for p in range(passes)]
+
+
+def test_radix_sort_refuses_a_tile_size_it_has_no_kernel_for(monkeypatch, rng):
+    from xferlib.batch import radix_sort
+
+    log, made = [], {}
+    _fake_radix(monkeypatch, log, made)
+    with pytest.raises(ValueError, match=r"items must be one of \(2, 4, 8\), got 3"):
+        radix_sort(rng.integers(0, 9, 3000), 9, None, np.zeros(2, np.uint64),
+                   _host_buffers(made), items=3)
+    assert not log and not made

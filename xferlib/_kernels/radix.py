@@ -1,19 +1,19 @@
-"""The batch sort above one tile: a device-wide LSD radix sort of (key, position) pairs, 8
-bits a pass, queued without a host sync (so a step that sorts can be captured in a CUDA
-graph).
+"""The batch sort above one tile: a device-wide LSD radix sort of (key, position) pairs, 8 bits
+a pass, queued without a host sync (so a step that sorts can be captured in a CUDA graph).
 
 One launch counts every pass's digits (``radix_histogram``, which also checks the keys);
 then one launch per pass (``radix_pass``, the one-sweep design): each block takes the next
-tile of 2,048 positions, ranks its keys by digit (stable: warp by warp, item by item),
-finds how many keys of each digit earlier tiles hold by a decoupled look-back over their
-published counts, and scatters its keys and positions to their places. Equal keys keep
-batch order (every pass is stable), as the one-block tile sort does. A 23-bit key range
-takes three passes; the merge sort it replaces took one launch per doubling of the run
-length (five at 65,536 positions, eight at 426k).
+tile of 2,048 positions (512 or 1,024 with fewer keys a thread: ``RADIX_ITEM_CHOICES``),
+ranks its keys by digit (stable: warp by warp, item by item), finds how many keys of each
+digit earlier tiles hold by a decoupled look-back over their published counts, and scatters
+its keys and positions to their places. Equal keys keep batch order (every pass is stable),
+as the one-block tile sort does. A 23-bit key range takes three passes; the merge sort it
+replaces took one launch per doubling of the run length (five at 65,536 positions, eight at
+426k).
 
-Every pass reads and writes positions below ``n`` only; a key outside ``[0, n_rows)``
-is reported (atomic minimum into ``first_bad``) and sorted as the largest key the bits
-allow, so no input can move a write out of its array.
+Every pass reads and writes positions below ``n`` only; a key outside ``[0, n_rows)`` is
+reported (atomic minimum into ``first_bad``) and sorted as the largest key the bits allow,
+so no input can move a write out of its array.
 """
 
 from xferlib._kernels._declare import KernelDecl, defines
@@ -23,7 +23,8 @@ from xferlib._kernels.rows import BLOCK_SCAN, INDEX_TYPES
 RADIX_BITS = 8
 RADIX_BINS = 1 << RADIX_BITS
 RADIX_THREADS = 256  # one thread per digit in the block's scans
-RADIX_ITEMS = 8
+RADIX_ITEM_CHOICES = (2, 4, 8)  # keys a thread ranks per tile: tiles of 512, 1,024, 2,048
+RADIX_ITEMS = 8  # the default; smaller tiles give a small batch more blocks
 RADIX_TILE = RADIX_THREADS * RADIX_ITEMS
 RADIX_MAX_PASSES = 4  # keys below 2^32
 RADIX_LOOK = 16  # earlier tiles' counts read at once by the look-back
@@ -32,7 +33,6 @@ RADIX_LOOK = 16  # earlier tiles' counts read at once by the look-back
 RADIX_MAX_N = (1 << 30) - 1
 
 _HEAD = defines(RADIX_BITS=RADIX_BITS, RADIX_BINS=RADIX_BINS, RADIX_THREADS=RADIX_THREADS,
-                RADIX_ITEMS=RADIX_ITEMS, RADIX_TILE=RADIX_TILE,
                 RADIX_MAX_PASSES=RADIX_MAX_PASSES, RADIX_LOOK=RADIX_LOOK) + r"""
 typedef long long i64;
 #define RADIX_WARPS (RADIX_THREADS / 32)
@@ -47,11 +47,12 @@ __device__ __forceinline__ unsigned int radix_key(I x, i64 n_rows, unsigned int 
     return ((i64)x < 0 || (i64)x >= n_rows) ? pad : (unsigned int)x;
 }
 
-// Position of lane's first key in a tile: warp w owns positions [w * 32 * ITEMS,
-// (w + 1) * 32 * ITEMS) of it, item i of lane l at i * 32 + l, so loads coalesce and
-// (item, lane) order is batch order.
-__device__ __forceinline__ i64 tile_first(unsigned int tile = blockIdx.x) {
-    return (i64)tile * RADIX_TILE + (i64)(threadIdx.x >> 5) * 32 * RADIX_ITEMS
+// Position of lane's first key in a tile of RADIX_THREADS * ITEMS: warp w owns positions
+// [w * 32 * ITEMS, (w + 1) * 32 * ITEMS) of it, item i of lane l at i * 32 + l, so loads
+// coalesce and (item, lane) order is batch order.
+template <int ITEMS>
+__device__ __forceinline__ i64 tile_first(unsigned int tile) {
+    return (i64)tile * (RADIX_THREADS * ITEMS) + (i64)(threadIdx.x >> 5) * 32 * ITEMS
            + (threadIdx.x & 31);
 }
 
@@ -77,19 +78,19 @@ __device__ __forceinline__ unsigned int radix_pad(int bits) {
 # first_bad[0]: the first position whose key is out of range (an atomic minimum). A block
 # per tile, its keys loaded as the passes load them (all loads in flight at once).
 RADIX_HISTOGRAM = KernelDecl(
-    "radix_histogram", "template <typename I>",
+    "radix_histogram", "template <typename I, int ITEMS>",
     (("const I* __restrict__", "idx"), ("i64", "n"), ("i64", "n_rows"), ("int", "bits"),
      ("int", "passes"), ("unsigned int* __restrict__", "hist"),
      ("unsigned long long* __restrict__", "first_bad")),
     r"""
     __shared__ unsigned int local[RADIX_MAX_PASSES * RADIX_BINS];
     for (int i = threadIdx.x; i < RADIX_MAX_PASSES * RADIX_BINS; i += blockDim.x) local[i] = 0;
-    const i64 first = tile_first();
+    const i64 first = tile_first<ITEMS>(blockIdx.x);
     const unsigned int pad = radix_pad(bits);
-    unsigned int k[RADIX_ITEMS];
+    unsigned int k[ITEMS];
     unsigned long long bad = ~0ull;
     #pragma unroll
-    for (int i = 0; i < RADIX_ITEMS; ++i) {
+    for (int i = 0; i < ITEMS; ++i) {
         const i64 p = first + 32 * i;
         k[i] = 0;
         if (p < n) {
@@ -101,7 +102,7 @@ RADIX_HISTOGRAM = KernelDecl(
     if (bad != ~0ull) atomicMin(&first_bad[0], bad);
     __syncthreads();
     #pragma unroll
-    for (int i = 0; i < RADIX_ITEMS; ++i) {
+    for (int i = 0; i < ITEMS; ++i) {
         if (first + 32 * i >= n) continue;
         for (int p = 0; p < passes; ++p)
             atomicAdd(&local[p * RADIX_BINS + ((k[i] >> (p * RADIX_BITS)) & (RADIX_BINS - 1))], 1u);
@@ -118,7 +119,7 @@ RADIX_HISTOGRAM = KernelDecl(
 # zeroed by the caller; `counter`: the next tile to take, zeroed by the caller (blocks take
 # tiles in the order they start, so a tile waits only on tiles whose blocks are running).
 RADIX_PASS = KernelDecl(
-    "radix_pass", "template <typename I>",
+    "radix_pass", "template <typename I, int ITEMS>",
     (("const I* __restrict__", "idx"), ("const unsigned int* __restrict__", "keys_in"),
      ("const unsigned int* __restrict__", "vals_in"), ("i64", "n"), ("i64", "n_rows"),
      ("int", "bits"), ("int", "shift"), ("const unsigned int* __restrict__", "hist"),
@@ -128,7 +129,8 @@ RADIX_PASS = KernelDecl(
     r"""
     __shared__ unsigned int warp_count[RADIX_WARPS][RADIX_BINS];
     __shared__ unsigned int tile_base[RADIX_BINS], digit_start[RADIX_BINS];
-    __shared__ unsigned int sorted_keys[RADIX_TILE], sorted_vals[RADIX_TILE];
+    constexpr int TILE = RADIX_THREADS * ITEMS;
+    __shared__ unsigned int sorted_keys[TILE], sorted_vals[TILE];
     __shared__ unsigned int warp_sums[32];
     __shared__ unsigned int tile_s;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
@@ -137,12 +139,12 @@ RADIX_PASS = KernelDecl(
         (&warp_count[0][0])[i] = 0;
     __syncthreads();
     const unsigned int tile = tile_s;
-    const i64 first = tile_first(tile);
+    const i64 first = tile_first<ITEMS>(tile);
     const unsigned int pad = radix_pad(bits);
     const unsigned int lower = (1u << lane) - 1u;
-    unsigned int k[RADIX_ITEMS], v[RADIX_ITEMS], rank[RADIX_ITEMS];
+    unsigned int k[ITEMS], v[ITEMS], rank[ITEMS];
     #pragma unroll
-    for (int i = 0; i < RADIX_ITEMS; ++i) {
+    for (int i = 0; i < ITEMS; ++i) {
         const i64 p = first + 32 * i;
         k[i] = 0; v[i] = 0;
         if (p < n) {
@@ -151,7 +153,7 @@ RADIX_PASS = KernelDecl(
         }
     }
     #pragma unroll
-    for (int i = 0; i < RADIX_ITEMS; ++i) {
+    for (int i = 0; i < ITEMS; ++i) {
         const bool live = first + 32 * i < n;
         const unsigned int d = live ? (k[i] >> shift) & (RADIX_BINS - 1) : RADIX_BINS;
         const unsigned int peers = digit_peers(d);
@@ -185,7 +187,7 @@ RADIX_PASS = KernelDecl(
     // out in runs of adjacent addresses (stores straight from the ranks touched up to 32
     // lines each).
     #pragma unroll
-    for (int i = 0; i < RADIX_ITEMS; ++i) {
+    for (int i = 0; i < ITEMS; ++i) {
         if (first + 32 * i >= n) continue;
         const unsigned int digit = (k[i] >> shift) & (RADIX_BINS - 1);
         const unsigned int at = digit_start[digit] + warp_count[warp][digit] + rank[i];
@@ -220,8 +222,8 @@ RADIX_PASS = KernelDecl(
     }
     tile_base[d] = bucket + before - local;  // + the place in the tile (mod 2^32)
     __syncthreads();
-    const i64 left = n - (i64)tile * RADIX_TILE;
-    const int count = left < RADIX_TILE ? (int)left : RADIX_TILE;
+    const i64 left = n - (i64)tile * TILE;
+    const int count = left < TILE ? (int)left : TILE;
     for (int j = t; j < count; j += RADIX_THREADS) {
         const unsigned int key = sorted_keys[j];
         const unsigned int dest = tile_base[(key >> shift) & (RADIX_BINS - 1)] + j;
@@ -235,7 +237,8 @@ RADIX_PASS = KernelDecl(
 RADIX_KERNEL = _HEAD + BLOCK_SCAN + RADIX_HISTOGRAM.source() + RADIX_PASS.source()
 RADIX_MODULE = KernelModule(
     "radix", RADIX_KERNEL,
-    tuple(d.instance(I) for I in INDEX_TYPES.values() for d in (RADIX_HISTOGRAM, RADIX_PASS)))
+    tuple(d.instance(I, items) for I in INDEX_TYPES.values() for items in RADIX_ITEM_CHOICES
+          for d in (RADIX_HISTOGRAM, RADIX_PASS)))
 
 
 def radix_passes(bits: int) -> int:
@@ -243,8 +246,13 @@ def radix_passes(bits: int) -> int:
     return max(1, -(-int(bits) // RADIX_BITS))
 
 
-def radix_status_words(n: int, passes: int) -> int:
+def radix_tiles(n: int, items: int = RADIX_ITEMS) -> int:
+    """Tiles (blocks of each launch) of a sort of ``n`` keys, ``items`` keys a thread."""
+    return max(1, -(-int(n) // (RADIX_THREADS * items)))
+
+
+def radix_status_words(n: int, passes: int, items: int = RADIX_ITEMS) -> int:
     """Words of the zeroed scratch one sort of ``n`` keys uses: every pass's digit counts,
     its tile counter and its (tile, digit) look-back words."""
-    tiles = max(1, -(-int(n) // RADIX_TILE))
+    tiles = radix_tiles(n, items)
     return passes * (RADIX_BINS + 1 + tiles * RADIX_BINS)
