@@ -48,9 +48,8 @@ import numpy as np
 from xferlib._backend import as_cupy_stream
 from xferlib._kernels import grid_1d
 from xferlib._kernels.radix import (RADIX_BINS, RADIX_BITS, RADIX_HISTOGRAM, RADIX_ITEM_CHOICES,
-                                    RADIX_ITEMS, RADIX_MAX_N, RADIX_MODULE, RADIX_PASS,
-                                    RADIX_THREADS, radix_passes, radix_status_words,
-                                    radix_tiles)
+                                    RADIX_MAX_N, RADIX_MODULE, RADIX_PASS, RADIX_THREADS,
+                                    radix_items, radix_passes, radix_status_words, radix_tiles)
 from xferlib._kernels.rows import (CHECK_AND_NARROW, CHECK_AND_SORT_SMALL, INDEX_TYPES,
                                    ROWS_MODULE, SMALL_SORT_ITEMS, SMALL_SORT_THREADS,
                                    SMALL_SORT_TILE, tile_sort_kernels)
@@ -101,7 +100,7 @@ def tile_sort(keys, num_keys: int, stream, words, rows, perm) -> None:
            shared_mem=shared, stream=stream)
 
 
-def radix_sort(idx, num_keys: int, stream, words, buffer, items: int = RADIX_ITEMS):
+def radix_sort(idx, num_keys: int, stream, words, buffer, items: int | None = None):
     """``(sorted int32 keys, int64 positions)``: the stable sort of ``idx`` (int32 or int64,
     all below ``num_keys`` <= 2^31 - 1) on ``stream`` by the device-wide radix sort
     (``xferlib/_kernels/radix.py``: a histogram launch, then one launch per 8 bits of
@@ -110,10 +109,12 @@ def radix_sort(idx, num_keys: int, stream, words, buffer, items: int = RADIX_ITE
     (``"rows"``, ``"perm"``) and one working array (``"radix_work"``: the zeroed counts,
     then the passes' keys and positions, addressed by offset: an eager sort's host time is
     its launches, not array views). ``items``: keys a thread ranks, one of
-    ``RADIX_ITEM_CHOICES`` (a tile is 256 threads' worth; the same order whatever it is)."""
+    ``RADIX_ITEM_CHOICES`` (a tile is 256 threads' worth; the same order whatever it is),
+    by default the fastest measured for ``idx.size`` (``radix_items``)."""
+    n = int(idx.size)
+    items = radix_items(n) if items is None else items
     if items not in RADIX_ITEM_CHOICES:
         raise ValueError(f"items must be one of {RADIX_ITEM_CHOICES}, got {items!r}")
-    n = int(idx.size)
     bits = max(1, int(num_keys - 1).bit_length())
     passes = radix_passes(bits)
     tiles = radix_tiles(n, items)

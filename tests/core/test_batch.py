@@ -450,6 +450,20 @@ def test_radix_sort_schedule(monkeypatch, rng, n, items, num_keys):
         ("pass", 8 * p, p == passes - 1, items) for p in range(passes)]
 
 
+@pytest.mark.parametrize("n,items", [(1, 2), (32_768, 2), (32_769, 4), (131_072, 4),
+                                     (131_073, 8)])
+def test_radix_sort_picks_its_tile_size_by_batch(monkeypatch, rng, n, items):
+    """Without ``items`` the sort launches the tile size measured fastest for its size."""
+    from xferlib.batch import radix_sort
+
+    log, made = [], {}
+    _fake_radix(monkeypatch, log, made)
+    keys = rng.integers(0, 1000, n)
+    radix_sort(keys, 1000, None, np.zeros(2, np.uint64), _host_buffers(made))
+    assert {entry[-1] for entry in log} == {items}
+    assert log[0][2] == (-(-n // (256 * items)),)
+
+
 def test_radix_sort_refuses_a_tile_size_it_has_no_kernel_for(monkeypatch, rng):
     from xferlib.batch import radix_sort
 
