@@ -226,6 +226,12 @@ def main(argv=None) -> int:
         # (one GPU: the same speed either way)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_gpu_enable_command_buffer={COMMAND_BUFFERS}")
+    if args.framework != "torch" and "jax" not in sys.modules and dist.launched() \
+            and "xla_gpu_enable_latency_hiding_scheduler" not in os.environ.get("XLA_FLAGS", ""):
+        # XLA's latency-hiding scheduler: the ranks' all_to_alls beside the dense work (two
+        # H200s, medium preset, every table in HBM: 10.9M samples/s without, 11.5M with)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_gpu_enable_latency_hiding_scheduler=true")
     try:  # bad input is refused here, before any table is allocated or file written
         if args.plan:
             return _print_plan(args)
