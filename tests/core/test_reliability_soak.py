@@ -116,11 +116,16 @@ class Meter:
     # traced: 64 KiB for one-off caches that fill during the run (CuPy keeps a compiled
     # kernel per new shape it meets, e.g. the empty batch's fill); a leak of even one small
     # object per step would exceed it within a few thousand steps.
+    # gpu_held (the bytes CuPy's pool keeps) is checked over the second half: the pool may
+    # take one more block when a rarer run of batch sizes first meets it (seen once: one
+    # largest batch's rows, 384,000 bytes, between steps 1,000 and 5,000, then flat), where a
+    # leak grows in both halves.
     def check_flat(self, slack=dict(traced=64 << 10, rss=8 << 20, gpu_used=0, gpu_held=0)):
-        warm, end = self.samples["warm"], self.samples["end"]
         for key, allowance in slack.items():
-            if key in warm:
-                assert end[key] - warm[key] <= 0.01 * warm[key] + allowance, (key, warm, end)
+            start = self.samples["mid" if key == "gpu_held" else "warm"]
+            end = self.samples["end"]
+            if key in start:
+                assert end[key] - start[key] <= 0.01 * start[key] + allowance, (key, start, end)
 
 
 def _indices(rng, kind, n, xp):
