@@ -196,6 +196,8 @@ class ShardedCollection:
             for r in self.local_ranks:
                 with self.shard_scope(r):
                     self._refused[r] = cupy.zeros(2, dtype=np.int32)
+                    if self.shards[r] is not None:  # not inside the step's callbacks
+                        self.shards[r].prepare_gpu()
         self._function = sharded_function(self)
 
     # ------------------------------------------------------------------ static routes

@@ -594,6 +594,15 @@ class EmbeddingCollection:
 
     # ------------------------------------------------------------------ devices
 
+    def prepare_gpu(self) -> None:
+        """Make the collection's GPU side on the current device now (its tables' metadata,
+        the pinned ring its input checks arrive in), instead of at the first GPU call. The
+        JAX adapter calls it for every device's shard when it builds a sharded collection:
+        made inside a step's callbacks, the ring's pinned allocation waits for every device
+        of the process, one of which may be waiting in a collective for the very thread that
+        allocates."""
+        self._gpu_side().checks.reserve()
+
     def _gpu_side(self):
         if self.device != "cuda":
             raise TypeError("this collection lives on the CPU (device='cpu'): pass NumPy "
