@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, is_capturing, is_cupy_array, upload
+from xferlib._backend import (as_cupy_stream, device_constant, is_capturing, is_cupy_array,
+                              upload)
 from xferlib._kernels import grid_1d, launch_config, named
 from xferlib.batch import BatchPlan, PendingChecks, RowsReport, Verdict, plan_batch
 from xferlib.memory import device_pointer
@@ -125,10 +126,16 @@ class DeviceSide:
 
     def _hyper_array(self):
         if self.hyper is None:
+            import cupy
+
             values = [float(v) for v in self.table.rule.kernel_hyper(self.table.hyper)]
+            values = np.array(values + [0.0] * (16 - len(values)))
             # uploaded on the launch's own stream (apply's `with stream`): ordered before the
-            # kernel that reads it, no wait (a schedule changes it every step)
-            self.hyper = upload(np.array(values + [0.0] * (16 - len(values))))
+            # kernel that reads it, no wait (a schedule changes it every step); inside a
+            # capture on a side stream and waited for (a recorded copy would read the host
+            # values again at every replay)
+            capturing = is_capturing(cupy.cuda.get_current_stream())
+            self.hyper = device_constant(values) if capturing else upload(values)
         return self.hyper
 
     def plan(self, idx, stream) -> BatchPlan:
