@@ -412,11 +412,14 @@ def test_cache_orders_stress(backend, order, admission, seed):
     assert stats["admitted"] > 0 and (stats["hits"] > 0 or order == "scatter_between")
 
 
+@pytest.mark.parametrize("schedule", [False, True])
 @pytest.mark.parametrize("cache_rows", [0, 64])
 @on_gpu
-def test_graph_captured_step_matches_eager(backend, rng, cache_rows):
+def test_graph_captured_step_matches_eager(backend, rng, cache_rows, schedule):
     """lookup + apply_gradients at a fixed batch size, captured once in a CUDA graph and
-    replayed on new indices and gradients, trains exactly like the eager step."""
+    replayed on new indices and gradients, trains exactly like the eager step; with
+    ``schedule``, ``set_hyper`` between replays reaches the replays (the captured update
+    reads its hyperparameters where it recorded them)."""
     cupy = backend.xp
     n, dim, rows_n = 512, 16, 2000
     kw = dict(optimizer="adam", optimizer_kwargs={"lr": 0.05}, seed=1, cache_rows=cache_rows,
@@ -449,6 +452,9 @@ def test_graph_captured_step_matches_eager(backend, rng, cache_rows):
                 eager.lookup(cupy.asarray(idx))
                 eager.apply_gradients(cupy.asarray(idx), cupy.asarray(grads))
                 continue
+            if schedule:  # a new learning rate every step, as a schedule sets it
+                for table in (eager, graphed):
+                    table.set_hyper(lr=0.05 / (i + 1))
             idx_buf.set(idx, stream=stream)
             grad_buf.set(grads, stream=stream)
             graph.launch(stream)
@@ -458,6 +464,15 @@ def test_graph_captured_step_matches_eager(backend, rng, cache_rows):
             np.testing.assert_array_equal(out.get(), rows.get())
     graphed.check()
     assert_outputs_match(table_arrays(graphed), table_arrays(eager), rtol=0, atol=0)
+    if schedule:  # refused while a capture runs: a replay would not run it
+        with stream:
+            stream.begin_capture()
+            try:
+                with pytest.raises(RuntimeError, match="while a CUDA graph is being captured"):
+                    graphed.set_hyper(lr=1.0)
+            finally:
+                stream.end_capture()
+        assert graphed.hyper["lr"] == pytest.approx(0.05 / len(data))  # unchanged
 
 
 @pytest.mark.parametrize("bad", [-1, 300])

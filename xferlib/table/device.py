@@ -61,6 +61,7 @@ class DeviceSide:
         # lookups: 8 / 16 / 33 / 66 blocks hid 43 / 63 / 50 / 36% of a lookup behind equal compute).
         self.max_blocks, self.prefetch_blocks = 4 * sms, max(8, sms // 8)
         self.hyper = None
+        self.captured = False  # an update was captured: replays read `hyper` where it is
         self.pending = None  # the prefetch in flight (xferlib/table/prefetch.py)
         self.side_stream = None
         self.last_event = None
@@ -124,19 +125,41 @@ class DeviceSide:
         return (np.uint64(self.w_ptr), np.int64(self.w_stride), np.uint64(self.s_ptr),
                 np.int64(self.s_stride), np.int64(self.table.num_rows))
 
-    def _hyper_array(self):
-        if self.hyper is None:
-            import cupy
+    def _hyper_values(self):
+        values = [float(v) for v in self.table.rule.kernel_hyper(self.table.hyper)]
+        return np.array(values + [0.0] * (16 - len(values)))
 
-            values = [float(v) for v in self.table.rule.kernel_hyper(self.table.hyper)]
-            values = np.array(values + [0.0] * (16 - len(values)))
-            # uploaded on the launch's own stream (apply's `with stream`): ordered before the
-            # kernel that reads it, no wait (a schedule changes it every step); inside a
-            # capture on a side stream and waited for (a recorded copy would read the host
-            # values again at every replay)
-            capturing = is_capturing(cupy.cuda.get_current_stream())
+    def _hyper_array(self):
+        """The hyperparameter row on the device, uploaded at the first update and after a
+        change made before any capture: on the launch's own stream (apply's ``with
+        stream``), ordered before the kernel that reads it, no wait (a schedule changes it
+        every step); inside a capture on a side stream and waited for (a recorded copy
+        would read the host values again at every replay)."""
+        import cupy
+
+        capturing = is_capturing(cupy.cuda.get_current_stream())
+        if self.hyper is None:
+            values = self._hyper_values()
             self.hyper = device_constant(values) if capturing else upload(values)
+        self.captured = self.captured or capturing
         return self.hyper
+
+    def hyper_changed(self) -> None:
+        """New hyperparameters for the following updates. Until an update has been captured
+        into a CUDA graph the next one uploads them; after, replays read the array at the
+        address they recorded, so the new values are written there, in place, once the
+        queued updates (which keep the old values) are done: a wait for the device."""
+        if self.hyper is None:
+            return
+        if not self.captured:
+            self.hyper = None
+            return
+        import cupy
+
+        with self.hyper.device:
+            cupy.cuda.runtime.deviceSynchronize()
+            self.hyper.set(self._hyper_values())
+            cupy.cuda.runtime.deviceSynchronize()
 
     def plan(self, idx, stream) -> BatchPlan:
         """``idx`` checked and sorted, its runs of equal rows numbered (no host sync)."""

@@ -23,7 +23,7 @@ import weakref
 
 import numpy as np
 
-from xferlib._backend import as_cupy_stream, is_cupy_array
+from xferlib._backend import as_cupy_stream, capture_in_progress, is_cupy_array
 from xferlib.batch import BatchPlan
 from xferlib.memory import is_pinned
 from xferlib.perf import warn_cache_thrashing
@@ -226,6 +226,9 @@ class HostTable:
         cannot change. On a :meth:`device_view`, changes its table's (which the view follows)."""
         if self._rule is None:
             raise ValueError("this table has no optimizer")
+        if self._gpu is not None and capture_in_progress():
+            raise RuntimeError("set_hyper cannot run while a CUDA graph is being captured (a "
+                               "replay would not run it): change hyperparameters between steps")
         source = self._view_of() if self._view_of is not None else None
         if source is not None:  # a view follows its table's: set here, _follow() undid it
             source.set_hyper(**changes)
@@ -237,7 +240,7 @@ class HostTable:
                              f"{self._layout.slots}; build a new table")
         self._hyper = h
         if self._gpu is not None:
-            self._gpu.hyper = None
+            self._gpu.hyper_changed()
 
     # ------------------------------------------------------------------ host views
 
@@ -560,7 +563,7 @@ class HostTable:
         if source is not None and self._hyper is not source._hyper:
             self._hyper = source._hyper
             if self._gpu is not None:
-                self._gpu.hyper = None
+                self._gpu.hyper_changed()
 
     def _gpu_state(self) -> "DeviceSide":
         self._follow()
