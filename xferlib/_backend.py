@@ -167,6 +167,23 @@ def upload(values, dtype=None):
     return array
 
 
+def changed_constant(array, captured: bool, values):
+    """A device constant (e.g. a hyperparameter row) after its host values changed: None
+    (uploaded again where next needed) while no launch that reads it was captured; else
+    ``array`` itself, ``values()`` written in place once the queued work (which keeps the
+    old values) is done: graph replays read it at the address they recorded (a wait for
+    the device)."""
+    if array is None or not captured:
+        return None
+    import cupy
+
+    with array.device:
+        cupy.cuda.runtime.deviceSynchronize()
+        array.set(np.asarray(values(), dtype=array.dtype).reshape(array.shape))
+        cupy.cuda.runtime.deviceSynchronize()
+    return array
+
+
 def device_constant(values, dtype=None):
     """A CuPy array of host ``values`` (a table kept for later launches) that kernels on any
     stream may read as soon as this returns: uploaded on CuPy's current stream and waited

@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
-from xferlib._backend import (as_cupy_stream, default_allocator, device_constant,
-                              finish_current_stream, is_capturing, upload)
+from xferlib._backend import (as_cupy_stream, changed_constant, default_allocator,
+                              device_constant, is_capturing, upload)
 from xferlib._kernels import grid_1d, launch_config
 from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, POSITIONS, RUNS, STAGE,
                                          SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, UPDATE, c_type,
@@ -183,17 +183,7 @@ class CollectionDevice:
         recorded and never ask for it again: the new values are written there, in place,
         once the queued steps (which keep the old values) are done: a wait for the device
         (``set_hyper`` refuses to run during a capture)."""
-        if self.hyper is None:
-            return
-        if not self.captured:
-            self.hyper = None
-            return
-        import cupy
-
-        with self.hyper.device:
-            cupy.cuda.runtime.deviceSynchronize()
-            self.hyper.set(self._hyper_rows())
-            finish_current_stream()
+        self.hyper = changed_constant(self.hyper, self.captured, self._hyper_rows)
 
     def _hyper_array(self, stream):
         """The hyperparameter rows on the device, uploaded at the first update and after a

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib._backend import (as_cupy_stream, device_constant, is_capturing, is_cupy_array,
-                              upload)
+from xferlib._backend import (as_cupy_stream, changed_constant, device_constant, is_capturing,
+                              is_cupy_array, upload)
 from xferlib._kernels import grid_1d, launch_config, named
 from xferlib.batch import BatchPlan, PendingChecks, RowsReport, Verdict, plan_batch
 from xferlib.memory import device_pointer
@@ -149,17 +149,7 @@ class DeviceSide:
         into a CUDA graph the next one uploads them; after, replays read the array at the
         address they recorded, so the new values are written there, in place, once the
         queued updates (which keep the old values) are done: a wait for the device."""
-        if self.hyper is None:
-            return
-        if not self.captured:
-            self.hyper = None
-            return
-        import cupy
-
-        with self.hyper.device:
-            cupy.cuda.runtime.deviceSynchronize()
-            self.hyper.set(self._hyper_values())
-            cupy.cuda.runtime.deviceSynchronize()
+        self.hyper = changed_constant(self.hyper, self.captured, self._hyper_values)
 
     def plan(self, idx, stream) -> BatchPlan:
         """``idx`` checked and sorted, its runs of equal rows numbered (no host sync)."""
