@@ -167,6 +167,17 @@ def upload(values, dtype=None):
     return array
 
 
+def hyper_constant(values, capturing: bool):
+    """A hyperparameter array (kept for later launches, from CuPy's default pool): uploaded on
+    CuPy's current stream, ordered before the launch that reads it, no wait (a schedule may
+    change it every step); ``capturing`` (the current stream records a CUDA graph): by
+    :func:`device_constant` (a recorded copy would read the host values at every replay)."""
+    if capturing:
+        return device_constant(values)
+    with default_allocator():
+        return upload(values)
+
+
 def changed_constant(array, captured: bool, values):
     """A device constant (e.g. a hyperparameter row) after its host values changed: None
     (uploaded again where next needed) while no launch that reads it was captured; else

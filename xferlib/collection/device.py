@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
-from xferlib._backend import (as_cupy_stream, changed_constant, default_allocator,
-                              device_constant, is_capturing, upload)
+from xferlib._backend import (as_cupy_stream, changed_constant, device_constant,
+                              hyper_constant, is_capturing)
 from xferlib._kernels import grid_1d, launch_config
 from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, POSITIONS, RUNS, STAGE,
                                          SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, UPDATE, c_type,
@@ -192,11 +192,7 @@ class CollectionDevice:
         side stream and waited for (a copy recorded into the graph would read the host rows
         again at every replay)."""
         if self.hyper is None:
-            if is_capturing(stream):
-                self.hyper = device_constant(self._hyper_rows())
-            else:
-                with default_allocator():
-                    self.hyper = upload(self._hyper_rows())
+            self.hyper = hyper_constant(self._hyper_rows(), is_capturing(stream))
         return self.hyper
 
     def _record(self, stream) -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from xferlib._backend import (as_cupy_stream, changed_constant, device_constant, is_capturing,
-                              is_cupy_array, upload)
+from xferlib._backend import (as_cupy_stream, changed_constant, hyper_constant, is_capturing,
+                              is_cupy_array)
 from xferlib._kernels import grid_1d, launch_config, named
 from xferlib.batch import BatchPlan, PendingChecks, RowsReport, Verdict, plan_batch
 from xferlib.memory import device_pointer
@@ -131,16 +131,13 @@ class DeviceSide:
 
     def _hyper_array(self):
         """The hyperparameter row on the device, uploaded at the first update and after a
-        change made before any capture: on the launch's own stream (apply's ``with
-        stream``), ordered before the kernel that reads it, no wait (a schedule changes it
-        every step); inside a capture on a side stream and waited for (a recorded copy
-        would read the host values again at every replay)."""
+        change made before any capture, on the launch's own stream (apply's ``with
+        stream``; ``hyper_constant``)."""
         import cupy
 
         capturing = is_capturing(cupy.cuda.get_current_stream())
         if self.hyper is None:
-            values = self._hyper_values()
-            self.hyper = device_constant(values) if capturing else upload(values)
+            self.hyper = hyper_constant(self._hyper_values(), capturing)
         self.captured = self.captured or capturing
         return self.hyper
 
