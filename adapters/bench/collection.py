@@ -89,32 +89,35 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
                "hbm": dict(placement="hbm")}
     engines = []  # (record, step(i) on batch i)
     for label, config in configs.items():
-        start = time.perf_counter()
-        module = EmbeddingBagCollection([TableConfig(rows, DIM, init=("uniform", -0.01, 0.01),
-                                                     **config)], name, hyper, device="cuda",
-                                        seed=0)
-        torch.cuda.synchronize()
-        build = time.perf_counter() - start
+        # eager calls, then eager calls of a module that replays its own per-shape graphs
+        for mode, suffix in (("eager", ""), ("auto", " cuda_graphs")):
+            start = time.perf_counter()
+            module = EmbeddingBagCollection(
+                [TableConfig(rows, DIM, init=("uniform", -0.01, 0.01), **config)], name,
+                hyper, device="cuda", seed=0, cuda_graphs=mode == "auto")
+            torch.cuda.synchronize()
+            build = time.perf_counter() - start
 
-        def step(i, module=module):
-            module(idx[i % len(idx)], off).backward(grad)
+            def step(i, module=module):
+                module(idx[i % len(idx)], off).backward(grad)
 
-        engines.append(({"impl": f"xferlib {name} {label}", "engine": "xferlib",
-                         "optimizer": name, "placement": label, "build_s": build,
-                         "module": module}, step))
+            engines.append(({"impl": f"xferlib {name} {label}{suffix}", "engine": "xferlib",
+                             "optimizer": name, "placement": label, "mode": mode,
+                             "build_s": build, "module": module}, step))
     if with_fbgemm:
         for label in configs:
             step, build = fbgemm.tbe_step([(rows, DIM)], label, name, hyper, idx, off, grad,
                                           CACHE_FRACTION)
             engines.append(({"impl": f"FBGEMM TBE {name} {fbgemm.PLACEMENTS[label]}",
                              "engine": "fbgemm", "optimizer": name, "placement": label,
-                             "build_s": build, "module": step.module}, step))
-    for record, step in list(engines):  # the same steps replayed from CUDA graphs
+                             "mode": "eager", "build_s": build, "module": step.module}, step))
+    for record, step in [e for e in engines if e[0]["mode"] == "eager"]:
+        # the same steps replayed from CUDA graphs the caller captures
         graphed = _graphed(record["module"], idx, off, grad)
         if isinstance(graphed, str):
             print(f"  {record['impl']}: not captured in a CUDA graph ({graphed})")
             continue
-        engines.append(({**record, "impl": record["impl"] + " graph", "graph": True},
+        engines.append(({**record, "impl": record["impl"] + " graph", "mode": "graph"},
                         graphed))
     hbm = next(r["module"] for r, _ in engines if r["placement"] == "hbm")
     width = hbm.collection.layouts[0].used_width  # the weights and the optimizer's state
@@ -126,7 +129,7 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
     else:
         engines.append(({"impl": f"plainest kernels {name} hbm graph", "engine": "floor",
                          "optimizer": name, "placement": "hbm", "build_s": 0.0,
-                         "graph": True}, floor))
+                         "mode": "graph"}, floor))
     counters = {}  # one run of batches per module: its eager and replayed steps share a cache
 
     def fresh(record, step):
@@ -140,20 +143,23 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
         host_us = _host_us(fresh(record, step))  # the module's next batches
         record = {k: v for k, v in record.items() if k != "module"}
         record.update(ms=ms, lookups=BAGS * POOLING, Mlookups_per_s=BAGS * POOLING / ms / 1e3,
-                      host_us_per_step=host_us, graph=record.get("graph", False))
+                      host_us_per_step=host_us, graph=record["mode"] == "graph")
         records.append(record)
     for (record, _), out in zip(engines, records):
         if out["engine"] == "xferlib" and out["placement"] == "cache" and not out["graph"]:
             out["cache"] = record["module"].collection.cache_stats()
-    by = {(r["engine"], r["placement"], r["graph"]): r for r in records}
-    for (engine, label, graph), ours in by.items():
-        theirs = by.get(("fbgemm", label, graph))
-        if engine == "xferlib" and theirs is not None:
+    by = {(r["engine"], r["placement"], r["mode"]): r for r in records}
+    for (engine, label, mode), ours in by.items():
+        if engine != "xferlib":
+            continue
+        # a module called eagerly, graphs or not, against FBGEMM's called eagerly
+        theirs = by.get(("fbgemm", label, "graph" if mode == "graph" else "eager"))
+        if theirs is not None:
             ours["vs_fbgemm"] = theirs["ms"] / ours["ms"]
-        if engine == "xferlib" and label == "cache":
-            ours["vs_uncached"] = by[("xferlib", "host", graph)]["ms"] / ours["ms"]
-        if engine == "xferlib" and label == "hbm" and graph and ("floor", "hbm", True) in by:
-            ours["vs_floor"] = ours["ms"] / by[("floor", "hbm", True)]["ms"]
+        if label == "cache":
+            ours["vs_uncached"] = by[("xferlib", "host", mode)]["ms"] / ours["ms"]
+        if label == "hbm" and mode == "graph" and ("floor", "hbm", "graph") in by:
+            ours["vs_floor"] = ours["ms"] / by[("floor", "hbm", "graph")]["ms"]
     del engines
     gc.collect()
     torch.cuda.empty_cache()

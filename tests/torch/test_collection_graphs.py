@@ -1,0 +1,171 @@
+"""EmbeddingBagCollection(cuda_graphs=True): eagerly called training steps replayed from
+per-shape CUDA graphs train bit for bit as the eager module, fall back to eager steps where
+a replay would not be exact, and report bad input as eager steps do."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from xferlib.adapters.torch import EmbeddingBagCollection, TableConfig  # noqa: E402
+from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
+
+HYPER = {"sgd": {"lr": 0.3, "momentum": 0.9}, "adam": {"lr": 0.05},
+         "rowwise_adagrad": {"lr": 0.2}}
+ROWS, DIMS = (700, 1, 3300), (8, 4, 8)  # a cache needs one width of host rows
+PLACEMENTS = {"hbm": dict(placement="hbm"), "host": dict(placement="host"),
+              "cache": dict(placement="host", cache_rows=64)}
+
+
+def _need_gpu():
+    import xferlib
+
+    if not (torch.cuda.is_available() and xferlib.cupy_available()):
+        pytest.skip(GPU_SKIP_REASON)
+
+
+def build(optimizer="sgd", placement="hbm", cuda_graphs=False, device="cuda"):
+    # the middle table stays in HBM: a host table and an HBM one share each step
+    configs = [TableConfig(n, d, name=f"f{t}", init=("normal", 0.0, 1.0),
+                           **(PLACEMENTS[placement] if t != 1 else PLACEMENTS["hbm"]))
+               for t, (n, d) in enumerate(zip(ROWS, DIMS))]
+    return EmbeddingBagCollection(configs, optimizer, HYPER[optimizer], device=device, seed=5,
+                                  cuda_graphs=cuda_graphs)
+
+
+def shaped_batches(B, count, seed, device="cuda", dtype=torch.int64):
+    """``count`` batches of one shape (the same bag lengths), Zipf-like rows: repeats."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 6, size=len(ROWS) * B)
+    offsets = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=dtype,
+                              device=device)
+    out = []
+    for _ in range(count):
+        parts = [np.minimum(rng.zipf(1.3, int(lengths[t * B:(t + 1) * B].sum())) - 1, n - 1)
+                 for t, n in enumerate(ROWS)]
+        idx = torch.as_tensor(np.concatenate(parts), dtype=dtype, device=device)
+        grad = torch.as_tensor(rng.standard_normal((B, sum(DIMS))), dtype=torch.float32,
+                               device=device)
+        out.append((idx, offsets, grad))
+    return out
+
+
+def assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def train(module, batches):
+    outs = []
+    for idx, off, grad in batches:
+        out = module(idx, off)
+        outs.append(out.detach().clone())
+        out.backward(grad)
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", sorted(HYPER))
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_replayed_steps_train_as_eager_steps_bit_for_bit(optimizer, placement):
+    _need_gpu()
+    # two shapes, interleaved: each gets its own graphs
+    a, b = shaped_batches(24, 6, seed=1), shaped_batches(9, 6, seed=2)
+    batches = [x for pair in zip(a, b) for x in pair]
+    eager, graphed = build(optimizer, placement), build(optimizer, placement, True)
+    for got, want in zip(train(graphed, batches), train(eager, batches)):
+        assert torch.equal(got, want)
+    torch.cuda.synchronize()
+    assert_same_state(graphed, eager)
+    shapes = graphed._graphs.shapes
+    assert len(shapes) == 2
+    assert all(s.forward is not None and s.backward is not None for s in shapes.values())
+    if placement == "cache":
+        assert graphed.collection.cache_stats() == eager.collection.cache_stats()
+
+
+@pytest.mark.gpu
+def test_two_forwards_before_their_backwards_and_steps_between_fall_back_exactly():
+    """Gradient accumulation (two forwards, then both backwards), a lookup through the
+    cache and another shape's step between a replayed forward and its backward: each runs
+    as the eager module runs it."""
+    _need_gpu()
+    a, b = shaped_batches(16, 8, seed=3), shaped_batches(5, 4, seed=4)
+    eager, graphed = build("adam", "cache"), build("adam", "cache", True)
+
+    def script(m):
+        outs = train(m, a[:3])  # the third is replayed
+        o1, o2 = m(*a[3][:2]), m(*a[4][:2])  # the second forward finds the first pending
+        outs += [o1.detach().clone(), o2.detach().clone()]
+        (o1 * a[3][2]).sum().backward()
+        (o2 * a[4][2]).sum().backward()
+        o = m(*a[5][:2])  # replayed
+        with torch.no_grad():
+            outs.append(m(*b[0][:2]).clone())  # a lookup's cache pass between
+        outs.append(o.detach().clone())
+        o.backward(a[5][2])
+        o = m(*a[6][:2])
+        outs += train(m, b[1:3])  # another shape's steps between
+        outs.append(o.detach().clone())
+        o.backward(a[6][2])
+        return outs + train(m, a[7:])
+
+    for got, want in zip(script(graphed), script(eager)):
+        assert torch.equal(got, want)
+    torch.cuda.synchronize()
+    assert_same_state(graphed, eager)
+
+
+@pytest.mark.gpu
+def test_a_bad_batch_in_a_replayed_shape_raises_later_and_changes_nothing():
+    _need_gpu()
+    batches = shaped_batches(12, 4, seed=6)
+    graphed = build("sgd", "host", True)
+    train(graphed, batches[:3])  # captured at the second, replayed at the third
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in graphed.state_dict().items()}
+    idx, off, grad = batches[3]
+    bad = idx.clone()
+    bad[-1] = ROWS[-1] + 7  # past the last table
+    with pytest.raises(IndexError):  # from the backward's poll or the check
+        graphed(bad, off).backward(grad)
+        graphed.check()
+    after = graphed.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    graphed(idx, off).backward(grad)  # a good batch after the bad one trains
+    graphed.check()
+
+
+@pytest.mark.gpu
+def test_a_module_with_graphs_copies_and_moves():
+    _need_gpu()
+    batches = shaped_batches(8, 3, seed=7)
+    graphed = build("sgd", "hbm", True)
+    train(graphed, batches)
+    clone = copy.deepcopy(graphed)
+    assert clone._graphs is not None and not clone._graphs.shapes
+    assert_same_state(clone, graphed)
+    train(clone, batches)
+    train(graphed, batches)
+    assert_same_state(clone, graphed)
+    graphed.double()  # a rebuild drops the graphs captured on the old buffers
+    assert not graphed._graphs.shapes
+
+
+def test_cuda_graphs_is_a_flag_and_changes_nothing_on_the_cpu():
+    with pytest.raises(TypeError, match="cuda_graphs"):
+        build(cuda_graphs=1, device="cpu")
+    batches = shaped_batches(6, 3, seed=8, device="cpu")
+    plain, flagged = build(device="cpu"), build(cuda_graphs=True, device="cpu")
+    for got, want in zip(train(flagged, batches), train(plain, batches)):
+        assert torch.equal(got, want)
+    assert_same_state(flagged, plain)
+    assert "cuda_graphs=True" in repr(flagged)
+    assert copy.deepcopy(flagged)._graphs is not None
