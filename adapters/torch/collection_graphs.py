@@ -11,7 +11,8 @@ output. What a replayed step computes is what the eager one computes, bit for bi
 A replay is used only where it is exact; the eager step runs instead when:
 
 - the step is inside a CUDA graph the caller captures (the caller's graph holds it),
-- the collection has tt tables, or the forward takes the dict form,
+- the collection has tt tables (the dict form is replayed too: its packed arrays are copied
+  in like flat ones),
 - the shape's previous forward still waits for its backward (two forwards, then their
   backwards: the graphs' buffers hold one batch),
 - more shapes than ``limit`` are in use (the least recently used one's graphs are dropped).

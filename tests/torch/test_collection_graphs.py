@@ -91,6 +91,40 @@ def test_replayed_steps_train_as_eager_steps_bit_for_bit(optimizer, placement):
 
 
 @pytest.mark.gpu
+def test_the_dict_form_and_per_sample_weights_are_replayed_alike():
+    _need_gpu()
+    batches = shaped_batches(10, 5, seed=9)
+    rng = np.random.default_rng(10)
+    weights = [torch.as_tensor(rng.random(idx.numel()), dtype=torch.float32, device="cuda")
+               for idx, _, _ in batches]
+    eager, graphed = build("adam", "host"), build("adam", "host", True)
+
+    def script(m):
+        outs = []
+        for (idx, off, grad), psw in zip(batches, weights):
+            out = m(idx, off, psw)
+            outs.append(out.detach().clone())
+            out.backward(grad)
+        B = (off.numel() - 1) // len(ROWS)
+        for idx, off, grad in batches:  # the same lookups table by table
+            features = {}
+            for t, name in enumerate(m.names):
+                lo, hi = int(off[t * B]), int(off[(t + 1) * B])
+                features[name] = (idx[lo:hi], off[t * B:(t + 1) * B + 1] - lo)
+            out = m(features)
+            outs.append(out.detach().clone())
+            out.backward(grad)
+        return outs
+
+    for got, want in zip(script(graphed), script(eager)):
+        assert torch.equal(got, want)
+    torch.cuda.synchronize()
+    assert_same_state(graphed, eager)
+    assert len(graphed._graphs.shapes) == 2  # flat with weights; packed without
+    assert all(s.forward is not None for s in graphed._graphs.shapes.values())
+
+
+@pytest.mark.gpu
 def test_two_forwards_before_their_backwards_and_steps_between_fall_back_exactly():
     """Gradient accumulation (two forwards, then both backwards), a lookup through the
     cache and another shape's step between a replayed forward and its backward: each runs
