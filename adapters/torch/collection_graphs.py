@@ -128,11 +128,11 @@ class StepGraphs:
         before = set(side.checks.graph)
         with torch.cuda.graph(graph, pool=shape.pool, capture_error_mode="thread_local"):
             shape.out, shape.ctx = module._lookup(*shape.inputs, train=True)
-        # the captured verdict copy: replays are read through the eager pushes instead
+        # the captured verdict copy: replays are read through the eager pushes instead (its
+        # device words are the plan's, which this shape keeps while the graph lives)
         with side.checks.lock:
             for slot in set(side.checks.graph) - before:
-                entry = side.checks.graph.pop(slot)
-                side.checks.graph_memory.append((entry.verdict.words, entry.keep))
+                side.checks.graph.pop(slot)
         shape.forward = graph
 
     # ------------------------------------------------------------------ backward
