@@ -157,6 +157,29 @@ def test_two_forwards_before_their_backwards_and_steps_between_fall_back_exactly
 
 
 @pytest.mark.gpu
+def test_steps_on_changing_streams_replay_as_eager_steps():
+    """Each step on the next of two side streams, ordered after the other's (the tables
+    need that order, eagerly too): the graphs, captured on one stream, replay on both."""
+    _need_gpu()
+    batches = shaped_batches(64, 10, seed=14)
+    eager, graphed = build("adam", "host"), build("adam", "host", True)
+    want = train(eager, batches)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    got = []
+    for k, (idx, off, grad) in enumerate(batches):
+        stream = streams[k % 2]
+        stream.wait_stream(streams[(k + 1) % 2])
+        with torch.cuda.stream(stream):
+            out = graphed(idx, off)
+            got.append(out.detach().clone())
+            out.backward(grad)
+    torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert_same_state(graphed, eager)
+
+
+@pytest.mark.gpu
 def test_a_bad_batch_in_a_replayed_shape_raises_later_and_changes_nothing():
     _need_gpu()
     batches = shaped_batches(12, 4, seed=6)
