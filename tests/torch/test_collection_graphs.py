@@ -165,6 +165,7 @@ def test_steps_on_changing_streams_replay_as_eager_steps():
     eager, graphed = build("adam", "host"), build("adam", "host", True)
     want = train(eager, batches)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()  # the module's tables and the batches, made on the default stream
     got = []
     for k, (idx, off, grad) in enumerate(batches):
         stream = streams[k % 2]
