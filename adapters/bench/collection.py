@@ -10,9 +10,11 @@ FBGEMM's TBE runs the same steps (``MANAGED``, ``MANAGED_CACHING`` with a 5% LRU
 the replayed HBM step is also measured against the plainest kernels that move its bytes
 (``collection_floor.py``: the touched rows read, the pooled outputs written, the rows with
 their state written back).
-Also the time to build the table with its optimizer state, and the step's host time per
-call (on the GPU machines a launch costs about 10 us of host time: an eager step is
-host-bound when its kernels take less than its launches). On a machine without a GPU: a
+Each of our placements also runs as a module built with ``cuda_graphs=True``, called eagerly
+(it replays its own per-shape graphs of the forward and the backward), against FBGEMM's
+eager step. Also the time to build the table with its optimizer state, and the step's host
+time per call (on the GPU machines a launch costs about 10 us of host time: an eager step
+is host-bound when its kernels take less than its launches). On a machine without a GPU: a
 small table on the NumPy path, so the suite runs everywhere.
 """
 
