@@ -31,6 +31,10 @@ import weakref
 
 import torch
 
+from xferlib.adapters.torch._convert import stream_capturing
+from xferlib.batch import Verdict
+from xferlib.collection.device import CollectionReport
+
 __all__ = ["StepGraphs", "GraphedLookup"]
 
 
@@ -80,8 +84,6 @@ class StepGraphs:
     def forward(self, module, indices, offsets, psw):
         """``(out, GraphedLookup)`` from a replay (captured first where this is the shape's
         second call), or None: the caller runs the eager forward."""
-        from xferlib.adapters.torch._convert import stream_capturing
-
         coll = module.collection
         if coll.tt_tables or stream_capturing():
             return None
@@ -106,9 +108,6 @@ class StepGraphs:
             shape.forward.replay()
             # the replay's verdict read as an eager forward's is: a bad batch raises from a
             # later call (the graph's own copy of it is not queued)
-            from xferlib.batch import Verdict
-            from xferlib.collection.device import CollectionReport
-
             Verdict(shape.ctx.plan.words, CollectionReport(coll, indices, offsets)).defer(
                 side.checks, stream)
             out = shape.out.clone()

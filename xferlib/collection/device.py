@@ -33,6 +33,7 @@ from xferlib.checks import host_values
 from xferlib.collection.tt_tables import tt_lookup_gpu, tt_update_gpu
 from xferlib.memory import device_pointer
 from xferlib.optim.rules import OptId
+from xferlib.table.rules import HYPER_ROW
 
 __all__ = ["CollectionDevice", "GpuPlan"]
 
@@ -169,12 +170,7 @@ class CollectionDevice:
                                      min(cache_rows, self.host_rows), "lru", "second-sight")
 
     def _hyper_rows(self) -> np.ndarray:
-        rule = self.coll.rule
-        rows = []
-        for h in self.coll.hypers:
-            values = [float(v) for v in rule.kernel_hyper(h)]
-            rows.append(values + [0.0] * (16 - len(values)))
-        return np.array(rows, dtype=np.float64)
+        return np.stack([self.coll.rule.kernel_row(h) for h in self.coll.hypers])
 
     def hypers_changed(self) -> None:
         """New hyperparameters for the following steps. Until a step has been captured into
@@ -371,7 +367,7 @@ class CollectionDevice:
                           staged_state=int(self.stage_state), **self._cache_args(slots),
                           dirty=self.cache.dirty if slots is not None else None,
                           n_slots=len(coll.layouts[0].slots), hyper=self._hyper_array(stream),
-                          hyper_width=16, group=group, verdict=plan.words)
+                          hyper_width=HYPER_ROW, group=group, verdict=plan.words)
             self._record(stream)
 
     def _cache_args(self, slots) -> dict:

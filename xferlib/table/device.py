@@ -126,8 +126,7 @@ class DeviceSide:
                 np.int64(self.s_stride), np.int64(self.table.num_rows))
 
     def _hyper_values(self):
-        values = [float(v) for v in self.table.rule.kernel_hyper(self.table.hyper)]
-        return np.array(values + [0.0] * (16 - len(values)))
+        return self.table.rule.kernel_row(self.table.hyper)
 
     def _hyper_array(self):
         """The hyperparameter row on the device, uploaded at the first update and after a

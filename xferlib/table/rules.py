@@ -19,7 +19,9 @@ from xferlib.optim.rule_rows import device_hyper
 from xferlib.optim.rules import RULES, first_moment, second_moment
 from xferlib.table.layout import split_state
 
-__all__ = ["SPARSE_OPTIMIZERS", "optimizer_defaults", "sparse_update_reference"]
+__all__ = ["SPARSE_OPTIMIZERS", "HYPER_ROW", "optimizer_defaults", "sparse_update_reference"]
+
+HYPER_ROW = 16  # doubles of one table's hyperparameter row on the device
 # Public for the rest of the table package, outside __all__: sparse_rule, resolve_hyper,
 # sum_duplicates.
 
@@ -141,6 +143,12 @@ class _SparseRule:
     kernel_hyper: Callable  # hyper -> the doubles the kernel reads
     update: Callable
     check: Callable
+
+    def kernel_row(self, hyper) -> np.ndarray:
+        """``kernel_hyper(hyper)`` as the update kernels read it: ``HYPER_ROW`` float64
+        values, zeros after the rule's own."""
+        values = [float(v) for v in self.kernel_hyper(hyper)]
+        return np.array(values + [0.0] * (HYPER_ROW - len(values)), dtype=np.float64)
 
 
 def _zero(h):
