@@ -12,7 +12,8 @@ the replayed HBM step is also measured against the plainest kernels that move it
 their state written back).
 Each of our placements also runs as a module built with ``cuda_graphs=True``, called eagerly
 (it replays its own per-shape graphs of the forward and the backward), against FBGEMM's
-eager step. Also the time to build the table with its optimizer state, and the step's host
+eager step; and ``HostEmbeddingBag`` (the single-table module, the same engine) with the 5%
+cache, called with ``nn.EmbeddingBag``'s offsets. Also the time to build the table with its optimizer state, and the step's host
 time per call (on the GPU machines a launch costs about 10 us of host time: an eager step
 is host-bound when its kernels take less than its launches). On a machine without a GPU: a
 small table on the NumPy path, so the suite runs everywhere.
@@ -78,7 +79,7 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
     import cupy
     import torch
 
-    from xferlib.adapters.torch import EmbeddingBagCollection
+    from xferlib.adapters.torch import EmbeddingBagCollection, HostEmbeddingBag
     from xferlib.collection import TableConfig
 
     idx = [torch.as_tensor(b, device="cuda") for b in batches]
@@ -106,6 +107,20 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
             engines.append(({"impl": f"xferlib {name} {label}{suffix}", "engine": "xferlib",
                              "optimizer": name, "placement": label, "mode": mode,
                              "build_s": build, "module": module}, step))
+    # the single-table module a torch user swaps in for nn.EmbeddingBag: the same engine
+    start = time.perf_counter()
+    bag = HostEmbeddingBag(rows, DIM, optimizer=name, optimizer_kwargs=hyper,
+                           cache_rows=cache_rows, device="cuda", init=("uniform", -0.01, 0.01),
+                           seed=0)
+    torch.cuda.synchronize()
+    starts = off[:-1]  # nn.EmbeddingBag's offsets: bag starts
+
+    def bag_step(i):
+        bag(idx[i % len(idx)], starts).backward(grad)
+
+    engines.append(({"impl": f"HostEmbeddingBag {name} cache", "engine": "module",
+                     "optimizer": name, "placement": "cache", "mode": "module",
+                     "build_s": time.perf_counter() - start, "module": bag}, bag_step))
     if with_fbgemm:
         for label in configs:
             step, build = fbgemm.tbe_step([(rows, DIM)], label, name, hyper, idx, off, grad,
@@ -148,17 +163,19 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
                       host_us_per_step=host_us, graph=record["mode"] == "graph")
         records.append(record)
     for (record, _), out in zip(engines, records):
-        if out["engine"] == "xferlib" and out["placement"] == "cache" and not out["graph"]:
+        if out["placement"] == "cache" and out["engine"] == "xferlib" and not out["graph"]:
             out["cache"] = record["module"].collection.cache_stats()
+        if out["engine"] == "module":
+            out["cache"] = record["module"].table.cache_stats()
     by = {(r["engine"], r["placement"], r["mode"]): r for r in records}
     for (engine, label, mode), ours in by.items():
-        if engine != "xferlib":
+        if engine not in ("xferlib", "module"):
             continue
         # a module called eagerly, graphs or not, against FBGEMM's called eagerly
         theirs = by.get(("fbgemm", label, "graph" if mode == "graph" else "eager"))
         if theirs is not None:
             ours["vs_fbgemm"] = theirs["ms"] / ours["ms"]
-        if label == "cache":
+        if label == "cache" and engine == "xferlib":
             ours["vs_uncached"] = by[("xferlib", "host", mode)]["ms"] / ours["ms"]
         if label == "hbm" and mode == "graph" and ("floor", "hbm", "graph") in by:
             ours["vs_floor"] = ours["ms"] / by[("floor", "hbm", "graph")]["ms"]

@@ -1,9 +1,16 @@
-"""``HostEmbeddingBag`` and ``HostEmbedding``: torch modules over an :class:`xferlib.HostTable`.
+"""``HostEmbeddingBag`` and ``HostEmbedding``: torch modules over a table in pinned host RAM.
 
-The table (weights and optimizer state) stays in pinned host RAM; a forward pass brings the
-rows of the batch to ``device`` and a backward pass runs the table's sparse optimizer on the
+The table (weights and optimizer state) stays in pinned host RAM; a forward pass pools the
+rows of the batch on ``device`` and a backward pass runs the table's sparse optimizer on the
 touched rows (fused into backward, as FBGEMM's tables do), so there is no optimizer to step
 for these modules. Their conventions are ``torch.nn.EmbeddingBag``'s and ``torch.nn.Embedding``'s.
+
+With a fused optimizer, ``sum`` or ``mean`` pooling and a private table, a module is a
+one-table embedding collection (``host_collection.py``: the engine of
+``EmbeddingBagCollection``, rows pooled as they are read, one fused backward + update);
+``mode="max"``, ``optimizer=None``, a table shared by a process group and the ``"lfu"``
+cache policy run on an :class:`xferlib.HostTable`, whose lookups bring the batch's rows to
+``device`` before torch pools them.
 
 With ``optimizer=None`` the modules instead expose the batch's rows as the parameter
 ``weight`` (its ``.data`` is the batch's unique rows, ``len(unique) x dim``) and ANY
@@ -17,8 +24,6 @@ with dampening, whose first step copies the gradient).
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -26,7 +31,10 @@ import torch.nn.functional as F
 from xferlib.adapters.torch._convert import (as_core_array, current_stream, fresh_row_state,
                                              gather_to_torch, scatter_from_torch)
 from xferlib.adapters.torch.groups import resolve_group
+from xferlib.adapters.torch.host_collection import (CollectionTable, bag_layout,
+                                                    collection_serves, single_table_bags)
 from xferlib.adapters.torch.host_dist import SharedTableGroup, build_shared_table
+from xferlib.adapters.torch.host_hooks import follow_steps
 from xferlib.adapters.torch.tt_dist import agree_forward
 from xferlib.backend import cupy_available
 from xferlib.memory import pinned_empty
@@ -91,7 +99,7 @@ def _default_device(device):
 class _HostModule(torch.nn.Module):
     def __init__(self, num_embeddings, embedding_dim, *, optimizer, optimizer_kwargs,
                  cache_rows, padding_idx, device, init, cache_policy="lru", seed=None,
-                 process_group="default"):
+                 process_group="default", mode="sum"):
         super().__init__()
         # integers only, as torch.nn.EmbeddingBag: int(10.7) would build 10 rows without a word
         self.num_embeddings = integral_size("num_embeddings", num_embeddings)
@@ -108,8 +116,18 @@ class _HostModule(torch.nn.Module):
         if self.device.type == "cuda" and not cupy_available():
             raise ValueError("a CUDA device needs CuPy (pip install xferlib[cuda12] or [cuda13])")
         self._dist = None
+        self.__dict__["_bags"] = None  # the collection engine (not a submodule: see state_dict)
         group = resolve_group(process_group)
-        if group is not None:  # one table for the group's ranks (host_dist.py)
+        if cache_policy not in ("lru", "lfu"):
+            raise ValueError(f"cache_policy must be 'lru' or 'lfu', got {cache_policy!r}")
+        if collection_serves(optimizer, group, cache_policy, mode, self.num_embeddings):
+            self.__dict__["_bags"] = single_table_bags(
+                self.num_embeddings, self.embedding_dim, optimizer=optimizer,
+                optimizer_kwargs=optimizer_kwargs, cache_rows=cache_rows, device=self.device,
+                init=init, mode=mode, seed=seed)
+            self.table = CollectionTable(self._bags)
+            self._zero_padding_row(self.table)
+        elif group is not None:  # one table for the group's ranks (host_dist.py)
             if cache_rows:
                 warn_once(("shared-table-cache", id(self)),
                           f"cache_rows={cache_rows} is not used: a host table shared by a "
@@ -137,8 +155,7 @@ class _HostModule(torch.nn.Module):
 
     def _follow_steps(self) -> None:
         """``optimizer=None``: torch.optim's step hooks swap this module's rows' state."""
-        _ANY_OPTIMIZER_MODULES.add(self)
-        _install_step_hooks()
+        follow_steps(self)
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -201,11 +218,14 @@ class _HostModule(torch.nn.Module):
         the same dtype check as :meth:`forward`), and one training loop runs unchanged on a
         CPU machine and a GPU one: on the CPU (lookups read host RAM directly, as
         :meth:`xferlib.HostTable.prefetch` with NumPy indices), with ``optimizer=None``
-        (rows are looked up per step) and under a process group (other ranks' updates would
-        make prefetched rows stale)."""
+        (rows are looked up per step), under a process group (other ranks' updates would
+        make prefetched rows stale) and on the collection engine (a fused optimizer with sum
+        or mean pooling: its kernels read host rows over the link as they pool them, and
+        its cache keeps the hot ones in HBM)."""
         if input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"indices must be int32 or int64, got {input.dtype}")
-        if self.device.type != "cuda" or self._any_optimizer or self._dist is not None:
+        if (self.device.type != "cuda" or self._any_optimizer or self._dist is not None
+                or self._bags is not None):
             return
         flat = input.to(self.device).reshape(-1)
         if self.padding_idx is not None:
@@ -247,6 +267,14 @@ class _HostModule(torch.nn.Module):
             raise
         agree_forward(self._dist.group, self.device, None, what)
         return out
+
+    def _pooled(self, input, offsets, per_sample_weights, include_last_offset):
+        """The collection engine's pooled bags (``host_collection.py``)."""
+        indices, offsets, weights = bag_layout(
+            input, offsets, per_sample_weights, include_last_offset=include_last_offset,
+            padding_idx=self.padding_idx, device=self.device)
+        self._bags.training = self.training
+        return self._bags(indices, offsets, weights)
 
     def _rows(self, flat_idx: torch.Tensor):
         """The batch's rows and, for each position, its row among them."""
@@ -450,6 +478,16 @@ class HostEmbeddingBag(_HostModule):
       train as one process on the concatenated batch (``host_dist.py``). No GPU cache and no
       prefetch there; every rank must run each step's forward and backward.
 
+    With a fused optimizer, ``mode`` ``"sum"`` or ``"mean"`` and a private table (the common
+    case) the module is a one-table ``EmbeddingBagCollection`` (``host_collection.py``) and
+    ``table`` a :class:`~xferlib.adapters.torch.host_collection.CollectionTable` (HostTable's
+    reading and writing methods); otherwise ``table`` is a :class:`xferlib.HostTable`. On the
+    collection engine ``per_sample_weights`` get no gradient (as in the collection: a
+    ``per_sample_weights`` that requires grad is refused), the GPU's input checks are read
+    without a host sync (a bad batch raises from a later call or :meth:`check`; with
+    ``padding_idx`` the batch's size is read back to drop the padding lookups), and an
+    ``init`` array is copied into the collection's memory.
+
     >>> import torch
     >>> from xferlib.adapters.torch import HostEmbeddingBag
     >>> bag = HostEmbeddingBag(1000, 8, optimizer="adam", device="cpu")
@@ -468,7 +506,8 @@ class HostEmbeddingBag(_HostModule):
         super().__init__(num_embeddings, embedding_dim, optimizer=optimizer,
                          optimizer_kwargs=optimizer_kwargs, cache_rows=cache_rows,
                          padding_idx=padding_idx, device=device, init=init,
-                         cache_policy=cache_policy, seed=seed, process_group=process_group)
+                         cache_policy=cache_policy, seed=seed, process_group=process_group,
+                         mode=mode)
         self.mode = mode
         self.include_last_offset = include_last_offset
 
@@ -487,6 +526,8 @@ class HostEmbeddingBag(_HostModule):
             # torch.nn.EmbeddingBag's contract (weights scale rows before a sum), same error type
             raise NotImplementedError("per_sample_weights are supported for mode='sum' only "
                                       f"(as torch), got mode={self.mode!r}")
+        if self._bags is not None:
+            return self._pooled(input, offsets, per_sample_weights, self.include_last_offset)
         flat = input.reshape(-1)
         rows, positions = self._rows(flat)
         positions, rows, pad = self._pad_position(flat, positions, rows)
@@ -517,46 +558,14 @@ class HostEmbedding(_HostModule):
                          cache_policy=cache_policy, seed=seed, process_group=process_group)
 
     def _forward(self, input):
+        if self._bags is not None:  # a bag of one lookup per index
+            flat = input.reshape(-1)
+            starts = torch.arange(flat.shape[0], device=self.device, dtype=torch.int64)
+            return self._pooled(flat, starts, None, False).view(*input.shape,
+                                                                self.embedding_dim)
         flat = input.reshape(-1)
         rows, positions = self._rows(flat)
         if self._any_optimizer or self.padding_idx is not None:
             positions, rows, _ = self._pad_position(flat, positions, rows)
             rows = rows.index_select(0, positions)
         return rows.view(*input.shape, self.embedding_dim)
-
-
-# ----------------------------------------------------------------------------- step hooks
-
-_ANY_OPTIMIZER_MODULES: "weakref.WeakSet[_HostModule]" = weakref.WeakSet()
-
-
-def _modules_of(optimizer):
-    if not _ANY_OPTIMIZER_MODULES:  # every other optimizer's step pays nothing more
-        return []
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [m for m in list(_ANY_OPTIMIZER_MODULES) if id(m.weight) in params]
-
-
-def _pre_step(optimizer, args, kwargs):
-    for module in _modules_of(optimizer):
-        module._before_step(optimizer)
-
-
-def _post_step(optimizer, args, kwargs):
-    for module in _modules_of(optimizer):
-        module._after_step(optimizer)
-
-
-_HOOKS = []
-
-
-def _install_step_hooks() -> None:
-    """torch's global optimizer-step hooks, installed when the first module trained by a
-    torch.optim optimizer is built (importing the adapter changes nothing process-wide)."""
-    if _HOOKS:
-        return
-    from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                       register_optimizer_step_pre_hook)
-
-    _HOOKS.append(register_optimizer_step_pre_hook(_pre_step))
-    _HOOKS.append(register_optimizer_step_post_hook(_post_step))

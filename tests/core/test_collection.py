@@ -684,3 +684,41 @@ def test_partial_load_writes_only_what_it_is_given(backend):
         coll.load_state_dict({"a.weight": np.zeros((30, 4), np.float32),
                               "b.weight": np.zeros((20, 7), np.float32)}, partial=True)
     assert all(coll.state_dict()[k].tobytes() == after[k].tobytes() for k in after)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("placement", ["hbm", "host"])
+def test_write_rows_sets_weights_and_keeps_state(backend, placement):
+    """``write_rows``: the rows given take the values, their optimizer state and every other
+    row stay as they were; on the GPU a cached row is dropped first, so the next lookup
+    reads the written values; bad rows or values change nothing."""
+    backend = get_backend(backend)
+    xp = xp_of(backend)
+    rng = np.random.default_rng(5)
+    cache = dict(cache_rows=8) if placement == "host" else {}
+    coll = EmbeddingCollection([TableConfig(30, 4, placement=placement, **cache)], "adam",
+                               {"lr": 0.1}, device=device_of(backend), seed=2)
+    for _ in range(2):  # rows cached and with state
+        indices, offsets = make_batch(rng, [30], B=5)
+        out, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets))
+        coll.backward(ctx, xp.asarray(rng.standard_normal(out.shape).astype(np.float32)))
+    before = coll.state_dict()
+    rows = np.array([indices[0], 29, 0]) if indices[0] not in (0, 29) else np.array([5, 29, 0])
+    values = rng.standard_normal((3, 4)).astype(np.float32)
+    for bad_rows, bad_values, error in [(np.array([1, 30, 2]), values, IndexError),
+                                        (np.array([-1, 3, 2]), values, IndexError),
+                                        (rows, values[:2], ValueError),
+                                        (np.array([1.0, 2.0, 3.0]), values, TypeError)]:
+        with pytest.raises(error):
+            coll.write_rows(0, bad_rows, bad_values)
+    assert all(coll.state_dict()[k].tobytes() == before[k].tobytes() for k in before)
+    coll.write_rows("t0", rows, values)
+    after = coll.state_dict()
+    expected = before["t0.weight"].copy()
+    expected[rows] = values
+    np.testing.assert_array_equal(after["t0.weight"], expected)
+    for key in before:
+        if key != "t0.weight":
+            assert after[key].tobytes() == before[key].tobytes(), key
+    looked_up = coll.lookup(xp.asarray(rows), xp.asarray(np.arange(4)))
+    np.testing.assert_array_equal(xferlib.handoff.to_numpy(looked_up), values)

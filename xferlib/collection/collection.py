@@ -29,7 +29,7 @@ import numpy as np
 from xferlib._backend import array_module, capture_in_progress, cupy_available, is_cupy_array
 from xferlib.collection.config import POOLINGS, TableConfig, pack_features
 from xferlib.collection.init import fill_rows_gpu, fill_rows_numpy, table_stream
-from xferlib.collection.numpy_path import (check_inputs_numpy, pooled_lookup_numpy,
+from xferlib.collection.numpy_path import (check_inputs_numpy, pooled_lookup_numpy, table_error,
                                            update_numpy)
 from xferlib.collection.storage import allocate_host, plan_blocks
 from xferlib.managed import gpu_view, is_managed
@@ -332,6 +332,40 @@ class EmbeddingCollection:
                 target.set(rows)
             else:
                 target[...] = rows
+
+    def write_rows(self, table, rows, values) -> None:
+        """Overwrite the weights of ``rows`` (integers) of an hbm or host table with
+        ``values`` (``(len(rows), dim)``), their optimizer state kept: a padding row zeroed,
+        weights given as an array (``HostTable.scatter``'s twin). Checked before anything is
+        written; queued GPU work finishes first and cached rows are dropped."""
+        t = self._index(table)
+        if t in self.tt_tables:
+            raise ValueError(f"table {self.names[t]!r} is a tt table: its rows are products "
+                             f"of its cores and cannot be written one by one")
+        rows = np.asarray(rows)
+        if rows.dtype.kind not in "iu" or rows.ndim != 1:
+            raise TypeError(f"rows must be a 1-D integer array, got {rows.dtype} of shape "
+                            f"{rows.shape}")
+        values = np.asarray(values)
+        if values.shape != (rows.shape[0], self.dims[t]):
+            raise ValueError(f"values must have shape {(rows.shape[0], self.dims[t])}, got "
+                             f"{values.shape}")
+        num_rows = self.tables[t].num_rows
+        bad = (rows < 0) | (rows >= num_rows)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise table_error(self, t, k, int(rows[k]))
+        if self._gpu is not None:
+            self._gpu.synchronize(drop_cache=True)  # no cached row may outlive this write
+            self._gpu.writes += 1  # staged copies of a forward before this are stale
+        target = self.blocks[t].weights(self.buffers[self._placement(t)])
+        if is_cupy_array(target):
+            import cupy
+
+            target[cupy.asarray(rows)] = cupy.asarray(values, dtype=self.dtype)
+            cupy.cuda.get_current_stream().synchronize()  # done before any step reads
+        else:
+            target[rows] = values
 
     def check_state_dict(self, state: dict, partial: bool = False) -> None:
         """ValueError unless ``state`` holds exactly this collection's arrays (``partial``:
