@@ -99,7 +99,7 @@ def _default_device(device):
 class _HostModule(torch.nn.Module):
     def __init__(self, num_embeddings, embedding_dim, *, optimizer, optimizer_kwargs,
                  cache_rows, padding_idx, device, init, cache_policy="lru", seed=None,
-                 process_group="default", mode="sum"):
+                 process_group="default", mode="sum", cuda_graphs=False):
         super().__init__()
         # integers only, as torch.nn.EmbeddingBag: int(10.7) would build 10 rows without a word
         self.num_embeddings = integral_size("num_embeddings", num_embeddings)
@@ -124,7 +124,12 @@ class _HostModule(torch.nn.Module):
             self.__dict__["_bags"] = single_table_bags(
                 self.num_embeddings, self.embedding_dim, optimizer=optimizer,
                 optimizer_kwargs=optimizer_kwargs, cache_rows=cache_rows, device=self.device,
-                init=init, mode=mode, seed=seed)
+                init=init, mode=mode, seed=seed, cuda_graphs=cuda_graphs)
+        elif cuda_graphs:
+            raise ValueError("cuda_graphs=True replays the collection engine's steps: it needs "
+                             "a fused optimizer, mode 'sum' or 'mean', a private table "
+                             "(process_group=None or no group) and cache_policy='lru'")
+        if self._bags is not None:
             self.table = CollectionTable(self._bags)
             self._zero_padding_row(self.table)
         elif group is not None:  # one table for the group's ranks (host_dist.py)
@@ -485,8 +490,10 @@ class HostEmbeddingBag(_HostModule):
     collection engine ``per_sample_weights`` get no gradient (as in the collection: a
     ``per_sample_weights`` that requires grad is refused), the GPU's input checks are read
     without a host sync (a bad batch raises from a later call or :meth:`check`; with
-    ``padding_idx`` the batch's size is read back to drop the padding lookups), and an
-    ``init`` array is copied into the collection's memory.
+    ``padding_idx`` the batch's size is read back to drop the padding lookups), an ``init``
+    array is copied into the collection's memory, and ``cuda_graphs=True`` replays each
+    batch shape's forward and backward from CUDA graphs (``EmbeddingBagCollection``'s
+    option: an eager step costs its launches, not the engine's Python; refused elsewhere).
 
     >>> import torch
     >>> from xferlib.adapters.torch import HostEmbeddingBag
@@ -500,14 +507,14 @@ class HostEmbeddingBag(_HostModule):
     def __init__(self, num_embeddings, embedding_dim, *, mode="sum", optimizer="adam",
                  optimizer_kwargs=None, cache_rows=0, include_last_offset=False,
                  padding_idx=None, device=None, init=("normal", 0.0, 1.0),
-                 cache_policy="lru", seed=None, process_group="default"):
+                 cache_policy="lru", seed=None, process_group="default", cuda_graphs=False):
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         super().__init__(num_embeddings, embedding_dim, optimizer=optimizer,
                          optimizer_kwargs=optimizer_kwargs, cache_rows=cache_rows,
                          padding_idx=padding_idx, device=device, init=init,
                          cache_policy=cache_policy, seed=seed, process_group=process_group,
-                         mode=mode)
+                         mode=mode, cuda_graphs=cuda_graphs)
         self.mode = mode
         self.include_last_offset = include_last_offset
 
@@ -551,11 +558,12 @@ class HostEmbedding(_HostModule):
     def __init__(self, num_embeddings, embedding_dim, *, optimizer="adam",
                  optimizer_kwargs=None, cache_rows=0, padding_idx=None, device=None,
                  init=("normal", 0.0, 1.0), cache_policy="lru", seed=None,
-                 process_group="default"):
+                 process_group="default", cuda_graphs=False):
         super().__init__(num_embeddings, embedding_dim, optimizer=optimizer,
                          optimizer_kwargs=optimizer_kwargs, cache_rows=cache_rows,
                          padding_idx=padding_idx, device=device, init=init,
-                         cache_policy=cache_policy, seed=seed, process_group=process_group)
+                         cache_policy=cache_policy, seed=seed, process_group=process_group,
+                         cuda_graphs=cuda_graphs)
 
     def _forward(self, input):
         if self._bags is not None:  # a bag of one lookup per index

@@ -30,7 +30,8 @@ def collection_serves(optimizer, group, cache_policy: str, mode: str, num_rows: 
 
 
 def single_table_bags(num_rows: int, dim: int, *, optimizer, optimizer_kwargs, cache_rows: int,
-                      device: torch.device, init, mode: str, seed) -> EmbeddingBagCollection:
+                      device: torch.device, init, mode: str, seed,
+                      cuda_graphs: bool = False) -> EmbeddingBagCollection:
     """The module's collection: one host table; an array ``init`` becomes its weights."""
     given = init if isinstance(init, np.ndarray) else None
     if given is not None and (given.shape != (num_rows, dim) or given.dtype != np.float32):
@@ -40,7 +41,7 @@ def single_table_bags(num_rows: int, dim: int, *, optimizer, optimizer_kwargs, c
     config = TableConfig(num_rows, dim, name=TABLE, placement="host", cache_rows=cache,
                          init="zeros" if given is not None else init)
     bags = EmbeddingBagCollection([config], optimizer, optimizer_kwargs, pooling=mode,
-                                  device=device, seed=seed)
+                                  device=device, seed=seed, cuda_graphs=cuda_graphs)
     if given is not None:
         bags.collection.write_rows(0, np.arange(num_rows), given)
     return bags
