@@ -108,7 +108,9 @@ class EmbeddingBagCollection(torch.nn.Module):
         path). Inputs are moved to it.
       seed: for the tables' initializers (table ``t`` draws from ``seed + t``).
       cuda_graphs: replay each batch shape's training forward and backward from CUDA graphs
-        captured at its second call (``adapters/torch/collection_graphs.py``): an eagerly
+        captured at its second call (a shape: B, the dtypes and the number of indices
+        rounded up to one of eight sizes per power of two, so batches of changing lengths
+        share graphs; ``adapters/torch/collection_graphs.py``): an eagerly
         called module's step then costs its launches and torch's autograd, not the core's
         Python (on an H200, 0.4-0.7 ms of host time a step instead of 1.1-1.8), with the
         same results bit for bit. Off by default; ignored on the CPU and inside a CUDA
@@ -256,10 +258,11 @@ class EmbeddingBagCollection(torch.nn.Module):
             packed = self.collection.pack(converted)
         return (*packed, None) if len(packed) == 2 else packed
 
-    def _lookup(self, indices, offsets, per_sample_weights, train: bool, padded: bool = False):
+    def _lookup(self, indices, offsets, per_sample_weights, train: bool, padded: bool = False,
+                total=None):
         """``(out, ctx)``: the pooled lookup written into a tensor torch allocates; ``ctx``
-        (the core's LookupContext) when an update will follow. ``padded``: the core's
-        (indices past ``offsets[-1]`` ignored)."""
+        (the core's LookupContext) when an update will follow. ``padded``, ``total``: the
+        core's (indices past ``offsets[-1]`` ignored; the last bag ends at ``total[0]``)."""
         T = self.collection.num_tables
         # B as the core derives it; malformed offsets make no sensible B, and the core
         # raises for them (its input checks come before its check of `out`).
@@ -273,7 +276,7 @@ class EmbeddingBagCollection(torch.nn.Module):
                 return out, None
             _, ctx = self.collection.forward(indices, offsets, per_sample_weights,
                                              out=as_core_array(out), stream=stream,
-                                             padded=padded)
+                                             padded=padded, total=total)
         return out, ctx
 
     def _train_forward(self, indices, offsets, per_sample_weights):

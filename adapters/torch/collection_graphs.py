@@ -8,6 +8,13 @@ the shape's second call (the first runs as usual and warms everything up), and r
 from then on: a step's host work is two input copies, two replays and a copy of the pooled
 output. What a replayed step computes is what the eager one computes, bit for bit.
 
+A shape is the batch size B (the offsets' length), the dtypes and the number of lookups
+rounded up to a bucket (:func:`capacity`: eight sizes per power of two), so batches whose
+bags hold a varying number of lookups share graphs: the graph's static indices hold
+``capacity(n)`` entries, a batch's ``n`` lookups are copied to their front and the rest is
+padding the kernels ignore (the core's ``padded=True``), with ``n`` itself on the device
+(``total=``), so the last bag must end at it as in the eager step.
+
 A replay is used only where it is exact; the eager step runs instead when:
 
 - the step is inside a CUDA graph the caller captures (the caller's graph holds it),
@@ -31,11 +38,27 @@ import weakref
 
 import torch
 
-from xferlib.adapters.torch._convert import stream_capturing
+from xferlib.adapters.torch._convert import as_core_array, stream_capturing
 from xferlib.batch import Verdict
 from xferlib.collection.device import CollectionReport
 
-__all__ = ["StepGraphs", "GraphedLookup"]
+__all__ = ["StepGraphs", "GraphedLookup", "capacity"]
+
+_SMALLEST = 64  # the smallest bucket (lookups)
+
+
+def capacity(n: int) -> int:
+    """The bucket of a batch of ``n`` lookups: the smallest of eight sizes per power of two
+    (``k * 2**(e - 3)``, ``k`` in 8..16) that holds it, at least 64, so that a bucket's
+    padding is under an eighth of its size.
+
+    >>> [capacity(n) for n in (0, 64, 65, 1000, 65536, 65537)]
+    [64, 64, 72, 1024, 65536, 73728]
+    """
+    if n <= _SMALLEST:
+        return _SMALLEST
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 class GraphedLookup:
@@ -57,6 +80,7 @@ class _Shape:
         self.forward = self.backward = None  # torch.cuda.CUDAGraph, once captured
         self.pool = None
         self.inputs = None  # static core arrays the forward graph reads: indices, offsets, psw
+        self.total = None  # the batch's number of lookups, on the device (a torch tensor)
         self.out = None  # the forward graph's pooled output (a torch tensor)
         self.ctx = None  # the forward graph's LookupContext (its plan: static arrays)
         self.grad = None  # the backward graph's pooled gradient (a torch tensor)
@@ -87,7 +111,8 @@ class StepGraphs:
         coll = module.collection
         if coll.tt_tables or stream_capturing():
             return None
-        key = (indices.shape[0], indices.dtype.str, offsets.shape[0], offsets.dtype.str,
+        n = int(indices.shape[0])
+        key = (capacity(n), indices.dtype.str, offsets.shape[0], offsets.dtype.str,
                None if psw is None else psw.dtype.str)
         shape = self.shapes.get(key)
         if shape is None:
@@ -105,6 +130,7 @@ class StepGraphs:
                 self._capture_forward(module, shape, indices, offsets, psw)
             else:
                 _copy_into(shape.inputs, (indices, offsets, psw), stream)
+                shape.total.fill_(n)
             shape.forward.replay()
             # the replay's verdict read as an eager forward's is: a bad batch raises from a
             # later call (the graph's own copy of it is not queued)
@@ -119,14 +145,20 @@ class StepGraphs:
         import cupy
 
         side = module.collection._gpu_side()
-        shape.inputs = tuple(None if a is None else cupy.empty_like(a)
-                             for a in (indices, offsets, psw))
+        room = shape.key[0]
+        # zeros: the padding is never read as indices, but no byte of it is left undefined
+        shape.inputs = (cupy.zeros(room, dtype=indices.dtype), cupy.empty_like(offsets),
+                        None if psw is None else cupy.zeros(room, dtype=psw.dtype))
         _copy_into(shape.inputs, (indices, offsets, psw), cupy.cuda.get_current_stream())
+        shape.total = torch.full((1,), int(indices.shape[0]), dtype=torch.int64,
+                                 device=module.device)
+        total = as_core_array(shape.total)
         shape.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         before = set(side.checks.graph)
         with torch.cuda.graph(graph, pool=shape.pool, capture_error_mode="thread_local"):
-            shape.out, shape.ctx = module._lookup(*shape.inputs, train=True)
+            shape.out, shape.ctx = module._lookup(*shape.inputs, train=True, padded=True,
+                                                  total=total)
         # the captured verdict copy: replays are read through the eager pushes instead (its
         # device words are the plan's, which this shape keeps while the graph lives)
         with side.checks.lock:
@@ -175,8 +207,8 @@ class StepGraphs:
 
 
 def _copy_into(static, arrays, stream) -> None:
-    """Device-to-device copies of ``arrays`` into the graph's static arrays (one launch
-    each, no kernel)."""
+    """Device-to-device copies of ``arrays`` into the front of the graph's static arrays
+    (one launch each, no kernel)."""
     import cupy
 
     for dst, src in zip(static, arrays):

@@ -722,3 +722,47 @@ def test_write_rows_sets_weights_and_keeps_state(backend, placement):
             assert after[key].tobytes() == before[key].tobytes(), key
     looked_up = coll.lookup(xp.asarray(rows), xp.asarray(np.arange(4)))
     np.testing.assert_array_equal(xferlib.handoff.to_numpy(looked_up), values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padded_batches_with_their_size_check_the_last_bag_against_it(backend):
+    """``padded=True, total=``: the last bag must end at ``total[0]`` (the batch's true size,
+    held on the device): a batch that does is the unpadded one, bit for bit; one that ends
+    short of it or past it (in the padding) is refused as an unpadded batch with those
+    offsets is (ValueError; on the GPU from a later call or the check) and changes nothing."""
+    backend = get_backend(backend)
+    xp = xp_of(backend)
+    rng = np.random.default_rng(8)
+    rows = [40, 300]
+
+    def build():
+        return EmbeddingCollection([TableConfig(40, 8, placement="host"), TableConfig(300, 8)],
+                                   "adam", {"lr": 0.1}, device=device_of(backend), seed=3)
+
+    plain, padded = build(), build()
+    indices, offsets = make_batch(rng, rows, B=5, max_len=4)
+    n = indices.size
+    p_idx = xp.asarray(np.concatenate([indices, np.zeros(9, np.int64)]))
+    total = xp.asarray(np.array([n], np.int64))
+    grad = xp.asarray(rng.standard_normal((5, 16)).astype(np.float32))
+    out_a, ctx_a = plain.forward(xp.asarray(indices), xp.asarray(offsets))
+    out_b, ctx_b = padded.forward(p_idx, xp.asarray(offsets), padded=True, total=total)
+    assert _host(out_a).tobytes() == _host(out_b).tobytes()
+    plain.backward(ctx_a, grad)
+    padded.backward(ctx_b, grad)
+    before = padded.state_dict()
+    for shift in (-1, 1):
+        bad = offsets.copy()
+        bad[-1] += shift
+        with pytest.raises(ValueError, match="offsets"):
+            _, ctx = padded.forward(p_idx, xp.asarray(bad), padded=True, total=total)
+            padded.backward(ctx, grad)
+            padded.check()
+    after = padded.state_dict()
+    for key in before:
+        assert after[key].tobytes() == before[key].tobytes() == plain.state_dict()[key].tobytes()
+    with pytest.raises(ValueError, match="padded"):
+        padded.forward(p_idx, xp.asarray(offsets), total=total)
+    with pytest.raises(TypeError, match="total"):
+        padded.forward(p_idx, xp.asarray(offsets), padded=True,
+                       total=xp.asarray([n], dtype=np.int32))

@@ -201,6 +201,66 @@ def test_a_bad_batch_in_a_replayed_shape_raises_later_and_changes_nothing():
     graphed.check()
 
 
+def varied_batches(B, count, seed, device="cuda"):
+    """``count`` batches of B bags whose lengths change from batch to batch: the number of
+    lookups too (0..3 a bag, so the batches fall in a few buckets)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        lengths = rng.integers(0, 4, size=len(ROWS) * B)
+        offsets = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), device=device)
+        parts = [np.minimum(rng.zipf(1.3, int(lengths[t * B:(t + 1) * B].sum())) - 1, n - 1)
+                 for t, n in enumerate(ROWS)]
+        idx = torch.as_tensor(np.concatenate(parts), device=device)
+        grad = torch.as_tensor(rng.standard_normal((B, sum(DIMS))), dtype=torch.float32,
+                               device=device)
+        out.append((idx, offsets, grad))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["hbm", "cache"])
+def test_batches_of_changing_lengths_share_a_buckets_graphs(placement):
+    """Batches of one B and different numbers of lookups replay one bucket's graphs (their
+    lookups copied to the front of its padded indices) and train as the eager module."""
+    _need_gpu()
+    from xferlib.adapters.torch.collection_graphs import capacity
+
+    batches = varied_batches(30, 16, seed=21)
+    sizes = {idx.numel() for idx, _, _ in batches}
+    eager, graphed = build("adam", placement), build("adam", placement, True)
+    for got, want in zip(train(graphed, batches), train(eager, batches)):
+        assert torch.equal(got, want)
+    torch.cuda.synchronize()
+    assert_same_state(graphed, eager)
+    shapes = graphed._graphs.shapes
+    assert len(shapes) == len({capacity(n) for n in sizes}) < len(sizes)
+    assert any(s.forward is not None and s.backward is not None for s in shapes.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("last", [-1, +1])
+def test_a_replayed_bucket_refuses_offsets_that_miss_the_batch_end(last):
+    """A batch whose last bag does not end at its number of lookups, replayed in a bucket
+    whose padding would hide it, is refused as the eager step refuses it (ValueError, from
+    a later call or the check) and changes nothing."""
+    _need_gpu()
+    batches = shaped_batches(12, 3, seed=22)
+    graphed = build("sgd", "host", True)
+    train(graphed, batches)  # the bucket captured and replayed
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in graphed.state_dict().items()}
+    idx, off, grad = batches[0]
+    bad = off.clone()
+    bad[-1] += last  # one lookup short of the end, or one past it (in the padding)
+    with pytest.raises(ValueError, match="offsets"):
+        graphed(idx, bad).backward(grad)
+        graphed.check()
+    after = graphed.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
 @pytest.mark.gpu
 def test_a_module_with_graphs_copies_and_moves():
     _need_gpu()

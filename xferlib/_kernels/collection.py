@@ -65,14 +65,15 @@ __device__ __forceinline__ T lookup_scale(const T* psw, i64 l, int mean, i64 len
 PLAN = KernelDecl(
     "coll_plan", "template <typename K, typename O>",
     (("const K*", "indices"), ("const O*", "offsets"), ("i64", "n"), ("i64", "bags"),
-     ("i64", "B"), ("const i64*", "meta"), ("int", "padded"), ("i64", "pad_key"),
-     ("i64*", "keys"), ("i64*", "bag_of"), ("i64*", "offsets64"),
+     ("i64", "B"), ("const i64*", "meta"), ("int", "padded"), ("const i64*", "total"),
+     ("i64", "pad_key"), ("i64*", "keys"), ("i64*", "bag_of"), ("i64*", "offsets64"),
      ("unsigned long long*", "words"), ("int", "group")),
     r"""
     // A group of `group` lanes per bag (a power of two, about the bags' mean length, so
     // that a bag's lookups are read side by side, not one after another by one thread): its
-    // bounds (the first bag starts at 0, the last ends at n, or at most n when `padded`;
-    // none goes back), each index against its own table; every lookup gets its
+    // bounds (the first bag starts at 0, the last ends at n, or at most n when `padded`,
+    // at *total when `padded` gives `total`; none goes back), each index against its own
+    // table; every lookup gets its
     // collection-wide key and its bag. A padded batch's tail (from the last bag's end) gets
     // `pad_key` (past every table's keys) and bag -1. words[0]: first bad lookup; words[1]:
     // first bad bag. `offsets64` (int32 offsets): their int64 copy, which the later kernels
@@ -93,7 +94,8 @@ PLAN = KernelDecl(
         const i64 lo = (i64)offsets[b], hi = (i64)offsets[b + 1];
         if (offsets64 != nullptr && lane == 0) offsets64[b] = lo;
         const bool ok = lo >= 0 && hi >= lo && hi <= n && (b > 0 || lo == 0)
-                        && (b < bags - 1 || hi == n || padded);
+                        && (b < bags - 1 || hi == n
+                            || (padded && (total == nullptr || hi == *total)));
         if (!ok) {
             if (lane == 0) atomicMin(&words[1], (unsigned long long)b);
             continue;

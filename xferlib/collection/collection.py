@@ -491,7 +491,7 @@ class EmbeddingCollection:
     # ------------------------------------------------------------------ the step
 
     def forward(self, indices, offsets, per_sample_weights=None, *, out=None, stream=None,
-                padded: bool = False, _for_update: bool = True):
+                padded: bool = False, total=None, _for_update: bool = True):
         """The pooled lookup of every table: ``(out, ctx)``, ``out`` of shape
         ``(B, total_dim)`` (table ``t`` at columns ``dim_offsets[t]:dim_offsets[t + 1]``) in
         the indices' namespace, ``ctx`` for :meth:`backward`. Bad input raises before
@@ -502,8 +502,19 @@ class EmbeddingCollection:
         entries from ``offsets[-1]`` on are padding, ignored whatever they hold (FBGEMM's
         contract, ``offsets[-1] == len(indices)``, relaxed to ``<=``): a batch whose true
         size is known only on the GPU runs without reading it back (a CUDA graph, a
-        collective's fixed-capacity buffer)."""
+        collective's fixed-capacity buffer). ``total`` (with ``padded``): a one-element
+        int64 array in the indices' namespace holding the batch's true size, which the last
+        bag must end at (as an unpadded batch's ends at ``len(indices)``): a buffer reused
+        for batches of several sizes (a CUDA graph's) is then checked as each batch would
+        be."""
         B = self.check_shapes(indices, offsets, per_sample_weights)
+        if total is not None:
+            if not padded:
+                raise ValueError("total is for padded batches (padded=True)")
+            if (getattr(total, "dtype", None) != np.int64 or total.shape != (1,)
+                    or is_cupy_array(total) != is_cupy_array(indices)):
+                raise TypeError("total must be a one-element int64 array in the indices' "
+                                "namespace")
         if out is not None:
             if not hasattr(out, "dtype") or not hasattr(out, "shape"):
                 raise TypeError(f"out must be an array, got {type(out).__name__}")
@@ -515,12 +526,15 @@ class EmbeddingCollection:
                                 f"{out.dtype}")
         if is_cupy_array(indices):
             return self._gpu_side().forward(indices, offsets, per_sample_weights, B, out,
-                                            stream, _for_update, padded=padded)
+                                            stream, _for_update, padded=padded, total=total)
         if padded:  # NumPy: the true size is at hand
             n = int(np.asarray(offsets)[-1]) if len(offsets) else 0
             if not 0 <= n <= indices.shape[0]:
                 raise ValueError(f"offsets[-1] = {n} is outside the padded indices "
                                  f"(0..{indices.shape[0]})")
+            if total is not None and n != int(total[0]):
+                raise ValueError(f"offsets[-1] = {n} must equal the batch's size total = "
+                                 f"{int(total[0])}")
             indices = indices[:n]
             per_sample_weights = (None if per_sample_weights is None
                                   else per_sample_weights[:n])

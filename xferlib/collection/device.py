@@ -66,9 +66,9 @@ class CollectionReport:
     """Words a collection batch's verdict: word 0 the first lookup out of its table's
     range, word 1 the first bag whose bounds are broken."""
 
-    def __init__(self, coll, indices, offsets, padded=False):
+    def __init__(self, coll, indices, offsets, padded=False, total=None):
         self.coll, self.indices, self.offsets = coll, indices, offsets
-        self.padded = padded
+        self.padded, self.total = padded, total
 
     def __call__(self, bad: int, bad_bag: int) -> None:
         from xferlib.collection.numpy_path import check_offsets, table_error
@@ -78,7 +78,11 @@ class CollectionReport:
         if bad_bag != NO_BAD:
             try:
                 n = int(self.indices.shape[0])
-                check_offsets(offsets, min(int(offsets[-1]), n) if self.padded else n)
+                if self.total is not None:
+                    n, = host_values(self.total)
+                elif self.padded:
+                    n = min(int(offsets[-1]), n)
+                check_offsets(offsets, int(n))
             except ValueError as err:
                 raise ValueError(str(err) + note) from None
             raise ValueError(f"offsets of bag {bad_bag} are out of range{note}")
@@ -204,7 +208,7 @@ class CollectionDevice:
     # ---------------------------------------------------------------- forward
 
     def forward(self, indices, offsets, psw, B, out, stream, for_update: bool = True,
-                padded: bool = False):
+                padded: bool = False, total=None):
         import cupy
 
         from xferlib.collection.collection import LookupContext
@@ -242,7 +246,8 @@ class CollectionDevice:
                 # that lives nowhere) and no bag.
                 PLAN.launch(module, (_key(indices), _key(offsets_in)), grid, block,
                             stream=stream, indices=indices, offsets=offsets_in, n=n, bags=bags,
-                            B=B, meta=self.meta, padded=int(padded), pad_key=self.total_rows,
+                            B=B, meta=self.meta, padded=int(padded), total=total,
+                            pad_key=self.total_rows,
                             keys=keys, bag_of=bag_of,
                             offsets64=None if offsets64 is offsets_in else offsets64,
                             words=words, group=group)
@@ -288,7 +293,7 @@ class CollectionDevice:
             elif out.size:
                 out.fill(0)
             tt = tt_lookup_gpu(coll, indices, offsets64, psw_c, B, words, out, stream)
-            Verdict(words, CollectionReport(coll, indices, offsets, padded)).defer(
+            Verdict(words, CollectionReport(coll, indices, offsets, padded, total)).defer(
                 self.checks, stream)
             self._record(stream)
         return out, LookupContext(indices, offsets, psw, B, plan, tt)
