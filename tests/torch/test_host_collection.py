@@ -10,16 +10,8 @@ torch = pytest.importorskip("torch")
 import xferlib  # noqa: E402
 from xferlib.adapters.torch import HostEmbedding, HostEmbeddingBag  # noqa: E402
 from xferlib.adapters.torch.host_collection import CollectionTable  # noqa: E402
-from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
 
 ROWS, DIM = 23, 5
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    if request.param == "cuda" and not (torch.cuda.is_available() and xferlib.cupy_available()):
-        pytest.skip(GPU_SKIP_REASON)
-    return torch.device(request.param)
 
 
 def test_which_options_run_on_the_collection():

@@ -10,13 +10,6 @@ from xferlib.testing import GPU_SKIP_REASON  # noqa: E402
 ROWS, DIM = 40, 6
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    if request.param == "cuda" and not (torch.cuda.is_available() and xferlib.cupy_available()):
-        pytest.skip(GPU_SKIP_REASON)
-    return torch.device(request.param)
-
-
 def _reference_step(name, hyper, weights, state, steps, flat_idx, bag_fn, grad_out):
     """Dense float64 autograd through the same bag op, then the lazy sparse update on the
     rows the batch touched."""
