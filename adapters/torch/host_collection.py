@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from xferlib.backend import array_module
 from xferlib.adapters.torch.collection import EmbeddingBagCollection
 from xferlib.collection import TableConfig
 
@@ -83,8 +84,9 @@ def bag_layout(indices: torch.Tensor, offsets, per_sample_weights, *, include_la
 
 class CollectionTable:
     """The table of a single-table module, with :class:`xferlib.HostTable`'s reading and
-    writing methods (``numpy``, ``state``, ``state_names``, ``hyper``, ``set_hyper``,
-    ``restore``, ``scatter``, ``cache_stats``, ``check``, ``save``) answered by the
+    writing methods (``numpy``, ``state``, ``state_names``, ``lookup``, ``hyper``,
+    ``set_hyper``, ``restore``, ``scatter``, ``flush``, ``cache_stats``, ``check``,
+    ``save``) answered by the
     module's one-table :class:`xferlib.collection.EmbeddingCollection` (``collection``).
     ``save`` writes the collection's file (:meth:`EmbeddingCollection.load` reads it)."""
 
@@ -145,6 +147,17 @@ class CollectionTable:
     def scatter(self, idx, rows, *, stream=None) -> None:
         """Overwrite the weights of rows ``idx`` (their optimizer state kept)."""
         self.collection.write_rows(0, idx, rows)
+
+    def lookup(self, idx, out=None, *, stream=None):
+        """Rows ``idx`` (NumPy or CuPy integers) as a ``(len(idx), dim)`` array of the same
+        namespace (bags of one lookup: the engine's pooled read)."""
+        xp = array_module(idx)
+        offsets = xp.arange(idx.shape[0] + 1, dtype=np.int64)
+        return self.collection.lookup(idx, offsets, out=out, stream=stream)
+
+    def flush(self) -> None:
+        """Queued GPU work done and cached rows written back to host RAM."""
+        self.collection.synchronize()
 
     def cache_stats(self) -> dict:
         return self.collection.cache_stats()

@@ -137,6 +137,9 @@ def test_table_view_follows_the_module(device, rng):
     twin(torch.tensor([4], device=device), torch.tensor([0], device=device)).sum().backward()
     assert twin.table.numpy()[4, 0] == -1.0 and bag.table.numpy()[4, 0] == -0.5
     assert "lookups" in bag.table.cache_stats()
+    rows = np.array([4, 0, 4])
+    np.testing.assert_array_equal(bag.table.lookup(rows), bag.table.numpy()[rows])
+    bag.table.flush()
 
 
 def test_cuda_graphs_replay_the_same_steps(device, rng):
