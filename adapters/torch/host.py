@@ -32,7 +32,8 @@ from xferlib.adapters.torch._convert import (as_core_array, current_stream, fres
                                              gather_to_torch, scatter_from_torch)
 from xferlib.adapters.torch.groups import resolve_group
 from xferlib.adapters.torch.host_collection import (CollectionTable, bag_layout,
-                                                    collection_serves, single_table_bags)
+                                                    collection_serves, single_table_bags,
+                                                    weights_gradient_path)
 from xferlib.adapters.torch.host_dist import SharedTableGroup, build_shared_table
 from xferlib.adapters.torch.host_hooks import follow_steps
 from xferlib.adapters.torch.tt_dist import agree_forward
@@ -279,7 +280,11 @@ class _HostModule(torch.nn.Module):
             input, offsets, per_sample_weights, include_last_offset=include_last_offset,
             padding_idx=self.padding_idx, device=self.device)
         self._bags.training = self.training
-        return self._bags(indices, offsets, weights)
+        if weights is None or not (weights.requires_grad and torch.is_grad_enabled()):
+            return self._bags(indices, offsets, weights)
+        # weights that learn: the engine pools with them, torch gives them their gradient
+        out = self._bags(indices, offsets, weights.detach())
+        return out + weights_gradient_path(self._bags, indices, offsets, weights)
 
     def _rows(self, flat_idx: torch.Tensor):
         """The batch's rows and, for each position, its row among them."""
@@ -487,8 +492,8 @@ class HostEmbeddingBag(_HostModule):
     case) the module is a one-table ``EmbeddingBagCollection`` (``host_collection.py``) and
     ``table`` a :class:`~xferlib.adapters.torch.host_collection.CollectionTable` (HostTable's
     reading and writing methods); otherwise ``table`` is a :class:`xferlib.HostTable`. On the
-    collection engine ``per_sample_weights`` get no gradient (as in the collection: a
-    ``per_sample_weights`` that requires grad is refused), the GPU's input checks are read
+    collection engine ``per_sample_weights`` that require grad get torch's gradient (the
+    batch's rows are then read once more, one per lookup), the GPU's input checks are read
     without a host sync (a bad batch raises from a later call or :meth:`check`; with
     ``padding_idx`` the batch's size is read back to drop the padding lookups), an ``init``
     array is copied into the collection's memory, and ``cuda_graphs=True`` replays each

@@ -19,7 +19,8 @@ from xferlib.backend import array_module
 from xferlib.adapters.torch.collection import EmbeddingBagCollection
 from xferlib.collection import TableConfig
 
-__all__ = ["CollectionTable", "collection_serves", "single_table_bags", "bag_layout"]
+__all__ = ["CollectionTable", "collection_serves", "single_table_bags", "bag_layout",
+           "weights_gradient_path"]
 
 TABLE = "table"  # the one table's name in the collection (its state keys: "table.<name>")
 
@@ -80,6 +81,22 @@ def bag_layout(indices: torch.Tensor, offsets, per_sample_weights, *, include_la
     if per_sample_weights is not None:
         per_sample_weights = per_sample_weights[keep]
     return indices[keep], offsets, per_sample_weights
+
+
+def weights_gradient_path(bags: EmbeddingBagCollection, indices, offsets, weights):
+    """A zero whose gradient in ``weights`` (per-sample weights that require grad, sum
+    pooling) is torch's: each weight gets the dot product of its bag's gradient and its
+    lookup's row, the row as the forward read it (the fused update changes it in the
+    backward). The rows of the batch are read for it, one per lookup: only such weights pay
+    that."""
+    n = indices.shape[0]
+    starts = torch.arange(n + 1, device=bags.device, dtype=torch.int64)
+    rows = bags._lookup(bags._core(indices, "indices"), bags._core(starts, "offsets"), None,
+                        train=False)[0]
+    pooled = torch.nn.functional.embedding_bag(
+        torch.arange(n, device=bags.device), rows, offsets.to(torch.int64), mode="sum",
+        per_sample_weights=weights.to(rows.dtype), include_last_offset=True)
+    return pooled - pooled.detach()
 
 
 class CollectionTable:

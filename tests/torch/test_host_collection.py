@@ -113,10 +113,6 @@ def test_init_array_and_bad_calls_change_nothing(device, rng):
     np.testing.assert_array_equal(bag.table.numpy(), init)
     with pytest.raises(ValueError, match="init array"):
         HostEmbeddingBag(ROWS, DIM, device=device, init=init[:, :2].copy())
-    weights = torch.ones(3, device=device, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="per_sample_weights"):
-        bag(torch.tensor([1, 2, 3], device=device), torch.tensor([0], device=device),
-            per_sample_weights=weights)
     with pytest.raises(ValueError, match="offsets"):
         HostEmbeddingBag(ROWS, DIM, optimizer="sgd", device=device, padding_idx=0)(
             torch.tensor([1, 2], device=device), torch.tensor([0, 3], device=device))
@@ -160,3 +156,31 @@ def test_cuda_graphs_replay_the_same_steps(device, rng):
     np.testing.assert_array_equal(graphed.table.numpy(), plain.table.numpy())
     with pytest.raises(ValueError, match="cuda_graphs"):
         HostEmbeddingBag(ROWS, DIM, mode="max", device=device, cuda_graphs=True)
+
+
+def test_per_sample_weights_that_learn_get_torchs_gradient(device, rng):
+    """Weights that require grad: the same outputs, the same table update, and the gradient
+    torch.nn.EmbeddingBag gives them (each: its bag's gradient dot its row as read)."""
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    dense = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", padding_idx=4,
+                                  _weight=torch.tensor(init))
+    with torch.no_grad():
+        dense.weight[4] = 0
+    bag = HostEmbeddingBag(ROWS, DIM, optimizer="sgd", optimizer_kwargs={"lr": 0.5},
+                           device=device, init=init.copy(), padding_idx=4)
+    idx = torch.from_numpy(rng.integers(0, 8, 20))
+    offsets = torch.tensor([0, 0, 7, 12])
+    psw = torch.from_numpy(rng.standard_normal(20).astype(np.float32))
+    ours_w = psw.clone().to(device).requires_grad_()
+    theirs_w = psw.clone().requires_grad_()
+    out = bag(idx.to(device), offsets.to(device), per_sample_weights=ours_w)
+    expected = dense(idx, offsets, per_sample_weights=theirs_w)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-6, atol=1e-6)
+    g = torch.from_numpy(rng.standard_normal(expected.shape).astype(np.float32))
+    out.backward(g.to(device))
+    expected.backward(g)
+    torch.testing.assert_close(ours_w.grad.cpu(), theirs_w.grad, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        dense.weight -= 0.5 * dense.weight.grad
+    np.testing.assert_allclose(bag.table.numpy(), dense.weight.detach().numpy(), rtol=1e-5,
+                               atol=1e-6)
