@@ -283,8 +283,9 @@ class _HostModule(torch.nn.Module):
         if weights is None or not (weights.requires_grad and torch.is_grad_enabled()):
             return self._bags(indices, offsets, weights)
         # weights that learn: the engine pools with them, torch gives them their gradient
-        out = self._bags(indices, offsets, weights.detach())
-        return out + weights_gradient_path(self._bags, indices, offsets, weights)
+        # (its path made first: it refuses bad offsets before the engine queues anything)
+        path = weights_gradient_path(self._bags, indices, offsets, weights)
+        return self._bags(indices, offsets, weights.detach()) + path
 
     def _rows(self, flat_idx: torch.Tensor):
         """The batch's rows and, for each position, its row among them."""

@@ -87,9 +87,15 @@ def weights_gradient_path(bags: EmbeddingBagCollection, indices, offsets, weight
     """A zero whose gradient in ``weights`` (per-sample weights that require grad, sum
     pooling) is torch's: each weight gets the dot product of its bag's gradient and its
     lookup's row, the row as the forward read it (the fused update changes it in the
-    backward). The rows of the batch are read for it, one per lookup: only such weights pay
-    that."""
+    backward). The rows of the batch are read for it, one per lookup, and the offsets are
+    checked on the host first (torch's kernel is not to see bad ones): only such weights pay
+    that. Call it before the engine's forward, which it does not replace."""
     n = indices.shape[0]
+    bounds = offsets.to("cpu", torch.int64)
+    if (bounds.numel() < 1 or int(bounds[0]) != 0 or int(bounds[-1]) != n
+            or bool((bounds[1:] < bounds[:-1]).any())):
+        raise ValueError(f"offsets must start at 0, never decrease and end at the number of "
+                         f"indices ({n}), got {bounds.tolist()[:8]}...")
     starts = torch.arange(n + 1, device=bags.device, dtype=torch.int64)
     rows = bags._lookup(bags._core(indices, "indices"), bags._core(starts, "offsets"), None,
                         train=False)[0]

@@ -184,3 +184,8 @@ def test_per_sample_weights_that_learn_get_torchs_gradient(device, rng):
         dense.weight -= 0.5 * dense.weight.grad
     np.testing.assert_allclose(bag.table.numpy(), dense.weight.detach().numpy(), rtol=1e-5,
                                atol=1e-6)
+    before = np.array(bag.table.numpy())
+    with pytest.raises(ValueError, match="offsets"):
+        bag(idx.to(device), torch.tensor([0, 9, 7]).to(device), per_sample_weights=ours_w)
+    bag.check()
+    np.testing.assert_array_equal(bag.table.numpy(), before)
