@@ -574,9 +574,9 @@ class HostEmbedding(_HostModule):
     def _forward(self, input):
         if self._bags is not None:  # a bag of one lookup per index
             flat = input.reshape(-1)
-            starts = torch.arange(flat.shape[0], device=self.device, dtype=torch.int64)
-            return self._pooled(flat, starts, None, False).view(*input.shape,
-                                                                self.embedding_dim)
+            bounds = torch.arange(flat.shape[0] + 1, device=self.device, dtype=torch.int64)
+            return self._pooled(flat, bounds, None, True).view(*input.shape,
+                                                               self.embedding_dim)
         flat = input.reshape(-1)
         rows, positions = self._rows(flat)
         if self._any_optimizer or self.padding_idx is not None:
