@@ -226,65 +226,69 @@ POOL = KernelDecl(
     r"""
     // A group of `group` lanes per bag (a power of two up to 32, as many as the widest row
     // needs vectors: a 64-wide float row fills 16 lanes, so a warp takes two bags instead of
-    // leaving half its lanes idle): the bag's rows summed in registers (four lookups' loads
+    // leaving half its lanes idle): the bag's rows summed in registers (two lookups' loads
     // in flight, added in bag order), written once to out[b, d_off:d_off + dim]. A refused
     // batch's bags are written as zeros (no row read): a caller that learns of the refusal
     // later (a sharded step, a CUDA graph) passes on zeros, not whatever the buffer held.
-    // No lane waits on another (no shuffles), so groups of a warp may part ways.
+    // No lane waits on another (no shuffles), so groups of a warp may part ways. One bag a
+    // group, no grid-stride loop (the launch covers every bag): fewer live registers, more
+    // warps resident, and at one lookup a bag (DLRM's features) the kernel is bound by how
+    // many row loads are in flight (an H200, 26 tables x 64, 425,984 bags of one: 92-97 us
+    // against 115-121 with four lookups unrolled and a loop).
     const bool refused = rejected(verdict);
     const int lane = threadIdx.x & (group - 1);
-    const i64 groups = (i64)gridDim.x * (blockDim.x / group);
-    for (i64 bag = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / group; bag < bags;
-         bag += groups) {
-        const i64* m = meta + (bag / B) * COLL_META;
-        const i64 b = bag - (bag / B) * B;
-        i64 lo, hi;
-        bag_range(offsets, bag, n, lo, hi);
-        if (refused) hi = lo;
-        const i64 dim = m[M_DIM], rw = m[M_ROW_WIDTH], rows = m[M_NUM_ROWS];
-        const bool host = m[M_HOST] != 0;
-        const T* table = hbm + m[M_BASE];
-        T* dst = out + b * total_dim + m[M_D_OFF];
-        for (i64 e = (i64)V * lane; e < dim; e += (i64)group * V) {
-            T acc[V];
+    const i64 bag = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / group;
+    if (bag >= bags) return;
+    // the table of a bag: a 32-bit division where the sizes allow (the common case)
+    const i64 t = bags <= 0x7fffffffLL ? (i64)((unsigned)bag / (unsigned)B) : bag / B;
+    const i64* m = meta + t * COLL_META;
+    const i64 b = bag - t * B;
+    i64 lo, hi;
+    bag_range(offsets, bag, n, lo, hi);
+    if (refused) hi = lo;
+    const i64 dim = m[M_DIM], rw = m[M_ROW_WIDTH], rows = m[M_NUM_ROWS];
+    const bool host = m[M_HOST] != 0;
+    const T* table = hbm + m[M_BASE];
+    T* dst = out + b * total_dim + m[M_D_OFF];
+    for (i64 e = (i64)V * lane; e < dim; e += (i64)group * V) {
+        T acc[V];
+        #pragma unroll
+        for (int q = 0; q < V; ++q) acc[q] = (T)0;
+        for (i64 l0 = lo; l0 < hi; l0 += 2) {
+            vec<T, V> row[2];
+            T s[2];
             #pragma unroll
-            for (int q = 0; q < V; ++q) acc[q] = (T)0;
-            for (i64 l0 = lo; l0 < hi; l0 += 4) {
-                vec<T, V> row[4];
-                T s[4];
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const i64 l = l0 + u;
-                    s[u] = (T)0;
-                    if (l < hi) {
-                        const T* src;
-                        if (host) {
-                            i64 r = inv[l];
-                            r = r < 0 ? 0 : (r >= n ? n - 1 : r);
-                            src = staged + r * stage_width;
-                        } else {
-                            i64 k = (i64)indices[l];
-                            k = k < 0 ? 0 : (k >= rows ? rows - 1 : k);
-                            src = table + k * rw;
-                        }
-                        row[u] = *reinterpret_cast<const vec<T, V>*>(src + e);
-                        s[u] = lookup_scale<T>(psw, l, mean, hi - lo);
+            for (int u = 0; u < 2; ++u) {
+                const i64 l = l0 + u;
+                s[u] = (T)0;
+                if (l < hi) {
+                    const T* src;
+                    if (host) {
+                        i64 r = inv[l];
+                        r = r < 0 ? 0 : (r >= n ? n - 1 : r);
+                        src = staged + r * stage_width;
+                    } else {
+                        i64 k = (i64)indices[l];
+                        k = k < 0 ? 0 : (k >= rows ? rows - 1 : k);
+                        src = table + k * rw;
                     }
+                    row[u] = *reinterpret_cast<const vec<T, V>*>(src + e);
+                    s[u] = lookup_scale<T>(psw, l, mean, hi - lo);
                 }
-                #pragma unroll
-                for (int u = 0; u < 4; ++u)
-                    if (l0 + u < hi) {
-                        #pragma unroll
-                        for (int q = 0; q < V; ++q) acc[q] += psw != nullptr || mean
-                                                              ? row[u].v[q] * s[u] : row[u].v[q];
-                    }
             }
-            vec<T, V> o;
             #pragma unroll
-            for (int q = 0; q < V; ++q) o.v[q] = acc[q];
-            *reinterpret_cast<vec<T, V>*>(dst + e) = o;
+            for (int u = 0; u < 2; ++u)
+                if (l0 + u < hi) {
+                    #pragma unroll
+                    for (int q = 0; q < V; ++q) acc[q] += psw != nullptr || mean
+                                                          ? row[u].v[q] * s[u] : row[u].v[q];
+                }
         }
-    }""", launch_bounds="__launch_bounds__(256, 4)")  # at most 64 registers: occupancy
+        vec<T, V> o;
+        #pragma unroll
+        for (int q = 0; q < V; ++q) o.v[q] = acc[q];
+        *reinterpret_cast<vec<T, V>*>(dst + e) = o;
+    }""", launch_bounds="__launch_bounds__(256, 5)")  # at most 48 registers: occupancy
 
 _SUM_ARGS = (("const T*", "grad"), ("const K*", "keys"), ("const i64*", "run"),
              ("const i64*", "starts"), ("const i64*", "pos_src"), ("const T*", "pos_scale"),
@@ -327,28 +331,44 @@ SUM_CHUNKS = KernelDecl(
         #pragma unroll
         for (int q = 0; q < V; ++q) acc.v[q] = (T)0;
         int begin = 0;
-        for (int k = 0; k < count; ++k) {
-            const i64 src = __shfl_sync(0xffffffffu, my_src, k);
-            const T scale = __shfl_sync(0xffffffffu, my_scale, k);
-            const int dim = __shfl_sync(0xffffffffu, my_dim, k);
-            if (e < dim) {
-                const vec<T, V> g = *reinterpret_cast<const vec<T, V>*>(grad + src + e);
-                #pragma unroll
-                for (int q = 0; q < V; ++q) acc.v[q] += g.v[q] * scale;
+        // AHEAD positions' gradient loads issued before the first is added: the walk is
+        // bound by load latency, not bandwidth (26 tables x 64, 425,984 lookups, an H200:
+        // 63 us with one load at a time). AHEAD divides 32, so k stays a lane of the warp.
+        constexpr int AHEAD = V >= 4 ? 4 : 8;
+        for (int k0 = 0; k0 < count; k0 += AHEAD) {
+            vec<T, V> g[AHEAD];
+            T scale[AHEAD];
+            int dim[AHEAD];
+            #pragma unroll
+            for (int u = 0; u < AHEAD; ++u) {
+                const int k = k0 + u;
+                const i64 src = __shfl_sync(0xffffffffu, my_src, k);
+                scale[u] = __shfl_sync(0xffffffffu, my_scale, k);
+                dim[u] = k < count ? __shfl_sync(0xffffffffu, my_dim, k) : 0;
+                if (e < dim[u]) g[u] = *reinterpret_cast<const vec<T, V>*>(grad + src + e);
             }
-            if ((ends >> k) & 1u) {  // the segment [begin, k] ends here
-                const i64 rk = __shfl_sync(0xffffffffu, my_run, k);
-                const bool is_head = begin == 0 && head_open;
-                const bool is_tail = k == count - 1 && tail_open;
-                if (e < dim) {
-                    if (is_head) *reinterpret_cast<vec<T, V>*>(head + c * width + e) = acc;
-                    if (is_tail) *reinterpret_cast<vec<T, V>*>(tail + c * width + e) = acc;
-                    if (!is_head && !is_tail && rk >= 0 && rk < n)
-                        *reinterpret_cast<vec<T, V>*>(summed + rk * width + e) = acc;
+            #pragma unroll
+            for (int u = 0; u < AHEAD; ++u) {
+                const int k = k0 + u;
+                if (k >= count) break;  // the same for every lane
+                if (e < dim[u]) {
+                    #pragma unroll
+                    for (int q = 0; q < V; ++q) acc.v[q] += g[u].v[q] * scale[u];
                 }
-                #pragma unroll
-                for (int q = 0; q < V; ++q) acc.v[q] = (T)0;
-                begin = k + 1;
+                if ((ends >> k) & 1u) {  // the segment [begin, k] ends here
+                    const i64 rk = __shfl_sync(0xffffffffu, my_run, k);
+                    const bool is_head = begin == 0 && head_open;
+                    const bool is_tail = k == count - 1 && tail_open;
+                    if (e < dim[u]) {
+                        if (is_head) *reinterpret_cast<vec<T, V>*>(head + c * width + e) = acc;
+                        if (is_tail) *reinterpret_cast<vec<T, V>*>(tail + c * width + e) = acc;
+                        if (!is_head && !is_tail && rk >= 0 && rk < n)
+                            *reinterpret_cast<vec<T, V>*>(summed + rk * width + e) = acc;
+                    }
+                    #pragma unroll
+                    for (int q = 0; q < V; ++q) acc.v[q] = (T)0;
+                    begin = k + 1;
+                }
             }
         }
     }""")
@@ -401,8 +421,8 @@ UPDATE = KernelDecl(
      ("i64", "hyper_width"), ("int", "group"), ("const unsigned long long*", "verdict")),
     r"""
     // A group of `group` lanes per distinct row (a power of two up to 32, as many as the
-    // widest row needs vectors; a whole warp for row-wise Adagrad, whose row sum is a warp
-    // reduction): the table's rule on its summed gradient, where the row lives (HBM; a host
+    // widest row needs vectors; row-wise Adagrad's row sum a reduction over the group's
+    // lanes): the table's rule on its summed gradient, where the row lives (HBM; a host
     // table's GPU cache slot, then marked dirty; or host RAM, the row then read from the
     // forward's whole staged copy when given, and only written over the link), with its
     // table's hyperparameters and its own step count.
@@ -440,8 +460,8 @@ UPDATE = KernelDecl(
         const bool whole_tail = from_copy && staged_state && (tail * (i64)sizeof(T)) % 16 == 0;
         T total = (T)0;
         if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
-            total = rowwise_adagrad_row<T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane,
-                                           !whole_tail);
+            total = rowwise_adagrad_lanes<V, T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane,
+                                                group, mine, !whole_tail);
         } else {
             update_row<RULE, V, T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane, group);
         }
@@ -512,7 +532,48 @@ INIT = KernelDecl(
 
 COLLECTION_KERNEL = _HEAD + _INIT_HEAD + "".join(
     d.source() for d in (PLAN, RUNS, POSITIONS, STAGE, POOL, SUM_CHUNKS, SUM_SPANS, INIT))
-UPDATE_KERNEL = _HEAD + UPDATE.source()
+# Row-wise Adagrad on a group of lanes (the host tables' kernel gives it a whole warp and
+# reads a row element by element): at 64 floats a row, 16 lanes of 16-byte loads, two rows a
+# warp (26 tables x 64, an H200: the update 118 us a step on whole warps).
+_ROWWISE_LANES = r"""
+// FBGEMM's row-wise Adagrad on `group` lanes (`mine`: their mask), V adjacent elements a lane:
+// the row's mean squared gradient (a butterfly over the group), then the per-element step.
+// Returns the row's new accumulator; `write_total` false leaves storing it to the caller.
+template <int V, typename T>
+__device__ T rowwise_adagrad_lanes(T* w, const T* wsrc, T* s, const T* ssrc, const T* g,
+                                   i64 dim, i64 n_slots, const XfScalars<T>& c, int lane,
+                                   int group, unsigned mine, bool write_total) {
+    T sq = 0;
+    for (i64 base = (i64)V * lane; base < dim; base += (i64)group * V) {
+        const vec<T, V> wv = *reinterpret_cast<const vec<T, V>*>(wsrc + base);
+        const vec<T, V> gv = *reinterpret_cast<const vec<T, V>*>(g + base);
+        #pragma unroll
+        for (int q = 0; q < V; ++q) {
+            T wi = wv.v[q], gi = gv.v[q];
+            xf_preamble(wi, gi, c);
+            sq += gi * gi;
+        }
+    }
+    for (int d = group >> 1; d > 0; d >>= 1) sq += __shfl_xor_sync(mine, sq, d);
+    const T sum = ssrc[n_slots * dim] + sq / (T)dim;
+    const T scale = c.lr / (sqrt(sum) + c.eps);
+    for (i64 base = (i64)V * lane; base < dim; base += (i64)group * V) {
+        vec<T, V> wv = *reinterpret_cast<const vec<T, V>*>(wsrc + base);
+        const vec<T, V> gv = *reinterpret_cast<const vec<T, V>*>(g + base);
+        #pragma unroll
+        for (int q = 0; q < V; ++q) {
+            T gi = gv.v[q];
+            xf_preamble(wv.v[q], gi, c);
+            xf_descend(wv.v[q], gi, scale);
+        }
+        *reinterpret_cast<vec<T, V>*>(w + base) = wv;
+    }
+    __syncwarp(mine);
+    if (lane == 0 && write_total) s[n_slots * dim] = sum;
+    return sum;
+}
+"""
+UPDATE_KERNEL = _HEAD + _ROWWISE_LANES + UPDATE.source()
 
 
 def vector_widths(dtype_name: str) -> tuple:

@@ -32,7 +32,6 @@ from xferlib.batch import NO_BAD, PendingChecks, Verdict, run_ids, sort_position
 from xferlib.checks import host_values
 from xferlib.collection.tt_tables import tt_lookup_gpu, tt_update_gpu
 from xferlib.memory import device_pointer
-from xferlib.optim.rules import OptId
 from xferlib.table.rules import HYPER_ROW
 
 __all__ = ["CollectionDevice", "GpuPlan"]
@@ -282,8 +281,9 @@ class CollectionDevice:
                                  verdict=words)
                     if not for_update:
                         plan.writes = -1  # weights only: no update may read this copy
-                # a group of lanes per bag, 32 // lane_group bags per warp
-                grid, block = grid_1d(bags * self.lane_group, 256, 65535 * 8)
+                # a group of lanes per bag, 32 // lane_group bags per warp, every bag its
+                # own group (no stride loop: far under the grid's 2**31 - 1 blocks)
+                grid, block = grid_1d(bags * self.lane_group, 256)
                 POOL.launch(module, (self.vec, c_type(self.dtype_name), _key(indices)), grid,
                             block, stream=stream, hbm=self.hbm, meta=self.meta,
                             indices=indices, offsets=offsets64, psw=psw_c, inv=inv,
@@ -342,6 +342,8 @@ class CollectionDevice:
             # (a slice of a wider gradient may not)
             v = self.vec if (grad.strides[0] // grad.itemsize % self.vec == 0
                              and grad.data.ptr % (self.vec * grad.itemsize) == 0) else 1
+            while v > 1 and 16 * v >= width:  # a warp's lanes over the row, none idle
+                v //= 2
             grid, block = launch_config(chunks * -(-width // (32 * v)))  # a warp per slice
             SUM_CHUNKS.launch(module, (v, T, key), grid, block, stream=stream, **sums)
             grid, block = grid_1d(chunks * width, 256, 65535)
@@ -361,8 +363,7 @@ class CollectionDevice:
             if not slots_current:
                 slots = self.cache.probe(_CachePlan(plan), stream)
             kind = int(coll.rule.kind)
-            # lanes per row: row-wise Adagrad's row sum takes the whole warp
-            group = 32 if coll.rule.kind == OptId.ROWWISE_ADAGRAD else self.lane_group
+            group = self.lane_group  # lanes per row
             grid, block = grid_1d(n * group, 256, self.max_blocks)
             UPDATE.launch(update_module(kind, self.dtype_name), (kind, self.vec, T),
                           grid, block, stream=stream, hbm=self.hbm, host=self.host_ptr,
