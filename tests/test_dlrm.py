@@ -372,7 +372,9 @@ def test_kernel_kinds_sort_kernels_by_name(parts):
     import dlrm_parts.metrics as metrics
 
     kernels = [("ncclDevKernel_AllReduce_Sum_f32", 30.0), ("coll_pool<float>", 100.0),
-               ("sm90_xmma_gemm_f32f32", 50.0), ("cub::DeviceRadixSortOnesweepKernel", 20.0),
+               ("sm90_xmma_gemm_f32f32", 50.0),
+               ("void cub::CUB_300001_SM_900::detail::radix_sort::DeviceRadixSortOnesweepKernel"
+                "<...>(...)", 20.0),
                ("Memcpy DtoD (Device -> Device)", 10.0), ("vectorized_elementwise_kernel", 40.0),
                ("void fbgemm_gpu::split_embedding_codegen_forward_kernel<float>(int)", 70.0),
                ("cache_insert<4, float>", 5.0), ("void doti_bwd<float, 4, 8>(...)", 6.0),

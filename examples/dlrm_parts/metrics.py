@@ -78,9 +78,10 @@ KERNEL_KINDS = (
     # FBGEMM's before the matmuls: its kernels' namespace, fbgemm_gpu, holds "gemm"
     ("embedding kernels (FBGEMM TBE)", ("fbgemm", "split_embedding", "lru_cache", "lxu_cache",
                                         "bounds_check_indices", "linearize_index")),
-    # the collection's own sort and run numbering with it (FBGEMM's sort is CUB's, below)
-    ("embedding kernels (xferlib)", ("coll_", "radix_", "check_and_sort", "run_ids",
-                                     "run_counts", "cache_")),
+    # the collection's own sort and run numbering with it (FBGEMM's sort is CUB's, below:
+    # its kernels live in cub::...::radix_sort::, so the keys name ours in full)
+    ("embedding kernels (xferlib)", ("coll_", "radix_pass", "radix_histogram",
+                                     "check_and_sort", "run_ids", "run_counts", "cache_")),
     ("dot interaction (xferlib)", ("doti_",)),
     ("matmuls", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_")),
     ("sorts and scans (torch / CUB)", ("radix", "sort", "scan", "cub::")),
