@@ -318,6 +318,38 @@ def test_gpu_large_zipf_batch_matches_reference(optimizer):
         np.testing.assert_array_equal(coll.state(t, "step"), new_steps[t])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_gpu_run_across_a_thousand_chunks_matches_reference(optimizer):
+    """One row looked up about 37,000 times among others: its gradient sum crosses more
+    than a thousand of the sums' chunks (dozens of rounds of 32 heads in the span pass);
+    weighted lookups, so every position's factor counts."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    rows, dim, B = 3000, 24, 8192
+    lengths = rng.integers(0, 11, B)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    indices = rng.integers(0, rows, int(offsets[-1])).astype(np.int64)
+    indices[rng.random(indices.size) < 0.9] = 17  # the hot row
+    assert (indices == 17).sum() > 33 * 32 * 32
+    psw = rng.uniform(0.5, 1.5, indices.size)
+    coll = EmbeddingCollection([TableConfig(rows, dim)], optimizer, {"lr": 0.01},
+                               device="cuda", seed=3)
+    weights = [coll.weights(0).astype(np.float64)]
+    state, steps = state_arrays(coll, 0)
+    out, ctx = coll.forward(cupy.asarray(indices), cupy.asarray(offsets),
+                            cupy.asarray(psw.astype(np.float32)))
+    grad = rng.standard_normal((B, dim)) / 10
+    coll.backward(ctx, cupy.asarray(grad.astype(np.float32)))
+    new_w, new_s, _ = collection_step_reference(optimizer, coll.hypers, weights, [state],
+                                                [steps], indices, offsets, grad,
+                                                per_sample_weights=psw)
+    np.testing.assert_allclose(coll.weights(0), new_w[0], rtol=1e-4, atol=2e-5)
+    for k, v in new_s[0].items():
+        np.testing.assert_allclose(coll.state(0, k), v, rtol=1e-3, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_runs_bitwise_identical(backend):
     backend = get_backend(backend)
