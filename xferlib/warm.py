@@ -27,7 +27,7 @@ def fixed_modules(rules=None, dtypes=("float32",)) -> tuple:
     """The kernel modules a run may use whatever its shapes: every fixed family and the
     collection's update modules of ``rules`` (names of ``xferlib.SPARSE_OPTIMIZERS``; all
     when None) for ``dtypes``."""
-    from xferlib._kernels import collection, optim, rows, scattered, table
+    from xferlib._kernels import collection, collection_update, optim, rows, scattered, table
     from xferlib._kernels.cache import CACHE_MODULE
     from xferlib._kernels.interaction import INTERACTION_MODULE
     from xferlib.table.rules import sparse_rule
@@ -37,7 +37,7 @@ def fixed_modules(rules=None, dtypes=("float32",)) -> tuple:
                INTERACTION_MODULE]
     ids = collection.RULE_IDS if rules is None else \
         list(dict.fromkeys(int(sparse_rule(r).kind) for r in rules))
-    modules += [collection.update_module(rule, d) for rule in ids for d in dtypes]
+    modules += [collection_update.update_module(rule, d) for rule in ids for d in dtypes]
     return tuple(modules)
 
 

@@ -8,6 +8,7 @@ from xferlib._kernels._declare import KernelDecl, defines, named
 from xferlib._kernels._registry import KernelModule, all_modules, grid_1d, launch_config
 from xferlib._kernels.cache import CACHE_KERNEL, CACHE_MODULE
 from xferlib._kernels.collection import COLLECTION_KERNEL, COLLECTION_MODULE
+from xferlib._kernels.collection_update import UPDATE_KERNEL, all_update_modules
 from xferlib._kernels.exchange import EXCHANGE_KERNEL, EXCHANGE_MODULE
 from xferlib._kernels.interaction import INTERACTION_KERNEL, INTERACTION_MODULE
 from xferlib._kernels.optim import OPTIM_KERNEL, OPTIM_MODULE
@@ -19,7 +20,7 @@ from xferlib._kernels.tt import TT_KERNEL, TT_MODULE  # FBTT's shape: one module
 
 __all__ = ["KernelDecl", "defines", "named", "KernelModule", "all_modules", "grid_1d",
            "launch_config", "CACHE_KERNEL", "CACHE_MODULE", "COLLECTION_KERNEL",
-           "COLLECTION_MODULE", "EXCHANGE_KERNEL", "EXCHANGE_MODULE", "INTERACTION_KERNEL",
+           "COLLECTION_MODULE", "UPDATE_KERNEL", "all_update_modules", "EXCHANGE_KERNEL", "EXCHANGE_MODULE", "INTERACTION_KERNEL",
            "INTERACTION_MODULE", "OPTIM_KERNEL",
            "OPTIM_MODULE", "RADIX_KERNEL", "RADIX_MODULE", "ROWS_KERNEL", "ROWS_MODULE",
            "SCATTERED_KERNEL", "SCATTERED_MODULE",

@@ -4,7 +4,8 @@ Forward: ``coll_plan`` checks bags and indices and keys every lookup; the batch 
 (:func:`xferlib.batch.sort_positions` on the device: no host sync at any size) orders the
 keys and :func:`xferlib.batch.run_ids` numbers their runs; host tables' distinct rows are
 staged into HBM; ``coll_pool`` writes the pooled output. Backward: the two-pass gradient sums
-and ``coll_update``. Kernels in ``xferlib/_kernels/collection.py``.
+and ``coll_update``. Kernels in ``xferlib/_kernels/collection.py`` and
+``collection_update.py``.
 
 A ``tt`` table's lookups are planned and checked with the others (its meta row makes every
 row of it live nowhere: width 0, no place), then pooled and trained by its TT table on the
@@ -26,8 +27,9 @@ from xferlib._backend import (as_cupy_stream, changed_constant, device_constant,
                               hyper_constant, is_capturing)
 from xferlib._kernels import grid_1d, launch_config
 from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, POSITIONS, RUNS, STAGE,
-                                         SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, UPDATE, c_type,
-                                         collection_module, update_module)
+                                         SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, c_type,
+                                         collection_module)
+from xferlib._kernels.collection_update import UPDATE, update_module
 from xferlib.batch import NO_BAD, PendingChecks, Verdict, run_ids, sort_positions
 from xferlib.checks import host_values
 from xferlib.collection.tt_tables import tt_lookup_gpu, tt_update_gpu
