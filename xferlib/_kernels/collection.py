@@ -50,9 +50,9 @@ __device__ __forceinline__ void bag_range(const i64* offsets, i64 b, i64 n, i64&
 }
 """
 
-COLLECTION_HEAD = TABLE_KERNEL + defines(COLL_META=COLL_META, COLL_SUM_CHUNK=SUM_CHUNK,
-                               **{f"M_{f.upper()}": k for k, f in enumerate(META_FIELDS)}) + \
-    BAG_RANGE + r"""
+COLLECTION_HEAD = TABLE_KERNEL + defines(
+    COLL_META=COLL_META, COLL_SUM_CHUNK=SUM_CHUNK,
+    **{f"M_{f.upper()}": k for k, f in enumerate(META_FIELDS)}) + BAG_RANGE + r"""
 
 // A lookup's factor in its bag's sum: its sample weight, over the bag's length for mean.
 template <typename T>
