@@ -543,13 +543,8 @@ def _train_ranks(args, preset, plan, frameworks, run_config, meta, device, batch
         if base and r is not base[0] and base[0]["samples_per_s"]:
             print(f"{r['name']}: {r['samples_per_s'] / base[0]['samples_per_s']:.2f}x the "
                   f"baseline's samples/s, AUC {r['auc'] - base[0]['auc']:+.4f}")
-    pair = [r for r in results if r["engine"] == "xferlib" and r["optimizer"] == "rowwise_adagrad"]
-    for tbe in (r for r in results if r["engine"] == "fbgemm" and r["samples_per_s"]):
-        if pair:
-            print(f"{pair[0]['name']}: {pair[0]['samples_per_s'] / tbe['samples_per_s']:.2f}x "
-                  f"{tbe['name']}'s samples/s ({tbe['notes']}; same model, table optimizer "
-                  f"and matmul precision, Adam for the dense part), AUC "
-                  f"{pair[0]['auc'] - tbe['auc']:+.4f}")
+    for line in metrics.fbgemm_pair_lines(results):
+        print(line)
     if args.json and ranks.main:
         metrics.write_json(args.json, results, {"plan": plan.summary()})
     if args.plot and ranks.main:

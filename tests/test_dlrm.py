@@ -390,11 +390,39 @@ def test_kernel_kinds_sort_kernels_by_name(parts):
     assert kinds["copies and fills"] == pytest.approx(0.010)
     assert kinds["other kernels"] == pytest.approx(0.040)
     assert kinds["dot interaction (xferlib)"] == pytest.approx(0.006)
+    # either engine's kernels with the sorts: FBGEMM's is CUB's
+    assert kinds[metrics.EMBEDDING_PART] == pytest.approx(0.078 + 0.112 + 0.020)
     assert kinds["kernels per step"] == 11
     top = metrics.top_kernels(kernels * 2, steps=2, count=2)
     assert top == [["coll_pool", pytest.approx(0.100), 1.0],
                    ["fbgemm_gpu::split_embedding_codegen_forward_kernel",
                     pytest.approx(0.070), 1.0]]
+
+
+def test_fbgemm_pair_lines_compare_samples_and_embedding_parts(parts):
+    import dlrm_parts.metrics as metrics
+
+    def run(name, engine, optimizer, samples, auc, part=None):
+        r = dict(name=name, engine=engine, optimizer=optimizer, samples_per_s=samples, auc=auc,
+                 notes="whole step in one CUDA graph")
+        if part is not None:
+            r["profile_replay_ms"] = {metrics.EMBEDDING_PART: part}
+        return r
+
+    results = [run("xferlib (hbm)", "xferlib", "adagrad", 12e6, 0.81),
+               run("xferlib (hbm, rowwise_adagrad)", "xferlib", "rowwise_adagrad", 15e6, 0.80,
+                   0.30),
+               run("FBGEMM TBE (hbm, rowwise_adagrad)", "fbgemm", "rowwise_adagrad", 12e6,
+                   0.81, 0.45)]
+    lines = metrics.fbgemm_pair_lines(results)
+    assert len(lines) == 2
+    assert lines[0].startswith("xferlib (hbm, rowwise_adagrad): 1.25x FBGEMM TBE")
+    assert lines[0].endswith("AUC -0.0100")
+    assert lines[1].endswith("embedding part 0.300 ms per replayed step against 0.450 "
+                             "(FBGEMM TBE (hbm, rowwise_adagrad)): 1.50x")
+    del results[2]["profile_replay_ms"]  # not profiled: no embedding-part line
+    assert len(metrics.fbgemm_pair_lines(results)) == 1
+    assert metrics.fbgemm_pair_lines(results[:1] + results[2:]) == []  # no row-wise run
 
 
 @pytest.mark.gpu

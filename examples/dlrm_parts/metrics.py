@@ -89,9 +89,13 @@ KERNEL_KINDS = (
 )
 
 
+EMBEDDING_PART = "embedding part (its kernels and sorts)"
+
+
 def kernel_kinds(kernels, steps: int) -> dict:
     """``(name, microseconds)`` of every GPU kernel in ``steps`` steps, as milliseconds per
-    step by kind (``KERNEL_KINDS``, the rest "other kernels"), plus the kernel count per
+    step by kind (``KERNEL_KINDS``, the rest "other kernels"), the embedding part
+    (``EMBEDDING_PART``: both engines' kernels and the sorts) and the kernel count per
     step. Kernels of different streams may overlap, so the kinds can add up to more than
     the step."""
     out = {kind: 0.0 for kind, _ in KERNEL_KINDS}
@@ -101,6 +105,11 @@ def kernel_kinds(kernels, steps: int) -> dict:
         kind = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)),
                     "other kernels")
         out[kind] += us / 1e3 / steps
+    # What the embedding engine costs the step, whichever it is: FBGEMM's sort is CUB's,
+    # counted above as a sort (the other engines' runs have next to no sorting of their own)
+    out[EMBEDDING_PART] = (out["embedding kernels (FBGEMM TBE)"]
+                           + out["embedding kernels (xferlib)"]
+                           + out["sorts and scans (torch / CUB)"])
     out["kernels per step"] = len(kernels) / steps
     return out
 
@@ -122,6 +131,27 @@ def top_kernels_table(name, top) -> str:
     lines = [f"{name}: the {len(top)} costliest kernels, ms per step (launches per step)"]
     lines += [f"  {ms:7.3f} ({n:4.1f})  {k[:90]}" for k, ms, n in top]
     return "\n".join(lines)
+
+
+def fbgemm_pair_lines(results) -> list:
+    """The closing lines of a ``--compare`` with FBGEMM: the xferlib run with row-wise Adagrad
+    against each FBGEMM run (same model, table optimizer and matmul precision), in samples/s
+    and AUC, and in the embedding part of a replayed step where both were profiled."""
+    pair = [r for r in results if r["engine"] == "xferlib" and r["optimizer"] == "rowwise_adagrad"]
+    lines = []
+    for tbe in (r for r in results if r["engine"] == "fbgemm" and r["samples_per_s"]):
+        if not pair:
+            break
+        ours = pair[0]
+        lines.append(f"{ours['name']}: {ours['samples_per_s'] / tbe['samples_per_s']:.2f}x "
+                     f"{tbe['name']}'s samples/s ({tbe['notes']}; same model, table optimizer "
+                     f"and matmul precision, Adam for the dense part), AUC "
+                     f"{ours['auc'] - tbe['auc']:+.4f}")
+        mine, theirs = (r.get("profile_replay_ms", {}).get(EMBEDDING_PART) for r in (ours, tbe))
+        if mine and theirs:  # --profile: the embedding engines' replayed kernels
+            lines.append(f"{ours['name']}: embedding part {mine:.3f} ms per replayed step "
+                         f"against {theirs:.3f} ({tbe['name']}): {theirs / mine:.2f}x")
+    return lines
 
 
 def write_json(path, results, extra) -> None:
