@@ -13,10 +13,11 @@ their state written back).
 Each of our placements also runs as a module built with ``cuda_graphs=True``, called eagerly
 (it replays its own per-shape graphs of the forward and the backward), against FBGEMM's
 eager step; and ``HostEmbeddingBag`` (the single-table module on the same engine, built with
-``cuda_graphs=True``) with the 5% cache, called with ``nn.EmbeddingBag``'s offsets. Also the time to build the table with its optimizer state, and the step's host
-time per call (on the GPU machines a launch costs about 10 us of host time: an eager step
-is host-bound when its kernels take less than its launches). On a machine without a GPU: a
-small table on the NumPy path, so the suite runs everywhere.
+``cuda_graphs=True``) with the 5% cache, called with ``nn.EmbeddingBag``'s offsets. Also the
+time to build the table with its optimizer state, and the step's host time per call (on
+the GPU machines a launch costs about 10 us of host time: an eager step is host-bound when
+its kernels take less than its launches). On a machine without a GPU: a small table on the
+NumPy path, so the suite runs everywhere.
 """
 
 from __future__ import annotations

@@ -572,12 +572,11 @@ class HostEmbedding(_HostModule):
                          cuda_graphs=cuda_graphs)
 
     def _forward(self, input):
+        flat = input.reshape(-1)
         if self._bags is not None:  # a bag of one lookup per index
-            flat = input.reshape(-1)
             bounds = torch.arange(flat.shape[0] + 1, device=self.device, dtype=torch.int64)
             return self._pooled(flat, bounds, None, True).view(*input.shape,
                                                                self.embedding_dim)
-        flat = input.reshape(-1)
         rows, positions = self._rows(flat)
         if self._any_optimizer or self.padding_idx is not None:
             positions, rows, _ = self._pad_position(flat, positions, rows)

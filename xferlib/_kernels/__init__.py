@@ -20,8 +20,8 @@ from xferlib._kernels.tt import TT_KERNEL, TT_MODULE  # FBTT's shape: one module
 
 __all__ = ["KernelDecl", "defines", "named", "KernelModule", "all_modules", "grid_1d",
            "launch_config", "CACHE_KERNEL", "CACHE_MODULE", "COLLECTION_KERNEL",
-           "COLLECTION_MODULE", "UPDATE_KERNEL", "all_update_modules", "EXCHANGE_KERNEL", "EXCHANGE_MODULE", "INTERACTION_KERNEL",
-           "INTERACTION_MODULE", "OPTIM_KERNEL",
+           "COLLECTION_MODULE", "UPDATE_KERNEL", "all_update_modules", "EXCHANGE_KERNEL",
+           "EXCHANGE_MODULE", "INTERACTION_KERNEL", "INTERACTION_MODULE", "OPTIM_KERNEL",
            "OPTIM_MODULE", "RADIX_KERNEL", "RADIX_MODULE", "ROWS_KERNEL", "ROWS_MODULE",
            "SCATTERED_KERNEL", "SCATTERED_MODULE",
            "TABLE_KERNEL", "TABLE_MODULE", "TT_KERNEL", "TT_MODULE"]
