@@ -14,9 +14,10 @@ Each of our placements also runs as a module built with ``cuda_graphs=True``, ca
 (it replays its own per-shape graphs of the forward and the backward), against FBGEMM's
 eager step; and ``HostEmbeddingBag`` (the single-table module on the same engine, built with
 ``cuda_graphs=True``) with the 5% cache, called with ``nn.EmbeddingBag``'s offsets. Also the
-time to build the table with its optimizer state, and the step's host time per call (on
-the GPU machines a launch costs about 10 us of host time: an eager step is host-bound when
-its kernels take less than its launches). On a machine without a GPU: a small table on the
+time to build the table with its optimizer state (each placement once on its own, then each
+engine's build beside the others), and the step's host time per call (on the GPU machines a
+launch costs about 10 us of host time: an eager step is host-bound when its kernels take
+less than its launches). On a machine without a GPU: a small table on the
 NumPy path, so the suite runs everywhere.
 """
 
@@ -91,6 +92,7 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
     configs = {"host": dict(placement="host"),
                "cache": dict(placement="host", cache_rows=cache_rows),
                "hbm": dict(placement="hbm")}
+    alone = {label: _build_alone(name, hyper, rows, config) for label, config in configs.items()}
     engines = []  # (record, step(i) on batch i)
     for label, config in configs.items():
         # eager calls, then eager calls of a module that replays its own per-shape graphs
@@ -107,7 +109,8 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
 
             engines.append(({"impl": f"xferlib {name} {label}{suffix}", "engine": "xferlib",
                              "optimizer": name, "placement": label, "mode": mode,
-                             "build_s": build, "module": module}, step))
+                             "build_s": build, "build_alone_s": alone[label],
+                             "module": module}, step))
     # the single-table module a torch user swaps in for nn.EmbeddingBag: the same engine
     start = time.perf_counter()
     bag = HostEmbeddingBag(rows, DIM, optimizer=name, optimizer_kwargs=hyper,
@@ -185,6 +188,29 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
     torch.cuda.empty_cache()
     cupy.get_default_memory_pool().free_all_blocks()
     return records
+
+
+def _build_alone(name, hyper, rows, config) -> float:
+    """Seconds to build the table with its optimizer state and have it ready on the GPU,
+    with nothing else of the suite held (the engines' own builds come later, beside tens of
+    GB of host tables already made, where making new host pages costs the OS more)."""
+    import cupy
+    import torch
+
+    from xferlib.adapters.torch import EmbeddingBagCollection
+    from xferlib.collection import TableConfig
+
+    gc.collect()
+    start = time.perf_counter()
+    module = EmbeddingBagCollection([TableConfig(rows, DIM, init=("uniform", -0.01, 0.01),
+                                                 **config)], name, hyper, device="cuda", seed=0)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del module
+    gc.collect()
+    torch.cuda.empty_cache()
+    cupy.get_default_memory_pool().free_all_blocks()
+    return seconds
 
 
 def _graphed(module, idx, off, grad):
@@ -265,8 +291,10 @@ def _check_targets(records) -> list:
     for r in records:
         if r["engine"] != "xferlib":
             continue
-        checks.append(dict(target=f"build <= {TARGETS['build_s']} s ({r['impl']})",
-                           value=r["build_s"], met=r["build_s"] <= TARGETS["build_s"]))
+        # the table built on its own (the engines' builds follow others already made)
+        build = r.get("build_alone_s", r["build_s"])
+        checks.append(dict(target=f"build <= {TARGETS['build_s']} s ({r['impl']}, alone)",
+                           value=build, met=build <= TARGETS["build_s"]))
         if "vs_fbgemm" in r and (r["graph"] or r["placement"] != "hbm"):
             checks.append(dict(target=f">= {TARGETS['vs_fbgemm']}x FBGEMM TBE ({r['impl']})",
                                value=r["vs_fbgemm"], met=r["vs_fbgemm"] >= TARGETS["vs_fbgemm"]))
@@ -292,5 +320,6 @@ def _print(r) -> None:
     if r.get("cache"):
         c = r["cache"]
         extra += f"  hits {c['hits'] / max(c['lookups'], 1):.2f}"
+    alone = f", {r['build_alone_s']:.2f} s alone" if "build_alone_s" in r else ""
     print(f"  {r['ms']:9.3f} ms  {r['Mlookups_per_s']:8.1f} M lookups/s  {r['impl']}  "
-          f"(build {r['build_s']:.2f} s, host {r['host_us_per_step']:.0f} us per step){extra}")
+          f"(build {r['build_s']:.2f} s{alone}, host {r['host_us_per_step']:.0f} us per step){extra}")

@@ -27,8 +27,9 @@ from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
 
 __all__ = ["COLL_META", "META_FIELDS", "SUM_CHUNK", "PLAN", "STAGE", "POOL", "SUM_CHUNKS",
-           "SUM_SPANS", "INIT", "RUNS", "POSITIONS", "collection_module", "KEY_TYPES",
-           "RULE_IDS", "DTYPE_NAMES", "COLLECTION_HEAD", "vector_widths", "c_type"]
+           "SUM_SPANS", "INIT", "RUNS", "pool_bags", "collection_module",
+           "KEY_TYPES", "RULE_IDS", "DTYPE_NAMES", "COLLECTION_HEAD", "vector_widths",
+           "c_type"]
 
 # The per-table fields of ``meta`` (int64 each), in order.
 META_FIELDS = ("num_rows", "dim", "d_off", "host", "base", "row_width", "state_offset",
@@ -146,37 +147,6 @@ RUNS = KernelDecl(
         if (l >= 0 && l < n) inv[l] = run[j];
     }""")
 
-POSITIONS = KernelDecl(
-    "coll_positions", "template <typename T>",
-    (("const i64*", "meta"), ("const i64*", "perm"), ("const i64*", "bag_of"),
-     ("const i64*", "offsets"), ("const T*", "psw"), ("int", "mean"), ("i64", "n"),
-     ("i64", "B"), ("i64", "grad_stride"), ("i64*", "pos_src"), ("T*", "pos_scale"),
-     ("int*", "pos_dim"), ("const unsigned long long*", "verdict")),
-    r"""
-    // A thread per sorted position: where its lookup's gradient starts in the pooled
-    // gradient (its bag's row, `grad_stride` elements apart, then its table's columns), its
-    // factor and its table's width.
-    if (rejected(verdict)) return;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
-        const i64 l = perm[j];
-        i64 src = 0;
-        T scale = (T)0;
-        int dim = 0;
-        if (l >= 0 && l < n && bag_of[l] >= 0) {  // bag -1: padding, no gradient
-            const i64 bag = bag_of[l];
-            const i64* m = meta + (bag / B) * COLL_META;
-            i64 lo, hi;
-            bag_range(offsets, bag, n, lo, hi);
-            src = (bag - (bag / B) * B) * grad_stride + m[M_D_OFF];
-            scale = lookup_scale<T>(psw, l, mean, hi - lo);
-            dim = (int)m[M_DIM];
-        }
-        pos_src[j] = src;
-        pos_scale[j] = scale;
-        pos_dim[j] = dim;
-    }""")
-
 STAGE = KernelDecl(
     "coll_stage", "template <int V, typename T>",
     (("const T*", "host"), ("const i64*", "meta"), ("const i64*", "run"),
@@ -218,82 +188,124 @@ STAGE = KernelDecl(
     }""")
 
 POOL = KernelDecl(
-    "coll_pool", "template <int V, typename T, typename K>",
+    "coll_pool", "template <int V, int NB, typename T, typename K>",
     (("const T*", "hbm"), ("const i64*", "meta"), ("const K*", "indices"),
      ("const i64*", "offsets"), ("const T*", "psw"), ("const i64*", "inv"),
      ("const T*", "staged"), ("i64", "stage_width"), ("i64", "n"), ("i64", "bags"),
      ("i64", "B"), ("int", "mean"), ("T*", "out"), ("i64", "total_dim"), ("int", "group"),
      ("const unsigned long long*", "verdict")),
     r"""
-    // A group of `group` lanes per bag (a power of two up to 32, as many as the widest row
-    // needs vectors: a 64-wide float row fills 16 lanes, so a warp takes two bags instead of
-    // leaving half its lanes idle): the bag's rows summed in registers (two lookups' loads
-    // in flight, added in bag order), written once to out[b, d_off:d_off + dim]. A refused
-    // batch's bags are written as zeros (no row read): a caller that learns of the refusal
-    // later (a sharded step, a CUDA graph) passes on zeros, not whatever the buffer held.
-    // No lane waits on another (no shuffles), so groups of a warp may part ways. One bag a
-    // group, no grid-stride loop (the launch covers every bag): fewer live registers, more
-    // warps resident, and at one lookup a bag (DLRM's features) the kernel is bound by how
-    // many row loads are in flight (an H200, 26 tables x 64, 425,984 bags of one: 92-97 us
-    // against 115-121 with four lookups unrolled and a loop).
+    // A group of `group` lanes per NB bags (a power of two up to 32, as many as the widest
+    // row needs vectors: a 64-wide float row fills 16 lanes, so a warp takes two groups
+    // instead of leaving half its lanes idle): each bag's rows summed in registers, added in
+    // bag order, written once to out[b, d_off:d_off + dim]. Two row loads in flight per
+    // group: two lookups of one bag (NB = 1), or one of each of two neighbouring bags (NB =
+    // 2, for bags of about one lookup: DLRM's features; an H200, 26 tables x 64, 425,984 bags
+    // of one: 83 us against 96 with one bag a group). A refused batch's bags are written as
+    // zeros (no row read): a caller that learns of the refusal later (a sharded step, a CUDA
+    // graph) passes on zeros, not whatever the buffer held. No lane waits on another (no
+    // shuffles), so groups of a warp may part ways. No grid-stride loop (the launch covers
+    // every bag): fewer live registers, more warps resident.
+    constexpr int U = 2 / NB;  // lookups of a bag loaded together
     const bool refused = rejected(verdict);
     const int lane = threadIdx.x & (group - 1);
-    const i64 bag = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / group;
-    if (bag >= bags) return;
-    // the table of a bag: a 32-bit division where the sizes allow (the common case)
-    const i64 t = bags <= 0x7fffffffLL ? (i64)((unsigned)bag / (unsigned)B) : bag / B;
-    const i64* m = meta + t * COLL_META;
-    const i64 b = bag - t * B;
-    i64 lo, hi;
-    bag_range(offsets, bag, n, lo, hi);
-    if (refused) hi = lo;
-    const i64 dim = m[M_DIM], rw = m[M_ROW_WIDTH], rows = m[M_NUM_ROWS];
-    const bool host = m[M_HOST] != 0;
-    const T* table = hbm + m[M_BASE];
-    T* dst = out + b * total_dim + m[M_D_OFF];
-    for (i64 e = (i64)V * lane; e < dim; e += (i64)group * V) {
-        T acc[V];
+    const i64 bag0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / group * NB;
+    if (bag0 >= bags) return;
+    i64 lo[NB], hi[NB], dim[NB], rw[NB], rows[NB];
+    bool host[NB];
+    const T* table[NB];
+    T* dst[NB];
+    #pragma unroll
+    for (int x = 0; x < NB; ++x) {
+        const bool real = bag0 + x < bags;  // the last group of an odd count has one bag
+        const i64 bag = real ? bag0 + x : bag0;
+        // the table of a bag: a 32-bit division where the sizes allow (the common case)
+        const i64 t = bags <= 0x7fffffffLL ? (i64)((unsigned)bag / (unsigned)B) : bag / B;
+        const i64* m = meta + t * COLL_META;
+        bag_range(offsets, bag, n, lo[x], hi[x]);
+        if (refused || !real) hi[x] = lo[x];
+        dim[x] = real ? m[M_DIM] : 0;
+        rw[x] = m[M_ROW_WIDTH];
+        rows[x] = m[M_NUM_ROWS];
+        host[x] = m[M_HOST] != 0;
+        table[x] = hbm + m[M_BASE];
+        dst[x] = out + (bag - t * B) * total_dim + m[M_D_OFF];
+    }
+    i64 dmax = dim[0], len = hi[0] - lo[0];
+    #pragma unroll
+    for (int x = 1; x < NB; ++x) {
+        dmax = dim[x] > dmax ? dim[x] : dmax;
+        len = hi[x] - lo[x] > len ? hi[x] - lo[x] : len;
+    }
+    for (i64 e = (i64)V * lane; e < dmax; e += (i64)group * V) {
+        T acc[NB][V];
         #pragma unroll
-        for (int q = 0; q < V; ++q) acc[q] = (T)0;
-        for (i64 l0 = lo; l0 < hi; l0 += 2) {
-            vec<T, V> row[2];
-            T s[2];
+        for (int x = 0; x < NB; ++x)
             #pragma unroll
-            for (int u = 0; u < 2; ++u) {
-                const i64 l = l0 + u;
-                s[u] = (T)0;
-                if (l < hi) {
-                    const T* src;
-                    if (host) {
-                        i64 r = inv[l];
-                        r = r < 0 ? 0 : (r >= n ? n - 1 : r);
-                        src = staged + r * stage_width;
-                    } else {
-                        i64 k = (i64)indices[l];
-                        k = k < 0 ? 0 : (k >= rows ? rows - 1 : k);
-                        src = table + k * rw;
+            for (int q = 0; q < V; ++q) acc[x][q] = (T)0;
+        for (i64 k0 = 0; k0 < len; k0 += U) {
+            vec<T, V> row[NB][U];
+            T s[NB][U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u)
+                #pragma unroll
+                for (int x = 0; x < NB; ++x) {
+                    const i64 l = lo[x] + k0 + u;
+                    s[x][u] = (T)0;
+                    if (l < hi[x] && e < dim[x]) {
+                        const T* src;
+                        if (host[x]) {
+                            i64 r = inv[l];
+                            r = r < 0 ? 0 : (r >= n ? n - 1 : r);
+                            src = staged + r * stage_width;
+                        } else {
+                            i64 k = (i64)indices[l];
+                            k = k < 0 ? 0 : (k >= rows[x] ? rows[x] - 1 : k);
+                            src = table[x] + k * rw[x];
+                        }
+                        row[x][u] = *reinterpret_cast<const vec<T, V>*>(src + e);
+                        s[x][u] = lookup_scale<T>(psw, l, mean, hi[x] - lo[x]);
                     }
-                    row[u] = *reinterpret_cast<const vec<T, V>*>(src + e);
-                    s[u] = lookup_scale<T>(psw, l, mean, hi - lo);
                 }
-            }
             #pragma unroll
-            for (int u = 0; u < 2; ++u)
-                if (l0 + u < hi) {
-                    #pragma unroll
-                    for (int q = 0; q < V; ++q) acc[q] += psw != nullptr || mean
-                                                          ? row[u].v[q] * s[u] : row[u].v[q];
-                }
+            for (int u = 0; u < U; ++u)
+                #pragma unroll
+                for (int x = 0; x < NB; ++x)
+                    if (lo[x] + k0 + u < hi[x] && e < dim[x]) {
+                        #pragma unroll
+                        for (int q = 0; q < V; ++q)
+                            acc[x][q] += psw != nullptr || mean ? row[x][u].v[q] * s[x][u]
+                                                                : row[x][u].v[q];
+                    }
         }
-        vec<T, V> o;
         #pragma unroll
-        for (int q = 0; q < V; ++q) o.v[q] = acc[q];
-        *reinterpret_cast<vec<T, V>*>(dst + e) = o;
-    }""", launch_bounds="__launch_bounds__(256, 5)")  # at most 48 registers: occupancy
+        for (int x = 0; x < NB; ++x)
+            if (e < dim[x]) {
+                vec<T, V> o;
+                #pragma unroll
+                for (int q = 0; q < V; ++q) o.v[q] = acc[x][q];
+                *reinterpret_cast<vec<T, V>*>(dst[x] + e) = o;
+            }
+    }""", launch_bounds="__launch_bounds__(256, NB == 1 ? 5 : 4)")  # 48 or 64 registers
+
+# Bags a group of the pooled lookup takes: two where bags average under two lookups.
+POOL_BAGS = (1, 2)
+
+
+def pool_bags(n: int, bags: int) -> int:
+    """Bags per lane group of ``coll_pool`` for ``n`` lookups in ``bags`` bags.
+
+    >>> pool_bags(425_984, 425_984), pool_bags(65_536, 4_096)
+    (2, 1)
+    """
+    return 2 if n < 2 * bags else 1
+
 
 _SUM_ARGS = (("const T*", "grad"), ("const K*", "keys"), ("const i64*", "run"),
-             ("const i64*", "starts"), ("const i64*", "pos_src"), ("const T*", "pos_scale"),
-             ("const int*", "pos_dim"), ("i64", "n"), ("i64", "width"), ("T*", "summed"),
+             ("const i64*", "starts"), ("const i64*", "perm"), ("const i64*", "bag_of"),
+             ("const i64*", "offsets"), ("const i64*", "meta"), ("const i64*", "run_off"),
+             ("const int*", "run_tab"), ("const T*", "psw"), ("int", "mean"), ("i64", "B"),
+             ("i64", "grad_stride"), ("i64", "n"), ("i64", "width"), ("T*", "summed"),
              ("T*", "head"), ("T*", "tail"), ("const unsigned long long*", "verdict"))
 
 SUM_CHUNKS = KernelDecl(
@@ -303,7 +315,7 @@ SUM_CHUNKS = KernelDecl(
     // positions, summed per column in position order; a run inside the chunk goes to
     // summed[run], the segment at the chunk's start to head[c], the one at its end to
     // tail[c]. A warp per (chunk, 32 x V columns), V adjacent columns a lane (one 16-byte
-    // load where the gradient's rows allow): lane k first loads position k's records
+    // load where the gradient's rows allow): lane k first finds position k's records
     // (gradient source, factor, width, key, run), then the warp walks the positions with
     // every record at hand from a shuffle, so the gradient loads of the walk do not wait on
     // each other. Columns past a table's width are skipped (every width is a multiple of
@@ -319,9 +331,29 @@ SUM_CHUNKS = KernelDecl(
         const i64 first = c * COLL_SUM_CHUNK;
         const int count = (int)(first + COLL_SUM_CHUNK < n ? COLL_SUM_CHUNK : n - first);
         const i64 mine_j = first + (lane < count ? lane : count - 1);
-        const i64 my_src = pos_src[mine_j];
-        const T my_scale = pos_scale[mine_j];
-        const int my_dim = pos_dim[mine_j];
+        // My position's record: where its lookup's gradient starts in the pooled gradient
+        // (its bag's row, `grad_stride` elements apart, then its table's columns), its
+        // factor and its table's width (0 for padding, bag -1: no gradient).
+        i64 my_src = 0;
+        T my_scale = (T)0;
+        int my_dim = 0;
+        {
+            const i64 l = perm[mine_j];
+            const i64 bag = l >= 0 && l < n ? bag_of[l] : -1;
+            if (bag >= 0) {
+                const i64 t = bag <= 0x7fffffffLL && B <= 0x7fffffffLL
+                              ? (i64)((unsigned)bag / (unsigned)B) : bag / B;
+                const i64* m = meta + t * COLL_META;
+                my_src = (bag - t * B) * grad_stride + m[M_D_OFF];
+                my_dim = (int)m[M_DIM];
+                my_scale = (T)1;
+                if (psw != nullptr || mean) {
+                    i64 lo, hi;
+                    bag_range(offsets, bag, n, lo, hi);
+                    my_scale = lookup_scale<T>(psw, l, mean, hi - lo);
+                }
+            }
+        }
         const i64 my_run = run[mine_j];
         // Does a segment end at my position (the next key differs, or the chunk ends)?
         const bool my_end = lane >= count - 1 || keys[mine_j + 1] != keys[mine_j];
@@ -393,9 +425,9 @@ SUM_SPANS = KernelDecl(
         if (last + 1 >= n || keys[last + 1] != keys[last]) continue;  // no run leaves c
         const K key = keys[last];
         if (keys[first] == key && first > 0 && keys[first - 1] == key) continue;  // began earlier
-        if (e >= pos_dim[last]) continue;
         const i64 rl = run[last];
-        if (rl < 0 || rl >= n) continue;
+        if (rl < 0 || rl >= n || run_off[rl] < 0) continue;  // a row nowhere: no gradient
+        if (e >= meta[(i64)run_tab[rl] * COLL_META + M_DIM]) continue;
         i64 end = rl + 1 < runs ? starts[rl + 1] - 1 : n - 1;  // the run's last position
         end = end <= last ? last + 1 : (end >= n ? n - 1 : end);
         const i64 c_end = end / COLL_SUM_CHUNK;
@@ -461,7 +493,7 @@ INIT = KernelDecl(
     }""")
 
 COLLECTION_KERNEL = COLLECTION_HEAD + _INIT_HEAD + "".join(
-    d.source() for d in (PLAN, RUNS, POSITIONS, STAGE, POOL, SUM_CHUNKS, SUM_SPANS, INIT))
+    d.source() for d in (PLAN, RUNS, STAGE, POOL, SUM_CHUNKS, SUM_SPANS, INIT))
 
 
 def vector_widths(dtype_name: str) -> tuple:
@@ -472,7 +504,6 @@ def vector_widths(dtype_name: str) -> tuple:
 def _collection_names():
     for dtype_name, T in _TYPES.items():
         yield INIT.instance(T)
-        yield POSITIONS.instance(T)
         for V in vector_widths(dtype_name):
             yield STAGE.instance(V, T)
         for K in KEY_TYPES.values():
@@ -484,7 +515,8 @@ def _collection_names():
                 yield SUM_CHUNKS.instance(V, T, K)
             yield SUM_SPANS.instance(T, K)
             for V in vector_widths(dtype_name):
-                yield POOL.instance(V, T, K)
+                for NB in POOL_BAGS:
+                    yield POOL.instance(V, NB, T, K)
 
 
 COLLECTION_MODULE = KernelModule("collection", COLLECTION_KERNEL,
