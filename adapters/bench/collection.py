@@ -81,8 +81,7 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
     import cupy
     import torch
 
-    from xferlib.adapters.torch import EmbeddingBagCollection, HostEmbeddingBag
-    from xferlib.collection import TableConfig
+    from xferlib.adapters.torch import HostEmbeddingBag
 
     idx = [torch.as_tensor(b, device="cuda") for b in batches]
     off = torch.as_tensor(offsets, device="cuda")
@@ -92,17 +91,13 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
     configs = {"host": dict(placement="host"),
                "cache": dict(placement="host", cache_rows=cache_rows),
                "hbm": dict(placement="hbm")}
-    alone = {label: _build_alone(name, hyper, rows, config) for label, config in configs.items()}
+    alone = {label: _build_alone(name, hyper, rows, config)
+             for label, config in configs.items()}
     engines = []  # (record, step(i) on batch i)
     for label, config in configs.items():
         # eager calls, then eager calls of a module that replays its own per-shape graphs
         for mode, suffix in (("eager", ""), ("auto", " cuda_graphs")):
-            start = time.perf_counter()
-            module = EmbeddingBagCollection(
-                [TableConfig(rows, DIM, init=("uniform", -0.01, 0.01), **config)], name,
-                hyper, device="cuda", seed=0, cuda_graphs=mode == "auto")
-            torch.cuda.synchronize()
-            build = time.perf_counter() - start
+            module, build = _build(name, hyper, rows, config, cuda_graphs=mode == "auto")
 
             def step(i, module=module):
                 module(idx[i % len(idx)], off).backward(grad)
@@ -190,6 +185,21 @@ def _gpu_group(name, hyper, rows, batches, offsets, quick, with_fbgemm) -> list:
     return records
 
 
+def _build(name, hyper, rows, config, cuda_graphs=False):
+    """The bench's table as a torch module, ready on the GPU, and the seconds that took."""
+    import torch
+
+    from xferlib.adapters.torch import EmbeddingBagCollection
+    from xferlib.collection import TableConfig
+
+    start = time.perf_counter()
+    module = EmbeddingBagCollection(
+        [TableConfig(rows, DIM, init=("uniform", -0.01, 0.01), **config)], name, hyper,
+        device="cuda", seed=0, cuda_graphs=cuda_graphs)
+    torch.cuda.synchronize()
+    return module, time.perf_counter() - start
+
+
 def _build_alone(name, hyper, rows, config) -> float:
     """Seconds to build the table with its optimizer state and have it ready on the GPU,
     with nothing else of the suite held (the engines' own builds come later, beside tens of
@@ -197,15 +207,8 @@ def _build_alone(name, hyper, rows, config) -> float:
     import cupy
     import torch
 
-    from xferlib.adapters.torch import EmbeddingBagCollection
-    from xferlib.collection import TableConfig
-
     gc.collect()
-    start = time.perf_counter()
-    module = EmbeddingBagCollection([TableConfig(rows, DIM, init=("uniform", -0.01, 0.01),
-                                                 **config)], name, hyper, device="cuda", seed=0)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    module, seconds = _build(name, hyper, rows, config)
     del module
     gc.collect()
     torch.cuda.empty_cache()
@@ -322,4 +325,5 @@ def _print(r) -> None:
         extra += f"  hits {c['hits'] / max(c['lookups'], 1):.2f}"
     alone = f", {r['build_alone_s']:.2f} s alone" if "build_alone_s" in r else ""
     print(f"  {r['ms']:9.3f} ms  {r['Mlookups_per_s']:8.1f} M lookups/s  {r['impl']}  "
-          f"(build {r['build_s']:.2f} s{alone}, host {r['host_us_per_step']:.0f} us per step){extra}")
+          f"(build {r['build_s']:.2f} s{alone}, host {r['host_us_per_step']:.0f} us per "
+          f"step){extra}")
