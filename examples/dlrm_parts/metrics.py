@@ -137,7 +137,8 @@ def fbgemm_pair_lines(results) -> list:
     """The closing lines of a ``--compare`` with FBGEMM: the xferlib run with row-wise Adagrad
     against each FBGEMM run (same model, table optimizer and matmul precision), in samples/s
     and AUC, and in the embedding part of a replayed step where both were profiled."""
-    pair = [r for r in results if r["engine"] == "xferlib" and r["optimizer"] == "rowwise_adagrad"]
+    pair = [r for r in results
+            if r["engine"] == "xferlib" and r["optimizer"] == "rowwise_adagrad"]
     lines = []
     for tbe in (r for r in results if r["engine"] == "fbgemm" and r["samples_per_s"]):
         if not pair:
