@@ -49,7 +49,8 @@ from xferlib._backend import as_cupy_stream
 from xferlib._kernels import grid_1d
 from xferlib._kernels.radix import (RADIX_BINS, RADIX_BITS, RADIX_HISTOGRAM, RADIX_ITEM_CHOICES,
                                     RADIX_MAX_N, RADIX_MODULE, RADIX_PASS, RADIX_THREADS,
-                                    radix_items, radix_passes, radix_status_words, radix_tiles)
+                                    radix_items, radix_key_passes, radix_status_words,
+                                    radix_tiles)
 from xferlib._kernels.rows import (CHECK_AND_NARROW, CHECK_AND_SORT_SMALL, INDEX_TYPES,
                                    ROWS_MODULE, SMALL_SORT_ITEMS, SMALL_SORT_THREADS,
                                    SMALL_SORT_TILE, tile_sort_kernels)
@@ -58,7 +59,8 @@ from xferlib.checks import (NO_BAD, PENDING, PendingChecks, RowsReport,  # noqa:
 
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
            "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values",
-           "run_ids", "tile_sort", "radix_sort", "sort_on_device", "sort_buffers"]
+           "run_ids", "tile_sort", "radix_sort", "radix_work_words", "sort_on_device",
+           "sort_buffers"]
 
 # Up to this many positions the sort stays on the device (the tile sort, the radix sort: no
 # host sync); above it, CuPy's argsort. The radix sort is the faster at every size measured
@@ -100,7 +102,18 @@ def tile_sort(keys, num_keys: int, stream, words, rows, perm) -> None:
            shared_mem=shared, stream=stream)
 
 
-def radix_sort(idx, num_keys: int, stream, words, buffer, items: int | None = None):
+def radix_work_words(n: int, num_keys: int, items: int | None = None) -> tuple:
+    """``(zeroed, total)``: uint32 words of :func:`radix_sort`'s working array for ``n`` keys
+    below ``num_keys``, and how many of its first words start zeroed (the digit counts, one
+    ``RADIX_BINS`` row a pass first, then the tile counters and look-back words)."""
+    items = radix_items(n) if items is None else items
+    passes = radix_key_passes(num_keys)
+    zeroed = radix_status_words(n, passes, items)
+    return zeroed, zeroed + 2 * min(2, passes - 1) * n
+
+
+def radix_sort(idx, num_keys: int, stream, words, buffer, items: int | None = None,
+               zeroed: bool = False):
     """``(sorted int32 keys, int64 positions)``: the stable sort of ``idx`` (int32 or int64,
     all below ``num_keys`` <= 2^31 - 1) on ``stream`` by the device-wide radix sort
     (``xferlib/_kernels/radix.py``: a histogram launch, then one launch per 8 bits of
@@ -110,23 +123,25 @@ def radix_sort(idx, num_keys: int, stream, words, buffer, items: int | None = No
     then the passes' keys and positions, addressed by offset: an eager sort's host time is
     its launches, not array views). ``items``: keys a thread ranks, one of
     ``RADIX_ITEM_CHOICES`` (a tile is 256 threads' worth; the same order whatever it is),
-    by default the fastest measured for ``idx.size`` (``radix_items``)."""
+    by default the fastest measured for ``idx.size`` (``radix_items``). ``zeroed``:
+    ``"radix_work"`` comes with its first words already zeroed (:func:`radix_work_words`),
+    by a memset the caller shares with its own zeroed words: none is queued here."""
     n = int(idx.size)
     items = radix_items(n) if items is None else items
     if items not in RADIX_ITEM_CHOICES:
         raise ValueError(f"items must be one of {RADIX_ITEM_CHOICES}, got {items!r}")
     bits = max(1, int(num_keys - 1).bit_length())
-    passes = radix_passes(bits)
+    passes = radix_key_passes(num_keys)
     tiles = radix_tiles(n, items)
-    zeroed = radix_status_words(n, passes, items)
-    between = min(2, passes - 1)  # the (keys, positions) pairs the passes ping-pong between
-    work = buffer("radix_work", zeroed + 2 * between * n, np.uint32)
+    cleared, size = radix_work_words(n, num_keys, items)
+    work = buffer("radix_work", size, np.uint32)
     base = work.data.ptr
-    work.data.memset_async(0, 4 * zeroed, stream)
     hist, counters = base, base + 4 * passes * RADIX_BINS
     status = counters + 4 * passes
     K = (INDEX_TYPES[idx.dtype.name], items)
     block = (RADIX_THREADS,)
+    if not zeroed:
+        work.data.memset_async(0, 4 * cleared, stream)
     RADIX_HISTOGRAM.launch(RADIX_MODULE, K, (tiles,), block, stream=stream, idx=idx, n=n,
                            n_rows=num_keys, bits=bits, passes=passes, hist=hist,
                            first_bad=words)
@@ -134,7 +149,7 @@ def radix_sort(idx, num_keys: int, stream, words, buffer, items: int | None = No
     keys_in = vals_in = None
     for p in range(passes):
         last = p == passes - 1
-        pair = base + 4 * (zeroed + 2 * n * (p % 2))
+        pair = base + 4 * (cleared + 2 * n * (p % 2))
         keys_out, vals_out = (rows, None) if last else (pair, pair + 4 * n)
         RADIX_PASS.launch(RADIX_MODULE, K, (tiles,), block, stream=stream,
                           idx=idx if p == 0 else None, keys_in=keys_in, vals_in=vals_in, n=n,

@@ -5,16 +5,16 @@ A step's lookups arrive in FBGEMM's layout (``indices``; ``offsets``, ``T * B + 
 boundaries; optional per-sample weights). Each table's place is one row of ``meta``
 (``COLL_META`` int64 fields, below). ``coll_plan`` checks every bag and index and gives each
 lookup a key unique over the collection (the table's ``key_base`` plus its row) and its bag;
-the batch sort (``xferlib/batch.py``) orders the keys and numbers their runs (one run per
-distinct row of any table). Rows of host tables are staged into HBM once per distinct row in
-sorted order (``coll_stage``: the link's fast access pattern), and ``coll_pool`` gives each
-bag a group of lanes (sized to the widest row's vectors: a warp, or part of one) that sums its
-rows in registers, read from the table in HBM or from the staged copy: no buffer of one row
-per lookup. The backward sums each run's gradients from the pooled gradient in sorted order
-in two passes (``coll_sum_chunks`` / ``coll_sum_spans``: deterministic, no atomics, no warp
-stuck on a hot row), and ``coll_update`` (``collection_update.py``, one module per rule)
-gives each distinct row a group of lanes that runs the table's update rule where the row
-lives.
+the batch sort (``xferlib/batch.py``) orders the keys and ``coll_runs`` numbers their runs
+(one run per distinct row of any table, one launch). Rows of host tables are staged into HBM
+once per distinct row in sorted order (``coll_stage``: the link's fast access pattern), and
+``coll_pool`` gives each bag a group of lanes (sized to the widest row's vectors: a warp, or
+part of one) that sums its rows in registers, read from the table in HBM or from the staged
+copy: no buffer of one row per lookup. The backward sums each run's gradients from the
+pooled gradient in sorted order in two passes (``collection_sums.py``: deterministic, no
+atomics, no warp stuck on a hot row), and ``coll_update`` (``collection_update.py``, one
+module per rule) gives each distinct row a group of lanes that runs the table's update rule
+where the row lives.
 
 Every kernel bounds every position and row it touches, and writes nothing once the plan's
 verdict (two uint64 words) reports a bad bag or index.
@@ -24,18 +24,21 @@ from __future__ import annotations
 
 from xferlib._kernels._declare import KernelDecl, defines
 from xferlib._kernels._registry import KernelModule
+from xferlib._kernels.collection_sums import LONG_SPAN, SUM_CHUNK, SUM_CHUNKS, SUM_SPANS
+from xferlib._kernels.rows import BLOCK_SCAN
 from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
 
 __all__ = ["COLL_META", "META_FIELDS", "SUM_CHUNK", "PLAN", "STAGE", "POOL", "SUM_CHUNKS",
-           "SUM_SPANS", "INIT", "RUNS", "pool_bags", "collection_module",
-           "KEY_TYPES", "RULE_IDS", "DTYPE_NAMES", "COLLECTION_HEAD", "vector_widths",
-           "c_type"]
+           "SUM_SPANS", "LONG_SPAN", "INIT", "RUNS", "RUN_THREADS", "pool_bags",
+           "run_status_words", "collection_module", "KEY_TYPES", "RULE_IDS", "DTYPE_NAMES",
+           "COLLECTION_HEAD", "vector_widths", "c_type"]
 
 # The per-table fields of ``meta`` (int64 each), in order.
 META_FIELDS = ("num_rows", "dim", "d_off", "host", "base", "row_width", "state_offset",
                "step_off", "key_base")
 COLL_META = len(META_FIELDS)
-SUM_CHUNK = 32  # sorted positions per thread in the gradient sums' first pass
+RUN_THREADS = 256  # threads of a coll_runs block, 4 sorted positions each
+RUN_TILE = 4 * RUN_THREADS
 KEY_TYPES = {4: "int", 8: "long long"}
 _TYPES = {"float32": "float", "float64": "double"}
 DTYPE_NAMES = tuple(_TYPES)  # the row dtypes a collection's kernels are built for
@@ -51,8 +54,9 @@ __device__ __forceinline__ void bag_range(const i64* offsets, i64 b, i64 n, i64&
 }
 """
 
-COLLECTION_HEAD = TABLE_KERNEL + defines(
-    COLL_META=COLL_META, COLL_SUM_CHUNK=SUM_CHUNK,
+COLLECTION_HEAD = TABLE_KERNEL + BLOCK_SCAN + defines(
+    COLL_META=COLL_META, COLL_SUM_CHUNK=SUM_CHUNK, COLL_LONG_SPAN=LONG_SPAN,
+    COLL_RUN_THREADS=RUN_THREADS, COLL_RUN_TILE=RUN_TILE,
     **{f"M_{f.upper()}": k for k, f in enumerate(META_FIELDS)}) + BAG_RANGE + r"""
 
 // A lookup's factor in its bag's sum: its sample weight, over the bag's length for mean.
@@ -113,39 +117,138 @@ PLAN = KernelDecl(
         }
     }""")
 
+# A tile's published count in the run numbering (`status`, 64-bit words): a flag in the top
+# two bits (0 not yet, A its own count, P with every earlier tile's), the count below.
+RUN_FLAGS = r"""
+#define RUN_FLAG_A (1ull << 62)
+#define RUN_FLAG_P (1ull << 63)
+#define RUN_COUNT_MASK (RUN_FLAG_A - 1ull)
+#define RUN_LOOK 4
+"""
+
 RUNS = KernelDecl(
     "coll_runs", "template <typename K>",
-    (("const i64*", "meta"), ("const K*", "keys"), ("const i64*", "run"),
-     ("const i64*", "starts"), ("const i64*", "perm"), ("const i64*", "bag_of"), ("i64", "n"),
-     ("i64", "B"), ("i64*", "run_off"), ("int*", "run_tab"), ("i64*", "inv"),
+    (("const i64*", "meta"), ("const K*", "keys"), ("const i64*", "perm"),
+     ("const i64*", "bag_of"), ("i64", "n"), ("i64", "B"),
+     ("unsigned long long*", "status"), ("i64*", "run"), ("i64*", "starts"),
+     ("i64*", "run_off"), ("int*", "run_tab"), ("i64*", "inv"),
      ("const unsigned long long*", "verdict")),
     r"""
-    // A thread per run: where its row lives (elements from its placement's buffer start;
-    // -1 when out of range) and its table, so that the row kernels start from one load
-    // instead of a chain of four (start, position, bag, table). `inv` (host tables' staged
-    // rows): then a thread per sorted position, inv[lookup] = its run (its staged row).
-    if (rejected(verdict)) return;
-    const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < runs; r += stride) {
+    // The sorted keys' runs numbered in one launch: a block of COLL_RUN_THREADS threads per
+    // tile of COLL_RUN_TILE sorted positions (4 adjacent a thread), taken in the order
+    // blocks start (status[0] counts them out): flags where a key differs from the one
+    // before, a block scan, and the runs of earlier tiles by a decoupled look-back over
+    // their published counts (status[1 + tile], zeroed by the caller; warp 0 reads 32 x
+    // RUN_LOOK tiles a round trip). run[j]: position j's run (0 for the first); at each
+    // run's first position: starts[r], and (unless the batch was rejected) where its row lives
+    // (run_off: elements from its placement's buffer start, -1 when nowhere) and its table
+    // (run_tab), so that the row kernels start from one load instead of a chain of four;
+    // inv[lookup] = its run (its staged row) where host tables need it. A thread's loads
+    // of each kind are issued together (four positions' chains side by side).
+    __shared__ unsigned int warp_sums[32];
+    __shared__ unsigned int tile_s, total_s;
+    __shared__ unsigned long long carry_s;
+    const int t = threadIdx.x;
+    if (t == 0) tile_s = (unsigned int)atomicAdd(&status[0], 1ull);
+    __syncthreads();
+    const i64 tile = tile_s;
+    const i64 j0 = tile * COLL_RUN_TILE + 4 * (i64)t;
+    K key[5];  // positions j0 - 1 .. j0 + 3
+    #pragma unroll
+    for (int u = 0; u < 5; ++u) {
+        const i64 j = j0 - 1 + u;
+        key[u] = j >= 0 && j < n ? keys[j] : (K)0;
+    }
+    int flag[4];
+    unsigned int count = 0;
+    #pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const i64 j = j0 + u;
+        flag[u] = (j < n && j > 0 && key[u + 1] != key[u]) ? 1 : 0;
+        count += flag[u];
+    }
+    const unsigned int before_me = block_exclusive_scan(count, warp_sums);
+    if (t == (int)blockDim.x - 1) total_s = before_me + count;
+    __syncthreads();
+    if (t < 32) {
+        volatile unsigned long long* published = status + 1;
+        const unsigned long long total = total_s;
+        if (t == 0) published[tile] = (tile == 0 ? RUN_FLAG_P : RUN_FLAG_A) | total;
+        unsigned long long before = 0;
+        if (tile > 0) {
+            i64 next = tile - 1;  // the nearest earlier tile not yet added
+            bool done = false;
+            while (!done) {
+                // RUN_LOOK windows of 32 tiles read at once (lane t: tiles next - t - 32 w;
+                // before tile 0, a P of nothing), then added window by window
+                unsigned long long seen[RUN_LOOK];
+                #pragma unroll
+                for (int w = 0; w < RUN_LOOK; ++w) {
+                    const i64 k = next - t - 32 * w;
+                    seen[w] = k >= 0 ? published[k] : RUN_FLAG_P;
+                }
+                #pragma unroll
+                for (int w = 0; w < RUN_LOOK; ++w) {
+                    const unsigned long long s = seen[w];
+                    const unsigned int ready = __ballot_sync(0xffffffffu, (s >> 62) != 0);
+                    const unsigned int full = __ballot_sync(0xffffffffu, (s >> 63) != 0);
+                    const int gap = __ffs(~ready) - 1;  // first lane not published (-1: none)
+                    const int first_p = __ffs(full) - 1;  // first with every tile before it
+                    done = first_p >= 0 && (gap < 0 || first_p < gap);
+                    const int take = done ? first_p + 1 : (gap < 0 ? 32 : gap);
+                    unsigned long long add = t < take ? (s & RUN_COUNT_MASK) : 0ull;
+                    #pragma unroll
+                    for (int d = 16; d > 0; d >>= 1) add += __shfl_xor_sync(0xffffffffu, add, d);
+                    before += add;
+                    next -= take;
+                    if (done || take < 32) break;  // the same for every lane
+                }
+            }
+            if (t == 0) published[tile] = RUN_FLAG_P | (before + total);
+        }
+        if (t == 0) carry_s = before;
+    }
+    const bool refused = rejected(verdict);
+    i64 l[4], bag[4];
+    #pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const i64 j = j0 + u;
+        l[u] = j < n && (inv != nullptr || flag[u] || j == 0) ? perm[j] : -1;
+        l[u] = l[u] >= 0 && l[u] < n ? l[u] : -1;
+    }
+    #pragma unroll
+    for (int u = 0; u < 4; ++u)
+        bag[u] = !refused && l[u] >= 0 && (flag[u] || j0 + u == 0) ? bag_of[l[u]] : -1;
+    __syncthreads();
+    i64 r = (i64)carry_s + before_me;
+    #pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const i64 j = j0 + u;
+        if (j >= n) break;
+        r += flag[u];
+        run[j] = r;
+        if (inv != nullptr && !refused && l[u] >= 0) inv[l[u]] = r;
+        if (!flag[u] && j != 0) continue;
+        starts[r] = j;
+        if (refused) continue;
         i64 off = -1;
         int tab = 0;
-        const i64 j = starts[r];
-        const i64 l = j >= 0 && j < n ? perm[j] : -1;
-        if (l >= 0 && l < n && bag_of[l] >= 0) {  // bag -1: a padded batch's tail
-            tab = (int)(bag_of[l] / B);
+        if (bag[u] >= 0) {  // bag -1: a padded batch's tail
+            tab = (int)(bag[u] / B);
             const i64* m = meta + (i64)tab * COLL_META;
-            const i64 row = (i64)keys[j] - m[M_KEY_BASE];
+            const i64 row = (i64)key[u + 1] - m[M_KEY_BASE];
             if (row >= 0 && row < m[M_NUM_ROWS]) off = m[M_BASE] + row * m[M_ROW_WIDTH];
         }
         run_off[r] = off;
         run_tab[r] = tab;
-    }
-    if (inv == nullptr) return;
-    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
-        const i64 l = perm[j];
-        if (l >= 0 && l < n) inv[l] = run[j];
-    }""")
+    }""", launch_bounds="__launch_bounds__(COLL_RUN_THREADS)")
+
+
+def run_status_words(n: int) -> int:
+    """64-bit words of ``coll_runs``' zeroed status for ``n`` sorted positions: its tile
+    counter, then one word a tile (its blocks: one fewer)."""
+    return 1 + -(-int(n) // RUN_TILE)
+
 
 STAGE = KernelDecl(
     "coll_stage", "template <int V, typename T>",
@@ -301,149 +404,6 @@ def pool_bags(n: int, bags: int) -> int:
     return 2 if n < 2 * bags else 1
 
 
-_SUM_ARGS = (("const T*", "grad"), ("const K*", "keys"), ("const i64*", "run"),
-             ("const i64*", "starts"), ("const i64*", "perm"), ("const i64*", "bag_of"),
-             ("const i64*", "offsets"), ("const i64*", "meta"), ("const i64*", "run_off"),
-             ("const int*", "run_tab"), ("const T*", "psw"), ("int", "mean"), ("i64", "B"),
-             ("i64", "grad_stride"), ("i64", "n"), ("i64", "width"), ("T*", "summed"),
-             ("T*", "head"), ("T*", "tail"), ("const unsigned long long*", "verdict"))
-
-SUM_CHUNKS = KernelDecl(
-    "coll_sum_chunks", "template <int V, typename T, typename K>", _SUM_ARGS,
-    r"""
-    // Pass 1 (as the host tables' sum_chunks): chunk c's COLL_SUM_CHUNK (= 32) sorted
-    // positions, summed per column in position order; a run inside the chunk goes to
-    // summed[run], the segment at the chunk's start to head[c], the one at its end to
-    // tail[c]. A warp per (chunk, 32 x V columns), V adjacent columns a lane (one 16-byte
-    // load where the gradient's rows allow): lane k first finds position k's records
-    // (gradient source, factor, width, key, run), then the warp walks the positions with
-    // every record at hand from a shuffle, so the gradient loads of the walk do not wait on
-    // each other. Columns past a table's width are skipped (every width is a multiple of
-    // V). `width`: the widest table (summed's row stride, a multiple of V).
-    if (rejected(verdict)) return;
-    const int lane = threadIdx.x & 31;
-    const i64 chunks = (n + COLL_SUM_CHUNK - 1) / COLL_SUM_CHUNK;
-    const i64 slices = (width + 32 * V - 1) / (32 * V);
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < chunks * slices;
-         w += warps) {
-        const i64 c = w / slices, e = ((w - c * slices) * 32 + lane) * V;
-        const i64 first = c * COLL_SUM_CHUNK;
-        const int count = (int)(first + COLL_SUM_CHUNK < n ? COLL_SUM_CHUNK : n - first);
-        const i64 mine_j = first + (lane < count ? lane : count - 1);
-        // My position's record: where its lookup's gradient starts in the pooled gradient
-        // (its bag's row, `grad_stride` elements apart, then its table's columns), its
-        // factor and its table's width (0 for padding, bag -1: no gradient).
-        i64 my_src = 0;
-        T my_scale = (T)0;
-        int my_dim = 0;
-        {
-            const i64 l = perm[mine_j];
-            const i64 bag = l >= 0 && l < n ? bag_of[l] : -1;
-            if (bag >= 0) {
-                const i64 t = bag <= 0x7fffffffLL && B <= 0x7fffffffLL
-                              ? (i64)((unsigned)bag / (unsigned)B) : bag / B;
-                const i64* m = meta + t * COLL_META;
-                my_src = (bag - t * B) * grad_stride + m[M_D_OFF];
-                my_dim = (int)m[M_DIM];
-                my_scale = (T)1;
-                if (psw != nullptr || mean) {
-                    i64 lo, hi;
-                    bag_range(offsets, bag, n, lo, hi);
-                    my_scale = lookup_scale<T>(psw, l, mean, hi - lo);
-                }
-            }
-        }
-        const i64 my_run = run[mine_j];
-        // Does a segment end at my position (the next key differs, or the chunk ends)?
-        const bool my_end = lane >= count - 1 || keys[mine_j + 1] != keys[mine_j];
-        const bool head_open = first > 0 && keys[first] == keys[first - 1];
-        const bool tail_open = first + count < n && keys[first + count] == keys[first + count - 1];
-        const unsigned ends = __ballot_sync(0xffffffffu, my_end && lane < count);
-        vec<T, V> acc;
-        #pragma unroll
-        for (int q = 0; q < V; ++q) acc.v[q] = (T)0;
-        int begin = 0;
-        // AHEAD positions' gradient loads issued before the first is added: the walk is
-        // bound by load latency, not bandwidth (26 tables x 64, 425,984 lookups, an H200:
-        // 63 us with one load at a time). AHEAD divides 32, so k stays a lane of the warp.
-        constexpr int AHEAD = V >= 4 ? 4 : 8;
-        for (int k0 = 0; k0 < count; k0 += AHEAD) {
-            vec<T, V> g[AHEAD];
-            T scale[AHEAD];
-            int dim[AHEAD];
-            #pragma unroll
-            for (int u = 0; u < AHEAD; ++u) {
-                const int k = k0 + u;
-                const i64 src = __shfl_sync(0xffffffffu, my_src, k);
-                scale[u] = __shfl_sync(0xffffffffu, my_scale, k);
-                dim[u] = k < count ? __shfl_sync(0xffffffffu, my_dim, k) : 0;
-                if (e < dim[u]) g[u] = *reinterpret_cast<const vec<T, V>*>(grad + src + e);
-            }
-            #pragma unroll
-            for (int u = 0; u < AHEAD; ++u) {
-                const int k = k0 + u;
-                if (k >= count) break;  // the same for every lane
-                if (e < dim[u]) {
-                    #pragma unroll
-                    for (int q = 0; q < V; ++q) acc.v[q] += g[u].v[q] * scale[u];
-                }
-                if ((ends >> k) & 1u) {  // the segment [begin, k] ends here
-                    const i64 rk = __shfl_sync(0xffffffffu, my_run, k);
-                    const bool is_head = begin == 0 && head_open;
-                    const bool is_tail = k == count - 1 && tail_open;
-                    if (e < dim[u]) {
-                        if (is_head) *reinterpret_cast<vec<T, V>*>(head + c * width + e) = acc;
-                        if (is_tail) *reinterpret_cast<vec<T, V>*>(tail + c * width + e) = acc;
-                        if (!is_head && !is_tail && rk >= 0 && rk < n)
-                            *reinterpret_cast<vec<T, V>*>(summed + rk * width + e) = acc;
-                    }
-                    #pragma unroll
-                    for (int q = 0; q < V; ++q) acc.v[q] = (T)0;
-                    begin = k + 1;
-                }
-            }
-        }
-    }""")
-
-SUM_SPANS = KernelDecl(
-    "coll_sum_spans", "template <typename T, typename K>", _SUM_ARGS,
-    r"""
-    // Pass 2: a run crossing chunk boundaries (found at its first chunk) adds its pieces in
-    // order: that chunk's tail, the middle chunks' heads, the last chunk's head. The run's
-    // last chunk is known from the next run's start, so 32 chunks' heads are loaded at once
-    // without waiting on keys (a hot row's run crosses thousands of chunks).
-    if (rejected(verdict)) return;
-    const i64 chunks = (n + COLL_SUM_CHUNK - 1) / COLL_SUM_CHUNK;
-    const i64 total = chunks * width;
-    const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const i64 c = i / width, e = i - c * width;
-        const i64 first = c * COLL_SUM_CHUNK;
-        const i64 last = first + COLL_SUM_CHUNK - 1;
-        if (last + 1 >= n || keys[last + 1] != keys[last]) continue;  // no run leaves c
-        const K key = keys[last];
-        if (keys[first] == key && first > 0 && keys[first - 1] == key) continue;  // began earlier
-        const i64 rl = run[last];
-        if (rl < 0 || rl >= n || run_off[rl] < 0) continue;  // a row nowhere: no gradient
-        if (e >= meta[(i64)run_tab[rl] * COLL_META + M_DIM]) continue;
-        i64 end = rl + 1 < runs ? starts[rl + 1] - 1 : n - 1;  // the run's last position
-        end = end <= last ? last + 1 : (end >= n ? n - 1 : end);
-        const i64 c_end = end / COLL_SUM_CHUNK;
-        T acc = tail[c * width + e];
-        for (i64 d0 = c + 1; d0 <= c_end; d0 += 32) {
-            T h[32];
-            #pragma unroll
-            for (int u = 0; u < 32; ++u)
-                h[u] = d0 + u <= c_end ? head[(d0 + u) * width + e] : (T)0;
-            #pragma unroll
-            for (int u = 0; u < 32; ++u)
-                if (d0 + u <= c_end) acc += h[u];
-        }
-        summed[rl * width + e] = acc;
-    }""")
-
 # The tables' counter-based initializer (``xferlib/collection/init.py`` has its NumPy twin):
 # weight (row, col) of table stream `stream` is a function of (stream, row * dim + col) alone,
 # so any chunk of rows, on either path, gets the same values. No FMA contraction in the
@@ -492,7 +452,7 @@ INIT = KernelDecl(
         rows[i] = v;
     }""")
 
-COLLECTION_KERNEL = COLLECTION_HEAD + _INIT_HEAD + "".join(
+COLLECTION_KERNEL = COLLECTION_HEAD + RUN_FLAGS + _INIT_HEAD + "".join(
     d.source() for d in (PLAN, RUNS, STAGE, POOL, SUM_CHUNKS, SUM_SPANS, INIT))
 
 
@@ -513,10 +473,11 @@ def _collection_names():
                 yield RUNS.instance(K)
             for V in vector_widths(dtype_name):
                 yield SUM_CHUNKS.instance(V, T, K)
-            yield SUM_SPANS.instance(T, K)
             for V in vector_widths(dtype_name):
                 for NB in POOL_BAGS:
                     yield POOL.instance(V, NB, T, K)
+        for V in vector_widths(dtype_name):
+            yield SUM_SPANS.instance(V, T)
 
 
 COLLECTION_MODULE = KernelModule("collection", COLLECTION_KERNEL,

@@ -245,6 +245,11 @@ def radix_passes(bits: int) -> int:
     return max(1, -(-int(bits) // RADIX_BITS))
 
 
+def radix_key_passes(num_keys: int) -> int:
+    """Passes that sort keys below ``num_keys``."""
+    return radix_passes(max(1, int(num_keys - 1).bit_length()))
+
+
 def radix_items(n: int) -> int:
     """Keys a thread ranks in a sort of ``n`` keys: smaller tiles give a small sort more
     blocks to spread over the SMs, larger ones cut a large sort's look-back. One H200, each

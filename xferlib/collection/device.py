@@ -1,11 +1,11 @@
 """The GPU half of an EmbeddingCollection: the step's launches, and its deferred input checks.
 
 Forward: ``coll_plan`` checks bags and indices and keys every lookup; the batch sort
-(:func:`xferlib.batch.sort_positions` on the device: no host sync at any size) orders the
-keys and :func:`xferlib.batch.run_ids` numbers their runs; host tables' distinct rows are
-staged into HBM; ``coll_pool`` writes the pooled output. Backward: the two-pass gradient sums
-and ``coll_update``. Kernels in ``xferlib/_kernels/collection.py`` and
-``collection_update.py``.
+(:func:`xferlib.batch.radix_sort` on the device, the tile sort for a small batch: no host
+sync at any size) orders the keys and ``coll_runs`` numbers their runs (one launch); host
+tables' distinct rows are staged into HBM; ``coll_pool`` writes the pooled output.
+Backward: the two-pass gradient sums and ``coll_update``. Kernels in
+``xferlib/_kernels/collection.py``, ``collection_sums.py`` and ``collection_update.py``.
 
 A ``tt`` table's lookups are planned and checked with the others (its meta row makes every
 row of it live nowhere: width 0, no place), then pooled and trained by its TT table on the
@@ -26,11 +26,14 @@ import numpy as np
 from xferlib._backend import (as_cupy_stream, changed_constant, device_constant,
                               hyper_constant, is_capturing)
 from xferlib._kernels import grid_1d, launch_config
-from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, RUNS, STAGE,
-                                         SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, c_type, pool_bags,
-                                         collection_module)
+from xferlib._kernels.collection import (LONG_SPAN, META_FIELDS, PLAN, POOL, RUN_THREADS,
+                                         RUNS, STAGE, SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, c_type,
+                                         collection_module, pool_bags, run_status_words)
 from xferlib._kernels.collection_update import UPDATE, update_module
-from xferlib.batch import NO_BAD, PendingChecks, Verdict, run_ids, sort_positions
+from xferlib._kernels.radix import RADIX_MAX_N
+from xferlib._kernels.rows import SMALL_SORT_TILE
+from xferlib.batch import (NO_BAD, PendingChecks, Verdict, radix_sort, radix_work_words,
+                           sort_positions)
 from xferlib.checks import host_values
 from xferlib.collection.tt_tables import tt_lookup_gpu, tt_update_gpu
 from xferlib.memory import device_pointer
@@ -244,6 +247,18 @@ class CollectionDevice:
             words.data.memset_async(0xFF, 16, stream)
             keys = cupy.empty(n, dtype=np.int64)
             bag_of = cupy.empty(n, dtype=np.int64)
+            # One zeroed working array for the run numbering's look-back and (a batch the
+            # radix sort takes) the sort's counts and look-back: one memset for both.
+            num_keys = self.total_rows + int(padded)
+            radix = SMALL_SORT_TILE < n <= RADIX_MAX_N and num_keys <= np.iinfo(np.int32).max
+            # (the sort's own verdict word, never read: the plan checked every key, between)
+            run_words = 2 * run_status_words(n)
+            zeroed, size = radix_work_words(n, num_keys) if radix else (0, 0)
+            work = cupy.empty(run_words + 2 + size, dtype=np.uint32)
+            if n:
+                work.data.memset_async(0, 4 * (run_words + 2 + zeroed), stream)
+            sort_words = work.data.ptr + 4 * run_words
+            sort_work = work[run_words + 2:]
             if bags:
                 # lanes per bag: the bags' mean length as a power of two, at most a warp
                 group = _lane_group(-(-n // bags), 1)
@@ -260,18 +275,22 @@ class CollectionDevice:
             plan = GpuPlan(None, None, None, None, None, None, bag_of, offsets64, psw_c,
                            None, self.writes, words, n)
             if n:
-                plan.keys, plan.perm, _ = sort_positions(keys, self.total_rows + int(padded),
-                                                         stream=stream)
-                plan.run, plan.starts = run_ids(plan.keys, stream)
+                if radix:
+                    plan.keys, plan.perm = radix_sort(keys, num_keys, stream, sort_words,
+                                                      _sort_buffer(sort_work), zeroed=True)
+                else:
+                    plan.keys, plan.perm, _ = sort_positions(keys, num_keys, stream=stream)
+                plan.run = cupy.empty(n, dtype=np.int64)
+                plan.starts = cupy.empty(n, dtype=np.int64)
                 plan.run_off = cupy.empty(n, dtype=np.int64)
                 plan.run_tab = cupy.empty(n, dtype=np.int32)
                 # each lookup's run (its staged row), for the pooling of host tables' rows
                 inv = cupy.empty(n, dtype=np.int64) if self.has_host else None
-                grid, block = grid_1d(n, 256, 65535)
-                RUNS.launch(module, (_key(plan.keys),), grid, block, stream=stream,
-                            meta=self.meta, keys=plan.keys, run=plan.run, starts=plan.starts,
-                            perm=plan.perm, bag_of=bag_of, n=n, B=B, run_off=plan.run_off,
-                            run_tab=plan.run_tab, inv=inv, verdict=words)
+                RUNS.launch(module, (_key(plan.keys),), (run_words // 2 - 1,), (RUN_THREADS,),
+                            stream=stream, meta=self.meta, keys=plan.keys, perm=plan.perm,
+                            bag_of=bag_of, n=n, B=B, status=work, run=plan.run,
+                            starts=plan.starts, run_off=plan.run_off, run_tab=plan.run_tab,
+                            inv=inv, verdict=words)
                 if self.cache is not None:  # rows of host tables found, admitted, evicted
                     plan.slots = self.cache.insert(_CachePlan(plan), stream)
                     self.cache_passes += 1
@@ -332,12 +351,17 @@ class CollectionDevice:
             summed = cupy.empty((n, width), dtype=coll.dtype)  # rows past the last run unused
             head = cupy.empty((chunks, width), dtype=coll.dtype)
             tail = cupy.empty((chunks, width), dtype=coll.dtype)
+            # the runs across more than LONG_SPAN chunks (a count, then at most one run a
+            # LONG_SPAN + 1 chunks)
+            long_runs = cupy.zeros(1 + 3 * (1 + chunks // (LONG_SPAN + 1)), dtype=np.int64)
+            cross = cupy.empty((chunks, 2), dtype=np.int64)  # each chunk's short crossing run
             sums = dict(grad=grad, keys=plan.keys, run=plan.run, starts=plan.starts,
                         perm=plan.perm, bag_of=plan.bag_of, offsets=plan.offsets,
                         meta=self.meta, run_off=plan.run_off, run_tab=plan.run_tab,
                         psw=plan.psw, mean=int(coll.pooling == "mean"), B=ctx.batch_size,
                         grad_stride=grad.strides[0] // grad.itemsize, n=n, width=width,
-                        summed=summed, head=head, tail=tail, verdict=plan.words)
+                        summed=summed, head=head, tail=tail, cross=cross, long_runs=long_runs,
+                        verdict=plan.words)
             key = _key(plan.keys)
             # V adjacent columns a lane where every gradient row starts on a V-word boundary
             # (a slice of a wider gradient may not)
@@ -347,8 +371,13 @@ class CollectionDevice:
                 v //= 2
             grid, block = launch_config(chunks * -(-width // (32 * v)))  # a warp per slice
             SUM_CHUNKS.launch(module, (v, T, key), grid, block, stream=stream, **sums)
-            grid, block = grid_1d(chunks * width, 256, 65535)
-            SUM_SPANS.launch(module, (T, key), grid, block, stream=stream, **sums)
+            # a lane group per chunk, and a block per listed long run (a hot row's; a grid
+            # of at least as many blocks as the list can hold)
+            blocks = max(-(-chunks * self.lane_group // 256), (long_runs.size - 1) // 3)
+            SUM_SPANS.launch(module, (self.vec, T), (blocks,), (256,), stream=stream,
+                             run=plan.run, starts=plan.starts, cross=cross, long_runs=long_runs,
+                             n=n, width=width, summed=summed, head=head, tail=tail,
+                             group=self.lane_group, verdict=plan.words)
             # The forward's staged weights are current only if no update came between; its
             # cache slots only if no cache pass came between (else located again).
             choice = (plan.writes == self.writes,
@@ -417,6 +446,21 @@ class CollectionDevice:
         # large cache is a transfer of its every dirty row: readers of host RAM synchronize)
         self._wait_queued().synchronize()
         self.checks.poll(wait=True)
+
+
+def _sort_buffer(work):
+    """The radix sort's ``buffer``: its working array the plan's (zeroed), its results
+    fresh."""
+    import cupy
+
+    def buffer(name, size, dtype):
+        if name == "radix_work":
+            if work.size != size:
+                raise AssertionError(f"radix work of {work.size} words for {size}")
+            return work
+        return cupy.empty(size, dtype=dtype)
+
+    return buffer
 
 
 class _CachePlan:
