@@ -350,6 +350,45 @@ def test_gpu_run_across_a_thousand_chunks_matches_reference(optimizer):
         np.testing.assert_allclose(coll.state(0, k), v, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("lead", [0, 1, 31])
+def test_gpu_runs_across_a_few_or_many_chunks_match_the_numpy_path(dtype, lead):
+    """Hot rows whose runs cross about LONG_SPAN chunks of the gradient sums, on both sides
+    of it (the update sums a run across up to LONG_SPAN of them; longer runs are listed by
+    the first pass and summed by a block each), shifted against the chunk boundaries by
+    `lead` lookups of a row sorted first; a width past one block's 64 columns and not a
+    multiple of them; row-wise Adagrad, whose row sum sees every column."""
+    import cupy
+
+    from xferlib._kernels.collection import LONG_SPAN, SUM_CHUNK
+
+    rng = np.random.default_rng(lead)
+    span = LONG_SPAN * SUM_CHUNK
+    hot = [span - SUM_CHUNK + 1, span, span + 1, span + SUM_CHUNK, span + SUM_CHUNK + 1,
+           2 * span + 7, 3]
+    rows, dim = 400, 72
+    indices = np.concatenate([np.zeros(lead, np.int64)]
+                             + [np.full(c, 1 + k, np.int64) for k, c in enumerate(hot)]
+                             + [rng.integers(10, rows, 3000)])
+    rng.shuffle(indices)
+    offsets = np.arange(indices.size + 1, dtype=np.int64)  # bags of one lookup
+    grad = rng.standard_normal((indices.size, dim)) / 10
+
+    def train(device):
+        coll = EmbeddingCollection([TableConfig(rows, dim)], "rowwise_adagrad", {"lr": 0.05},
+                                   dtype=dtype, device=device, seed=6)
+        xp = cupy if device == "cuda" else np
+        _, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets))
+        coll.backward(ctx, xp.asarray(grad.astype(dtype)))
+        return coll.weights(0), coll.state(0, "sum")
+
+    (w_gpu, s_gpu), (w_cpu, s_cpu) = train("cuda"), train("cpu")
+    tol = tolerance(np.dtype(dtype))
+    np.testing.assert_allclose(w_gpu, w_cpu, **tol)
+    np.testing.assert_allclose(s_gpu, s_cpu, **tol)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_runs_bitwise_identical(backend):
     backend = get_backend(backend)
