@@ -59,7 +59,8 @@ from xferlib.checks import (NO_BAD, PENDING, PendingChecks, RowsReport,  # noqa:
 
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
            "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values",
-           "run_ids", "tile_sort", "radix_sort", "radix_work_words", "sort_on_device",
+           "run_ids", "tile_sort", "radix_sort", "radix_takes", "radix_work_words",
+           "sort_on_device",
            "sort_buffers"]
 
 # Up to this many positions the sort stays on the device (the tile sort, the radix sort: no
@@ -100,6 +101,16 @@ def tile_sort(keys, num_keys: int, stream, words, rows, perm) -> None:
            CHECK_AND_SORT_SMALL.arguments(idx=keys, n_total=n, n_rows=num_keys, bits=bits,
                                           rows_out=rows, perm_out=perm, first_bad=words),
            shared_mem=shared, stream=stream)
+
+
+def radix_takes(n: int, num_keys: int) -> bool:
+    """Whether :func:`sort_positions` (its default bounds) gives ``n`` keys below ``num_keys``
+    to :func:`radix_sort`: past one tile, within the on-device sort's bounds.
+
+    >>> radix_takes(2_048, 1000), radix_takes(65_536, 8_000_000), radix_takes(65_536, 2**40)
+    (False, True, False)
+    """
+    return SMALL_SORT_TILE < n <= TILED_SORT_MAX and num_keys <= np.iinfo(np.int32).max
 
 
 def radix_work_words(n: int, num_keys: int, items: int | None = None) -> tuple:
@@ -176,14 +187,19 @@ def sort_on_device(idx, num_keys: int, stream, words, buffer):
     return rows, perm
 
 
-def sort_buffers(scratch=None, scratch_result: bool = False, out=None):
+def sort_buffers(scratch=None, scratch_result: bool = False, out=None, work=None):
     """The ``buffer(name, size, dtype)`` of :func:`sort_on_device`: fresh CuPy arrays, or a
     :class:`xferlib.tt.scratch.Scratch`'s for the working ones (and the result's with
     ``scratch_result``); ``out``: the result's ``(int32 keys, int64 positions)`` arrays where
-    the caller has them."""
+    the caller has them; ``work``: the radix sort's working array where the caller made it
+    (sized by :func:`radix_work_words`; zeroed for ``radix_sort(zeroed=True)``)."""
     import cupy
 
     def buffer(name, size, dtype):
+        if name == "radix_work" and work is not None:
+            if work.size != size:
+                raise ValueError(f"the radix sort needs {size} working words, not {work.size}")
+            return work
         if name in ("rows", "perm"):
             if out is not None:
                 return out[0] if name == "rows" else out[1]

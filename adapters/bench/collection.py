@@ -17,8 +17,8 @@ eager step; and ``HostEmbeddingBag`` (the single-table module on the same engine
 time to build the table with its optimizer state (each placement once on its own, then each
 engine's build beside the others), and the step's host time per call (on the GPU machines a
 launch costs about 10 us of host time: an eager step is host-bound when its kernels take
-less than its launches). On a machine without a GPU: a small table on the
-NumPy path, so the suite runs everywhere.
+less than its launches). On a machine without a GPU: a small table on the NumPy path, so
+the suite runs everywhere.
 """
 
 from __future__ import annotations

@@ -25,16 +25,13 @@ SUM_CHUNK = 32  # sorted positions per warp in the first pass
 # second pass (longer: listed by the first pass, summed by a block each).
 LONG_SPAN = 16
 
-_SUM_ARGS = (("const T*", "grad"), ("const K*", "keys"), ("const i64*", "run"),
-             ("const i64*", "starts"), ("const i64*", "perm"), ("const i64*", "bag_of"),
-             ("const i64*", "offsets"), ("const i64*", "meta"), ("const i64*", "run_off"),
-             ("const int*", "run_tab"), ("const T*", "psw"), ("int", "mean"), ("i64", "B"),
-             ("i64", "grad_stride"), ("i64", "n"), ("i64", "width"), ("T*", "summed"),
-             ("T*", "head"), ("T*", "tail"), ("i64*", "cross"), ("i64*", "long_runs"),
-             ("const unsigned long long*", "verdict"))
-
 SUM_CHUNKS = KernelDecl(
-    "coll_sum_chunks", "template <int V, typename T, typename K>", _SUM_ARGS,
+    "coll_sum_chunks", "template <int V, typename T, typename K>",
+    (("const T*", "grad"), ("const K*", "keys"), ("const i64*", "run"), ("const i64*", "perm"),
+     ("const i64*", "bag_of"), ("const i64*", "offsets"), ("const i64*", "meta"),
+     ("const T*", "psw"), ("int", "mean"), ("i64", "B"), ("i64", "grad_stride"), ("i64", "n"),
+     ("i64", "width"), ("T*", "summed"), ("T*", "head"), ("T*", "tail"), ("i64*", "cross"),
+     ("i64*", "long_runs"), ("const unsigned long long*", "verdict")),
     r"""
     // Pass 1 (as the host tables' sum_chunks): chunk c's COLL_SUM_CHUNK (= 32) sorted
     // positions, summed per column in position order; a run inside the chunk goes to

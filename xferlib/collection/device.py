@@ -30,10 +30,8 @@ from xferlib._kernels.collection import (LONG_SPAN, META_FIELDS, PLAN, POOL, RUN
                                          RUNS, STAGE, SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, c_type,
                                          collection_module, pool_bags, run_status_words)
 from xferlib._kernels.collection_update import UPDATE, update_module
-from xferlib._kernels.radix import RADIX_MAX_N
-from xferlib._kernels.rows import SMALL_SORT_TILE
-from xferlib.batch import (NO_BAD, PendingChecks, Verdict, radix_sort, radix_work_words,
-                           sort_positions)
+from xferlib.batch import (NO_BAD, PendingChecks, Verdict, radix_sort, radix_takes,
+                           radix_work_words, sort_buffers, sort_positions)
 from xferlib.checks import host_values
 from xferlib.collection.tt_tables import tt_lookup_gpu, tt_update_gpu
 from xferlib.memory import device_pointer
@@ -250,15 +248,15 @@ class CollectionDevice:
             # One zeroed working array for the run numbering's look-back and (a batch the
             # radix sort takes) the sort's counts and look-back: one memset for both.
             num_keys = self.total_rows + int(padded)
-            radix = SMALL_SORT_TILE < n <= RADIX_MAX_N and num_keys <= np.iinfo(np.int32).max
+            radix = radix_takes(n, num_keys)
+            status_words = run_status_words(n)  # 64-bit: its tile counter, a word a tile
+            run_words = 2 * status_words
             # (the sort's own verdict word, never read: the plan checked every key, between)
-            run_words = 2 * run_status_words(n)
             zeroed, size = radix_work_words(n, num_keys) if radix else (0, 0)
             work = cupy.empty(run_words + 2 + size, dtype=np.uint32)
             if n:
                 work.data.memset_async(0, 4 * (run_words + 2 + zeroed), stream)
             sort_words = work.data.ptr + 4 * run_words
-            sort_work = work[run_words + 2:]
             if bags:
                 # lanes per bag: the bags' mean length as a power of two, at most a warp
                 group = _lane_group(-(-n // bags), 1)
@@ -276,8 +274,9 @@ class CollectionDevice:
                            None, self.writes, words, n)
             if n:
                 if radix:
+                    buffers = sort_buffers(work=work[run_words + 2:])
                     plan.keys, plan.perm = radix_sort(keys, num_keys, stream, sort_words,
-                                                      _sort_buffer(sort_work), zeroed=True)
+                                                      buffers, zeroed=True)
                 else:
                     plan.keys, plan.perm, _ = sort_positions(keys, num_keys, stream=stream)
                 plan.run = cupy.empty(n, dtype=np.int64)
@@ -286,7 +285,7 @@ class CollectionDevice:
                 plan.run_tab = cupy.empty(n, dtype=np.int32)
                 # each lookup's run (its staged row), for the pooling of host tables' rows
                 inv = cupy.empty(n, dtype=np.int64) if self.has_host else None
-                RUNS.launch(module, (_key(plan.keys),), (run_words // 2 - 1,), (RUN_THREADS,),
+                RUNS.launch(module, (_key(plan.keys),), (status_words - 1,), (RUN_THREADS,),
                             stream=stream, meta=self.meta, keys=plan.keys, perm=plan.perm,
                             bag_of=bag_of, n=n, B=B, status=work, run=plan.run,
                             starts=plan.starts, run_off=plan.run_off, run_tab=plan.run_tab,
@@ -355,13 +354,6 @@ class CollectionDevice:
             # LONG_SPAN + 1 chunks)
             long_runs = cupy.zeros(1 + 3 * (1 + chunks // (LONG_SPAN + 1)), dtype=np.int64)
             cross = cupy.empty((chunks, 2), dtype=np.int64)  # each chunk's short crossing run
-            sums = dict(grad=grad, keys=plan.keys, run=plan.run, starts=plan.starts,
-                        perm=plan.perm, bag_of=plan.bag_of, offsets=plan.offsets,
-                        meta=self.meta, run_off=plan.run_off, run_tab=plan.run_tab,
-                        psw=plan.psw, mean=int(coll.pooling == "mean"), B=ctx.batch_size,
-                        grad_stride=grad.strides[0] // grad.itemsize, n=n, width=width,
-                        summed=summed, head=head, tail=tail, cross=cross, long_runs=long_runs,
-                        verdict=plan.words)
             key = _key(plan.keys)
             # V adjacent columns a lane where every gradient row starts on a V-word boundary
             # (a slice of a wider gradient may not)
@@ -370,7 +362,13 @@ class CollectionDevice:
             while v > 1 and 16 * v >= width:  # a warp's lanes over the row, none idle
                 v //= 2
             grid, block = launch_config(chunks * -(-width // (32 * v)))  # a warp per slice
-            SUM_CHUNKS.launch(module, (v, T, key), grid, block, stream=stream, **sums)
+            SUM_CHUNKS.launch(module, (v, T, key), grid, block, stream=stream, grad=grad,
+                              keys=plan.keys, run=plan.run, perm=plan.perm, bag_of=plan.bag_of,
+                              offsets=plan.offsets, meta=self.meta, psw=plan.psw,
+                              mean=int(coll.pooling == "mean"), B=ctx.batch_size,
+                              grad_stride=grad.strides[0] // grad.itemsize, n=n, width=width,
+                              summed=summed, head=head, tail=tail, cross=cross,
+                              long_runs=long_runs, verdict=plan.words)
             # a lane group per chunk, and a block per listed long run (a hot row's; a grid
             # of at least as many blocks as the list can hold)
             blocks = max(-(-chunks * self.lane_group // 256), (long_runs.size - 1) // 3)
@@ -446,21 +444,6 @@ class CollectionDevice:
         # large cache is a transfer of its every dirty row: readers of host RAM synchronize)
         self._wait_queued().synchronize()
         self.checks.poll(wait=True)
-
-
-def _sort_buffer(work):
-    """The radix sort's ``buffer``: its working array the plan's (zeroed), its results
-    fresh."""
-    import cupy
-
-    def buffer(name, size, dtype):
-        if name == "radix_work":
-            if work.size != size:
-                raise AssertionError(f"radix work of {work.size} words for {size}")
-            return work
-        return cupy.empty(size, dtype=dtype)
-
-    return buffer
 
 
 class _CachePlan:
