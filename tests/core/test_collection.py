@@ -634,6 +634,63 @@ def test_gpu_cache_counts_the_host_tables_rows_only():
     stats = coll.cache_stats()
     assert stats["lookups"] == stats["hits"] + stats["misses"] == distinct, stats
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tables", ["hbm", "host", "mixed"])
+def test_gpu_radix_sorted_batches_of_every_placement_mix_match_the_numpy_path(tables):
+    """Batches the radix sort takes (past one tile), every placement mix (HBM only, host
+    only with and without a cache, HBM beside cached and uncached host tables and a tt
+    table), bags of 0-3 lookups, several steps: the pooled outputs and every table's weights
+    and state match the NumPy path; a refused batch in between pools zeros and changes
+    nothing."""
+    get_backend("cupy")
+    import cupy
+
+    from xferlib.batch import SMALL_SORT_TILE
+
+    rows = {"hbm": [700, 90], "host": [900, 300], "mixed": [700, 900, 300, 60]}[tables]
+    configs = {"hbm": [TableConfig(700, 8), TableConfig(90, 12)],
+               "host": [TableConfig(900, 8, placement="host", cache_rows=64),
+                        TableConfig(300, 8, placement="host")],
+               "mixed": [TableConfig(700, 8), TableConfig(900, 8, placement="host",
+                                                          cache_rows=64),
+                         TableConfig(300, 8, placement="host"),
+                         TableConfig(60, 4, placement="tt", tt_ranks=3)]}[tables]
+    B = 1200
+    rng = np.random.default_rng(21)
+    batches = [make_batch(rng, rows, B=B, max_len=3, zipf=True) for _ in range(4)]
+    assert all(b[0].size > SMALL_SORT_TILE for b in batches)  # the radix sort's batches
+    width = sum(c.dim for c in configs)
+    grads = [rng.standard_normal((B, width)).astype(np.float32) for _ in batches]
+
+    def train(device):
+        optimizer = "rowwise_adagrad" if tables == "mixed" else "adam"  # tt: not adam
+        coll = EmbeddingCollection(configs, optimizer, {"lr": 0.05}, device=device, seed=4)
+        coll.raise_in_calls = False
+        xp = cupy if device == "cuda" else np
+        outs = []
+        for k, ((indices, offsets), grad) in enumerate(zip(batches, grads)):
+            if k == 2 and device == "cuda":  # a refused batch: zeros out, nothing trained
+                bad = indices.copy()
+                bad[-1] = rows[-1]
+                out, ctx = coll.forward(cupy.asarray(bad), cupy.asarray(offsets))
+                coll.backward(ctx, cupy.asarray(grad))
+                assert not out.any()
+                with pytest.raises(IndexError):
+                    coll.check()
+            out, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets))
+            coll.backward(ctx, xp.asarray(grad))
+            outs.append(cupy.asnumpy(out) if device == "cuda" else out)
+        return outs, coll.state_dict()
+
+    (outs_gpu, state_gpu), (outs_cpu, state_cpu) = train("cuda"), train("cpu")
+    tol = tolerance(np.dtype(np.float32))
+    for a, b in zip(outs_gpu, outs_cpu):
+        np.testing.assert_allclose(a, b, **tol)
+    for k in state_cpu:
+        np.testing.assert_allclose(state_gpu[k], state_cpu[k], err_msg=k, **tol)
+
+
 def test_cache_config_checks():
     with pytest.raises(ValueError, match="cache_rows is for host tables"):
         TableConfig(10, 4, cache_rows=5)

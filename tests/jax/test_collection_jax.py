@@ -419,7 +419,8 @@ def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hy
     fewer times than there were steps. ``moving_gradient``: the pooled gradient is a new
     argument every step, so XLA replays the lookup and records the update again each time
     (it finds the recorded lookup's plan and records the same launches: XLA updates the
-    recorded graph in place)."""
+    recorded graph in place). The batches are past one tile of the sort: its radix launches
+    are recorded too."""
     import cupy
 
     tables = [TableConfig(1000, 16, placement="hbm"),
@@ -431,7 +432,7 @@ def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hy
     forward = replayed.forward
     monkeypatch.setattr(replayed, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     rng = np.random.default_rng(0)
-    B, L, steps = 64, 5, 8
+    B, L, steps = 200, 5, 8
     offsets = np.arange(0, 3 * B * L + 1, L, dtype=np.int32)
     chunks = [np.stack([np.concatenate([rng.zipf(1.2, B * L) % c.num_rows for c in tables])
                         for _ in range(steps)]).astype(np.int32) for _ in range(3)]

@@ -75,16 +75,18 @@ def train(module, batches):
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 def test_replayed_steps_train_as_eager_steps_bit_for_bit(optimizer, placement):
     _need_gpu()
-    # two shapes, interleaved: each gets its own graphs
-    a, b = shaped_batches(24, 6, seed=1), shaped_batches(9, 6, seed=2)
-    batches = [x for pair in zip(a, b) for x in pair]
+    # three shapes, interleaved: each gets its own graphs; the largest's batches are past
+    # one tile of the sort (the radix sort's launches, recorded)
+    a, b, c = (shaped_batches(24, 6, seed=1), shaped_batches(9, 6, seed=2),
+               shaped_batches(600, 6, seed=3))
+    batches = [x for group in zip(a, b, c) for x in group]
     eager, graphed = build(optimizer, placement), build(optimizer, placement, True)
     for got, want in zip(train(graphed, batches), train(eager, batches)):
         assert torch.equal(got, want)
     torch.cuda.synchronize()
     assert_same_state(graphed, eager)
     shapes = graphed._graphs.shapes
-    assert len(shapes) == 2
+    assert len(shapes) == 3
     assert all(s.forward is not None and s.backward is not None for s in shapes.values())
     if placement == "cache":
         assert graphed.collection.cache_stats() == eager.collection.cache_stats()

@@ -152,7 +152,9 @@ CACHE_INSERT = KernelDecl(
     u64 hits = 0, misses = 0, admitted = 0, evicted = 0;
     for (i64 p = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < n; p += warps) {
         const int set = sets[p];
-        if (set >= n_sets || set < 0 || (p > 0 && sets[p - 1] == set)) continue;
+        // ascending: past the batch's last set only non-rows follow (no trips over them)
+        if (set >= n_sets) break;
+        if (set < 0 || (p > 0 && sets[p - 1] == set)) continue;
         const i64 base = (i64)set * WAYS;
         i64 tag = tags[base + lane], sc = score[base + lane], ls = last[base + lane];
         unsigned used = 0;
