@@ -60,8 +60,7 @@ from xferlib.checks import (NO_BAD, PENDING, PendingChecks, RowsReport,  # noqa:
 __all__ = ["BatchPlan", "plan_batch", "sort_positions", "Verdict", "RowsReport",
            "PendingChecks", "SlotChecks", "NO_BAD", "PENDING", "index_error", "host_values",
            "run_ids", "tile_sort", "radix_sort", "radix_takes", "radix_work_words",
-           "sort_on_device",
-           "sort_buffers"]
+           "sort_on_device", "sort_buffers"]
 
 # Up to this many positions the sort stays on the device (the tile sort, the radix sort: no
 # host sync); above it, CuPy's argsort. The radix sort is the faster at every size measured
