@@ -142,6 +142,44 @@ def test_sets_spread_neighbouring_rows():
     assert counts.min() > WAYS // 4 and counts.max() < 4 * WAYS
 
 
+@pytest.mark.parametrize("rows,cache_rows", [(1, 5), (2, 64), (10, 64), (1000, 96),
+                                             (7919, 300), (2**20 + 7, 40_000),
+                                             (17_307_354, 488_820)])
+def test_set_ordered_keys_are_a_bijection_that_spreads_neighbours(rows, cache_rows):
+    """A cached collection's host keys: one key per row, each turned back into its row, all
+    below the span, their sets those of the cache; the first k * n_sets rows (the hottest
+    of frequency-ranked ids) fill every set k times, any k * n_sets neighbouring rows put
+    k - 1 to k + 1 in each, and rows n_sets apart spread as a hash would."""
+    from xferlib.table.cache import SetOrder, cache_sets
+
+    order = SetOrder.for_cache(rows, cache_rows)
+    assert order.n_sets == cache_sets(min(cache_rows, rows))
+    x = np.arange(min(rows, 1 << 21))
+    keys = order.key(x)
+    assert np.unique(keys).size == x.size and keys.min() >= 0 and keys.max() < order.span
+    assert order.span < rows + order.n_sets
+    np.testing.assert_array_equal(order.row(keys), x)
+    sets = order.set(keys)
+    assert sets.min() >= 0 and sets.max() < order.n_sets
+    for start in (0, 12_345):
+        k = min(4, (x.size - start) // order.n_sets)
+        if k > 0:
+            counts = np.bincount(sets[start:start + k * order.n_sets], minlength=order.n_sets)
+            if start % order.n_sets == 0:  # whole blocks of n_sets rows: every set k times
+                assert (counts == k).all()
+            assert counts.min() >= k - 1 and counts.max() <= k + 1
+    apart = order.set(order.key(np.arange(0, rows, order.n_sets)[:4096]))
+    assert np.bincount(apart).max() <= max(8, apart.size // order.n_sets * 4)
+
+
+def test_set_order_refuses_tables_past_its_key_range():
+    from xferlib.table.cache import SetOrder
+
+    for rows in (0, 2**31):
+        with pytest.raises(ValueError, match="set-ordered keys"):
+            SetOrder.for_cache(rows, 100)
+
+
 def test_cache_of_fewer_rows_than_a_set():
     model = CacheModel(3, num_rows=100, admission="always")
     assert (model.access(np.arange(10)) >= 0).sum() == 3

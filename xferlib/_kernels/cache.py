@@ -1,14 +1,15 @@
 """Host-table GPU cache kernels: a 32-way set-associative cache of full rows (weights and
 optimizer state) in HBM, looked up, filled and evicted on the device.
 
-A row's set is a hash of its id (``set_of``); one warp owns one set at a time, lane ``l``
-holding way ``l``'s tag (the cached row or -1), score (LRU: the tick of its last use; LFU:
-its use count) and last-use tick in registers. A batch's distinct rows are grouped by set (a
-sort of their set ids), so every row of a set is handled by the same warp, one after the
-other, in ascending row order: hits, admission, victim choice, write-back of a dirty victim
-and the fill of the new row happen in one pass with no atomics on the cache (FBGEMM's
-find/miss/insert, fused). ``slots[run]`` receives each distinct row's cache slot, or -1 for a
-row served from host RAM.
+A row's set is a hash of its id (``set_of``; a collection's host rows: their set-ordered
+keys, ``SET_ORDER``); one warp owns one set at a time, lane ``l`` holding way ``l``'s tag
+(the cached row or -1), score (LRU: the tick of its last use; LFU: its use count) and
+last-use tick in registers. A batch's distinct rows are grouped by set (a sort of their set
+ids, or the collection's own sorted keys), so every row of a set is handled by the same
+warp, one after the other, in ascending key order: hits, admission, victim choice,
+write-back of a dirty victim and the fill of the new row happen in one pass with no atomics
+on the cache (FBGEMM's find/miss/insert, fused). ``slots[run]`` receives each distinct
+row's cache slot, or -1 for a row served from host RAM.
 
 Admission: a missed row takes an empty way of its set if there is one (it evicts nothing);
 past that, ``doorkeeper`` admits it the second time it misses (a bit per hashed row id, set
@@ -36,7 +37,39 @@ WAYS = 32  # ways per set: a warp's lanes
 HOST_ARGS = ("host_w", "w_stride", "host_s", "s_stride", "n_rows")
 LAYOUT_ARGS = ("cache", "cache_width", "dim", "s_off")
 
-_HEAD = defines(WAYS=WAYS) + r"""
+# A cached collection's host rows keyed in the order of their cache sets (``SetOrder`` in
+# ``xferlib/table/cache.py`` is the NumPy twin and says why); shared with the collection's
+# kernels, which make and read such keys. `set_size` 0: rows keyed as themselves.
+SET_ORDER = r"""
+// h(b): a hash of b below n_sets (splitmix64's finalizer after its golden-ratio step)
+__device__ __forceinline__ long long set_order_shift(long long b, long long n_sets) {
+    unsigned long long z = (unsigned long long)b + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return (long long)((z ^ (z >> 31)) % (unsigned long long)n_sets);
+}
+
+// row x (0 <= x < 2^31): set (x % n_sets + h(x / n_sets)) % n_sets, key set * set_size + b
+__device__ __forceinline__ long long set_order_key(long long x, long long n_sets,
+                                                   long long set_size) {
+    const long long b = x / n_sets;
+    long long set = x - b * n_sets + set_order_shift(b, n_sets);
+    if (set >= n_sets) set -= n_sets;
+    return set * set_size + b;
+}
+
+// the row of a set-ordered key (key < n_sets * set_size; a key no row has gives a row
+// past the table's, which callers refuse)
+__device__ __forceinline__ long long set_order_row(long long key, long long n_sets,
+                                                   long long set_size) {
+    const long long b = key % set_size;
+    long long a = key / set_size - set_order_shift(b, n_sets);
+    if (a < 0) a += n_sets;
+    return b * n_sets + a;
+}
+"""
+
+_HEAD = defines(WAYS=WAYS) + SET_ORDER + r"""
 typedef long long i64;
 typedef unsigned long long u64;
 #define FULL 0xffffffffu
@@ -100,14 +133,16 @@ __device__ __forceinline__ void evict_and_fill(T* c, i64 dim, i64 s_off, i64 s_w
 # For each distinct row of a sorted batch (run r starting at sorted position j):
 # set_key[r] = its set and run_row[r] = the row; set_key is n_sets (sorts last: no pass
 # looks at it) past the last run and for keys the cache never holds (>= n_rows: a
-# collection's HBM tables' rows). Thread 0 advances the cache's tick (even for a rejected
-# batch, so the host can count ticks; nothing else changes then).
+# collection's HBM tables' rows; with set-ordered keys, those at or past n_sets * set_size).
+# Set-ordered keys (set_size > 0, a collection's: set = key / set_size) make set_key
+# ascending as it is, no sort needed. Thread 0 advances the cache's tick (even for a
+# rejected batch, so the host can count ticks; nothing else changes then).
 CACHE_SETS = KernelDecl(
     "cache_sets", "template <typename K>",
     (("const K* __restrict__", "keys"), ("const i64* __restrict__", "run"), ("i64", "n"),
-     ("i64", "n_sets"), ("i64", "n_rows"), ("int* __restrict__", "set_key"),
-     ("i64* __restrict__", "run_row"), ("i64* __restrict__", "tick"),
-     ("const u64* __restrict__", "verdict")),
+     ("i64", "n_sets"), ("i64", "n_rows"), ("i64", "set_size"),
+     ("int* __restrict__", "set_key"), ("i64* __restrict__", "run_row"),
+     ("i64* __restrict__", "tick"), ("const u64* __restrict__", "verdict")),
     r"""
     const bool bad = rejected(verdict);
     const i64 last_run = n > 0 ? run[n - 1] : -1;
@@ -117,14 +152,23 @@ CACHE_SETS = KernelDecl(
     for (i64 j = first; j < n; j += stride) {
         if (bad || j > last_run) set_key[j] = (int)n_sets;
         if (!bad && (j == 0 || keys[j] != keys[j - 1])) {
-            const i64 r = run[j], row = (i64)keys[j];
-            set_key[r] = row >= 0 && row < n_rows ? (int)set_of(row, n_sets) : (int)n_sets;
-            run_row[r] = row;
+            const i64 r = run[j], key = (i64)keys[j];
+            if (set_size > 0) {  // set-ordered: a host row's key, below n_sets * set_size
+                const i64 row = key >= 0 && key < n_sets * set_size
+                                ? set_order_row(key, n_sets, set_size) : -1;
+                const bool host = row >= 0 && row < n_rows;
+                set_key[r] = host ? (int)(key / set_size) : (int)n_sets;
+                run_row[r] = host ? row : -1;
+            } else {
+                set_key[r] = key >= 0 && key < n_rows ? (int)set_of(key, n_sets) : (int)n_sets;
+                run_row[r] = key;
+            }
         }
     }""")
 
 # The fused find / miss / admit / evict / fill pass. `sets` are the set ids in ascending
-# order and `order[p]` the run at sorted position p; one warp per set present in the batch.
+# order and `order[p]` the run at sorted position p (null: run p, for set-ordered keys);
+# one warp per set present in the batch.
 # stats: lookups, hits, misses, admitted, evicted (unique rows).
 CACHE_INSERT = KernelDecl(
     "cache_insert", "template <int V, typename T>",
@@ -160,7 +204,7 @@ CACHE_INSERT = KernelDecl(
         unsigned used = 0;
         bool filled = false;
         for (i64 q = p; q < n && sets[q] == set; ++q) {
-            const i64 r = order[q];
+            const i64 r = order != nullptr ? order[q] : q;
             const i64 row = run_row[r];
             const unsigned hit = __ballot_sync(FULL, tag == row);
             int way = -1;
@@ -263,7 +307,7 @@ CACHE_MARK = KernelDecl(
 CACHE_PROBE = KernelDecl(
     "cache_probe", "template <typename K>",
     (("const i64* __restrict__", "tags"), ("i64", "n_sets"), ("const K* __restrict__", "keys"),
-     ("const i64* __restrict__", "run"), ("i64", "n"), ("i64", "n_rows"),
+     ("const i64* __restrict__", "run"), ("i64", "n"), ("i64", "n_rows"), ("i64", "set_size"),
      ("int* __restrict__", "slots"), ("const u64* __restrict__", "verdict")),
     r"""
     if (rejected(verdict)) return;
@@ -271,9 +315,18 @@ CACHE_PROBE = KernelDecl(
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < n; j += warps) {
         if (j > 0 && keys[j] == keys[j - 1]) continue;
-        const i64 row = (i64)keys[j];
-        if (row < 0 || row >= n_rows) continue;
-        const i64 base = set_of(row, n_sets) * WAYS;
+        const i64 key = (i64)keys[j];
+        i64 row = key, set;
+        if (set_size > 0) {  // set-ordered keys (a collection's)
+            if (key < 0 || key >= n_sets * set_size) continue;
+            row = set_order_row(key, n_sets, set_size);
+            if (row >= n_rows) continue;
+            set = key / set_size;
+        } else {
+            if (row < 0 || row >= n_rows) continue;
+            set = set_of(row, n_sets);
+        }
+        const i64 base = set * WAYS;
         const unsigned hit = __ballot_sync(FULL, tags[base + lane] == row);
         if (lane == 0) slots[run[j]] = hit ? (int)(base + __ffs(hit) - 1) : -1;
     }""")

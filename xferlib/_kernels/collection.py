@@ -4,10 +4,12 @@ every table of a collection (``xferlib/collection/device.py`` launches them).
 A step's lookups arrive in FBGEMM's layout (``indices``; ``offsets``, ``T * B + 1`` bag
 boundaries; optional per-sample weights). Each table's place is one row of ``meta``
 (``COLL_META`` int64 fields, below). ``coll_plan`` checks every bag and index and gives each
-lookup a key unique over the collection (the table's ``key_base`` plus its row) and its bag;
-the batch sort (``xferlib/batch.py``) orders the keys and ``coll_runs`` numbers their runs
-(one run per distinct row of any table, one launch). Rows of host tables are staged into HBM
-once per distinct row in sorted order (``coll_stage``: the link's fast access pattern), and
+lookup a key unique over the collection (the table's ``key_base`` plus its row; with a GPU
+cache, a host row's set-ordered key, ``SET_ORDER``) and its bag; the batch sort
+(``xferlib/batch.py``) orders the keys and ``coll_runs`` numbers their runs (one run per
+distinct row of any table, one launch). Rows of host tables are staged into HBM once per
+distinct row in key order (``coll_stage``: ascending rows, the link's fast access pattern,
+where no cache asks for its set order), and
 ``coll_pool`` gives each bag a group of lanes (sized to the widest row's vectors: a warp, or
 part of one) that sums its rows in registers, read from the table in HBM or from the staged
 copy: no buffer of one row per lookup. The backward sums each run's gradients from the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from xferlib._kernels._declare import KernelDecl, defines
 from xferlib._kernels._registry import KernelModule
+from xferlib._kernels.cache import SET_ORDER
 from xferlib._kernels.collection_sums import LONG_SPAN, SUM_CHUNK, SUM_CHUNKS, SUM_SPANS
 from xferlib._kernels.rows import BLOCK_SCAN
 from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
@@ -57,7 +60,7 @@ __device__ __forceinline__ void bag_range(const i64* offsets, i64 b, i64 n, i64&
 COLLECTION_HEAD = TABLE_KERNEL + BLOCK_SCAN + defines(
     COLL_META=COLL_META, COLL_SUM_CHUNK=SUM_CHUNK, COLL_LONG_SPAN=LONG_SPAN,
     COLL_RUN_THREADS=RUN_THREADS, COLL_RUN_TILE=RUN_TILE,
-    **{f"M_{f.upper()}": k for k, f in enumerate(META_FIELDS)}) + BAG_RANGE + r"""
+    **{f"M_{f.upper()}": k for k, f in enumerate(META_FIELDS)}) + BAG_RANGE + SET_ORDER + r"""
 
 // A lookup's factor in its bag's sum: its sample weight, over the bag's length for mean.
 template <typename T>
@@ -72,7 +75,8 @@ PLAN = KernelDecl(
     "coll_plan", "template <typename K, typename O>",
     (("const K*", "indices"), ("const O*", "offsets"), ("i64", "n"), ("i64", "bags"),
      ("i64", "B"), ("const i64*", "meta"), ("int", "padded"), ("const i64*", "total"),
-     ("i64", "pad_key"), ("i64*", "keys"), ("i64*", "bag_of"), ("i64*", "offsets64"),
+     ("i64", "pad_key"), ("i64", "n_sets"), ("i64", "set_size"), ("i64*", "keys"),
+     ("i64*", "bag_of"), ("i64*", "offsets64"),
      ("unsigned long long*", "words"), ("int", "group")),
     r"""
     // A group of `group` lanes per bag (a power of two, about the bags' mean length, so
@@ -83,7 +87,8 @@ PLAN = KernelDecl(
     // collection-wide key and its bag. A padded batch's tail (from the last bag's end) gets
     // `pad_key` (past every table's keys) and bag -1. words[0]: first bad lookup; words[1]:
     // first bad bag. `offsets64` (int32 offsets): their int64 copy, which the later kernels
-    // read (no separate widening launch).
+    // read (no separate widening launch). `set_size` > 0 (host tables with a GPU cache):
+    // host rows get set-ordered keys (SET_ORDER), so that the sort groups them by cache set.
     const i64 stride = (i64)gridDim.x * blockDim.x;
     const i64 thread = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (offsets64 != nullptr && thread == 0) offsets64[bags] = (i64)offsets[bags];
@@ -108,11 +113,13 @@ PLAN = KernelDecl(
         }
         const i64* m = meta + (b / B) * COLL_META;
         const i64 rows = m[M_NUM_ROWS], base = m[M_KEY_BASE];
+        const bool ordered = set_size > 0 && m[M_HOST] != 0;
         for (i64 l = lo + lane; l < hi; l += group) {
             const i64 row = (i64)indices[l];
             const bool good = row >= 0 && row < rows;
             if (!good) atomicMin(&words[0], (unsigned long long)l);
-            keys[l] = good ? base + row : base;
+            const i64 key = good ? base + row : base;
+            keys[l] = ordered ? set_order_key(key, n_sets, set_size) : key;
             bag_of[l] = b;
         }
     }""")
@@ -129,7 +136,8 @@ RUN_FLAGS = r"""
 RUNS = KernelDecl(
     "coll_runs", "template <typename K>",
     (("const i64*", "meta"), ("const K*", "keys"), ("const i64*", "perm"),
-     ("const i64*", "bag_of"), ("i64", "n"), ("i64", "B"),
+     ("const i64*", "bag_of"), ("i64", "n"), ("i64", "B"), ("i64", "n_sets"),
+     ("i64", "set_size"),
      ("unsigned long long*", "status"), ("i64*", "run"), ("i64*", "starts"),
      ("i64*", "run_off"), ("int*", "run_tab"), ("i64*", "inv"),
      ("const unsigned long long*", "verdict")),
@@ -236,7 +244,10 @@ RUNS = KernelDecl(
         if (bag[u] >= 0) {  // bag -1: a padded batch's tail
             tab = (int)(bag[u] / B);
             const i64* m = meta + (i64)tab * COLL_META;
-            const i64 row = (i64)key[u + 1] - m[M_KEY_BASE];
+            i64 x = (i64)key[u + 1];  // a host row's set-ordered key turned back (PLAN)
+            if (set_size > 0 && m[M_HOST] != 0)
+                x = set_order_row(x, n_sets, set_size);
+            const i64 row = x - m[M_KEY_BASE];
             if (row >= 0 && row < m[M_NUM_ROWS]) off = m[M_BASE] + row * m[M_ROW_WIDTH];
         }
         run_off[r] = off;
@@ -258,7 +269,8 @@ STAGE = KernelDecl(
      ("int", "full"), ("const unsigned long long*", "verdict")),
     r"""
     // A warp per distinct row: a host table's row copied to staged[r], from its GPU cache
-    // slot (slots[r] >= 0) or from host RAM (sorted keys: the link's fast pattern); rows of
+    // slot (slots[r] >= 0) or from host RAM (in key order: ascending rows without a cache,
+    // the link's fast pattern; with one, the cache's set order); rows of
     // HBM tables are read in place and skipped. `full`: the whole stored row (weights, state,
     // step count, padding: whole host cache lines), so that the update reads it from HBM and
     // only writes over the link (rows whose state is a few scalars); else the weights (the

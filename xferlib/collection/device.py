@@ -35,6 +35,7 @@ from xferlib.batch import (NO_BAD, PendingChecks, Verdict, radix_sort, radix_tak
 from xferlib.checks import host_values
 from xferlib.collection.tt_tables import tt_lookup_gpu, tt_update_gpu
 from xferlib.memory import device_pointer
+from xferlib.table.cache import NO_SET_ORDER, DeviceCache, SetOrder
 from xferlib.table.rules import HYPER_ROW
 
 __all__ = ["CollectionDevice", "GpuPlan"]
@@ -106,16 +107,28 @@ class CollectionDevice:
         self.coll = coll
         self.dtype_name = coll.dtype.name
         itemsize = coll.dtype.itemsize
-        # Keys: host tables first, in their buffer's order, so that a host table's key is its
-        # row's place in the host buffer (one table of every host row: what the GPU cache
-        # keys by), then the HBM tables.
-        order = sorted(range(coll.num_tables), key=lambda t: coll.tables[t].placement != "host")
-        key_bases, key_base = {}, 0
-        for t in order:
-            key_bases[t] = key_base
-            key_base += coll.tables[t].num_rows
-        self.total_rows = key_base
+        # Keys: host tables first, in their buffer's order (one table of every host row: what
+        # the GPU cache keys by), then the HBM tables. With a cache, a host row's key is its
+        # set-ordered key (SetOrder), so that the batch sort leaves the distinct host rows
+        # grouped by cache set and the cache pass needs no sort of its own; else its place in
+        # the host buffer.
         self.host_rows = sum(c.num_rows for c in coll.tables if c.placement == "host")
+        cache_rows = min(sum(c.cache_rows for c in coll.tables), self.host_rows)
+        self.set_order = (SetOrder.for_cache(self.host_rows, cache_rows)
+                          if cache_rows and self.host_rows < 2**31 else None)
+        order = sorted(range(coll.num_tables), key=lambda t: coll.tables[t].placement != "host")
+        key_bases, next_base = {}, {True: 0,  # host rows, then the rest past every host key
+                                    False: self.set_order.span if self.set_order
+                                    else self.host_rows}
+        for t in order:
+            host = coll.tables[t].placement == "host"
+            key_bases[t] = next_base[host]
+            next_base[host] += coll.tables[t].num_rows
+        self.total_rows = next_base[False]
+        # the plan's and the run numbering's arguments of the host keys' order
+        self.order_args = dict(n_sets=self.set_order.n_sets if self.set_order else 1,
+                               **(self.set_order.kernel_args() if self.set_order
+                                  else NO_SET_ORDER))
         rows = []
         for t, (config, block) in enumerate(zip(coll.tables, coll.blocks)):
             # a tt table: indices checked and keyed, rows nowhere (base -1 and row width 0
@@ -168,17 +181,14 @@ class CollectionDevice:
         self.writes = 0  # updates queued so far: a staged copy is current only before one
         self.checks = PendingChecks(limit=3)
         self.last_event = None
-        cache_rows = sum(c.cache_rows for c in coll.tables)
         self.cache = None
         self.cache_passes = 0  # cache passes queued: a plan's slots are current until the next
         if cache_rows:
-            from xferlib.table.cache import DeviceCache
-
             host_layout = next(b.layout for c, b in zip(coll.tables, coll.blocks)
                                if c.placement == "host")
             self.cache = DeviceCache(_HostRows(coll, host_layout, self.host_ptr, self.host_rows,
                                                self.max_blocks),
-                                     min(cache_rows, self.host_rows), "lru", "second-sight")
+                                     cache_rows, "lru", "second-sight", self.set_order)
 
     def _hyper_rows(self) -> np.ndarray:
         return np.stack([self.coll.rule.kernel_row(h) for h in self.coll.hypers])
@@ -266,8 +276,8 @@ class CollectionDevice:
                 PLAN.launch(module, (_key(indices), _key(offsets_in)), grid, block,
                             stream=stream, indices=indices, offsets=offsets_in, n=n, bags=bags,
                             B=B, meta=self.meta, padded=int(padded), total=total,
-                            pad_key=self.total_rows,
-                            keys=keys, bag_of=bag_of,
+                            pad_key=self.total_rows, **self.order_args, keys=keys,
+                            bag_of=bag_of,
                             offsets64=None if offsets64 is offsets_in else offsets64,
                             words=words, group=group)
             plan = GpuPlan(None, None, None, None, None, None, bag_of, offsets64, psw_c,
@@ -287,7 +297,8 @@ class CollectionDevice:
                 inv = cupy.empty(n, dtype=np.int64) if self.has_host else None
                 RUNS.launch(module, (_key(plan.keys),), (status_words - 1,), (RUN_THREADS,),
                             stream=stream, meta=self.meta, keys=plan.keys, perm=plan.perm,
-                            bag_of=bag_of, n=n, B=B, status=work, run=plan.run,
+                            bag_of=bag_of, n=n, B=B, **self.order_args, status=work,
+                            run=plan.run,
                             starts=plan.starts, run_off=plan.run_off, run_tab=plan.run_tab,
                             inv=inv, verdict=words)
                 if self.cache is not None:  # rows of host tables found, admitted, evicted

@@ -8,7 +8,10 @@ Design (the kernels are in ``xferlib/_kernels/cache.py``):
 * One fused pass per batch (:meth:`DeviceCache.insert`): the batch's distinct rows are
   grouped by set (a device sort of their set ids); one warp per set counts hits, decides
   admission, picks victims, writes dirty victims back to host RAM and fills the new rows.
-  Five launches, no host synchronization, no data-dependent allocation.
+  Five launches, no host synchronization, no data-dependent allocation. An embedding
+  collection's host rows come keyed in set order instead (:class:`SetOrder`: neighbouring
+  ids in neighbouring sets, ids a set count apart in hashed ones): the batch sort that
+  orders its keys has grouped them, and the pass sorts nothing (three launches).
 * Admission on the device: a missed row takes an empty way of its set if there is one (it
   evicts nothing, and the fill replaces the host write-back the row would need otherwise);
   past that, ``"second-sight"`` admits a missed row the second time it misses (a bit per
@@ -30,12 +33,15 @@ and what CPU CI checks the policy with.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from xferlib._backend import finish_current_stream
 from xferlib._kernels import grid_1d, named
 
-__all__ = ["CacheModel", "DeviceCache", "WAYS", "set_of"]
+__all__ = ["CacheModel", "DeviceCache", "NO_SET_ORDER", "SetOrder", "WAYS", "cache_sets",
+           "set_of"]
 
 WAYS = 32
 _DOOR_SALT = np.uint64(0x9E3779B97F4A7C15)
@@ -56,6 +62,79 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 def set_of(rows, n_sets: int) -> np.ndarray:
     """The cache set of each row id."""
     return (_mix64(rows) % np.uint64(n_sets)).astype(np.int64)
+
+
+def cache_sets(cache_rows: int) -> int:
+    """Sets of a cache of ``cache_rows`` rows (the ways past the last row are disabled)."""
+    return max(1, -(-int(cache_rows) // WAYS))
+
+
+@dataclasses.dataclass(frozen=True)
+class SetOrder:
+    """Keys of ``rows`` host rows that come grouped by cache set when sorted: a cached
+    collection keys its host rows so, and its cache pass needs no sort by set.
+
+    Row ``x`` is split into ``b = x // n_sets`` and ``a = x % n_sets``; its set is
+    ``(a + h(b)) % n_sets`` (``h``: a hash of ``b``), its key ``set * set_size + b``, so
+    ``key // set_size`` is the set. Rows next to each other land in sets next to each other
+    (the first ``k * n_sets`` rows fill every set ``k`` times, any ``k * n_sets`` neighbours
+    put ``k - 1`` to ``k + 1`` in each: frequency-ranked ids spread evenly), and rows
+    ``n_sets`` apart in hashed sets. Keys lie below
+    ``span = n_sets * set_size`` (less than ``rows + n_sets``). The kernels' twin:
+    ``SET_ORDER`` in ``xferlib/_kernels/cache.py``.
+
+    >>> order = SetOrder.for_cache(rows=100, cache_rows=64)
+    >>> order.n_sets, order.set_size, order.span
+    (2, 50, 100)
+    >>> keys = order.key(np.arange(100))
+    >>> order.row(keys)[:5].tolist()
+    [0, 1, 2, 3, 4]
+    >>> np.bincount(order.set(keys[:10])).tolist()  # ten neighbours: five in each set
+    [5, 5]
+    """
+
+    rows: int
+    n_sets: int
+
+    @classmethod
+    def for_cache(cls, rows: int, cache_rows: int) -> "SetOrder":
+        rows = int(rows)
+        if not 0 < rows < 2**31:  # keys of int32 sorts, as the radix sort takes them
+            raise ValueError(f"set-ordered keys need 1 to 2**31 - 1 rows, got {rows}")
+        return cls(rows, cache_sets(min(int(cache_rows), rows)))
+
+    @property
+    def set_size(self) -> int:
+        return -(-self.rows // self.n_sets)
+
+    @property
+    def span(self) -> int:
+        return self.n_sets * self.set_size
+
+    def _shift(self, b) -> np.ndarray:
+        golden = np.uint64(0x9E3779B97F4A7C15)
+        with np.errstate(over="ignore"):
+            return (_mix64(np.asarray(b, np.uint64) + golden)
+                    % np.uint64(self.n_sets)).astype(np.int64)
+
+    def key(self, rows) -> np.ndarray:
+        b, a = np.divmod(np.asarray(rows, np.int64), self.n_sets)
+        return (a + self._shift(b)) % self.n_sets * self.set_size + b
+
+    def row(self, keys) -> np.ndarray:
+        sets, b = np.divmod(np.asarray(keys, np.int64), self.set_size)
+        return b * self.n_sets + (sets - self._shift(b)) % self.n_sets
+
+    def set(self, keys) -> np.ndarray:
+        return np.asarray(keys, np.int64) // self.set_size
+
+    def kernel_args(self) -> dict:
+        """The kernels' arguments of this order (``set_size`` 0: rows keyed as themselves,
+        their sets hashed)."""
+        return dict(set_size=self.set_size)
+
+
+NO_SET_ORDER = dict(set_size=0)
 
 
 def _door_bits(num_rows: int) -> int:
@@ -83,14 +162,16 @@ class CacheModel:
     """
 
     def __init__(self, cache_rows: int, num_rows: int, policy: str = "lru",
-                 admission: str = "second-sight"):
+                 admission: str = "second-sight", set_order: SetOrder | None = None):
         cache_rows = min(cache_rows, num_rows)  # as HostTable sizes its device cache
-        self.n_sets = max(1, -(-cache_rows // WAYS))
+        self.n_sets = cache_sets(cache_rows)
         self.tags = np.full(self.n_sets * WAYS, -1, np.int64)
         self.tags[cache_rows:] = -2
         self.score = np.zeros_like(self.tags)
         self.last = np.zeros_like(self.tags)
         self.lfu, self.doorkeeper = policy == "lfu", admission == "second-sight"
+        # a collection's cache: rows in the sets of their set-ordered keys (else hashed)
+        self.set_order = set_order
         self.door_bits = _door_bits(num_rows)
         self.door = np.zeros(self.door_bits, bool)
         self.tick = 0
@@ -106,7 +187,8 @@ class CacheModel:
         self.tick += 1
         now = self.tick
         slots = np.full(rows.size, -1, np.int64)
-        sets = set_of(rows, self.n_sets)
+        sets = (set_of(rows, self.n_sets) if self.set_order is None
+                else self.set_order.set(self.set_order.key(rows)))
         order = np.lexsort((rows, sets))  # by set, then row (the device sort is stable)
         used, first_sight = {}, []
         for k in order:
@@ -160,14 +242,22 @@ class DeviceCache:
     """The cache's arrays in HBM and the launches that use them (see the module docstring).
 
     ``side`` is the table's device side: host pointers, row layout, vector width.
+    ``set_order``: the batches' keys are its set-ordered keys (a collection's, whose sorted
+    keys then come grouped by set: no sort by set), else the rows themselves.
     """
 
-    def __init__(self, side, cache_rows: int, policy: str, admission: str):
+    def __init__(self, side, cache_rows: int, policy: str, admission: str,
+                 set_order: SetOrder | None = None):
         import cupy
 
         table = side.table
         self.side = side
-        self.n_sets = max(1, -(-cache_rows // WAYS))
+        self.n_sets = cache_sets(cache_rows)
+        if set_order is not None and (set_order.n_sets != self.n_sets
+                                      or set_order.rows != table.num_rows):
+            raise ValueError("the set order was made for another cache or table")
+        self.set_order = set_order
+        self.order_args = set_order.kernel_args() if set_order is not None else NO_SET_ORDER
         n_slots = self.n_sets * WAYS
         self.width = table.layout.row_width
         self.data = cupy.zeros((n_slots, self.width), dtype=table.dtype)
@@ -209,12 +299,14 @@ class DeviceCache:
         grid_n, block_n = grid_1d(n, 256, 4096)
         CACHE_SETS.launch(CACHE_MODULE, (key_type(plan.keys.itemsize),), grid_n, block_n,
                           stream=stream, keys=plan.keys, run=plan.run, n=n, n_sets=self.n_sets,
-                          n_rows=self.side.table.num_rows, set_key=set_key, run_row=run_row,
-                          tick=self.tick,
-                          verdict=plan.verdict.words)
-        # On the device (the default at every batch size): CuPy's argsort waits for the
-        # device, which would stall every cached step's host side and break a capture.
-        sets, order, _ = sort_positions(set_key, self.n_sets + 1, stream=stream)
+                          n_rows=self.side.table.num_rows, **self.order_args, set_key=set_key,
+                          run_row=run_row, tick=self.tick, verdict=plan.verdict.words)
+        if self.set_order is not None:  # runs in key order are in set order
+            sets, order = set_key, None
+        else:
+            # On the device (the default at every batch size): CuPy's argsort waits for the
+            # device, which would stall every cached step's host side and break a capture.
+            sets, order, _ = sort_positions(set_key, self.n_sets + 1, stream=stream)
         grid, block = self.side.launch_size(n)
         CACHE_INSERT.launch(
             CACHE_MODULE, (self.side.vec, c_type(self.side.dtype_name)), grid, block,
@@ -242,8 +334,8 @@ class DeviceCache:
         grid, block = self.side.launch_size(plan.n)
         CACHE_PROBE.launch(CACHE_MODULE, (key_type(plan.keys.itemsize),), grid, block,
                            stream=stream, tags=self.tags, n_sets=self.n_sets, keys=plan.keys,
-                           run=plan.run, n=plan.n, n_rows=self.side.table.num_rows, slots=slots,
-                           verdict=plan.verdict.words)
+                           run=plan.run, n=plan.n, n_rows=self.side.table.num_rows,
+                           **self.order_args, slots=slots, verdict=plan.verdict.words)
         return slots
 
     def flush(self, stream, drop: bool) -> None:
