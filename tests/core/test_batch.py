@@ -86,7 +86,10 @@ def test_plan_batch_matches_numpy(rng, n, dtype):
     num_rows = 1000
     idx = rng.integers(0, num_rows, size=n).astype(dtype)  # duplicates at every size
     stream = cupy.cuda.Stream(non_blocking=True)
-    plan = plan_batch(cupy.asarray(idx), num_rows, stream=stream, runs=True)
+    gpu_idx = cupy.asarray(idx)
+    # made on the legacy default stream, which a non-blocking one does not wait for
+    cupy.cuda.Device().synchronize()
+    plan = plan_batch(gpu_idx, num_rows, stream=stream, runs=True)
     stream.synchronize()
     order = np.argsort(idx, kind="stable")
     np.testing.assert_array_equal(plan.keys.get(), idx[order])
@@ -166,8 +169,11 @@ def test_radix_sort_every_tile_size(rng, items):
     for n, num_rows in ((2049, 300), (65_536, 8_000_000), (100_001, 70_000)):
         idx = ((rng.zipf(1.05, size=n) - 1) % num_rows).astype(np.int32)
         words = cupy.full(2, np.iinfo(np.uint64).max, dtype=np.uint64)
+        gpu_idx = cupy.asarray(idx)
+        # made on the legacy default stream, which a non-blocking one does not wait for
+        cupy.cuda.Device().synchronize()
         with stream:
-            rows, perm = radix_sort(cupy.asarray(idx), num_rows, stream, words,
+            rows, perm = radix_sort(gpu_idx, num_rows, stream, words,
                                     lambda name, size, dtype: cupy.empty(size, dtype),
                                     items=items)
         stream.synchronize()
@@ -202,6 +208,8 @@ def test_radix_sort_replays_in_a_cuda_graph(rng):
     n, num_rows = 100_000, 8_000_000
     src = cupy.asarray(rng.integers(0, num_rows, size=n))
     stream = cupy.cuda.Stream(non_blocking=True)
+    # made on the legacy default stream, which a non-blocking one does not wait for
+    cupy.cuda.Device().synchronize()
     with stream:
         sort_positions(src, num_rows, stream=stream, tiled_max=n)  # compiled, pool warm
         stream.synchronize()
@@ -273,6 +281,8 @@ def test_captured_verdicts_are_read_after_replays():
     idx = cupy.zeros(64, dtype=np.int64)
     stream = cupy.cuda.Stream(non_blocking=True)
     pool = cupy.cuda.MemoryPool()
+    # made on the legacy default stream, which a non-blocking one does not wait for
+    cupy.cuda.Device().synchronize()
     with cupy.cuda.using_allocator(pool.malloc), stream:
         plan_batch(idx, 100, stream=stream).verdict.defer(checks, stream)  # warm up
         checks.poll(wait=True)
@@ -304,6 +314,8 @@ def test_recordings_without_end_take_their_slots_round():
     idx = cupy.zeros(64, dtype=np.int64)
     stream = cupy.cuda.Stream(non_blocking=True)
     pool = cupy.cuda.MemoryPool()
+    # made on the legacy default stream, which a non-blocking one does not wait for
+    cupy.cuda.Device().synchronize()
     graphs = []
     with cupy.cuda.using_allocator(pool.malloc), stream:
         plan_batch(idx, 100, stream=stream).verdict.defer(checks, stream)  # warm up

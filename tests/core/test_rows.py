@@ -280,6 +280,8 @@ def test_gpu_calls_captured_in_a_cuda_graph(rng):
     out = cupy.zeros((n, dim), dtype=np.float32)
     stream = cupy.cuda.Stream(non_blocking=True)
     pool = cupy.cuda.MemoryPool()  # the graph's buffers: never handed to anyone else
+    # made on the legacy default stream, which a non-blocking one does not wait for
+    cupy.cuda.Device().synchronize()
 
     def step():
         xferlib.gather_rows(table, idx_buf, out=out, stream=stream)

@@ -468,6 +468,8 @@ def test_graph_captured_step_matches_eager(backend, rng, cache_rows, schedule):
     idx_buf = cupy.zeros(n, dtype=np.int64)
     grad_buf = cupy.zeros((n, dim), dtype=np.float32)
     out = cupy.zeros((n, dim), dtype=np.float32)
+    # made on the legacy default stream, which a non-blocking one does not wait for
+    cupy.cuda.Device().synchronize()
 
     def step(table):
         rows, batch = table.lookup(idx_buf, out=out, stream=stream, return_batch=True)
