@@ -27,7 +27,8 @@ from __future__ import annotations
 from xferlib._kernels._declare import KernelDecl, defines
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.cache import SET_ORDER
-from xferlib._kernels.collection_sums import LONG_SPAN, SUM_CHUNK, SUM_CHUNKS, SUM_SPANS
+from xferlib._kernels.collection_sums import (ADD_HEADS, LONG_SPAN, SUM_CHUNK, SUM_CHUNKS,
+                                              SUM_SPANS)
 from xferlib._kernels.rows import BLOCK_SCAN
 from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
 
@@ -464,7 +465,7 @@ INIT = KernelDecl(
         rows[i] = v;
     }""")
 
-COLLECTION_KERNEL = COLLECTION_HEAD + RUN_FLAGS + _INIT_HEAD + "".join(
+COLLECTION_KERNEL = COLLECTION_HEAD + RUN_FLAGS + _INIT_HEAD + ADD_HEADS + "".join(
     d.source() for d in (PLAN, RUNS, STAGE, POOL, SUM_CHUNKS, SUM_SPANS, INIT))
 
 

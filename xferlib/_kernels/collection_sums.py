@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from xferlib._kernels._declare import KernelDecl
 
-__all__ = ["SUM_CHUNK", "LONG_SPAN", "SUM_CHUNKS", "SUM_SPANS"]
+__all__ = ["SUM_CHUNK", "LONG_SPAN", "ADD_HEADS", "SUM_CHUNKS", "SUM_SPANS"]
 
 SUM_CHUNK = 32  # sorted positions per warp in the first pass
 # Chunks past its first that a run may cross and still be summed by one lane group of the
@@ -156,6 +156,28 @@ SUM_CHUNKS = KernelDecl(
         }
     }""")
 
+# acc += head[d][e .. e + V) for d = first, first + step, ... up to last, in that order, the
+# loads issued U at a time (both of pass 2's walks over a run's chunk heads)
+ADD_HEADS = r"""
+template <int U, int V, typename T>
+__device__ __forceinline__ void add_heads(vec<T, V>& acc, const T* head, i64 width, i64 e,
+                                          i64 first, i64 last, i64 step) {
+    for (i64 d0 = first; d0 <= last; d0 += U * step) {
+        vec<T, V> h[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (d0 + u * step <= last)
+                h[u] = *reinterpret_cast<const vec<T, V>*>(head + (d0 + u * step) * width + e);
+        #pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (d0 + u * step <= last) {
+                #pragma unroll
+                for (int q = 0; q < V; ++q) acc.v[q] += h[u].v[q];
+            }
+    }
+}
+"""
+
 SUM_SPANS = KernelDecl(
     "coll_sum_spans", "template <int V, typename T>",
     (("const i64*", "run"), ("const i64*", "starts"), ("const i64*", "cross"),
@@ -191,22 +213,7 @@ SUM_SPANS = KernelDecl(
                 vec<T, V> acc;
                 #pragma unroll
                 for (int q = 0; q < V; ++q) acc.v[q] = (T)0;
-                if (e < dim) {
-                    for (i64 d0 = c + 1 + slice; d0 <= c_end; d0 += 4 * (i64)slices) {
-                        vec<T, V> h[4];
-                        #pragma unroll
-                        for (int u = 0; u < 4; ++u)
-                            if (d0 + (i64)u * slices <= c_end)
-                                h[u] = *reinterpret_cast<const vec<T, V>*>(
-                                    head + (d0 + (i64)u * slices) * width + e);
-                        #pragma unroll
-                        for (int u = 0; u < 4; ++u)
-                            if (d0 + (i64)u * slices <= c_end) {
-                                #pragma unroll
-                                for (int q = 0; q < V; ++q) acc.v[q] += h[u].v[q];
-                            }
-                    }
-                }
+                if (e < dim) add_heads<4>(acc, head, width, e, c + 1 + slice, c_end, slices);
                 part[threadIdx.x] = acc;
                 __syncthreads();
                 if (slice == 0 && e < dim) {
@@ -230,18 +237,6 @@ SUM_SPANS = KernelDecl(
     c_end = c_end >= chunks ? chunks - 1 : c_end;
     for (i64 e = (i64)V * lane; e < dim; e += (i64)group * V) {
         vec<T, V> acc = *reinterpret_cast<const vec<T, V>*>(tail + c * width + e);
-        for (i64 d0 = c + 1; d0 <= c_end; d0 += 8) {
-            vec<T, V> h[8];
-            #pragma unroll
-            for (int u = 0; u < 8; ++u)
-                if (d0 + u <= c_end)
-                    h[u] = *reinterpret_cast<const vec<T, V>*>(head + (d0 + u) * width + e);
-            #pragma unroll
-            for (int u = 0; u < 8; ++u)
-                if (d0 + u <= c_end) {
-                    #pragma unroll
-                    for (int q = 0; q < V; ++q) acc.v[q] += h[u].v[q];
-                }
-        }
+        add_heads<8>(acc, head, width, e, c + 1, c_end, 1);
         *reinterpret_cast<vec<T, V>*>(summed + r * width + e) = acc;
     }""", launch_bounds="__launch_bounds__(256)")
