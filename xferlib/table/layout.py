@@ -13,36 +13,38 @@ the GPU makes the host merge it into the line). The GPU cache keeps rows in the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
 class RowLayout:
-    """Where each part of a row sits, in units of the table's dtype."""
+    """Where each part of a row sits, in units of the table's dtype. The offsets and widths
+    are computed once per layout (every step reads them)."""
 
     dim: int
     itemsize: int
     slots: tuple
     row_scalars: tuple
 
-    @property
+    @functools.cached_property
     def state_offset(self) -> int:  # start of the state in an interleaved row
         return _align(self.dim, self.itemsize, 16)
 
-    @property
+    @functools.cached_property
     def step_offset(self) -> int:  # the int64 step count, relative to the state
         return _align(len(self.slots) * self.dim + len(self.row_scalars), self.itemsize, 8)
 
-    @property
+    @functools.cached_property
     def state_width(self) -> int:
         return _align(self.step_offset + 8 // self.itemsize, self.itemsize, 16)
 
-    @property
+    @functools.cached_property
     def used_width(self) -> int:  # weights and state, without the row's padding
         return self.state_offset + self.state_width
 
-    @property
+    @functools.cached_property
     def row_width(self) -> int:
         """The storage row: padded to a 64-byte line where that costs at most an eighth of
         the row (a 528-byte row becomes 576); small rows stay at 16 bytes."""
