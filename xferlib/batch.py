@@ -49,8 +49,8 @@ from xferlib._backend import as_cupy_stream
 from xferlib._kernels import grid_1d
 from xferlib._kernels.radix import (RADIX_BINS, RADIX_BITS, RADIX_HISTOGRAM, RADIX_ITEM_CHOICES,
                                     RADIX_MAX_N, RADIX_MODULE, RADIX_PASS, RADIX_THREADS,
-                                    radix_items, radix_key_passes, radix_status_words,
-                                    radix_tiles)
+                                    key_bits, radix_items, radix_key_passes,
+                                    radix_status_words, radix_tiles)
 from xferlib._kernels.rows import (CHECK_AND_NARROW, CHECK_AND_SORT_SMALL, INDEX_TYPES,
                                    ROWS_MODULE, SMALL_SORT_ITEMS, SMALL_SORT_THREADS,
                                    SMALL_SORT_TILE, tile_sort_kernels)
@@ -95,7 +95,7 @@ def tile_sort(keys, num_keys: int, stream, words, rows, perm) -> None:
         raise ValueError(f"tile_sort sorts at most {SMALL_SORT_TILE} keys, not {n}")
     items = next(i for i in SMALL_SORT_ITEMS if i * SMALL_SORT_THREADS >= n)
     kernel, shared = tile_sort_kernels(keys.dtype.name, items)
-    bits = max(1, int(num_keys - 1).bit_length())
+    bits = key_bits(num_keys)
     kernel((1,), (SMALL_SORT_THREADS,),
            CHECK_AND_SORT_SMALL.arguments(idx=keys, n_total=n, n_rows=num_keys, bits=bits,
                                           rows_out=rows, perm_out=perm, first_bad=words),
@@ -140,7 +140,7 @@ def radix_sort(idx, num_keys: int, stream, words, buffer, items: int | None = No
     items = radix_items(n) if items is None else items
     if items not in RADIX_ITEM_CHOICES:
         raise ValueError(f"items must be one of {RADIX_ITEM_CHOICES}, got {items!r}")
-    bits = max(1, int(num_keys - 1).bit_length())
+    bits = key_bits(num_keys)
     passes = radix_key_passes(num_keys)
     tiles = radix_tiles(n, items)
     cleared, size = radix_work_words(n, num_keys, items)

@@ -41,12 +41,17 @@ LAYOUT_ARGS = ("cache", "cache_width", "dim", "s_off")
 # ``xferlib/table/cache.py`` is the NumPy twin and says why); shared with the collection's
 # kernels, which make and read such keys. `set_size` 0: rows keyed as themselves.
 SET_ORDER = r"""
+// splitmix64's finalizer: neighbouring row ids land in unrelated sets.
+__device__ __forceinline__ unsigned long long mix64(unsigned long long x) {
+    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27; x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
 // h(b): a hash of b below n_sets (splitmix64's finalizer after its golden-ratio step)
 __device__ __forceinline__ long long set_order_shift(long long b, long long n_sets) {
-    unsigned long long z = (unsigned long long)b + 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return (long long)((z ^ (z >> 31)) % (unsigned long long)n_sets);
+    return (long long)(mix64((unsigned long long)b + 0x9E3779B97F4A7C15ull)
+                       % (unsigned long long)n_sets);
 }
 
 // row x (0 <= x < 2^31): set (x % n_sets + h(x / n_sets)) % n_sets, key set * set_size + b
@@ -78,13 +83,6 @@ typedef unsigned long long u64;
 
 __device__ __forceinline__ bool rejected(const u64* verdict) {
     return (verdict[0] & verdict[1]) != ~0ull;
-}
-
-// splitmix64's finalizer: neighbouring row ids land in unrelated sets.
-__device__ __forceinline__ u64 mix64(u64 x) {
-    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27; x *= 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
 }
 
 __device__ __forceinline__ i64 set_of(i64 row, i64 n_sets) {

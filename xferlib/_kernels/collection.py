@@ -422,11 +422,9 @@ def pool_bags(n: int, bags: int) -> int:
 # so any chunk of rows, on either path, gets the same values. No FMA contraction in the
 # uniform map (__dmul_rn, __dadd_rn): the NumPy twin rounds each operation the same way.
 _INIT_HEAD = r"""
+// splitmix64's step: the golden-ratio add, then the finalizer (SET_ORDER's mix64)
 __device__ __forceinline__ unsigned long long xf_mix64(unsigned long long z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+    return mix64(z + 0x9E3779B97F4A7C15ull);
 }
 """
 

@@ -240,14 +240,14 @@ RADIX_MODULE = KernelModule(
           for d in (RADIX_HISTOGRAM, RADIX_PASS)))
 
 
-def radix_passes(bits: int) -> int:
-    """Passes of :data:`RADIX_BITS` bits that sort keys of ``bits`` bits."""
-    return max(1, -(-int(bits) // RADIX_BITS))
+def key_bits(num_keys: int) -> int:
+    """Bits of keys below ``num_keys`` (at least one): what the sorts rank by."""
+    return max(1, int(num_keys - 1).bit_length())
 
 
 def radix_key_passes(num_keys: int) -> int:
-    """Passes that sort keys below ``num_keys``."""
-    return radix_passes(max(1, int(num_keys - 1).bit_length()))
+    """Passes of :data:`RADIX_BITS` bits that sort keys below ``num_keys``."""
+    return -(-key_bits(num_keys) // RADIX_BITS)
 
 
 def radix_items(n: int) -> int:

@@ -126,9 +126,8 @@ class CollectionDevice:
             next_base[host] += coll.tables[t].num_rows
         self.total_rows = next_base[False]
         # the plan's and the run numbering's arguments of the host keys' order
-        self.order_args = dict(n_sets=self.set_order.n_sets if self.set_order else 1,
-                               **(self.set_order.kernel_args() if self.set_order
-                                  else NO_SET_ORDER))
+        self.order_args = (dict(n_sets=self.set_order.n_sets, **self.set_order.kernel_args())
+                           if self.set_order else dict(n_sets=1, **NO_SET_ORDER))
         rows = []
         for t, (config, block) in enumerate(zip(coll.tables, coll.blocks)):
             # a tt table: indices checked and keyed, rows nowhere (base -1 and row width 0
