@@ -59,6 +59,7 @@ FAMILIES = {
     "exchange": ["tests/core/test_exchange.py"],
     "interaction": ["tests/core/test_interaction.py"],
     "collection": ["tests/core/test_collection.py", "tests/core/test_collection_tt.py",
+                   "tests/core/test_collection_pending.py",
                    "tests/torch/test_collection_torch.py", "tests/jax/test_collection_jax.py"],
     "reliability": ["tests/core/test_reliability_fuzz.py",
                     "tests/core/test_reliability_nonfinite.py",

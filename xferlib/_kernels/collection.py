@@ -63,6 +63,12 @@ COLLECTION_HEAD = TABLE_KERNEL + BLOCK_SCAN + defines(
     COLL_RUN_THREADS=RUN_THREADS, COLL_RUN_TILE=RUN_TILE,
     **{f"M_{f.upper()}": k for k, f in enumerate(META_FIELDS)}) + BAG_RANGE + SET_ORDER + r"""
 
+// The sorted key at position i, as the batch sort left it: int32 or int64 (`key_bytes`).
+__device__ __forceinline__ i64 sorted_key(const void* keys, int key_bytes, i64 i) {
+    return key_bytes == 4 ? (i64)static_cast<const int*>(keys)[i]
+                          : (i64)static_cast<const long long*>(keys)[i];
+}
+
 // A lookup's factor in its bag's sum: its sample weight, over the bag's length for mean.
 template <typename T>
 __device__ __forceinline__ T lookup_scale(const T* psw, i64 l, int mean, i64 len) {
@@ -262,12 +268,54 @@ def run_status_words(n: int) -> int:
     return 1 + -(-int(n) // RUN_TILE)
 
 
+# Shared by the staging kernel's two copies: a row moved by a warp, V elements a lane.
+_COPY_ROW = r"""
+// A warp copies `len` elements (whole V-element vectors) from src to dst: every load of up to
+// 4 x 32 vectors in flight before the first store, one trip over the link per row instead of
+// one per 32 vectors.
+template <int V, typename T>
+__device__ __forceinline__ void warp_copy_row(const T* src, T* dst, i64 len, int lane) {
+    for (i64 e0 = (i64)V * lane; e0 < len; e0 += 4 * 32 * V) {
+        vec<T, V> part[4];
+        #pragma unroll
+        for (int u = 0; u < 4; ++u)
+            if (e0 + u * 32 * V < len)
+                part[u] = *reinterpret_cast<const vec<T, V>*>(src + e0 + u * 32 * V);
+        #pragma unroll
+        for (int u = 0; u < 4; ++u)
+            if (e0 + u * 32 * V < len)
+                *reinterpret_cast<vec<T, V>*>(dst + e0 + u * 32 * V) = part[u];
+    }
+}
+
+// Where `want` sits in keys[0, count) (ascending), or -1: a warp's search, each lane probing
+// one of 32 evenly spaced keys a round (three rounds for 25,000 keys, not fifteen one after
+// another). Every lane of the warp calls it with the same arguments.
+__device__ __forceinline__ i64 warp_find(const i64* keys, i64 count, i64 want, int lane) {
+    i64 lo = 0, hi = count;  // the first key >= want is at a position in [lo, hi]
+    while (lo < hi) {
+        const i64 step = (hi - lo + 31) / 32;
+        const i64 p = lo + (i64)lane * step;
+        const int below = __popc(__ballot_sync(0xffffffffu, p < hi && keys[p] < want));
+        if (below == 0) break;  // keys[lo] >= want
+        const i64 top = lo + (i64)below * step;
+        lo += (i64)(below - 1) * step + 1;
+        hi = top < hi ? top : hi;
+    }
+    return lo < count && keys[lo] == want ? lo : -1;
+}
+"""
+
 STAGE = KernelDecl(
     "coll_stage", "template <int V, typename T>",
-    (("const T*", "host"), ("const i64*", "meta"), ("const i64*", "run"),
-     ("const i64*", "run_off"), ("const int*", "run_tab"), ("i64", "n"), ("const T*", "cache"),
-     ("i64", "cache_width"), ("const int*", "slots"), ("T*", "staged"), ("i64", "stage_width"),
-     ("int", "full"), ("const unsigned long long*", "verdict")),
+    (("T*", "host"), ("const i64*", "meta"), ("const void*", "keys"), ("int", "key_bytes"),
+     ("const i64*", "run"),
+     ("const i64*", "starts"), ("const i64*", "run_off"), ("const int*", "run_tab"),
+     ("i64", "n"), ("const T*", "cache"), ("i64", "cache_width"), ("const int*", "slots"),
+     ("T*", "staged"), ("i64", "stage_width"), ("int", "full"), ("const T*", "pending"),
+     ("const i64*", "pending_key"), ("const i64*", "pending_off"),
+     ("const int*", "pending_tab"), ("const i64*", "pending_count"), ("i64", "pending_rows"),
+     ("i64", "host_elems"), ("i64", "num_tables"), ("const unsigned long long*", "verdict")),
     r"""
     // A warp per distinct row: a host table's row copied to staged[r], from its GPU cache
     // slot (slots[r] >= 0) or from host RAM (in key order: ascending rows without a cache,
@@ -276,31 +324,43 @@ STAGE = KernelDecl(
     // step count, padding: whole host cache lines), so that the update reads it from HBM and
     // only writes over the link (rows whose state is a few scalars); else the weights (the
     // update then reads full-width state over the link as its writes go the other way).
-    if (rejected(verdict)) return;
+    // `pending` (no cache: the last update's runs, *pending_count, run p's sorted key
+    // pending_key[p]; its host row held in HBM at pending[p] when pending_off[p], where it
+    // goes, is >= 0): written back here, whatever this batch's verdict, while this batch's
+    // rows come in over the link the other way (the link carries both at once). A row of
+    // this batch found held there is taken from `pending`, not from host RAM that the
+    // write-back may not have reached.
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
-    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < runs; r += warps) {
+    const i64 runs = n > 0 && !rejected(verdict) ? min(run[n - 1] + 1, n) : 0;
+    i64 held = pending != nullptr ? *pending_count : 0;
+    held = held < 0 ? 0 : (held > pending_rows ? pending_rows : held);
+    const i64 todo = runs > held ? runs : held;
+    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < todo; r += warps) {
+        if (r < held) {
+            const i64 off = pending_off[r];
+            const int tab = pending_tab[r];
+            if (off >= 0 && tab >= 0 && tab < num_tables) {
+                const i64* m = meta + (i64)tab * COLL_META;
+                const i64 len = m[M_ROW_WIDTH];
+                if (m[M_HOST] && len <= stage_width && off + len <= host_elems)
+                    warp_copy_row<V, T>(pending + r * stage_width, host + off, len, lane);
+            }
+        }
+        if (r >= runs) continue;
         const i64 off = run_off[r];
         const i64* m = meta + (i64)run_tab[r] * COLL_META;
         if (off < 0 || !m[M_HOST]) continue;
         const i64 len = full ? m[M_ROW_WIDTH] : m[M_DIM];
         const int slot = slots != nullptr ? slots[r] : -1;
         const T* src = slot >= 0 ? cache + (i64)slot * cache_width : host + off;
-        T* dst = staged + r * stage_width;
-        // every load of the row (up to 4 x 32 vectors) in flight before the first store:
-        // one trip over the link per row instead of one per 32 vectors
-        for (i64 e0 = (i64)V * lane; e0 < len; e0 += 4 * 32 * V) {
-            vec<T, V> part[4];
-            #pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (e0 + u * 32 * V < len)
-                    part[u] = *reinterpret_cast<const vec<T, V>*>(src + e0 + u * 32 * V);
-            #pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (e0 + u * 32 * V < len)
-                    *reinterpret_cast<vec<T, V>*>(dst + e0 + u * 32 * V) = part[u];
+        if (held > 0) {
+            const i64 start = starts[r];
+            const i64 p = start >= 0 && start < n
+                ? warp_find(pending_key, held, sorted_key(keys, key_bytes, start), lane) : -1;
+            if (p >= 0 && pending_off[p] >= 0) src = pending + p * stage_width;
         }
+        warp_copy_row<V, T>(src, staged + r * stage_width, len, lane);
     }""")
 
 POOL = KernelDecl(
@@ -463,7 +523,7 @@ INIT = KernelDecl(
         rows[i] = v;
     }""")
 
-COLLECTION_KERNEL = COLLECTION_HEAD + RUN_FLAGS + _INIT_HEAD + ADD_HEADS + "".join(
+COLLECTION_KERNEL = COLLECTION_HEAD + RUN_FLAGS + _INIT_HEAD + ADD_HEADS + _COPY_ROW + "".join(
     d.source() for d in (PLAN, RUNS, STAGE, POOL, SUM_CHUNKS, SUM_SPANS, INIT))
 
 

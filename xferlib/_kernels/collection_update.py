@@ -19,19 +19,29 @@ __all__ = ["UPDATE", "UPDATE_KERNEL", "update_module", "all_update_modules"]
 
 UPDATE = KernelDecl(
     "coll_update", "template <int RULE, int V, typename T>",
-    (("T*", "hbm"), ("T*", "host"), ("const i64*", "meta"), ("const i64*", "run"),
+    (("T*", "hbm"), ("T*", "host"), ("const i64*", "meta"), ("const void*", "keys"),
+     ("int", "key_bytes"),
+     ("const i64*", "starts"), ("const i64*", "run"),
      ("const i64*", "run_off"), ("const int*", "run_tab"), ("i64", "n"),
      ("const T*", "summed"), ("i64", "width"), ("const T*", "staged"), ("i64", "stage_width"),
      ("int", "staged_state"), ("T*", "cache"), ("i64", "cache_width"), ("const int*", "slots"),
      ("unsigned char*", "dirty"), ("i64", "n_slots"), ("const double*", "hyper"),
-     ("i64", "hyper_width"), ("int", "group"), ("const unsigned long long*", "verdict")),
+     ("i64", "hyper_width"), ("T*", "pending"), ("i64*", "pending_key"),
+     ("i64*", "pending_off"), ("int*", "pending_tab"),
+     ("i64*", "pending_count"), ("i64", "pending_rows"), ("int", "group"),
+     ("const unsigned long long*", "verdict")),
     r"""
     // A group of `group` lanes per distinct row (a power of two up to 32, as many as the
     // widest row needs vectors; row-wise Adagrad's row sum a reduction over the group's
     // lanes): the table's rule on its summed gradient, where the row lives (HBM; a host
     // table's GPU cache slot, then marked dirty; or host RAM, the row then read from the
     // forward's whole staged copy when given, and only written over the link), with its
-    // table's hyperparameters and its own step count.
+    // table's hyperparameters and its own step count. `pending` (given with whole staged
+    // rows): a host row read from its copy is written, whole, to pending[r] in HBM instead
+    // of over the link (pending_off[r]: its place in host RAM, -1 for a run whose row is
+    // not held; pending_key[r]: the run's sorted key; *pending_count: the runs), for the
+    // next forward's staging to write back beside its own reads (``coll_stage``); a run
+    // past `pending_rows` goes to host RAM as before.
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & (group - 1);
     // the group's lanes in the warp (they run the same rows: the same trips and branches)
@@ -39,31 +49,43 @@ UPDATE = KernelDecl(
         : ((1u << group) - 1u) << ((threadIdx.x & 31) & ~(group - 1));
     const i64 groups = (i64)gridDim.x * (blockDim.x / group);
     const i64 runs = n > 0 ? min(run[n - 1] + 1, n) : 0;
+    if (pending != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+        *pending_count = runs < pending_rows ? runs : pending_rows;
     for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / group; r < runs;
          r += groups) {
         const i64 off = run_off[r];
-        if (off < 0) continue;
         const i64 tab = run_tab[r];
         const i64* m = meta + tab * COLL_META;
         const int slot = slots != nullptr && m[M_HOST] ? slots[r] : -1;
         const bool on_host = m[M_HOST] != 0 && slot < 0;
-        T* w = slot >= 0 ? cache + (i64)slot * cache_width : (m[M_HOST] ? host : hbm) + off;
-        T* s = w + m[M_STATE_OFFSET];
-        const bool from_copy = on_host && staged != nullptr;
-        const T* wsrc = from_copy ? staged + r * stage_width : w;
-        // the state from the copy when the forward staged whole rows (staged_state), else
-        // read over the link here, while this kernel's writes go out the other way
-        const T* ssrc = from_copy && staged_state ? wsrc + m[M_STATE_OFFSET] : s;
         const i64 dim = m[M_DIM], step_off = m[M_STEP_OFF];
-        const i64 t = *reinterpret_cast<const i64*>(ssrc + step_off) + 1;
-        const XfScalars<T> c = row_consts<RULE, T>(hyper + tab * hyper_width, t);
-        const T* g = summed + r * width;
+        const i64 tail = m[M_STATE_OFFSET] + n_slots * dim;
+        const bool from_copy = on_host && staged != nullptr;
         // A host row read from its staged copy: the state's tail (row scalars, step count,
         // padding to the row's end: whole host cache lines) goes out in whole 16-byte words
         // built from the copy, not as the lone scalar and step writes a partial host line
         // costs (the host reads the line and merges it: half the link's write speed).
-        const i64 tail = m[M_STATE_OFFSET] + n_slots * dim;
         const bool whole_tail = from_copy && staged_state && (tail * (i64)sizeof(T)) % 16 == 0;
+        // held in `pending`: rows written whole (weights up to the state, then the tail)
+        const bool held = pending != nullptr && r < pending_rows && off >= 0 && whole_tail
+                          && m[M_STATE_OFFSET] == dim;
+        if (pending != nullptr && r < pending_rows && lane == 0) {
+            const i64 start = starts[r];
+            pending_key[r] = start >= 0 && start < n ? sorted_key(keys, key_bytes, start) : -1;
+            pending_off[r] = held ? off : -1;
+            pending_tab[r] = (int)tab;
+        }
+        if (off < 0) continue;
+        T* w = slot >= 0 ? cache + (i64)slot * cache_width
+             : m[M_HOST] ? (held ? pending + r * stage_width : host + off) : hbm + off;
+        T* s = w + m[M_STATE_OFFSET];
+        const T* wsrc = from_copy ? staged + r * stage_width : w;
+        // the state from the copy when the forward staged whole rows (staged_state), else
+        // read over the link here, while this kernel's writes go out the other way
+        const T* ssrc = from_copy && staged_state ? wsrc + m[M_STATE_OFFSET] : s;
+        const i64 t = *reinterpret_cast<const i64*>(ssrc + step_off) + 1;
+        const XfScalars<T> c = row_consts<RULE, T>(hyper + tab * hyper_width, t);
+        const T* g = summed + r * width;
         T total = (T)0;
         if (RULE == XF_OPT_ROWWISE_ADAGRAD) {
             total = rowwise_adagrad_lanes<V, T>(w, wsrc, s, ssrc, g, dim, n_slots, c, lane,

@@ -1,0 +1,179 @@
+"""Uncached host tables whose rows are staged whole (rules without full-width state) defer
+their write-back: an update leaves its host rows in HBM and the next forward's staging writes
+them back while it reads its own rows. Every order of calls must give the bits of a
+collection that writes host rows through at each update: steps back to back, a lookup
+between a forward and its backward, two forwards before their backwards, a forward left
+without its backward, batches larger than the pending buffer (before a backward, between
+steps), refused batches, and host reads and writes (state dicts, saves, rows written by
+hand) in between."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xferlib.collection import EmbeddingCollection, TableConfig
+
+pytestmark = pytest.mark.gpu
+
+ROWS = [400, 37, 50]
+
+
+def build(optimizer, defer=True, narrow_first=False):
+    """Two host tables and an HBM table; ``defer=False``: the same collection writing host
+    rows through. One host table is 3 wide (rows not in whole words: written through, not
+    held), after the other or (``narrow_first``) before it in the keys' order."""
+    from xferlib.testing import get_backend
+
+    get_backend("cupy")
+    dims = (3, 16) if narrow_first else (16, 3)
+    coll = EmbeddingCollection([TableConfig(ROWS[0], dims[0], placement="host"),
+                                TableConfig(ROWS[1], dims[1], placement="host"),
+                                TableConfig(ROWS[2], 8)],
+                               optimizer, {"lr": 0.2}, device="cuda", seed=4)
+    side = coll._gpu_side()
+    assert side.defers
+    side.defers = defer
+    return coll
+
+
+def batch(rng, B, max_len=6):
+    """A Zipf batch: consecutive batches share most of their rows."""
+    import cupy
+
+    lengths = rng.integers(0, max_len + 1, size=len(ROWS) * B)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    parts = [np.minimum(rng.zipf(1.2, int(lengths[t * B:(t + 1) * B].sum())) - 1, n - 1)
+             for t, n in enumerate(ROWS)]
+    return cupy.asarray(np.concatenate(parts)), cupy.asarray(offsets)
+
+
+def grad_for(rng, out):
+    import cupy
+
+    return cupy.asarray(rng.standard_normal(out.shape).astype(np.float32))
+
+
+def script(coll, tmp_path):
+    """A run of every order of calls; the outputs it pooled, as bytes."""
+    import cupy
+
+    rng = np.random.default_rng(9)
+    seen = []
+
+    def step(B=16):
+        out, ctx = coll.forward(*batch(rng, B))
+        coll.backward(ctx, grad_for(rng, out))
+        seen.append(out.get().tobytes())
+
+    for _ in range(4):  # back to back: each forward finds the last update's rows pending
+        step()
+    out, ctx = coll.forward(*batch(rng, 16))  # a lookup between a forward and its backward
+    seen.append(coll.lookup(*batch(rng, 16)).get().tobytes())
+    coll.backward(ctx, grad_for(rng, out))
+    first, ctx1 = coll.forward(*batch(rng, 16))  # two forwards, then both backwards
+    second, ctx2 = coll.forward(*batch(rng, 16))
+    coll.backward(ctx1, grad_for(rng, first))
+    coll.backward(ctx2, grad_for(rng, second))
+    seen += [first.get().tobytes(), second.get().tobytes()]
+    out, ctx = coll.forward(*batch(rng, 16))
+    coll.forward(*batch(rng, 40))  # a forward left without its backward, the buffer grown
+    coll.backward(ctx, grad_for(rng, out))
+    seen.append(out.get().tobytes())
+    step(B=64)  # more lookups than the pending buffer holds: it grows
+    step()
+    seen.append(repr(sorted(coll.state_dict().items(), key=lambda kv: kv[0])).encode())
+    step()
+    coll.write_rows(0, np.array([0, 1, 5]), np.full((3, coll.dims[0]), 0.25, np.float32))
+    step()
+    coll.save(tmp_path / "mid.xft")
+    step()
+    state = coll.state_dict()
+    step()
+    coll.load_state_dict(state)  # back to the state before the last step
+    step()
+    indices, offsets = batch(rng, 16)
+    bad = indices.copy()
+    bad[-1] = 10_000  # out of the HBM table's range: refused, nothing written
+    with pytest.raises(IndexError):
+        out, ctx = coll.forward(bad, offsets)
+        coll.backward(ctx, grad_for(rng, out))
+        coll.check()
+    step()
+    step()
+    cupy.cuda.Device().synchronize()
+    return seen
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("narrow_first", [False, True])
+def test_deferred_write_back_gives_the_bits_of_writing_through(optimizer, narrow_first,
+                                                                tmp_path):
+    deferred = build(optimizer, narrow_first=narrow_first)
+    through = build(optimizer, False, narrow_first)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    seen_deferred = script(deferred, tmp_path / "a")
+    seen_through = script(through, tmp_path / "b")
+    assert deferred._gpu_side().pending is not None  # the path under test was taken
+    assert through._gpu_side().pending is None
+    assert len(seen_deferred) == len(seen_through)
+    for k, (a, b) in enumerate(zip(seen_deferred, seen_through)):
+        assert a == b, f"output {k} differs"
+    got, want = deferred.state_dict(), through.state_dict()
+    for key in want:
+        assert got[key].tobytes() == want[key].tobytes(), key
+    saved = EmbeddingCollection.load(tmp_path / "a" / "mid.xft", device="cpu").state_dict()
+    again = EmbeddingCollection.load(tmp_path / "b" / "mid.xft", device="cpu").state_dict()
+    for key in again:
+        assert saved[key].tobytes() == again[key].tobytes(), key
+
+
+def test_rows_are_pending_between_steps_and_written_back_by_synchronize():
+    """After a step the updated host rows are in HBM only; synchronize() (what every host
+    read calls) writes them back, and the host buffer then holds what the state says."""
+    import cupy
+
+    coll = build("sgd")
+    rng = np.random.default_rng(1)
+    indices, offsets = batch(rng, 16)
+    before = coll.weights(0).copy()
+    out, ctx = coll.forward(indices, offsets)
+    coll.backward(ctx, grad_for(rng, out))
+    cupy.cuda.Device().synchronize()
+    side = coll._gpu_side()
+    assert int(side.pending.count.get()[0]) > 0  # held, not yet written back
+    host = coll.buffers["host"]
+    block = coll.blocks[0]
+    raw = np.array(block.rows(host)[:, :16])  # host RAM as the update left it
+    np.testing.assert_array_equal(raw, before)  # nothing written over the link yet
+    after = coll.weights(0)  # synchronize(): written back
+    assert int(side.pending.count.get()[0]) == 0
+    assert not np.array_equal(after, before)
+    np.testing.assert_array_equal(np.array(block.rows(host)[:, :16]), after)
+
+
+def test_eval_lookups_write_the_pending_rows_back_once():
+    """A lookup for evaluation writes the pending rows back and leaves none pending (a loop
+    of lookups moves no row over the link but its own), and training goes on as it would
+    writing through."""
+    import cupy
+
+    def run(coll):
+        rng = np.random.default_rng(2)
+        out, ctx = coll.forward(*batch(rng, 16))
+        coll.backward(ctx, grad_for(rng, out))
+        looked = [coll.lookup(*batch(rng, 16)).get() for _ in range(3)]
+        cupy.cuda.Device().synchronize()
+        side = coll._gpu_side()
+        held = 0 if side.pending is None else int(side.pending.count.get()[0])
+        out, ctx = coll.forward(*batch(rng, 16))
+        coll.backward(ctx, grad_for(rng, out))
+        return held, looked, coll.state_dict()
+
+    (held, looked, got), (_, looked_through, want) = run(build("rowwise_adagrad")), run(
+        build("rowwise_adagrad", defer=False))
+    assert held == 0
+    for a, b in zip(looked, looked_through):
+        assert a.tobytes() == b.tobytes()
+    for key in want:
+        assert got[key].tobytes() == want[key].tobytes(), key
