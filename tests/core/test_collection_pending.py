@@ -32,8 +32,8 @@ def build(optimizer, defer=True, narrow_first=False):
                                 TableConfig(ROWS[2], 8)],
                                optimizer, {"lr": 0.2}, device="cuda", seed=4)
     side = coll._gpu_side()
-    assert side.defers
-    side.defers = defer
+    assert side.staging.defers
+    side.staging.defers = defer
     return coll
 
 
@@ -114,8 +114,8 @@ def test_deferred_write_back_gives_the_bits_of_writing_through(optimizer, narrow
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     seen_deferred = script(deferred, tmp_path / "a")
     seen_through = script(through, tmp_path / "b")
-    assert deferred._gpu_side().pending is not None  # the path under test was taken
-    assert through._gpu_side().pending is None
+    assert deferred._gpu_side().staging.pending is not None  # the path under test was taken
+    assert through._gpu_side().staging.pending is None
     assert len(seen_deferred) == len(seen_through)
     for k, (a, b) in enumerate(zip(seen_deferred, seen_through)):
         assert a == b, f"output {k} differs"
@@ -141,13 +141,13 @@ def test_rows_are_pending_between_steps_and_written_back_by_synchronize():
     coll.backward(ctx, grad_for(rng, out))
     cupy.cuda.Device().synchronize()
     side = coll._gpu_side()
-    assert int(side.pending.count.get()[0]) > 0  # held, not yet written back
+    assert int(side.staging.pending.count.get()[0]) > 0  # held, not yet written back
     host = coll.buffers["host"]
     block = coll.blocks[0]
     raw = np.array(block.rows(host)[:, :16])  # host RAM as the update left it
     np.testing.assert_array_equal(raw, before)  # nothing written over the link yet
     after = coll.weights(0)  # synchronize(): written back
-    assert int(side.pending.count.get()[0]) == 0
+    assert int(side.staging.pending.count.get()[0]) == 0
     assert not np.array_equal(after, before)
     np.testing.assert_array_equal(np.array(block.rows(host)[:, :16]), after)
 
@@ -165,7 +165,7 @@ def test_eval_lookups_write_the_pending_rows_back_once():
         looked = [coll.lookup(*batch(rng, 16)).get() for _ in range(3)]
         cupy.cuda.Device().synchronize()
         side = coll._gpu_side()
-        held = 0 if side.pending is None else int(side.pending.count.get()[0])
+        held = 0 if side.staging.pending is None else int(side.staging.pending.count.get()[0])
         out, ctx = coll.forward(*batch(rng, 16))
         coll.backward(ctx, grad_for(rng, out))
         return held, looked, coll.state_dict()

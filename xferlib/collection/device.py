@@ -4,11 +4,8 @@ Forward: ``coll_plan`` checks bags and indices and keys every lookup; the batch 
 (:func:`xferlib.batch.radix_sort` on the device, the tile sort for a small batch: no host
 sync at any size) orders the keys and ``coll_runs`` numbers their runs (one launch); host
 tables' distinct rows are staged into HBM; ``coll_pool`` writes the pooled output.
-Backward: the two-pass gradient sums and ``coll_update``. Uncached host tables whose rows
-are staged whole (rules without full-width state) defer their write-back: the update leaves
-the rows in HBM (``PendingRows``) and the next staging writes them back as it reads;
-whatever reads or writes host rows from the host calls ``synchronize`` first, which writes
-them back. Kernels in
+Backward: the two-pass gradient sums and ``coll_update`` (uncached host tables whose rows
+are staged whole defer their write-back to the next staging: ``host_staging.py``). Kernels in
 ``xferlib/_kernels/collection.py``, ``collection_sums.py`` and ``collection_update.py``.
 
 A ``tt`` table's lookups are planned and checked with the others (its meta row makes every
@@ -31,18 +28,19 @@ from xferlib._backend import (as_cupy_stream, changed_constant, device_constant,
                               hyper_constant, is_capturing)
 from xferlib._kernels import grid_1d, launch_config
 from xferlib._kernels.collection import (LONG_SPAN, META_FIELDS, PLAN, POOL, RUN_THREADS,
-                                         RUNS, STAGE, SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, c_type,
+                                         RUNS, SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, c_type,
                                          collection_module, pool_bags, run_status_words)
 from xferlib._kernels.collection_update import UPDATE, update_module
 from xferlib.batch import (NO_BAD, PendingChecks, Verdict, radix_sort, radix_takes,
                            radix_work_words, sort_buffers, sort_positions)
 from xferlib.checks import host_values
+from xferlib.collection.host_staging import HostStaging, plan_args
 from xferlib.collection.tt_tables import tt_lookup_gpu, tt_update_gpu
 from xferlib.memory import device_pointer
 from xferlib.table.cache import NO_SET_ORDER, DeviceCache, SetOrder
 from xferlib.table.rules import HYPER_ROW
 
-__all__ = ["CollectionDevice", "GpuPlan", "PendingRows"]
+__all__ = ["CollectionDevice", "GpuPlan"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -187,15 +185,9 @@ class CollectionDevice:
         self.last_event = None
         self.cache = None
         self.cache_passes = 0  # cache passes queued: a plan's slots are current until the next
-        # Deferred write-back: with whole rows staged and no cache, an update leaves its host
-        # rows in HBM (``PendingRows``) and the next forward's staging writes them back while
-        # it reads its own rows the other way (the link carries both at once: an H200, 25,600
-        # scattered 512-byte rows each way, 396 us together against 534 one after the other;
-        # a step of 8M x 128 SGD rows 0.73 -> 0.54 ms). With a 5% cache (half the rows
-        # cached, the staging's search made for every run) it lost: 0.35 -> 0.37 ms.
-        self.defers = self.has_host and not cache_rows and self.stage_state
-        self.host_elems = int(coll.buffers["host"].size) if self.has_host else 0
-        self.pending = None  # PendingRows, made by the first forward for an update
+        # host rows staged, and their write-back deferred with whole rows staged and no
+        # cache (host_staging.py)
+        self.staging = HostStaging(self, self.has_host and not cache_rows and self.stage_state)
         if cache_rows:
             host_layout = next(b.layout for c, b in zip(coll.tables, coll.blocks)
                                if c.placement == "host")
@@ -319,13 +311,13 @@ class CollectionDevice:
                     self.cache_passes += 1
                     plan.cache_pass = self.cache_passes
                 if self.has_host:
-                    plan.deferred = for_update and self._pending_room(n, stream)
+                    plan.deferred = for_update and self.staging.room(n, stream)
                     plan.staged = cupy.empty((n, self.stage_width), dtype=coll.dtype)
-                    self._stage(stream, n, plan, plan.slots, plan.staged,
-                                int(for_update and self.stage_state), words)
+                    self.staging.stage(stream, n, plan, self._cache_args(plan.slots),
+                                       plan.staged, int(for_update and self.stage_state), words)
                     if not for_update:
                         plan.writes = -1  # weights only: no update may read this copy
-                        self._pending_written(stream)
+                        self.staging.written(stream)
                 # a group of lanes per one or two bags, 32 // lane_group groups per warp
                 # (no stride loop: far under the grid's 2**31 - 1 blocks)
                 nb = pool_bags(n, bags)
@@ -408,7 +400,7 @@ class CollectionDevice:
             staged = plan.staged if staged_current else None
             deferred = plan.deferred and staged is not None
             if not deferred:  # the update reads or writes host rows itself: current first
-                self.write_back(stream)
+                self.staging.write_back(stream)
             self.writes += 1
             slots = plan.slots
             if not slots_current:
@@ -418,75 +410,14 @@ class CollectionDevice:
             grid, block = grid_1d(n * group, 256, self.update_blocks)
             UPDATE.launch(update_module(kind, self.dtype_name), (kind, self.vec, T),
                           grid, block, stream=stream, hbm=self.hbm, host=self.host_ptr,
-                          meta=self.meta, **self._plan_args(plan), n=n, summed=summed,
+                          meta=self.meta, **plan_args(plan), n=n, summed=summed,
                           width=width, staged=staged, stage_width=self.stage_width,
                           staged_state=int(self.stage_state), **self._cache_args(slots),
                           dirty=self.cache.dirty if slots is not None else None,
                           n_slots=len(coll.layouts[0].slots), hyper=self._hyper_array(stream),
-                          hyper_width=HYPER_ROW, **self._pending_args(deferred), group=group,
+                          hyper_width=HYPER_ROW, **self.staging.pending_args(deferred), group=group,
                           verdict=plan.words)
             self._record(stream)
-
-    # ---------------------------------------------------------------- host rows
-
-    def _stage(self, stream, n, plan, slots, staged, full, verdict) -> None:
-        """``coll_stage``: the plan's host rows copied into ``staged`` (n = 0: none), the
-        pending rows written back beside them (then on half the grid: an H200, 8M x 128 SGD
-        rows, a replayed step 0.52 ms against 0.55 on four blocks an SM)."""
-        held = self.pending.capacity if self.pending is not None else 0
-        blocks = self.max_blocks // 2 if held else self.max_blocks
-        grid, block = launch_config(max(n, held), max_blocks=blocks)
-        STAGE.launch(collection_module(), (self.vec, c_type(self.dtype_name)), grid, block,
-                     stream=stream, host=self.host_ptr, meta=self.meta,
-                     **self._plan_args(plan), n=n, **self._cache_args(slots),
-                     staged=staged, stage_width=self.stage_width, full=full,
-                     **self._pending_args(held > 0), host_elems=self.host_elems,
-                     num_tables=self.coll.num_tables, verdict=verdict)
-
-    def _pending_room(self, n: int, stream) -> bool:
-        """Whether a batch of ``n`` lookups may defer its host rows' write-back: a pending
-        buffer of room for its runs, made (or grown, its rows written back first) here, not
-        inside a CUDA capture (a capture records what exists; a batch larger than the buffer
-        then writes host RAM as it goes)."""
-        if not self.defers:
-            return False
-        if self.pending is not None and self.pending.capacity >= n:
-            return True
-        if is_capturing(stream):
-            return False
-        self.write_back(stream)
-        capacity = max(n, self.pending.capacity * 5 // 4 if self.pending else 0)
-        with stream:
-            self.pending = PendingRows(capacity, self.stage_width, self.coll.dtype)
-        return True
-
-    def _pending_args(self, given: bool) -> dict:
-        p = self.pending
-        if not given or p is None:
-            return dict(pending=None, pending_key=None, pending_off=None, pending_tab=None,
-                        pending_count=None, pending_rows=0)
-        return dict(pending=p.rows, pending_key=p.key, pending_off=p.off, pending_tab=p.tab,
-                    pending_count=p.count, pending_rows=p.capacity)
-
-    @staticmethod
-    def _plan_args(plan) -> dict:
-        """A plan's sorted keys and runs, as the staging and the update read them."""
-        if plan is None:
-            return dict(keys=None, key_bytes=8, run=None, starts=None, run_off=None,
-                        run_tab=None)
-        return dict(keys=plan.keys, key_bytes=plan.keys.itemsize, run=plan.run,
-                    starts=plan.starts, run_off=plan.run_off, run_tab=plan.run_tab)
-
-    def _pending_written(self, stream) -> None:
-        """The pending rows are in host RAM (a staging launch wrote them back): none held."""
-        if self.pending is not None:
-            self.pending.count.data.memset_async(0, 8, stream)
-
-    def write_back(self, stream) -> None:
-        """The last update's pending host rows written to host RAM, on ``stream``."""
-        if self.pending is not None:
-            self._stage(stream, 0, None, None, None, 1, None)
-            self._pending_written(stream)
 
     def _cache_args(self, slots) -> dict:
         if slots is None:
@@ -511,7 +442,7 @@ class CollectionDevice:
         """Queued work done and cached rows written back to host RAM (``drop_cache``: the
         cache emptied too, before host rows are overwritten)."""
         stream = self._wait_queued()
-        self.write_back(stream)
+        self.staging.write_back(stream)
         if self.cache is not None:
             self.cache.flush(stream, drop_cache)
             if drop_cache:
@@ -529,24 +460,6 @@ class CollectionDevice:
         # large cache is a transfer of its every dirty row: readers of host RAM synchronize)
         self._wait_queued().synchronize()
         self.checks.poll(wait=True)
-
-
-class PendingRows:
-    """An update's host rows held in HBM until the next staging writes them back: ``rows``
-    (``capacity`` staged rows, one a run), each run's sorted key (``key``: what the staging
-    searches), its row's place in the host buffer (``off``, -1: not held) and table
-    (``tab``), and how many runs the last update left (``count``, on the device: a replayed
-    graph keeps it)."""
-
-    def __init__(self, capacity: int, width: int, dtype):
-        import cupy
-
-        self.capacity = int(capacity)
-        self.rows = cupy.empty((self.capacity, width), dtype=dtype)
-        self.key = cupy.empty(self.capacity, dtype=np.int64)
-        self.off = cupy.empty(self.capacity, dtype=np.int64)
-        self.tab = cupy.empty(self.capacity, dtype=np.int32)
-        self.count = cupy.zeros(1, dtype=np.int64)
 
 
 class _CachePlan:
