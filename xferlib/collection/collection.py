@@ -426,8 +426,8 @@ class EmbeddingCollection(TableState):
             self._gpu.check()
 
     def synchronize(self) -> None:
-        """Wait for this collection's queued GPU work; cached rows are written back to host
-        RAM (they stay cached)."""
+        """Wait for this collection's queued GPU work; rows whose write-back the last step
+        deferred, and cached rows, are written back to host RAM (cached rows stay cached)."""
         if self._gpu is not None:
             self._gpu.synchronize()
 

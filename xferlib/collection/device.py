@@ -306,12 +306,14 @@ class CollectionDevice:
                             run=plan.run,
                             starts=plan.starts, run_off=plan.run_off, run_tab=plan.run_tab,
                             inv=inv, verdict=words)
+                # room for this batch's deferred rows before anything reads host rows (a
+                # buffer grown writes the pending rows back first)
+                plan.deferred = for_update and self.has_host and self.staging.room(n, stream)
                 if self.cache is not None:  # rows of host tables found, admitted, evicted
                     plan.slots = self.cache.insert(_CachePlan(plan), stream)
                     self.cache_passes += 1
                     plan.cache_pass = self.cache_passes
                 if self.has_host:
-                    plan.deferred = for_update and self.staging.room(n, stream)
                     plan.staged = cupy.empty((n, self.stage_width), dtype=coll.dtype)
                     self.staging.stage(stream, n, plan, self._cache_args(plan.slots),
                                        plan.staged, int(for_update and self.stage_state), words)
@@ -439,8 +441,8 @@ class CollectionDevice:
         return stream
 
     def synchronize(self, drop_cache: bool = False) -> None:
-        """Queued work done and cached rows written back to host RAM (``drop_cache``: the
-        cache emptied too, before host rows are overwritten)."""
+        """Queued work done; pending and cached rows written back to host RAM
+        (``drop_cache``: the cache emptied too, before host rows are overwritten)."""
         stream = self._wait_queued()
         self.staging.write_back(stream)
         if self.cache is not None:
