@@ -1,6 +1,6 @@
-"""Uncached host tables whose rows are staged whole (rules without full-width state) defer
-their write-back: an update leaves its host rows in HBM and the next forward's staging writes
-them back while it reads its own rows. Every order of calls must give the bits of a
+"""Uncached host tables defer their write-back: the forward stages whole rows, the update
+leaves its host rows in HBM and the next forward's staging writes them back while it reads
+its own rows. Every order of calls must give the bits of a
 collection that writes host rows through at each update: steps back to back, a lookup
 between a forward and its backward, two forwards before their backwards, a forward left
 without its backward, batches larger than the pending buffer (before a backward, between
@@ -105,7 +105,7 @@ def script(coll, tmp_path):
     return seen
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("narrow_first", [False, True])
 def test_deferred_write_back_gives_the_bits_of_writing_through(optimizer, narrow_first,
                                                                 tmp_path):

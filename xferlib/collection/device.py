@@ -157,12 +157,15 @@ class CollectionDevice:
         self.vec = next(v for v in (4, 2, 1)
                         if v <= word and all(d % v == 0 for d in coll.dims))
         # The forward stages whole rows (weights, state, step) where the state is a few
-        # scalars: the update then only writes over the link. Where it holds full-width
-        # slots (Adam's two, Adagrad's one) only the weights: the update reads the state over
-        # the link while its writes go out the other way (an H100, Adam, 8M x 128, 25,500
-        # distinct rows: 1.70 ms a step against 1.95 with whole rows staged).
+        # scalars, or where no cache holds host rows (the update then leaves them for the
+        # next staging to write back as it reads: host_staging.py). With a cache and
+        # full-width slots (Adam's two, Adagrad's one) only the weights: the update reads the
+        # state over the link while its writes go out the other way (an H100, Adam, 8M x
+        # 128, 25,500 distinct rows, written through: 1.70 ms a step against 1.95 with whole
+        # rows staged).
         host = [(c, b) for c, b in zip(coll.tables, coll.blocks) if c.placement == "host"]
-        self.stage_state = all(not b.layout.slots for _, b in host)
+        defers = bool(host) and not cache_rows
+        self.stage_state = defers or all(not b.layout.slots for _, b in host)
         # a staged row: the widest host row staged, in whole 16-byte words
         host_widths = [b.layout.row_width if self.stage_state else c.dim for c, b in host]
         self.stage_width = -(-max(host_widths, default=0) // word) * word
@@ -185,9 +188,8 @@ class CollectionDevice:
         self.last_event = None
         self.cache = None
         self.cache_passes = 0  # cache passes queued: a plan's slots are current until the next
-        # host rows staged, and their write-back deferred with whole rows staged and no
-        # cache (host_staging.py)
-        self.staging = HostStaging(self, self.has_host and not cache_rows and self.stage_state)
+        # host rows staged, and their write-back deferred where no cache holds them
+        self.staging = HostStaging(self, defers)
         if cache_rows:
             host_layout = next(b.layout for c, b in zip(coll.tables, coll.blocks)
                                if c.placement == "host")

@@ -1,16 +1,17 @@
 """The host tables' rows on their way between host RAM and HBM, for a collection's GPU side
 (``device.py``): the staging launch (``coll_stage``) and the deferred write-back.
 
-Deferred write-back: where the forward stages whole rows (rules whose state is a few scalars)
-and no GPU cache holds host rows, the update leaves the host rows it wrote in an HBM buffer
-(:class:`PendingRows`) instead of writing them over the link, and the next staging writes them
-back while it reads its own rows the other way: the link carries both at once (an H200,
-25,600 scattered 512-byte rows each way: 396 us together against 534 one after the other; a
-replayed step of 8M x 128 SGD rows 0.73 -> 0.54 ms). A row the staging finds among the
-pending ones is taken from HBM, not from host RAM that the write-back may not have reached.
-With a 5% cache (half the rows cached, the search made for every run) it lost (0.35 -> 0.37
-ms): a cached collection writes through. Everything that reads or writes host rows from the
-host goes through ``synchronize``, which writes the pending rows back first.
+Deferred write-back: where no GPU cache holds host rows, the forward stages whole rows
+(weights, optimizer state, step count) and the update leaves the host rows it wrote in an
+HBM buffer (:class:`PendingRows`) instead of writing them over the link; the next staging
+writes them back while it reads its own rows the other way: the link carries both at once
+(an H200, 25,600 scattered 512-byte rows each way: 396 us together against 534 one after
+the other; a replayed step of 8M x 128 rows, SGD 0.73 -> 0.54 ms, Adam 1.51 -> 1.20 ms). A
+row the staging finds among the pending ones is taken from HBM, not from host RAM that the
+write-back may not have reached. With a 5% cache (half the rows cached, the search made for
+every run) it lost (0.35 -> 0.37 ms): a cached collection writes through. Everything that
+reads or writes host rows from the host goes through ``synchronize``, which writes the
+pending rows back first.
 """
 
 from __future__ import annotations
