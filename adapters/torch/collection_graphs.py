@@ -132,6 +132,7 @@ class StepGraphs:
                 _copy_into(shape.inputs, (indices, offsets, psw), stream)
                 shape.total.fill_(n)
             shape.forward.replay()
+            side.replayed_lookup()
             # the replay's verdict read as an eager forward's is: a bad batch raises from a
             # later call (the graph's own copy of it is not queued)
             Verdict(shape.ctx.plan.words, CollectionReport(coll, indices, offsets)).defer(
@@ -191,6 +192,7 @@ class StepGraphs:
             else:
                 shape.grad.copy_(grad)
             shape.backward.replay()
+            side.replayed_update()
 
     @staticmethod
     def _eager_backward(module, shape, grad) -> None:

@@ -177,3 +177,116 @@ def test_eval_lookups_write_the_pending_rows_back_once():
         assert a.tobytes() == b.tobytes()
     for key in want:
         assert got[key].tobytes() == want[key].tobytes(), key
+
+
+WARP_FIND_TEST = r"""
+extern "C" __global__ void find_each(const long long* keys, long long count,
+                                     const long long* wants, long long m, long long* found) {
+    const int lane = threadIdx.x & 31;
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (w >= m) return;  // the same for every lane of a warp
+    const long long p = warp_find(keys, count, wants[w], lane);
+    if (lane == 0) found[w] = p;
+}
+"""
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 31, 32, 33, 1025, 25_600])
+def test_warp_find_finds_each_key_and_nothing_else(count):
+    """The staging's search of the pending keys (ascending, distinct): every key at its
+    position; a value between two keys, below the first or past the last: -1."""
+    import cupy
+
+    from xferlib._kernels.collection import COLLECTION_HEAD, STAGING_HELPERS
+
+    rng = np.random.default_rng(count)
+    keys = np.sort(rng.choice(10 * count + 10, size=count, replace=False)).astype(np.int64)
+    absent = np.setdiff1d(np.arange(-3, 10 * count + 14), keys)
+    wants = np.concatenate([keys, rng.choice(absent, size=min(absent.size, 200),
+                                             replace=False)]).astype(np.int64)
+    module = cupy.RawModule(code=COLLECTION_HEAD + STAGING_HELPERS + WARP_FIND_TEST,
+                            options=("--std=c++17",))
+    found = cupy.full(wants.size, -7, dtype=np.int64)
+    blocks = -(-wants.size * 32 // 256)
+    module.get_function("find_each")((blocks,), (256,), (
+        cupy.asarray(keys), np.int64(count), cupy.asarray(wants), np.int64(wants.size),
+        found))
+    where = np.searchsorted(keys, wants)
+    hit = np.zeros(wants.size, bool) if count == 0 else (
+        (where < count) & (keys[np.minimum(where, count - 1)] == wants))
+    np.testing.assert_array_equal(found.get(), np.where(hit, where, -1))
+
+
+def fixed_batch(rng, B, L=2):
+    """Bags of ``L`` lookups each (the shape a captured step replays), Zipf rows."""
+    offsets = np.arange(0, len(ROWS) * B * L + 1, L)
+    parts = [np.minimum(rng.zipf(1.2, B * L) - 1, n - 1) for n in ROWS]
+    return np.concatenate(parts).astype(np.int64), offsets.astype(np.int64)
+
+
+def captured_script(coll, first):
+    """Steps replayed from a CuPy-captured graph, a batch larger than the pending buffer,
+    between eager steps that defer and eager steps larger than the buffer (which may not
+    grow once a step was captured: the graph reads the buffer it recorded). ``first``:
+    "eager", a small eager step makes the buffer before the capture; "captured", the
+    capture comes first (its graph holds no buffer, and none is made after it)."""
+    import cupy
+
+    rng = np.random.default_rng(21)
+    B = 24
+    width = sum(coll.dims)
+    static_idx, static_off = (cupy.asarray(a) for a in fixed_batch(rng, B))
+    static_grad = cupy.zeros((B, width), np.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    pool = cupy.cuda.MemoryPool()
+    cupy.cuda.Device().synchronize()  # made on the legacy stream: done before `stream` reads
+    seen = []
+
+    def eager(B):
+        idx, off = fixed_batch(rng, B)
+        out, ctx = coll.forward(cupy.asarray(idx), cupy.asarray(off), stream=stream)
+        coll.backward(ctx, cupy.asarray(rng.standard_normal((B, width)), np.float32),
+                      stream=stream)
+        seen.append(out.get().tobytes())
+
+    with stream:
+        if first == "eager":
+            eager(4)
+        with cupy.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            out, ctx = coll.forward(static_idx, static_off, stream=stream)
+            coll.backward(ctx, static_grad, stream=stream)
+            graph = stream.end_capture()
+        for _ in range(3):
+            idx, off = fixed_batch(rng, B)
+            static_idx.set(idx, stream=stream)
+            static_grad.set(rng.standard_normal((B, width)).astype(np.float32), stream=stream)
+            graph.launch(stream)
+            seen.append(out.get(stream=stream).tobytes())
+            eager(4)
+            eager(40)
+        stream.synchronize()
+    return seen
+
+
+@pytest.mark.parametrize("first", ["eager", "captured"])
+def test_captured_steps_give_the_bits_of_writing_through(first):
+    import cupy
+
+    if first == "captured":  # the kernels compiled and loaded outside the capture
+        warm = build("sgd")
+        out, ctx = warm.forward(*batch(np.random.default_rng(0), 4))
+        warm.backward(ctx, cupy.ones(out.shape, np.float32))
+        cupy.cuda.Device().synchronize()
+    deferred, through = build("sgd"), build("sgd", defer=False)
+    seen_deferred = captured_script(deferred, first)
+    seen_through = captured_script(through, first)
+    staging = deferred._gpu_side().staging
+    assert (staging.pending is None) == (first == "captured")
+    if staging.pending is not None:
+        assert staging.pending.capacity < 40 * 2 * len(ROWS)  # not grown after the capture
+    for k, (a, b) in enumerate(zip(seen_deferred, seen_through)):
+        assert a == b, f"output {k} differs"
+    got, want = deferred.state_dict(), through.state_dict()
+    for key in want:
+        assert got[key].tobytes() == want[key].tobytes(), key

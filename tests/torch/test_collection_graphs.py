@@ -289,3 +289,25 @@ def test_cuda_graphs_is_a_flag_and_changes_nothing_on_the_cpu():
     assert_same_state(flagged, plain)
     assert "cuda_graphs=True" in repr(flagged)
     assert copy.deepcopy(flagged)._graphs is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["host", "cache"])
+def test_eager_lookup_backpropagated_after_a_replayed_step_trains_as_without_graphs(
+        placement):
+    """Each step looks up a new shape (eager), then a replayed one, and backpropagates
+    through both: autograd runs the replayed update first, so the eager lookup's staged rows
+    are stale when its own update runs (a replay counts as an update: its update reads the
+    rows where they live, the rows the replay left pending written back first). Trains as
+    the module without graphs, bit for bit."""
+    _need_gpu()
+    graphed, eager = build("rowwise_adagrad", placement, True), build("rowwise_adagrad",
+                                                                      placement, False)
+    replayed = shaped_batches(16, 6, seed=3)
+    new_shapes = [shaped_batches(5 + k, 1, seed=10 + k)[0] for k in range(6)]
+    for module in (graphed, eager):
+        for (idx, off, grad), (new_idx, new_off, new_grad) in zip(replayed, new_shapes):
+            first = module(new_idx, new_off)
+            second = module(idx, off)
+            ((first * new_grad).sum() + (second * grad).sum()).backward()
+    assert_same_state(graphed, eager)

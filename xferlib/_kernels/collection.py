@@ -35,7 +35,7 @@ from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
 __all__ = ["COLL_META", "META_FIELDS", "SUM_CHUNK", "PLAN", "STAGE", "POOL", "SUM_CHUNKS",
            "SUM_SPANS", "LONG_SPAN", "INIT", "RUNS", "RUN_THREADS", "pool_bags",
            "run_status_words", "collection_module", "KEY_TYPES", "RULE_IDS", "DTYPE_NAMES",
-           "COLLECTION_HEAD", "vector_widths", "c_type"]
+           "COLLECTION_HEAD", "STAGING_HELPERS", "vector_widths", "c_type"]
 
 # The per-table fields of ``meta`` (int64 each), in order.
 META_FIELDS = ("num_rows", "dim", "d_off", "host", "base", "row_width", "state_offset",
@@ -268,8 +268,9 @@ def run_status_words(n: int) -> int:
     return 1 + -(-int(n) // RUN_TILE)
 
 
-# Shared by the staging kernel's two copies: a row moved by a warp, V elements a lane.
-_COPY_ROW = r"""
+# The staging kernel's helpers: a row moved by a warp, V elements a lane (its two copies), and
+# the warp's search of the pending rows' keys (a test builds its own kernel on it).
+STAGING_HELPERS = r"""
 // A warp copies `len` elements (whole V-element vectors) from src to dst: every load of up to
 // 4 x 32 vectors in flight before the first store, one trip over the link per row instead of
 // one per 32 vectors.
@@ -334,6 +335,9 @@ STAGE = KernelDecl(
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 runs = n > 0 && !rejected(verdict) ? min(run[n - 1] + 1, n) : 0;
     i64 held = pending != nullptr ? *pending_count : 0;
+    // one value for every lane of a warp, whatever else writes the count meanwhile (its
+    // ballots must agree)
+    held = __shfl_sync(0xffffffffu, held, 0);
     held = held < 0 ? 0 : (held > pending_rows ? pending_rows : held);
     const i64 todo = runs > held ? runs : held;
     for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < todo; r += warps) {
@@ -523,8 +527,9 @@ INIT = KernelDecl(
         rows[i] = v;
     }""")
 
-COLLECTION_KERNEL = COLLECTION_HEAD + RUN_FLAGS + _INIT_HEAD + ADD_HEADS + _COPY_ROW + "".join(
-    d.source() for d in (PLAN, RUNS, STAGE, POOL, SUM_CHUNKS, SUM_SPANS, INIT))
+COLLECTION_KERNEL = (COLLECTION_HEAD + RUN_FLAGS + _INIT_HEAD + ADD_HEADS + STAGING_HELPERS
+                     + "".join(d.source()
+                               for d in (PLAN, RUNS, STAGE, POOL, SUM_CHUNKS, SUM_SPANS, INIT)))
 
 
 def vector_widths(dtype_name: str) -> tuple:

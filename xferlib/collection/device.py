@@ -248,6 +248,7 @@ class CollectionDevice:
             n, indices = 0, indices[:0]  # all padding
             psw = None if psw is None else psw[:0]
         module = collection_module()
+        self.staging.follow(stream)
         with stream:
             if out is None:
                 out = cupy.empty((B, coll.total_dim), dtype=coll.dtype)
@@ -358,6 +359,7 @@ class CollectionDevice:
             return
         module = collection_module()
         T = c_type(self.dtype_name)
+        self.staging.follow(stream)
         with stream:
             if not _rows_of_columns(grad, coll.dtype):  # else read in place, row by row
                 grad = cupy.ascontiguousarray(grad, dtype=coll.dtype)
@@ -422,6 +424,19 @@ class CollectionDevice:
                           hyper_width=HYPER_ROW, **self.staging.pending_args(deferred), group=group,
                           verdict=plan.words)
             self._record(stream)
+
+    def replayed_lookup(self) -> None:
+        """A captured forward was replayed: with a cache, its cache pass moved rows, so the
+        slots earlier forwards found are stale, as after an eager pass (located again by
+        their updates)."""
+        if self.cache is not None:
+            self.cache_passes += 1
+
+    def replayed_update(self) -> None:
+        """A captured update was replayed: staged copies of earlier forwards are stale, as
+        after an eager one (their updates then write back the pending rows and read host
+        RAM)."""
+        self.writes += 1
 
     def _cache_args(self, slots) -> dict:
         if slots is None:

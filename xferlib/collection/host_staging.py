@@ -61,6 +61,8 @@ class HostStaging:
         self.defers = defers
         self.host_elems = int(coll.buffers["host"].size) if side.has_host else 0
         self.pending = None  # PendingRows, made by the first forward for an update
+        self.retired = []  # (PendingRows, event): replaced buffers kept until written back
+        self.stream = None  # the stream (its handle) of the side's last forward or backward
 
     def stage(self, stream, n, plan, cache_args, staged, full, verdict) -> None:
         """``coll_stage``: the plan's host rows copied into ``staged`` (n = 0: none), the
@@ -78,20 +80,41 @@ class HostStaging:
 
     def room(self, n: int, stream) -> bool:
         """Whether a batch of ``n`` lookups may defer its host rows' write-back: a pending
-        buffer of room for its runs, made (or grown, its rows written back first) here, not
-        inside a CUDA capture (a capture records what exists; a batch larger than the buffer
-        then writes host RAM as it goes)."""
+        buffer of room for its runs, made (or grown, its rows written back first, with a
+        quarter to spare: a graph of a padded batch bucket then fits) here, and never once a
+        step was captured (a graph reads the buffer it recorded at every replay: a batch
+        larger than it then writes host RAM as it goes)."""
+        import cupy
+
         if not self.defers:
             return False
         if self.pending is not None and self.pending.capacity >= n:
             return True
-        if is_capturing(stream):
+        if is_capturing(stream) or self.side.captured:
             return False
         self.write_back(stream)
-        capacity = max(n, self.pending.capacity * 5 // 4 if self.pending else 0)
+        if self.pending is not None:  # freed once its write-back is done, on any stream
+            done = cupy.cuda.Event(disable_timing=True)
+            done.record(stream)
+            self.retired = [(p, e) for p, e in self.retired if not e.done]
+            self.retired.append((self.pending, done))
+        capacity = max(n + n // 4, self.pending.capacity * 5 // 4 if self.pending else 0)
         with stream:
             self.pending = PendingRows(capacity, self.side.stage_width, self.side.coll.dtype)
         return True
+
+    def follow(self, stream) -> None:
+        """``stream`` made to wait for the side's last queued work when that ran on another
+        stream and rows are pending (an evaluation lookup on a side stream writes them back
+        and clears their count: never beside an update writing them). Not inside a capture
+        (an event recorded outside it may not be waited on there), nor after one (replays
+        record no event)."""
+        side, last = self.side, self.stream
+        self.stream = stream.ptr
+        if (self.pending is not None and last is not None and last != stream.ptr
+                and side.last_event is not None and not side.captured
+                and not is_capturing(stream)):
+            stream.wait_event(side.last_event)
 
     def pending_args(self, given: bool) -> dict:
         """The kernels' pending-row arguments (``given`` false: none)."""
