@@ -132,7 +132,7 @@ class StepGraphs:
                 _copy_into(shape.inputs, (indices, offsets, psw), stream)
                 shape.total.fill_(n)
             shape.forward.replay()
-            side.replayed_lookup()
+            side.replayed_lookup(shape.ctx.plan, stream)
             # the replay's verdict read as an eager forward's is: a bad batch raises from a
             # later call (the graph's own copy of it is not queued)
             Verdict(shape.ctx.plan.words, CollectionReport(coll, indices, offsets)).defer(
@@ -179,7 +179,7 @@ class StepGraphs:
         if (side.writes, side.cache_passes) != lookup.marks:
             self._eager_backward(module, shape, grad)
             return
-        with module._on_device(), module._on_stream():
+        with module._on_device(), module._on_stream() as stream:
             side.checks.poll(hold=not module.collection.raise_in_calls)
             if shape.backward is None:
                 shape.grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
@@ -192,7 +192,7 @@ class StepGraphs:
             else:
                 shape.grad.copy_(grad)
             shape.backward.replay()
-            side.replayed_update()
+            side.replayed_update(stream)
 
     @staticmethod
     def _eager_backward(module, shape, grad) -> None:

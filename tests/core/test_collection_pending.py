@@ -224,12 +224,18 @@ def fixed_batch(rng, B, L=2):
     return np.concatenate(parts).astype(np.int64), offsets.astype(np.int64)
 
 
+# Bags before the capture: its batch (24 bags) larger than the buffer they make, or not;
+# or no step before it.
+FIRST_BAGS = {"small": 4, "large": 24, "captured": 0}
+
+
 def captured_script(coll, first):
-    """Steps replayed from a CuPy-captured graph, a batch larger than the pending buffer,
-    between eager steps that defer and eager steps larger than the buffer (which may not
-    grow once a step was captured: the graph reads the buffer it recorded). ``first``:
-    "eager", a small eager step makes the buffer before the capture; "captured", the
-    capture comes first (its graph holds no buffer, and none is made after it)."""
+    """Steps replayed from a CuPy-captured graph of 24 bags a table, between eager steps
+    that defer (4 bags) and eager steps larger than the pending buffer (40 bags: it may not
+    grow once a step was captured, the graph reads the buffer it recorded). ``first``: the
+    step before the capture makes the buffer, smaller than the graph's batch ("small": the
+    graph writes through) or not ("large": the graph defers); "captured": the capture comes
+    first (its graph holds no buffer, and none is made after it)."""
     import cupy
 
     rng = np.random.default_rng(21)
@@ -250,8 +256,8 @@ def captured_script(coll, first):
         seen.append(out.get().tobytes())
 
     with stream:
-        if first == "eager":
-            eager(4)
+        if FIRST_BAGS[first]:
+            eager(FIRST_BAGS[first])
         with cupy.cuda.using_allocator(pool.malloc):
             stream.begin_capture()
             out, ctx = coll.forward(static_idx, static_off, stream=stream)
@@ -269,7 +275,7 @@ def captured_script(coll, first):
     return seen
 
 
-@pytest.mark.parametrize("first", ["eager", "captured"])
+@pytest.mark.parametrize("first", sorted(FIRST_BAGS))
 def test_captured_steps_give_the_bits_of_writing_through(first):
     import cupy
 
@@ -282,11 +288,39 @@ def test_captured_steps_give_the_bits_of_writing_through(first):
     seen_deferred = captured_script(deferred, first)
     seen_through = captured_script(through, first)
     staging = deferred._gpu_side().staging
-    assert (staging.pending is None) == (first == "captured")
-    if staging.pending is not None:
-        assert staging.pending.capacity < 40 * 2 * len(ROWS)  # not grown after the capture
+    lookups = FIRST_BAGS[first] * 2 * len(ROWS)  # the first step's: never grown after it
+    assert (None if first == "captured" else lookups + lookups // 4) == (
+        staging.pending and staging.pending.capacity)
     for k, (a, b) in enumerate(zip(seen_deferred, seen_through)):
         assert a == b, f"output {k} differs"
     got, want = deferred.state_dict(), through.state_dict()
+    for key in want:
+        assert got[key].tobytes() == want[key].tobytes(), key
+
+
+def test_steps_and_lookups_on_two_streams_give_the_bits_of_writing_through():
+    """Training steps alternating between two streams, evaluation lookups on a third and a
+    batch that grows the buffer (the replaced one kept until its write-back ran): each call
+    waits for the last one's stream while rows are pending."""
+    import cupy
+
+    def run(coll):
+        rng = np.random.default_rng(8)
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)]
+        cupy.cuda.Device().synchronize()
+        seen = []
+        for k in range(8):
+            with streams[k % 2] as stream:
+                out, ctx = coll.forward(*batch(rng, 64 if k == 4 else 16), stream=stream)
+                coll.backward(ctx, grad_for(rng, out), stream=stream)
+                seen.append(out.get(stream=stream).tobytes())
+            with streams[2] as stream:
+                seen.append(coll.lookup(*batch(rng, 16), stream=stream).get(
+                    stream=stream).tobytes())
+        cupy.cuda.Device().synchronize()
+        return seen, coll.state_dict()
+
+    (seen, got), (seen_through, want) = run(build("sgd")), run(build("sgd", defer=False))
+    assert seen == seen_through
     for key in want:
         assert got[key].tobytes() == want[key].tobytes(), key

@@ -351,6 +351,7 @@ class CollectionDevice:
         if not is_capturing(stream):  # an event query would invalidate a capture
             self.checks.poll(hold=not coll.raise_in_calls)
         n = plan.n
+        self.staging.follow(stream)
         if ctx.tt:
             with stream:
                 tt_update_gpu(coll, ctx.tt, grad, ctx.batch_size, stream)
@@ -359,7 +360,6 @@ class CollectionDevice:
             return
         module = collection_module()
         T = c_type(self.dtype_name)
-        self.staging.follow(stream)
         with stream:
             if not _rows_of_columns(grad, coll.dtype):  # else read in place, row by row
                 grad = cupy.ascontiguousarray(grad, dtype=coll.dtype)
@@ -425,18 +425,22 @@ class CollectionDevice:
                           verdict=plan.words)
             self._record(stream)
 
-    def replayed_lookup(self) -> None:
-        """A captured forward was replayed: with a cache, its cache pass moved rows, so the
-        slots earlier forwards found are stale, as after an eager pass (located again by
-        their updates)."""
+    def replayed_lookup(self, plan, stream) -> None:
+        """A captured forward of ``plan`` was replayed on ``stream``: with a cache, its cache
+        pass moved rows, so the slots earlier forwards found are stale, as after an eager
+        pass (located again by their updates); ``plan``'s own staged rows and slots are
+        current, as an eager forward's are."""
         if self.cache is not None:
             self.cache_passes += 1
+        plan.writes, plan.cache_pass = self.writes, self.cache_passes
+        self._record(as_cupy_stream(stream))
 
-    def replayed_update(self) -> None:
-        """A captured update was replayed: staged copies of earlier forwards are stale, as
-        after an eager one (their updates then write back the pending rows and read host
-        RAM)."""
+    def replayed_update(self, stream) -> None:
+        """A captured update was replayed on ``stream``: staged copies of earlier forwards
+        are stale, as after an eager one (their updates then write back the pending rows and
+        read host RAM)."""
         self.writes += 1
+        self._record(as_cupy_stream(stream))
 
     def _cache_args(self, slots) -> dict:
         if slots is None:

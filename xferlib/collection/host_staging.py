@@ -88,6 +88,8 @@ class HostStaging:
 
         if not self.defers:
             return False
+        if self.retired:  # replaced buffers whose write-back is done
+            self.retired = [(p, e) for p, e in self.retired if not e.done]
         if self.pending is not None and self.pending.capacity >= n:
             return True
         if is_capturing(stream) or self.side.captured:
@@ -96,7 +98,6 @@ class HostStaging:
         if self.pending is not None:  # freed once its write-back is done, on any stream
             done = cupy.cuda.Event(disable_timing=True)
             done.record(stream)
-            self.retired = [(p, e) for p, e in self.retired if not e.done]
             self.retired.append((self.pending, done))
         capacity = max(n + n // 4, self.pending.capacity * 5 // 4 if self.pending else 0)
         with stream:
@@ -107,13 +108,12 @@ class HostStaging:
         """``stream`` made to wait for the side's last queued work when that ran on another
         stream and rows are pending (an evaluation lookup on a side stream writes them back
         and clears their count: never beside an update writing them). Not inside a capture
-        (an event recorded outside it may not be waited on there), nor after one (replays
-        record no event)."""
+        (an event recorded outside it may not be waited on there). The module's replayed
+        graphs record their event; a graph the caller replays records none."""
         side, last = self.side, self.stream
         self.stream = stream.ptr
         if (self.pending is not None and last is not None and last != stream.ptr
-                and side.last_event is not None and not side.captured
-                and not is_capturing(stream)):
+                and side.last_event is not None and not is_capturing(stream)):
             stream.wait_event(side.last_event)
 
     def pending_args(self, given: bool) -> dict:
