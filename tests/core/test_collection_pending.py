@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.core.test_collection import make_batch
 from xferlib.collection import EmbeddingCollection, TableConfig
 
 pytestmark = pytest.mark.gpu
@@ -41,11 +42,8 @@ def batch(rng, B, max_len=6):
     """A Zipf batch: consecutive batches share most of their rows."""
     import cupy
 
-    lengths = rng.integers(0, max_len + 1, size=len(ROWS) * B)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    parts = [np.minimum(rng.zipf(1.2, int(lengths[t * B:(t + 1) * B].sum())) - 1, n - 1)
-             for t, n in enumerate(ROWS)]
-    return cupy.asarray(np.concatenate(parts)), cupy.asarray(offsets)
+    indices, offsets = make_batch(rng, ROWS, B, max_len=max_len, zipf=True)
+    return cupy.asarray(indices), cupy.asarray(offsets)
 
 
 def grad_for(rng, out):

@@ -34,7 +34,7 @@ from xferlib._kernels.collection_update import UPDATE, update_module
 from xferlib.batch import (NO_BAD, PendingChecks, Verdict, radix_sort, radix_takes,
                            radix_work_words, sort_buffers, sort_positions)
 from xferlib.checks import host_values
-from xferlib.collection.host_staging import HostStaging, plan_args
+from xferlib.collection.host_staging import NO_CACHE_ARGS, HostStaging, plan_args
 from xferlib.collection.tt_tables import tt_lookup_gpu, tt_update_gpu
 from xferlib.memory import device_pointer
 from xferlib.table.cache import NO_SET_ORDER, DeviceCache, SetOrder
@@ -311,7 +311,7 @@ class CollectionDevice:
                             inv=inv, verdict=words)
                 # room for this batch's deferred rows before anything reads host rows (a
                 # buffer grown writes the pending rows back first)
-                plan.deferred = for_update and self.has_host and self.staging.room(n, stream)
+                plan.deferred = for_update and self.staging.room(n, stream)
                 if self.cache is not None:  # rows of host tables found, admitted, evicted
                     plan.slots = self.cache.insert(_CachePlan(plan), stream)
                     self.cache_passes += 1
@@ -444,7 +444,7 @@ class CollectionDevice:
 
     def _cache_args(self, slots) -> dict:
         if slots is None:
-            return dict(cache=None, cache_width=0, slots=None)
+            return NO_CACHE_ARGS
         return dict(cache=self.cache.data, cache_width=self.cache.width, slots=slots)
 
     # ---------------------------------------------------------------- waiting

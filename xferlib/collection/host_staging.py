@@ -22,7 +22,9 @@ from xferlib._backend import is_capturing
 from xferlib._kernels import launch_config
 from xferlib._kernels.collection import STAGE, c_type, collection_module
 
-__all__ = ["HostStaging", "PendingRows", "plan_args"]
+__all__ = ["HostStaging", "PendingRows", "plan_args", "NO_CACHE_ARGS"]
+
+NO_CACHE_ARGS = dict(cache=None, cache_width=0, slots=None)  # the kernels' "no cache slots"
 
 
 class PendingRows:
@@ -133,6 +135,5 @@ class HostStaging:
     def write_back(self, stream) -> None:
         """The last update's pending host rows written to host RAM, on ``stream``."""
         if self.pending is not None:
-            self.stage(stream, 0, None, dict(cache=None, cache_width=0, slots=None), None, 1,
-                       None)
+            self.stage(stream, 0, None, NO_CACHE_ARGS, None, 1, None)
             self.written(stream)
