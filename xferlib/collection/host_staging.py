@@ -90,11 +90,13 @@ class HostStaging:
 
         if not self.defers:
             return False
-        if self.retired:  # replaced buffers whose write-back is done
+        capturing = is_capturing(stream)
+        if self.retired and not capturing:  # replaced buffers whose write-back is done
+            # (no event is queried inside a capture: that invalidates it)
             self.retired = [(p, e) for p, e in self.retired if not e.done]
         if self.pending is not None and self.pending.capacity >= n:
             return True
-        if is_capturing(stream) or self.side.captured:
+        if capturing or self.side.captured:
             return False
         self.write_back(stream)
         if self.pending is not None:  # freed once its write-back is done, on any stream
