@@ -129,6 +129,16 @@ class _Entry:
         self.keep, self.early, self.device, self.stream = keep, early, device, stream
 
 
+def _copy_to_host(words, host, stream) -> None:
+    """A verdict's two device ``words`` written to its pinned ``host`` slot on ``stream`` by a
+    one-thread-block kernel (``xferlib/_kernels/verdict.py``: a copy node would hold the
+    stream's next kernel back several microseconds)."""
+    from xferlib._kernels.verdict import VERDICT_COPY, VERDICT_MODULE
+
+    VERDICT_COPY.launch(VERDICT_MODULE, (), (1,), (32,), stream=stream, words=words,
+                        host=host.ctypes.data)
+
+
 def _still_capturing(stream) -> bool:
     """Whether a captured push's stream is still capturing (a stream since destroyed is not)."""
     try:
@@ -215,8 +225,7 @@ class PendingChecks:
                 slot = _RING + (self.next_graph - _RING) % _GRAPH_SLOTS
                 self.next_graph += 1
                 host = self.host[slot]
-                cupy.cuda.runtime.memcpyAsync(host.ctypes.data, verdict.words.data.ptr, 16,
-                                              cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+                _copy_to_host(verdict.words, host, stream)
                 older = self.graph.pop(slot, None)  # re-inserted last: dicts keep push order
                 if older is not None:
                     self.graph_memory.append((older.verdict.words, older.keep))
@@ -240,8 +249,7 @@ class PendingChecks:
                 if event is None:
                     event = self.events[slot] = cupy.cuda.Event(block=False,
                                                                 disable_timing=True)
-            cupy.cuda.runtime.memcpyAsync(host.ctypes.data, verdict.words.data.ptr, 16,
-                                          cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+            _copy_to_host(verdict.words, host, stream)
             event.record(stream)
             self.entries.append(_Entry(verdict, host, slot, event, keep, early))
 

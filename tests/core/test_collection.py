@@ -358,7 +358,9 @@ def test_gpu_runs_across_a_few_or_many_chunks_match_the_numpy_path(dtype, lead):
     of it (the update sums a run across up to LONG_SPAN of them; longer runs are listed by
     the first pass and summed by a block each), shifted against the chunk boundaries by
     `lead` lookups of a row sorted first; a width past one block's 64 columns and not a
-    multiple of them; row-wise Adagrad, whose row sum sees every column."""
+    multiple of them; row-wise Adagrad, whose row sum sees every column. Two backwards of
+    the one lookup: the second lists the long runs afresh (the first's update emptied the
+    list the forward zeroed)."""
     import cupy
 
     from xferlib._kernels.collection import LONG_SPAN, SUM_CHUNK
@@ -381,6 +383,7 @@ def test_gpu_runs_across_a_few_or_many_chunks_match_the_numpy_path(dtype, lead):
         xp = cupy if device == "cuda" else np
         _, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets))
         coll.backward(ctx, xp.asarray(grad.astype(dtype)))
+        coll.backward(ctx, xp.asarray(np.ascontiguousarray(grad[::-1], dtype=dtype)))
         return coll.weights(0), coll.state(0, "sum")
 
     (w_gpu, s_gpu), (w_cpu, s_cpu) = train("cuda"), train("cpu")

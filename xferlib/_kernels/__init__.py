@@ -17,6 +17,7 @@ from xferlib._kernels.rows import ROWS_KERNEL, ROWS_MODULE
 from xferlib._kernels.scattered import SCATTERED_KERNEL, SCATTERED_MODULE
 from xferlib._kernels.table import TABLE_KERNEL, TABLE_MODULE
 from xferlib._kernels.tt import TT_KERNEL, TT_MODULE  # FBTT's shape: one module per TT shape
+from xferlib._kernels.verdict import VERDICT_KERNEL, VERDICT_MODULE
 
 __all__ = ["KernelDecl", "defines", "named", "KernelModule", "all_modules", "grid_1d",
            "launch_config", "CACHE_KERNEL", "CACHE_MODULE", "COLLECTION_KERNEL",
@@ -24,4 +25,5 @@ __all__ = ["KernelDecl", "defines", "named", "KernelModule", "all_modules", "gri
            "EXCHANGE_MODULE", "INTERACTION_KERNEL", "INTERACTION_MODULE", "OPTIM_KERNEL",
            "OPTIM_MODULE", "RADIX_KERNEL", "RADIX_MODULE", "ROWS_KERNEL", "ROWS_MODULE",
            "SCATTERED_KERNEL", "SCATTERED_MODULE",
-           "TABLE_KERNEL", "TABLE_MODULE", "TT_KERNEL", "TT_MODULE"]
+           "TABLE_KERNEL", "TABLE_MODULE", "TT_KERNEL", "TT_MODULE", "VERDICT_KERNEL",
+           "VERDICT_MODULE"]

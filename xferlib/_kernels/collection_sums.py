@@ -18,12 +18,19 @@ from __future__ import annotations
 
 from xferlib._kernels._declare import KernelDecl
 
-__all__ = ["SUM_CHUNK", "LONG_SPAN", "ADD_HEADS", "SUM_CHUNKS", "SUM_SPANS"]
+__all__ = ["SUM_CHUNK", "LONG_SPAN", "ADD_HEADS", "SUM_CHUNKS", "SUM_SPANS", "long_runs_size"]
 
 SUM_CHUNK = 32  # sorted positions per warp in the first pass
 # Chunks past its first that a run may cross and still be summed by one lane group of the
 # second pass (longer: listed by the first pass, summed by a block each).
 LONG_SPAN = 16
+
+
+def long_runs_size(n: int) -> int:
+    """int64 words of the first pass's list of long runs for ``n`` sorted positions: a count,
+    then a (run, chunk, width) triple for at most one run a ``LONG_SPAN + 1`` chunks."""
+    chunks = -(-int(n) // SUM_CHUNK)
+    return 1 + 3 * (1 + chunks // (LONG_SPAN + 1))
 
 SUM_CHUNKS = KernelDecl(
     "coll_sum_chunks", "template <int V, typename T, typename K>",

@@ -28,7 +28,8 @@ UPDATE = KernelDecl(
      ("unsigned char*", "dirty"), ("i64", "n_slots"), ("const double*", "hyper"),
      ("i64", "hyper_width"), ("T*", "pending"), ("i64*", "pending_key"),
      ("i64*", "pending_off"), ("int*", "pending_tab"),
-     ("i64*", "pending_count"), ("i64", "pending_rows"), ("int", "group"),
+     ("i64*", "pending_count"), ("i64", "pending_rows"), ("i64*", "long_runs"),
+     ("int", "group"),
      ("const unsigned long long*", "verdict")),
     r"""
     // A group of `group` lanes per distinct row (a power of two up to 32, as many as the
@@ -41,7 +42,10 @@ UPDATE = KernelDecl(
     // of over the link (pending_off[r]: its place in host RAM, -1 for a run whose row is
     // not held; pending_key[r]: the run's sorted key; *pending_count: the runs), for the
     // next forward's staging to write back beside its own reads (``coll_stage``); a run
-    // past `pending_rows` goes to host RAM as before.
+    // past `pending_rows` goes to host RAM as before. `long_runs`: the gradient sums' count
+    // of long runs, set back to zero for a next backward of the same lookup (the sums are
+    // done: this kernel follows them).
+    if (long_runs != nullptr && blockIdx.x == 0 && threadIdx.x == 0) long_runs[0] = 0;
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & (group - 1);
     // the group's lanes in the warp (they run the same rows: the same trips and branches)

@@ -27,9 +27,10 @@ import numpy as np
 from xferlib._backend import (as_cupy_stream, changed_constant, device_constant,
                               hyper_constant, is_capturing)
 from xferlib._kernels import grid_1d, launch_config
-from xferlib._kernels.collection import (LONG_SPAN, META_FIELDS, PLAN, POOL, RUN_THREADS,
-                                         RUNS, SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, c_type,
+from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, RUN_THREADS, RUNS,
+                                         SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, c_type,
                                          collection_module, pool_bags, run_status_words)
+from xferlib._kernels.collection_sums import long_runs_size
 from xferlib._kernels.collection_update import UPDATE, update_module
 from xferlib.batch import (NO_BAD, PendingChecks, Verdict, radix_sort, radix_takes,
                            radix_work_words, sort_buffers, sort_positions)
@@ -63,6 +64,9 @@ class GpuPlan:
     slots: object = None  # each run's GPU cache slot (-1: not cached), from the forward
     cache_pass: int = 0  # the cache pass that found them
     deferred: bool = False  # its update may hold host rows in the pending buffer
+    # the backward's list of long runs (a count, then triples), zeroed with the forward's
+    # working array; each update sets the count back to zero (for a next backward)
+    long_runs: object = None
     # (staged rows current, slots current) as the first recorded backward found them: later
     # recordings after the recorded forward's replays decide the same (the same launches)
     recorded_choice: object = None
@@ -263,12 +267,14 @@ class CollectionDevice:
             words.data.memset_async(0xFF, 16, stream)
             keys = cupy.empty(n, dtype=np.int64)
             bag_of = cupy.empty(n, dtype=np.int64)
-            # One zeroed working array for the run numbering's look-back and (a batch the
-            # radix sort takes) the sort's counts and look-back: one memset for both.
+            # One zeroed working array for the backward's list of long runs, the run
+            # numbering's look-back and (a batch the radix sort takes) the sort's counts and
+            # look-back: one memset for all (a memset node holds a graph's next kernel back).
             num_keys = self.total_rows + int(padded)
             radix = radix_takes(n, num_keys)
+            long_words = 2 * long_runs_size(n)  # int64 words: first, aligned
             status_words = run_status_words(n)  # 64-bit: its tile counter, a word a tile
-            run_words = 2 * status_words
+            run_words = long_words + 2 * status_words
             # (the sort's own verdict word, never read: the plan checked every key, between)
             zeroed, size = radix_work_words(n, num_keys) if radix else (0, 0)
             work = cupy.empty(run_words + 2 + size, dtype=np.uint32)
@@ -291,6 +297,7 @@ class CollectionDevice:
             plan = GpuPlan(None, None, None, None, None, None, bag_of, offsets64, psw_c,
                            None, self.writes, words, n)
             if n:
+                plan.long_runs = work[:long_words].view(np.int64)
                 if radix:
                     buffers = sort_buffers(work=work[run_words + 2:])
                     plan.keys, plan.perm = radix_sort(keys, num_keys, stream, sort_words,
@@ -305,7 +312,8 @@ class CollectionDevice:
                 inv = cupy.empty(n, dtype=np.int64) if self.has_host else None
                 RUNS.launch(module, (_key(plan.keys),), (status_words - 1,), (RUN_THREADS,),
                             stream=stream, meta=self.meta, keys=plan.keys, perm=plan.perm,
-                            bag_of=bag_of, n=n, B=B, **self.order_args, status=work,
+                            bag_of=bag_of, n=n, B=B, **self.order_args,
+                            status=work[long_words:],
                             run=plan.run,
                             starts=plan.starts, run_off=plan.run_off, run_tab=plan.run_tab,
                             inv=inv, verdict=words)
@@ -370,7 +378,7 @@ class CollectionDevice:
             tail = cupy.empty((chunks, width), dtype=coll.dtype)
             # the runs across more than LONG_SPAN chunks (a count, then at most one run a
             # LONG_SPAN + 1 chunks)
-            long_runs = cupy.zeros(1 + 3 * (1 + chunks // (LONG_SPAN + 1)), dtype=np.int64)
+            long_runs = plan.long_runs  # zeroed by the forward, and again by each update
             cross = cupy.empty((chunks, 2), dtype=np.int64)  # each chunk's short crossing run
             key = _key(plan.keys)
             # V adjacent columns a lane where every gradient row starts on a V-word boundary
@@ -421,8 +429,8 @@ class CollectionDevice:
                           staged_state=int(self.stage_state), **self._cache_args(slots),
                           dirty=self.cache.dirty if slots is not None else None,
                           n_slots=len(coll.layouts[0].slots), hyper=self._hyper_array(stream),
-                          hyper_width=HYPER_ROW, **self.staging.pending_args(deferred), group=group,
-                          verdict=plan.words)
+                          hyper_width=HYPER_ROW, **self.staging.pending_args(deferred),
+                          long_runs=long_runs, group=group, verdict=plan.words)
             self._record(stream)
 
     def replayed_lookup(self, plan, stream) -> None:
