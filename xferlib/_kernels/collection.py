@@ -84,7 +84,8 @@ PLAN = KernelDecl(
      ("i64", "B"), ("const i64*", "meta"), ("int", "padded"), ("const i64*", "total"),
      ("i64", "pad_key"), ("i64", "n_sets"), ("i64", "set_size"), ("i64*", "keys"),
      ("i64*", "bag_of"), ("i64*", "offsets64"),
-     ("unsigned long long*", "words"), ("int", "group")),
+     ("unsigned long long*", "words"), ("int", "group"), ("unsigned*", "zero"),
+     ("i64", "zero_words")),
     r"""
     // A group of `group` lanes per bag (a power of two, about the bags' mean length, so
     // that a bag's lookups are read side by side, not one after another by one thread): its
@@ -96,8 +97,11 @@ PLAN = KernelDecl(
     // first bad bag. `offsets64` (int32 offsets): their int64 copy, which the later kernels
     // read (no separate widening launch). `set_size` > 0 (host tables with a GPU cache):
     // host rows get set-ordered keys (SET_ORDER), so that the sort groups them by cache set.
+    // `zero`: the later kernels' working words, zeroed here (a memset node before this
+    // kernel would hold a graph's launches back).
     const i64 stride = (i64)gridDim.x * blockDim.x;
     const i64 thread = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (i64 i = thread; i < zero_words; i += stride) zero[i] = 0u;
     if (offsets64 != nullptr && thread == 0) offsets64[bags] = (i64)offsets[bags];
     if (padded) {
         i64 end = (i64)offsets[bags];

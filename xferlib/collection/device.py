@@ -267,9 +267,9 @@ class CollectionDevice:
             words.data.memset_async(0xFF, 16, stream)
             keys = cupy.empty(n, dtype=np.int64)
             bag_of = cupy.empty(n, dtype=np.int64)
-            # One zeroed working array for the backward's list of long runs, the run
-            # numbering's look-back and (a batch the radix sort takes) the sort's counts and
-            # look-back: one memset for all (a memset node holds a graph's next kernel back).
+            # One working array for the backward's list of long runs, the run numbering's
+            # look-back and (a batch the radix sort takes) the sort's counts and look-back,
+            # zeroed by the plan kernel (a memset node holds a graph's next kernel back).
             num_keys = self.total_rows + int(padded)
             radix = radix_takes(n, num_keys)
             long_words = 2 * long_runs_size(n)  # int64 words: first, aligned
@@ -278,8 +278,6 @@ class CollectionDevice:
             # (the sort's own verdict word, never read: the plan checked every key, between)
             zeroed, size = radix_work_words(n, num_keys) if radix else (0, 0)
             work = cupy.empty(run_words + 2 + size, dtype=np.uint32)
-            if n:
-                work.data.memset_async(0, 4 * (run_words + 2 + zeroed), stream)
             sort_words = work.data.ptr + 4 * run_words
             if bags:
                 # lanes per bag: the bags' mean length as a power of two, at most a warp
@@ -293,7 +291,8 @@ class CollectionDevice:
                             pad_key=self.total_rows, **self.order_args, keys=keys,
                             bag_of=bag_of,
                             offsets64=None if offsets64 is offsets_in else offsets64,
-                            words=words, group=group)
+                            words=words, group=group, zero=work,
+                            zero_words=run_words + 2 + zeroed if n else 0)
             plan = GpuPlan(None, None, None, None, None, None, bag_of, offsets64, psw_c,
                            None, self.writes, words, n)
             if n:
