@@ -1,7 +1,6 @@
-"""Host tables defer their write-back: the forward stages whole rows, the update leaves its
-host rows (those no GPU cache holds) in HBM and the next forward's staging writes them back
-while it reads its own rows (the cache's pass fills an admitted row that is pending from its
-pending copy). Every order of calls must give the bits of a
+"""Uncached host tables defer their write-back: the forward stages whole rows, the update
+leaves its host rows in HBM and the next forward's staging writes them back while it reads
+its own rows. Every order of calls must give the bits of a
 collection that writes host rows through at each update: steps back to back, a lookup
 between a forward and its backward, two forwards before their backwards, a forward left
 without its backward, batches larger than the pending buffer (before a backward, between
@@ -21,30 +20,21 @@ pytestmark = pytest.mark.gpu
 ROWS = [400, 37, 50]
 
 
-# The host tables' layouts: one 3 wide (rows not in whole words: written through, not
-# held), after the other or before it in the keys' order; or both 16 wide with a GPU cache
-# of 80 of their 437 rows (Zipf batches: rows admitted on their second miss, often while
-# the update before left them pending).
-VARIANTS = {"plain": ((16, 3), 0), "narrow_first": ((3, 16), 0), "cached": ((16, 16), 40)}
-
-
-def build(optimizer, defer=True, variant="plain"):
+def build(optimizer, defer=True, narrow_first=False):
     """Two host tables and an HBM table; ``defer=False``: the same collection writing host
-    rows through."""
+    rows through. One host table is 3 wide (rows not in whole words: written through, not
+    held), after the other or (``narrow_first``) before it in the keys' order."""
     from xferlib.testing import get_backend
 
     get_backend("cupy")
-    dims, cache_rows = VARIANTS[variant]
-    coll = EmbeddingCollection([TableConfig(ROWS[0], dims[0], placement="host",
-                                            cache_rows=cache_rows),
-                                TableConfig(ROWS[1], dims[1], placement="host",
-                                            cache_rows=cache_rows),
+    dims = (3, 16) if narrow_first else (16, 3)
+    coll = EmbeddingCollection([TableConfig(ROWS[0], dims[0], placement="host"),
+                                TableConfig(ROWS[1], dims[1], placement="host"),
                                 TableConfig(ROWS[2], 8)],
                                optimizer, {"lr": 0.2}, device="cuda", seed=4)
     side = coll._gpu_side()
-    # with a cache, Adam stages its weights alone and writes its host rows through
-    assert side.staging.defers == (not cache_rows or optimizer != "adam")
-    side.staging.defers = defer and side.staging.defers
+    assert side.staging.defers
+    side.staging.defers = defer
     return coll
 
 
@@ -114,12 +104,11 @@ def script(coll, tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_deferred_write_back_gives_the_bits_of_writing_through(optimizer, variant, tmp_path):
-    deferred = build(optimizer, variant=variant)
-    if not deferred._gpu_side().staging.defers:  # cached Adam: written through, checked above
-        return
-    through = build(optimizer, False, variant)
+@pytest.mark.parametrize("narrow_first", [False, True])
+def test_deferred_write_back_gives_the_bits_of_writing_through(optimizer, narrow_first,
+                                                                tmp_path):
+    deferred = build(optimizer, narrow_first=narrow_first)
+    through = build(optimizer, False, narrow_first)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     seen_deferred = script(deferred, tmp_path / "a")
     seen_through = script(through, tmp_path / "b")
@@ -285,17 +274,16 @@ def captured_script(coll, first):
     return seen
 
 
-@pytest.mark.parametrize("variant", ["plain", "cached"])
 @pytest.mark.parametrize("first", sorted(FIRST_BAGS))
-def test_captured_steps_give_the_bits_of_writing_through(first, variant):
+def test_captured_steps_give_the_bits_of_writing_through(first):
     import cupy
 
     if first == "captured":  # the kernels compiled and loaded outside the capture
-        warm = build("sgd", variant=variant)
+        warm = build("sgd")
         out, ctx = warm.forward(*batch(np.random.default_rng(0), 4))
         warm.backward(ctx, cupy.ones(out.shape, np.float32))
         cupy.cuda.Device().synchronize()
-    deferred, through = build("sgd", variant=variant), build("sgd", False, variant)
+    deferred, through = build("sgd"), build("sgd", defer=False)
     seen_deferred = captured_script(deferred, first)
     seen_through = captured_script(through, first)
     staging = deferred._gpu_side().staging
@@ -312,8 +300,7 @@ def test_captured_steps_give_the_bits_of_writing_through(first, variant):
         assert got[key].tobytes() == want[key].tobytes(), key
 
 
-@pytest.mark.parametrize("variant", ["plain", "cached"])
-def test_steps_and_lookups_on_two_streams_give_the_bits_of_writing_through(variant):
+def test_steps_and_lookups_on_two_streams_give_the_bits_of_writing_through():
     """Training steps alternating between two streams, evaluation lookups on a third and a
     batch that grows the buffer (the replaced one kept until its write-back ran): each call
     waits for the last one's stream while rows are pending."""
@@ -335,8 +322,7 @@ def test_steps_and_lookups_on_two_streams_give_the_bits_of_writing_through(varia
         cupy.cuda.Device().synchronize()
         return seen, coll.state_dict()
 
-    (seen, got), (seen_through, want) = (run(build("sgd", variant=variant)),
-                                         run(build("sgd", False, variant)))
+    (seen, got), (seen_through, want) = run(build("sgd")), run(build("sgd", defer=False))
     assert seen == seen_through
     for key in want:
         assert got[key].tobytes() == want[key].tobytes(), key

@@ -74,28 +74,7 @@ __device__ __forceinline__ long long set_order_row(long long key, long long n_se
 }
 """
 
-# Where `want` sits in keys[0, count) (ascending), or -1: a warp's search, each lane probing
-# one of 32 evenly spaced keys a round (three rounds for 25,000 keys, not fifteen one after
-# another). Every lane of the warp calls it with the same arguments. (The collection's
-# pending rows: its staging and this family's fill look them up.)
-WARP_FIND = r"""
-__device__ __forceinline__ long long warp_find(const long long* keys, long long count,
-                                               long long want, int lane) {
-    long long lo = 0, hi = count;  // the first key >= want is at a position in [lo, hi]
-    while (lo < hi) {
-        const long long step = (hi - lo + 31) / 32;
-        const long long p = lo + (long long)lane * step;
-        const int below = __popc(__ballot_sync(0xffffffffu, p < hi && keys[p] < want));
-        if (below == 0) break;  // keys[lo] >= want
-        const long long top = lo + (long long)below * step;
-        lo += (long long)(below - 1) * step + 1;
-        hi = top < hi ? top : hi;
-    }
-    return lo < count && keys[lo] == want ? lo : -1;
-}
-"""
-
-_HEAD = defines(WAYS=WAYS) + SET_ORDER + WARP_FIND + r"""
+_HEAD = defines(WAYS=WAYS) + SET_ORDER + r"""
 typedef long long i64;
 typedef unsigned long long u64;
 #define FULL 0xffffffffu
@@ -200,20 +179,10 @@ CACHE_INSERT = KernelDecl(
      ("const i64* __restrict__", "run_row"), ("i64", "n"), ("i64", "n_sets"),
      ("int* __restrict__", "slots"), ("const i64* __restrict__", "tick"), ("int", "lfu"),
      ("int", "doorkeeper"), ("int", "protect_prev"), ("u64* __restrict__", "stats"),
-     ("const T*", "pending"), ("const i64*", "pending_key"), ("const i64*", "pending_off"),
-     ("const i64*", "pending_count"), ("i64", "pending_rows"), ("i64", "pending_width"),
-     ("i64", "pending_s_off"), ("i64", "set_size"), ("const u64* __restrict__", "verdict")),
+     ("const u64* __restrict__", "verdict")),
     r"""
     if (rejected(verdict)) return;
     __shared__ u64 block_stats[5];
-    // `pending` (a collection's rows held in HBM by its last update, ``host_staging.py``;
-    // null: none): a row admitted here that is held there is filled from its held copy (run
-    // p of *pending_count, sorted key pending_key[p], held when pending_off[p] >= 0; its
-    // state at pending_s_off in the row), not from host RAM, which the staging after this
-    // pass brings up to date. `set_size`: the collection's set order (0: rows are keys).
-    long long held = pending != nullptr ? *pending_count : 0;
-    held = __shfl_sync(FULL, held, 0);  // one count for the warp's searches
-    held = held < 0 ? 0 : (held > pending_rows ? pending_rows : held);
     if (threadIdx.x < 5) block_stats[threadIdx.x] = 0;
     __syncthreads();
     const int lane = threadIdx.x & 31;
@@ -275,22 +244,12 @@ CACHE_INSERT = KernelDecl(
                         T* c = cache + slot * cache_width;
                         const bool write_back = old >= 0 && old < n_rows && dirty[slot];
                         if (old >= 0) ++evicted;
-                        const T* new_w = host_w + row * w_stride;
-                        const T* new_s = host_s + row * s_stride;
-                        if (held > 0) {
-                            const i64 key = set_size > 0 ? set_order_key(row, n_sets, set_size)
-                                                         : row;
-                            const i64 q = warp_find(pending_key, held, key, lane);
-                            if (q >= 0 && pending_off[q] >= 0) {
-                                new_w = pending + q * pending_width;
-                                new_s = new_w + pending_s_off;
-                            }
-                        }
                         __syncwarp();
                         evict_and_fill<V>(c, dim, s_off, s_width,
                                           write_back ? host_w + old * w_stride : nullptr,
                                           write_back ? host_s + old * s_stride : nullptr,
-                                          new_w, new_s, lane);
+                                          host_w + row * w_stride, host_s + row * s_stride,
+                                          lane);
                         __syncwarp();
                         filled = true;
                         if (lane == way) { tag = row; sc = lfu ? 1 : now; ls = now; }

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from xferlib._kernels._declare import KernelDecl, defines
 from xferlib._kernels._registry import KernelModule
-from xferlib._kernels.cache import SET_ORDER, WARP_FIND
+from xferlib._kernels.cache import SET_ORDER
 from xferlib._kernels.collection_sums import (ADD_HEADS, LONG_SPAN, SUM_CHUNK, SUM_CHUNKS,
                                               SUM_SPANS)
 from xferlib._kernels.rows import BLOCK_SCAN
@@ -273,8 +273,7 @@ def run_status_words(n: int) -> int:
 
 
 # The staging kernel's helpers: a row moved by a warp, V elements a lane (its two copies), and
-# the warp's search of the pending rows' keys (WARP_FIND, shared with the cache's fill; a
-# test builds its own kernel on it).
+# the warp's search of the pending rows' keys (a test builds its own kernel on it).
 STAGING_HELPERS = r"""
 // A warp copies `len` elements (whole V-element vectors) from src to dst: every load of up to
 // 4 x 32 vectors in flight before the first store, one trip over the link per row instead of
@@ -293,7 +292,24 @@ __device__ __forceinline__ void warp_copy_row(const T* src, T* dst, i64 len, int
                 *reinterpret_cast<vec<T, V>*>(dst + e0 + u * 32 * V) = part[u];
     }
 }
-""" + WARP_FIND
+
+// Where `want` sits in keys[0, count) (ascending), or -1: a warp's search, each lane probing
+// one of 32 evenly spaced keys a round (three rounds for 25,000 keys, not fifteen one after
+// another). Every lane of the warp calls it with the same arguments.
+__device__ __forceinline__ i64 warp_find(const i64* keys, i64 count, i64 want, int lane) {
+    i64 lo = 0, hi = count;  // the first key >= want is at a position in [lo, hi]
+    while (lo < hi) {
+        const i64 step = (hi - lo + 31) / 32;
+        const i64 p = lo + (i64)lane * step;
+        const int below = __popc(__ballot_sync(0xffffffffu, p < hi && keys[p] < want));
+        if (below == 0) break;  // keys[lo] >= want
+        const i64 top = lo + (i64)below * step;
+        lo += (i64)(below - 1) * step + 1;
+        hi = top < hi ? top : hi;
+    }
+    return lo < count && keys[lo] == want ? lo : -1;
+}
+"""
 
 STAGE = KernelDecl(
     "coll_stage", "template <int V, typename T>",
@@ -313,12 +329,12 @@ STAGE = KernelDecl(
     // step count, padding: whole host cache lines), so that the update reads it from HBM and
     // only writes over the link (rows whose state is a few scalars); else the weights (the
     // update then reads full-width state over the link as its writes go the other way).
-    // `pending` (the last update's runs, *pending_count, run p's sorted key pending_key[p];
-    // its host row held in HBM at pending[p] when pending_off[p], where it goes, is >= 0):
-    // written back here, whatever this batch's verdict, while this batch's rows come in
-    // over the link the other way (the link carries both at once). A row of this batch
-    // found held there is taken from `pending`, not from host RAM that the write-back may
-    // not have reached (a cached row from its slot: the cache's fill took it from there).
+    // `pending` (no cache: the last update's runs, *pending_count, run p's sorted key
+    // pending_key[p]; its host row held in HBM at pending[p] when pending_off[p], where it
+    // goes, is >= 0): written back here, whatever this batch's verdict, while this batch's
+    // rows come in over the link the other way (the link carries both at once). A row of
+    // this batch found held there is taken from `pending`, not from host RAM that the
+    // write-back may not have reached.
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 runs = n > 0 && !rejected(verdict) ? min(run[n - 1] + 1, n) : 0;
@@ -346,8 +362,7 @@ STAGE = KernelDecl(
         const i64 len = full ? m[M_ROW_WIDTH] : m[M_DIM];
         const int slot = slots != nullptr ? slots[r] : -1;
         const T* src = slot >= 0 ? cache + (i64)slot * cache_width : host + off;
-        if (held > 0 && slot < 0) {  // a cached row is current in its slot (the cache's
-            // fill took a held row from `pending`)
+        if (held > 0) {
             const i64 start = starts[r];
             const i64 p = start >= 0 && start < n
                 ? warp_find(pending_key, held, sorted_key(keys, key_bytes, start), lane) : -1;

@@ -161,16 +161,15 @@ class CollectionDevice:
         self.vec = next(v for v in (4, 2, 1)
                         if v <= word and all(d % v == 0 for d in coll.dims))
         # The forward stages whole rows (weights, state, step) where the state is a few
-        # scalars, or where no cache holds host rows; the update then leaves the host rows
-        # (those no cache holds) for the next staging to write back as it reads
-        # (host_staging.py). With a cache and full-width slots (Adam's two, Adagrad's one)
-        # only the weights, written through: the update reads the state over the link while
-        # its writes go out the other way (an H100, Adam, 8M x 128, 25,500 distinct rows:
-        # 1.70 ms a step against 1.95 with whole rows staged).
+        # scalars, or where no cache holds host rows (the update then leaves them for the
+        # next staging to write back as it reads: host_staging.py). With a cache and
+        # full-width slots (Adam's two, Adagrad's one) only the weights: the update reads the
+        # state over the link while its writes go out the other way (an H100, Adam, 8M x
+        # 128, 25,500 distinct rows, written through: 1.70 ms a step against 1.95 with whole
+        # rows staged).
         host = [(c, b) for c, b in zip(coll.tables, coll.blocks) if c.placement == "host"]
-        scalar_state = all(not b.layout.slots for _, b in host)
-        defers = bool(host) and (not cache_rows or scalar_state)
-        self.stage_state = defers or scalar_state
+        defers = bool(host) and not cache_rows
+        self.stage_state = defers or all(not b.layout.slots for _, b in host)
         # a staged row: the widest host row staged, in whole 16-byte words
         host_widths = [b.layout.row_width if self.stage_state else c.dim for c, b in host]
         self.stage_width = -(-max(host_widths, default=0) // word) * word
@@ -193,7 +192,7 @@ class CollectionDevice:
         self.last_event = None
         self.cache = None
         self.cache_passes = 0  # cache passes queued: a plan's slots are current until the next
-        # host rows staged, and their write-back deferred (host_staging.py)
+        # host rows staged, and their write-back deferred where no cache holds them
         self.staging = HostStaging(self, defers)
         if cache_rows:
             host_layout = next(b.layout for c, b in zip(coll.tables, coll.blocks)
@@ -321,9 +320,7 @@ class CollectionDevice:
                 # buffer grown writes the pending rows back first)
                 plan.deferred = for_update and self.staging.room(n, stream)
                 if self.cache is not None:  # rows of host tables found, admitted, evicted
-                    # (an admitted row still pending filled from its pending copy)
-                    plan.slots = self.cache.insert(_CachePlan(plan), stream,
-                                                   pending=self.staging.fill_args())
+                    plan.slots = self.cache.insert(_CachePlan(plan), stream)
                     self.cache_passes += 1
                     plan.cache_pass = self.cache_passes
                 if self.has_host:

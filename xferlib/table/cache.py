@@ -135,9 +135,6 @@ class SetOrder:
 
 
 NO_SET_ORDER = dict(set_size=0)
-# cache_insert's held-row arguments where none are held (a host table's cache)
-NO_PENDING = dict(pending=None, pending_key=None, pending_off=None, pending_count=None,
-                  pending_rows=0, pending_width=0, pending_s_off=0, set_size=0)
 
 
 def _door_bits(num_rows: int) -> int:
@@ -285,10 +282,9 @@ class DeviceCache:
         return (self.data, np.int64(self.width), np.int64(layout.dim),
                 np.int64(layout.state_offset))
 
-    def insert(self, plan, stream, protect_prev: bool = False, pending=None):
+    def insert(self, plan, stream, protect_prev: bool = False):
         """The fused find/miss/admit/evict/fill pass over a planned batch: each run's slot
-        (int32, -1 for rows served from the host). ``pending``: a collection's held rows
-        (``HostStaging.fill_args``), the source of an admitted row held there."""
+        (int32, -1 for rows served from the host)."""
         import cupy
 
         from xferlib._kernels.cache import (CACHE_INSERT, CACHE_MARK, CACHE_MODULE, CACHE_SETS,
@@ -319,8 +315,7 @@ class DeviceCache:
             last=self.last, dirty=self.dirty, door=self.door, door_bits=self.door_bits,
             sets=sets, order=order, run_row=run_row, n=n, n_sets=self.n_sets, slots=slots,
             tick=self.tick, lfu=self.lfu, doorkeeper=self.doorkeeper,
-            protect_prev=protect_prev, stats=self.stats, **(pending or NO_PENDING),
-            verdict=plan.verdict.words)
+            protect_prev=protect_prev, stats=self.stats, verdict=plan.verdict.words)
         if self.doorkeeper:
             CACHE_MARK.launch(CACHE_MODULE, (), grid_n, block_n, stream=stream, door=self.door,
                               door_bits=self.door_bits, set_key=set_key, run_row=run_row,
