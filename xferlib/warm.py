@@ -30,11 +30,13 @@ def fixed_modules(rules=None, dtypes=("float32",)) -> tuple:
     from xferlib._kernels import collection, collection_update, optim, rows, scattered, table
     from xferlib._kernels.cache import CACHE_MODULE
     from xferlib._kernels.interaction import INTERACTION_MODULE
+    from xferlib._kernels.verdict import VERDICT_MODULE
     from xferlib.table.rules import sparse_rule
 
+    # (every batch's verdict copy: its module loaded before any step is captured)
     modules = [collection.COLLECTION_MODULE, optim.OPTIM_MODULE, rows.ROWS_MODULE,
                scattered.SCATTERED_MODULE, CACHE_MODULE, table.TABLE_MODULE,
-               INTERACTION_MODULE]
+               INTERACTION_MODULE, VERDICT_MODULE]
     ids = collection.RULE_IDS if rules is None else \
         list(dict.fromkeys(int(sparse_rule(r).kind) for r in rules))
     modules += [collection_update.update_module(rule, d) for rule in ids for d in dtypes]

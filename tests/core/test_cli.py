@@ -98,9 +98,9 @@ def test_warm_lists_the_fixed_families_and_the_runs_update_modules():
     from xferlib.warm import fixed_modules
 
     names = [m.name for m in fixed_modules(rules=["adagrad", "rowwise_adagrad"])]
-    assert names[:7] == ["collection", "optim", "rows", "scattered_rows", "table_cache", "table",
-                         "interaction"]
-    assert len(names) == 9 and all(n.startswith("collection-update-") for n in names[7:])
+    assert names[:8] == ["collection", "optim", "rows", "scattered_rows", "table_cache", "table",
+                         "interaction", "verdict"]
+    assert len(names) == 10 and all(n.startswith("collection-update-") for n in names[8:])
     every = fixed_modules(rules=xferlib.SPARSE_OPTIMIZERS, dtypes=("float32", "float64"))
     registered = {m.name for m in all_modules()}
     assert {m.name for m in every} <= registered  # what the warm-up compiles is registered
