@@ -151,8 +151,9 @@ class PendingChecks:
     """Verdicts on their way to pinned host memory, oldest first: the one deferred-check queue
     of the row functions (one per device), each host table and each TT module.
 
-    ``push(verdict, stream)`` queues a 16-byte device-to-host copy and an event on ``stream``
-    (no host sync, no host allocation after the first push); ``poll()`` raises for the oldest
+    ``push(verdict, stream)`` queues the verdict's copy to a pinned slot (a one-block kernel)
+    and an event on ``stream`` (no host sync, no host allocation after the first push);
+    ``poll()`` raises for the oldest
     bad verdict that has arrived and waits for the oldest while ``limit`` or more are unread
     (so a call that polls before it pushes leaves at most ``limit`` unread); ``poll(wait=True)``
     waits for every one, raises the first failure (dropping the later ones: each refused
@@ -214,7 +215,7 @@ class PendingChecks:
             if self.host is None:
                 self._allocate()
             if is_capturing(stream):
-                # A graph's copy node writes this slot at every replay; no event (none can be
+                # A graph's copy kernel writes this slot at every replay; no event (none can be
                 # queried in a capture). The slots go round: recordings can be made without
                 # end (XLA records again whenever a step's buffers move), each slot and its
                 # pinned memory stays, and the newest recording takes over the slot of the

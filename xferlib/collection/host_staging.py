@@ -28,6 +28,9 @@ from xferlib._kernels.collection import STAGE, c_type, collection_module
 __all__ = ["HostStaging", "PendingRows", "plan_args", "NO_CACHE_ARGS"]
 
 NO_CACHE_ARGS = dict(cache=None, cache_width=0, slots=None)  # the kernels' "no cache slots"
+# the kernels' "no pending rows"
+NO_PENDING_ARGS = dict(pending=None, pending_key=None, pending_off=None, pending_tab=None,
+                       pending_count=None, pending_rows=0)
 
 
 class PendingRows:
@@ -127,8 +130,7 @@ class HostStaging:
         """The kernels' pending-row arguments (``given`` false: none)."""
         p = self.pending
         if not given or p is None:
-            return dict(pending=None, pending_key=None, pending_off=None, pending_tab=None,
-                        pending_count=None, pending_rows=0)
+            return NO_PENDING_ARGS
         return dict(pending=p.rows, pending_key=p.key, pending_off=p.off, pending_tab=p.tab,
                     pending_count=p.count, pending_rows=p.capacity)
 
