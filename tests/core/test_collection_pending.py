@@ -2,7 +2,8 @@
 leaves its host rows in HBM and the next forward's staging writes them back while it reads
 its own rows. Every order of calls must give the bits of a
 collection that writes host rows through at each update: steps back to back, a lookup
-between a forward and its backward, two forwards before their backwards, a forward left
+between a forward and its backward, two forwards before their backwards (in either order;
+a pending row both batches take is written back by neither staging), a forward left
 without its backward, batches larger than the pending buffer (before a backward, between
 steps), refused batches, and host reads and writes (state dicts, saves, rows written by
 hand) in between."""
@@ -73,6 +74,11 @@ def script(coll, tmp_path):
     second, ctx2 = coll.forward(*batch(rng, 16))
     coll.backward(ctx1, grad_for(rng, first))
     coll.backward(ctx2, grad_for(rng, second))
+    seen += [first.get().tobytes(), second.get().tobytes()]
+    first, ctx1 = coll.forward(*batch(rng, 16))  # two forwards, the later one's backward first
+    second, ctx2 = coll.forward(*batch(rng, 16))
+    coll.backward(ctx2, grad_for(rng, second))
+    coll.backward(ctx1, grad_for(rng, first))
     seen += [first.get().tobytes(), second.get().tobytes()]
     out, ctx = coll.forward(*batch(rng, 16))
     coll.forward(*batch(rng, 40))  # a forward left without its backward, the buffer grown
@@ -213,6 +219,42 @@ def test_warp_find_finds_each_key_and_nothing_else(count):
     hit = np.zeros(wants.size, bool) if count == 0 else (
         (where < count) & (keys[np.minimum(where, count - 1)] == wants))
     np.testing.assert_array_equal(found.get(), np.where(hit, where, -1))
+
+
+HAS_KEY_TEST = r"""
+extern "C" __global__ void has_each(const void* keys, int key_bytes, long long n,
+                                    const long long* wants, long long m, int* found) {
+    const int lane = threadIdx.x & 31;
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (w >= m) return;  // the same for every lane of a warp
+    const bool has = warp_has_key(keys, key_bytes, n, wants[w], lane);
+    if (lane == 0) found[w] = has ? 1 : 0;
+}
+"""
+
+
+@pytest.mark.parametrize("key_bytes", [4, 8])
+@pytest.mark.parametrize("n", [0, 1, 33, 65_536])
+def test_warp_has_key_finds_keys_of_a_sorted_batch_with_repeats(key_bytes, n):
+    """The staging's test of whether the batch (its sorted keys, repeated as a batch
+    repeats rows; int32 or int64) holds a pending row's key: true for each key it holds,
+    false for values between, below and past them."""
+    import cupy
+
+    from xferlib._kernels.collection import COLLECTION_HEAD, STAGING_HELPERS
+
+    rng = np.random.default_rng(n + key_bytes)
+    dtype = np.int32 if key_bytes == 4 else np.int64
+    keys = np.sort(np.minimum(rng.zipf(1.1, n), 5 * n + 5) * 3).astype(dtype)
+    wants = np.concatenate([keys, np.arange(-2, 3 * (5 * n + 5) + 4)]).astype(np.int64)
+    module = cupy.RawModule(code=COLLECTION_HEAD + STAGING_HELPERS + HAS_KEY_TEST,
+                            options=("--std=c++17",))
+    found = cupy.full(wants.size, -7, dtype=np.int32)
+    blocks = -(-wants.size * 32 // 256)
+    module.get_function("has_each")((blocks,), (256,), (
+        cupy.asarray(keys), np.int32(key_bytes), np.int64(n), cupy.asarray(wants),
+        np.int64(wants.size), found))
+    np.testing.assert_array_equal(found.get(), np.isin(wants, keys).astype(np.int32))
 
 
 def fixed_batch(rng, B, L=2):

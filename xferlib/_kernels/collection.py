@@ -293,21 +293,30 @@ __device__ __forceinline__ void warp_copy_row(const T* src, T* dst, i64 len, int
     }
 }
 
-// Where `want` sits in keys[0, count) (ascending), or -1: a warp's search, each lane probing
-// one of 32 evenly spaced keys a round (three rounds for 25,000 keys, not fifteen one after
-// another). Every lane of the warp calls it with the same arguments.
-__device__ __forceinline__ i64 warp_find(const i64* keys, i64 count, i64 want, int lane) {
+// Where `want` first sits in keys[0, count) (ascending; equal keys allowed), or -1: a warp's
+// search, each lane probing one of 32 evenly spaced keys a round (three rounds for 25,000
+// keys, not fifteen one after another). Every lane of the warp calls it with the same
+// arguments.
+template <typename K>
+__device__ __forceinline__ i64 warp_find(const K* keys, i64 count, i64 want, int lane) {
     i64 lo = 0, hi = count;  // the first key >= want is at a position in [lo, hi]
     while (lo < hi) {
         const i64 step = (hi - lo + 31) / 32;
         const i64 p = lo + (i64)lane * step;
-        const int below = __popc(__ballot_sync(0xffffffffu, p < hi && keys[p] < want));
+        const int below = __popc(__ballot_sync(0xffffffffu, p < hi && (i64)keys[p] < want));
         if (below == 0) break;  // keys[lo] >= want
         const i64 top = lo + (i64)below * step;
         lo += (i64)(below - 1) * step + 1;
         hi = top < hi ? top : hi;
     }
-    return lo < count && keys[lo] == want ? lo : -1;
+    return lo < count && (i64)keys[lo] == want ? lo : -1;
+}
+
+// Whether the batch's sorted keys (int32 or int64: `key_bytes`) hold `want`.
+__device__ __forceinline__ bool warp_has_key(const void* keys, int key_bytes, i64 n, i64 want,
+                                             int lane) {
+    return key_bytes == 4 ? warp_find(static_cast<const int*>(keys), n, want, lane) >= 0
+                          : warp_find(static_cast<const long long*>(keys), n, want, lane) >= 0;
 }
 """
 
@@ -320,7 +329,7 @@ STAGE = KernelDecl(
      ("T*", "staged"), ("i64", "stage_width"), ("int", "full"), ("const T*", "pending"),
      ("const i64*", "pending_key"), ("const i64*", "pending_off"),
      ("const int*", "pending_tab"), ("const i64*", "pending_count"), ("i64", "pending_rows"),
-     ("i64", "host_elems"), ("i64", "num_tables"), ("const unsigned long long*", "verdict")),
+     ("int", "keep_taken"), ("i64", "host_elems"), ("i64", "num_tables"), ("const unsigned long long*", "verdict")),
     r"""
     // A warp per distinct row: a host table's row copied to staged[r], from its GPU cache
     // slot (slots[r] >= 0) or from host RAM (in key order: ascending rows without a cache,
@@ -334,7 +343,11 @@ STAGE = KernelDecl(
     // goes, is >= 0): written back here, whatever this batch's verdict, while this batch's
     // rows come in over the link the other way (the link carries both at once). A row of
     // this batch found held there is taken from `pending`, not from host RAM that the
-    // write-back may not have reached.
+    // write-back may not have reached. `keep_taken` (this batch's update holds its rows in
+    // `pending` again): a held row this batch takes is not written back (its update writes
+    // it, whole, where it goes; until then the buffer and its count stand, and a staging
+    // of any batch without the row writes it back): a fifth of a Zipf batch's rows, the
+    // hot ones, cross the link no more.
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 runs = n > 0 && !rejected(verdict) ? min(run[n - 1] + 1, n) : 0;
@@ -351,7 +364,9 @@ STAGE = KernelDecl(
             if (off >= 0 && tab >= 0 && tab < num_tables) {
                 const i64* m = meta + (i64)tab * COLL_META;
                 const i64 len = m[M_ROW_WIDTH];
-                if (m[M_HOST] && len <= stage_width && off + len <= host_elems)
+                const bool kept = keep_taken && runs > 0
+                    && warp_has_key(keys, key_bytes, n, pending_key[r], lane);
+                if (!kept && m[M_HOST] && len <= stage_width && off + len <= host_elems)
                     warp_copy_row<V, T>(pending + r * stage_width, host + off, len, lane);
             }
         }

@@ -326,7 +326,8 @@ class CollectionDevice:
                 if self.has_host:
                     plan.staged = cupy.empty((n, self.stage_width), dtype=coll.dtype)
                     self.staging.stage(stream, n, plan, self._cache_args(plan.slots),
-                                       plan.staged, int(for_update and self.stage_state), words)
+                                       plan.staged, int(for_update and self.stage_state), words,
+                                       keep_taken=plan.deferred)
                     if not for_update:
                         plan.writes = -1  # weights only: no update may read this copy
                         self.staging.written(stream)

@@ -72,10 +72,15 @@ class HostStaging:
         self.retired = []  # (PendingRows, event): replaced buffers kept until written back
         self.stream = None  # the stream (its handle) of the side's last forward or backward
 
-    def stage(self, stream, n, plan, cache_args, staged, full, verdict) -> None:
+    def stage(self, stream, n, plan, cache_args, staged, full, verdict, keep_taken=False):
         """``coll_stage``: the plan's host rows copied into ``staged`` (n = 0: none), the
         pending rows written back beside them (then on half the grid: an H200, 8M x 128 SGD
-        rows, a replayed step 0.52 ms against 0.55 on four blocks an SM)."""
+        rows, a replayed step 0.52 ms against 0.55 on four blocks an SM). ``keep_taken``
+        (the plan's update defers: it holds its rows in the pending buffer again): pending
+        rows the plan takes are left unwritten, its update writes them. Safe in any order of
+        calls: the buffer changes only by an update whose staged copy is current (its
+        staging came after the buffer's last fill, so it took every such row it has and
+        wrote back every one it has not) or by a staging that writes every row back."""
         side = self.side
         held = self.pending.capacity if self.pending is not None else 0
         blocks = side.max_blocks // 2 if held else side.max_blocks
@@ -83,7 +88,8 @@ class HostStaging:
         STAGE.launch(collection_module(), (side.vec, c_type(side.dtype_name)), grid, block,
                      stream=stream, host=side.host_ptr, meta=side.meta, **plan_args(plan),
                      n=n, **cache_args, staged=staged, stage_width=side.stage_width,
-                     full=full, **self.pending_args(held > 0), host_elems=self.host_elems,
+                     full=full, **self.pending_args(held > 0),
+                     keep_taken=int(bool(keep_taken and held)), host_elems=self.host_elems,
                      num_tables=side.coll.num_tables, verdict=verdict)
 
     def room(self, n: int, stream) -> bool:
