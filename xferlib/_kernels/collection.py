@@ -329,7 +329,8 @@ STAGE = KernelDecl(
      ("T*", "staged"), ("i64", "stage_width"), ("int", "full"), ("const T*", "pending"),
      ("const i64*", "pending_key"), ("const i64*", "pending_off"),
      ("const int*", "pending_tab"), ("const i64*", "pending_count"), ("i64", "pending_rows"),
-     ("int", "keep_taken"), ("i64", "host_elems"), ("i64", "num_tables"), ("const unsigned long long*", "verdict")),
+     ("int", "keep_taken"), ("i64", "host_elems"), ("i64", "num_tables"),
+     ("const unsigned long long*", "verdict")),
     r"""
     // A warp per distinct row: a host table's row copied to staged[r], from its GPU cache
     // slot (slots[r] >= 0) or from host RAM (in key order: ascending rows without a cache,
