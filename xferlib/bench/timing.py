@@ -14,7 +14,9 @@ def gpu_time_ms(fn, repeats: int = 20, warmup: int = 3, steps: int = 1) -> float
     """Milliseconds per call: CUDA events around ``steps`` calls back to back, the median
     over ``repeats`` runs, divided by ``steps``. With ``steps=1`` each call is timed alone
     (the device waits while the host queues it); with more, the host queues ahead as a
-    training loop does."""
+    training loop does: one untimed call is queued before the start event, so the timed
+    calls find the device busy, as every step past a loop's first does (else the host's
+    time to queue the first call would count as device time, once a run)."""
     return gpu_times_ms([fn], repeats, warmup, steps)[0]
 
 
@@ -30,11 +32,15 @@ def gpu_times_ms(fns, repeats: int = 20, warmup: int = 3, steps: int = 1) -> lis
     stream.synchronize()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     times = [[] for _ in fns]
+    lead = 1 if steps > 1 else 0  # the untimed call that keeps the device busy
     for r in range(repeats):
         for fn, runs in zip(fns, times):
+            first = r * (steps + lead)
+            if lead:
+                fn(first)
             start.record(stream)
-            for i in range(steps):
-                fn(r * steps + i)
+            for i in range(lead, steps + lead):
+                fn(first + i)
             end.record(stream)
             end.synchronize()
             runs.append(cupy.cuda.get_elapsed_time(start, end) / steps)
