@@ -110,9 +110,10 @@ class Verdict:
             return
         self.raise_for(self.words.get(stream=as_cupy_stream(stream)))
 
-    def defer(self, queue: "PendingChecks", stream=None, keep=(), early: bool = True) -> None:
+    def defer(self, queue: "PendingChecks", stream=None, keep=(), early: bool = True,
+              copy=None) -> None:
         """Queue the check on ``queue`` (see :meth:`PendingChecks.push`)."""
-        queue.push(self, stream, keep=keep, early=early)
+        queue.push(self, stream, keep=keep, early=early, copy=copy)
 
 
 # ----------------------------------------------------------------------------- pending checks
@@ -129,10 +130,14 @@ class _Entry:
         self.keep, self.early, self.device, self.stream = keep, early, device, stream
 
 
-def _copy_to_host(words, host, stream) -> None:
+def _copy_to_host(words, host, stream, copy=None) -> None:
     """A verdict's two device ``words`` written to its pinned ``host`` slot on ``stream`` by a
     one-thread-block kernel (``xferlib/_kernels/verdict.py``: a copy node would hold the
-    stream's next kernel back several microseconds)."""
+    stream's next kernel back several microseconds), or by ``copy(address)`` when given: the
+    caller's own next kernel, which writes them there (no launch of its own)."""
+    if copy is not None:
+        copy(host.ctypes.data)
+        return
     from xferlib._kernels.verdict import VERDICT_COPY, VERDICT_MODULE
 
     VERDICT_COPY.launch(VERDICT_MODULE, (), (1,), (32,), stream=stream, words=words,
@@ -201,12 +206,16 @@ class PendingChecks:
             if self.host is None:
                 self._allocate()
 
-    def push(self, verdict: Verdict, stream=None, keep=(), early: bool = True) -> None:
+    def push(self, verdict: Verdict, stream=None, keep=(), early: bool = True,
+             copy=None) -> None:
         """Copy ``verdict`` toward the host on ``stream``. ``keep``: arrays that must outlive
         the batch's kernels (a temporary pinned table freed while a kernel still reads it
         would be reused under it); held until the verdict is read. ``early=False``: read
         only when the queue is full or on ``poll(wait=True)``, never because it arrived
-        (ranks of a process group then raise at the same call)."""
+        (ranks of a process group then raise at the same call). ``copy``: a function of the
+        pinned slot's address that queues, on ``stream``, the caller's next kernel, which
+        writes the verdict's two words there once no later kernel changes them (in place
+        of the copy's own launch); called exactly once."""
         import cupy
         import cupyx
 
@@ -226,7 +235,7 @@ class PendingChecks:
                 slot = _RING + (self.next_graph - _RING) % _GRAPH_SLOTS
                 self.next_graph += 1
                 host = self.host[slot]
-                _copy_to_host(verdict.words, host, stream)
+                _copy_to_host(verdict.words, host, stream, copy)
                 older = self.graph.pop(slot, None)  # re-inserted last: dicts keep push order
                 if older is not None:
                     self.graph_memory.append((older.verdict.words, older.keep))
@@ -250,7 +259,7 @@ class PendingChecks:
                 if event is None:
                     event = self.events[slot] = cupy.cuda.Event(block=False,
                                                                 disable_timing=True)
-            _copy_to_host(verdict.words, host, stream)
+            _copy_to_host(verdict.words, host, stream, copy)
             event.record(stream)
             self.entries.append(_Entry(verdict, host, slot, event, keep, early))
 

@@ -186,6 +186,14 @@ RUNS = KernelDecl(
         flag[u] = (j < n && j > 0 && key[u + 1] != key[u]) ? 1 : 0;
         count += flag[u];
     }
+    // the run heads' lookups (every lookup's where host tables need `inv`), loaded before
+    // the scan and look-back so that their latency passes while warp 0 waits on earlier tiles
+    i64 l[4];
+    #pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const i64 j = j0 + u;
+        l[u] = j < n && (inv != nullptr || flag[u] || j == 0) ? perm[j] : -1;
+    }
     const unsigned int before_me = block_exclusive_scan(count, warp_sums);
     if (t == (int)blockDim.x - 1) total_s = before_me + count;
     __syncthreads();
@@ -228,13 +236,9 @@ RUNS = KernelDecl(
         if (t == 0) carry_s = before;
     }
     const bool refused = rejected(verdict);
-    i64 l[4], bag[4];
+    i64 bag[4];
     #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        const i64 j = j0 + u;
-        l[u] = j < n && (inv != nullptr || flag[u] || j == 0) ? perm[j] : -1;
-        l[u] = l[u] >= 0 && l[u] < n ? l[u] : -1;
-    }
+    for (int u = 0; u < 4; ++u) l[u] = l[u] >= 0 && l[u] < n ? l[u] : -1;
     #pragma unroll
     for (int u = 0; u < 4; ++u)
         bag[u] = !refused && l[u] >= 0 && (flag[u] || j0 + u == 0) ? bag_of[l[u]] : -1;
@@ -393,7 +397,7 @@ POOL = KernelDecl(
      ("const i64*", "offsets"), ("const T*", "psw"), ("const i64*", "inv"),
      ("const T*", "staged"), ("i64", "stage_width"), ("i64", "n"), ("i64", "bags"),
      ("i64", "B"), ("int", "mean"), ("T*", "out"), ("i64", "total_dim"), ("int", "group"),
-     ("const unsigned long long*", "verdict")),
+     ("const unsigned long long*", "verdict"), ("unsigned long long*", "verdict_host")),
     r"""
     // A group of `group` lanes per NB bags (a power of two up to 32, as many as the widest
     // row needs vectors: a 64-wide float row fills 16 lanes, so a warp takes two groups
@@ -405,7 +409,11 @@ POOL = KernelDecl(
     // zeros (no row read): a caller that learns of the refusal later (a sharded step, a CUDA
     // graph) passes on zeros, not whatever the buffer held. No lane waits on another (no
     // shuffles), so groups of a warp may part ways. No grid-stride loop (the launch covers
-    // every bag): fewer live registers, more warps resident.
+    // every bag): fewer live registers, more warps resident. `verdict_host` (when given): the
+    // verdict's pinned host slot, written by the first block (the verdict is final: no
+    // kernel after this one writes it), in place of a launch of its own (checks.py).
+    if (verdict_host != nullptr && blockIdx.x == 0 && threadIdx.x < 2)
+        verdict_host[threadIdx.x] = verdict[threadIdx.x];
     constexpr int U = 2 / NB;  // lookups of a bag loaded together
     const bool refused = rejected(verdict);
     const int lane = threadIdx.x & (group - 1);
