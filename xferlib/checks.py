@@ -156,14 +156,14 @@ class PendingChecks:
     """Verdicts on their way to pinned host memory, oldest first: the one deferred-check queue
     of the row functions (one per device), each host table and each TT module.
 
-    ``push(verdict, stream)`` queues the verdict's copy to a pinned slot (a one-block kernel)
-    and an event on ``stream`` (no host sync, no host allocation after the first push);
-    ``poll()`` raises for the oldest bad verdict that has arrived and waits for the oldest
-    while ``limit`` or more are unread (so a call that polls before it pushes leaves at most
-    ``limit`` unread); ``poll(wait=True)`` waits for every one, raises the first failure
-    (dropping the later ones: each refused batch changed nothing) and then re-reads the
-    slots that graph replays wrote. A failed check is reported once. Thread-safe (XLA
-    callbacks may run on several threads).
+    ``push(verdict, stream)`` queues the verdict's copy to a pinned slot (a one-block kernel,
+    or the caller's next kernel: ``copy``) and an event on ``stream`` (no host sync, no host
+    allocation after the first push); ``poll()`` raises for the oldest bad verdict that has
+    arrived and waits for the oldest while ``limit`` or more are unread (so a call that polls
+    before it pushes leaves at most ``limit`` unread); ``poll(wait=True)`` waits for every
+    one, raises the first failure (dropping the later ones: each refused batch changed
+    nothing) and then re-reads the slots that graph replays wrote. A failed check is
+    reported once. Thread-safe (XLA callbacks may run on several threads).
 
     >>> q = PendingChecks(limit=2)
     >>> q.poll(), len(q)
