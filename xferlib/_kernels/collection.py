@@ -10,9 +10,9 @@ cache, a host row's set-ordered key, ``SET_ORDER``) and its bag; the batch sort
 distinct row of any table, one launch). Rows of host tables are staged into HBM once per
 distinct row in key order (``coll_stage``: ascending rows, the link's fast access pattern,
 where no cache asks for its set order), and
-``coll_pool`` gives each bag a group of lanes (sized to the widest row's vectors: a warp, or
-part of one) that sums its rows in registers, read from the table in HBM or from the staged
-copy: no buffer of one row per lookup. The backward sums each run's gradients from the
+the pooled lookup (``collection_pool.py``) gives each bag a group of lanes (sized to the
+widest row's vectors: a warp, or part of one) that sums its rows in registers, read from the
+table in HBM or from the staged copy: no buffer of one row per lookup. The backward sums each run's gradients from the
 pooled gradient in sorted order in two passes (``collection_sums.py``: deterministic, no
 atomics, no warp stuck on a hot row), and ``coll_update`` (``collection_update.py``, one
 module per rule) gives each distinct row a group of lanes that runs the table's update rule
@@ -27,12 +27,14 @@ from __future__ import annotations
 from xferlib._kernels._declare import KernelDecl, defines
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.cache import SET_ORDER
+from xferlib._kernels.collection_pool import POOL, POOL_HELPERS, POOL_PAIRS, pool_bags
 from xferlib._kernels.collection_sums import (ADD_HEADS, LONG_SPAN, SUM_CHUNK, SUM_CHUNKS,
                                               SUM_SPANS)
 from xferlib._kernels.rows import BLOCK_SCAN
 from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
 
-__all__ = ["COLL_META", "META_FIELDS", "SUM_CHUNK", "PLAN", "STAGE", "POOL", "SUM_CHUNKS",
+__all__ = ["COLL_META", "META_FIELDS", "SUM_CHUNK", "PLAN", "STAGE", "POOL", "POOL_PAIRS",
+           "SUM_CHUNKS",
            "SUM_SPANS", "LONG_SPAN", "INIT", "RUNS", "RUN_THREADS", "pool_bags",
            "run_status_words", "collection_module", "KEY_TYPES", "RULE_IDS", "DTYPE_NAMES",
            "COLLECTION_HEAD", "STAGING_HELPERS", "vector_widths", "c_type"]
@@ -391,124 +393,6 @@ STAGE = KernelDecl(
         warp_copy_row<V, T>(src, staged + r * stage_width, len, lane);
     }""")
 
-POOL = KernelDecl(
-    "coll_pool", "template <int V, int NB, typename T, typename K>",
-    (("const T*", "hbm"), ("const i64*", "meta"), ("const K*", "indices"),
-     ("const i64*", "offsets"), ("const T*", "psw"), ("const i64*", "inv"),
-     ("const T*", "staged"), ("i64", "stage_width"), ("i64", "n"), ("i64", "bags"),
-     ("i64", "B"), ("int", "mean"), ("T*", "out"), ("i64", "total_dim"), ("int", "group"),
-     ("const unsigned long long*", "verdict"), ("unsigned long long*", "verdict_host")),
-    r"""
-    // A group of `group` lanes per NB bags (a power of two up to 32, as many as the widest
-    // row needs vectors: a 64-wide float row fills 16 lanes, so a warp takes two groups
-    // instead of leaving half its lanes idle): each bag's rows summed in registers, added in
-    // bag order, written once to out[b, d_off:d_off + dim]. Two row loads in flight per
-    // group: two lookups of one bag (NB = 1), or one of each of two neighbouring bags (NB =
-    // 2, for bags of about one lookup: DLRM's features; an H200, 26 tables x 64, 425,984 bags
-    // of one: 83 us against 96 with one bag a group). A refused batch's bags are written as
-    // zeros (no row read): a caller that learns of the refusal later (a sharded step, a CUDA
-    // graph) passes on zeros, not whatever the buffer held. No lane waits on another (no
-    // shuffles), so groups of a warp may part ways. No grid-stride loop (the launch covers
-    // every bag): fewer live registers, more warps resident. `verdict_host` (when given): the
-    // verdict's pinned host slot, written by the first block (the verdict is final: no
-    // kernel after this one writes it), in place of a launch of its own (checks.py).
-    if (verdict_host != nullptr && blockIdx.x == 0 && threadIdx.x < 2)
-        verdict_host[threadIdx.x] = verdict[threadIdx.x];
-    constexpr int U = 2 / NB;  // lookups of a bag loaded together
-    const bool refused = rejected(verdict);
-    const int lane = threadIdx.x & (group - 1);
-    const i64 bag0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / group * NB;
-    if (bag0 >= bags) return;
-    i64 lo[NB], hi[NB], dim[NB], rw[NB], rows[NB];
-    bool host[NB];
-    const T* table[NB];
-    T* dst[NB];
-    #pragma unroll
-    for (int x = 0; x < NB; ++x) {
-        const bool real = bag0 + x < bags;  // the last group of an odd count has one bag
-        const i64 bag = real ? bag0 + x : bag0;
-        // the table of a bag: a 32-bit division where the sizes allow (the common case)
-        const i64 t = bags <= 0x7fffffffLL ? (i64)((unsigned)bag / (unsigned)B) : bag / B;
-        const i64* m = meta + t * COLL_META;
-        bag_range(offsets, bag, n, lo[x], hi[x]);
-        if (refused || !real) hi[x] = lo[x];
-        dim[x] = real ? m[M_DIM] : 0;
-        rw[x] = m[M_ROW_WIDTH];
-        rows[x] = m[M_NUM_ROWS];
-        host[x] = m[M_HOST] != 0;
-        table[x] = hbm + m[M_BASE];
-        dst[x] = out + (bag - t * B) * total_dim + m[M_D_OFF];
-    }
-    i64 dmax = dim[0], len = hi[0] - lo[0];
-    #pragma unroll
-    for (int x = 1; x < NB; ++x) {
-        dmax = dim[x] > dmax ? dim[x] : dmax;
-        len = hi[x] - lo[x] > len ? hi[x] - lo[x] : len;
-    }
-    for (i64 e = (i64)V * lane; e < dmax; e += (i64)group * V) {
-        T acc[NB][V];
-        #pragma unroll
-        for (int x = 0; x < NB; ++x)
-            #pragma unroll
-            for (int q = 0; q < V; ++q) acc[x][q] = (T)0;
-        for (i64 k0 = 0; k0 < len; k0 += U) {
-            vec<T, V> row[NB][U];
-            T s[NB][U];
-            #pragma unroll
-            for (int u = 0; u < U; ++u)
-                #pragma unroll
-                for (int x = 0; x < NB; ++x) {
-                    const i64 l = lo[x] + k0 + u;
-                    s[x][u] = (T)0;
-                    if (l < hi[x] && e < dim[x]) {
-                        const T* src;
-                        if (host[x]) {
-                            i64 r = inv[l];
-                            r = r < 0 ? 0 : (r >= n ? n - 1 : r);
-                            src = staged + r * stage_width;
-                        } else {
-                            i64 k = (i64)indices[l];
-                            k = k < 0 ? 0 : (k >= rows[x] ? rows[x] - 1 : k);
-                            src = table[x] + k * rw[x];
-                        }
-                        row[x][u] = *reinterpret_cast<const vec<T, V>*>(src + e);
-                        s[x][u] = lookup_scale<T>(psw, l, mean, hi[x] - lo[x]);
-                    }
-                }
-            #pragma unroll
-            for (int u = 0; u < U; ++u)
-                #pragma unroll
-                for (int x = 0; x < NB; ++x)
-                    if (lo[x] + k0 + u < hi[x] && e < dim[x]) {
-                        #pragma unroll
-                        for (int q = 0; q < V; ++q)
-                            acc[x][q] += psw != nullptr || mean ? row[x][u].v[q] * s[x][u]
-                                                                : row[x][u].v[q];
-                    }
-        }
-        #pragma unroll
-        for (int x = 0; x < NB; ++x)
-            if (e < dim[x]) {
-                vec<T, V> o;
-                #pragma unroll
-                for (int q = 0; q < V; ++q) o.v[q] = acc[x][q];
-                *reinterpret_cast<vec<T, V>*>(dst[x] + e) = o;
-            }
-    }""", launch_bounds="__launch_bounds__(256, NB == 1 ? 5 : 4)")  # 48 or 64 registers
-
-# Bags a group of the pooled lookup takes: two where bags average under two lookups.
-POOL_BAGS = (1, 2)
-
-
-def pool_bags(n: int, bags: int) -> int:
-    """Bags per lane group of ``coll_pool`` for ``n`` lookups in ``bags`` bags.
-
-    >>> pool_bags(425_984, 425_984), pool_bags(65_536, 4_096)
-    (2, 1)
-    """
-    return 2 if n < 2 * bags else 1
-
-
 # The tables' counter-based initializer (``xferlib/collection/init.py`` has its NumPy twin):
 # weight (row, col) of table stream `stream` is a function of (stream, row * dim + col) alone,
 # so any chunk of rows, on either path, gets the same values. No FMA contraction in the
@@ -556,8 +440,10 @@ INIT = KernelDecl(
     }""")
 
 COLLECTION_KERNEL = (COLLECTION_HEAD + RUN_FLAGS + _INIT_HEAD + ADD_HEADS + STAGING_HELPERS
+                     + POOL_HELPERS
                      + "".join(d.source()
-                               for d in (PLAN, RUNS, STAGE, POOL, SUM_CHUNKS, SUM_SPANS, INIT)))
+                               for d in (PLAN, RUNS, STAGE, POOL, POOL_PAIRS, SUM_CHUNKS,
+                                         SUM_SPANS, INIT)))
 
 
 def vector_widths(dtype_name: str) -> tuple:
@@ -578,8 +464,8 @@ def _collection_names():
             for V in vector_widths(dtype_name):
                 yield SUM_CHUNKS.instance(V, T, K)
             for V in vector_widths(dtype_name):
-                for NB in POOL_BAGS:
-                    yield POOL.instance(V, NB, T, K)
+                yield POOL.instance(V, T, K)
+                yield POOL_PAIRS.instance(V, T, K)
         for V in vector_widths(dtype_name):
             yield SUM_SPANS.instance(V, T)
 
