@@ -122,6 +122,37 @@ def test_pooling_weights_and_index_widths(backend, pooling, index_dtype, weighte
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("widths", [[4, 4], [12, 3], [100, 8], [260, 4]])
+@pytest.mark.parametrize("lengths", ["long", "ones"])
+def test_pooled_lookup_shapes(backend, widths, lengths):
+    """The pooled lookup on the shapes that pick its launch: lane groups of 1 to 32 lanes (the
+    widest row's vectors), rows wider than one pass of a group (260 floats), bags longer than
+    a group's turn (up to 70 lookups, empty ones too) and bags of about one lookup (two bags
+    a group, an odd count of them), weighted and mean pooled, host and HBM tables."""
+    backend = get_backend(backend)
+    xp = xp_of(backend)
+    rng = np.random.default_rng(sum(widths) + len(lengths))
+    rows, dims, B = [37, 5, 11], widths + [4], 7  # 21 bags
+    for pooling, weighted in (("sum", False), ("mean", True)):
+        coll = EmbeddingCollection([TableConfig(rows[0], dims[0], placement="host"),
+                                    TableConfig(rows[1], dims[1]), TableConfig(rows[2], dims[2])],
+                                   "sgd", {"lr": 0.1}, pooling=pooling,
+                                   device=device_of(backend), seed=2)
+        choices = [0, 1, 31, 32, 33, 70] if lengths == "long" else [0, 1, 1, 2]
+        counts = rng.choice(choices, size=3 * B)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        indices = np.concatenate([rng.integers(0, rows[t], int(counts[t * B:(t + 1) * B].sum()))
+                                  for t in range(3)]).astype(np.int64)
+        psw = rng.uniform(0.5, 2.0, indices.size).astype(np.float32) if weighted else None
+        weights = [coll.weights(t).astype(np.float64) for t in range(3)]
+        out, _ = coll.forward(xp.asarray(indices), xp.asarray(offsets),
+                              None if psw is None else xp.asarray(psw))
+        np.testing.assert_allclose(_host(out), pooled_lookup_reference(weights, indices,
+                                                                       offsets, psw, pooling),
+                                   rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_awkward_batches(backend):
     """An empty batch, empty bags, one table, 1-row tables, one index repeated everywhere."""
     backend = get_backend(backend)
