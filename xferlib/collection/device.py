@@ -183,8 +183,9 @@ class CollectionDevice:
         # count (SGD without momentum): more rows in flight, the update being bound by each
         # row's chain of dependent loads (its place, its table, its step, its row). One
         # H200, replayed 8M x 128 steps in HBM: SGD 86.2 -> 82.7 us (32 -> 8 lanes), Adam
-        # 112.3 -> 106.9 and row-wise Adagrad 87.9 -> 84.9 (32 -> 16; 8: 108.8, 85.9); 26
-        # tables x 64 at batch 16,384, row-wise Adagrad 317 -> 312 us (16 -> 8 lanes).
+        # 112.3 -> 106.9 and row-wise Adagrad 87.9 -> 84.9 (32 -> 16 lanes; with 8, 108.8
+        # and 85.9); 26 tables x 64 at batch 16,384, row-wise Adagrad 300.2 -> 295.2 us
+        # (16 -> 8 lanes).
         stateless = all(not layout.slots and not layout.row_scalars for layout in coll.layouts)
         self.update_group = max(1, self.lane_group // (4 if stateless else 2))
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
