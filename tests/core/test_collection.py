@@ -122,21 +122,26 @@ def test_pooling_weights_and_index_widths(backend, pooling, index_dtype, weighte
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("widths", [[4, 4], [12, 3], [100, 8], [260, 4]])
+@pytest.mark.parametrize("widths", [[4, 4], [8, 4], [16, 4], [32, 4], [64, 4], [12, 3],
+                                    [100, 8], [260, 4]])
 @pytest.mark.parametrize("lengths", ["long", "ones"])
-def test_pooled_lookup_shapes(backend, widths, lengths):
-    """The pooled lookup on the shapes that pick its launch: lane groups of 1 to 32 lanes (the
-    widest row's vectors), rows wider than one pass of a group (260 floats), bags longer than
-    a group's turn (up to 70 lookups, empty ones too) and bags of about one lookup (two bags
-    a group, an odd count of them), weighted and mean pooled, host and HBM tables."""
+def test_pooled_lookup_and_update_shapes(backend, widths, lengths):
+    """The pooled lookup and the update on the shapes that pick their launches: lane groups
+    of 1, 2, 4, 8, 16 and 32 lanes (the widest row's vectors: 4-float vectors, or single
+    floats beside a 3-wide table), rows wider than one pass of a group (260 floats), bags
+    longer than a group's turn (up to 70 lookups, empty ones too) and bags of about one lookup
+    (two bags a group, an odd count of them); sum pooling with SGD (the update's rows a
+    quarter of those lanes each), weighted mean pooling with row-wise Adagrad (half), host and
+    HBM tables; one step against the float64 references."""
     backend = get_backend(backend)
     xp = xp_of(backend)
-    rng = np.random.default_rng(sum(widths) + len(lengths))
+    rng = np.random.default_rng(sum(widths) + (lengths == "long"))
     rows, dims, B = [37, 5, 11], widths + [4], 7  # 21 bags
-    for pooling, weighted in (("sum", False), ("mean", True)):
+    for pooling, weighted, optimizer in (("sum", False, "sgd"),
+                                         ("mean", True, "rowwise_adagrad")):
         coll = EmbeddingCollection([TableConfig(rows[0], dims[0], placement="host"),
                                     TableConfig(rows[1], dims[1]), TableConfig(rows[2], dims[2])],
-                                   "sgd", {"lr": 0.1}, pooling=pooling,
+                                   optimizer, {"lr": 0.1}, pooling=pooling,
                                    device=device_of(backend), seed=2)
         choices = [0, 1, 31, 32, 33, 70] if lengths == "long" else [0, 1, 1, 2]
         counts = rng.choice(choices, size=3 * B)
@@ -145,11 +150,22 @@ def test_pooled_lookup_shapes(backend, widths, lengths):
                                   for t in range(3)]).astype(np.int64)
         psw = rng.uniform(0.5, 2.0, indices.size).astype(np.float32) if weighted else None
         weights = [coll.weights(t).astype(np.float64) for t in range(3)]
-        out, _ = coll.forward(xp.asarray(indices), xp.asarray(offsets),
-                              None if psw is None else xp.asarray(psw))
+        states = [state_arrays(coll, t) for t in range(3)]
+        out, ctx = coll.forward(xp.asarray(indices), xp.asarray(offsets),
+                                None if psw is None else xp.asarray(psw))
         np.testing.assert_allclose(_host(out), pooled_lookup_reference(weights, indices,
                                                                        offsets, psw, pooling),
                                    rtol=2e-5, atol=2e-5)
+        grad = rng.standard_normal((B, sum(dims))).astype(np.float32)
+        coll.backward(ctx, xp.asarray(grad))
+        new_w, new_s, new_steps = collection_step_reference(
+            optimizer, coll.hypers, weights, [s for s, _ in states], [st for _, st in states],
+            indices, offsets, grad, psw, pooling)
+        for t in range(3):
+            np.testing.assert_allclose(coll.weights(t), new_w[t], rtol=2e-5, atol=2e-5)
+            for k, v in new_s[t].items():
+                np.testing.assert_allclose(coll.state(t, k), v, rtol=2e-5, atol=2e-5)
+            np.testing.assert_array_equal(coll.state(t, "step"), new_steps[t])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,11 +1,13 @@
 """The collection's update kernel, ``coll_update``: one module per optimizer rule and dtype,
 made on first use (a run compiles only the rule it trains with).
 
-Each distinct row of a batch gets a group of lanes (a power of two up to 32, sized to the
-widest row's vectors) that runs the host tables' rule (``xferlib/_kernels/table.py``:
-``row_consts``, ``update_row``) on its summed gradient where the row lives: HBM, a host
-table's GPU cache slot, or host RAM (read from the forward's staged copy). Row-wise Adagrad's
-row sum is a reduction over the group's lanes (``rowwise_adagrad_lanes``, below).
+Each distinct row of a batch gets a group of lanes (a power of two up to 32: half the
+pooling's group, which is sized to the widest row's vectors, or a quarter where rows hold no
+state; ``xferlib/collection/device.py`` picks it) that runs the host tables' rule
+(``xferlib/_kernels/table.py``: ``row_consts``, ``update_row``) on its summed gradient where
+the row lives: HBM, a host table's GPU cache slot, or host RAM (read from the forward's
+staged copy). Row-wise Adagrad's row sum is a reduction over the group's lanes
+(``rowwise_adagrad_lanes``, below).
 """
 
 from __future__ import annotations
@@ -32,19 +34,19 @@ UPDATE = KernelDecl(
      ("int", "group"),
      ("const unsigned long long*", "verdict")),
     r"""
-    // A group of `group` lanes per distinct row (a power of two up to 32, as many as the
-    // widest row needs vectors; row-wise Adagrad's row sum a reduction over the group's
-    // lanes): the table's rule on its summed gradient, where the row lives (HBM; a host
-    // table's GPU cache slot, then marked dirty; or host RAM, the row then read from the
-    // forward's whole staged copy when given, and only written over the link), with its
-    // table's hyperparameters and its own step count. `pending` (given with whole staged
-    // rows): a host row read from its copy is written, whole, to pending[r] in HBM instead
-    // of over the link (pending_off[r]: its place in host RAM, -1 for a run whose row is
-    // not held; pending_key[r]: the run's sorted key; *pending_count: the runs), for the
-    // next forward's staging to write back beside its own reads (``coll_stage``); a run
-    // past `pending_rows` goes to host RAM as before. `long_runs`: the gradient sums' count
-    // of long runs, set back to zero for a next backward of the same lookup (the sums are
-    // done: this kernel follows them).
+    // A group of `group` lanes per distinct row (a power of two up to 32, each lane taking V
+    // elements of the row at a time, in turn across the row; row-wise Adagrad's row sum a
+    // reduction over the group's lanes): the table's rule on its summed gradient, where the row
+    // lives (HBM; a host table's GPU cache slot, then marked dirty; or host RAM, the row then
+    // read from the forward's whole staged copy when given, and only written over the link),
+    // with its table's hyperparameters and its own step count. `pending` (given with whole
+    // staged rows): a host row read from its copy is written, whole, to pending[r] in HBM
+    // instead of over the link (pending_off[r]: its place in host RAM, -1 for a run whose row
+    // is not held; pending_key[r]: the run's sorted key; *pending_count: the runs), for the
+    // next forward's staging to write back beside its own reads (``coll_stage``); a run past
+    // `pending_rows` goes to host RAM as before. `long_runs`: the gradient sums' count of long
+    // runs, set back to zero for a next backward of the same lookup (the sums are done: this
+    // kernel follows them).
     if (long_runs != nullptr && blockIdx.x == 0 && threadIdx.x == 0) long_runs[0] = 0;
     if (rejected(verdict)) return;
     const int lane = threadIdx.x & (group - 1);

@@ -175,8 +175,8 @@ class CollectionDevice:
         host_widths = [b.layout.row_width if self.stage_state else c.dim for c, b in host]
         self.stage_width = -(-max(host_widths, default=0) // word) * word
         self.width = -(-max(dims, default=1) // self.vec) * self.vec  # summed's row stride
-        # Lanes per bag of the pooled lookup and per row of the update (see _lane_group):
-        # the widest row the kernels read (tt tables' columns are written by TT's own).
+        # Lanes per bag of the pooled lookup (see _lane_group): the widest row the kernels
+        # read (tt tables' columns are written by TT's own).
         self.lane_group = _lane_group(self.width, self.vec)
         # Lanes per distinct row in the update: half the pooling's (each lane takes two of a
         # full row's vectors in turn), a quarter where no row holds state beyond its step
