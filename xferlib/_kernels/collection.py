@@ -9,14 +9,14 @@ cache, a host row's set-ordered key, ``SET_ORDER``) and its bag; the batch sort
 (``xferlib/batch.py``) orders the keys and ``coll_runs`` numbers their runs (one run per
 distinct row of any table, one launch). Rows of host tables are staged into HBM once per
 distinct row in key order (``coll_stage``: ascending rows, the link's fast access pattern,
-where no cache asks for its set order), and
-the pooled lookup (``collection_pool.py``) gives each bag a group of lanes (sized to the
-widest row's vectors: a warp, or part of one) that sums its rows in registers, read from the
-table in HBM or from the staged copy: no buffer of one row per lookup. The backward sums each run's gradients from the
-pooled gradient in sorted order in two passes (``collection_sums.py``: deterministic, no
-atomics, no warp stuck on a hot row), and ``coll_update`` (``collection_update.py``, one
-module per rule) gives each distinct row a group of lanes that runs the table's update rule
-where the row lives.
+where no cache asks for its set order), and the pooled lookup (``collection_pool.py``)
+gives each bag a group of lanes (sized to the widest row's vectors: a warp, or part of one)
+that sums its rows in registers, read from the table in HBM or from the staged copy: no
+buffer of one row per lookup. The backward sums each run's gradients from the pooled
+gradient in sorted order in two passes (``collection_sums.py``: deterministic, no atomics,
+no warp stuck on a hot row), and ``coll_update`` (``collection_update.py``, one module per
+rule) gives each distinct row a group of lanes that runs the table's update rule where the
+row lives.
 
 Every kernel bounds every position and row it touches, and writes nothing once the plan's
 verdict (two uint64 words) reports a bad bag or index.
@@ -34,8 +34,7 @@ from xferlib._kernels.rows import BLOCK_SCAN
 from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
 
 __all__ = ["COLL_META", "META_FIELDS", "SUM_CHUNK", "PLAN", "STAGE", "POOL", "POOL_PAIRS",
-           "SUM_CHUNKS",
-           "SUM_SPANS", "LONG_SPAN", "INIT", "RUNS", "RUN_THREADS", "pool_bags",
+           "SUM_CHUNKS", "SUM_SPANS", "LONG_SPAN", "INIT", "RUNS", "RUN_THREADS", "pool_bags",
            "run_status_words", "collection_module", "KEY_TYPES", "RULE_IDS", "DTYPE_NAMES",
            "COLLECTION_HEAD", "STAGING_HELPERS", "vector_widths", "c_type"]
 

@@ -3,7 +3,7 @@
 Forward: ``coll_plan`` checks bags and indices and keys every lookup; the batch sort
 (:func:`xferlib.batch.radix_sort` on the device, the tile sort for a small batch: no host
 sync at any size) orders the keys and ``coll_runs`` numbers their runs (one launch); host
-tables' distinct rows are staged into HBM; ``coll_pool`` writes the pooled output.
+tables' distinct rows are staged into HBM; the pooled lookup writes the pooled output.
 Backward: the two-pass gradient sums and ``coll_update`` (uncached host tables whose rows
 are staged whole defer their write-back to the next staging: ``host_staging.py``). Kernels in
 ``xferlib/_kernels/collection.py``, ``collection_pool.py``, ``collection_sums.py`` and
