@@ -27,14 +27,14 @@ from __future__ import annotations
 from xferlib._kernels._declare import KernelDecl, defines
 from xferlib._kernels._registry import KernelModule
 from xferlib._kernels.cache import SET_ORDER
-from xferlib._kernels.collection_pool import POOL, POOL_HELPERS, POOL_PAIRS, pool_bags
+from xferlib._kernels.collection_pool import POOL, POOL_HELPERS, POOL_PAIRS, pool_kernel
 from xferlib._kernels.collection_sums import (ADD_HEADS, LONG_SPAN, SUM_CHUNK, SUM_CHUNKS,
                                               SUM_SPANS)
 from xferlib._kernels.rows import BLOCK_SCAN
 from xferlib._kernels.table import RULE_IDS, TABLE_KERNEL
 
 __all__ = ["COLL_META", "META_FIELDS", "SUM_CHUNK", "PLAN", "STAGE", "POOL", "POOL_PAIRS",
-           "SUM_CHUNKS", "SUM_SPANS", "LONG_SPAN", "INIT", "RUNS", "RUN_THREADS", "pool_bags",
+           "SUM_CHUNKS", "SUM_SPANS", "LONG_SPAN", "INIT", "RUNS", "RUN_THREADS", "pool_kernel",
            "run_status_words", "collection_module", "KEY_TYPES", "RULE_IDS", "DTYPE_NAMES",
            "COLLECTION_HEAD", "STAGING_HELPERS", "vector_widths", "c_type"]
 

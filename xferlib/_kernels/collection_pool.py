@@ -3,7 +3,7 @@ one row per lookup), read from its table in HBM or from the host rows the forwar
 written once to the bag's columns of the pooled output. Part of the collection's kernel module
 (``collection.py``), launched by ``xferlib/collection/device.py`` after the batch's plan.
 
-Two kernels, by the batch's shape (:func:`pool_bags`): ``coll_pool`` gives a bag of several
+Two kernels, by the batch's shape (:func:`pool_kernel`): ``coll_pool`` gives a bag of several
 lookups a lane group that first finds up to a group's worth of its lookups' rows at once (one
 load a lane) and then keeps four row loads in flight; ``coll_pool_pairs`` gives a lane group
 two neighbouring bags of about one lookup each (DLRM's features), one row of each in flight.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from xferlib._kernels._declare import KernelDecl
 
-__all__ = ["POOL", "POOL_PAIRS", "POOL_HELPERS", "pool_bags"]
+__all__ = ["POOL", "POOL_PAIRS", "POOL_HELPERS", "pool_kernel"]
 
 _ARGS = (("const T*", "hbm"), ("const i64*", "meta"), ("const K*", "indices"),
          ("const i64*", "offsets"), ("const T*", "psw"), ("const i64*", "inv"),
@@ -200,11 +200,12 @@ POOL_PAIRS = KernelDecl(
     }""", launch_bounds="__launch_bounds__(256, 4)")  # 64 registers
 
 
-def pool_bags(n: int, bags: int) -> int:
-    """Bags per lane group of the pooled lookup for ``n`` lookups in ``bags`` bags: two
-    (``coll_pool_pairs``) where bags average under two lookups, else one (``coll_pool``).
+def pool_kernel(n: int, bags: int) -> tuple:
+    """The pooled lookup's kernel for ``n`` lookups in ``bags`` bags and the bags each lane
+    group takes: ``coll_pool_pairs`` and two where bags average under two lookups, else
+    ``coll_pool`` and one.
 
-    >>> pool_bags(425_984, 425_984), pool_bags(65_536, 4_096)
-    (2, 1)
+    >>> [(k.name, nb) for k, nb in (pool_kernel(425_984, 425_984), pool_kernel(65_536, 4_096))]
+    [('coll_pool_pairs', 2), ('coll_pool', 1)]
     """
-    return 2 if n < 2 * bags else 1
+    return (POOL_PAIRS, 2) if n < 2 * bags else (POOL, 1)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from xferlib._kernels._declare import KernelDecl
 
-__all__ = ["SUM_CHUNK", "LONG_SPAN", "ADD_HEADS", "SUM_CHUNKS", "SUM_SPANS", "long_runs_size"]
+__all__ = ["SUM_CHUNK", "LONG_SPAN", "ADD_HEADS", "SUM_CHUNKS", "SUM_SPANS", "long_runs_size",
+           "long_runs_capacity"]
 
 SUM_CHUNK = 32  # sorted positions per warp in the first pass
 # Chunks past its first that a run may cross and still be summed by one lane group of the
@@ -31,6 +32,15 @@ def long_runs_size(n: int) -> int:
     then a (run, chunk, width) triple for at most one run a ``LONG_SPAN + 1`` chunks."""
     chunks = -(-int(n) // SUM_CHUNK)
     return 1 + 3 * (1 + chunks // (LONG_SPAN + 1))
+
+
+def long_runs_capacity(size: int) -> int:
+    """The long runs a list of ``size`` int64 words (:func:`long_runs_size`) can hold.
+
+    >>> long_runs_capacity(long_runs_size(65_536))
+    121
+    """
+    return (int(size) - 1) // 3
 
 SUM_CHUNKS = KernelDecl(
     "coll_sum_chunks", "template <int V, typename T, typename K>",

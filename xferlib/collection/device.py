@@ -28,10 +28,10 @@ import numpy as np
 from xferlib._backend import (as_cupy_stream, changed_constant, device_constant,
                               hyper_constant, is_capturing)
 from xferlib._kernels import grid_1d, launch_config
-from xferlib._kernels.collection import (META_FIELDS, PLAN, POOL, POOL_PAIRS, RUN_THREADS, RUNS,
-                                         SUM_CHUNK, SUM_CHUNKS, SUM_SPANS, c_type,
-                                         collection_module, pool_bags, run_status_words)
-from xferlib._kernels.collection_sums import long_runs_size
+from xferlib._kernels.collection import (META_FIELDS, PLAN, RUN_THREADS, RUNS, SUM_CHUNK,
+                                         SUM_CHUNKS, SUM_SPANS, c_type, collection_module,
+                                         pool_kernel, run_status_words)
+from xferlib._kernels.collection_sums import long_runs_capacity, long_runs_size
 from xferlib._kernels.collection_update import UPDATE, update_module
 from xferlib.batch import (NO_BAD, PendingChecks, Verdict, radix_sort, radix_takes,
                            radix_work_words, sort_buffers, sort_positions)
@@ -350,11 +350,10 @@ class CollectionDevice:
                 # a group of lanes per bag, or per two bags of about one lookup each
                 # (collection_pool.py), 32 // lane_group groups per warp
                 # (no stride loop: far under the grid's 2**31 - 1 blocks)
-                nb = pool_bags(n, bags)
+                kernel, nb = pool_kernel(n, bags)
                 grid, block = grid_1d(-(-bags // nb) * self.lane_group, 256)
 
                 def pool(verdict_host=None):
-                    kernel = POOL if nb == 1 else POOL_PAIRS
                     kernel.launch(module, (self.vec, c_type(self.dtype_name), _key(indices)),
                                   grid, block, stream=stream, hbm=self.hbm, meta=self.meta,
                                   indices=indices, offsets=offsets64, psw=psw_c, inv=inv,
@@ -426,7 +425,8 @@ class CollectionDevice:
                               long_runs=long_runs, verdict=plan.words)
             # a lane group per chunk, and a block per listed long run (a hot row's; a grid
             # of at least as many blocks as the list can hold)
-            blocks = max(-(-chunks * self.lane_group // 256), (long_runs.size - 1) // 3)
+            blocks = max(-(-chunks * self.lane_group // 256),
+                         long_runs_capacity(long_runs.size))
             SUM_SPANS.launch(module, (self.vec, T), (blocks,), (256,), stream=stream,
                              run=plan.run, starts=plan.starts, cross=cross, long_runs=long_runs,
                              n=n, width=width, summed=summed, head=head, tail=tail,
