@@ -79,6 +79,22 @@ __device__ __forceinline__ const T* pool_row(const PoolBag<T>& b, i64 l, const K
     return b.table + k * b.row_width;
 }
 
+// A lookup's row added to a bag's sum (times its factor `s` where lookups are weighted or
+// the bags averaged).
+template <int V, typename T>
+__device__ __forceinline__ void pool_add(T (&acc)[V], const vec<T, V>& row, T s, const T* psw,
+                                         int mean) {
+    #pragma unroll
+    for (int q = 0; q < V; ++q) acc[q] += psw != nullptr || mean ? row.v[q] * s : row.v[q];
+}
+
+// The verdict's two words written to its pinned host slot (when given) by the first block.
+__device__ __forceinline__ void pool_copy_verdict(const unsigned long long* verdict,
+                                                  unsigned long long* verdict_host) {
+    if (verdict_host != nullptr && blockIdx.x == 0 && threadIdx.x < 2)
+        verdict_host[threadIdx.x] = verdict[threadIdx.x];
+}
+
 template <int V, typename T>
 __device__ __forceinline__ void pool_store(T* dst, const T (&acc)[V]) {
     vec<T, V> o;
@@ -96,8 +112,7 @@ POOL = KernelDecl(
     // shuffle, U row loads in flight. A bag of 16 lookups so waits on five loads in turn,
     // not on an index and then a row for every two lookups (one H200, 8M x 128, 4,096 bags
     // of 16: 10.8 us against 11.8).
-    if (verdict_host != nullptr && blockIdx.x == 0 && threadIdx.x < 2)
-        verdict_host[threadIdx.x] = verdict[threadIdx.x];
+    pool_copy_verdict(verdict, verdict_host);
     constexpr int U = 4;
     const int lane = threadIdx.x & (group - 1);
     // the group's lanes in the warp (the same trips for all: shuffles among them)
@@ -135,11 +150,8 @@ POOL = KernelDecl(
                 }
                 #pragma unroll
                 for (int u = 0; u < U; ++u)
-                    if (k0 + u < count && e < b.dim) {
-                        #pragma unroll
-                        for (int q = 0; q < V; ++q)
-                            acc[q] += psw != nullptr || mean ? row[u].v[q] * s[u] : row[u].v[q];
-                    }
+                    if (k0 + u < count && e < b.dim)
+                        pool_add<V, T>(acc, row[u], s[u], psw, mean);
             }
         }
         if (e < b.dim) pool_store<V, T>(b.dst + e, acc);
@@ -152,8 +164,7 @@ POOL_PAIRS = KernelDecl(
     // about one lookup: DLRM's features; an H200, 26 tables x 64, 425,984 bags of one: 83
     // us against 96 with one bag a group). No lane waits on another (no shuffles), so the
     // groups of a warp may part ways.
-    if (verdict_host != nullptr && blockIdx.x == 0 && threadIdx.x < 2)
-        verdict_host[threadIdx.x] = verdict[threadIdx.x];
+    pool_copy_verdict(verdict, verdict_host);
     const bool refused = rejected(verdict);
     const int lane = threadIdx.x & (group - 1);
     const i64 bag0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / group * 2;
@@ -188,11 +199,8 @@ POOL_PAIRS = KernelDecl(
             }
             #pragma unroll
             for (int x = 0; x < 2; ++x)
-                if (k < b[x].len && e < b[x].dim) {
-                    #pragma unroll
-                    for (int q = 0; q < V; ++q)
-                        acc[x][q] += psw != nullptr || mean ? row[x].v[q] * s[x] : row[x].v[q];
-                }
+                if (k < b[x].len && e < b[x].dim)
+                    pool_add<V, T>(acc[x], row[x], s[x], psw, mean);
         }
         #pragma unroll
         for (int x = 0; x < 2; ++x)
