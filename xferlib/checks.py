@@ -263,6 +263,13 @@ class PendingChecks:
             event.record(stream)
             self.entries.append(_Entry(verdict, host, slot, event, keep, early))
 
+    def hold(self, error: Exception) -> None:
+        """Keep ``error`` (unless a failure is kept already) for the next ``poll(wait=True)``,
+        for a caller whose own raise may not reach the user (a callback XLA records, whose
+        failure XLA may only log)."""
+        with self.lock:
+            self.held = self.held or error
+
     def poll(self, wait: bool = False, hold: bool = False) -> None:
         """Raise for the oldest bad verdict that is in (see the class docstring).
 

@@ -13,8 +13,9 @@ depend on the lookup; a later step's (or ``lax.scan`` iteration's) lookup sees i
 
 The core keeps a ``LookupContext`` (the batch's plan) from a forward for its backward. A JAX
 residual must be an array, so the training forward leaves its context with the collection
-(``keep_context``), keyed by the addresses of its index buffers, and the backward, which
-receives the same buffers as residuals, takes it back (``take_context``). Where it finds
+(``keep_context``), keyed by the addresses of its buffers (indices, offsets, weights, the
+pooled output), and the backward, which receives the same buffers, takes it back
+(``take_context``). Where it finds
 none (XLA moved the buffers, or more forwards than the collection keeps came between), it
 runs the core's forward again on the same ``indices`` / ``offsets`` into a scratch output:
 the same update, for about one more forward's time.
@@ -127,10 +128,11 @@ def _make(ref, weighted: bool, pools):
         gpu = is_gpu_buffer(out)
         with device_scope(gpu, out, buffers[0]), scope(ctx, gpu) as recording:
             indices, offsets, weights = core_inputs(buffers, gpu)
-            coll = collection_for(gpu)
-            _, lookup = coll.forward(indices, offsets, weights, out=as_core_array(out, gpu),
+            coll, pooled_out = collection_for(gpu), as_core_array(out, gpu)
+            _, lookup = coll.forward(indices, offsets, weights, out=pooled_out,
                                      stream=xla_stream(ctx, gpu))
-            coll.keep_context(_buffer_key(indices, offsets, weights), lookup, recording)
+            coll.keep_context(_buffer_key(indices, offsets, weights, pooled_out), lookup,
+                              recording)
 
     @reporting
     def update_callback(ctx, token, *buffers):
@@ -139,7 +141,9 @@ def _make(ref, weighted: bool, pools):
         with device_scope(gpu, token, buffers[0]), scope(ctx, gpu) as recording:
             coll, stream = collection_for(gpu), xla_stream(ctx, gpu)
             indices, offsets, weights = core_inputs(buffers[:-2], gpu)
-            lookup = coll.take_context(_buffer_key(indices, offsets, weights), recording)
+            pooled_out = as_core_array(buffers[-2], gpu)
+            lookup = coll.take_context(_buffer_key(indices, offsets, weights, pooled_out),
+                                       recording)
             if lookup is None:  # the forward's context is gone: plan the batch again
                 _, lookup = coll.forward(indices, offsets, weights, stream=stream)
             coll.backward(lookup, as_core_array(buffers[-1], gpu), stream=stream)
@@ -180,15 +184,17 @@ def _make(ref, weighted: bool, pools):
     return function
 
 
-def _buffer_key(indices, offsets, weights) -> tuple:
-    """A batch's key between its forward and backward callbacks: where its input buffers
-    lie, and their lengths (a residual keeps them alive, so no other batch has these)."""
+def _buffer_key(indices, offsets, weights, out) -> tuple:
+    """A batch's key between its forward and backward callbacks: where the forward's
+    buffers lie, and their lengths (residuals keep them alive, so no other batch has
+    these). Every buffer the forward reads or writes, as XLA keys its recordings: two
+    recordings of the forward differ in one of them at least."""
     def address(a):
         if a is None:
             return None
         # NumPy's .data is a memoryview, which refuses some dtypes (bfloat16): ask ctypes
         return (a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr), a.shape[0]
-    return address(indices), address(offsets), address(weights)
+    return address(indices), address(offsets), address(weights), address(out)
 
 
 def embedding_bag_collection(coll: EmbeddingCollection, indices, offsets,

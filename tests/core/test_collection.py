@@ -565,3 +565,34 @@ def test_padded_batches_with_their_size_check_the_last_bag_against_it(backend):
     with pytest.raises(TypeError, match="total"):
         padded.forward(p_idx, xp.asarray(offsets), padded=True,
                        total=xp.asarray([n], dtype=np.int32))
+
+
+def test_recorded_contexts_are_kept_for_life_and_never_given_for_an_unrecorded_forward():
+    """A forward recorded into a CUDA graph keeps its context under its key for as long as
+    the collection lives (a replay may write its plan at any later step), whatever came
+    between; a recording backward never gets the context of a forward that ran unrecorded
+    (its plan lies where no replay writes), not even when an older recording had the
+    same key: it raises."""
+    coll = EmbeddingCollection([TableConfig(5, 2)], "sgd", {"lr": 0.1}, device="cpu")
+    indices, offsets = np.array([1, 3], np.int32), np.array([0, 2], np.int32)
+    recorded = {}
+    for k in range(20):  # far past the unrecorded contexts kept
+        _, recorded[k] = coll.forward(indices, offsets)
+        coll.keep_context(("key", k), recorded[k], recorded=True)
+    for k in range(20):  # a replayed forward: nothing kept this step, its recording's plan
+        assert coll.take_context(("key", k), recorded=True) is recorded[k]
+        assert coll.take_context(("key", k), recorded=True) is recorded[k]  # again
+    assert coll.take_context(("key", 3)) is None  # unrecorded: only what this step kept
+    _, again = coll.forward(indices, offsets)
+    coll.keep_context(("key", 3), again, recorded=True)  # recorded again at the same key
+    assert coll.take_context(("key", 3), recorded=True) is again
+    assert coll.take_context(("key", 3), recorded=True) is again
+    _, eager = coll.forward(indices, offsets)
+    coll.keep_context(("key", 4), eager)  # this step's forward ran unrecorded
+    with pytest.raises(RuntimeError, match="without a recording of its forward"):
+        coll.take_context(("key", 4), recorded=True)
+    with pytest.raises(RuntimeError, match="without a recording of its forward"):
+        coll.take_context(("nowhere",), recorded=True)
+    coll.keep_context(("key", 5), eager)
+    assert coll.take_context(("key", 5)) is eager  # an unrecorded backward takes it
+    assert coll.take_context(("key", 5)) is None

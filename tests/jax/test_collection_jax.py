@@ -466,6 +466,53 @@ def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hy
         assert len(calls) < len(chunks) * steps, "XLA replayed no step"
 
 
+@pytest.mark.gpu
+def test_an_update_recorded_after_its_replayed_lookup_trains_on_its_plan_or_raises():
+    """Each step's pooled gradient lies at a new address and each step waits for the one
+    before (XLA's own buffers then stay put): XLA replays the recorded lookup and records
+    the update again, which finds the plan the replay writes; the tables after the steps
+    are those of the core's own calls, bitwise. With no recording of the lookup to be
+    found (the collection's recorded plans forgotten), the update being recorded raises,
+    and ``check()`` raises it too, rather than plan the batch again inside its
+    recording."""
+    import cupy
+
+    tables = [TableConfig(300, 8, placement="hbm"),
+              TableConfig(500, 16, placement="host", cache_rows=64)]
+    replayed, eager = (EmbeddingCollection(tables, "adam", {"lr": 0.05}, device="cuda",
+                                           seed=5) for _ in range(2))
+    rng = np.random.default_rng(2)
+    B, L, steps = 64, 3, 6
+    offsets = np.arange(0, 2 * B * L + 1, L, dtype=np.int32)
+    chunk = np.stack([np.concatenate([rng.integers(0, c.num_rows, B * L) for c in tables])
+                      for _ in range(steps)]).astype(np.int32)
+    targets = [rng.standard_normal((B, replayed.total_dim)).astype(np.float32)
+               for _ in range(steps)]
+
+    @jax.jit
+    def step(anchor, chunk, k, target):
+        indices = jax.lax.dynamic_index_in_dim(chunk, k, keepdims=False)
+        return jax.grad(lambda a: jnp.sum(target * embedding_bag_collection(
+            replayed, indices, jnp.asarray(offsets), anchor=a, record=True)))(anchor)
+
+    numbers, on_gpu = [jnp.int32(k) for k in range(steps)], jnp.asarray(chunk)
+    gradients = [jnp.asarray(t) for t in targets]  # made first: each at its own address
+    anchor = collection_anchor()
+    for k in range(steps - 1):
+        anchor = jax.block_until_ready(step(anchor, on_gpu, numbers[k], gradients[k]))
+        _, ctx = eager.forward(cupy.asarray(chunk[k]), cupy.asarray(offsets))
+        eager.backward(ctx, cupy.asarray(targets[k]))
+    replayed.check()
+    assert_state_equal(replayed, eager)
+    replayed._recorded.clear()  # the plans the recorded lookups write, forgotten
+    try:  # XLA raises the callback's error, or logs it and goes on without the update
+        jax.block_until_ready(step(anchor, on_gpu, numbers[-1], gradients[-1]))
+    except Exception as err:  # noqa: BLE001 - JaxRuntimeError or, from jit's fast path, not
+        assert "without a recording of its forward" in str(err)
+    with pytest.raises(RuntimeError, match="without a recording of its forward"):
+        replayed.check()  # kept for check() either way
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_record_trains_as_without_it(device, optimizer):
     """``record=True`` changes only how XLA may run the op (recorded and replayed on a GPU,

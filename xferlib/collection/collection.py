@@ -43,7 +43,12 @@ __all__ = ["EmbeddingCollection", "LookupContext"]
 
 DEVICES = ("cpu", "cuda")
 _KEPT_CONTEXTS = 4
-_RECORDED_CONTEXTS = 4  # contexts of recorded forwards kept for backwards recorded later
+_UNRECORDED_FORWARD = (
+    "a backward is being recorded into a CUDA graph (XLA's command buffers) without a "
+    "recording of its forward: a recorded backward reads the plan its recorded forward writes "
+    "at each replay, and this forward ran unrecorded (or outside the backward's graph). "
+    "Planning the batch again inside the recording would repeat the forward's cache pass and "
+    "staging at every replay: record both or neither (record=False)")
 
 
 class LookupContext:
@@ -149,7 +154,7 @@ class EmbeddingCollection(TableState):
         self._refuse_shared_state_keys()
         self._gpu = None  # the GPU side (xferlib/collection/device.py), made on first use
         self._kept = {}  # contexts kept for a later backward (keep_context)
-        self._recorded = {}  # contexts of forwards recorded into CUDA graphs, by key
+        self._recorded = {}  # contexts of forwards recorded into CUDA graphs, by key: all
         # A GPU batch refused by its deferred input check raises from the next forward or
         # backward, or from check(). Collective callers (a sharded step, where one rank
         # raising alone would leave the others waiting in a collective) set this False:
@@ -395,28 +400,41 @@ class EmbeddingCollection(TableState):
 
         ``recorded``: the forward was recorded into a CUDA graph (XLA's command buffers),
         whose replays write this context's plan where the recording saw it, without
-        calling the forward. The context is then also kept for backwards recorded later
-        (the latest few): a backward recorded after a replayed forward finds it, reads
-        what the replay wrote, and records the same launches as the first time (XLA
-        updates a recorded graph in place, which needs the same launches)."""
+        calling the forward. The context is then also kept for backwards recorded later,
+        as long as the collection lives, one per key (``key`` must name every buffer the
+        recording saw: a recording at the same key replaces the graph, and the context):
+        a backward recorded after a replayed forward finds it, reads what the replay
+        wrote, and records the same launches as the first time (XLA updates a recorded
+        graph in place, which needs the same launches). None is dropped earlier: XLA
+        keeps recordings as long as it likes and replays them without asking, so a
+        dropped plan's memory, handed to a later batch, would be written by them, and a
+        backward recorded after such a replay would find no plan."""
         self._kept[key] = ctx
         while len(self._kept) > _KEPT_CONTEXTS:
             self._kept.pop(next(iter(self._kept)))
         if recorded:
             ctx.recorded = True
-            self._recorded.pop(key, None)
             self._recorded[key] = ctx
-            while len(self._recorded) > _RECORDED_CONTEXTS:
-                self._recorded.pop(next(iter(self._recorded)))
 
     def take_context(self, key, recorded: bool = False):
-        """The context kept under ``key`` (removed), or None. ``recorded`` (a backward being
-        recorded): only a recorded forward's context, the latest under ``key`` (a plan of a
-        forward that ran unrecorded lies in memory its next call will not write again: a
-        recording backward plans its batch itself)."""
+        """The context kept under ``key`` (removed), or None (the caller plans its batch
+        again). ``recorded`` (a backward being recorded): a recorded forward's context, the
+        one this step's forward recorded or, where it was replayed, the one its recording
+        made; where there is none (this step's forward ran unrecorded: its plan lies in
+        memory no replay writes again) RuntimeError, also kept for :meth:`check` (XLA may
+        log a recording's failure and go on without the recording)."""
         ctx = self._kept.pop(key, None)
-        if recorded and (ctx is None or not ctx.recorded):
+        if not recorded:
+            return ctx
+        if ctx is None:  # the forward was replayed: its recording wrote its plan
             ctx = self._recorded.get(key)
+        elif not ctx.recorded:
+            ctx = None
+        if ctx is None:
+            error = RuntimeError(_UNRECORDED_FORWARD)
+            if self._gpu is not None:
+                self._gpu.checks.hold(error)
+            raise error
         return ctx
 
     def check(self) -> None:
