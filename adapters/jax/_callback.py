@@ -137,13 +137,32 @@ def recording_scratch_bytes(coll) -> int:
 
 def private_pool(owner: dict, device: int):
     """The CuPy memory pool of ``owner``'s callbacks on ``device`` (made on first use; kept in
-    ``owner``, a dict the callbacks' closure holds)."""
+    ``owner``, a dict the callbacks' closure holds). Its blocks are never given back: see
+    :func:`_malloc_keeping_blocks`."""
     pool = owner.get(device)
     if pool is None:
         import cupy
 
-        pool = owner[device] = cupy.cuda.MemoryPool()
+        pool = owner[device] = cupy.cuda.MemoryPool(_malloc_keeping_blocks)
     return pool
+
+
+_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation (not exposed by CuPy's runtime)
+
+
+def _malloc_keeping_blocks(size: int):
+    """A new device allocation for a recordings' pool. Where CUDA has no memory left, CuPy's
+    pool, seeing CUDA's own error, would free its cached blocks to the driver and try again,
+    and a block a recorded graph still writes at every replay would go to whoever allocates
+    next: it is raised as CuPy's OutOfMemoryError instead, which the pool passes on."""
+    import cupy
+
+    try:
+        return cupy.cuda.MemoryPointer(cupy.cuda.Memory(size), 0)
+    except cupy.cuda.runtime.CUDARuntimeError as err:
+        if err.status != _CUDA_ERROR_MEMORY_ALLOCATION:
+            raise
+        raise cupy.cuda.memory.OutOfMemoryError(size, -1) from err
 
 
 @contextlib.contextmanager

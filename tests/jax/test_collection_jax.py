@@ -467,6 +467,26 @@ def test_steps_replayed_from_command_buffers_train_as_the_core_and_follow_set_hy
 
 
 @pytest.mark.gpu
+def test_a_recordings_pool_keeps_its_blocks_when_cuda_runs_out():
+    """Recorded graphs write their scratch at every replay: the recordings' pool never gives
+    a block back to CUDA, not even when an allocation fails (CuPy's pool would free its
+    cached blocks and try again): the failure is raised and the cached block stays."""
+    import cupy
+
+    from xferlib.adapters.jax._callback import private_pool
+
+    pool = private_pool({}, cupy.cuda.runtime.getDevice())
+    block = pool.malloc(1 << 20)
+    address = block.ptr
+    del block  # cached by the pool, free for its next allocation
+    held = pool.total_bytes()
+    with pytest.raises(cupy.cuda.memory.OutOfMemoryError):
+        pool.malloc(1 << 60)  # more than any GPU has
+    assert pool.total_bytes() == held
+    assert pool.malloc(1 << 20).ptr == address
+
+
+@pytest.mark.gpu
 def test_an_update_recorded_after_its_replayed_lookup_trains_on_its_plan_or_raises():
     """Each step's pooled gradient lies at a new address and each step waits for the one
     before (XLA's own buffers then stay put): XLA replays the recorded lookup and records
