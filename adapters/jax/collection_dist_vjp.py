@@ -105,9 +105,9 @@ def sharded_function(sharded):
         return w if w.size else None
 
     def key(rank, *buffers):
-        """A batch's key between its forward and backward callbacks: its rank and where the
-        forward's buffers lie (inputs and output, as XLA keys its recordings), with their
-        shapes (residuals keep them alive)."""
+        """A batch's key between its forward and backward callbacks: its rank and where its
+        input buffers lie, with their shapes (a residual keeps them alive). Not the output:
+        the update receives it through ``vary_like``, which may be a copy."""
         def address(buffer):
             try:
                 ptr = buffer.__cuda_array_interface__["data"][0]
@@ -150,7 +150,7 @@ def sharded_function(sharded):
                 with stream_scope(stream, gpu):
                     out[:, :coll.total_dim] = pooled
                 if train:
-                    coll.keep_context(key(rank, idx_b, off_b, w_b, out), lookup, recording)
+                    coll.keep_context(key(rank, idx_b, off_b, w_b), lookup, recording)
         return callback
 
     @reporting
@@ -165,7 +165,7 @@ def sharded_function(sharded):
             if coll is None:
                 return
             # the forward's plan: no host read
-            lookup = coll.take_context(key(rank, idx_b, off_b, w_b, out_b), recording)
+            lookup = coll.take_context(key(rank, idx_b, off_b, w_b), recording)
             if lookup is None:  # the forward's context is gone: plan the batch again
                 _, coll, idx, off, w = (
                     gpu_inputs(rank_b, idx_b, off_b, w_b, g.shape[0]) if gpu else
