@@ -4,6 +4,8 @@ the same bits."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -596,3 +598,23 @@ def test_recorded_contexts_are_kept_for_life_and_never_given_for_an_unrecorded_f
     coll.keep_context(("key", 5), eager)
     assert coll.take_context(("key", 5)) is eager  # an unrecorded backward takes it
     assert coll.take_context(("key", 5)) is None
+
+
+def test_many_recorded_contexts_warn_that_their_memory_grows():
+    """Recorded contexts are never dropped: at 64 of them (and at each doubling) a warning
+    says the step's buffers wander and what to do; not before."""
+    coll = EmbeddingCollection([TableConfig(5, 2)], "sgd", {"lr": 0.1}, device="cpu")
+    _, ctx = coll.forward(np.array([1], np.int32), np.array([0, 1], np.int32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(63):
+            coll.keep_context(("key", k), ctx, recorded=True)
+        coll.keep_context(("key", 0), ctx, recorded=True)  # the same key: still 63
+    with pytest.warns(RuntimeWarning, match="64 recorded lookups of this collection"):
+        coll.keep_context(("key", 63), ctx, recorded=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(64, 127):
+            coll.keep_context(("key", k), ctx, recorded=True)
+    with pytest.warns(RuntimeWarning, match="128 recorded lookups"):
+        coll.keep_context(("key", 127), ctx, recorded=True)

@@ -23,6 +23,7 @@ NumPy inputs: they are copied to the GPU and the pooled rows come back as NumPy.
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import numpy as np
 
@@ -43,6 +44,8 @@ __all__ = ["EmbeddingCollection", "LookupContext"]
 
 DEVICES = ("cpu", "cuda")
 _KEPT_CONTEXTS = 4
+# recorded contexts at which (and at each doubling past it) a warning says their memory grows
+_RECORDED_WARNING = 64
 _UNRECORDED_FORWARD = (
     "a backward is being recorded into a CUDA graph (XLA's command buffers) without a "
     "recording of its forward: a recorded backward reads the plan its recorded forward writes "
@@ -415,6 +418,15 @@ class EmbeddingCollection(TableState):
         if recorded:
             ctx.recorded = True
             self._recorded[key] = ctx
+            count = len(self._recorded)
+            if count >= _RECORDED_WARNING and count & (count - 1) == 0:  # 64, 128, 256, ...
+                warnings.warn(
+                    f"{count} recorded lookups of this collection keep their plans (one for "
+                    f"each set of buffer addresses XLA recorded the lookup at): the step's "
+                    f"buffers move from step to step, and the recordings' memory grows with "
+                    f"them. Slice each step's batch out of a chunk inside the jitted step, or "
+                    f"pass record=False (docs/collection.md, \"Replayed from XLA's command "
+                    f"buffers\")", RuntimeWarning, stacklevel=2)
 
     def take_context(self, key, recorded: bool = False):
         """The context kept under ``key`` (removed), or None (the caller plans its batch
