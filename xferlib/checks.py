@@ -186,6 +186,7 @@ class PendingChecks:
         self.next = 0
         self.next_graph = _RING
         self.held = None  # the first failure a poll(hold=True) kept for poll(wait=True)
+        self.failed = None  # a failure of no batch's input, for poll(wait=True): fail_at_check
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -263,12 +264,13 @@ class PendingChecks:
             event.record(stream)
             self.entries.append(_Entry(verdict, host, slot, event, keep, early))
 
-    def hold(self, error: Exception) -> None:
-        """Keep ``error`` (unless a failure is kept already) for the next ``poll(wait=True)``,
-        for a caller whose own raise may not reach the user (a callback XLA records, whose
-        failure XLA may only log)."""
+    def fail_at_check(self, error: Exception) -> None:
+        """Keep ``error`` (unless one is kept already) for the next ``poll(wait=True)``, which
+        raises it once the verdicts read before it raised nothing; for a caller whose own
+        raise may not reach the user (a callback XLA records, whose failure XLA may only
+        log). The verdicts are read and raised as before."""
         with self.lock:
-            self.held = self.held or error
+            self.failed = self.failed or error
 
     def poll(self, wait: bool = False, hold: bool = False) -> None:
         """Raise for the oldest bad verdict that is in (see the class docstring).
@@ -278,7 +280,7 @@ class PendingChecks:
         failures before that call are read and dropped: every refused batch changed
         nothing, and the first names the bad input). For callers in a collective step,
         where raising on one rank alone would strand the others."""
-        if not self.entries and not (wait and (self.graph or self.held)):
+        if not self.entries and not (wait and (self.graph or self.held or self.failed)):
             return
         with self.lock:
             entries = self.entries
@@ -315,6 +317,9 @@ class PendingChecks:
                 for verdict, words in read:
                     verdict.checked = False
                     verdict.raise_for(words)
+            if wait and self.failed is not None:
+                error, self.failed = self.failed, None
+                raise error
 
     # A module holding a queue is copied or pickled with an empty one (a lock, events and
     # pinned slots belong to this process and this queue's copies in flight).

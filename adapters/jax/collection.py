@@ -15,10 +15,11 @@ The core keeps a ``LookupContext`` (the batch's plan) from a forward for its bac
 residual must be an array, so the training forward leaves its context with the collection
 (``keep_context``), keyed by the addresses of its buffers (indices, offsets, weights, the
 pooled output), and the backward, which receives the same buffers, takes it back
-(``take_context``). Where it finds
-none (XLA moved the buffers, or more forwards than the collection keeps came between), it
-runs the core's forward again on the same ``indices`` / ``offsets`` into a scratch output:
-the same update, for about one more forward's time.
+(``take_context``). Where an unrecorded backward finds none (XLA moved the buffers, or
+more forwards than the collection keeps came between), it runs the core's forward again on
+the same ``indices`` / ``offsets`` into a scratch output: the same update, for about one
+more forward's time. A backward XLA records finds the context its recorded forward left
+(kept for the collection's life), or raises (see ``take_context``).
 
 Gradients reach the collection only through a differentiated input: the lookup's output
 depends on no parameter of the model, so ``jax.grad`` of a loss would never ask for its

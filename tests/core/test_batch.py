@@ -346,6 +346,22 @@ def test_pending_checks_copy_and_pickle_as_an_empty_queue():
         clone.poll(wait=True)  # nothing pending
 
 
+def test_a_failure_kept_for_check_raises_at_the_next_wait_only():
+    """fail_at_check: a failure the caller's own raise may not carry to the user (a callback
+    XLA records) raises from the next poll(wait=True) (check()), once; polls without a wait
+    pass it by, and a second failure kept before that check is dropped."""
+    from xferlib.batch import PendingChecks
+
+    checks = PendingChecks()
+    checks.fail_at_check(RuntimeError("first"))
+    checks.fail_at_check(RuntimeError("second"))
+    checks.poll()
+    checks.poll(hold=True)
+    with pytest.raises(RuntimeError, match="first"):
+        checks.poll(wait=True)
+    checks.poll(wait=True)  # raised once
+
+
 def test_tt_fused_update_names_the_replacement_of_defer_check():
     import numpy as np
 

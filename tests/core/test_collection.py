@@ -574,7 +574,8 @@ def test_recorded_contexts_are_kept_for_life_and_never_given_for_an_unrecorded_f
     the collection lives (a replay may write its plan at any later step), whatever came
     between; a recording backward never gets the context of a forward that ran unrecorded
     (its plan lies where no replay writes), not even when an older recording had the
-    same key: it raises."""
+    same key: it raises (with raise_in_calls off, a collective step's, it only keeps the error
+    for check() and gives None)."""
     coll = EmbeddingCollection([TableConfig(5, 2)], "sgd", {"lr": 0.1}, device="cpu")
     indices, offsets = np.array([1, 3], np.int32), np.array([0, 2], np.int32)
     recorded = {}
@@ -598,6 +599,8 @@ def test_recorded_contexts_are_kept_for_life_and_never_given_for_an_unrecorded_f
     coll.keep_context(("key", 5), eager)
     assert coll.take_context(("key", 5)) is eager  # an unrecorded backward takes it
     assert coll.take_context(("key", 5)) is None
+    coll.raise_in_calls = False  # a collective step's: no rank raises alone
+    assert coll.take_context(("nowhere",), recorded=True) is None
 
 
 def test_many_recorded_contexts_warn_that_their_memory_grows():

@@ -23,6 +23,7 @@ NumPy inputs: they are copied to the GPU and the pooled rows come back as NumPy.
 from __future__ import annotations
 
 import numbers
+import threading
 import warnings
 
 import numpy as np
@@ -49,9 +50,12 @@ _RECORDED_WARNING = 64
 _UNRECORDED_FORWARD = (
     "a backward is being recorded into a CUDA graph (XLA's command buffers) without a "
     "recording of its forward: a recorded backward reads the plan its recorded forward writes "
-    "at each replay, and this forward ran unrecorded (or outside the backward's graph). "
-    "Planning the batch again inside the recording would repeat the forward's cache pass and "
-    "staging at every replay: record both or neither (record=False)")
+    "at each replay, and none was found for the backward's buffers (the forward ran "
+    "unrecorded or outside the backward's graph, or the backward's buffers are not the "
+    "forward's: residuals copied or stacked, as a gradient taken through lax.scan's loop "
+    "makes them, or more than one lookup a step). Planning the batch again inside the "
+    "recording would repeat the forward's cache pass and staging at every replay: record "
+    "both or neither (record=False)")
 
 
 class LookupContext:
@@ -158,6 +162,7 @@ class EmbeddingCollection(TableState):
         self._gpu = None  # the GPU side (xferlib/collection/device.py), made on first use
         self._kept = {}  # contexts kept for a later backward (keep_context)
         self._recorded = {}  # contexts of forwards recorded into CUDA graphs, by key: all
+        self._contexts_lock = threading.Lock()  # XLA may call back from several threads
         # A GPU batch refused by its deferred input check raises from the next forward or
         # backward, or from check(). Collective callers (a sharded step, where one rank
         # raising alone would leave the others waiting in a collective) set this False:
@@ -398,8 +403,8 @@ class EmbeddingCollection(TableState):
     def keep_context(self, key, ctx: LookupContext, recorded: bool = False) -> None:
         """Keep a forward's context for a backward that cannot carry it (a JAX residual must
         be an array): the backward takes it back by the same ``key`` with
-        :meth:`take_context`. The latest few are kept; a backward that finds none plans its
-        batch again.
+        :meth:`take_context`. The latest few are kept; an unrecorded backward that finds
+        none plans its batch again.
 
         ``recorded``: the forward was recorded into a CUDA graph (XLA's command buffers),
         whose replays write this context's plan where the recording saw it, without
@@ -412,42 +417,50 @@ class EmbeddingCollection(TableState):
         keeps recordings as long as it likes and replays them without asking, so a
         dropped plan's memory, handed to a later batch, would be written by them, and a
         backward recorded after such a replay would find no plan."""
-        self._kept[key] = ctx
-        while len(self._kept) > _KEPT_CONTEXTS:
-            self._kept.pop(next(iter(self._kept)))
-        if recorded:
+        with self._contexts_lock:
+            self._kept[key] = ctx
+            while len(self._kept) > _KEPT_CONTEXTS:
+                self._kept.pop(next(iter(self._kept)))
+            if not recorded:
+                return
             ctx.recorded = True
             self._recorded[key] = ctx
             count = len(self._recorded)
-            if count >= _RECORDED_WARNING and count & (count - 1) == 0:  # 64, 128, 256, ...
-                warnings.warn(
-                    f"{count} recorded lookups of this collection keep their plans (one for "
-                    f"each set of buffer addresses XLA recorded the lookup at): the step's "
-                    f"buffers move from step to step, and the recordings' memory grows with "
-                    f"them. Slice each step's batch out of a chunk inside the jitted step, or "
-                    f"pass record=False (docs/collection.md, \"Replayed from XLA's command "
-                    f"buffers\")", RuntimeWarning, stacklevel=2)
+        if count >= _RECORDED_WARNING and count & (count - 1) == 0:  # 64, 128, 256, ...
+            warnings.warn(
+                f"{count} recorded lookups of this collection keep their plans (one for each "
+                f"set of buffer addresses XLA recorded the lookup at): the step's buffers "
+                f"move from step to step, and the recordings' memory grows with them. Slice "
+                f"each step's batch out of a chunk inside the jitted step, or pass "
+                f"record=False (docs/collection.md, \"Replayed from XLA's command "
+                f"buffers\")", RuntimeWarning, stacklevel=2)
 
     def take_context(self, key, recorded: bool = False):
         """The context kept under ``key`` (removed), or None (the caller plans its batch
         again). ``recorded`` (a backward being recorded): a recorded forward's context, the
         one this step's forward recorded or, where it was replayed, the one its recording
-        made; where there is none (this step's forward ran unrecorded: its plan lies in
-        memory no replay writes again) RuntimeError, also kept for :meth:`check` (XLA may
-        log a recording's failure and go on without the recording)."""
-        ctx = self._kept.pop(key, None)
-        if not recorded:
+        made. Where there is none (this step's forward ran unrecorded, its plan lying in
+        memory no replay writes again, or the backward's buffers are not the forward's) a
+        RuntimeError, also kept for :meth:`check` (XLA may only log a recording's failure
+        and go on without it); with ``raise_in_calls`` off (a collective step, where one
+        rank raising alone would strand the others) only kept for :meth:`check`, and None
+        returned."""
+        with self._contexts_lock:
+            ctx = self._kept.pop(key, None)
+            if not recorded:
+                return ctx
+            if ctx is None:  # the forward was replayed: its recording wrote its plan
+                ctx = self._recorded.get(key)
+            elif not ctx.recorded:
+                ctx = None
+        if ctx is not None:
             return ctx
-        if ctx is None:  # the forward was replayed: its recording wrote its plan
-            ctx = self._recorded.get(key)
-        elif not ctx.recorded:
-            ctx = None
-        if ctx is None:
-            error = RuntimeError(_UNRECORDED_FORWARD)
-            if self._gpu is not None:
-                self._gpu.checks.hold(error)
-            raise error
-        return ctx
+        error = RuntimeError(_UNRECORDED_FORWARD)
+        if self._gpu is not None:
+            self._gpu.checks.fail_at_check(error)
+        if not self.raise_in_calls:
+            return None
+        raise error
 
     def check(self) -> None:
         """Wait for the input checks of every GPU batch queued so far and raise for the
