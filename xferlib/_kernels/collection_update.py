@@ -1,9 +1,10 @@
 """The collection's update kernel, ``coll_update``: one module per optimizer rule and dtype,
 made on first use (a run compiles only the rule it trains with).
 
-Each distinct row of a batch gets a group of lanes (a power of two up to 32: half the
-pooling's group, which is sized to the widest row's vectors, or a quarter where rows hold no
-state; ``xferlib/collection/device.py`` picks it) that runs the host tables' rule
+Each distinct row of a batch gets a group of lanes (a power of two up to 32: the pooling's
+group, which is sized to the widest row's vectors, where the update writes host rows over
+the link, else half of it, or a quarter where rows hold no state;
+``xferlib/collection/device.py`` picks it) that runs the host tables' rule
 (``xferlib/_kernels/table.py``: ``row_consts``, ``update_row``) on its summed gradient where
 the row lives: HBM, a host table's GPU cache slot, or host RAM (read from the forward's
 staged copy). Row-wise Adagrad's row sum is a reduction over the group's lanes
